@@ -1,0 +1,116 @@
+"""The ``ferrule`` command line (typer + rich).
+
+Sub-commands are mounted from their own modules; each imports its heavy dependencies (torch,
+megatron, transformers) inside the command body, so ``ferrule --help`` and ``ferrule plugins``
+stay fast and torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import ferrule
+
+app = typer.Typer(
+    name="ferrule",
+    help="Model-support framework for LLM reinforcement learning: plugins, HF <-> Megatron "
+    "conversion, GRPO training and a Tinker-compatible training API.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+
+#: (command name, "module:attr" of a typer app) mounted as sub-command groups.
+_SUBAPPS: tuple[tuple[str, str, str], ...] = ()
+#: (command name, "module:attr" of a plain function) registered as single commands.
+_COMMANDS: tuple[tuple[str, str], ...] = ()
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        console.print(f"ferrule {ferrule.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.",
+                                 callback=_version_callback, is_eager=True),
+) -> None:
+    """ferrule command line."""
+
+
+@app.command("plugins")
+def plugins_cmd(
+    show_traceback: bool = typer.Option(False, "--traceback", help="Print full tracebacks of load failures."),
+) -> None:
+    """List plugin distributions, their families and status, implemented hooks and load failures.
+
+    Honours FERRULE_PLUGINS (allow-list of entry points) and FERRULE_STRICT_PLUGINS=1
+    (a broken plugin is fatal instead of reported).
+    """
+    from ferrule import registry
+
+    reg = registry.get_registry()
+
+    t = Table(title="ferrule plugins", title_justify="left")
+    for col in ("distribution", "version", "entry point", "families", "hooks"):
+        t.add_column(col)
+    for p in reg.plugins:
+        fams = sorted(f for f, plugin in reg.family_plugin.items() if plugin == p.name)
+        t.add_row(p.distribution, p.version, p.name, ", ".join(fams) or "-", ", ".join(h.removeprefix("register_") for h in p.hooks) or "-")
+    console.print(t)
+
+    f = Table(title="families", title_justify="left")
+    for col in ("family", "model_types", "status", "reason", "missing parts"):
+        f.add_column(col, overflow="fold")
+    style = {"validated": "green", "structural": "yellow", "unstable": "red"}
+    for spec in registry.list_families():
+        missing = reg.missing_parts(spec.name)
+        f.add_row(spec.name, ", ".join(spec.model_types),
+                  f"[{style[spec.status.value]}]{spec.status.value}[/]",
+                  spec.reason or "-", ", ".join(missing) or "-")
+    console.print(f)
+
+    if reg.failures:
+        e = Table(title="load failures", title_justify="left", style="red")
+        for col in ("distribution", "version", "entry point", "stage", "error"):
+            e.add_column(col, overflow="fold")
+        for fl in reg.failures:
+            e.add_row(fl.distribution, fl.version, fl.entry_point, fl.stage, fl.error)
+        console.print(e)
+        if show_traceback:
+            for fl in reg.failures:
+                console.rule(f"{fl.entry_point} ({fl.distribution})")
+                console.print(fl.traceback, markup=False, highlight=False)
+    else:
+        console.print("load failures: none")
+    if os.environ.get(registry.ALLOW_ENV):
+        console.print(f"(allow-list {registry.ALLOW_ENV}={os.environ[registry.ALLOW_ENV]})")
+
+
+def _mount() -> None:
+    for name, ref, help_text in _SUBAPPS:
+        module, _, attr = ref.partition(":")
+        app.add_typer(getattr(importlib.import_module(module), attr), name=name, help=help_text)
+    for name, ref in _COMMANDS:
+        module, _, attr = ref.partition(":")
+        app.command(name)(getattr(importlib.import_module(module), attr))
+
+
+_mount()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,556 @@
+"""Plugin discovery and the typed facade over ferrule's hooks.
+
+This is the only module that calls ``pm.hook``. Everything else asks the facade:
+:func:`get_family`, :func:`family_for_hf_config`, :func:`get_provider`,
+:func:`get_converter`, :func:`get_update_groups`, :func:`get_chat_template`,
+:func:`chat_templates_for`, :func:`get_towers`, :func:`iter_lora_appliers`.
+
+Loading rules (DESIGN.md §3):
+
+- entry points of group ``ferrule`` are loaded one at a time, each isolated: an entry point
+  that fails to import, registers a hookimpl that matches no hookspec (a misspelling,
+  caught by ``pm.check_pending()``), or raises inside a ``register_*`` hook is recorded in
+  :attr:`Registry.failures` (distribution, version, entry point, traceback) and the rest keep
+  working;
+- ``FERRULE_STRICT_PLUGINS=1`` turns every such failure into an exception (CI sets it);
+- ``FERRULE_PLUGINS=a,b`` loads only the entry points (or distributions) named;
+- two plugins claiming the same family name, model_type, chat-template name, or the same
+  per-family part raise :class:`DuplicateClaimError` naming both distributions.
+
+Discovery imports neither torch nor megatron (a test checks it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from ferrule import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from ferrule.specs import (
+    LORA_KINDS,
+    ChatTemplateSpec,
+    ConverterSpec,
+    FamilyStatus,
+    LoRAApplierSpec,
+    ModelFamilySpec,
+    ProviderSpec,
+    SpecError,
+    TowerSpec,
+    UpdateGroupTable,
+)
+
+__all__ = [
+    "PluginError",
+    "PluginLoadError",
+    "DuplicateClaimError",
+    "UnknownModelError",
+    "IncompleteFamilyError",
+    "LoadFailure",
+    "PluginInfo",
+    "Registry",
+    "get_plugin_manager",
+    "get_registry",
+    "reset_registry",
+    "get_family",
+    "list_families",
+    "family_for_hf_config",
+    "get_provider",
+    "get_converter",
+    "get_update_groups",
+    "get_chat_template",
+    "chat_templates_for",
+    "get_towers",
+    "iter_lora_appliers",
+    "missing_parts",
+]
+
+STRICT_ENV = "FERRULE_STRICT_PLUGINS"
+ALLOW_ENV = "FERRULE_PLUGINS"
+
+_COLLECT_HOOKS = (
+    "register_model_families",
+    "register_providers",
+    "register_converters",
+    "register_update_groups",
+    "register_lora_appliers",
+    "register_chat_templates",
+    "register_towers",
+)
+
+
+class PluginError(RuntimeError):
+    """Base class of registry errors."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin failed to load or register (raised in strict mode; recorded otherwise)."""
+
+
+class DuplicateClaimError(PluginError):
+    """Two plugins claim the same family, model_type, template name or family part."""
+
+
+class UnknownModelError(PluginError, KeyError):
+    """No registered family matches the requested name, model_type or HF config."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class IncompleteFamilyError(PluginError):
+    """A family lacks a part it needs (provider, converter, update groups, or a declared feature)."""
+
+
+def _strict() -> bool:
+    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get(ALLOW_ENV, "").strip()
+    if not raw:
+        return None
+    return {x.strip() for x in raw.split(",") if x.strip()}
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """One plugin that did not load (shown by ``ferrule plugins``)."""
+
+    distribution: str
+    version: str
+    entry_point: str
+    stage: str  # "import", "validate" (check_pending) or the hook name that raised
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One loaded plugin."""
+
+    name: str  # entry-point name (also the pluggy plugin name)
+    distribution: str
+    version: str
+    module: str
+    hooks: tuple[str, ...]
+
+
+def get_plugin_manager(load_entrypoints: bool = True) -> tuple[pluggy.PluginManager, list[PluginInfo], list[LoadFailure]]:
+    """Build a fresh plugin manager with ferrule's hookspecs.
+
+    Args:
+        load_entrypoints: load the ``ferrule`` entry points (isolated, see module docs).
+
+    Returns:
+        ``(pm, plugins, failures)``.
+
+    Raises:
+        PluginLoadError: in strict mode, the first plugin that fails to load.
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    plugins: list[PluginInfo] = []
+    failures: list[LoadFailure] = []
+    if load_entrypoints:
+        allow = _allow_list()
+        seen_names: dict[str, str] = {}
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist is not None else "<unknown>"
+            ver = ep.dist.version if ep.dist is not None else "?"
+            if allow is not None and ep.name not in allow and dist not in allow:
+                continue
+            if ep.name in seen_names and seen_names[ep.name] != dist:
+                err = DuplicateClaimError(
+                    f"entry point name {ep.name!r} in group {ENTRY_POINT_GROUP!r} is registered by both "
+                    f"{seen_names[ep.name]!r} and {dist!r}; rename one of them."
+                )
+                raise err
+            seen_names[ep.name] = dist
+            info, failure = _load_one(pm, ep.name, dist, ver, lambda ep=ep: ep.load())
+            if info:
+                plugins.append(info)
+            if failure:
+                failures.append(failure)
+    return pm, plugins, failures
+
+
+def register_object(pm: pluggy.PluginManager, obj: Any, name: str, distribution: str = "<local>",
+                    version: str = "") -> tuple[PluginInfo | None, LoadFailure | None]:
+    """Register an in-process plugin object (module or instance) with the same isolation and
+    validation as an entry point. Used by tests and by embedding applications."""
+    return _load_one(pm, name, distribution, version, lambda: obj)
+
+
+def _load_one(pm, name, dist, ver, loader) -> tuple[PluginInfo | None, LoadFailure | None]:
+    def fail(stage: str, exc: BaseException) -> tuple[None, LoadFailure]:
+        failure = LoadFailure(dist, ver, name, stage, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        if _strict():
+            raise PluginLoadError(
+                f"plugin {name!r} from distribution {dist!r} {ver} failed at {stage}: {failure.error}\n"
+                f"(strict mode: {STRICT_ENV}=1; unset it to skip broken plugins)"
+            ) from exc
+        return None, failure
+
+    try:
+        obj = loader()
+    except Exception as exc:  # noqa: BLE001 - isolation is the point
+        return fail("import", exc)
+    try:
+        pm.register(obj, name=name)
+        _check_pending_for(pm, name)
+    except Exception as exc:  # noqa: BLE001
+        if pm.get_plugin(name) is not None:
+            pm.unregister(name=name)
+        return fail("validate", exc)
+    hooks = tuple(sorted(h.name for h in pm.get_hookcallers(obj) or ()))
+    module = getattr(obj, "__name__", type(obj).__module__)
+    return PluginInfo(name, dist, ver, module, hooks), None
+
+
+def _check_pending_for(pm: pluggy.PluginManager, name: str) -> None:
+    """``pm.check_pending()`` restricted to one plugin, so one misspelling fails one plugin."""
+    for hook_name in dir(pm.hook):
+        if hook_name.startswith("_"):
+            continue
+        caller = getattr(pm.hook, hook_name)
+        if caller.spec is not None:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.plugin_name == name and not impl.optionalhook:
+                raise pluggy.PluginValidationError(
+                    impl.plugin,
+                    f"plugin {name!r} implements unknown hook {hook_name!r}; known hooks: "
+                    f"{', '.join(_COLLECT_HOOKS + ('resolve_model_family',))}. Check the spelling.",
+                )
+    pm.check_pending()
+
+
+@dataclass
+class Registry:
+    """Specs collected from every loaded plugin, indexed and validated.
+
+    Build it with :func:`get_registry` (cached per process) or ``Registry.build(pm, ...)``.
+    """
+
+    pm: pluggy.PluginManager
+    plugins: list[PluginInfo]
+    failures: list[LoadFailure]
+    families: dict[str, ModelFamilySpec] = field(default_factory=dict)
+    owners: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, key) -> distribution
+    model_types: dict[str, str] = field(default_factory=dict)
+    providers: dict[str, ProviderSpec] = field(default_factory=dict)
+    converters: dict[str, ConverterSpec] = field(default_factory=dict)
+    update_groups: dict[str, UpdateGroupTable] = field(default_factory=dict)
+    lora_appliers: dict[tuple[str, str], LoRAApplierSpec] = field(default_factory=dict)
+    chat_templates: dict[str, ChatTemplateSpec] = field(default_factory=dict)
+    towers: dict[tuple[str, str], TowerSpec] = field(default_factory=dict)
+    family_plugin: dict[str, str] = field(default_factory=dict)  # family -> entry-point name
+
+    @classmethod
+    def build(cls, pm: pluggy.PluginManager, plugins: list[PluginInfo] | None = None,
+              failures: list[LoadFailure] | None = None) -> Registry:
+        reg = cls(pm=pm, plugins=list(plugins or []), failures=list(failures or []))
+        dist_of = {p.name: p.distribution for p in reg.plugins}
+        for hook_name in _COLLECT_HOOKS:
+            caller = getattr(pm.hook, hook_name)
+            # Collect hooks are called implementation by implementation, so that every spec is
+            # attributed to its distribution (duplicate claims must name both packages) and a
+            # plugin that raises is isolated like a failed import.
+            for impl in caller.get_hookimpls():  # registration order
+                dist = dist_of.get(impl.plugin_name, impl.plugin_name)
+                try:
+                    result = impl.function()
+                    specs = _as_specs(hook_name, impl.plugin_name, result)
+                except Exception as exc:  # noqa: BLE001
+                    reg._record_hook_failure(impl.plugin_name, dist, hook_name, exc)
+                    continue
+                for spec in specs:
+                    reg._add(hook_name, spec, dist)
+                    if isinstance(spec, ModelFamilySpec):
+                        reg.family_plugin[spec.name] = impl.plugin_name
+        return reg
+
+    def _record_hook_failure(self, plugin_name: str, dist: str, hook_name: str, exc: Exception) -> None:
+        ver = next((p.version for p in self.plugins if p.name == plugin_name), "")
+        if _strict():
+            raise PluginLoadError(
+                f"plugin {plugin_name!r} from {dist!r} raised in {hook_name}: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.failures.append(LoadFailure(dist, ver, plugin_name, hook_name,
+                                         f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+    def _claim(self, kind: str, key: str, dist: str) -> None:
+        prev = self.owners.get((kind, key))
+        if prev is not None:
+            raise DuplicateClaimError(
+                f"{kind} {key!r} is claimed by both distribution {prev!r} and distribution {dist!r}; "
+                f"uninstall one of them or restrict loading with {ALLOW_ENV}=<entry point names>."
+            )
+        self.owners[(kind, key)] = dist
+
+    def _add(self, hook_name: str, spec: Any, dist: str) -> None:
+        if isinstance(spec, ModelFamilySpec):
+            self._claim("family", spec.name, dist)
+            for mt in spec.model_types:
+                self._claim("model_type", mt, dist)
+                self.model_types[mt] = spec.name
+            self.families[spec.name] = spec
+        elif isinstance(spec, ProviderSpec):
+            self._claim("provider for family", spec.family, dist)
+            self.providers[spec.family] = spec
+        elif isinstance(spec, ConverterSpec):
+            self._claim("converter for family", spec.family, dist)
+            self.converters[spec.family] = spec
+        elif isinstance(spec, UpdateGroupTable):
+            self._claim("update-group table for family", spec.family, dist)
+            self.update_groups[spec.family] = spec
+        elif isinstance(spec, LoRAApplierSpec):
+            self._claim("LoRA applier", f"{spec.family}/{spec.kind}", dist)
+            self.lora_appliers[(spec.family, spec.kind)] = spec
+        elif isinstance(spec, ChatTemplateSpec):
+            self._claim("chat template", spec.name, dist)
+            self.chat_templates[spec.name] = spec
+        elif isinstance(spec, TowerSpec):
+            self._claim("tower", f"{spec.family}/{spec.modality}", dist)
+            self.towers[(spec.family, spec.modality)] = spec
+
+    # -- queries ------------------------------------------------------------------------
+
+    def _unknown(self, what: str) -> UnknownModelError:
+        fams = ", ".join(f"{n} (model_types: {', '.join(s.model_types)})" for n, s in sorted(self.families.items()))
+        msg = f"{what}. Registered families: {fams or 'none'}."
+        if self.failures:
+            msg += " Plugins that failed to load: " + "; ".join(
+                f"{f.entry_point} from {f.distribution} ({f.stage}: {f.error})" for f in self.failures
+            ) + "."
+        msg += " Install a plugin package for this model (see docs/plugins.md) or run `ferrule plugins`."
+        return UnknownModelError(msg)
+
+    def get_family(self, name_or_model_type: str) -> ModelFamilySpec:
+        if name_or_model_type in self.families:
+            return self.families[name_or_model_type]
+        if name_or_model_type in self.model_types:
+            return self.families[self.model_types[name_or_model_type]]
+        raise self._unknown(f"no family or model_type named {name_or_model_type!r}")
+
+    def family_for_hf_config(self, hf_config: Mapping[str, Any]) -> ModelFamilySpec:
+        if not isinstance(hf_config, Mapping):
+            raise TypeError(f"hf_config must be the parsed config.json (a dict), got {type(hf_config).__name__}")
+        candidates = [hf_config.get("model_type")]
+        text_cfg = hf_config.get("text_config")
+        if isinstance(text_cfg, Mapping):
+            candidates.append(text_cfg.get("model_type"))
+        for mt in candidates:
+            if isinstance(mt, str) and mt in self.model_types:
+                return self.families[self.model_types[mt]]
+        name = self.pm.hook.resolve_model_family(hf_config=dict(hf_config))
+        if name is not None:
+            if name not in self.families:
+                raise self._unknown(f"a plugin resolved this config to family {name!r}, which is not registered")
+            return self.families[name]
+        shown = [c for c in candidates if c]
+        raise self._unknown(f"no plugin supports model_type {shown[0] if shown else None!r}")
+
+    def _part(self, table: Mapping[str, Any], family: str, what: str) -> Any:
+        fam = self.get_family(family).name
+        if fam not in table:
+            spec = self.families[fam]
+            raise IncompleteFamilyError(
+                f"family {fam!r} has no {what} registered (status {spec.status.name}: {spec.reason or 'n/a'}). "
+                f"Its plugin must implement the matching register_* hook."
+            )
+        return table[fam]
+
+    def get_provider(self, family: str) -> ProviderSpec:
+        return self._part(self.providers, family, "provider")
+
+    def get_converter(self, family: str) -> ConverterSpec:
+        return self._part(self.converters, family, "converter")
+
+    def get_update_groups(self, family: str) -> UpdateGroupTable:
+        return self._part(self.update_groups, family, "update-group table")
+
+    def get_chat_template(self, name: str) -> ChatTemplateSpec:
+        if name in self.chat_templates:
+            return self.chat_templates[name]
+        raise UnknownModelError(
+            f"no chat template named {name!r}; registered: {sorted(self.chat_templates) or 'none'}"
+        )
+
+    def chat_templates_for(self, family: str) -> list[ChatTemplateSpec]:
+        fam = self.get_family(family).name
+        return [s for s in self.chat_templates.values() if s.family == fam]
+
+    def get_towers(self, family: str) -> list[TowerSpec]:
+        fam = self.get_family(family).name
+        return [s for (f, _), s in sorted(self.towers.items()) if f == fam]
+
+    def iter_lora_appliers(self, family: str) -> Iterator[LoRAApplierSpec]:
+        fam = self.get_family(family).name
+        for kind in LORA_KINDS:
+            spec = self.lora_appliers.get((fam, kind)) or self.lora_appliers.get(("*", kind))
+            if spec is not None:
+                yield spec
+
+    def missing_parts(self, family: str) -> list[str]:
+        """Parts the family needs but lacks (empty list = complete)."""
+        spec = self.get_family(family)
+        missing = [part for part, table in (("provider", self.providers), ("converter", self.converters),
+                                            ("update_groups", self.update_groups)) if spec.name not in table]
+        if "lora" in spec.features and not any(f == spec.name for f, _ in self.lora_appliers):
+            missing.append("lora")
+        if "chat_template" in spec.features and not self.chat_templates_for(spec.name):
+            missing.append("chat_template")
+        if "towers" in spec.features and not self.get_towers(spec.name):
+            missing.append("towers")
+        return missing
+
+    def check_complete(self) -> None:
+        """Raise :class:`IncompleteFamilyError` for any VALIDATED/UNSTABLE family with missing parts,
+        and for parts registered for a family that does not exist."""
+        problems = []
+        for name, spec in sorted(self.families.items()):
+            if spec.status is not FamilyStatus.STRUCTURAL:
+                missing = self.missing_parts(name)
+                if missing:
+                    problems.append(f"{name} ({spec.status.name}) lacks {', '.join(missing)}")
+        for kind, table in (("provider", self.providers), ("converter", self.converters),
+                            ("update-group table", self.update_groups)):
+            for fam in table:
+                if fam not in self.families:
+                    problems.append(f"{kind} registered for unknown family {fam!r}")
+        for fam, _ in list(self.lora_appliers) + list(self.towers):
+            if fam != "*" and fam not in self.families:
+                problems.append(f"LoRA applier or tower registered for unknown family {fam!r}")
+        for spec in self.chat_templates.values():
+            if spec.family not in self.families:
+                problems.append(f"chat template {spec.name!r} registered for unknown family {spec.family!r}")
+        if problems:
+            raise IncompleteFamilyError("incomplete plugin registrations: " + "; ".join(problems) +
+                                        ". A family marked VALIDATED or UNSTABLE must register every part; "
+                                        "mark it STRUCTURAL with a reason until it does.")
+
+
+def _as_specs(hook_name: str, plugin_name: str, result: Any) -> list[Any]:
+    if result is None:
+        return []
+    if not isinstance(result, Iterable) or isinstance(result, (str, bytes)):
+        result = [result]
+    expected = {
+        "register_model_families": ModelFamilySpec,
+        "register_providers": ProviderSpec,
+        "register_converters": ConverterSpec,
+        "register_update_groups": UpdateGroupTable,
+        "register_lora_appliers": LoRAApplierSpec,
+        "register_chat_templates": ChatTemplateSpec,
+        "register_towers": TowerSpec,
+    }[hook_name]
+    out = list(result)
+    for spec in out:
+        if not isinstance(spec, expected):
+            raise SpecError(
+                f"plugin {plugin_name!r}: {hook_name} returned {type(spec).__name__}; expected {expected.__name__} "
+                f"instances (from ferrule.specs)."
+            )
+    return out
+
+
+_LOCK = threading.Lock()
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (entry points loaded once, then cached)."""
+    global _REGISTRY
+    with _LOCK:
+        if _REGISTRY is None:
+            pm, plugins, failures = get_plugin_manager(load_entrypoints=True)
+            reg = Registry.build(pm, plugins, failures)
+            if _strict():
+                reg.check_complete()
+            _REGISTRY = reg
+        return _REGISTRY
+
+
+def reset_registry() -> None:
+    """Forget the cached registry (tests, or after installing a plugin in-process)."""
+    global _REGISTRY
+    with _LOCK:
+        _REGISTRY = None
+
+
+# -- module-level facade ----------------------------------------------------------------
+
+
+def get_family(name_or_model_type: str) -> ModelFamilySpec:
+    """The family registered under a family name or an HF ``model_type``.
+
+    Raises:
+        UnknownModelError: listing registered families and plugins that failed to load.
+    """
+    return get_registry().get_family(name_or_model_type)
+
+
+def list_families() -> list[ModelFamilySpec]:
+    """All registered families, sorted by name."""
+    reg = get_registry()
+    return [reg.families[n] for n in sorted(reg.families)]
+
+
+def family_for_hf_config(hf_config: Mapping[str, Any]) -> ModelFamilySpec:
+    """The family of a checkpoint, from its parsed ``config.json``.
+
+    Looks up ``model_type``, then ``text_config.model_type``, then asks the
+    ``resolve_model_family`` hook.
+
+    Raises:
+        UnknownModelError: no plugin supports it (lists registered families and load failures).
+    """
+    return get_registry().family_for_hf_config(hf_config)
+
+
+def get_provider(family: str) -> ProviderSpec:
+    """The provider spec of a family. Raises IncompleteFamilyError / UnknownModelError."""
+    return get_registry().get_provider(family)
+
+
+def get_converter(family: str) -> ConverterSpec:
+    """The converter spec of a family. Raises IncompleteFamilyError / UnknownModelError."""
+    return get_registry().get_converter(family)
+
+
+def get_update_groups(family: str) -> UpdateGroupTable:
+    """The update-group table of a family. Raises IncompleteFamilyError / UnknownModelError."""
+    return get_registry().get_update_groups(family)
+
+
+def get_chat_template(name: str) -> ChatTemplateSpec:
+    """A chat template by name. Raises UnknownModelError listing registered templates."""
+    return get_registry().get_chat_template(name)
+
+
+def chat_templates_for(family: str) -> list[ChatTemplateSpec]:
+    """Chat templates registered for a family (possibly empty)."""
+    return get_registry().chat_templates_for(family)
+
+
+def get_towers(family: str) -> list[TowerSpec]:
+    """Towers registered for a family, sorted by modality (possibly empty)."""
+    return get_registry().get_towers(family)
+
+
+def iter_lora_appliers(family: str) -> Iterator[LoRAApplierSpec]:
+    """One applier per LoRA kind: the family's own, else the ``"*"`` one."""
+    return get_registry().iter_lora_appliers(family)
+
+
+def missing_parts(family: str) -> list[str]:
+    """Parts a family lacks (see :meth:`Registry.missing_parts`)."""
+    return get_registry().missing_parts(family)

@@ -1,0 +1,365 @@
+"""Frozen spec dataclasses returned by ferrule's hooks (see :mod:`ferrule.hookspecs`).
+
+Every spec is a keyword-only, frozen, picklable dataclass whose sequence fields are tuples.
+Specs carry *declarations*, never live objects: heavy callables (model builders, LoRA
+appliers, towers) are named as ``"package.module:attr"`` strings and imported lazily by
+:func:`resolve_ref`. Constructing a spec validates it in ``__post_init__`` and raises
+:class:`SpecError` (a ``ValueError``) naming the offending field and the fix.
+
+Importing this module imports neither torch nor megatron.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "SpecError",
+    "FamilyStatus",
+    "ModelFamilySpec",
+    "ProviderSpec",
+    "ConverterSpec",
+    "UpdateGroup",
+    "UpdateGroupTable",
+    "LoRAApplierSpec",
+    "LORA_KINDS",
+    "ChatTemplateSpec",
+    "TowerSpec",
+    "TOWER_MODALITIES",
+    "FAMILY_FEATURES",
+    "resolve_ref",
+]
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+#: Optional parts a family may declare; a declared part must be registered.
+FAMILY_FEATURES = ("lora", "chat_template", "towers")
+#: Module kinds a LoRA applier can target (DESIGN.md §2).
+LORA_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "lm_head")
+#: Modalities a tower can encode.
+TOWER_MODALITIES = ("vision", "audio")
+
+
+class SpecError(ValueError):
+    """A spec was constructed with invalid values (the message names field and fix)."""
+
+
+def _check_name(cls: str, fld: str, value: Any) -> None:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise SpecError(
+            f"{cls}.{fld}={value!r} is not a valid name: use lower-case letters, digits and "
+            f"underscores, starting with a letter (e.g. 'qwen3_moe')."
+        )
+
+
+def _check_ref(cls: str, fld: str, value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not _REF_RE.match(value):
+        raise SpecError(
+            f"{cls}.{fld}={value!r} is not a lazy reference: write 'package.module:attr' "
+            f"(a string, so that discovery imports nothing heavy)."
+        )
+
+
+def _check_tuple(cls: str, fld: str, value: Any, *, item_type: type | tuple[type, ...] = str,
+                 allow_empty: bool = False) -> None:
+    if not isinstance(value, tuple):
+        raise SpecError(f"{cls}.{fld} must be a tuple (specs are immutable), got {type(value).__name__}.")
+    if not allow_empty and not value:
+        raise SpecError(f"{cls}.{fld} must not be empty.")
+    for item in value:
+        if not isinstance(item, item_type):
+            raise SpecError(f"{cls}.{fld} holds {item!r} of type {type(item).__name__}; expected {item_type}.")
+    if len(set(value)) != len(value):
+        dupes = sorted({v for v in value if value.count(v) > 1}, key=str)
+        raise SpecError(f"{cls}.{fld} has duplicate entries {dupes}; list each once.")
+
+
+def resolve_ref(ref: str) -> Any:
+    """Import ``"package.module:attr"`` and return the attribute (dotted attrs allowed).
+
+    Raises:
+        ImportError: the module cannot be imported (the original error is chained).
+        AttributeError: the module has no such attribute; the message names both.
+    """
+    module_name, _, attr_path = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise AttributeError(f"{ref!r}: module {module_name!r} has no attribute path {attr_path!r}") from exc
+    return obj
+
+
+class FamilyStatus(str, enum.Enum):
+    """How far a family's support has been proven.
+
+    - ``VALIDATED``: numerics checked against the HF reference (round trip, logits parity);
+      the family must be complete.
+    - ``STRUCTURAL``: registered and discoverable, but parts are missing or unverified;
+      ``reason`` says what.
+    - ``UNSTABLE``: complete, but a known numerical or behavioural problem exists; ``reason``
+      says which.
+    """
+
+    VALIDATED = "validated"
+    STRUCTURAL = "structural"
+    UNSTABLE = "unstable"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamilySpec:
+    """One model family (returned by ``register_model_families``).
+
+    Attributes:
+        name: family name, e.g. ``"qwen3_moe"`` (lower snake case, unique across plugins).
+        model_types: HF ``config.model_type`` values this family claims (unique across
+            plugins). Multimodal configs are also matched on ``text_config.model_type``.
+        status: a :class:`FamilyStatus`.
+        reason: why the status is not VALIDATED; required for STRUCTURAL and UNSTABLE.
+        hf_model_class: lazy reference to the transformers class the embedded rollout engine
+            instantiates, e.g. ``"transformers:Qwen3ForCausalLM"``; None if the family has none.
+        features: optional parts this family declares (subset of :data:`FAMILY_FEATURES`);
+            the registry checks that each declared part is registered.
+        description: one line for ``ferrule plugins``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    status: FamilyStatus
+    reason: str = ""
+    hf_model_class: str | None = None
+    features: tuple[str, ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("ModelFamilySpec", "name", self.name)
+        _check_tuple("ModelFamilySpec", "model_types", self.model_types)
+        if not isinstance(self.status, FamilyStatus):
+            raise SpecError(
+                f"ModelFamilySpec({self.name}).status={self.status!r}; use a FamilyStatus member "
+                f"({', '.join(s.name for s in FamilyStatus)})."
+            )
+        if self.status is not FamilyStatus.VALIDATED and not self.reason.strip():
+            raise SpecError(
+                f"ModelFamilySpec({self.name}) has status {self.status.name} without a reason; "
+                f"say what is missing or unstable in `reason=`."
+            )
+        _check_ref("ModelFamilySpec", "hf_model_class", self.hf_model_class, optional=True)
+        _check_tuple("ModelFamilySpec", "features", self.features, allow_empty=True)
+        unknown = [f for f in self.features if f not in FAMILY_FEATURES]
+        if unknown:
+            raise SpecError(
+                f"ModelFamilySpec({self.name}).features has unknown entries {unknown}; "
+                f"allowed: {list(FAMILY_FEATURES)}."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProviderSpec:
+    """How to build the Megatron model of a family (``register_providers``).
+
+    Attributes:
+        family: the family name.
+        build: lazy reference to ``build(hf_config: dict, layout, **options) -> list[MegatronModule]``
+            (one module per virtual pipeline stage); see :mod:`ferrule.megatron.provider`.
+    """
+
+    family: str
+    build: str
+
+    def __post_init__(self) -> None:
+        _check_name("ProviderSpec", "family", self.family)
+        _check_ref("ProviderSpec", "build", self.build)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConverterSpec:
+    """HF <-> Megatron checkpoint conversion for a family (``register_converters``).
+
+    Attributes:
+        family: the family name.
+        mapping: the family's mapping table (a :class:`ferrule.mapping.MappingTable`,
+            module-level immutable data), or a lazy ``"module:attr"`` reference to it.
+        config_translation: the HF-config <-> ``TransformerConfig`` translation table
+            (a :class:`ferrule.mapping.ConfigTranslation`), or a lazy reference to it.
+    """
+
+    family: str
+    mapping: Any
+    config_translation: Any
+
+    def __post_init__(self) -> None:
+        _check_name("ConverterSpec", "family", self.family)
+        for fld in ("mapping", "config_translation"):
+            value = getattr(self, fld)
+            if isinstance(value, str):
+                _check_ref("ConverterSpec", fld, value)
+            elif value is None:
+                raise SpecError(f"ConverterSpec({self.family}).{fld} is required.")
+
+    def resolved_mapping(self) -> Any:
+        """The mapping table, importing it if it was given as a reference."""
+        return resolve_ref(self.mapping) if isinstance(self.mapping, str) else self.mapping
+
+    def resolved_config_translation(self) -> Any:
+        """The config translation, importing it if it was given as a reference."""
+        value = self.config_translation
+        return resolve_ref(value) if isinstance(value, str) else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateGroup:
+    """Parameters that must reach the rollout engine together, in one bucket.
+
+    A parameter (mcore name) belongs to the group when its name ends with one of
+    ``suffixes``; parameters of one group that share the same prefix (e.g. the same
+    ``decoder.layers.3.``) form one *unit* that is never split across buckets.
+
+    Attributes:
+        key: group name, unique within a table (e.g. ``"attention"``).
+        suffixes: mcore parameter-name suffixes, e.g. ``("self_attention.linear_qkv.weight",)``.
+        optional: True if a rank may legitimately hold no parameter of this group (e.g. a
+            pipeline stage without MoE layers); a non-optional group that matches nothing is
+            an error (it catches typos).
+    """
+
+    key: str
+    suffixes: tuple[str, ...]
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        _check_name("UpdateGroup", "key", self.key)
+        _check_tuple(f"UpdateGroup({self.key})", "suffixes", self.suffixes)
+        empty = [s for s in self.suffixes if not s.strip()]
+        if empty:
+            raise SpecError(f"UpdateGroup({self.key}).suffixes holds an empty suffix; remove it.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateGroupTable:
+    """A family's ordered update-group table (``register_update_groups``)."""
+
+    family: str
+    groups: tuple[UpdateGroup, ...]
+
+    def __post_init__(self) -> None:
+        _check_name("UpdateGroupTable", "family", self.family)
+        _check_tuple(f"UpdateGroupTable({self.family})", "groups", self.groups, item_type=UpdateGroup)
+        keys = [g.key for g in self.groups]
+        if len(set(keys)) != len(keys):
+            raise SpecError(f"UpdateGroupTable({self.family}) repeats group keys {keys}; keys must be unique.")
+        seen: dict[str, str] = {}
+        for g in self.groups:
+            for s in g.suffixes:
+                if s in seen:
+                    raise SpecError(
+                        f"UpdateGroupTable({self.family}): suffix {s!r} is claimed by groups "
+                        f"{seen[s]!r} and {g.key!r}; a parameter must belong to exactly one group."
+                    )
+                seen[s] = g.key
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAApplierSpec:
+    """Attaches, exports and loads LoRA adapters for one module kind (``register_lora_appliers``).
+
+    Attributes:
+        kind: one of :data:`LORA_KINDS`.
+        family: the family name, or ``"*"`` for an applier that serves every family.
+        apply / export / load: lazy references; ``apply(model, config) -> n_wrapped``,
+            ``export(model) -> dict[str, Tensor]`` (HF PEFT names), ``load(model, state_dict)``.
+    """
+
+    kind: str
+    family: str
+    apply: str
+    export: str
+    load: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in LORA_KINDS:
+            raise SpecError(f"LoRAApplierSpec.kind={self.kind!r}; expected one of {list(LORA_KINDS)}.")
+        if self.family != "*":
+            _check_name("LoRAApplierSpec", "family", self.family)
+        for fld in ("apply", "export", "load"):
+            _check_ref("LoRAApplierSpec", fld, getattr(self, fld))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatTemplateSpec:
+    """A chat template (``register_chat_templates``).
+
+    Attributes:
+        name: template name, unique across plugins (e.g. ``"qwen2_5"``).
+        family: the family whose checkpoints use it.
+        template: jinja resource as ``"package:relative/path.jinja"`` (read with
+            :mod:`importlib.resources`).
+        stop_tokens: token strings that end an assistant turn (e.g. ``("<|im_end|>",)``).
+        description: one line for listings.
+    """
+
+    name: str
+    family: str
+    template: str
+    stop_tokens: tuple[str, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("ChatTemplateSpec", "name", self.name)
+        _check_name("ChatTemplateSpec", "family", self.family)
+        pkg, sep, path = self.template.partition(":")
+        if not sep or not pkg or not path.endswith(".jinja"):
+            raise SpecError(
+                f"ChatTemplateSpec({self.name}).template={self.template!r}; write "
+                f"'package:templates/name.jinja'."
+            )
+        _check_tuple(f"ChatTemplateSpec({self.name})", "stop_tokens", self.stop_tokens)
+
+    def read_source(self) -> str:
+        """Return the jinja source text of the template (reads the package resource)."""
+        from importlib import resources
+
+        pkg, _, path = self.template.partition(":")
+        return resources.files(pkg).joinpath(path).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TowerSpec:
+    """A multimodal encoder (``register_towers``).
+
+    Attributes:
+        family: the family name.
+        modality: one of :data:`TOWER_MODALITIES`.
+        build: lazy reference to ``build(hf_config: dict) -> torch.nn.Module``; the module maps
+            raw inputs to embeddings ``[num_tokens, hidden]``.
+        placeholder_token_id: token id whose positions receive the tower's embeddings.
+        frozen: True if the tower is not trained by default.
+    """
+
+    family: str
+    modality: str
+    build: str
+    placeholder_token_id: int
+    frozen: bool = True
+
+    def __post_init__(self) -> None:
+        _check_name("TowerSpec", "family", self.family)
+        if self.modality not in TOWER_MODALITIES:
+            raise SpecError(f"TowerSpec.modality={self.modality!r}; expected one of {list(TOWER_MODALITIES)}.")
+        _check_ref("TowerSpec", "build", self.build)
+        if not isinstance(self.placeholder_token_id, int) or self.placeholder_token_id < 0:
+            raise SpecError(f"TowerSpec.placeholder_token_id={self.placeholder_token_id!r}; expected a token id >= 0.")
+
+
+def spec_field_names(spec_type: type) -> tuple[str, ...]:
+    """Field names of a spec dataclass (used by docs and the conformance kit)."""
+    return tuple(f.name for f in fields(spec_type))
+

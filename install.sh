@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install ferrule and everything its tests need into ./.venv (CPU machines: Python 3.11).
+#
+# torch is installed first and pinned: on these machines `torch==2.13.0` is a cached CPU build,
+# while an unpinned torch would let pip pull a multi-GB CUDA build. On a GPU machine with torch
+# already installed, set FERRULE_TORCH=skip.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade "pip>=24"
+if [ "${FERRULE_TORCH:-}" != "skip" ]; then
+  python -m pip install -q "torch==${FERRULE_TORCH:-2.13.0}"
+fi
+python -m pip install -q -e ".[rl,serve,dev]"
+python -m pip check
+echo "ferrule installed in $(pwd)/.venv — activate with: . .venv/bin/activate"

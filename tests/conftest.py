@@ -1,0 +1,26 @@
+"""Test-suite setup.
+
+- Only the in-tree plugins are visible (``FERRULE_PLUGINS=qwen,inkling``), so an installed
+  third-party plugin cannot change what these tests see; tests that need others set it.
+- The conformance kit ``ferrule.testing`` runs over the in-tree families.
+- The process-wide registry is rebuilt around every test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling")
+
+pytest_plugins = ["ferrule.testing"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    from ferrule import registry
+
+    registry.reset_registry()
+    yield
+    registry.reset_registry()

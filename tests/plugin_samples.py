@@ -1,0 +1,140 @@
+"""Small plugin objects used by tests/test_registry.py (loaded through fake entry points)."""
+
+from ferrule import hookimpl
+from ferrule.specs import (
+    ConverterSpec,
+    FamilyStatus,
+    ModelFamilySpec,
+    ProviderSpec,
+    UpdateGroup,
+    UpdateGroupTable,
+)
+
+
+class GoodPlugin:
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="demo", model_types=("demo_lm",), status=FamilyStatus.STRUCTURAL,
+                                reason="test fixture")]
+
+
+class ClashingPlugin:
+    """Claims model_type ``demo_lm`` again, under another family name."""
+
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="demo_two", model_types=("demo_lm",), status=FamilyStatus.STRUCTURAL,
+                                reason="test fixture")]
+
+
+class SameFamilyPlugin:
+    """Claims family ``demo`` again."""
+
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="demo", model_types=("other_lm",), status=FamilyStatus.STRUCTURAL,
+                                reason="test fixture")]
+
+
+class MisspelledPlugin:
+    @hookimpl
+    def register_model_familys(self):  # misspelled on purpose
+        return []
+
+
+class RaisingHookPlugin:
+    @hookimpl
+    def register_model_families(self):
+        raise RuntimeError("boom in register_model_families")
+
+
+class ResolverPlugin:
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="resolved", model_types=("resolved_lm",), status=FamilyStatus.STRUCTURAL,
+                                reason="test fixture")]
+
+    @hookimpl
+    def resolve_model_family(self, hf_config):
+        if hf_config.get("architectures") == ["LegacyResolvedModel"]:
+            return "resolved"
+        return None
+
+
+class WrongTypePlugin:
+    @hookimpl
+    def register_providers(self):
+        return ["not a spec"]
+
+
+class IncompleteValidatedPlugin:
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="half", model_types=("half_lm",), status=FamilyStatus.VALIDATED)]
+
+    @hookimpl
+    def register_providers(self):
+        return [ProviderSpec(family="half", build="os.path:join")]
+
+
+class CompletePlugin:
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="full", model_types=("full_lm",), status=FamilyStatus.VALIDATED)]
+
+    @hookimpl
+    def register_providers(self):
+        return [ProviderSpec(family="full", build="os.path:join")]
+
+    @hookimpl
+    def register_converters(self):
+        return [ConverterSpec(family="full", mapping="os.path:sep", config_translation="os.path:sep")]
+
+    @hookimpl
+    def register_update_groups(self):
+        return [UpdateGroupTable(family="full", groups=(UpdateGroup(key="all", suffixes=(".weight",)),))]
+
+
+good = GoodPlugin()
+clashing = ClashingPlugin()
+misspelled = MisspelledPlugin()
+
+
+class FeaturesPlugin:
+    """A family declaring lora, chat_template and towers, plus a generic '*' LoRA applier."""
+
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="mm", model_types=("mm_lm",), status=FamilyStatus.STRUCTURAL,
+                                reason="test fixture", features=("lora", "chat_template", "towers"))]
+
+    @hookimpl
+    def register_lora_appliers(self):
+        from ferrule.specs import LoRAApplierSpec
+
+        ref = "os.path:join"
+        return [LoRAApplierSpec(kind="attention", family="*", apply=ref, export=ref, load=ref),
+                LoRAApplierSpec(kind="lm_head", family="*", apply=ref, export=ref, load=ref),
+                LoRAApplierSpec(kind="attention", family="mm", apply="os.path:split", export=ref, load=ref)]
+
+    @hookimpl
+    def register_chat_templates(self):
+        from ferrule.specs import ChatTemplateSpec
+
+        return [ChatTemplateSpec(name="mm_chat", family="mm", template="ferrule.plugins.qwen:templates/x.jinja",
+                                 stop_tokens=("<end>",))]
+
+    @hookimpl
+    def register_towers(self):
+        from ferrule.specs import TowerSpec
+
+        return [TowerSpec(family="mm", modality="vision", build="os.path:join", placeholder_token_id=5),
+                TowerSpec(family="mm", modality="audio", build="os.path:join", placeholder_token_id=6)]
+
+
+class SecondTowerPlugin:
+    @hookimpl
+    def register_towers(self):
+        from ferrule.specs import TowerSpec
+
+        return [TowerSpec(family="mm", modality="vision", build="os.path:join", placeholder_token_id=9)]

@@ -1,0 +1,68 @@
+"""The ``ferrule`` CLI: version, help, and the plugins listing (in-process, via typer's runner)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import ferrule
+from ferrule.cli import app
+
+runner = CliRunner()
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"ferrule {ferrule.__version__}"
+
+
+def test_plugins_lists_in_tree_families(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    result = runner.invoke(app, ["plugins"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for fam in ("qwen2", "qwen3", "qwen3_moe", "inkling"):
+        assert fam in out
+    assert "load failures: none" in out
+    assert "inkling_mm_model" in out
+
+
+def test_plugins_reports_a_broken_plugin(monkeypatch):
+    from importlib import metadata
+
+    from ferrule import registry
+
+    real = metadata.entry_points
+
+    def fake(group):
+        eps = list(real(group=group))
+        return eps + [metadata.EntryPoint(name="broken", value="no_such_module_xyz", group=group)]
+
+    monkeypatch.setattr(registry.metadata, "entry_points", fake)
+    monkeypatch.setenv("FERRULE_PLUGINS", "qwen,inkling,broken")
+    monkeypatch.setenv("COLUMNS", "200")
+    result = runner.invoke(app, ["plugins", "--traceback"])
+    assert result.exit_code == 0, result.output
+    assert "load failures" in result.output and "no_such_module_xyz" in result.output
+    assert "qwen2" in result.output
+
+
+def _command_paths():
+    import click
+    import typer.main
+
+    def walk(cmd, path):
+        yield path
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, path + [name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+@pytest.mark.parametrize("path", _command_paths(), ids=lambda p: " ".join(p) or "ferrule")
+def test_every_command_has_help(path):
+    result = runner.invoke(app, path + ["--help"])
+    assert result.exit_code == 0 and "Usage" in result.output, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) >= 3, f"`ferrule {' '.join(path)} --help` says almost nothing"
