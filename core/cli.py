@@ -27,7 +27,9 @@ app = typer.Typer(
 console = Console()
 
 #: (command name, "module:attr" of a typer app) mounted as sub-command groups.
-_SUBAPPS: tuple[tuple[str, str, str], ...] = ()
+_SUBAPPS: tuple[tuple[str, str, str], ...] = (
+    ("chat-template", "ferrule.cli_chat:chat_template_app", "List and render chat templates (text and token ids)."),
+)
 #: (command name, "module:attr" of a plain function) registered as single commands.
 _COMMANDS: tuple[tuple[str, str], ...] = ()
 

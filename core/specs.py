@@ -303,6 +303,9 @@ class ChatTemplateSpec:
         template: jinja resource as ``"package:relative/path.jinja"`` (read with
             :mod:`importlib.resources`).
         stop_tokens: token strings that end an assistant turn (e.g. ``("<|im_end|>",)``).
+        tokenizer: optional lazy reference to a zero-argument loader returning the HF tokenizer
+            that goes with the template (used when a checkpoint ships none, and by
+            ``ferrule chat-template render``).
         description: one line for listings.
     """
 
@@ -310,6 +313,7 @@ class ChatTemplateSpec:
     family: str
     template: str
     stop_tokens: tuple[str, ...]
+    tokenizer: str | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -322,6 +326,7 @@ class ChatTemplateSpec:
                 f"'package:templates/name.jinja'."
             )
         _check_tuple(f"ChatTemplateSpec({self.name})", "stop_tokens", self.stop_tokens)
+        _check_ref(f"ChatTemplateSpec({self.name})", "tokenizer", self.tokenizer, optional=True)
 
     def read_source(self) -> str:
         """Return the jinja source text of the template (reads the package resource)."""

@@ -113,7 +113,7 @@ class FamilyConformance:
         for spec in family_specs(ferrule_family):
             for f in dataclasses.fields(spec):
                 value = getattr(spec, f.name)
-                if f.name in {"build", "apply", "export", "load", "hf_model_class"} and isinstance(value, str):
+                if f.name in {"build", "apply", "export", "load", "hf_model_class", "tokenizer"} and isinstance(value, str):
                     assert callable(resolve_ref(value)), f"{type(spec).__name__}.{f.name}={value!r}"
             if hasattr(spec, "read_source"):
                 assert spec.read_source().strip(), f"chat template {spec.name} is empty"
