@@ -1,0 +1,157 @@
+"""Embedded rollout engine vs HF ``model.generate``: new tokens per second, side by side in one run.
+
+Both sample at temperature 1 (no top-k/top-p), ignore EOS and produce exactly
+``batch * new_tokens`` tokens from the same random prompts on the same random-weight model.
+Prints both rates and their ratio and appends a dated row to the "Rollout" section of
+docs/benchmarks.md.
+
+Examples::
+
+    python bench/bench_rollout.py --model small --batch 8 --new-tokens 64 --device cpu
+    python bench/bench_rollout.py --model qwen2-0.5b --batch 64 --new-tokens 256 --device cuda --dtype bfloat16
+    python bench/bench_rollout.py --hf-dir /path/to/Qwen2.5-0.5B --batch 64 --new-tokens 256 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import torch
+
+# Random-weight Qwen2 shapes. "qwen2-0.5b" is the Qwen2-0.5B / Qwen2.5-0.5B shape.
+PRESETS = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+}
+SECTION = "## Rollout"
+HEADER = ("| date | machine | device | model | dtype | batch | prompt | new tokens | HF generate tok/s | "
+          "embedded tok/s | ratio | cuda graph |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+
+def build_model(args):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    if args.hf_dir:
+        model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype, attn_implementation="sdpa")
+        name = os.path.basename(os.path.normpath(args.hf_dir))
+    else:
+        torch.manual_seed(0)
+        cfg = Qwen2Config(max_position_embeddings=4096, eos_token_id=None, attn_implementation="sdpa",
+                          **PRESETS[args.model])
+        model = Qwen2ForCausalLM(cfg)
+        name = f"random {args.model}"
+    return model.to(device=args.device, dtype=dtype).eval(), name
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> float:
+    ids = prompts.to(device)
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        return model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+
+    with torch.inference_mode():
+        run(4)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        out = run(new_tokens)
+        sync(device)
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
+
+
+def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bool) -> tuple[float, bool]:
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model=model, cuda_graph=cuda_graph)
+    reqs = prompts.tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    engine.generate(reqs, params)  # warm-up: same bucket, captures the CUDA graph
+    sync(str(engine.device))
+    t0 = time.perf_counter()
+    res = engine.generate(reqs, params)
+    sync(str(engine.device))
+    dt = time.perf_counter() - t0
+    produced = sum(len(r.token_ids) for r in res)
+    assert produced == len(reqs) * new_tokens, produced
+    return produced / dt, engine.cuda_graph
+
+
+def append_row(path: str, row: str) -> None:
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    if SECTION not in text:
+        text = text.rstrip("\n") + (f"\n\n{SECTION}\n\nEmbedded rollout engine vs HF `model.generate` "
+                                    "(bench/bench_rollout.py; temperature 1, EOS ignored, random prompts).\n\n"
+                                    + HEADER)
+        text += row
+    else:
+        start = text.index(SECTION)
+        nxt = text.find("\n## ", start + len(SECTION))
+        end = len(text) if nxt == -1 else nxt
+        body = text[start:end].rstrip("\n")
+        if HEADER.splitlines()[0] not in body:
+            body += "\n\n" + HEADER.rstrip("\n")
+        text = text[:start] + body + "\n" + row + text[end:]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(PRESETS), default="small", help="random-weight Qwen2 preset")
+    ap.add_argument("--hf-dir", default=None, help="HF checkpoint directory (overrides --model)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="run the embedded decode step eagerly on CUDA")
+    ap.add_argument("--machine", default=platform.node(), help="machine name for the table row")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md"))
+    ap.add_argument("--no-record", action="store_true", help="print only; do not append to --out")
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+
+    model, name = build_model(args)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
+    hf = bench_hf(model, prompts, args.new_tokens, args.device)
+    ours, graph = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph)
+    ratio = ours / hf
+    print(f"model={name} device={args.device} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "
+          f"new_tokens={args.new_tokens}")
+    print(f"HF generate : {hf:10.1f} new tok/s")
+    print(f"embedded    : {ours:10.1f} new tok/s (cuda_graph={graph})")
+    print(f"ratio       : {ratio:10.2f}x")
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else \
+        f"CPU ({torch.get_num_threads()} threads)"
+    row = (f"| {datetime.date.today().isoformat()} | {args.machine} | {device} | {name} | {args.dtype} | "
+           f"{args.batch} | {args.prompt_len} | {args.new_tokens} | {hf:.1f} | {ours:.1f} | {ratio:.2f}x | "
+           f"{'yes' if graph else 'no'} |\n")
+    if not args.no_record:
+        append_row(os.path.normpath(args.out), row)
+        print(f"appended to {os.path.normpath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""A static KV cache and the fixed-shape decode step of the embedded engine (optionally a CUDA graph).
+
+Layout: every attention layer gets ``keys``/``values`` buffers ``[batch, num_kv_heads,
+max_len, head_dim]`` allocated on first use. The batch is left-padded: prompt tokens occupy
+slots ``[P - len_i, P)`` of row ``i`` (``P`` = longest prompt), generated token ``t`` occupies
+slot ``P + t``. Which slots each query may see is given by boolean 4-D masks that we build
+(True = attend, the convention of ``torch.nn.functional.scaled_dot_product_attention``) and pass
+to the HF model as ``attention_mask={layer_type: mask}``; transformers' decoder models use a
+dict mask as-is (``Qwen3Model.forward``: "It may already have been prepared by e.g. generate"),
+so no mask code of transformers runs and the decode step has static shapes.
+
+The cache implements the one method HF attention layers call, ``update(key_states,
+value_states, layer_idx, ...)`` (transformers 5.17 passes ``cache_kwargs`` positionally, 5.24
+passes ``kwargs=``; both are ignored), writing at slots given by ``write_index`` (a tensor we
+set before each forward, so the write is graph-safe).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class StaticKVCache:
+    """Fixed-size KV cache; see the module docstring for the layout.
+
+    Args:
+        max_len: slots per row (prompt + generated tokens), tokens.
+    """
+
+    is_compileable = True
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.write_index: torch.Tensor | None = None  # [q_len] int64 slots for the next forward
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[batch, kv_heads, q_len, head_dim]`` states at ``write_index``; return full buffers."""
+        if layer_idx not in self.keys:
+            b, h, _, d = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros((b, h, self.max_len, d))
+            self.values[layer_idx] = value_states.new_zeros((b, h, self.max_len, value_states.shape[-1]))
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.write_index, key_states)
+        v.index_copy_(2, self.write_index, value_states)
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # only used by HF when position_ids is None
+        raise RuntimeError("StaticKVCache: pass position_ids explicitly; the slot layout is left-padded.")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def cache_kwarg_name(model: torch.nn.Module) -> str:
+    """``"cache"`` (transformers >= 5.24) or ``"past_key_values"`` (older 5.x)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def layer_windows(config: Any) -> dict[str, int | None]:
+    """Map each layer type of ``config`` to its sliding window (tokens) or None (full attention).
+
+    Raises:
+        NotImplementedError: a layer type other than full / sliding attention (e.g. linear
+            attention), which needs a cache this engine does not have.
+    """
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = tuple(getattr(text_config, "layer_types", None) or ("full_attention",))
+    unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+    if unknown:
+        raise NotImplementedError(
+            f"The embedded rollout engine supports layer types {SUPPORTED_LAYER_TYPES}; this model has {unknown}. "
+            "Use the sglang engine for this model.")
+    window = getattr(text_config, "sliding_window", None)
+    return {t: (window if t == "sliding_attention" else None) for t in set(types)}
+
+
+def prefill_masks(prompt_mask: torch.Tensor, p: int, windows: dict[str, int | None],
+                  additive_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """4-D masks ``[batch, 1, p, max_len]`` for the prompt forward (query slots ``0..p-1``).
+
+    Query slot ``i`` sees key slot ``j`` iff ``j <= i`` and ``j`` holds a prompt token (or
+    ``j == i``, so padding queries never have an empty row and SDPA never yields NaN), and,
+    for a sliding layer with window ``w``, ``i - j < w`` (HF ``sliding_window_overlay``).
+
+    Args:
+        prompt_mask: ``[batch, max_len]`` bool, True on prompt slots.
+        p: prompt slots (longest prompt), tokens.
+        windows: :func:`layer_windows` output.
+        additive_dtype: None for boolean masks (SDPA); a float dtype for the additive masks of
+            the eager attention path (0 = attend, dtype min = masked).
+    """
+    dev = prompt_mask.device
+    i = torch.arange(p, device=dev)[:, None]
+    j = torch.arange(prompt_mask.shape[1], device=dev)[None, :]
+    base = (j <= i)[None] & (prompt_mask[:, None, :] | (j == i)[None])
+    out = {}
+    for layer_type, w in windows.items():
+        m = base if w is None else base & ((i - j) < w)[None]
+        out[layer_type] = _to_mask(m[:, None], additive_dtype)
+    return out
+
+
+def _to_mask(m: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:
+    if additive_dtype is None:
+        return m
+    return torch.zeros(m.shape, dtype=additive_dtype, device=m.device).masked_fill(~m, torch.finfo(additive_dtype).min)
+
+
+class DecodeState:
+    """Buffers for decoding one ``(batch, max_len)`` bucket; optionally a captured CUDA graph.
+
+    Per step the caller writes the sampled tokens, their position ids and the slot into the
+    static buffers (``set_step``) and calls :meth:`step`, which runs the model on
+    ``[batch, 1]`` inputs (eagerly, or by replaying the CUDA graph) and returns
+    ``[batch, vocab]`` float32 logits (a static buffer under a graph: read it before the next
+    step).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, windows: dict[str, int | None],
+                 device: torch.device, additive_dtype: torch.dtype | None, use_cuda_graph: bool,
+                 graph_pool: Any = None):
+        self.model = model
+        self.batch, self.max_len = batch, max_len
+        self.windows = windows
+        self.additive_dtype = additive_dtype
+        self.cache = StaticKVCache(max_len)
+        self.cache_kw = cache_kwarg_name(model)
+        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.slot = torch.zeros((1,), dtype=torch.long, device=device)
+        self.allowed = torch.zeros((batch, max_len), dtype=torch.bool, device=device)  # key slots visible
+        mask_dtype = torch.bool if additive_dtype is None else additive_dtype
+        self.masks = {t: torch.zeros((batch, 1, 1, max_len), dtype=mask_dtype, device=device) for t in windows}
+        self.use_cuda_graph = use_cuda_graph
+        self.graph_pool = graph_pool  # shared memory pool of all captured graphs (torch.cuda.graph_pool_handle)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_logits: torch.Tensor | None = None
+
+    # -- prompt ---------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``[batch, P]`` through the model; return last-slot logits ``[batch, vocab]`` fp32."""
+        p = input_ids.shape[1]
+        self.allowed.copy_(prompt_mask)
+        masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
+        self.cache.write_index = torch.arange(p, device=input_ids.device)
+        out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
+        self.cache.write_index = self.slot
+        return out.logits[:, -1, :].float()
+
+    # -- decode ---------------------------------------------------------------------------
+    def set_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> None:
+        """Stage a decode step: ``tokens``/``positions`` ``[batch]`` int64 go to key slot ``slot``."""
+        self.ids.copy_(tokens[:, None])
+        self.pos.copy_(positions[:, None])
+        self.slot.fill_(slot)
+        self.allowed[:, slot] = True
+        for t, w in self.windows.items():
+            m = self.masks[t]
+            if self.additive_dtype is None:
+                m[:, 0, 0, :] = self.allowed
+                if w is not None and slot - w >= 0:
+                    m[:, 0, 0, : slot - w + 1] = False
+            else:
+                vis = self.allowed.clone()
+                if w is not None and slot - w >= 0:
+                    vis[:, : slot - w + 1] = False
+                m[:, 0, 0, :] = _to_mask(vis, self.additive_dtype)
+
+    def _eager_step(self) -> torch.Tensor:
+        out = self.model(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos,
+                         use_cache=True, **{self.cache_kw: self.cache})
+        return out.logits[:, -1, :].float()
+
+    def step(self) -> torch.Tensor:
+        """Run one decode step; returns ``[batch, vocab]`` float32 logits."""
+        if not self.use_cuda_graph:
+            return self._eager_step()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.static_logits
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (cuBLAS/SDPA workspace allocation), then capture. The warm-up
+        # writes K/V into the staged slot, which the first real step overwrites before reading.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self.static_logits = self._eager_step()
+        self.graph = graph
+

@@ -1,0 +1,375 @@
+"""The embedded rollout engine: a transformers CausalLM in this process (CPU or one GPU).
+
+Generation is our own batched loop, not ``model.generate``, so that sampling and logprobs are
+ours (convention: :mod:`ferrule.rollout.base`):
+
+1. the ``len(requests) * n`` rows are left-padded into one batch (``[batch, P]``) with position
+   ids counting from 0 at each row's first real token;
+2. one prompt forward fills a static KV cache (:mod:`ferrule.rollout._static_cache`);
+3. each decode step samples one token per row (per-call ``torch.Generator`` seeded with
+   ``seed``), records its logprob, and runs the model on ``[batch, 1]``. Finished rows keep
+   their slot in the batch (static shapes) but their further tokens are discarded.
+
+On CUDA the decode step is captured once per ``(batch, max_len)`` bucket as a CUDA graph
+(``cuda_graph=True``, the default on CUDA; batch rounded up to a multiple of 8 and cache length
+to a multiple of 128 so graphs are reused across calls). Weight updates copy into the
+existing parameters, so captured graphs stay valid. On CPU the same code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import json
+import os
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ferrule.rollout._sampling import StopStringMatcher, sample_next
+from ferrule.rollout._static_cache import DecodeState, layer_windows
+from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
+
+_BATCH_BUCKET = 8
+_LEN_BUCKET = 128
+_MAX_GRAPH_STATES = 4
+_SYNC_EVERY_CUDA = 8  # decode steps between "all rows finished?" host checks on CUDA
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _resolve_model_class(hf_config: Any) -> Any:
+    """The transformers class the family registers (``ModelFamilySpec.hf_model_class``)."""
+    from ferrule import registry
+    from ferrule.specs import resolve_ref
+
+    family = registry.family_for_hf_config(hf_config.to_dict())
+    if not family.hf_model_class:
+        raise ValueError(f"Family {family.name!r} declares no hf_model_class, so the embedded engine cannot "
+                         "build it; pass model_class= explicitly or use the sglang engine.")
+    return resolve_ref(family.hf_model_class)
+
+
+class EmbeddedEngine:
+    """Rollout engine running a transformers CausalLM in-process.
+
+    Build it from exactly one of:
+
+    - ``model``: an already-built ``PreTrainedModel`` (moved to ``device``/``dtype`` if given);
+    - ``hf_dir``: an HF checkpoint directory (``config.json`` + safetensors); the class comes
+      from the family registry (``ModelFamilySpec.hf_model_class``) unless ``model_class``;
+    - ``hf_config`` (+ optional ``state_dict`` of HF-named tensors, loaded strictly).
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: the model's device, or CPU.
+        dtype: parameter dtype (e.g. ``torch.bfloat16``); default: keep / config dtype.
+        tokenizer: anything with ``decode(list[int]) -> str`` (needed for stop strings); for
+            ``hf_dir`` an ``AutoTokenizer`` is loaded from the directory when it has tokenizer
+            files.
+        cuda_graph: capture the decode step as a CUDA graph; default True on CUDA. Ignored
+            (False) on CPU.
+        model_class: override the transformers class used for ``hf_dir`` / ``hf_config``.
+
+    Raises:
+        ValueError: not exactly one model source, or an unsupported attention implementation.
+        NotImplementedError: layer types other than full / sliding attention.
+    """
+
+    kind = "embedded"
+
+    def __init__(self, model: torch.nn.Module | None = None, *, hf_dir: str | os.PathLike | None = None,
+                 hf_config: Any = None, state_dict: dict[str, torch.Tensor] | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 tokenizer: Any = None, cuda_graph: bool | None = None, model_class: Any = None):
+        sources = [x is not None for x in (model, hf_dir, hf_config)]
+        if sum(sources) != 1:
+            raise ValueError("EmbeddedEngine needs exactly one of model=, hf_dir=, hf_config= "
+                             f"(got model={model is not None}, hf_dir={hf_dir!r}, hf_config={hf_config is not None}).")
+        if state_dict is not None and hf_config is None:
+            raise ValueError("EmbeddedEngine: state_dict= goes with hf_config=; for a built model call update_weights().")
+        if hf_dir is not None:
+            model, tokenizer = self._load_dir(hf_dir, dtype, tokenizer, model_class)
+        elif hf_config is not None:
+            cls = model_class or _resolve_model_class(hf_config)
+            model = cls(hf_config)
+            if state_dict is not None:
+                model.load_state_dict(state_dict, strict=True)
+        self.model = model.eval()
+        if device is not None or dtype is not None:
+            self.model.to(device=device, dtype=dtype)
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = tokenizer
+        attn = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"EmbeddedEngine supports attn_implementation 'sdpa' or 'eager', got {attn!r}; "
+                             "build the model with attn_implementation='sdpa'.")
+        self._additive_dtype = self.dtype if attn == "eager" else None
+        self._windows = layer_windows(self.model.config)
+        self.cuda_graph = bool(self.device.type == "cuda" and (cuda_graph is None or cuda_graph))
+        self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        self.weights_version = 0
+        self._eos_ids = self._find_eos_ids()
+        cfg = self.model.config.get_text_config(decoder=True) if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        self._pad_id = getattr(cfg, "pad_token_id", None)
+        self._pad_id = 0 if self._pad_id is None else int(self._pad_id)
+        self._max_positions = getattr(cfg, "max_position_embeddings", None)
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _load_dir(hf_dir: str | os.PathLike, dtype: torch.dtype | None, tokenizer: Any, model_class: Any):
+        from transformers import AutoConfig
+
+        hf_dir = os.fspath(hf_dir)
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise FileNotFoundError(f"{hf_dir!r} has no config.json; pass an HF checkpoint directory.")
+        config = AutoConfig.from_pretrained(hf_dir)
+        cls = model_class or _resolve_model_class(config)
+        model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa")
+        if tokenizer is None and any(os.path.isfile(os.path.join(hf_dir, f))
+                                     for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        return model, tokenizer
+
+    def _find_eos_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is None:
+                continue
+            ids.extend([eos] if isinstance(eos, int) else list(eos))
+        return tuple(sorted(set(int(i) for i in ids)))
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerateRequest | Sequence[int]],
+                 sampling_params: SamplingParams) -> list[GenerateResult]:
+        """Sample ``sampling_params.n`` continuations per prompt.
+
+        Returns:
+            ``len(requests) * n`` results, prompt-major (result ``i * n + j`` = prompt ``i``,
+            sample ``j``).
+
+        Raises:
+            ValueError: stop strings without a tokenizer; prompt + ``max_new_tokens`` longer
+                than ``max_position_embeddings``; token ids outside the vocabulary.
+            RuntimeError: the engine was shut down.
+        """
+        if self._closed:
+            raise RuntimeError("EmbeddedEngine.generate after shutdown(); build a new engine.")
+        reqs = as_requests(requests)
+        params = sampling_params
+        matcher = None
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.stop needs a tokenizer to decode tokens; pass tokenizer= to "
+                                 "EmbeddedEngine (or use stop_token_ids).")
+            matcher = StopStringMatcher(params.stop, self.tokenizer.decode)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, r in enumerate(reqs):
+            bad = [t for t in r.prompt_token_ids if t >= vocab]
+            if bad:
+                raise ValueError(f"Request {i} (id {r.request_id!r}) has token ids {bad[:5]} >= vocab size {vocab}.")
+        prompts = [list(r.prompt_token_ids) for r in reqs for _ in range(params.n)]
+        longest = max(len(p) for p in prompts)
+        if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
+            raise ValueError(f"Longest prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"max_position_embeddings={self._max_positions}; shorten the prompt or max_new_tokens.")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        rows = self._run(prompts, params, sorted(stop_ids), matcher)
+        out = []
+        for k, (tokens, lps, raw, reason) in enumerate(rows):
+            i, j = divmod(k, params.n)
+            out.append(GenerateResult(token_ids=tuple(tokens), logprobs=tuple(lps), finish_reason=reason,
+                                      prompt_index=i, sample_index=j, request_id=reqs[i].request_id,
+                                      raw_logprobs=None if raw is None else tuple(raw),
+                                      weights_version=self.weights_version))
+        return out
+
+    def _state(self, batch: int, max_len: int) -> DecodeState:
+        key = (batch, max_len)
+        if key in self._states:
+            self._states.move_to_end(key)
+            return self._states[key]
+        while len(self._states) >= _MAX_GRAPH_STATES:
+            self._states.popitem(last=False)
+        state = DecodeState(self.model, batch, max_len, self._windows, self.device, self._additive_dtype,
+                            self.cuda_graph, graph_pool=self._graph_pool)
+        self._states[key] = state
+        return state
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
+             matcher: StopStringMatcher | None):
+        dev = self.device
+        real = len(prompts)
+        p = max(len(x) for x in prompts)
+        need = p + params.max_new_tokens
+        if self.cuda_graph:
+            batch, max_len = _round_up(real, _BATCH_BUCKET), _round_up(need, _LEN_BUCKET)
+        else:
+            batch, max_len = real, need
+        rows = prompts + [[self._pad_id]] * (batch - real)  # bucket filler rows: 1 pad token, discarded
+        input_ids = torch.full((batch, p), self._pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((batch, max_len), dtype=torch.bool)
+        for r, toks in enumerate(rows):
+            input_ids[r, p - len(toks):] = torch.tensor(toks, dtype=torch.long)
+            prompt_mask[r, p - len(toks):p] = True
+        prompt_len = prompt_mask.sum(-1)
+        position_ids = (torch.cumsum(prompt_mask[:, :p].long(), -1) - 1).clamp_(min=0)
+        input_ids, prompt_mask, position_ids, prompt_len = (t.to(dev) for t in
+                                                            (input_ids, prompt_mask, position_ids, prompt_len))
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()) % (2**63))
+        stop_t = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+        n_new = params.max_new_tokens
+        tokens_out = torch.zeros((batch, n_new), dtype=torch.long, device=dev)
+        lp_out = torch.zeros((batch, n_new), dtype=torch.float32, device=dev)
+        raw_out = torch.zeros_like(lp_out) if params.return_raw_logprobs else None
+        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        finished[real:] = True
+        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(batch, dtype=torch.long, device=dev)
+
+        state = self._state(batch, max_len)
+        logits = state.prefill(input_ids, position_ids, prompt_mask)
+        host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
+        sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
+        for t in range(n_new):
+            tok, lp, raw = sample_next(logits, params, gen)
+            tokens_out[:, t] = tok
+            lp_out[:, t] = lp
+            if raw_out is not None:
+                raw_out[:, t] = raw
+            alive = ~finished
+            lengths += alive.long()
+            hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
+            if matcher is not None:
+                tok_host, alive_host = tok.tolist(), alive.tolist()
+                extra = []
+                for r in range(real):
+                    if alive_host[r]:
+                        host_tokens[r].append(tok_host[r])
+                        if matcher.matches(host_tokens[r]):
+                            extra.append(r)
+                if extra:
+                    hit = hit.clone()
+                    hit[torch.tensor(extra, device=dev)] = True
+            stopped |= hit
+            finished |= hit
+            if t == n_new - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):
+                break
+            state.set_step(tok, prompt_len + t, p + t)
+            logits = state.step()
+
+        lengths_h, stopped_h = lengths.tolist(), stopped.tolist()
+        tok_h, lp_h = tokens_out.tolist(), lp_out.tolist()
+        raw_h = raw_out.tolist() if raw_out is not None else None
+        result = []
+        for r in range(real):
+            n = lengths_h[r]
+            result.append((tok_h[r][:n], lp_h[r][:n], None if raw_h is None else raw_h[r][:n],
+                           "stop" if stopped_h[r] else "length"))
+        return result
+
+    # ------------------------------------------------------------------ weights
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        # state_dict keeps tied aliases (e.g. lm_head.weight -> embed_tokens.weight) under both names.
+        return dict(self.model.state_dict(keep_vars=True))
+
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors into the model in place and set ``weights_version = version``.
+
+        All tensors of one call are validated before any is written, so a bad call changes
+        nothing. Tied parameters (``lm_head.weight`` aliasing ``model.embed_tokens.weight``) can
+        be sent under either name; sending both with different values is an error.
+
+        Args:
+            named_tensors: ``(hf_name, tensor)`` pairs, e.g. one update-group bucket. Floating
+                tensors are cast to the parameter dtype; other dtypes must match.
+            version: the trainer's weight version; must not be lower than ``weights_version``.
+
+        Raises:
+            KeyError: unknown names (each is listed with the closest known names).
+            ValueError: shape / dtype mismatch, duplicate names, conflicting tied values,
+                or a version going backwards.
+        """
+        if version < self.weights_version:
+            raise ValueError(f"update_weights(version={version}) is older than the loaded weights_version="
+                             f"{self.weights_version}; versions must not go backwards.")
+        targets = self._named_tensors()
+        items = list(named_tensors)
+        unknown = [n for n, _ in items if n not in targets]
+        if unknown:
+            hints = {n: difflib.get_close_matches(n, list(targets), n=2) for n in unknown[:10]}
+            raise KeyError(f"update_weights: {len(unknown)} unknown HF parameter name(s): {hints} "
+                           f"(name -> closest known). The model has {len(targets)} named tensors; convert names "
+                           "with the family's mapping table before sending.")
+        seen: dict[int, tuple[str, torch.Tensor]] = {}
+        errors = []
+        for name, tensor in items:
+            dst = targets[name]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                errors.append(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            elif dst.is_floating_point() != tensor.is_floating_point() or (
+                    not dst.is_floating_point() and dst.dtype != tensor.dtype):
+                errors.append(f"{name}: dtype {tensor.dtype} cannot be loaded into {dst.dtype}")
+            key = id(dst)
+            if key in seen:
+                other_name, other = seen[key]
+                if other_name == name:
+                    errors.append(f"{name}: sent twice in one call")
+                elif not torch.equal(other.to(tensor.device, tensor.dtype), tensor):
+                    errors.append(f"{name} and {other_name} are tied in this model but were sent with different values")
+            seen[key] = (name, tensor)
+        if errors:
+            raise ValueError("update_weights rejected the whole call (nothing was written):\n  " + "\n  ".join(errors))
+        for name, tensor in items:
+            targets[name].data.copy_(tensor.to(self.device, non_blocking=True))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.weights_version = version
+
+    def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named tensors of the engine's model (tied names included), detached, aliasing the weights."""
+        return {k: v.detach() for k, v in self._named_tensors().items()}
+
+    def load_lora_adapter(self, name: str, path: str, **kwargs: Any) -> None:
+        """Not implemented until the LoRA issue lands."""
+        raise NotImplementedError("EmbeddedEngine.load_lora_adapter: LoRA serving is not implemented yet "
+                                  "(tracked by the LoRA issue); merge the adapter into the base weights and "
+                                  "call update_weights instead.")
+
+    # ------------------------------------------------------------------ lifecycle
+    def health(self) -> dict[str, Any]:
+        """``{"status", "kind", "device", "dtype", "weights_version", "model_type", "cuda_graph", ...}``."""
+        return {
+            "status": "closed" if self._closed else "ok",
+            "kind": self.kind,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "weights_version": self.weights_version,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "cuda_graph": self.cuda_graph,
+            "captured_buckets": [list(k) for k in self._states if self._states[k].graph is not None],
+        }
+
+    def shutdown(self) -> None:
+        """Drop decode states (KV caches, CUDA graphs); further ``generate`` calls raise."""
+        self._states.clear()
+        self._closed = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEngine({json.dumps(self.health())})"
