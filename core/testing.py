@@ -6,10 +6,13 @@ Use it from any plugin package's test suite::
     pytest_plugins = ["ferrule.testing"]
 
     # test_conformance.py
-    from ferrule.testing import FamilyConformance as TestFamilyConformance  # noqa: F401
+    from ferrule.testing import FamilyConformance
 
-Every test of :class:`FamilyConformance` is parametrized over the registered families
-(``--ferrule-family NAME`` restricts it, repeatable). The cases:
+    class TestMyFamily(FamilyConformance):
+        families = ("myfamily",)      # None: every registered family
+
+The conftest line is optional: it adds ``--ferrule-family NAME`` (repeatable) to restrict the
+families from the command line. The cases:
 
 - discovery (loading plugins and calling every ``register_*`` hook) imports no torch,
   megatron, transformers or CUDA;
@@ -44,16 +47,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run ferrule conformance cases only for this family (repeatable)")
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "ferrule_family" in metafunc.fixturenames:
-        wanted = metafunc.config.getoption("ferrule_family", default=[]) or []
-        names = [f.name for f in registry.list_families()]
-        unknown = sorted(set(wanted) - set(names))
-        if unknown:
-            raise pytest.UsageError(f"--ferrule-family {unknown} not registered; registered: {names}")
-        metafunc.parametrize("ferrule_family", [n for n in names if not wanted or n in wanted])
-
-
 def family_specs(family: str) -> list[object]:
     """Every spec registered for ``family`` (family, provider, converter, groups, LoRA, templates, towers)."""
     reg = registry.get_registry()
@@ -84,7 +77,30 @@ def discovery_imports(env: dict[str, str] | None = None) -> dict[str, object]:
 
 
 class FamilyConformance:
-    """Conformance cases, parametrized over registered families by the ``ferrule_family`` fixture."""
+    """Conformance cases, parametrized over registered families (the ``ferrule_family`` argument).
+
+    Subclass it in a test module (pytest collects ``Test*`` classes). Set ``families`` on the
+    subclass to restrict it to your own families; ``--ferrule-family NAME`` (available when
+    ``ferrule.testing`` is a loaded pytest plugin) restricts it further.
+    """
+
+    #: families to check; None means every registered family
+    families: tuple[str, ...] | None = None
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "ferrule_family" not in metafunc.fixturenames:
+            return
+        names = [f.name for f in registry.list_families()]
+        wanted = list(self.families or ())
+        try:
+            wanted += metafunc.config.getoption("ferrule_family") or []
+        except ValueError:  # the option is only there when ferrule.testing is a loaded plugin
+            pass
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise pytest.UsageError(f"families {unknown} are not registered; registered: {names}. "
+                                    f"Is the plugin package installed (see `ferrule plugins`)?")
+        metafunc.parametrize("ferrule_family", [n for n in names if not wanted or n in wanted])
 
     def test_discovery_imports_nothing_heavy(self, ferrule_family: str) -> None:
         result = discovery_imports()
@@ -117,3 +133,32 @@ class FamilyConformance:
                     assert callable(resolve_ref(value)), f"{type(spec).__name__}.{f.name}={value!r}"
             if hasattr(spec, "read_source"):
                 assert spec.read_source().strip(), f"chat template {spec.name} is empty"
+
+    def test_numeric_conformance(self, ferrule_family: str, tmp_path) -> None:
+        """Round trip bit-exact, mapping covers the provider, Megatron logits == HF logits.
+
+        Runs in a fresh interpreter: megatron's parallel state and the CPU-compat patches are
+        process-global and must not leak into the rest of the test session.
+        """
+        reg = registry.get_registry()
+        if ferrule_family not in reg.converters or ferrule_family not in reg.providers:
+            spec = reg.get_family(ferrule_family)
+            pytest.skip(f"{ferrule_family} registers no converter/provider yet ({spec.status.name}: {spec.reason})")
+        code = (
+            "import json, sys\n"
+            "from ferrule import conformance_numeric as cn\n"
+            "fam, work = sys.argv[1], sys.argv[2]\n"
+            "if cn.tiny_hf_config(fam) is None:\n"
+            "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
+            "cn.check_round_trip(fam, work + '/rt')\n"
+            "cn.check_mapping_covers_provider(fam, work + '/cov')\n"
+            "diff = cn.check_logits_parity(fam, work + '/par')\n"
+            "print(json.dumps({'logits_max_abs_diff': float(diff)}))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, ferrule_family, str(tmp_path)],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"numeric conformance failed for {ferrule_family}:\n{out.stderr[-4000:]}"
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if "skip" in result:
+            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        assert result["logits_max_abs_diff"] <= 1e-5

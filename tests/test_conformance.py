@@ -1,3 +1,8 @@
-"""Run ferrule's own conformance kit over the in-tree families (qwen2, qwen3, qwen3_moe, inkling)."""
+"""Run ferrule's own conformance kit over every registered family (the in-tree qwen2, qwen3,
+qwen3_moe, inkling, and the example llama plugin when installed)."""
 
-from ferrule.testing import FamilyConformance as TestFamilyConformance  # noqa: F401
+from ferrule.testing import FamilyConformance
+
+
+class TestFamilyConformance(FamilyConformance):
+    families = None

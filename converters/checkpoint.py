@@ -1,0 +1,388 @@
+"""HF checkpoint <-> Megatron ``dist_checkpointing`` torch_dist checkpoint.
+
+Output layout of :func:`hf_to_torch_dist` (one directory)::
+
+    OUT_DIR/
+      metadata.json, .metadata, common.pt, __R_W.distcp   megatron torch_dist files
+      ferrule_checkpoint.json                              family, layout it was saved from, dtype
+      hf/config.json, hf/generation_config.json, hf/tokenizer*  copied from the HF directory
+
+The sharded state dict is ``{"model": GPTModel.sharded_state_dict()}`` (``"model0"``,
+``"model1"``, ... per virtual pipeline stage, as Megatron-LM does); it stores global tensors
+with offsets, so it loads under any TP / EP / PP layout.
+
+Both directions write into a temporary sibling directory (``.OUT_DIR.tmp-<pid>``) that is
+renamed to ``OUT_DIR`` only once complete; on any error it is deleted, so nothing that looks
+like a checkpoint is left behind. An existing ``OUT_DIR`` is refused unless ``overwrite``.
+Layouts with more than one rank run that many gloo (CPU) or NCCL (GPU) processes via
+``torch.multiprocessing`` spawn; the requested layout is never changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ferrule.converters.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
+
+__all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
+           "HF_SIDE_FILES", "read_checkpoint_metadata"]
+
+HF_SUBDIR = "hf"
+METADATA_FILE = "ferrule_checkpoint.json"
+FORMAT = "ferrule-torch_dist-v1"
+#: Non-weight files copied between HF directories and ``OUT_DIR/hf`` (those present).
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+class ConversionError(RuntimeError):
+    """A conversion failed; the message carries the worker's error (nothing was written)."""
+
+
+# ---------------------------------------------------------------------------------------
+# output directory handling
+# ---------------------------------------------------------------------------------------
+
+
+def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"output directory {out_dir} already exists; pass overwrite=True (--overwrite) "
+                              f"to replace it, or choose another path.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, out_dir: Path) -> None:
+    out_dir = Path(out_dir).absolute()
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _copy_side_files(src: Path, dst: Path) -> list[str]:
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _read_config(hf_dir: Path) -> dict:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; an HF checkpoint directory needs its config.json.")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
+    """The ``ferrule_checkpoint.json`` of a converted checkpoint.
+
+    Raises:
+        CheckpointError: the directory is not a complete ferrule torch_dist checkpoint.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    meta = ckpt_dir / METADATA_FILE
+    if not (ckpt_dir / "metadata.json").is_file() or not meta.is_file() \
+            or not (ckpt_dir / HF_SUBDIR / "config.json").is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} is not a ferrule torch_dist checkpoint (needs metadata.json, {METADATA_FILE} and "
+            f"{HF_SUBDIR}/config.json); create one with `ferrule convert hf-to-torch-dist`."
+        )
+    return json.loads(meta.read_text())
+
+
+def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
+    """(family spec, provider build callable, mapping table) from the registry."""
+    from ferrule import registry
+    from ferrule.specs import resolve_ref
+
+    family = registry.family_for_hf_config(hf_config)
+    provider = registry.get_provider(family.name)
+    converter = registry.get_converter(family.name)
+    return family, resolve_ref(provider.build), converter.resolved_mapping()
+
+
+# ---------------------------------------------------------------------------------------
+# running workers (in-process for one rank, spawned processes otherwise)
+# ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, err_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        fn(rank, *args)
+    except BaseException as exc:  # report the worker's error text to the parent
+        Path(err_dir, f"error-rank{rank}.txt").write_text(
+            f"{type(exc).__name__}\n{exc}\n---\n{traceback.format_exc()}")
+        raise
+
+
+def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller."""
+    import torch.distributed as dist
+
+    if world == 1 and not dist.is_initialized():
+        keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+        saved = {k: os.environ.get(k) for k in keys}
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        try:
+            fn(0, *args)
+        finally:
+            from ferrule.megatron.parallel import destroy_distributed
+
+            destroy_distributed()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return
+    import torch.multiprocessing as mp
+
+    err_dir = tmp / ".errors"
+    err_dir.mkdir(exist_ok=True)
+    try:
+        mp.start_processes(_spawn_entry, args=(world, _free_port(), fn, args, str(err_dir)), nprocs=world,
+                           join=True, start_method="spawn")
+    except Exception as exc:
+        reports = sorted(err_dir.glob("error-rank*.txt"))
+        if not reports:
+            raise ConversionError(f"a conversion worker died without a report: {exc}") from None
+        kind, _, rest = reports[0].read_text().partition("\n")
+        message = rest.split("\n---\n")[0]
+        from ferrule.mapping import MappingError
+
+        known = {"MappingError": MappingError, "CheckpointError": CheckpointError,
+                 "FileExistsError": FileExistsError, "ValueError": ValueError}
+        raise known.get(kind, ConversionError)(f"[{reports[0].stem}] {message}") from None
+    finally:
+        shutil.rmtree(err_dir, ignore_errors=True)
+
+
+def _dtype_name(reader: SafetensorsReader) -> str:
+    names = {reader.dtype_name(k) for k in reader.keys()}
+    float_names = [n for n in ("F32", "BF16", "F16") if n in names]
+    if len(float_names) != 1:
+        raise CheckpointError(f"checkpoint mixes floating dtypes {sorted(names)}; pass dtype= explicitly.")
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[float_names[0]]
+
+
+def _build(build: Callable, hf_config: dict, layout: Any, dtype: str) -> list:
+    import torch
+
+    # every parameter is overwritten from the checkpoint: skip megatron's random init
+    chunks = build(hf_config, layout, params_dtype=getattr(torch, dtype),
+                   config_overrides={"perform_initialization": False})
+    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+
+def _sharded_state_dict(chunks: list) -> dict:
+    from ferrule.converters.weights import unwrap
+
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -> None:
+    """Load a torch_dist checkpoint's model weights into live Megatron chunks (any layout).
+
+    Uses ``{"model": sharded_state_dict}`` (``model0``, ... for virtual stages) with
+    ``strict="raise_all"``: a key missing from the checkpoint or not in the model raises.
+    Every rank of the job must call it.
+    """
+    from megatron.core import dist_checkpointing
+
+    from ferrule.converters.weights import unwrap
+
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(ckpt_dir), strict="raise_all")
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks):
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+
+
+# ---------------------------------------------------------------------------------------
+# HF -> torch_dist
+# ---------------------------------------------------------------------------------------
+
+
+def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
+                             progress: Callable[[int], None] | None) -> None:
+    from megatron.core import dist_checkpointing
+
+    from ferrule.converters.weights import load_hf_into_mcore
+    from ferrule.megatron.parallel import ParallelLayout, init_distributed
+
+    layout = ParallelLayout(**layout_kw)
+    init_distributed(layout)
+    _, build, table = _family_parts(hf_config)
+    chunks = _build(build, hf_config, layout, dtype)
+    load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config, progress=progress if rank == 0 else None)
+    dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
+
+
+def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,
+                     overwrite: bool = False, dtype: str | None = None,
+                     progress: Callable[[int], None] | None = None) -> Path:
+    """Convert an HF safetensors checkpoint into a megatron torch_dist checkpoint.
+
+    The family comes from ``config.json`` through the registry; the model is built by the
+    family's provider at the requested layout (``tp * ep * pp`` ranks; expert TP = ``tp``),
+    HF tensors are streamed one at a time through the family's mapping table into the live
+    parameters, and ``megatron.core.dist_checkpointing.save`` writes the result.
+
+    Args:
+        hf_dir: HF checkpoint directory (``config.json`` + ``model.safetensors[.index.json]``).
+        out_dir: output directory (must not exist unless ``overwrite``).
+        tp, ep, pp: parallel layout used for the conversion processes (the checkpoint itself
+            loads under any layout).
+        dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the
+            checkpoint's floating dtype, so the conversion is bit-exact.
+        progress: ``progress(n_bytes)`` after each parameter (single-process runs only).
+
+    Returns:
+        ``out_dir`` as an absolute path.
+
+    Raises:
+        CheckpointError: missing ``config.json``, missing/truncated shard.
+        ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
+        ferrule.megatron.parallel.ParallelLayoutError: an invalid layout.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        ferrule.mapping.MappingError: missing / extra HF keys or shape mismatches (all listed).
+        ConversionError: a worker failed otherwise.
+    """
+    from ferrule import __version__
+    from ferrule.megatron.parallel import ParallelLayout
+
+    hf_dir = Path(hf_dir).absolute()
+    out_dir = Path(out_dir).absolute()
+    hf_config = _read_config(hf_dir)
+    family, _, _ = _family_parts(hf_config)  # unsupported model_type fails here, before any output
+    reader = SafetensorsReader(hf_dir)  # missing / truncated shards fail here
+    dtype = dtype or _dtype_name(reader)
+    layout_kw = {"tp": tp, "pp": pp, "ep": ep}
+    world = tp * pp * ep
+    ParallelLayout(**layout_kw).validate(world)
+    tmp = _prepare_out(out_dir, overwrite)
+    try:
+        _run(world, _hf_to_torch_dist_worker, (str(hf_dir), str(tmp), hf_config, layout_kw, dtype,
+                                               progress if world == 1 else None), tmp)
+        if not (tmp / "metadata.json").is_file():
+            raise ConversionError(f"megatron dist_checkpointing.save wrote no metadata.json into {tmp}.")
+        copied = _copy_side_files(hf_dir, tmp / HF_SUBDIR)
+        import megatron.core
+
+        meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
+                "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
+                "hf_bytes": reader.total_bytes(), "ferrule_version": __version__,
+                "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------
+# torch_dist -> HF
+# ---------------------------------------------------------------------------------------
+
+
+def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
+                             max_shard_bytes: int, progress: Callable[[int], None] | None) -> None:
+    from ferrule.converters.weights import export_mcore_to_hf
+    from ferrule.megatron.parallel import ParallelLayout, init_distributed
+
+    layout = ParallelLayout(**layout_kw)
+    init_distributed(layout)
+    _, build, table = _family_parts(hf_config)
+    chunks = _build(build, hf_config, layout, dtype)
+    load_torch_dist_into_mcore(chunks, ckpt_dir)
+    writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank == 0 else None
+    import torch
+
+    # megatron may keep some parameters (e.g. torch norms) in fp32 under bf16 params_dtype;
+    # the HF checkpoint had one floating dtype, which is restored here (exact for bf16 -> fp32 -> bf16)
+    for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config, dtype=getattr(torch, dtype)):
+        if writer is not None:
+            writer.add(name, tensor.cpu())
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size())
+    if writer is not None:
+        writer.close()
+
+
+def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
+                     overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
+                     progress: Callable[[int], None] | None = None) -> Path:
+    """Convert a checkpoint written by :func:`hf_to_torch_dist` back to HF safetensors.
+
+    Reads the family, dtype and HF config from ``CKPT_DIR/ferrule_checkpoint.json`` and
+    ``CKPT_DIR/hf/``; builds the model at ``tp`` x ``ep`` (any layout; 1 is enough), loads the
+    torch_dist tensors (``strict="raise_all"``: missing or unexpected keys are errors),
+    exports through the mapping table and writes ``model-0000i-of-0000n.safetensors`` shards
+    (``max_shard_bytes`` each, bytes) + ``model.safetensors.index.json`` (or one
+    ``model.safetensors``), plus the config / generation config / tokenizer files.
+
+    Returns:
+        ``out_dir`` as an absolute path.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.
+        ConversionError / megatron CheckpointingException: the torch_dist files do not match
+            the model built from the stored config.
+    """
+    from ferrule.megatron.parallel import ParallelLayout
+
+    ckpt_dir = Path(ckpt_dir).absolute()
+    out_dir = Path(out_dir).absolute()
+    meta = read_checkpoint_metadata(ckpt_dir)
+    hf_config = _read_config(ckpt_dir / HF_SUBDIR)
+    _family_parts(hf_config)
+    layout_kw = {"tp": tp, "pp": 1, "ep": ep}
+    world = tp * ep
+    ParallelLayout(**layout_kw).validate(world)
+    tmp = _prepare_out(out_dir, overwrite)
+    try:
+        _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
+                                               max_shard_bytes, progress if world == 1 else None), tmp)
+        _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
+        _commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

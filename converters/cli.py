@@ -1,0 +1,100 @@
+"""``ferrule convert``: HF <-> Megatron torch_dist checkpoint conversion (typer sub-app ``app``).
+
+Commands::
+
+    ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N] [--overwrite]
+    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite]
+
+Errors are printed as one message (what was wrong and how to fix it) with exit code 1; no
+partial output is left behind. See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["app"]
+
+app = typer.Typer(
+    name="convert",
+    help="Convert checkpoints between Hugging Face safetensors and Megatron torch_dist.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _progress(total_bytes: int, label: str):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+    progress = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    task = progress.add_task(label, total=total_bytes or None)
+    return progress, (lambda n: progress.advance(task, n))
+
+
+def _fail(exc: BaseException) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", markup=True, highlight=False)
+    raise typer.Exit(code=1)
+
+
+@app.command("hf-to-torch-dist")
+def hf_to_torch_dist_cmd(
+    hf_dir: Annotated[Path, typer.Argument(help="HF checkpoint directory (config.json + model.safetensors[.index.json]).")],
+    out_dir: Annotated[Path, typer.Argument(help="Output directory for the torch_dist checkpoint (must not exist).")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the conversion processes.")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE).")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")] = 1,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
+) -> None:
+    """Convert an HF checkpoint to a Megatron torch_dist checkpoint.
+
+    Runs tp*ep*pp processes (gloo on CPU); the checkpoint loads under any layout afterwards.
+    HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
+    """
+    from ferrule.converters.checkpoint import hf_to_torch_dist
+    from ferrule.converters.safetensors_io import SafetensorsReader
+
+    try:
+        if out_dir.exists() and not overwrite:
+            raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
+        total = SafetensorsReader(hf_dir).total_bytes() if (tp * ep * pp) == 1 else 0
+        progress, advance = _progress(total, "hf -> torch_dist")
+        with progress:
+            out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
+                                   progress=advance if total else None)
+    except Exception as exc:  # noqa: BLE001 - every error becomes one clear message
+        _fail(exc)
+    typer.echo(f"wrote {out}")
+
+
+@app.command("torch-dist-to-hf")
+def torch_dist_to_hf_cmd(
+    ckpt_dir: Annotated[Path, typer.Argument(help="torch_dist checkpoint written by hf-to-torch-dist.")],
+    out_dir: Annotated[Path, typer.Argument(help="Output HF directory (must not exist).")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
+    max_shard_gb: Annotated[float, typer.Option("--max-shard-gb", help="Safetensors shard size bound (GiB).")] = 5.0,
+) -> None:
+    """Convert a torch_dist checkpoint back to HF safetensors shards + index + config + tokenizer."""
+    import json
+
+    from ferrule.converters.checkpoint import read_checkpoint_metadata, torch_dist_to_hf
+
+    try:
+        if out_dir.exists() and not overwrite:
+            raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
+        meta = read_checkpoint_metadata(ckpt_dir)
+        progress, advance = _progress(int(meta.get("hf_bytes", 0)), "torch_dist -> hf")
+        with progress:
+            out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
+                                   progress=advance)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,177 @@
+"""Numeric conformance cases for families with a converter (called from :mod:`ferrule.testing`).
+
+A family opts in by defining ``TINY_HF_CONFIG`` (a dict of HF config keys, ``model_type``
+included) in the module its ``ProviderSpec.build`` points to. :func:`tiny_hf_dir` builds a
+random transformers model from it (``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config``,
+fixed seed) and saves it with ``save_pretrained``; the cases then check
+
+- :func:`check_round_trip`: HF -> torch_dist -> HF is bit-exact (same keys, dtypes, values);
+- :func:`check_mapping_covers_provider`: the mapping table maps every parameter the provider
+  builds, every table entry is used, and the HF keys produced equal the keys transformers saved;
+- :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1).
+
+Each function runs in the calling process on one gloo/NCCL rank (it initializes and tears down
+megatron's parallel state unless it is already initialized with TP=PP=EP=1) and raises
+``AssertionError`` with the offending names/values on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
+           "check_logits_parity", "single_rank", "LOGITS_ATOL_FP32"]
+
+#: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
+LOGITS_ATOL_FP32 = 1e-5
+SEED = 1234
+
+
+def _variant_module(family: str):
+    from ferrule import registry
+
+    ref = registry.get_provider(family).build
+    return importlib.import_module(ref.partition(":")[0])
+
+
+def tiny_hf_config(family: str) -> dict[str, Any] | None:
+    """The family's ``TINY_HF_CONFIG`` (a copy), or None if it declares none."""
+    cfg = getattr(_variant_module(family), "TINY_HF_CONFIG", None)
+    return dict(cfg) if cfg is not None else None
+
+
+def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
+                overrides: Mapping[str, Any] | None = None, dtype: str = "float32") -> Path:
+    """Save a tiny random HF model of ``family`` (from ``TINY_HF_CONFIG`` + ``overrides``) to ``out_dir``.
+
+    Weights are drawn with ``torch.manual_seed(seed)`` and then perturbed (norm weights are not
+    all ones) so that a mapping that swaps two norms would be caught.
+
+    Raises:
+        LookupError: the family declares no ``TINY_HF_CONFIG``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = tiny_hf_config(family)
+    if cfg is None:
+        raise LookupError(f"family {family!r} declares no TINY_HF_CONFIG in its provider module.")
+    cfg.update(overrides or {})
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = model.to(getattr(torch, dtype))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """Megatron parallel state with TP=PP=EP=1 on one process for the duration of the block."""
+    from ferrule.megatron import parallel
+
+    if parallel.is_initialized():
+        if (parallel.tp_size(), parallel.pp_size(), parallel.ep_size()) != (1, 1, 1):
+            raise RuntimeError("single_rank(): megatron is initialized with a parallel layout; run in a fresh process.")
+        yield
+        return
+    parallel.init_distributed(parallel.ParallelLayout())
+    try:
+        yield
+    finally:
+        parallel.destroy_distributed()
+
+
+def _build(family: str, hf_config: dict, **options) -> list:
+    from ferrule import registry
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.specs import resolve_ref
+
+    return resolve_ref(registry.get_provider(family).build)(hf_config, ParallelLayout(), **options)
+
+
+def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
+    """HF -> torch_dist -> HF on the tiny model is bit-exact (keys, dtypes, values, config)."""
+    import json
+
+    import torch
+
+    from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
+
+    work = Path(work_dir)
+    src = tiny_hf_dir(family, work / "hf")
+    hf_to_torch_dist(src, work / "torch_dist")
+    torch_dist_to_hf(work / "torch_dist", work / "hf_back")
+    a, b = SafetensorsReader(src), SafetensorsReader(work / "hf_back")
+    assert a.keys() == b.keys(), f"keys differ: {sorted(set(a.keys()) ^ set(b.keys()))}"
+    bad = [k for k in a.keys() if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
+    assert not bad, f"{family}: round trip changed {bad}"
+    assert json.loads((src / "config.json").read_text()) == json.loads((work / "hf_back" / "config.json").read_text())
+
+
+def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> None:
+    """Table entries == provider parameters, and table HF keys == keys transformers saved."""
+    import json
+
+    from ferrule import registry
+    from ferrule.converters import SafetensorsReader
+    from ferrule.converters.weights import global_param_names
+    from ferrule.mapping import MappingContext
+
+    table = registry.get_converter(family).resolved_mapping()
+    src = tiny_hf_dir(family, Path(work_dir) / "hf_cover")
+    hf_config = json.loads((src / "config.json").read_text())
+    with single_rank():
+        chunks = _build(family, hf_config)
+        names = [g for c in chunks for g in global_param_names(c).values()]
+    table.check_mcore_names(names)
+    unused = [m.mcore for m in table.mappings if not any(m.match(n) is not None for n in names)
+              and not (m.mcore == "output_layer.weight" and hf_config.get("tie_word_embeddings"))]
+    assert not unused, f"{family}: mapping entries match no provider parameter: {unused}"
+    ctx = MappingContext.from_hf_config(hf_config)
+    table.check_hf_keys(SafetensorsReader(src).keys(), names, ctx)
+
+
+def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float = LOGITS_ATOL_FP32,
+                        seq_len: int = 12) -> float:
+    """Max |Megatron logits - HF logits| over a random batch at TP=1, fp32; returns it.
+
+    Raises:
+        AssertionError: the difference exceeds ``atol``.
+    """
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ferrule import registry
+    from ferrule.converters import load_hf_into_mcore
+
+    src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
+    hf_config = json.loads((src / "config.json").read_text())
+    vocab = int(hf_config["vocab_size"])
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, vocab, (2, seq_len), generator=g)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    with single_rank():
+        (model,) = _build(family, hf_config)
+        load_hf_into_mcore([model], src, registry.get_converter(family).resolved_mapping(), hf_config=hf_config)
+        model.eval()
+        pos = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
+        with torch.no_grad():
+            out = model(ids, pos, attention_mask=None)[..., :vocab]
+    diff = (out.float() - ref.float()).abs().max().item()
+    assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
+    return diff

@@ -1,0 +1,9 @@
+"""Megatron-Core train-engine runtime: device backend, CPU compatibility, parallel layout,
+SDPA core attention and the GPT model builder.
+
+Import-light: submodules are imported on demand (``ferrule.megatron.device``,
+``.parallel``, ``.gpt_builder``, ``.attention``, ``.cpu_compat``). ``cpu_compat`` is only ever
+imported by :func:`ferrule.megatron.device.get_backend` on a machine without CUDA.
+"""
+
+__all__ = ["device", "parallel", "gpt_builder", "attention"]

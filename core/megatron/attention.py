@@ -1,0 +1,125 @@
+"""Core attention for megatron's local layer spec through ``torch.nn.functional.scaled_dot_product_attention``.
+
+Megatron's local ``DotProductAttention`` materializes ``[b*np, sq, sk]`` scores with ``baddbmm``
+(measured 2.7x slower than HF's SDPA on an H200, DESIGN.md §6). :class:`SDPAttention` is a
+drop-in replacement for the ``core_attention`` submodule of
+``get_gpt_layer_local_spec(...)``: same constructor, same tensors in and out, so parameter
+names and checkpoints are unchanged (it holds no parameters).
+
+Layouts (megatron's, ``transformer/dot_product_attention.py``):
+    query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (``np`` query heads and ``ng`` KV
+    groups on this TP rank, ``np % ng == 0``; query head ``i`` reads KV group
+    ``i // (np // ng)``, i.e. ``repeat_interleave`` order) -> context ``[sq, b, np * hn]``.
+
+Mask convention (megatron's): ``attention_mask`` is boolean, ``True`` = *masked out*,
+broadcastable to ``[b, np, sq, sk]``. A given mask is used as is (megatron does not combine it
+with the causal mask); with ``attention_mask=None`` and a causal layer the mask is causal
+(``is_causal=True``, which lets SDPA pick the flash kernel on GPU). Masked scores get -10000,
+like megatron's ``attention_mask_func``, so a fully masked (padding) row stays finite.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+__all__ = ["SDPAttention", "CORE_ATTENTION_CHOICES", "core_attention_class"]
+
+#: -10000, the value megatron's ``attention_mask_func`` writes into masked scores.
+MASKED_SCORE = -10000.0
+
+
+class SDPAttention(DotProductAttention):
+    """Megatron core attention computed by ``F.scaled_dot_product_attention``.
+
+    Construction is :class:`megatron.core.transformer.dot_product_attention.DotProductAttention`'s
+    (same arguments from the layer spec). Supported: causal / no-mask / explicit boolean masks,
+    GQA/MQA (``enable_gqa``), attention dropout in training. Not supported (raise
+    ``NotImplementedError`` at construction): sliding windows, ``softmax_type`` other than
+    ``'vanilla'``, packed sequences, attention bias.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.window_size is not None:
+            raise NotImplementedError(
+                "SDPAttention does not implement sliding-window attention; use core_attention='local'."
+            )
+        if self.config.softmax_type != "vanilla":
+            raise NotImplementedError(
+                f"SDPAttention supports softmax_type='vanilla' only, got {self.config.softmax_type!r}; "
+                f"use core_attention='local'."
+            )
+        # DotProductAttention divides softmax_scale by layer_number under
+        # apply_query_key_layer_scaling and multiplies it back inside the softmax: net scale.
+        coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
+        self.sdpa_scale = float(self.softmax_scale * coeff)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPAttention does not support packed sequences (packed_seq_params).")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support attention_bias.")
+        sq, b, np_, hn = query.shape
+        sk = key.shape[0]
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)    # [b, ng, sk, hn]
+        v = value.permute(1, 2, 0, 3)
+
+        attn_mask = None
+        is_causal = False
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise TypeError(
+                    f"attention_mask must be boolean (True = masked out, megatron's convention), "
+                    f"got {attention_mask.dtype}."
+                )
+            attn_mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
+            attn_mask = attn_mask.masked_fill(attention_mask.to(q.device), MASKED_SCORE)
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:
+                raise ValueError(f"causal attention without a mask needs sq == sk, got sq={sq}, sk={sk}.")
+            is_causal = True
+
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        context = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=self.sdpa_scale,
+            enable_gqa=k.shape[1] != np_,
+        )  # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+CORE_ATTENTION_CHOICES = ("sdpa", "local")
+
+
+def core_attention_class(name: str) -> type:
+    """``'sdpa'`` -> :class:`SDPAttention`; ``'local'`` -> megatron's ``DotProductAttention``.
+
+    Raises:
+        ValueError: an unknown name (lists the choices).
+    """
+    if name == "sdpa":
+        return SDPAttention
+    if name == "local":
+        return DotProductAttention
+    raise ValueError(f"core_attention={name!r} is unknown; choose one of {list(CORE_ATTENTION_CHOICES)}.")

@@ -1,0 +1,352 @@
+"""Build megatron-core ``GPTModel``\\ s (dense or MoE) from a ``TransformerConfig`` or an HF config.
+
+Usage (what family providers and converters call)::
+
+    from ferrule.megatron.parallel import ParallelLayout, init_distributed
+    from ferrule.megatron.gpt_builder import build_from_hf_config, padded_vocab_size
+    from ferrule.plugins.qwen.qwen3 import CONFIG_TRANSLATION
+
+    layout = ParallelLayout(tp=2)
+    init_distributed(layout, seed=1234)             # process group + megatron groups + RNG
+    models = build_from_hf_config(hf_config_dict, layout, CONFIG_TRANSLATION)
+    model = models[0]                                # one GPTModel per virtual pipeline stage
+    logits = model(input_ids, position_ids, attention_mask=None)  # [b, s, padded_vocab / tp]
+
+- ``input_ids``/``position_ids`` are ``[batch, seq]`` int64; ``attention_mask=None`` means
+  causal (megatron's boolean mask convention otherwise: True = masked out).
+- Output: with ``labels`` ``[b, s]`` the per-token cross-entropy loss ``[b, s]`` (fp32);
+  without, logits ``[b, s, padded_vocab_size / tp]`` (vocab-parallel; gather over the TP
+  group, or build with ``parallel_output=False`` to get ``[b, s, padded_vocab_size]``).
+  Columns ``>= hf vocab_size`` are padding (see :func:`padded_vocab_size`); drop them.
+- The ``labels=`` loss is computed over the *padded* vocabulary: padding columns (zero rows
+  after conversion) have logit 0 and enter the softmax denominator. For HF-exact logprobs,
+  compute them from ``logits[..., :vocab_size]``.
+- Embedding/output weights have ``padded_vocab_size(vocab, tp)`` rows in total (split over TP;
+  the same total for every power-of-two TP, so checkpoints reshard).
+- Parameters are fp32 unless ``params_dtype=torch.bfloat16`` is passed; on CPU they are built
+  with ``use_cpu_initialization`` (full master weight from the CPU generator, then split), so
+  the initial weights do not depend on TP.
+- Attention uses :class:`ferrule.megatron.attention.SDPAttention` unless
+  ``core_attention='local'`` (megatron's ``DotProductAttention``).
+
+The signatures of :func:`build_gpt_model`, :func:`build_from_hf_config` and
+:func:`padded_vocab_size` are stable API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..config_translation import ConfigTranslation, ConfigTranslationError
+from .parallel import ParallelLayout
+
+__all__ = [
+    "padded_vocab_size",
+    "build_gpt_model",
+    "build_from_hf_config",
+    "make_transformer_config",
+    "ACTIVATIONS",
+    "DEFAULT_VOCAB_DIVISIBLE_BY",
+]
+
+#: Megatron-LM's default ``--make-vocab-size-divisible-by``.
+DEFAULT_VOCAB_DIVISIBLE_BY = 128
+
+#: Activation names (model option ``activation``) -> torch functions. With
+#: ``gated_linear_unit=True`` megatron computes ``act(x W_gate) * (x W_up)`` (SwiGLU for silu).
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
+    """Embedding rows for ``vocab_size`` tokens at tensor-parallel size ``tp``.
+
+    Rounds up to a multiple of ``lcm(divisible_by, tp)``: every TP rank holds the same number of
+    rows, and, for the usual power-of-two ``tp <= divisible_by``, the padded size does not
+    depend on ``tp``, so a torch_dist checkpoint saved at one TP size loads at another (the
+    embedding's global shape is part of the checkpoint). This differs on purpose from
+    Megatron-LM's ``_vocab_size_with_padding`` (multiple of ``divisible_by * tp``), whose padded
+    size changes with TP. E.g. ``padded_vocab_size(151936, 1) == padded_vocab_size(151936, 8)
+    == 151936``; ``padded_vocab_size(1000, 2) == 1024``; ``padded_vocab_size(100, 3, 128) == 384``.
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("divisible_by", divisible_by)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"padded_vocab_size: {name}={value!r}; expected an integer >= 1.")
+    multiple = math.lcm(divisible_by, tp)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def make_transformer_config(
+    config_kwargs: Mapping[str, Any],
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    activation: str = "silu",
+    use_cpu_initialization: bool | None = None,
+    overrides: Mapping[str, Any] | None = None,
+):
+    """A ``TransformerConfig`` from translated kwargs plus the layout and runtime choices.
+
+    Args:
+        config_kwargs: ``TransformerConfig`` fields from :meth:`ConfigTranslation.to_mcore`.
+        layout: sets tensor/pipeline/expert parallel sizes.
+        params_dtype: ``torch.float32`` or ``torch.bfloat16`` (sets ``bf16`` and the pipeline dtype).
+        activation: a key of :data:`ACTIVATIONS`.
+        use_cpu_initialization: None = True on CPU, False on CUDA.
+        overrides: extra ``TransformerConfig`` fields applied last (e.g.
+            ``moe_token_dispatcher_type``, ``recompute_granularity``).
+
+    Raises:
+        ValueError: unknown activation/dtype, heads or KV groups not divisible by ``tp``, layers
+            not divisible by ``pp``, experts not divisible by ``ep`` (naming value and fix).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .device import get_backend
+
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {sorted(ACTIVATIONS)}.")
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype={params_dtype}; use torch.float32 or torch.bfloat16.")
+    kw = dict(config_kwargs)
+    kw.update(overrides or {})
+    heads, groups = kw.get("num_attention_heads"), kw.get("num_query_groups") or kw.get("num_attention_heads")
+    if heads % layout.tp or groups % layout.tp:
+        raise ValueError(
+            f"tp={layout.tp} must divide num_attention_heads={heads} and num_query_groups (KV heads)={groups}; "
+            f"choose tp from the common divisors."
+        )
+    if kw["num_layers"] % layout.pp:
+        raise ValueError(f"pp={layout.pp} must divide num_layers={kw['num_layers']}.")
+    experts = kw.get("num_moe_experts")
+    if experts and experts % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide the number of routed experts {experts}.")
+    if layout.ep > 1 and not experts:
+        raise ValueError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")
+    if use_cpu_initialization is None:
+        use_cpu_initialization = get_backend().kind == "cpu"
+    kw.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=False,  # the local spec's torch norms cannot do SP
+        activation_func=ACTIVATIONS[activation],
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=use_cpu_initialization,
+    )
+    return TransformerConfig(**kw)
+
+
+def build_gpt_model(
+    config,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    share_embeddings_and_output_weights: bool = False,
+    rotary_base: float = 10000.0,
+    position_embedding_type: str = "rope",
+    core_attention: str = "sdpa",
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    parallel_output: bool = True,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+):
+    """One megatron-core ``GPTModel`` with the local layer spec (no TransformerEngine).
+
+    Args:
+        config: a ``TransformerConfig`` (dense, or MoE when ``num_moe_experts`` is set:
+            routed experts via ``moe_router_topk``/``moe_ffn_hidden_size``/
+            ``moe_router_pre_softmax``; a shared expert via ``moe_shared_expert_intermediate_size``;
+            q/k RMSNorm via ``qk_layernorm``; QKV bias via ``add_qkv_bias``).
+        vocab_size: the *unpadded* vocabulary (tokens); padded with :func:`padded_vocab_size`.
+        max_sequence_length: tokens (HF ``max_position_embeddings``).
+        share_embeddings_and_output_weights: tied input/output embeddings (HF ``tie_word_embeddings``).
+        rotary_base: RoPE theta.
+        position_embedding_type: ``'rope'`` (the only type the HF families use).
+        core_attention: ``'sdpa'`` (:class:`SDPAttention`) or ``'local'`` (megatron's).
+        parallel_output: keep logits split over TP (True, for vocab-parallel cross entropy).
+        pre_process / post_process: embedding / output layer on this pipeline stage; None reads
+            megatron's parallel state (first / last stage).
+        vp_stage: virtual pipeline stage index (None without interleaving).
+
+    Returns:
+        A ``GPTModel`` on the backend's device.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .attention import core_attention_class
+    from .device import get_backend
+
+    attention_cls = core_attention_class(core_attention)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    self_attention = spec.submodules.self_attention
+    self_attention = dataclasses.replace(
+        self_attention,
+        submodules=dataclasses.replace(self_attention.submodules, core_attention=attention_cls),
+    )
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention))
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        rotary_base=rotary_base,
+        vp_stage=vp_stage,
+    )
+    backend = get_backend()
+    if backend.kind == "cuda":
+        model = model.to(backend.device)
+    mark_tensor_parallel_params([model])
+    return model
+
+
+_MODEL_OPTION_KEYS = (
+    "vocab_size", "max_sequence_length", "share_embeddings_and_output_weights", "rotary_base",
+    "position_embedding_type",
+)
+
+
+def build_from_hf_config(
+    hf_config: Mapping[str, Any],
+    layout: ParallelLayout,
+    translation: ConfigTranslation,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    core_attention: str = "sdpa",
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    parallel_output: bool = True,
+    moe_token_dispatcher_type: str = "alltoall",
+    use_cpu_initialization: bool | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> list:
+    """Build this rank's megatron model chunks for an HF config (what providers call).
+
+    Requires :func:`ferrule.megatron.parallel.init_distributed` with the same ``layout``.
+
+    Args:
+        hf_config: HF ``config.json`` contents / ``PretrainedConfig.to_dict()``.
+        layout: the parallel layout (must match megatron's initialized state).
+        translation: the family variant's :class:`ConfigTranslation`.
+        params_dtype, use_cpu_initialization, config_overrides: see :func:`make_transformer_config`.
+        core_attention, make_vocab_size_divisible_by, parallel_output: see :func:`build_gpt_model`.
+        moe_token_dispatcher_type: ``'alltoall'`` or ``'allgather'`` (MoE only).
+
+    Returns:
+        ``list[GPTModel]``, one per virtual pipeline stage (length 1 without ``layout.vpp``).
+
+    Raises:
+        ConfigTranslationError: the HF config is unsupported (from the translation).
+        RuntimeError: model parallel state not initialized, or initialized with another layout.
+        ValueError: the layout does not fit the model (see :func:`make_transformer_config`).
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_from_hf_config: call ferrule.megatron.parallel.init_distributed(layout) first.")
+    live = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
+    if live != (layout.tp, layout.pp, layout.ep):
+        raise RuntimeError(
+            f"build_from_hf_config: layout asks tp,pp,ep={(layout.tp, layout.pp, layout.ep)} but megatron "
+            f"was initialized with {live}; re-run init_distributed with this layout."
+        )
+    config_kwargs, options = translation.to_mcore(hf_config)
+    missing = [k for k in ("vocab_size", "max_sequence_length") if k not in options]
+    if missing:
+        raise ConfigTranslationError(f"translation {translation.name!r} produced no model option(s) {missing}.")
+    overrides = dict(config_overrides or {})
+    if config_kwargs.get("num_moe_experts"):
+        overrides.setdefault("moe_token_dispatcher_type", moe_token_dispatcher_type)
+    config = make_transformer_config(
+        config_kwargs,
+        layout,
+        params_dtype=params_dtype,
+        activation=options.get("activation", "silu"),
+        use_cpu_initialization=use_cpu_initialization,
+        overrides=overrides,
+    )
+    model_kwargs = {k: options[k] for k in _MODEL_OPTION_KEYS if k in options}
+    stages = layout.vpp or 1
+    return [
+        build_gpt_model(
+            config,
+            core_attention=core_attention,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            parallel_output=parallel_output,
+            vp_stage=(i if layout.vpp else None),
+            **model_kwargs,
+        )
+        for i in range(stages)
+    ]
+
+
+def mark_tensor_parallel_params(chunks) -> int:
+    """Mark tensor-parallel weights ``tensor_model_parallel=True`` where megatron left them unmarked.
+
+    megatron-core 0.16.1 sets ``tensor_model_parallel`` / ``partition_dim`` on Column/RowParallelLinear
+    and VocabParallelEmbedding weights only inside its init functions, i.e. only when
+    ``config.perform_initialization`` is True (``tensor_parallel/layers.py``). Models built with
+    ``perform_initialization=False`` (weights loaded afterwards) therefore count every TP shard
+    as a duplicate in ``get_grad_norm_fp32``: at TP=2 the grad norm (and clipping) was wrong
+    (0.942 instead of 1.178 on the tiny test model). :func:`build_gpt_model` calls this on every
+    model it builds; it is idempotent. Returns the number of parameters fixed.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    fixed = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                params = [(getattr(module, "weight", None), 0)]
+                if isinstance(module, ColumnParallelLinear):
+                    params.append((getattr(module, "bias", None), 0))
+            elif isinstance(module, RowParallelLinear):
+                params = [(getattr(module, "weight", None), 1)]
+            else:
+                continue
+            for p, dim in params:
+                if isinstance(p, torch.nn.Parameter) and not getattr(p, "tensor_model_parallel", False):
+                    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                        if hasattr(p, attr):
+                            delattr(p, attr)
+                    set_tensor_model_parallel_attributes(p, True, dim, 1)
+                    fixed += 1
+    return fixed

@@ -1,0 +1,96 @@
+"""Qwen3 dense (HF ``model_type='qwen3'``): config translation and provider.
+
+Architecture (HF ``transformers/models/qwen3/modeling_qwen3.py``): like Qwen2 but with RMSNorm
+on each query and key head before RoPE (megatron ``qk_layernorm=True``), no q/k/v bias
+(``attention_bias`` must be false: megatron's ``add_bias_linear`` would also add MLP biases),
+and an explicit ``head_dim`` that may differ from ``hidden_size // num_attention_heads``
+(megatron ``kv_channels``).
+
+Module-level data only; torch and megatron are imported inside :func:`build_provider`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ferrule.config_translation import (
+    ConfigTranslation,
+    Constant,
+    Derived,
+    Require,
+    head_dim_from_hf,
+    head_dim_to_hf,
+)
+from ferrule.plugins.qwen.qwen2 import QWEN_COMMON_ENTRIES
+
+#: HF ``qwen3`` config <-> megatron (see :mod:`ferrule.config_translation`).
+CONFIG_TRANSLATION = ConfigTranslation(
+    name="qwen3",
+    entries=(
+        Require("model_type", ("qwen3",)),
+        Require("attention_bias", (False,), default=False,
+                reason="Qwen3 attention bias would need o_proj bias; megatron ties it to MLP biases"),
+        *QWEN_COMMON_ENTRIES,
+        Derived("kv_channels", head_dim_from_hf, head_dim_to_hf, hf_keys=("head_dim",)),
+        Constant("add_qkv_bias", False),
+        Constant("qk_layernorm", True),
+    ),
+)
+
+
+def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
+    """Build this rank's megatron ``GPTModel`` chunks for a Qwen3 HF config.
+
+    ``ProviderSpec.build`` target; see :func:`ferrule.plugins.qwen.qwen2.build_provider`.
+    """
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+
+    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
+
+
+# ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) are appended below ----
+
+from ferrule.mapping import MappingTable, Rename  # noqa: E402
+from ferrule.plugins.qwen.qwen2 import (  # noqa: E402
+    QWEN_COMMON_MAPPINGS,
+    QWEN_DENSE_MLP,
+    QWEN_EDGE_GROUPS,
+    QWEN_IGNORES,
+    QWEN_QKV_WEIGHT,
+)
+from ferrule.specs import UpdateGroup  # noqa: E402
+
+#: q/k per-head RMSNorm weights ``[head_dim]`` (replicated over TP).
+QWEN3_QK_NORMS = (
+    Rename("decoder.layers.*.self_attention.q_layernorm.weight", "model.layers.*.self_attn.q_norm.weight"),
+    Rename("decoder.layers.*.self_attention.k_layernorm.weight", "model.layers.*.self_attn.k_norm.weight"),
+)
+
+#: Qwen3 dense mapping table (no QKV bias; q/k norms).
+MAPPING = MappingTable(
+    family="qwen3",
+    mappings=(*QWEN_COMMON_MAPPINGS, QWEN_QKV_WEIGHT, *QWEN3_QK_NORMS, *QWEN_DENSE_MLP),
+    ignores=QWEN_IGNORES,
+)
+
+#: Attention group of Qwen3 variants (per layer).
+QWEN3_ATTENTION_GROUP = UpdateGroup(
+    key="attention",
+    suffixes=("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight",
+              "self_attention.k_layernorm.weight", "self_attention.linear_proj.weight"),
+)
+#: Weight-sync groups: one unit per layer for attention and for the dense MLP.
+UPDATE_GROUPS = (
+    QWEN_EDGE_GROUPS[0],
+    QWEN3_ATTENTION_GROUP,
+    UpdateGroup(key="mlp", suffixes=("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")),
+    *QWEN_EDGE_GROUPS[1:],
+)
+
+#: A tiny random config for conformance tests (``transformers.Qwen3Config`` kwargs):
+#: head_dim 16 != hidden/heads = 8, one KV head (MQA), tied embeddings.
+TINY_HF_CONFIG = {
+    "model_type": "qwen3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+    "max_position_embeddings": 64, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+}
