@@ -1,0 +1,223 @@
+"""Atomic torch_dist save / load of the train engine's full training state.
+
+Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpoint`'s, so
+``torch_dist_to_hf`` and ``TrainEngine.from_torch_dist`` read it too)::
+
+    DIR/
+      metadata.json, .metadata, common.pt, __R_W.distcp   megatron dist_checkpointing (torch_dist)
+      ferrule_checkpoint.json                              family, dtype, saved layout
+      engine_state.json                                    step counters, Adam step, settings
+      rng/rank_<R>.pt                                      each rank's RNG states
+      hf/config.json                                       the HF config the model was built from
+
+The sharded state dict is ``{"model": GPTModel.sharded_state_dict(), "optimizer":
+MegatronOptimizer.sharded_state_dict(...), "scheduler": OptimizerParamScheduler.state_dict()}``
+(``model0``, ``model1``, ... per virtual pipeline stage). Model tensors are global with offsets
+(load at any TP/PP/DP); the non-distributed optimizer's moments are keyed like the model
+tensors; the distributed optimizer uses megatron's ``dp_reshardable`` format (loads at another
+DP size, same TP/PP).
+
+Adam step fix (megatron_cpu_lab.md row 5b): on the torch-Adam path megatron saves the shared
+``step`` but a load template built from fresh state has none, so the loaded optimizer keeps a
+wrong step and the bias correction drifts. The Adam step is stored in ``engine_state.json`` and
+written back into every parameter's ``state["step"]`` after the load, which makes resume
+bit-exact.
+
+Writes go to a sibling temporary directory that rank 0 renames into place after every rank
+finished (``os.replace``); an existing checkpoint is replaced only then, so a crash never
+leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "save_training_state", "load_training_state",
+           "model_sharded_state_dict", "rng_state", "set_rng_state"]
+
+ENGINE_STATE_FILE = "engine_state.json"
+#: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
+#: default, fails in 0.16.1 with ``ShardedTensor.flattened_range is not supported``).
+DISTOPT_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _unwrap(module: Any) -> Any:
+    from ferrule.converters.weights import unwrap
+
+    return unwrap(module)
+
+
+def model_sharded_state_dict(model_chunks: list) -> dict:
+    """``{"model": ...}`` (or ``model0``, ``model1``, ... with virtual pipeline stages)."""
+    if len(model_chunks) == 1:
+        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+
+
+def rng_state() -> dict:
+    """This rank's RNG states (python, numpy, torch CPU generator, megatron's RNG tracker)."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    # The default CUDA generator is not saved (only device.py may call torch.cuda.*); megatron's
+    # tracker holds the model-parallel CUDA RNG states, and ferrule's families train with dropout 0.
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`'s output."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if state.get("tracker"):
+        try:
+            tracker.set_states(state["tracker"])
+        except Exception:  # the CPU inference tracker keeps no states
+            pass
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast_str(value: str | None) -> str:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value  # type: ignore[return-value]
+    obj = [value]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
+                        engine_state: dict, checkpoint_meta: dict, hf_config: dict,
+                        overwrite: bool = True) -> Path:
+    """Write model + optimizer + scheduler + RNG + counters to ``path`` atomically (all ranks call).
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False (raised on every rank).
+    """
+    from megatron.core import dist_checkpointing
+
+    from .optim import adam_step_count, init_adam_state
+
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path.")
+    tmp = Path(_broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}") if _rank() == 0 else None))
+    try:
+        if _rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            (tmp / "rng").mkdir()
+        _barrier()
+        init_adam_state(optimizer)  # before the first step: give the template a (zero) step
+        state = model_sharded_state_dict(model_chunks)
+        model_sd = state["model"] if len(model_chunks) == 1 else {}
+        for i in range(len(model_chunks) if len(model_chunks) > 1 else 0):
+            model_sd.update(state[f"model{i}"])
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=DISTOPT_SHARDING)
+        state["scheduler"] = scheduler.state_dict()
+        engine_state = dict(engine_state, adam_step=adam_step_count(optimizer))
+        dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        if _rank() == 0:
+            (tmp / "hf").mkdir(exist_ok=True)
+            (tmp / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, default=str) + "\n")
+            (tmp / "ferrule_checkpoint.json").write_text(json.dumps(checkpoint_meta, indent=2) + "\n")
+            (tmp / ENGINE_STATE_FILE).write_text(json.dumps(engine_state, indent=2) + "\n")
+        _barrier()
+        if _rank() == 0:
+            old = None
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
+                        load_optimizer: bool = True) -> dict:
+    """Load a :func:`save_training_state` checkpoint (or a converter checkpoint, weights only).
+
+    Model tensors load at any layout. With ``load_optimizer`` the optimizer state, scheduler,
+    Adam step and (when the world size matches) RNG states are restored too. Returns the
+    saved ``engine_state`` (empty for a weights-only checkpoint).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a torch_dist checkpoint.
+        ValueError: ``load_optimizer`` on a checkpoint without optimizer state.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from .optim import init_adam_state, set_adam_step
+
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a torch_dist checkpoint (no metadata.json).")
+    engine_file = path / ENGINE_STATE_FILE
+    engine_state = json.loads(engine_file.read_text()) if engine_file.is_file() else {}
+    if load_optimizer and not engine_state:
+        raise ValueError(f"{path} holds weights only (no {ENGINE_STATE_FILE}); load it with load_optimizer=False "
+                         f"(TrainEngine.from_torch_dist does).")
+    template = model_sharded_state_dict(model_chunks)
+    if load_optimizer:
+        init_adam_state(optimizer)
+        model_sd: dict = {}
+        for key in template:
+            model_sd.update(template[key])
+        template["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=DISTOPT_SHARDING)
+    loaded = dist_checkpointing.load(template, str(path))
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if not load_optimizer:
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+            sub.reload_model_params()
+        return engine_state
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    set_adam_step(optimizer, int(engine_state.get("adam_step", 0)))
+    # OptimizerParamScheduler.load_state_dict calls self.step(saved num_steps), which *adds* to
+    # the current count: start from 0 so a used engine resumes at the saved step.
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(loaded["scheduler"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    if engine_state.get("world_size") == world and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return engine_state

@@ -1,0 +1,506 @@
+"""The Megatron train engine: decoupled ``forward_backward`` / ``optim_step``, exact resume.
+
+One :class:`TrainEngine` per model per process (every rank of the job constructs it with the
+same arguments and makes the same calls in the same order; rank-local work is planned from
+the full batch, which every rank receives). It is what the RL launcher and the
+Tinker-compatible service drive::
+
+    engine = TrainEngine.from_hf("Qwen3-0.6B/", ParallelLayout(tp=2))
+    out = engine.forward_backward(batch, "ppo", {"clip_low_threshold": 0.8})   # grads accumulate
+    out = engine.forward_backward(more, "cross_entropy")                         # same window
+    engine.optim_step(learning_rate=1e-6)   # {"success": True, "grad_norm": ...}
+    engine.save("ckpt/step_10"); engine.load("ckpt/step_10")
+
+Semantics (DESIGN.md §5; issue 4):
+
+- ``forward_backward`` runs megatron's ``forward_backward_func`` (no pipelining or 1F1B) over
+  micro-batches planned by :mod:`ferrule.megatron.batching`, with every DDP chunk in
+  ``no_sync`` and ``config.finalize_model_grads_func`` swapped for a no-op (restored afterwards,
+  also on error). Nothing is reduced across data-parallel ranks, no optimizer step, no
+  ``zero_grad``: gradients accumulate in the DDP grad buffers across calls.
+- ``optim_step`` runs megatron's ``finalize_model_grads`` once (DP all-reduce as a **sum**:
+  the model config has ``calculate_per_token_loss=True``, so DDP's gradient scaling factor is
+  1 and normalisation stays in the loss weights, :mod:`ferrule.losses`), clips, steps, zeroes.
+- Per-token logprobs use vocab-parallel cross entropy on fp32 logits with the padded
+  vocabulary columns masked out, so they equal HF's ``log_softmax`` of the unpadded logits.
+- Split invariance: the k-th datum of an accumulation window goes to the same DP rank in the
+  same order however the window is split into calls (:func:`~ferrule.megatron.batching.assign_dp_ranks`);
+  with one datum per micro-batch (``max_tokens_per_microbatch=None``, the default) the summed
+  gradient is bit-identical for any split.
+
+Deferred / not supported here: virtual pipeline stages (vpp), ``overlap_grad_reduce`` (an
+asynchronous reduce launched inside one fb call would see only part of the window), entropy
+metrics under TP, LoRA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from ..losses import finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
+from .batching import Datum, FBOutput, assign_dp_ranks, pack_microbatches
+from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
+from .parallel import ParallelLayout
+
+__all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings"]
+
+
+def _no_finalize(*args: Any, **kwargs: Any) -> None:
+    """Stand-in for ``config.finalize_model_grads_func`` during ``forward_backward``."""
+    return None
+
+
+def _as_tensor(value: Any, dtype: torch.dtype, where: str) -> torch.Tensor:
+    if hasattr(value, "to_torch"):          # tinker.TensorData
+        value = value.to_torch()
+    elif hasattr(value, "to_ints"):         # tinker.ModelInput
+        value = value.to_ints()
+    if isinstance(value, torch.Tensor):
+        if dtype == torch.int64 and (value.dtype.is_floating_point or value.dtype == torch.bool):
+            raise ValueError(f"{where} must hold integer token ids, got dtype {value.dtype}.")
+        return value.detach().to("cpu", dtype if dtype == torch.int64 else value.dtype
+                                 if value.dtype.is_floating_point else dtype)
+    try:
+        return torch.as_tensor(value, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{where} cannot be converted to a {dtype} tensor: {exc}") from exc
+
+
+class _Prepared:
+    """A validated datum: CPU tensors ``tokens`` [N] int64 and ``inputs`` (name -> [N])."""
+
+    __slots__ = ("tokens", "inputs")
+
+    def __init__(self, tokens: torch.Tensor, inputs: dict[str, torch.Tensor]):
+        self.tokens, self.inputs = tokens, inputs
+
+
+class TrainEngine:
+    """Megatron-Core model + DDP + optimizer + scheduler with Tinker-style training calls.
+
+    Build it with :meth:`from_hf` or :meth:`from_torch_dist`; the constructor takes already
+    built (and loaded) model chunks. Every rank must make the same calls with the same data.
+
+    Attributes:
+        model: DDP-wrapped model chunks (``list``, one per virtual pipeline stage).
+        optimizer: megatron optimizer; ``scheduler``: ``OptimizerParamScheduler``.
+        hf_config: the HF ``config.json`` dict; ``family``: family name; ``vocab_size``: HF vocab.
+        step: number of applied optimizer steps (skipped steps not counted).
+    """
+
+    def __init__(self, model_chunks: Sequence[Any], *, hf_config: Mapping[str, Any], family: str,
+                 mapping_table: Any, layout: ParallelLayout, optimizer: OptimizerSettings | None = None,
+                 params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        from . import parallel
+
+        if layout.vpp is not None:
+            raise NotImplementedError("TrainEngine does not support virtual pipeline stages (vpp) yet; use vpp=None.")
+        self.layout = layout
+        self.settings = optimizer or OptimizerSettings()
+        self.params_dtype = params_dtype
+        self.hf_config = dict(hf_config)
+        self.family = family
+        self.mapping_table = mapping_table
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        chunks = list(model_chunks)
+        config = get_model_config(chunks[0])
+        if not config.calculate_per_token_loss:
+            raise ValueError("the model config needs calculate_per_token_loss=True (sum-reduced DP gradients); "
+                             "build it with config_overrides={'calculate_per_token_loss': True}.")
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=self.settings.grad_reduce_in_fp32, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.settings.use_distributed_optimizer, check_for_nan_in_grad=False)
+        self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                              disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        self.config = config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = None
+        self.optimizer = build_optimizer(self.model, self.settings, params_dtype)
+        self.scheduler = build_scheduler(self.optimizer, self.settings)
+        self.dp_size = parallel.dp_size()
+        self.dp_rank = parallel.dp_rank()
+        self.step = 0
+        self._window_loads = [0] * self.dp_size
+        self._padded_vocab = None
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _family_parts(hf_config: Mapping[str, Any]):
+        from ..registry import family_for_hf_config, get_converter, get_provider
+        from ..specs import resolve_ref
+
+        family = family_for_hf_config(hf_config)
+        return family.name, resolve_ref(get_provider(family.name).build), get_converter(family.name).resolved_mapping()
+
+    @classmethod
+    def _build(cls, hf_config: dict, layout: ParallelLayout, seed: int, params_dtype: torch.dtype,
+               provider_options: Mapping[str, Any] | None):
+        from .parallel import init_distributed
+
+        init_distributed(layout, seed=seed)
+        family, build, table = cls._family_parts(hf_config)
+        options = dict(provider_options or {})
+        overrides = dict(options.pop("config_overrides", {}) or {})
+        overrides.update(calculate_per_token_loss=True, perform_initialization=False)
+        chunks = build(hf_config, layout, params_dtype=params_dtype, config_overrides=overrides, **options)
+        chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        return family, table, chunks
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | Path, layout: ParallelLayout | None = None, *,
+                optimizer: OptimizerSettings | None = None, params_dtype: torch.dtype = torch.float32,
+                seed: int = 1234, max_tokens_per_microbatch: int | None = None,
+                provider_options: Mapping[str, Any] | None = None) -> "TrainEngine":
+        """Build the family's model at ``layout`` and load an HF safetensors checkpoint into it.
+
+        Initializes the process group and megatron's parallel state if needed
+        (:func:`ferrule.megatron.parallel.init_distributed`). ``provider_options`` go to the
+        family provider (e.g. ``core_attention='local'``).
+
+        Raises:
+            ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
+            ferrule.mapping.MappingError: checkpoint keys / shapes do not fit (all listed).
+        """
+        from ferrule.converters.weights import load_hf_into_mcore
+
+        layout = layout or ParallelLayout()
+        hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+        family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
+        load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config)
+        return cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
+                   optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch)
+
+    @classmethod
+    def from_torch_dist(cls, ckpt_dir: str | Path, layout: ParallelLayout | None = None, *,
+                        optimizer: OptimizerSettings | None = None, params_dtype: torch.dtype = torch.float32,
+                        seed: int = 1234, max_tokens_per_microbatch: int | None = None,
+                        load_optimizer: bool | None = None,
+                        provider_options: Mapping[str, Any] | None = None) -> "TrainEngine":
+        """Build from a torch_dist checkpoint: a converter output (``ferrule convert``, weights
+        only) or a :meth:`save` directory (with ``load_optimizer`` None/True also optimizer,
+        scheduler, counters and RNG). Reads the HF config from ``ckpt_dir/hf/config.json``."""
+        from .checkpoint import ENGINE_STATE_FILE
+
+        ckpt_dir = Path(ckpt_dir)
+        cfg_file = ckpt_dir / "hf" / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} is missing; {ckpt_dir} is not a ferrule torch_dist checkpoint.")
+        hf_config = json.loads(cfg_file.read_text())
+        layout = layout or ParallelLayout()
+        family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
+        engine = cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
+                     optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch)
+        if load_optimizer is None:
+            load_optimizer = (ckpt_dir / ENGINE_STATE_FILE).is_file()
+        engine.load(ckpt_dir, load_optimizer=load_optimizer)
+        return engine
+
+    # ------------------------------------------------------------------ input checks
+
+    def _prepare(self, batch: Sequence[Any], loss_fn: str | None,
+                 loss_fn_config: Mapping[str, Any] | None) -> tuple[list[_Prepared], dict]:
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence) or len(batch) == 0:
+            raise ValueError("empty batch: forward_backward / forward_logprobs need a non-empty list of Datum.")
+        out: list[_Prepared] = []
+        for i, d in enumerate(batch):
+            if isinstance(d, Mapping):
+                d = Datum(d.get("model_input"), dict(d.get("loss_fn_inputs") or {}))
+            tokens = _as_tensor(d.model_input, torch.int64, f"datum {i}: model_input")
+            if tokens.dim() != 1 or tokens.numel() == 0:
+                raise ValueError(f"datum {i}: model_input must be a non-empty 1-D list of token ids, "
+                                 f"got shape {tuple(tokens.shape)}.")
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"datum {i}: model_input holds token id {lo if lo < 0 else hi} outside "
+                                 f"[0, {self.vocab_size}); the tokens do not belong to this model's tokenizer.")
+            if self.max_positions and tokens.numel() > self.max_positions:
+                raise ValueError(f"datum {i}: {tokens.numel()} tokens exceed max_position_embeddings "
+                                 f"{self.max_positions}; truncate the datum.")
+            inputs = {}
+            for key, value in (d.loss_fn_inputs or {}).items():
+                dtype = torch.int64 if key == "target_tokens" else torch.float32
+                inputs[key] = _as_tensor(value, dtype, f"datum {i}: loss_fn_inputs[{key!r}]")
+            if "target_tokens" not in inputs:
+                raise ValueError(f"datum {i}: loss_fn_inputs['target_tokens'] is missing (position i of "
+                                 f"model_input predicts target_tokens[i]).")
+            if inputs["target_tokens"].shape != tokens.shape:
+                raise ValueError(f"datum {i}: target_tokens has length {inputs['target_tokens'].numel()} but "
+                                 f"model_input has {tokens.numel()}; they must be token-aligned (same length).")
+            out.append(_Prepared(tokens, inputs))
+        if loss_fn is None:  # forward_logprobs: only target_tokens matter
+            for i, p in enumerate(out):
+                validate_loss_inputs("cross_entropy", {"target_tokens": p.inputs["target_tokens"],
+                                                       "weights": torch.zeros(p.tokens.numel())},
+                                     vocab_size=self.vocab_size)
+                p.inputs = {"target_tokens": p.inputs["target_tokens"]}
+            return out, {}
+        validate_loss_inputs(loss_fn, [p.inputs for p in out], loss_fn_config, vocab_size=self.vocab_size)
+        return out, dict(loss_fn_config or {})
+
+    # ------------------------------------------------------------------ core loop
+
+    def _pad_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Boolean ``[v_local]`` mask of padded vocabulary columns on this TP rank (None if none)."""
+        from megatron.core import parallel_state as ps
+
+        v_local = logits.shape[-1]
+        start = ps.get_tensor_model_parallel_rank() * v_local
+        if start + v_local <= self.vocab_size:
+            return None
+        return torch.arange(start, start + v_local, device=logits.device) >= self.vocab_size
+
+    def _microbatch(self, data: list[_Prepared], idx: list[int] | None) -> dict:
+        device = next(self.model[0].parameters()).device
+        if idx is None:  # lock-step filler (EP > 1): one token, zero loss
+            tokens = torch.zeros(1, 1, dtype=torch.int64)
+            lengths = [1]
+        else:
+            lengths = [data[i].tokens.numel() for i in idx]
+            tokens = torch.zeros(len(idx), max(lengths), dtype=torch.int64)
+            labels = torch.zeros_like(tokens)
+            for row, i in enumerate(idx):
+                tokens[row, : lengths[row]] = data[i].tokens
+                labels[row, : lengths[row]] = data[i].inputs["target_tokens"]
+        if idx is None:
+            labels = torch.zeros_like(tokens)
+        b, s = tokens.shape
+        return {"idx": idx, "lengths": lengths, "tokens": tokens.to(device), "labels": labels.to(device),
+                "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s)}
+
+    def _run(self, data: list[_Prepared], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        lengths = [p.tokens.numel() for p in data]
+        ranks = assign_dp_ranks(lengths, self.dp_size, None if forward_only else self._window_loads)
+        per_rank = [pack_microbatches([i for i, r in enumerate(ranks) if r == d], lengths,
+                                      self.max_tokens_per_microbatch) for d in range(self.dp_size)]
+        mbs: list[list[int] | None] = list(per_rank[self.dp_rank])
+        if ps.get_expert_model_parallel_world_size() > 1:  # expert all-to-alls need lock-step ranks
+            mbs += [None] * (max(len(m) for m in per_rank) - len(mbs))
+        loss = get_loss(loss_fn) if loss_fn else None
+        records: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        metric_list: list[dict[str, float]] = []
+        microbatches = [self._microbatch(data, idx) for idx in mbs]
+
+        def forward_step(data_iterator: Iterator[dict], model: Any):
+            mb = next(data_iterator)
+            output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+
+            def loss_func(logits: torch.Tensor):
+                logits = logits.float()
+                mask = self._pad_mask(logits)
+                if mask is not None:
+                    logits = logits.masked_fill(mask, float("-inf"))
+                logprobs = -vocab_parallel_cross_entropy(logits, mb["labels"])  # [b, s]
+                n_tokens = torch.tensor(sum(mb["lengths"]), dtype=torch.int)
+                if mb["idx"] is None:
+                    return logprobs.sum() * 0.0, n_tokens, {}
+                t = torch.cat([logprobs[row, :n] for row, n in enumerate(mb["lengths"])])
+                if loss is None:
+                    for row, (i, n) in enumerate(zip(mb["idx"], mb["lengths"])):
+                        records.append((i, logprobs[row, :n].detach().cpu(), None))
+                    return logprobs.sum().detach() * 0.0, n_tokens, {}
+                inputs = {}
+                for key in data[mb["idx"][0]].inputs:
+                    parts = []
+                    for i, n in zip(mb["idx"], mb["lengths"]):
+                        v = data[i].inputs[key]
+                        parts.append(v.reshape(1).expand(n) if v.numel() == 1 and n != 1 else v.reshape(n))
+                    inputs[key] = torch.cat(parts).to(t.device)
+                per_token, metrics = loss(t, inputs, loss_cfg)
+                pieces = per_token.detach().float().cpu().split(mb["lengths"])
+                tp = t.detach().float().cpu().split(mb["lengths"])
+                for i, lp, el in zip(mb["idx"], tp, pieces):
+                    records.append((i, lp, el))
+                metric_list.append({k: float(v) for k, v in metrics.items()})
+                return per_token.sum(), n_tokens, {}
+
+            return output, loss_func
+
+        config = self.config
+        saved = config.finalize_model_grads_func
+        config.finalize_model_grads_func = _no_finalize
+        try:
+            if microbatches:
+                with contextlib.ExitStack() as stack:
+                    for chunk in self.model:
+                        stack.enter_context(chunk.no_sync())
+                    if forward_only:
+                        stack.enter_context(torch.no_grad())
+                    get_forward_backward_func()(
+                        forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.model,
+                        num_microbatches=len(microbatches), seq_length=max(mb["tokens"].shape[1] for mb in microbatches),
+                        micro_batch_size=max(mb["tokens"].shape[0] for mb in microbatches), forward_only=forward_only)
+        except BaseException:
+            if not forward_only:
+                self.zero_grad()  # a partial micro-batch set would corrupt the window: discard it
+            raise
+        finally:
+            config.finalize_model_grads_func = saved
+        return self._gather(len(data), records, metric_list, forward_only)
+
+    def _gather(self, n: int, records: list, metric_list: list, forward_only: bool) -> FBOutput:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        payload = (records, metric_list)
+        if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+            gathered: list = [None] * ps.get_data_parallel_world_size()
+            dist.all_gather_object(gathered, payload, group=ps.get_data_parallel_group())
+        else:
+            gathered = [payload]
+        if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+            box = [gathered]
+            last = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
+            gathered = box[0]
+        outputs: list[dict[str, torch.Tensor] | None] = [None] * n
+        metrics_all: list[dict[str, float]] = []
+        for recs, mets in gathered:
+            for i, lp, el in recs:
+                outputs[i] = {"logprobs": lp} if el is None else {"logprobs": lp, "elementwise_loss": el}
+            metrics_all += mets
+        if any(o is None for o in outputs):
+            raise RuntimeError("internal error: some data produced no output (batch plan mismatch across ranks).")
+        metrics = {} if forward_only else finalize_metrics(sum_metrics(metrics_all))
+        return FBOutput(loss_fn_outputs=outputs, metrics=metrics)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ public training API
+
+    def forward_backward(self, batch: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, float] | None = None) -> FBOutput:
+        """Forward + backward over ``batch``; gradients accumulate (no step, no zero_grad, no DP reduce).
+
+        Args:
+            batch: data (:class:`Datum`, a ``{"model_input", "loss_fn_inputs"}`` dict, or a
+                ``tinker.Datum``), each with ``N`` input tokens and ``[N]`` loss inputs.
+            loss_fn: a :mod:`ferrule.losses` name (``cross_entropy``, ``importance_sampling``,
+                ``ppo``, ``cispo``, ``dro``), chosen per call.
+            loss_fn_config: that loss's config (e.g. ``clip_low_threshold``).
+
+        Returns:
+            :class:`FBOutput`: per datum in the caller's order ``logprobs`` and
+            ``elementwise_loss`` (``[N]`` float32, pre-step weights), and the batch's metrics.
+
+        Raises:
+            ValueError / TypeError: bad input (empty batch, unknown loss, token id outside the
+                vocabulary, mismatched lengths, non-finite inputs, unknown keys) — raised before
+                any gradient is touched; the engine stays usable.
+        """
+        data, cfg = self._prepare(batch, loss_fn, loss_fn_config)
+        return self._run(data, loss_fn, cfg, forward_only=False)
+
+    def forward_logprobs(self, batch: Sequence[Datum]) -> list[torch.Tensor]:
+        """Per-token logprobs ``[N]`` float32 of each datum's ``target_tokens`` (no grad), caller's order."""
+        data, _ = self._prepare(batch, None, None)
+        out = self._run(data, None, {}, forward_only=True)
+        return [o["logprobs"] for o in out.loss_fn_outputs]
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients and start a new accumulation window."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._window_loads = [0] * self.dp_size
+
+    def optim_step(self, learning_rate: float | None = None,
+                   adam_params: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """Finalize the accumulated gradients (DP sum-reduce), clip, step, zero.
+
+        Args:
+            learning_rate: lr for this step only; the LR scheduler is then *not* stepped.
+                None: the scheduler's lr, and the scheduler advances after a successful step.
+            adam_params: Tinker ``AdamParams`` for this step (``learning_rate``, ``beta1``,
+                ``beta2``, ``eps``, ``weight_decay``, ``grad_clip_norm``; 0 = no clipping).
+                ``adam_params["learning_rate"]`` counts as an explicit lr.
+
+        Returns:
+            ``{"success": bool, "grad_norm": float (before clipping), "learning_rate": float, "step": int}``.
+            ``success`` is False when the gradient norm is not finite: nothing is applied, the
+            gradients are zeroed, the scheduler and step counters do not move.
+
+        Raises:
+            ValueError: an unknown / out-of-range ``adam_params`` entry (nothing changed).
+        """
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        from .optim import _check_adam_params
+
+        checked = _check_adam_params(adam_params)
+        explicit_lr = learning_rate is not None or "learning_rate" in checked
+        try:
+            finalize_model_grads(self.model)
+            success, grad_norm, lr = apply_step(self.optimizer, clip_grad=self.settings.clip_grad,
+                                                learning_rate=learning_rate, adam_params=checked)
+        finally:
+            self.zero_grad()
+        if success:
+            self.step += 1
+            if not explicit_lr:
+                self.scheduler.step(1)
+        return {"success": bool(success), "grad_norm": float(grad_norm),
+                "learning_rate": float(lr) if lr is not None else math.nan, "step": self.step}
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def _engine_state(self) -> dict:
+        import torch.distributed as dist
+
+        return {"step": self.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "dp_size": self.dp_size, "layout": asdict(self.layout), "optimizer": asdict(self.settings),
+                "params_dtype": str(self.params_dtype).removeprefix("torch.")}
+
+    def save(self, path: str | Path, *, overwrite: bool = True) -> Path:
+        """Save model, optimizer (incl. Adam's step), scheduler, RNG and counters atomically
+        (torch_dist; :mod:`ferrule.megatron.checkpoint`). Gradients of an open accumulation
+        window are not saved. All ranks call it. Returns the absolute path."""
+        from .checkpoint import save_training_state
+
+        meta = {"format": "ferrule-torch_dist-v1", "family": self.family, "model_type": self.hf_config.get("model_type"),
+                "dtype": str(self.params_dtype).removeprefix("torch."), "saved_layout": asdict(self.layout),
+                "contents": "engine (model, optimizer, scheduler, rng)"}
+        return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                   engine_state=self._engine_state(), checkpoint_meta=meta, hf_config=self.hf_config,
+                                   overwrite=overwrite)
+
+    def load(self, path: str | Path, *, load_optimizer: bool = True) -> dict:
+        """Load a :meth:`save` checkpoint (any TP/PP/DP for the weights; the distributed
+        optimizer's state needs the same TP/PP). Discards accumulated gradients. Returns the
+        saved engine state (step, layout, ...)."""
+        from .checkpoint import load_training_state
+
+        self.zero_grad()
+        state = load_training_state(path, model_chunks=self.model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, load_optimizer=load_optimizer)
+        if load_optimizer:
+            self.step = int(state.get("step", 0))
+        return state
+
+    def adam_step(self) -> int:
+        """torch Adam's shared ``step`` count (equals :attr:`step` unless state was loaded from elsewhere)."""
+        return adam_step_count(self.optimizer)
+
+    def export_hf_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full tensor)`` for the whole model (weight sync / HF export).
+
+        Collective: iterate to the end on every rank. Tensors are full (TP gathered, vocab
+        padding removed) via :func:`ferrule.converters.weights.export_mcore_to_hf`."""
+        from ferrule.converters.weights import export_mcore_to_hf
+
+        return export_mcore_to_hf(self.model, self.mapping_table, hf_config=self.hf_config, dtype=dtype)
