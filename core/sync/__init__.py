@@ -1,0 +1,47 @@
+"""Weight sync: train engine -> rollout engine through update-group tables (``ferrule.sync``).
+
+- :mod:`ferrule.sync.groups`: update units from mcore names and a family's update-group table;
+  :func:`is_routed_expert_param`, the one routed-expert classifier.
+- :mod:`ferrule.sync.buckets`: collective gathering (TP / EP / PP) into full units, conversion to
+  HF names through the mapping table, byte-bounded buckets.
+- :mod:`ferrule.sync.weight_sync`: :func:`sync_weights` and the verification mode
+  :func:`check_weight_update_equal`.
+
+Importing this package imports no torch (the functions import it when called).
+"""
+
+from ferrule.sync.buckets import DEFAULT_BUCKET_BYTES, WeightSyncError, pack_buckets
+from ferrule.sync.groups import (
+    UpdateGroupError,
+    UpdateUnit,
+    build_update_units,
+    is_routed_expert_param,
+    match_group,
+)
+from ferrule.sync.weight_sync import (
+    DEFAULT_CHECK_SKIP,
+    SENDER_RANK,
+    SyncStats,
+    WeightCheckReport,
+    check_weight_update_equal,
+    sync_weights,
+    tensor_checksum,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_CHECK_SKIP",
+    "SENDER_RANK",
+    "SyncStats",
+    "UpdateGroupError",
+    "UpdateUnit",
+    "WeightCheckReport",
+    "WeightSyncError",
+    "build_update_units",
+    "check_weight_update_equal",
+    "is_routed_expert_param",
+    "match_group",
+    "pack_buckets",
+    "sync_weights",
+    "tensor_checksum",
+]
