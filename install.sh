@@ -14,5 +14,7 @@ if [ "${FERRULE_TORCH:-}" != "skip" ]; then
   python -m pip install -q "torch==${FERRULE_TORCH:-2.13.0}"
 fi
 python -m pip install -q -e ".[rl,serve,dev]"
+# the worked example of an out-of-tree model-family plugin (llama / SmolLM2); its tests run with ours
+python -m pip install -q -e examples/ferrule-llama --no-deps
 python -m pip check
 echo "ferrule installed in $(pwd)/.venv — activate with: . .venv/bin/activate"

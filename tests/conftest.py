@@ -1,7 +1,8 @@
 """Test-suite setup.
 
-- Only the in-tree plugins are visible (``FERRULE_PLUGINS=qwen,inkling``), so an installed
-  third-party plugin cannot change what these tests see; tests that need others set it.
+- Only the in-tree plugins and the example out-of-tree package are visible
+  (``FERRULE_PLUGINS=qwen,inkling,llama``), so another installed third-party plugin cannot change
+  what these tests see; tests that need others set it.
 - The conformance kit ``ferrule.testing`` runs over the in-tree families.
 - The process-wide registry is rebuilt around every test.
 """
@@ -12,7 +13,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling")
+os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,llama")
 
 pytest_plugins = ["ferrule.testing"]
 

@@ -158,7 +158,7 @@ def test_in_tree_plugins_register_all_families():
     assert registry.family_for_hf_config({"model_type": "qwen3_moe"}).name == "qwen3_moe"
     reg = registry.get_registry()
     assert reg.failures == []
-    assert {p.distribution for p in reg.plugins} == {"ferrule"}
+    assert {p.distribution for p in reg.plugins if p.name in ("qwen", "inkling")} == {"ferrule"}
 
 
 def test_lora_appliers_chat_templates_and_towers():

@@ -1,0 +1,195 @@
+"""Llama (HF ``model_type='llama'``): config translation, provider, mapping table, update groups.
+
+Covers Llama-2 / Llama-3(.0) style checkpoints and the models that reuse the architecture
+(SmolLM2, TinyLlama, ...). Architecture (HF ``transformers/models/llama/modeling_llama.py``):
+RMSNorm pre-norm, SwiGLU MLP (``down(silu(gate(x)) * up(x))``), RoPE with the
+``rotate_half`` (non-interleaved) layout, GQA (``num_key_value_heads``), no biases by default,
+optional tied embeddings. In Megatron-Core terms: ``normalization='RMSNorm'``,
+``gated_linear_unit=True`` with silu, ``add_bias_linear=False``, ``add_qkv_bias=False``,
+``qk_layernorm=False``, ``position_embedding_type='rope'`` with ``rotary_base = rope_theta``.
+
+What the translation refuses (``ConfigTranslationError`` naming the key), instead of silently
+building a different model:
+
+- ``rope_type`` other than ``'default'`` (Llama-3.1/3.2 ``'llama3'``, and ``'linear'``,
+  ``'dynamic'``, ``'yarn'``, ...): ferrule's Megatron builder
+  (:mod:`ferrule.megatron.gpt_builder`) applies plain RoPE from ``rotary_base`` only and its
+  public API has no hook to rescale the inverse frequencies;
+- ``attention_bias: true`` (HF then adds biases to q/k/v *and* o_proj; Megatron's
+  ``add_bias_linear`` would also add MLP biases) and ``mlp_bias: true``;
+- ``hidden_act`` other than ``silu``.
+
+``pretraining_tp`` is not read: transformers >= 5 ignores it, and in older versions it only
+sliced the same matmuls (numerically the same model). It stays in ``config.json`` unchanged.
+
+Module-level data only: torch and megatron are imported inside :func:`build_provider`
+(``plugin.py`` imports this module at discovery, which must stay light).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ferrule.config_translation import (
+    ConfigTranslation,
+    ConfigTranslationError,
+    Constant,
+    Derived,
+    Field,
+    Require,
+    head_dim_from_hf,
+    head_dim_to_hf,
+    rope_theta_from_hf,
+    rope_theta_to_hf,
+)
+from ferrule.mapping import FuseGateUp, FuseQKV, Ignore, MappingTable, OutputLayer, Rename, TPSplit
+from ferrule.specs import UpdateGroup
+
+__all__ = ["CONFIG_TRANSLATION", "MAPPING", "UPDATE_GROUPS", "TINY_HF_CONFIG", "build_provider",
+           "llama_rope_theta_from_hf"]
+
+
+# ---------------------------------------------------------------------------------------------
+# HF config <-> Megatron TransformerConfig (CONFIG_TRANSLATION)
+# ---------------------------------------------------------------------------------------------
+
+def llama_rope_theta_from_hf(hf: Mapping[str, Any]) -> float:
+    """RoPE base for a Llama config; refuses scaled RoPE with a Llama-specific message.
+
+    Reads ``rope_parameters`` (transformers >= 5) or legacy ``rope_theta`` / ``rope_scaling``
+    through :func:`ferrule.config_translation.rope_theta_from_hf`.
+
+    Raises:
+        ConfigTranslationError: ``rope_type`` is not ``'default'`` (e.g. Llama-3.1's
+            ``'llama3'``), or the config has no RoPE base.
+    """
+    for key in ("rope_parameters", "rope_scaling"):
+        params = hf.get(key)
+        if isinstance(params, Mapping):
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type != "default":
+                raise ConfigTranslationError(
+                    f"llama: HF config has {key}.rope_type={rope_type!r}; ferrule-llama supports only "
+                    f"unscaled RoPE ('default'). Llama-3.1/3.2 checkpoints use 'llama3' scaling "
+                    f"(frequency-dependent rescaling of the inverse frequencies), which ferrule's "
+                    f"Megatron builder (ferrule.megatron.gpt_builder, plain RoPE from rotary_base) "
+                    f"cannot express. Use a checkpoint with default RoPE (Llama-2, Llama-3.0, SmolLM2)."
+                )
+    return rope_theta_from_hf(hf)
+
+
+#: HF ``llama`` config <-> megatron (see :mod:`ferrule.config_translation`).
+CONFIG_TRANSLATION = ConfigTranslation(
+    name="llama",
+    entries=(
+        Require("model_type", ("llama",)),
+        Require("hidden_act", ("silu",), reason="megatron's gated MLP is built with silu (SwiGLU)"),
+        Require("attention_bias", (False,), default=False,
+                reason="HF adds q/k/v and o_proj biases; megatron's add_bias_linear would also add MLP biases"),
+        Require("mlp_bias", (False,), default=False, reason="MLP biases are not mapped"),
+        Field("num_hidden_layers", "num_layers", cast=int),
+        Field("hidden_size", "hidden_size", cast=int),
+        Field("intermediate_size", "ffn_hidden_size", cast=int),
+        Field("num_attention_heads", "num_attention_heads", cast=int),
+        # Llama-1 configs have no num_key_value_heads (multi-head attention): default in to_mcore
+        # would need the head count, so require it; every Llama-2+ config writes it.
+        Field("num_key_value_heads", "num_query_groups", cast=int),
+        Field("rms_norm_eps", "layernorm_epsilon", cast=float),
+        Field("initializer_range", "init_method_std", default=0.02, cast=float),
+        Field("attention_dropout", "attention_dropout", default=0.0, cast=float),
+        Derived("kv_channels", head_dim_from_hf, head_dim_to_hf, hf_keys=("head_dim",)),
+        Constant("hidden_dropout", 0.0),
+        Constant("normalization", "RMSNorm"),
+        Constant("gated_linear_unit", True),
+        Constant("add_bias_linear", False),
+        Constant("add_qkv_bias", False),
+        Constant("qk_layernorm", False),
+        Field("vocab_size", "vocab_size", target="option", cast=int),
+        Field("max_position_embeddings", "max_sequence_length", target="option", cast=int),
+        Field("tie_word_embeddings", "share_embeddings_and_output_weights", target="option", default=False,
+              cast=bool),
+        Derived("rotary_base", llama_rope_theta_from_hf, rope_theta_to_hf,
+                hf_keys=("rope_parameters", "rope_theta", "rope_scaling"), target="option"),
+        Constant("position_embedding_type", "rope", target="option"),
+        Constant("activation", "silu", target="option"),
+    ),
+)
+
+
+def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
+    """Build this rank's megatron ``GPTModel`` chunks for a Llama HF config.
+
+    ``ProviderSpec.build`` target. Requires ``ferrule.megatron.parallel.init_distributed(layout)``
+    with the same layout. ``options`` are the keywords of
+    :func:`ferrule.megatron.gpt_builder.build_from_hf_config` (``params_dtype``,
+    ``core_attention``, ``parallel_output``, ``config_overrides``, ...).
+
+    Returns:
+        ``list[GPTModel]``, one per virtual pipeline stage; logits ``[batch, seq, padded_vocab / tp]``.
+
+    Raises:
+        ConfigTranslationError: an unsupported Llama feature (see the module docstring).
+    """
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+
+    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter mapping (MAPPING). Keys are global mcore names; ``*`` is the layer index.
+# ---------------------------------------------------------------------------------------------
+
+#: Llama mapping table. ``linear_qkv`` interleaves per KV group ``[q.. , k, v]`` (layout in
+#: :class:`ferrule.mapping.FuseQKV`); ``linear_fc1`` is ``[gate; up]``. HF Llama checkpoints
+#: already store q/k in the ``rotate_half`` RoPE layout that Megatron uses, so no permutation.
+MAPPING = MappingTable(
+    family="llama",
+    mappings=(
+        Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp=TPSplit.VOCAB),
+        OutputLayer("output_layer.weight", hf="lm_head.weight", tied_hf="model.embed_tokens.weight"),
+        Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+        Rename("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight"),
+        FuseQKV("decoder.layers.*.self_attention.linear_qkv.weight",
+                q="model.layers.*.self_attn.q_proj.weight", k="model.layers.*.self_attn.k_proj.weight",
+                v="model.layers.*.self_attn.v_proj.weight"),
+        Rename("decoder.layers.*.self_attention.linear_proj.weight", "model.layers.*.self_attn.o_proj.weight",
+               tp=TPSplit.ROW),
+        Rename("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight"),
+        FuseGateUp("decoder.layers.*.mlp.linear_fc1.weight", gate="model.layers.*.mlp.gate_proj.weight",
+                   up="model.layers.*.mlp.up_proj.weight"),
+        Rename("decoder.layers.*.mlp.linear_fc2.weight", "model.layers.*.mlp.down_proj.weight", tp=TPSplit.ROW),
+    ),
+    ignores=(
+        Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
+               reason="older Llama checkpoints store RoPE inverse frequencies; both HF and megatron "
+                      "recompute them from rope_theta"),
+    ),
+)
+
+# ---------------------------------------------------------------------------------------------
+# Weight-sync groups (UPDATE_GROUPS): one unit per layer for attention and for the MLP.
+# ---------------------------------------------------------------------------------------------
+
+UPDATE_GROUPS = (
+    UpdateGroup(key="embedding", suffixes=("embedding.word_embeddings.weight",), optional=True),
+    UpdateGroup(key="attention", suffixes=("input_layernorm.weight", "self_attention.linear_qkv.weight",
+                                           "self_attention.linear_proj.weight")),
+    UpdateGroup(key="mlp", suffixes=("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")),
+    UpdateGroup(key="final_norm", suffixes=("decoder.final_layernorm.weight",), optional=True),
+    # absent when the embeddings are tied (PP=1) and on every PP stage but the last
+    UpdateGroup(key="output_layer", suffixes=("output_layer.weight",), optional=True),
+)
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random model for the conformance kit (ferrule.conformance_numeric): HF config keys,
+# model_type included; the kit builds ``AutoConfig.for_model(**TINY_HF_CONFIG)`` with a fixed
+# seed. Shaped like SmolLM2 in miniature: GQA 6 query heads over 2 KV heads, tied embeddings,
+# a non-default rope_theta, and a vocabulary that Megatron pads (96 -> 128 rows).
+# ---------------------------------------------------------------------------------------------
+
+TINY_HF_CONFIG = {
+    "model_type": "llama", "vocab_size": 96, "hidden_size": 48, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8,
+    "max_position_embeddings": 64, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+}

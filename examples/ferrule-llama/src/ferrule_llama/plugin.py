@@ -1,0 +1,69 @@
+"""Hook implementations of the ferrule-llama plugin (no heavy imports: specs only).
+
+Status: VALIDATED. ferrule's conformance kit passes for ``llama``
+(``examples/ferrule-llama/tests/test_llama_conformance.py``): HF -> torch_dist -> HF is bit-exact,
+the mapping table covers the provider exactly, and Megatron logits match HF transformers within
+1e-5 (fp32, TP=1) on a tiny random Llama; the real SmolLM2-135M-Instruct checkpoint converts
+and matches HF too (README.md, "Real checkpoint").
+"""
+
+from __future__ import annotations
+
+from ferrule import hookimpl
+from ferrule.specs import FamilyStatus, ModelFamilySpec
+
+#: The variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG.
+_LLAMA = "ferrule_llama.llama"
+
+
+@hookimpl
+def register_model_families():
+    return [
+        ModelFamilySpec(
+            name="llama",
+            model_types=("llama",),
+            status=FamilyStatus.VALIDATED,
+            hf_model_class="transformers:LlamaForCausalLM",
+            features=("chat_template",),
+            description="Llama-2/3 style dense (GQA, SwiGLU, RMSNorm, default RoPE); SmolLM2",
+        ),
+    ]
+
+
+@hookimpl
+def register_providers():
+    from ferrule.specs import ProviderSpec
+
+    return [ProviderSpec(family="llama", build=f"{_LLAMA}:build_provider")]
+
+
+@hookimpl
+def register_converters():
+    from ferrule.specs import ConverterSpec
+
+    return [ConverterSpec(family="llama", mapping=f"{_LLAMA}:MAPPING", config_translation=f"{_LLAMA}:CONFIG_TRANSLATION")]
+
+
+@hookimpl
+def register_update_groups():
+    # llama.py is plain data at module level (no torch / megatron import), so importing it is cheap.
+    from ferrule.specs import UpdateGroupTable
+    from ferrule_llama.llama import UPDATE_GROUPS
+
+    return [UpdateGroupTable(family="llama", groups=UPDATE_GROUPS)]
+
+
+@hookimpl
+def register_chat_templates():
+    from ferrule.specs import ChatTemplateSpec
+
+    return [
+        ChatTemplateSpec(
+            name="smollm2",
+            family="llama",
+            template="ferrule_llama:templates/smollm2.jinja",
+            stop_tokens=("<|im_end|>",),
+            tokenizer="ferrule_llama.tokenizer:load_smollm2_tokenizer",
+            description="SmolLM2-Instruct ChatML (default SmolLM system prompt)",
+        ),
+    ]

@@ -1,0 +1,95 @@
+"""Opt-in: the llama plugin on the real SmolLM2-135M-Instruct checkpoint (not run in CI).
+
+Set ``FERRULE_LLAMA_SMOLLM2_DIR`` to a directory made by ``ferrule assets smollm2 DIR``
+(``DIR/hf`` required; ``DIR/torch_dist`` is used if present, else converted into a temp dir).
+Checks, in a fresh interpreter (megatron's parallel state is process-global):
+
+1. torch_dist -> HF reproduces every safetensors tensor of ``DIR/hf`` bit-exactly;
+2. Megatron (built by the llama provider, fp32, weights loaded from the torch_dist checkpoint)
+   vs HF transformers ``LlamaForCausalLM`` (fp32, from ``DIR/hf``) on a real prompt rendered
+   with the ``smollm2`` chat template: max |logits diff| <= :data:`REAL_ATOL` and the same
+   greedy next token at every position.
+
+About 40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = "FERRULE_LLAMA_SMOLLM2_DIR"
+#: fp32 tolerance on logits (|logit| up to ~30) through 30 layers; bf16-stored weights are
+#: exact in fp32, so only the summation order differs between the two implementations.
+REAL_ATOL = 1e-3
+PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def _check(asset_dir: str, work: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ferrule import registry
+    from ferrule.chat import render_chat
+    from ferrule.conformance_numeric import single_rank
+    from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
+    from ferrule.converters.checkpoint import load_torch_dist_into_mcore
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.specs import resolve_ref
+
+    hf_dir, td_dir = Path(asset_dir) / "hf", Path(asset_dir) / "torch_dist"
+    if not (td_dir / "metadata.json").is_file():
+        td_dir = hf_to_torch_dist(hf_dir, Path(work) / "torch_dist")
+    torch_dist_to_hf(td_dir, Path(work) / "hf_back")
+    a, b = SafetensorsReader(hf_dir), SafetensorsReader(Path(work) / "hf_back")
+    assert a.keys() == b.keys(), sorted(set(a.keys()) ^ set(b.keys()))
+    changed = [k for k in a.keys() if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
+    assert not changed, f"torch_dist -> HF changed {changed}"
+
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    text = render_chat("smollm2", PROMPT, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    del hf
+    with single_rank():
+        (model,) = resolve_ref(registry.get_provider("llama").build)(hf_config, ParallelLayout(),
+                                                                      params_dtype=torch.float32)
+        load_torch_dist_into_mcore([model], td_dir)
+        model.eval()
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        with torch.no_grad():
+            out = model(ids, pos, attention_mask=None)[..., : hf_config["vocab_size"]].float()
+    return {
+        "tokens": int(ids.shape[1]),
+        "max_abs_diff": (out - ref).abs().max().item(),
+        "max_abs_logit": ref.abs().max().item(),
+        "argmax_equal": bool(torch.equal(out.argmax(-1), ref.argmax(-1))),
+        "next_token": tok.decode([int(out[0, -1].argmax())]),
+        "dtype_megatron": str(next(model.parameters()).dtype),
+    }
+
+
+@pytest.mark.skipif(not os.environ.get(ENV), reason=f"opt-in: set {ENV}=DIR (made by `ferrule assets smollm2 DIR`)")
+def test_smollm2_round_trip_and_logits(tmp_path):
+    asset_dir = os.environ[ENV]
+    if not (Path(asset_dir) / "hf" / "config.json").is_file():
+        pytest.fail(f"{ENV}={asset_dir} has no hf/config.json; run `ferrule assets smollm2 {asset_dir}` first.")
+    out = subprocess.run([sys.executable, __file__, asset_dir, str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["max_abs_diff"] <= REAL_ATOL, result
+    assert result["argmax_equal"], result
+
+
+if __name__ == "__main__":
+    print(json.dumps(_check(sys.argv[1], sys.argv[2])))
