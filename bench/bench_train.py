@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bf16 params (default on CUDA)")
     ap.add_argument("--append-docs", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one decoupled step (torch.profiler) and print top ops")
     args = ap.parse_args()
 
     import torch
@@ -114,6 +115,16 @@ def main() -> None:
             backend.synchronize()
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
+    if args.profile and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.kind == "cuda" else [])
+        with profile(activities=acts) as prof:
+            decoupled()
+            backend.synchronize()
+        key = "self_cuda_time_total" if backend.kind == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: tokens_per_step / v for k, v in med.items()}
     ratio = med["decoupled"] / med["fused"]
