@@ -6,9 +6,17 @@ padding, no cache), ``log_softmax(logits / T)`` at the generated positions.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from safetensors.torch import load_file
+from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from ferrule.rollout import GenerateRequest, SamplingParams, get_rollout_engine
 from ferrule.rollout.embedded import EmbeddedEngine
@@ -23,6 +31,9 @@ HEAD_DIM = 8
 MAX_POS = 256
 INIT_STD = 0.2  # larger than HF's 0.02 so that greedy continuations vary
 TOL = 1e-5
+EXPERTS = 4
+EXPERTS_PER_TOK = 2
+MOE_FFN = 16
 PROMPTS = [[3, 14, 15, 92, 65, 35], [8, 9], [27, 18, 28]]
 
 
@@ -33,6 +44,16 @@ def tiny_qwen3(seed: int = 0, tied: bool = False, eos: int | None = None, attn: 
                       max_position_embeddings=MAX_POS, tie_word_embeddings=tied, initializer_range=INIT_STD,
                       eos_token_id=eos, pad_token_id=None, attn_implementation=attn)
     return Qwen3ForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_moe(seed: int = 0, attn: str = "sdpa") -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=MOE_FFN,
+                         num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOK, norm_topk_prob=True,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
+                         initializer_range=INIT_STD, eos_token_id=None, pad_token_id=None, attn_implementation=attn)
+    return Qwen3MoeForCausalLM(cfg).eval()
 
 
 def reference_logprobs(model, prompt, tokens, temperature):
@@ -264,3 +285,127 @@ def test_cuda_graph_decode_matches_hf_forward_and_eager():
     for r in got:
         ref, ref_all = reference_logprobs(new, PROMPTS[r.prompt_index], r.token_ids, 0)
         torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------- Qwen3-MoE
+@pytest.mark.parametrize("attn, params", [
+    ("sdpa", SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=8, n=2, seed=1, return_raw_logprobs=True)),
+    ("eager", SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)),
+], ids=["sdpa-sampled-n2", "eager-greedy"])
+def test_qwen3_moe_logprobs_match_hf_forward(attn, params):
+    """Qwen3MoeModel takes no per-layer-type mask dict (it has no ``layer_types``): the engine
+    passes its one 4-D mask; padded rows route through the experts without touching real rows."""
+    model = tiny_qwen3_moe(attn=attn)
+    results = EmbeddedEngine(model=model).generate(PROMPTS, params)
+    assert len(results) == len(PROMPTS) * params.n
+    for r in results:
+        assert len(r.token_ids) == params.max_new_tokens
+        ref, ref_raw_all = reference_logprobs(model, PROMPTS[r.prompt_index], r.token_ids, params.temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=TOL, rtol=0)
+        if params.return_raw_logprobs:
+            raw_ref = ref_raw_all.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(r.raw_logprobs, dtype=torch.float64), raw_ref, atol=TOL, rtol=0)
+        if params.greedy:
+            assert r.token_ids == tuple(ref_raw_all.argmax(-1).tolist())
+
+
+def test_qwen3_moe_update_weights_uses_checkpoint_names(tmp_path):
+    """Names in and out are the checkpoint's (one tensor per expert), as written by
+    ``save_pretrained``; the reference is a model transformers loads from that checkpoint
+    (its own gate/up stacking), independent of the engine's name translation."""
+    new = tiny_qwen3_moe(seed=1)
+    new.save_pretrained(tmp_path)
+    ckpt = load_file(str(tmp_path / "model.safetensors"))
+    expert_keys = [k for k in ckpt if ".mlp.experts." in k]
+    assert len(expert_keys) == LAYERS * EXPERTS * 3 and "model.layers.0.mlp.experts.3.up_proj.weight" in ckpt
+
+    engine = EmbeddedEngine(model=tiny_qwen3_moe(seed=0))
+    served = engine.get_hf_state_dict()
+    snapshot = {k: v.clone() for k, v in served.items()}
+    assert set(served) == set(ckpt)
+    assert served["model.layers.1.mlp.experts.2.gate_proj.weight"].shape == (MOE_FFN, HIDDEN)
+    assert served["model.layers.1.mlp.experts.2.down_proj.weight"].shape == (HIDDEN, MOE_FFN)
+    with pytest.raises(KeyError, match="model.layers.0.mlp.experts.gate_up_proj"):  # in-memory name: rejected
+        engine.update_weights([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(EXPERTS, 2 * MOE_FFN, HIDDEN))],
+                              version=1)
+    with pytest.raises(ValueError, match="shape"):  # a transposed expert: rejected, nothing written
+        engine.update_weights([("model.layers.0.mlp.experts.0.gate_proj.weight",
+                                ckpt["model.layers.0.mlp.experts.0.gate_proj.weight"]),
+                               ("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(HIDDEN, MOE_FFN))],
+                              version=1)
+    for k, v in engine.get_hf_state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
+
+    items = sorted(ckpt.items())
+    engine.update_weights(items[: len(items) // 2], version=1)  # two buckets, split mid-layer
+    engine.update_weights(items[len(items) // 2:], version=2)
+    for k, v in engine.get_hf_state_dict().items():
+        assert torch.equal(v, ckpt[k]), k
+    fresh_model = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for k, v in fresh_model.state_dict().items():  # in-memory stacked layouts agree element for element
+        assert torch.equal(engine.model.state_dict()[k], v), k
+    params = SamplingParams(temperature=0.9, max_new_tokens=8, n=2, seed=4)
+    got, ref = engine.generate(PROMPTS, params), EmbeddedEngine(model=fresh_model).generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [r.logprobs for r in got] == [r.logprobs for r in ref]
+    assert all(r.weights_version == 2 for r in got)
+
+    # get_hf_state_dict aliases the stacked weights: an in-place edit of one expert reaches the model
+    name = "model.layers.0.mlp.experts.2.up_proj.weight"
+    with torch.no_grad():
+        engine.get_hf_state_dict()[name][1, 3] += 1.0
+    stacked = engine.model.model.layers[0].mlp.experts.gate_up_proj
+    assert stacked[2, MOE_FFN + 1, 3] == ckpt[name][1, 3] + 1.0
+    # built from a config + checkpoint-named state dict
+    from_cfg = EmbeddedEngine(hf_config=new.config, state_dict=ckpt)
+    assert [r.token_ids for r in from_cfg.generate(PROMPTS, params)] == [r.token_ids for r in ref]
+
+
+_TRAIN_THEN_ROLLOUT = r"""
+import json, sys, torch
+work = sys.argv[1]
+from ferrule.megatron.batching import Datum
+from ferrule.megatron.engine import TrainEngine
+out = {}
+for family in ("qwen3", "qwen3_moe"):
+    engine = TrainEngine.from_hf(f"{work}/{family}")  # applies ferrule's CPU patches (no CUDA here)
+    out[family + "_modeling_imported_before"] = f"transformers.models.{family}.modeling_{family}" in sys.modules
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+    rollout = EmbeddedEngine(hf_dir=f"{work}/{family}")
+    prompt = [3, 17, 42, 8, 61, 5]
+    (res,) = rollout.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    seq = prompt + list(res.token_ids)
+    (lp,) = engine.forward_logprobs([Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])})])
+    out[family + "_diff"] = float((lp[-6:].float() - torch.tensor(res.logprobs)).abs().max())
+out["stream_is_class"] = isinstance(torch.cuda.Stream, type)
+from ferrule.megatron import cpu_compat
+out["patched"] = bool(cpu_compat.applied())
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are applied only without CUDA")
+def test_train_engine_first_then_embedded_engine(tmp_path):
+    """The RL launcher's order in one fresh process: build a TrainEngine (which applies
+    ferrule's CPU patches, e.g. ``torch.cuda.Stream``), then import transformers' Qwen3 /
+    Qwen3-MoE modeling code and generate; greedy logprobs equal the train engine's own
+    ``forward_logprobs`` of the same checkpoint."""
+    from ferrule.plugins.qwen import qwen3, qwen3_moe
+    from transformers import AutoConfig
+
+    for mod, cls in ((qwen3, Qwen3ForCausalLM), (qwen3_moe, Qwen3MoeForCausalLM)):
+        torch.manual_seed(0)
+        cls(AutoConfig.for_model(**mod.TINY_HF_CONFIG)).float().save_pretrained(tmp_path / mod.MAPPING.family)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_THEN_ROLLOUT, str(tmp_path)], cwd=Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["patched"] and out["stream_is_class"]
+    assert out["qwen3_modeling_imported_before"] is False  # modeling code first imported after the patches
+    assert out["qwen3_moe_modeling_imported_before"] is False
+    assert out["qwen3_diff"] <= TOL and out["qwen3_moe_diff"] <= TOL, out

@@ -5,9 +5,13 @@ max_len, head_dim]`` allocated on first use. The batch is left-padded: prompt to
 slots ``[P - len_i, P)`` of row ``i`` (``P`` = longest prompt), generated token ``t`` occupies
 slot ``P + t``. Which slots each query may see is given by boolean 4-D masks that we build
 (True = attend, the convention of ``torch.nn.functional.scaled_dot_product_attention``) and pass
-to the HF model as ``attention_mask={layer_type: mask}``; transformers' decoder models use a
-dict mask as-is (``Qwen3Model.forward``: "It may already have been prepared by e.g. generate"),
-so no mask code of transformers runs and the decode step has static shapes.
+to the HF model: a model with several layer types gets ``attention_mask={layer_type: mask}``
+(decoders with ``config.layer_types`` take a dict as-is, ``Qwen3Model.forward``: "It may already
+have been prepared by e.g. generate"); a model with one layer type gets the bare 4-D tensor,
+because models without ``layer_types`` (``Qwen3MoeModel``, ``MixtralModel``) call
+``create_causal_mask`` themselves, which returns any 4-D mask unchanged
+(``masking_utils._preprocess_mask_arguments``) but fails on a dict. Either way no mask code of
+transformers runs and the decode step has static shapes.
 
 The cache implements the one method HF attention layers call, ``update(key_states,
 value_states, layer_idx, ...)`` (transformers 5.17 passes ``cache_kwargs`` positionally, 5.24
@@ -68,18 +72,24 @@ def cache_kwarg_name(model: torch.nn.Module) -> str:
 def layer_windows(config: Any) -> dict[str, int | None]:
     """Map each layer type of ``config`` to its sliding window (tokens) or None (full attention).
 
+    A config without ``layer_types`` has one layer type for all layers: sliding when
+    ``config.sliding_window`` is set, else full, which is how such models choose their mask
+    (``Qwen3MoeModel.forward``: ``create_causal_mask if self.config.sliding_window is None else
+    create_sliding_window_causal_mask``).
+
     Raises:
         NotImplementedError: a layer type other than full / sliding attention (e.g. linear
             attention), which needs a cache this engine does not have.
     """
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    types = tuple(getattr(text_config, "layer_types", None) or ("full_attention",))
+    window = getattr(text_config, "sliding_window", None)
+    types = tuple(getattr(text_config, "layer_types", None)
+                  or ("full_attention" if window is None else "sliding_attention",))
     unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
     if unknown:
         raise NotImplementedError(
             f"The embedded rollout engine supports layer types {SUPPORTED_LAYER_TYPES}; this model has {unknown}. "
             "Use the sglang engine for this model.")
-    window = getattr(text_config, "sliding_window", None)
     return {t: (window if t == "sliding_attention" else None) for t in set(types)}
 
 
@@ -107,6 +117,11 @@ def prefill_masks(prompt_mask: torch.Tensor, p: int, windows: dict[str, int | No
         m = base if w is None else base & ((i - j) < w)[None]
         out[layer_type] = _to_mask(m[:, None], additive_dtype)
     return out
+
+
+def mask_argument(masks: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask=`` value for the HF model: the tensor itself when there is one layer type."""
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def _to_mask(m: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tensor:
@@ -152,7 +167,7 @@ class DecodeState:
         self.allowed.copy_(prompt_mask)
         masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
         self.cache.write_index = torch.arange(p, device=input_ids.device)
-        out = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids,
+        out = self.model(input_ids=input_ids, attention_mask=mask_argument(masks), position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
         self.cache.write_index = self.slot
         return out.logits[:, -1, :].float()
@@ -177,7 +192,7 @@ class DecodeState:
                 m[:, 0, 0, :] = _to_mask(vis, self.additive_dtype)
 
     def _eager_step(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, attention_mask=self.masks, position_ids=self.pos,
+        out = self.model(input_ids=self.ids, attention_mask=mask_argument(self.masks), position_ids=self.pos,
                          use_cache=True, **{self.cache_kw: self.cache})
         return out.logits[:, -1, :].float()
 

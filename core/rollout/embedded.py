@@ -14,6 +14,10 @@ On CUDA the decode step is captured once per ``(batch, max_len)`` bucket as a CU
 (``cuda_graph=True``, the default on CUDA; batch rounded up to a multiple of 8 and cache length
 to a multiple of 128 so graphs are reused across calls). Weight updates copy into the
 existing parameters, so captured graphs stay valid. On CPU the same code runs eagerly.
+
+Weights go in and out under HF *checkpoint* names (``update_weights``, ``get_hf_state_dict``),
+translated to transformers' in-memory layout (e.g. Qwen3-MoE's stacked experts) by
+:mod:`ferrule.rollout._checkpoint_names`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ferrule.rollout._checkpoint_names import CheckpointTensor, checkpoint_tensors
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
 from ferrule.rollout._static_cache import DecodeState, layer_windows
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
@@ -60,7 +65,9 @@ class EmbeddedEngine:
     - ``model``: an already-built ``PreTrainedModel`` (moved to ``device``/``dtype`` if given);
     - ``hf_dir``: an HF checkpoint directory (``config.json`` + safetensors); the class comes
       from the family registry (``ModelFamilySpec.hf_model_class``) unless ``model_class``;
-    - ``hf_config`` (+ optional ``state_dict`` of HF-named tensors, loaded strictly).
+    - ``hf_config`` (+ optional ``state_dict``, loaded strictly: either the model's own
+      ``state_dict()`` names or the HF checkpoint names that :meth:`update_weights` takes; every
+      tensor must be given, a tied alias such as ``lm_head.weight`` may be left out).
 
     Args:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: the model's device, or CPU.
@@ -94,8 +101,9 @@ class EmbeddedEngine:
         elif hf_config is not None:
             cls = model_class or _resolve_model_class(hf_config)
             model = cls(hf_config)
-            if state_dict is not None:
+            if state_dict is not None and set(state_dict) == set(model.state_dict()):
                 model.load_state_dict(state_dict, strict=True)
+                state_dict = None
         self.model = model.eval()
         if device is not None or dtype is not None:
             self.model.to(device=device, dtype=dtype)
@@ -118,7 +126,10 @@ class EmbeddedEngine:
         self._pad_id = getattr(cfg, "pad_token_id", None)
         self._pad_id = 0 if self._pad_id is None else int(self._pad_id)
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
+        self._ck_tensors: dict[str, CheckpointTensor] | None = None
         self._closed = False
+        if state_dict is not None:  # checkpoint names
+            self._load_checkpoint_named(state_dict)
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -281,13 +292,30 @@ class EmbeddedEngine:
         return result
 
     # ------------------------------------------------------------------ weights
-    def _named_tensors(self) -> dict[str, torch.Tensor]:
-        # state_dict keeps tied aliases (e.g. lm_head.weight -> embed_tokens.weight) under both names.
-        return dict(self.model.state_dict(keep_vars=True))
+    def _checkpoint_tensors(self) -> dict[str, CheckpointTensor]:
+        # Built once: the views alias the parameters, which update_weights only writes in place.
+        if self._ck_tensors is None:
+            self._ck_tensors = checkpoint_tensors(self.model)
+        return self._ck_tensors
+
+    def _load_checkpoint_named(self, state_dict: dict[str, torch.Tensor]) -> None:
+        targets = self._checkpoint_tensors()
+        given = {targets[k].alias_key() for k in state_dict if k in targets}
+        missing = sorted(k for k, e in targets.items() if e.alias_key() not in given)
+        if missing:
+            raise KeyError(f"EmbeddedEngine(state_dict=...): {len(missing)} tensor(s) missing, e.g. {missing[:5]}; "
+                           "pass the full model.state_dict() or every HF checkpoint tensor.")
+        self.update_weights(state_dict.items(), version=0)
 
     @torch.inference_mode()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy HF-named tensors into the model in place and set ``weights_version = version``.
+        """Copy checkpoint-named tensors into the model in place and set ``weights_version = version``.
+
+        Names are the HF *checkpoint* names, what ``save_pretrained`` writes and what the family's
+        mapping table, weight sync and SGLang use (for Qwen3-MoE one tensor per expert,
+        ``model.layers.L.mlp.experts.E.gate_proj.weight`` ``[moe_intermediate, hidden]``), even where
+        transformers keeps another layout in memory (stacked ``mlp.experts.gate_up_proj``); the
+        translation is transformers' own reverse conversion (:mod:`ferrule.rollout._checkpoint_names`).
 
         All tensors of one call are validated before any is written, so a bad call changes
         nothing. Tied parameters (``lm_head.weight`` aliasing ``model.embed_tokens.weight``) can
@@ -306,24 +334,24 @@ class EmbeddedEngine:
         if version < self.weights_version:
             raise ValueError(f"update_weights(version={version}) is older than the loaded weights_version="
                              f"{self.weights_version}; versions must not go backwards.")
-        targets = self._named_tensors()
+        targets = self._checkpoint_tensors()
         items = list(named_tensors)
         unknown = [n for n, _ in items if n not in targets]
         if unknown:
             hints = {n: difflib.get_close_matches(n, list(targets), n=2) for n in unknown[:10]}
-            raise KeyError(f"update_weights: {len(unknown)} unknown HF parameter name(s): {hints} "
-                           f"(name -> closest known). The model has {len(targets)} named tensors; convert names "
-                           "with the family's mapping table before sending.")
-        seen: dict[int, tuple[str, torch.Tensor]] = {}
+            raise KeyError(f"update_weights: {len(unknown)} unknown HF checkpoint parameter name(s): {hints} "
+                           f"(name -> closest known). The model has {len(targets)} checkpoint-named tensors; "
+                           "convert names with the family's mapping table before sending.")
+        seen: dict[tuple, tuple[str, torch.Tensor]] = {}
         errors = []
         for name, tensor in items:
             dst = targets[name]
-            if tuple(tensor.shape) != tuple(dst.shape):
-                errors.append(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-            elif dst.is_floating_point() != tensor.is_floating_point() or (
-                    not dst.is_floating_point() and dst.dtype != tensor.dtype):
-                errors.append(f"{name}: dtype {tensor.dtype} cannot be loaded into {dst.dtype}")
-            key = id(dst)
+            if tuple(tensor.shape) != dst.shape:
+                errors.append(f"{name}: shape {tuple(tensor.shape)} != expected {dst.shape}")
+            elif dst.param.is_floating_point() != tensor.is_floating_point() or (
+                    not dst.param.is_floating_point() and dst.param.dtype != tensor.dtype):
+                errors.append(f"{name}: dtype {tensor.dtype} cannot be loaded into {dst.param.dtype}")
+            key = dst.alias_key()
             if key in seen:
                 other_name, other = seen[key]
                 if other_name == name:
@@ -334,14 +362,19 @@ class EmbeddedEngine:
         if errors:
             raise ValueError("update_weights rejected the whole call (nothing was written):\n  " + "\n  ".join(errors))
         for name, tensor in items:
-            targets[name].data.copy_(tensor.to(self.device, non_blocking=True))
+            dst = targets[name]
+            dst.write_(tensor.to(self.device, dst.param.dtype, non_blocking=True))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.weights_version = version
 
     def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named tensors of the engine's model (tied names included), detached, aliasing the weights."""
-        return {k: v.detach() for k, v in self._named_tensors().items()}
+        """The model's tensors under HF checkpoint names (what ``save_pretrained`` writes, tied names
+        included), in checkpoint layout, detached. They alias the weights (in-place edits reach the
+        model) except for a layout that is no strided view of a parameter (none among the ferrule
+        families), which comes back as a copy.
+        """
+        return {k: e.read() for k, e in self._checkpoint_tensors().items()}
 
     def load_lora_adapter(self, name: str, path: str, **kwargs: Any) -> None:
         """Not implemented until the LoRA issue lands."""

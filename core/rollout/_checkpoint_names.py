@@ -1,0 +1,172 @@
+"""Checkpoint-named views of a transformers model's in-memory parameters.
+
+transformers >= 5 may keep parameters in a layout other than the checkpoint's: Qwen3-MoE (and
+every model on transformers' ``"qwen2_moe"`` conversion) stacks the routed experts as
+``mlp.experts.gate_up_proj`` ``[num_experts, 2 * moe_intermediate, hidden]`` (all gate rows of an
+expert, then all up rows) and ``mlp.experts.down_proj`` ``[num_experts, hidden, moe_intermediate]``,
+while checkpoints, ferrule's mapping tables, weight sync and SGLang use one tensor per expert
+(``mlp.experts.E.gate_proj.weight`` ...). ``save_pretrained`` turns one layout into the other with
+``transformers.core_model_loading.revert_weight_conversion`` (the reversed
+``conversion_mapping``). This module reuses exactly that function, so the names and layouts are
+transformers' own, for any model with a registered conversion:
+
+1. names: revert a *meta* copy of the state dict (no data). A checkpoint tensor that comes back
+   as the very same object is a plain (possibly renamed) parameter.
+2. layout of converted parameters: revert, one owning module at a time (the memory of one
+   module, transiently), int64 tensors holding each element's flat index into the module's
+   parameters. Every checkpoint tensor then says, element by element, which parameter element it
+   is. We require a bijection (each parameter element in exactly one checkpoint tensor) and turn
+   each index tensor into a strided view of its parameter (``as_strided``: true aliases, so
+   in-place writes reach the model and CUDA graphs stay valid); a layout that is not strided
+   (e.g. a rope permutation) keeps its flat index for gather / scatter.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from dataclasses import dataclass
+import torch
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """Where one checkpoint-named tensor lives in the model.
+
+    ``view`` is a tensor aliasing the parameter (plain parameters and strided layouts); for a
+    non-strided layout ``view`` is None and ``index`` (int64, the checkpoint shape) holds flat
+    indices into ``param`` (contiguous).
+    """
+
+    name: str
+    param_name: str
+    param: torch.Tensor
+    shape: tuple[int, ...]
+    view: torch.Tensor | None
+    index: torch.Tensor | None = None
+
+    def read(self) -> torch.Tensor:
+        """The tensor (an alias when ``view`` is set, else a gathered copy)."""
+        if self.view is not None:
+            return self.view
+        return self.param.reshape(-1)[self.index.reshape(-1)].view(self.shape)
+
+    def write_(self, src: torch.Tensor) -> None:
+        """Copy ``src`` (checkpoint shape, same device / dtype as the parameter) into the model."""
+        if self.view is not None:
+            self.view.copy_(src)
+        else:
+            self.param.view(-1).index_copy_(0, self.index.reshape(-1), src.reshape(-1))
+
+    def alias_key(self) -> tuple:
+        """Equal for two entries that address the same memory (tied parameters)."""
+        t = self.view if self.view is not None else self.param
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                None if self.index is None else self.index.data_ptr())
+
+
+def _revert(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, state_dict)
+
+
+def _strided(local: torch.Tensor) -> tuple[tuple[int, ...], int] | None:
+    """``(strides, offset)`` with ``local == offset + sum_k i_k * strides[k]``, or None."""
+    if local.numel() == 0:
+        return None
+    offset = int(local.reshape(-1)[0])
+    strides = []
+    expected = torch.full(local.shape, offset, dtype=torch.int64)
+    for k, size in enumerate(local.shape):
+        if size == 1:
+            strides.append(1)
+            continue
+        unit = [0] * local.dim()
+        unit[k] = 1
+        s = int(local[tuple(unit)]) - offset
+        if s < 0:
+            return None
+        strides.append(s)
+        shape = [1] * local.dim()
+        shape[k] = size
+        expected = expected + (torch.arange(size, dtype=torch.int64) * s).view(shape)
+    return (tuple(strides), offset) if torch.equal(expected, local) else None
+
+
+def _trace_group(model: torch.nn.Module, names: list[str], params: dict[str, torch.Tensor]
+                 ) -> list[CheckpointTensor]:
+    """Revert index tensors of ``names`` (one module's converted parameters); see module docstring."""
+    bases, total = [], 0
+    for n in names:
+        if not params[n].is_contiguous():
+            raise NotImplementedError(f"Parameter {n!r} is not contiguous; cannot map checkpoint names onto it.")
+        bases.append(total)
+        total += params[n].numel()
+    probe = {n: torch.arange(b, b + params[n].numel(), dtype=torch.int64).view(params[n].shape)
+             for n, b in zip(names, bases)}
+    out = _revert(model, probe)
+    seen = torch.zeros(total, dtype=torch.int64)
+    entries = []
+    for ck_name, idx in out.items():
+        if idx.dtype != torch.int64 or idx.numel() == 0:
+            raise NotImplementedError(
+                f"transformers' reverse conversion of {names} changes values (checkpoint tensor {ck_name!r}), "
+                "not only their layout; the embedded engine cannot map it onto the model in place.")
+        first = int(idx.reshape(-1)[0])
+        i = bisect.bisect_right(bases, first) - 1
+        p_name, base = names[i], bases[i]
+        local = idx - base
+        param = params[p_name]
+        if int(local.min()) < 0 or int(local.max()) >= param.numel():
+            raise NotImplementedError(f"Checkpoint tensor {ck_name!r} mixes elements of several parameters "
+                                      f"of {names}; the embedded engine cannot map it in place.")
+        seen.index_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64))
+        strided = _strided(local)
+        if strided is None:
+            entries.append(CheckpointTensor(ck_name, p_name, param, tuple(idx.shape), None, local.clone()))
+        else:
+            strides, offset = strided
+            view = param.as_strided(tuple(idx.shape), strides, param.storage_offset() + offset)
+            entries.append(CheckpointTensor(ck_name, p_name, param, tuple(idx.shape), view))
+    if not bool((seen == 1).all()):
+        raise NotImplementedError(f"transformers' reverse conversion of {names} does not cover each parameter "
+                                  "element exactly once; the embedded engine cannot map it in place.")
+    return entries
+
+
+@torch.no_grad()
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, CheckpointTensor]:
+    """Checkpoint name -> :class:`CheckpointTensor` for every tensor ``save_pretrained`` would write
+    (tied names included: ``lm_head.weight`` and ``model.embed_tokens.weight`` both appear).
+
+    Views are built under ``no_grad`` from ``param.detach()`` (ordinary tensors, writable inside
+    or outside ``inference_mode``) and stay valid while parameters are updated in place.
+
+    Raises:
+        NotImplementedError: transformers' reverse conversion is not a pure re-layout (it changes
+            values, mixes parameters or drops / duplicates elements).
+    """
+    params = {k: v.detach() for k, v in model.state_dict().items()}
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in params.items()}
+    origin = {id(t): k for k, t in meta.items()}
+    reverted = _revert(model, meta)
+    result: dict[str, CheckpointTensor] = {}
+    plain: set[str] = set()
+    for ck_name, t in reverted.items():
+        src = origin.get(id(t))
+        if src is not None:
+            plain.add(src)
+            result[ck_name] = CheckpointTensor(ck_name, src, params[src], tuple(t.shape), params[src])
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    for k in params:
+        if k not in plain:
+            groups[k.rpartition(".")[0]].append(k)
+    for names in groups.values():
+        for e in _trace_group(model, names, params):
+            result[e.name] = e
+    missing = sorted(set(reverted) - set(result))
+    if missing:
+        raise NotImplementedError(f"Checkpoint tensors {missing[:5]} could not be traced to model parameters.")
+    return result
+
