@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ferrule.fsutil import commit_dir
 from ferrule.converters.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
@@ -63,17 +64,6 @@ def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
-
-
-def _commit(tmp: Path, out_dir: Path) -> None:
-    out_dir = Path(out_dir).absolute()
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
@@ -308,7 +298,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
                 "hf_bytes": reader.total_bytes(), "ferrule_version": __version__,
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _commit(tmp, out_dir)
+        commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -381,7 +371,7 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
                                                max_shard_bytes, progress if world == 1 else None), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
-        _commit(tmp, out_dir)
+        commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

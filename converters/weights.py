@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping as _MappingABC
+from collections.abc import Iterator, Mapping as _MappingABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ferrule.converters.safetensors_io import CheckpointError, SafetensorsReader
+from ferrule.converters.safetensors_io import SafetensorsReader
 from ferrule.mapping import Mapping, MappingContext, MappingError, MappingTable, StackExperts, TPSplit
 
 if TYPE_CHECKING:  # pragma: no cover

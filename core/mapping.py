@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Iterable, Mapping as _MappingABC, Sequence
+from collections.abc import Mapping as _MappingABC, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 

@@ -39,6 +39,7 @@ def test_plugins_reports_a_broken_plugin(monkeypatch):
         return eps + [metadata.EntryPoint(name="broken", value="no_such_module_xyz", group=group)]
 
     monkeypatch.setattr(registry.metadata, "entry_points", fake)
+    monkeypatch.delenv("FERRULE_STRICT_PLUGINS", raising=False)  # strict mode is tested in test_registry
     monkeypatch.setenv("FERRULE_PLUGINS", "qwen,inkling,broken")
     monkeypatch.setenv("COLUMNS", "200")
     result = runner.invoke(app, ["plugins", "--traceback"])

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ferrule.fsutil import commit_dir
+
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "save_training_state", "load_training_state",
            "model_sharded_state_dict", "rng_state", "set_rng_state"]
 
@@ -154,13 +156,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
             (tmp / ENGINE_STATE_FILE).write_text(json.dumps(engine_state, indent=2) + "\n")
         _barrier()
         if _rank() == 0:
-            old = None
-            if path.exists():
-                old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(path, old)
-            os.replace(tmp, path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            commit_dir(tmp, path)
         _barrier()
     except BaseException:
         if _rank() == 0:
