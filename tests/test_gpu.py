@@ -91,3 +91,18 @@ def test_split_invariance_nccl_bf16(tmp_path):
     for key in ("dp", "dp_distopt", "tp2"):
         if key in res:
             assert res[key]["identical"], (key, res[key])
+
+
+def test_sync_from_cuda_train_engine_into_cpu_rollout_engine(tmp_path):
+    """Regression: a non_blocking device-to-host copy in update_weights delivered garbage weights
+    to a CPU rollout engine fed by a CUDA train engine (seen on an H200). check_equal compares
+    every synced tensor exactly."""
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.rollout import get_rollout_engine
+    from ferrule.sync import sync_weights
+
+    hf_dir = _hf_dir(tmp_path, "qwen3")
+    rollout = get_rollout_engine("embedded", hf_dir=hf_dir, dtype=torch.float32, device="cpu")
+    engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.float32)
+    stats = sync_weights(engine, "qwen3", rollout, 1, check_equal=True)
+    assert stats.checked and stats.tensors > 0

@@ -361,9 +361,14 @@ class EmbeddedEngine:
             seen[key] = (name, tensor)
         if errors:
             raise ValueError("update_weights rejected the whole call (nothing was written):\n  " + "\n  ".join(errors))
+        # Only host-to-device copies may be asynchronous: a non_blocking device-to-host copy into
+        # pageable memory returns before the data has landed, and the source bucket can be freed
+        # and reused by the caching allocator meanwhile (seen on an H200: a CPU rollout engine fed
+        # from a CUDA train engine received garbage weights).
+        async_ok = self.device.type == "cuda"
         for name, tensor in items:
             dst = targets[name]
-            dst.write_(tensor.to(self.device, dst.param.dtype, non_blocking=True))
+            dst.write_(tensor.to(self.device, dst.param.dtype, non_blocking=async_ok and tensor.device.type == "cpu"))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.weights_version = version
