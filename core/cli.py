@@ -34,6 +34,7 @@ _SUBAPPS: tuple[tuple[str, str, str], ...] = (
 )
 #: (command name, "module:attr" of a plain function) registered as single commands.
 _COMMANDS: tuple[tuple[str, str], ...] = (
+    ("train", "ferrule.rl.cli_train:train_command"),
     ("plot", "ferrule.rl.cli_plot:plot_command"),
 )
 

@@ -52,8 +52,8 @@ class ModelConfig:
     """The policy checkpoint."""
 
     hf_dir: str = _f("", "HF checkpoint folder (config.json, safetensors, tokenizer). Required.", "path")
-    torch_dist_dir: str = _f("", "Megatron torch_dist checkpoint with the same weights; empty: the "
-                                 "launcher converts hf_dir once into RUN_DIR/torch_dist.", "path")
+    torch_dist_dir: str = _f("", "Megatron torch_dist checkpoint with the same weights (weights only "
+                                 "are loaded); empty: the train engine loads hf_dir directly.", "path")
     family: str = _f("", "Model family override; empty: resolved from config.json model_type by the "
                          "plugin registry.")
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
@@ -145,8 +145,9 @@ class AlgorithmConfig:
                              "reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = _f(
         "k3", "KL estimator (Schulman 2020, 'Approximating KL divergence'): k1 = log r, "
-              "k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p.")
-    entropy_coef: float = _f(0.0, "Weight of the entropy bonus (entropy is always reported).")
+              "k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p. The loss implements k3 only.")
+    entropy_coef: float = _f(0.0, "Weight of the entropy bonus; not implemented by the train engine yet, "
+                                  "must be 0 (entropy is always reported).")
 
 
 @dataclass(frozen=True, kw_only=True)

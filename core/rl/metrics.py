@@ -50,6 +50,16 @@ METRICS: dict[str, tuple[str, str]] = {
     "tokens_per_s": ("tokens/s", "generated tokens per second of step wall time"),
     "eval_accuracy": ("fraction", "accuracy on the held-out prompts (eval steps only)"),
     "eval_reward_mean": ("reward", "mean reward on the held-out prompts (eval steps only)"),
+    "ppo_kl": ("nats/token", "token-mean k3 KL(current || behaviour) seen by each mini-batch before its update"),
+    "ratio_mean": ("", "mean PPO ratio exp(logp - old logp)"),
+    "zero_std_group_fraction": ("fraction", "groups whose samples all got the same reward (advantage 0)"),
+    "advantage_abs_mean": ("", "mean absolute advantage"),
+    "tis_weight_mean": ("", "mean truncated importance-sampling weight (use_tis)"),
+    "tis_truncated_fraction": ("fraction", "fraction of tokens whose IS weight was capped at tis_cap"),
+    "skipped_optim_steps": ("steps", "optimizer steps skipped for a non-finite gradient norm (only when > 0)"),
+    "weights_version": ("", "optimizer steps applied = the weight version the rollout engine holds"),
+    "epoch": ("", "pass over the prompt source the step's prompts came from"),
+    "time_eval_s": ("s", "evaluation time (eval steps only)"),
 }
 
 

@@ -1,0 +1,53 @@
+"""Checkpoint folders of the RL loop: listing, the resume config check, atomic small-file writes.
+
+``CKPT_DIR/step_NNNNNN/`` holds ``engine/`` (:meth:`ferrule.megatron.engine.TrainEngine.save`)
+and :data:`LOOP_STATE_FILE` (``{"step", "sampler", "engine_step", "config"}``), which is written
+last and atomically: a folder without it is incomplete and ignored by :func:`list_checkpoints`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LOOP_STATE_FILE = "loop_state.json"
+#: Keys that may change between a run and its resume (everything else must match).
+RESUME_MUTABLE = ("train.steps", "checkpoint.", "logging.", "eval.")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling and ``os.replace`` (never half-written)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``[(step, path)]`` in ``ckpt_dir``, oldest first (``loop_state.json`` present)."""
+    d = Path(ckpt_dir)
+    out = []
+    if d.is_dir():
+        for sub in d.iterdir():
+            if sub.name.startswith("step_") and (sub / LOOP_STATE_FILE).is_file():
+                try:
+                    out.append((int(sub.name[5:]), sub))
+                except ValueError:
+                    continue
+    return sorted(out)
+
+
+def config_differences(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
+    """``section.key`` entries that differ between two config dicts, except :data:`RESUME_MUTABLE`."""
+    diffs = []
+    for section in sorted(set(old) | set(new)):
+        for key in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
+            dotted = f"{section}.{key}"
+            if any(dotted == m or (m.endswith(".") and dotted.startswith(m)) for m in RESUME_MUTABLE):
+                continue
+            a, b = old.get(section, {}).get(key), new.get(section, {}).get(key)
+            if a != b:
+                diffs.append(f"{dotted}: checkpointed run has {a!r}, this config has {b!r}")
+    return diffs

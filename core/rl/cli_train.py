@@ -1,0 +1,91 @@
+"""``ferrule train CONFIG [key=value ...]``: run GRPO (see :mod:`ferrule.rl.loop`).
+
+Mounted by ``ferrule.cli`` with ``app.command("train")(train_command)``.
+
+Exit codes: 0 done; 2 config error (every problem listed); 130 stopped by Ctrl-C (after saving
+a checkpoint when ``checkpoint.save_on_interrupt``); 1 other errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = False,
+                   run_dir: Path | None = None):
+    """Load the config for the CLI: file (or ``RUN_DIR/config.yaml`` when resuming without one),
+    overrides, ``--run-dir``, ``--resume``. Returns the validated ``RLConfig``.
+
+    Raises:
+        ConfigError: every problem at once.
+    """
+    from ferrule.rl.config import CONFIG_FILE_NAME, ConfigError, load_config
+
+    items = list(overrides)
+    if config is not None and "=" in str(config) and not Path(config).exists():
+        items.insert(0, str(config))  # `ferrule train key=value` without a file
+        config = None
+    if run_dir is not None:
+        items.append(f"logging.run_dir={run_dir}")
+    if resume:
+        items.append("checkpoint.resume=true")
+        if config is None:
+            if run_dir is None:
+                raise ConfigError(["--resume without CONFIG needs --run-dir RUN_DIR (its config.yaml is reloaded)"])
+            config = Path(run_dir) / CONFIG_FILE_NAME
+    return load_config(config, items)
+
+
+def train_command(
+    config: Annotated[Path | None, typer.Argument(
+        help="YAML/TOML config (e.g. examples/configs/smollm2_arithmetic.yaml). With --resume it may be "
+             "omitted: RUN_DIR/config.yaml is used.", show_default=False)] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="Overrides section.key=value (e.g. train.steps=20 rollout.temperature=0.8).", show_default=False)] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="An override section.key=value (repeatable; same as a trailing argument).")] = None,
+    config_opt: Annotated[Path | None, typer.Option("--config", "-c", help="Config file (alternative to CONFIG).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint of the run folder "
+                                                          "(data order, RNG and optimizer state included).")] = False,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run folder (overrides logging.run_dir).")] = None,
+    check_weight_update_equal: Annotated[bool, typer.Option(
+        "--check-weight-update-equal",
+        help="After every weight sync verify that the rollout engine holds exactly the trained weights.")] = False,
+    stop_after: Annotated[int | None, typer.Option(
+        "--stop-after", help="Stop (with a checkpoint) once this many steps are complete, as Ctrl-C would.")] = None,
+) -> None:
+    """Run GRPO-style RL: prompts -> rollout -> verifier rewards -> advantages -> policy loss -> optimizer step ->
+    weight sync, with checkpoints, resume, metrics.jsonl and a reward-curve PNG in the run folder."""
+    from rich.console import Console
+
+    from ferrule.rl.config import ConfigError
+
+    console = Console(stderr=True, soft_wrap=True)
+    if config is not None and config_opt is not None:
+        console.print("error: give the config either as CONFIG or as --config, not both")
+        raise typer.Exit(2)
+    try:
+        cfg = resolve_config(config if config is not None else config_opt, [*(overrides or []), *(set_ or [])],
+                             resume=resume, run_dir=run_dir)
+        from ferrule.rl.loop import GRPOTrainer
+
+        trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
+        result = trainer.run(stop_after=stop_after)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
+        raise typer.Exit(130) from None
+    last = result.metrics[-1] if result.metrics else {}
+    summary = f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}"
+    if "reward_mean" in last:
+        summary += f", last reward_mean {last['reward_mean']:.3f}"
+    if result.plot:
+        summary += f", reward curve {result.plot}"
+    console.print(summary, highlight=False, markup=False)
+    if result.interrupted and stop_after is None:
+        raise typer.Exit(130)

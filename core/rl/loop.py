@@ -1,0 +1,508 @@
+"""The GRPO loop of ``ferrule train``: prompts -> rollout -> rewards -> advantages -> fb -> step -> sync.
+
+One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` samples each):
+
+1. **Prompts**: the next prompts of the resumable :class:`~ferrule.rl.tasks.PromptSampler`,
+   rendered with the family's chat template (``add_generation_prompt=True``) and tokenized.
+2. **Rollout**: the rollout engine samples ``n`` responses per prompt with seed
+   ``sha256("ferrule-rollout:{train.seed}:{step}")`` (so a resumed run samples what an
+   uninterrupted one would); generation stops at the template's stop tokens, EOS or
+   ``max_new_tokens``. The engine also returns the temperature-1 logprobs of the sampled tokens.
+3. **Rewards**: decoded responses -> answer extraction -> the task's verifier (+ format reward).
+4. **Advantages**: group-normalized (:func:`~ferrule.rl.advantages.grpo_advantages`), one per
+   sample, broadcast over its response tokens.
+5. **Old / reference logprobs**: with ``algorithm.use_tis`` or several optimizer steps per
+   rollout, the train engine's ``forward_logprobs`` gives the pre-update ("old") logprobs that
+   the PPO ratio divides by; otherwise the rollout engine's logprobs play that role (one fewer
+   forward pass). With ``kl_coef > 0`` a frozen reference (:mod:`ferrule.rl.reference`) scores
+   the batch.
+6. **Train**: the batch is split into ``train.optim_steps_per_rollout`` mini-batches of whole
+   groups; each is one ``forward_backward`` (the engine packs micro-batches of at most
+   ``train.micro_batch_tokens`` padded tokens) and one ``optim_step``. The policy loss is
+   ``algorithm.loss`` from :mod:`ferrule.losses` (PPO clip by default, ratio bounds
+   ``[1 - eps_clip, 1 + eps_clip_high]``), multiplied per token by the truncated IS weight
+   ``min(exp(old - rollout), tis_cap)``, plus ``kl_coef * k3`` KL to the reference
+   (``k3 = exp(ref - logp) - (ref - logp) - 1``, Schulman 2020). Per-token weights make each
+   optimizer step the mean over all response tokens of its mini-batch (``token_mean``), so the
+   micro-batch split does not change the update.
+7. **Weight sync** through the family's update groups (:func:`ferrule.sync.sync_weights`);
+   ``check_weight_update_equal`` verifies every tensor after each sync.
+8. **Eval / checkpoint** every ``eval.interval`` / ``checkpoint.interval`` steps (and at the end).
+
+Checkpoint ``CKPT_DIR/step_NNNNNN/`` = ``engine/`` (:meth:`TrainEngine.save`: model, optimizer,
+scheduler, RNG; atomic) + ``loop_state.json`` (step, sampler position; written last, atomically:
+a folder without it is incomplete and ignored). Resume loads both, re-syncs the rollout engine
+and continues with the same prompts and rollout seeds, so its metrics equal an uninterrupted
+run's (tests/test_rl_e2e.py).
+
+Single process only (world size 1; ``parallel.tp/pp/ep`` must be 1): multi-rank launch of the
+loop is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_write, config_differences,
+                                    list_checkpoints)
+from ferrule.rl.config import ConfigError, RLConfig
+
+__all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
+           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE"]
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def rollout_seed(seed: int, step: int, salt: str = "rollout") -> int:
+    """Sampling seed of ``step``: ``sha256("ferrule-{salt}:{seed}:{step}")`` (first 8 bytes, < 2**63)."""
+    digest = hashlib.sha256(f"ferrule-{salt}:{seed}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**63)
+
+
+def check_supported(cfg: RLConfig) -> None:
+    """Raise :class:`ConfigError` for settings the loop does not implement (yet)."""
+    p = []
+    a = cfg.algorithm
+    if a.kl_coef > 0 and a.kl_estimator != "k3":
+        p.append(f"algorithm.kl_estimator: {a.kl_estimator!r} is not implemented as a loss term "
+                 "(ferrule.losses uses k3); set algorithm.kl_estimator=k3")
+    if a.entropy_coef > 0:
+        p.append("algorithm.entropy_coef: an entropy bonus is not implemented by the train engine; set it to 0 "
+                 "(entropy is still reported)")
+    if cfg.rollout.engine != "embedded":
+        p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop yet; use embedded")
+    for key in ("tp", "pp", "ep"):
+        if getattr(cfg.parallel, key) != 1:
+            p.append(f"parallel.{key}: the loop runs in one process; multi-rank training is not implemented, set 1")
+    if p:
+        raise ConfigError(p)
+
+
+@dataclass
+class RunResult:
+    """What :meth:`GRPOTrainer.run` did.
+
+    Attributes:
+        run_dir: the run folder. start_step: completed steps when the run began (resume point).
+        last_step: completed steps at exit. interrupted: stopped early (Ctrl-C or ``stop_after``).
+        checkpoint: last checkpoint written (None if none). plot: reward-curve PNG (or None).
+        metrics: the entries logged by this process (``metrics.jsonl`` has all of them).
+    """
+
+    run_dir: Path
+    start_step: int
+    last_step: int
+    interrupted: bool
+    checkpoint: Path | None
+    plot: Path | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class GRPOTrainer:
+    """Builds the engines for an :class:`RLConfig` and runs the loop (module docstring).
+
+    Args:
+        cfg: the validated config (``load_config``).
+        check_weight_update_equal: verify the rollout engine's weights after every sync
+            (exact compare; slow for large models).
+        console: a ``rich.console.Console`` for messages (default: stderr).
+
+    Raises:
+        ConfigError: unsupported settings, missing paths, a resume whose config differs in
+            data/model/algorithm keys, or a fresh run into a folder that already has metrics.
+    """
+
+    def __init__(self, cfg: RLConfig, *, check_weight_update_equal: bool = False, console: Any = None):
+        from rich.console import Console
+
+        check_supported(cfg)
+        cfg.check_paths()
+        self.cfg = cfg
+        self.check_equal = check_weight_update_equal
+        self.console = console or Console(stderr=True, soft_wrap=True)
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self._stop_requested = False
+        self._setup_done = False
+
+    # ------------------------------------------------------------------ setup
+    def _log(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def setup(self) -> None:
+        """Build prompt sources, reward function, rollout engine, template, train engine (idempotent)."""
+        if self._setup_done:
+            return
+        import torch
+        import transformers  # noqa: F401  (modeling code before megatron's CPU patches)
+        from transformers import GenerationMixin  # noqa: F401
+
+        from ferrule import registry
+        from ferrule.chat import stop_token_ids
+        from ferrule.rl.rewards import build_reward_fn_from_config
+        from ferrule.rl.tasks import PromptSampler, build_prompt_source
+        from ferrule.rollout import get_rollout_engine
+
+        cfg = self.cfg
+        dtype = getattr(torch, cfg.model.dtype)
+        t0 = time.perf_counter()
+        self.source = build_prompt_source(cfg.data)
+        self.sampler = PromptSampler(self.source, cfg.train.seed, cfg.data.shuffle)
+        self.reward_fn = build_reward_fn_from_config(cfg, self.source)
+        self.eval_source = build_prompt_source(cfg.data, eval_cfg=cfg.eval) if cfg.eval.interval > 0 else None
+        self.eval_reward_fn = (build_reward_fn_from_config(cfg, self.eval_source)
+                               if self.eval_source is not None else None)
+
+        hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
+        self.family = cfg.model.family or registry.family_for_hf_config(hf_config).name
+        from ferrule.megatron.device import get_backend
+
+        # the embedded engine runs where training runs: the GPU when there is one, else the CPU
+        self.rollout = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype,
+                                          device=get_backend().device)
+        self.tokenizer = self.rollout.tokenizer
+        if self.tokenizer is None:
+            raise ConfigError([f"model.hf_dir: {cfg.model.hf_dir!r} has no tokenizer files (tokenizer.json / "
+                               "tokenizer_config.json); the loop renders prompts with the checkpoint's tokenizer"])
+        if cfg.data.chat_template:
+            self.template = registry.get_chat_template(cfg.data.chat_template)
+        else:
+            templates = registry.chat_templates_for(self.family)
+            if not templates:
+                raise ConfigError([f"data.chat_template: family {self.family!r} registers no chat template; name "
+                                   "one with data.chat_template (see `ferrule chat-template list`)"])
+            self.template = templates[0]
+        stop_ids = list(stop_token_ids(self.template, self.tokenizer))
+        stop_strings = []
+        for tok in cfg.rollout.extra_stop_tokens:
+            ids = self.tokenizer.encode(tok, add_special_tokens=False)
+            (stop_ids.extend(ids) if len(ids) == 1 else stop_strings.append(tok))
+        self.stop_ids, self.stop_strings = tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
+        self._prompt_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0:
+            from ferrule.rl.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(cfg.model.hf_dir, dtype=dtype)
+
+        from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+
+        o, t = cfg.optimizer, cfg.train
+        total_optim_steps = t.steps * t.optim_steps_per_rollout
+        settings = OptimizerSettings(
+            lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps * t.optim_steps_per_rollout,
+            lr_decay_steps=(None if o.lr_decay_style == "constant"
+                            else (o.lr_decay_steps or t.steps) * t.optim_steps_per_rollout),
+            lr_decay_style=o.lr_decay_style, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad)
+        kwargs = dict(optimizer=settings, params_dtype=dtype, seed=t.seed, max_tokens_per_microbatch=t.micro_batch_tokens)
+        if cfg.model.torch_dist_dir:
+            self.engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, load_optimizer=False, **kwargs)
+        else:
+            self.engine = TrainEngine.from_hf(cfg.model.hf_dir, **kwargs)
+        self._total_optim_steps = total_optim_steps
+        self._log(f"ferrule train: family {self.family}, template {self.template.name}, "
+                  f"{len(self.source)} prompts ({self.source.name}), setup {time.perf_counter() - t0:.1f} s")
+        self._setup_done = True
+
+    # ------------------------------------------------------------------ pieces
+    def _prompt_ids(self, prompt: Any, kind: str) -> tuple[int, ...]:
+        from ferrule.chat import encode_rendered, render_chat
+
+        key = (kind, prompt.index)
+        if key not in self._prompt_cache:
+            text = render_chat(self.template, list(prompt.messages), add_generation_prompt=True)
+            ids = tuple(encode_rendered(self.tokenizer, text))
+            if len(ids) > self.cfg.data.max_prompt_tokens:
+                raise ConfigError([f"data.max_prompt_tokens: prompt {prompt.id!r} renders to {len(ids)} tokens > "
+                                   f"{self.cfg.data.max_prompt_tokens}; raise data.max_prompt_tokens (and "
+                                   "train.micro_batch_tokens) or shorten the prompts"])
+            self._prompt_cache[key] = ids
+        return self._prompt_cache[key]
+
+    def _generate(self, prompts: list[Any], prompt_ids: list[tuple[int, ...]], *, n: int, temperature: float,
+                  max_new_tokens: int, seed: int) -> tuple[list[Any], list[str]]:
+        from ferrule.rollout import GenerateRequest, SamplingParams
+
+        ro = self.cfg.rollout
+        params = SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
+                                top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
+                                stop_token_ids=self.stop_ids, stop=self.stop_strings, n=n, seed=seed,
+                                return_raw_logprobs=temperature > 0)
+        results = self.rollout.generate([GenerateRequest(ids, request_id=p.id) for p, ids in zip(prompts, prompt_ids)],
+                                        params)
+        texts = [self.tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
+        return results, texts
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        from ferrule.rl.rewards import score_responses
+
+        e = self.cfg.eval
+        prompts = [self.eval_source[i] for i in range(len(self.eval_source))]
+        ids = [self._prompt_ids(p, "eval") for p in prompts]
+        results, texts = self._generate(prompts, ids, n=1, temperature=e.temperature,
+                                        max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                        seed=rollout_seed(self.cfg.train.seed, step, "eval"))
+        rewards = score_responses(self.eval_reward_fn, texts, prompts)
+        return {"eval_reward_mean": float(np.mean([r.reward for r in rewards])),
+                "eval_accuracy": float(np.mean([r.correct for r in rewards]))}
+
+    def _sync(self) -> float:
+        from ferrule.sync import sync_weights
+
+        stats = sync_weights(self.engine, self.family, self.rollout, version=self.engine.step,
+                             check_equal=self.check_equal)
+        return stats.seconds
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Run step ``step`` (1-based); return ``(metrics, logged samples)``."""
+        import torch
+
+        from ferrule.losses import finalize_metrics, sum_metrics
+        from ferrule.rl.advantages import grpo_advantages, token_weights
+        from ferrule.rl.batch import (Sample, build_datums, loss_fn_config, response_slice, sequence_datum,
+                                      split_groups)
+        from ferrule.rl.metrics import rollout_metrics
+        from ferrule.rl.rewards import score_responses
+
+        cfg, ro, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
+        n = ro.n_samples_per_prompt
+        t_step = time.perf_counter()
+        prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
+        prompt_ids = [self._prompt_ids(p, "train") for p in prompts]
+        results, texts = self._generate(prompts, prompt_ids, n=n, temperature=ro.temperature,
+                                        max_new_tokens=ro.max_new_tokens, seed=rollout_seed(cfg.train.seed, step))
+        t_rollout = time.perf_counter() - t_step
+        rewards = score_responses(self.reward_fn, texts, [prompts[r.prompt_index] for r in results])
+        samples = [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
+                          rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
+                          truncated=r.finish_reason == "length") for r in results]
+        reward_values = [r.reward for r in rewards]
+        adv = grpo_advantages(reward_values, group_size=n, std_normalization=a.grpo_std_normalization,
+                              eps=a.advantage_eps)
+        rollout_lp = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+
+        t_train0 = time.perf_counter()
+        need_old = a.use_tis or cfg.train.optim_steps_per_rollout > 1
+        trainer_lp: list[torch.Tensor | None] = [None] * len(samples)
+        if need_old:
+            old = self.engine.forward_logprobs([sequence_datum(s) for s in samples])
+            behaviour = [response_slice(lp, s) for lp, s in zip(old, samples)]
+            trainer_lp = list(behaviour)
+        else:
+            behaviour = rollout_lp
+        ref = None
+        if self.reference is not None:
+            ref = [response_slice(lp, s) for lp, s in zip(
+                self.reference.logprobs([s.prompt_ids + s.response_ids for s in samples],
+                                        cfg.train.micro_batch_tokens), samples)]
+        loss_name, loss_cfg = loss_fn_config(a)
+        sums, grad_norms, lrs, skipped, ppo_kl_num, ppo_kl_den = [], [], [], 0, 0.0, 0
+        for k, groups in enumerate(split_groups(len(prompts), cfg.train.optim_steps_per_rollout)):
+            idx = [i for i, s in enumerate(samples) if s.group in groups]
+            w = token_weights([len(samples[i].response_ids) for i in idx], mode=a.loss_aggregation,
+                              max_new_tokens=ro.max_new_tokens)
+            datums = build_datums([samples[i] for i in idx], weights=w, advantages=[adv[i] for i in idx],
+                                  behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
+                                  ref_logprobs=[ref[i] for i in idx] if ref is not None else None)
+            out = self.engine.forward_backward(datums, loss_name, loss_cfg)
+            sums.append({key: v for key, v in out.metrics.items() if key.endswith(":sum")})
+            for j, i in enumerate(idx):
+                cur = response_slice(out.loss_fn_outputs[j]["logprobs"], samples[i])
+                if k == 0 and trainer_lp[i] is None:
+                    trainer_lp[i] = cur
+                d = (behaviour[i] - cur).double()  # log(p_old / p_cur)
+                ppo_kl_num += float((d.exp() - 1 - d).sum())
+                ppo_kl_den += d.numel()
+            res = self.engine.optim_step()
+            grad_norms.append(res["grad_norm"])
+            lrs.append(res["learning_rate"])
+            skipped += not res["success"]
+        t_train = time.perf_counter() - t_train0
+        t_sync = self._sync()
+
+        lm = finalize_metrics(sum_metrics(sums))
+        lengths = [len(s.response_ids) for s in samples]
+        metrics: dict[str, Any] = rollout_metrics(
+            reward_values, group_size=n, response_lengths=lengths, correct=[r.correct for r in rewards],
+            format_ok=[r.format_ok for r in rewards], truncated=[s.truncated for s in samples])
+        have = [i for i, lp in enumerate(trainer_lp) if lp is not None]
+        diff = torch.cat([(trainer_lp[i] - rollout_lp[i]).abs() for i in have]) if have else torch.zeros(1)
+        ppo_kl = ppo_kl_num / max(ppo_kl_den, 1)
+        metrics.update({
+            "loss": lm["loss:sum"] / len(sums),
+            "kl": lm["ref_kl:mean"] if "ref_kl:mean" in lm else ppo_kl,
+            "ppo_kl": ppo_kl,
+            "clip_fraction": lm.get("clip_fraction:mean", 0.0),
+            "ratio_mean": lm.get("ratio:mean"),
+            "entropy": float(-torch.cat(rollout_lp).mean()),
+            "train_rollout_logprob_abs_diff": float(diff.mean()),
+            "grad_norm": float(np.mean(grad_norms)),
+            "lr": lrs[-1],
+            "advantage_abs_mean": float(np.abs(adv).mean()),
+            "zero_std_group_fraction": float(np.mean(np.asarray(reward_values).reshape(-1, n).std(axis=1) == 0)),
+        })
+        if a.use_tis:
+            metrics["tis_weight_mean"] = lm.get("tis_weight:mean")
+            metrics["tis_truncated_fraction"] = lm.get("tis_truncated_fraction:mean")
+        if skipped:
+            metrics["skipped_optim_steps"] = skipped
+        gen_tokens = sum(lengths)
+        seq_tokens = sum(s.num_tokens + 1 for s in samples)
+        t_total = time.perf_counter() - t_step
+        metrics.update({"time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": t_sync,
+                        "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+                        "train_tokens_per_s": seq_tokens / max(t_train, 1e-9),
+                        "weights_version": self.engine.step, "epoch": self.sampler.epoch})
+        if self.eval_source is not None and step % cfg.eval.interval == 0:
+            t_eval = time.perf_counter()
+            metrics.update(self._evaluate(step))
+            metrics["time_eval_s"] = time.perf_counter() - t_eval
+        t_total = time.perf_counter() - t_step
+        metrics["time_step_s"] = t_total
+        metrics["tokens_per_s"] = gen_tokens / max(t_total, 1e-9)
+        logged = [{"step": step, "prompt_id": prompts[r.prompt_index].id, "sample": r.sample_index,
+                   "response": texts[i], "answer": prompts[r.prompt_index].answer, "extracted": rewards[i].extracted,
+                   "reward": rewards[i].reward, "correct": rewards[i].correct, "advantage": float(adv[i])}
+                  for i, r in enumerate(results[:cfg.logging.log_samples])]
+        return metrics, logged
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step: int) -> Path:
+        """Write ``CKPT_DIR/step_NNNNNN`` (engine + loop state) and prune to ``checkpoint.keep``."""
+        path = self.ckpt_dir / f"step_{step:06d}"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / LOOP_STATE_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
+        self.engine.save(path / "engine")
+        state = {"step": step, "sampler": self.sampler.state_dict(), "engine_step": self.engine.step,
+                 "config": self.cfg.to_dict()}
+        atomic_write(path / LOOP_STATE_FILE, json.dumps(state, indent=2) + "\n")
+        keep = self.cfg.checkpoint.keep
+        if keep:
+            for _, old in list_checkpoints(self.ckpt_dir)[:-keep]:
+                if old != path:
+                    shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _resume_point(self) -> int:
+        found = list_checkpoints(self.ckpt_dir)
+        if not found:
+            self._log(f"checkpoint.resume: no complete checkpoint in {self.ckpt_dir}; starting at step 0")
+            return 0
+        step, path = found[-1]
+        state = json.loads((path / LOOP_STATE_FILE).read_text())
+        diffs = config_differences(state.get("config", {}), self.cfg.to_dict())
+        if diffs:
+            raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
+                                       "checkpointed run (only train.steps, checkpoint.*, eval.* and logging.* may "
+                                       "change); or start a new logging.run_dir"], origin=str(path))
+        self.engine.load(path / "engine")
+        self.sampler.load_state_dict(state["sampler"])
+        self._log(f"resumed from {path} (step {step}, optimizer step {self.engine.step})")
+        return int(step)
+
+    def _truncate_samples(self, step: int) -> None:
+        path = self.run_dir / SAMPLES_FILE
+        if path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            atomic_write(path, "".join(ln + "\n" for ln in keep))
+
+    # ------------------------------------------------------------------ the run
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint (``checkpoint.save_on_interrupt``) and return."""
+        self._stop_requested = True
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        self._log("\nCtrl-C: finishing the current step, then saving a checkpoint and exiting "
+                  "(press Ctrl-C again to abort without saving)")
+
+    def run(self, *, stop_after: int | None = None) -> RunResult:
+        """Run (or resume) the loop up to ``train.steps``.
+
+        Args:
+            stop_after: stop once this many steps are complete, as if Ctrl-C had been pressed
+                (checkpoint saved when enabled); for tests and time-boxed runs.
+
+        Returns:
+            :class:`RunResult`.
+        """
+        import threading
+
+        from ferrule.rl.metrics import MetricsLogger, StepProgress
+
+        cfg = self.cfg
+        self.setup()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        start = self._resume_point() if cfg.checkpoint.resume else 0
+        try:
+            logger = MetricsLogger(self.run_dir, resume_step=start if cfg.checkpoint.resume else None,
+                                   tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                   wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+        except FileExistsError as exc:
+            raise ConfigError([f"logging.run_dir: {exc}"]) from None
+        self._truncate_samples(start)
+        cfg.dump(self.run_dir)
+        t_sync = self._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
+        self._log(f"initial weight sync {t_sync:.2f} s{' (verified equal)' if self.check_equal else ''}; "
+                  f"steps {start + 1}..{cfg.train.steps}, run dir {self.run_dir}")
+        old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        logged: list[dict[str, Any]] = []
+        ckpt = None
+        step = start
+        interrupted = False
+        try:
+            with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress,
+                                      console=self.console) as bar:
+                if start == 0 and self.eval_source is not None:
+                    logged.append(logger.log(0, self._evaluate(0)))
+                while step < cfg.train.steps:
+                    step += 1
+                    metrics, samples = self.train_step(step)
+                    logged.append(logger.log(step, metrics))
+                    if samples:
+                        with open(self.run_dir / SAMPLES_FILE, "a") as f:
+                            f.writelines(json.dumps(s) + "\n" for s in samples)
+                    bar.update(step, metrics)
+                    stop = self._stop_requested or (stop_after is not None and step >= stop_after)
+                    last = step == cfg.train.steps
+                    if cfg.checkpoint.enabled and (step % cfg.checkpoint.interval == 0 or last or
+                                                   (stop and cfg.checkpoint.save_on_interrupt)):
+                        ckpt = self.save_checkpoint(step)
+                    if stop and not last:
+                        interrupted = True
+                        break
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        plot = None
+        if cfg.logging.plot_at_end and step > 0:
+            from ferrule.rl.plot import plot_run
+
+            plot = plot_run(self.run_dir)
+        if interrupted:
+            self._log(f"stopped after step {step}" + (f"; resume with --resume (checkpoint {ckpt})" if ckpt else ""))
+        return RunResult(run_dir=self.run_dir, start_step=start, last_step=step, interrupted=interrupted,
+                         checkpoint=ckpt, plot=plot, metrics=logged)
+
+
+def train(cfg: RLConfig, *, check_weight_update_equal: bool = False, stop_after: int | None = None,
+          console: Any = None) -> RunResult:
+    """Build a :class:`GRPOTrainer` for ``cfg`` and run it (see :meth:`GRPOTrainer.run`)."""
+    return GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console).run(
+        stop_after=stop_after)
