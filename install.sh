@@ -9,7 +9,7 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade "pip>=24"
+python -m pip install -q --upgrade "pip>=24" "setuptools>=77"
 if [ "${FERRULE_TORCH:-}" != "skip" ]; then
   python -m pip install -q "torch==${FERRULE_TORCH:-2.13.0}"
 fi
