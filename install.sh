@@ -11,7 +11,16 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade "pip>=24" "setuptools>=77"
 if [ "${FERRULE_TORCH:-}" != "skip" ]; then
-  python -m pip install -q "torch==${FERRULE_TORCH:-2.13.0}"
+  ver=${FERRULE_TORCH:-2.13.0}
+  # CPU machines of this project keep the CPU build on disk (pip's find-links, /opt/wheels): ask for
+  # it by its local version, so that pip cannot prefer PyPI's CUDA build of the same version
+  links=${PIP_FIND_LINKS:-/opt/wheels}
+  if ls "$links"/torch-"$ver"+cpu-*.whl >/dev/null 2>&1; then
+    python -m pip install -q --find-links "$links" "torch==$ver+cpu"
+  else
+    echo "note: no CPU build of torch $ver in $links; installing torch==$ver from the index" >&2
+    python -m pip install -q "torch==$ver"
+  fi
 fi
 python -m pip install -q -e ".[rl,serve,dev]"
 # the worked example of an out-of-tree model-family plugin (llama / SmolLM2); its tests run with ours
