@@ -136,8 +136,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     try:
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-            (tmp / "rng").mkdir()
+            tmp.mkdir()  # left empty: megatron warns "overwriting corrupted checkpoint" on a non-empty dir
         _barrier()
         init_adam_state(optimizer)  # before the first step: give the template a (zero) step
         state = model_sharded_state_dict(model_chunks)
@@ -148,6 +147,9 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         state["scheduler"] = scheduler.state_dict()
         engine_state = dict(engine_state, adam_step=adam_step_count(optimizer))
         dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
+        if _rank() == 0:
+            (tmp / "rng").mkdir(exist_ok=True)
+        _barrier()
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
         if _rank() == 0:
             (tmp / "hf").mkdir(exist_ok=True)
