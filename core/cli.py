@@ -18,8 +18,8 @@ import ferrule
 
 app = typer.Typer(
     name="ferrule",
-    help="Model-support framework for LLM reinforcement learning: plugins, HF <-> Megatron "
-    "conversion, GRPO training and a Tinker-compatible training API.",
+    help="Model-support framework for LLM reinforcement learning: model-family plugins, HF <-> Megatron "
+    "checkpoint conversion, chat templates and GRPO training on Megatron-Core.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
@@ -115,8 +115,18 @@ _mount()
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point.
+
+    Plugin problems (strict mode, an unknown model_type, an incomplete family) are user-facing
+    errors: one message and exit code 2, not a traceback.
+    """
+    from ferrule.registry import PluginError
+
+    try:
+        app()
+    except PluginError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

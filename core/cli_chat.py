@@ -61,7 +61,9 @@ def _parse_vars(items: list[str]) -> dict[str, Any]:
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
-            out[key] = raw  # a bare word is taken as a string
+            # no silent fallback to a string: --var enable_thinking=False would be the truthy "False"
+            raise ValueError(f"--var {item!r}: {raw!r} is not JSON; write true/false, a number, or a quoted "
+                             f"string (e.g. --var {key}='\"text\"').") from None
     return out
 
 

@@ -7,7 +7,31 @@ import shutil
 import uuid
 from pathlib import Path
 
-__all__ = ["commit_dir"]
+__all__ = ["commit_dir", "apply_default_mode"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def apply_default_mode(path: str | os.PathLike, *, recursive: bool = False) -> None:
+    """Give ``path`` the permissions a plain ``open()``/``mkdir()`` would have (0666/0777 minus umask).
+
+    ``tempfile.mkstemp``/``mkdtemp`` (and safetensors' writer) create private 0600/0700 entries;
+    files renamed into place from them would otherwise stay unreadable to other users of a
+    shared cluster. With ``recursive`` every entry below a directory is fixed too.
+    """
+    mask = _umask()
+    root = Path(path)
+    entries = [root]
+    if recursive and root.is_dir():
+        entries += list(root.rglob("*"))
+    for p in entries:
+        if p.is_symlink():
+            continue
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def commit_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -15,10 +39,12 @@ def commit_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
     An existing ``out_dir`` is first renamed aside and deleted only after the new one is in
     place, so at every moment ``out_dir`` is either the old complete directory or the new
-    complete one, never a half-written mix. Callers decide beforehand whether overwriting is
-    allowed. Returns the absolute ``out_dir``.
+    complete one, never a half-written mix. Entries get default permissions
+    (:func:`apply_default_mode`). Callers decide beforehand whether overwriting is allowed.
+    Returns the absolute ``out_dir``.
     """
     out = Path(out_dir).absolute()
+    apply_default_mode(tmp, recursive=True)
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"

@@ -178,6 +178,16 @@ def get_plugin_manager(load_entrypoints: bool = True) -> tuple[pluggy.PluginMana
                 plugins.append(info)
             if failure:
                 failures.append(failure)
+        if allow is not None:
+            known = set(seen_names) | set(seen_names.values())
+            all_eps = {e.name for e in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+            all_dists = {e.dist.name for e in metadata.entry_points(group=ENTRY_POINT_GROUP) if e.dist is not None}
+            for name in sorted(allow - known):
+                msg = (f"{ALLOW_ENV} names {name!r}, which is no installed entry point or distribution of group "
+                       f"{ENTRY_POINT_GROUP!r}; installed: {', '.join(sorted(all_eps | all_dists)) or 'none'}")
+                if _strict():
+                    raise PluginLoadError(msg)
+                failures.append(LoadFailure(name, "", name, "allow-list", msg, ""))
     return pm, plugins, failures
 
 

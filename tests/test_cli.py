@@ -67,3 +67,31 @@ def test_every_command_has_help(path):
     assert result.exit_code == 0 and "Usage" in result.output, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) >= 3, f"`ferrule {' '.join(path)} --help` says almost nothing"
+
+
+def test_chat_template_var_must_be_json(tmp_path):
+    msgs = tmp_path / "m.json"
+    msgs.write_text('[{"role": "user", "content": "hi"}]')
+    result = runner.invoke(app, ["chat-template", "render", str(msgs), "--family", "qwen3", "--no-ids",
+                                 "--var", "enable_thinking=False"])
+    assert result.exit_code == 2
+    assert "not JSON" in result.output and "enable_thinking" in result.output
+    ok = runner.invoke(app, ["chat-template", "render", str(msgs), "--family", "qwen3", "--no-ids",
+                             "--generation-prompt", "--var", "enable_thinking=false"])
+    assert ok.exit_code == 0, ok.output
+    assert "<think>\n\n</think>" in ok.output
+
+
+def test_train_resume_without_checkpoint_is_an_error(tmp_path):
+    cfg = "examples/configs/tiny_ci.yaml"
+    from pathlib import Path
+
+    from ferrule.conformance_numeric import tiny_hf_dir
+
+    root = Path(__file__).resolve().parents[1]
+    hf = tiny_hf_dir("qwen3", tmp_path / "hf")
+    result = runner.invoke(app, ["train", str(root / cfg), f"model.hf_dir={hf}", "--resume",
+                                 "--run-dir", str(tmp_path / "typo")])
+    assert result.exit_code == 2, result.output
+    assert "no complete checkpoint" in result.output
+    assert not (tmp_path / "typo").exists()

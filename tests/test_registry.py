@@ -182,3 +182,16 @@ def test_declared_features_must_be_registered():
                               reason="x", features=("lora", "chat_template", "towers"))
     reg.families["needs"] = spec
     assert reg.missing_parts("needs") == ["provider", "converter", "update_groups", "lora", "chat_template", "towers"]
+
+
+def test_allow_list_entry_that_matches_nothing_is_reported(monkeypatch):
+    _fake_entry_points(monkeypatch, {"good": "plugin_samples:good"})
+    monkeypatch.setenv("FERRULE_PLUGINS", "good,godo")
+    reg = registry.get_registry()
+    assert list(reg.families) == ["demo"]
+    (failure,) = reg.failures
+    assert failure.stage == "allow-list" and "'godo'" in failure.error and "good" in failure.error
+    monkeypatch.setenv("FERRULE_STRICT_PLUGINS", "1")
+    registry.reset_registry()
+    with pytest.raises(PluginLoadError, match="'godo'.*installed: good"):
+        registry.get_registry()

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ferrule.fsutil import apply_default_mode
+
 LOOP_STATE_FILE = "loop_state.json"
 #: Keys that may change between a run and its resume (everything else must match).
 RESUME_MUTABLE = ("train.steps", "checkpoint.", "logging.", "eval.")
@@ -22,6 +24,7 @@ def atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    apply_default_mode(tmp)
     os.replace(tmp, path)
 
 

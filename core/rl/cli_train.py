@@ -61,6 +61,7 @@ def train_command(
     weight sync, with checkpoints, resume, metrics.jsonl and a reward-curve PNG in the run folder."""
     from rich.console import Console
 
+    from ferrule.registry import PluginError
     from ferrule.rl.config import ConfigError
 
     console = Console(stderr=True, soft_wrap=True)
@@ -72,9 +73,15 @@ def train_command(
                              resume=resume, run_dir=run_dir)
         from ferrule.rl.loop import GRPOTrainer
 
+        from ferrule.rl.checkpoints import list_checkpoints
+
         trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
+        if resume and not list_checkpoints(trainer.ckpt_dir):
+            # an explicit --resume must not silently start over (a typo in --run-dir would)
+            raise ConfigError([f"--resume: no complete checkpoint in {trainer.ckpt_dir}; check --run-dir, or drop "
+                               "--resume to start a new run"])
         result = trainer.run(stop_after=stop_after)
-    except ConfigError as exc:
+    except (ConfigError, PluginError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ferrule.fsutil import apply_default_mode
+
 import yaml
 
 from ferrule.rl.config_types import ConfigError, coerce_value, parse_override_value, type_name
@@ -255,6 +257,7 @@ class RLConfig:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         path = run_dir / CONFIG_FILE_NAME
+        apply_default_mode(tmp)
         os.replace(tmp, path)
         return path
 

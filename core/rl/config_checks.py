@@ -143,7 +143,8 @@ def validate_config(cfg: RLConfig) -> list[str]:
         p.append("optimizer.lr_warmup_steps / lr_decay_steps: must be >= 0")
     elif o.lr_warmup_steps > decay_steps:
         p.append(f"optimizer.lr_warmup_steps: {o.lr_warmup_steps} exceeds the schedule length "
-                 f"{decay_steps} (lr_decay_steps or train.steps)")
+                 f"{decay_steps} (lr_decay_steps or train.steps); set optimizer.lr_warmup_steps<={decay_steps} "
+                 f"or raise train.steps")
 
     # train
     if t.steps < 1:

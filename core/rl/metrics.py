@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ferrule.fsutil import apply_default_mode
+
 METRICS_FILE = "metrics.jsonl"
 
 #: Standard metric names -> (unit, description). The loop should log these names.
@@ -187,6 +189,7 @@ class MetricsLogger:
         with os.fdopen(fd, "w") as f:
             for e in entries:
                 f.write(json.dumps(e, allow_nan=False) + "\n")
+        apply_default_mode(tmp)
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:

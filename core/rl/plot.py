@@ -23,6 +23,8 @@ from typing import Any
 
 from ferrule.rl.metrics import METRICS_FILE, read_metrics
 
+from ferrule.fsutil import apply_default_mode
+
 PLOT_FILE = "reward_curve.png"
 
 
@@ -103,6 +105,7 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=100, format="png")
+        apply_default_mode(tmp)
         os.replace(tmp, out_path)
     finally:
         plt.close(fig)
