@@ -38,7 +38,7 @@ def _fail(exc: BaseException) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", markup=True, highlight=False)
-    raise typer.Exit(code=1)
+    raise typer.Exit(code=2)
 
 
 @app.command("hf-to-torch-dist")

@@ -41,6 +41,6 @@ def smollm2(
                               force=force, log=lambda m: console.print(m, markup=False, highlight=False))
     except (AssetError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     for kind, path in out.items():
         typer.echo(f"{kind}: {path}")

@@ -440,7 +440,7 @@ def test_plot_run_writes_a_decodable_png(tmp_path):
     assert result.exit_code == 0 and result.output.strip() == str(tmp_path / "x.png")
     assert plt.imread(tmp_path / "x.png").shape == image.shape
     result = CliRunner().invoke(app, ["plot", str(tmp_path / "missing")])
-    assert result.exit_code == 1 and "metrics.jsonl does not exist" in result.output
+    assert result.exit_code == 2 and "metrics.jsonl does not exist" in result.output
 
 
 # ---------------------------------------------------------------- SmolLM2 asset

@@ -23,5 +23,5 @@ def plot_command(
         path = plot_run(run_dir, out)
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     typer.echo(str(path))
