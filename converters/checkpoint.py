@@ -66,6 +66,16 @@ def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
     return tmp
 
 
+def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
+    """Fail fast (before any worker process starts) when the layout cannot split this model."""
+    from ferrule import registry
+    from ferrule.megatron.gpt_builder import check_layout_fits
+
+    translation = registry.get_converter(family).resolved_config_translation()
+    tc_kwargs, _ = translation.to_mcore(hf_config)
+    check_layout_fits(tc_kwargs, layout)
+
+
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -284,6 +294,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
     world = tp * pp * ep
     ParallelLayout(**layout_kw).validate(world)
+    _check_layout_before_spawn(family.name, hf_config, ParallelLayout(**layout_kw))
     tmp = _prepare_out(out_dir, overwrite)
     try:
         _run(world, _hf_to_torch_dist_worker, (str(hf_dir), str(tmp), hf_config, layout_kw, dtype,

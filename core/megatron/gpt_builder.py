@@ -117,19 +117,7 @@ def make_transformer_config(
         raise ValueError(f"params_dtype={params_dtype}; use torch.float32 or torch.bfloat16.")
     kw = dict(config_kwargs)
     kw.update(overrides or {})
-    heads, groups = kw.get("num_attention_heads"), kw.get("num_query_groups") or kw.get("num_attention_heads")
-    if heads % layout.tp or groups % layout.tp:
-        raise ValueError(
-            f"tp={layout.tp} must divide num_attention_heads={heads} and num_query_groups (KV heads)={groups}; "
-            f"choose tp from the common divisors."
-        )
-    if kw["num_layers"] % layout.pp:
-        raise ValueError(f"pp={layout.pp} must divide num_layers={kw['num_layers']}.")
-    experts = kw.get("num_moe_experts")
-    if experts and experts % layout.ep:
-        raise ValueError(f"ep={layout.ep} must divide the number of routed experts {experts}.")
-    if layout.ep > 1 and not experts:
-        raise ValueError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")
+    check_layout_fits(kw, layout)
     if use_cpu_initialization is None:
         use_cpu_initialization = get_backend().kind == "cpu"
     kw.update(
@@ -350,3 +338,30 @@ def mark_tensor_parallel_params(chunks) -> int:
                     set_tensor_model_parallel_attributes(p, True, dim, 1)
                     fixed += 1
     return fixed
+
+
+def check_layout_fits(config_kwargs: Mapping[str, Any], layout: ParallelLayout) -> None:
+    """Raise ``ValueError`` if ``layout`` cannot split the model described by ``config_kwargs``.
+
+    ``config_kwargs`` are TransformerConfig kwargs (``num_attention_heads``, ``num_query_groups``,
+    ``num_layers``, ``num_moe_experts``), as a family's config translation produces them. Cheap
+    and import-free, so callers (e.g. the converters) can check before spawning processes.
+    """
+    heads = int(config_kwargs["num_attention_heads"])
+    groups = int(config_kwargs.get("num_query_groups") or heads)
+    if heads % layout.tp or groups % layout.tp:
+        ok = [d for d in range(1, groups + 1) if heads % d == 0 and groups % d == 0]
+        raise ValueError(
+            f"tp={layout.tp} must divide num_attention_heads={heads} and num_query_groups (KV heads)={groups}; "
+            f"valid tp: {ok}."
+        )
+    layers = int(config_kwargs["num_layers"])
+    if layers % layout.pp:
+        raise ValueError(f"pp={layout.pp} must divide num_layers={layers}; valid pp: "
+                         f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
+    experts = config_kwargs.get("num_moe_experts")
+    if experts and experts % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide the number of routed experts {experts}; valid ep: "
+                         f"{[d for d in range(1, experts + 1) if experts % d == 0]}.")
+    if layout.ep > 1 and not experts:
+        raise ValueError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")
