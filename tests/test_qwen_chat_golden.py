@@ -20,15 +20,16 @@ import pytest
 from ferrule.chat import ChatTemplateError, encode_rendered, render_chat, stop_token_ids
 from ferrule.plugins.qwen import tokenizer as qwen_tok
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen25_chat_golden.jsonl"
+#: Reference renderings produced by the official Qwen2.5 tokenizer and chat template (12
+#: conversations: tools, parallel calls, tool results, mid-conversation system messages, unicode,
+#: empty content, with/without generation prompt); a copy of shared/data/qwen25_chat_golden.jsonl.
+GOLDEN = Path(__file__).resolve().parent / "data" / "qwen25_chat_golden.jsonl"
 N_GOLDEN = 12
 RANDOM_STRINGS = 300
 RANDOM_SEED = 0
 
 
 def _golden() -> list[dict]:
-    if not GOLDEN.is_file():
-        pytest.skip(f"golden file {GOLDEN} is not present in this checkout")
     rows = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
     assert len(rows) == N_GOLDEN
     return rows
