@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping
 
 __all__ = [
+    "DECODER_ENTRIES",
     "ConfigTranslationError",
     "Field",
     "Constant",
@@ -436,3 +437,30 @@ def pre_softmax_to_norm_topk_prob(value: bool, _cfg: Mapping[str, Any], _opts: M
 
 # Read-only view used by families composing tables (documentation aid).
 ENTRY_KINDS = MappingProxyType({"Field": Field, "Constant": Constant, "Derived": Derived, "Require": Require})
+
+
+#: Entries every Llama-style decoder shares (HF ``LlamaConfig`` field names; RMSNorm pre-norm,
+#: SwiGLU MLP without biases, RoPE, GQA): layer/width/head counts, norm epsilon, init std,
+#: dropout, and the model options vocab size, max sequence length, tied embeddings, rope and
+#: silu. A family adds its ``model_type`` requirement, head width (``kv_channels``), RoPE base,
+#: QKV bias / q-k norm, MoE fields and anything it must refuse. ``num_key_value_heads`` is
+#: required (Llama-1 style configs without it are refused rather than guessed).
+DECODER_ENTRIES: tuple = (
+    Field("num_hidden_layers", "num_layers", cast=int),
+    Field("hidden_size", "hidden_size", cast=int),
+    Field("intermediate_size", "ffn_hidden_size", cast=int),
+    Field("num_attention_heads", "num_attention_heads", cast=int),
+    Field("num_key_value_heads", "num_query_groups", cast=int),
+    Field("rms_norm_eps", "layernorm_epsilon", cast=float),
+    Field("initializer_range", "init_method_std", default=0.02, cast=float),
+    Field("attention_dropout", "attention_dropout", default=0.0, cast=float),
+    Constant("hidden_dropout", 0.0),
+    Constant("normalization", "RMSNorm"),
+    Constant("gated_linear_unit", True),
+    Constant("add_bias_linear", False),
+    Field("vocab_size", "vocab_size", target="option", cast=int),
+    Field("max_position_embeddings", "max_sequence_length", target="option", cast=int),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", target="option", default=False, cast=bool),
+    Constant("position_embedding_type", "rope", target="option"),
+    Constant("activation", "silu", target="option"),
+)

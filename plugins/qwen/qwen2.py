@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ferrule.config_translation import (
+    DECODER_ENTRIES,
     ConfigTranslation,
     Constant,
     Derived,
-    Field,
     Require,
     head_dim_from_hf,
     head_dim_to_hf_implicit,
@@ -29,25 +29,9 @@ from ferrule.config_translation import (
 QWEN_COMMON_ENTRIES = (
     Require("hidden_act", ("silu",), reason="megatron's gated MLP is built with silu (SwiGLU)"),
     Require("use_sliding_window", (False,), default=False, reason="sliding-window attention is not implemented"),
-    Field("num_hidden_layers", "num_layers", cast=int),
-    Field("hidden_size", "hidden_size", cast=int),
-    Field("intermediate_size", "ffn_hidden_size", cast=int),
-    Field("num_attention_heads", "num_attention_heads", cast=int),
-    Field("num_key_value_heads", "num_query_groups", cast=int),
-    Field("rms_norm_eps", "layernorm_epsilon", cast=float),
-    Field("initializer_range", "init_method_std", default=0.02, cast=float),
-    Field("attention_dropout", "attention_dropout", default=0.0, cast=float),
-    Constant("hidden_dropout", 0.0),
-    Constant("normalization", "RMSNorm"),
-    Constant("gated_linear_unit", True),
-    Constant("add_bias_linear", False),
-    Field("vocab_size", "vocab_size", target="option", cast=int),
-    Field("max_position_embeddings", "max_sequence_length", target="option", cast=int),
-    Field("tie_word_embeddings", "share_embeddings_and_output_weights", target="option", default=False, cast=bool),
+    *DECODER_ENTRIES,
     Derived("rotary_base", rope_theta_from_hf, rope_theta_to_hf,
             hf_keys=("rope_parameters", "rope_theta", "rope_scaling"), target="option"),
-    Constant("position_embedding_type", "rope", target="option"),
-    Constant("activation", "silu", target="option"),
 )
 
 #: HF ``qwen2`` config <-> megatron (see :mod:`ferrule.config_translation`).

@@ -31,11 +31,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ferrule.config_translation import (
+    DECODER_ENTRIES,
     ConfigTranslation,
     ConfigTranslationError,
     Constant,
     Derived,
-    Field,
     Require,
     head_dim_from_hf,
     head_dim_to_hf,
@@ -87,31 +87,12 @@ CONFIG_TRANSLATION = ConfigTranslation(
         Require("attention_bias", (False,), default=False,
                 reason="HF adds q/k/v and o_proj biases; megatron's add_bias_linear would also add MLP biases"),
         Require("mlp_bias", (False,), default=False, reason="MLP biases are not mapped"),
-        Field("num_hidden_layers", "num_layers", cast=int),
-        Field("hidden_size", "hidden_size", cast=int),
-        Field("intermediate_size", "ffn_hidden_size", cast=int),
-        Field("num_attention_heads", "num_attention_heads", cast=int),
-        # Llama-1 configs have no num_key_value_heads (multi-head attention): default in to_mcore
-        # would need the head count, so require it; every Llama-2+ config writes it.
-        Field("num_key_value_heads", "num_query_groups", cast=int),
-        Field("rms_norm_eps", "layernorm_epsilon", cast=float),
-        Field("initializer_range", "init_method_std", default=0.02, cast=float),
-        Field("attention_dropout", "attention_dropout", default=0.0, cast=float),
+        *DECODER_ENTRIES,
         Derived("kv_channels", head_dim_from_hf, head_dim_to_hf, hf_keys=("head_dim",)),
-        Constant("hidden_dropout", 0.0),
-        Constant("normalization", "RMSNorm"),
-        Constant("gated_linear_unit", True),
-        Constant("add_bias_linear", False),
         Constant("add_qkv_bias", False),
         Constant("qk_layernorm", False),
-        Field("vocab_size", "vocab_size", target="option", cast=int),
-        Field("max_position_embeddings", "max_sequence_length", target="option", cast=int),
-        Field("tie_word_embeddings", "share_embeddings_and_output_weights", target="option", default=False,
-              cast=bool),
         Derived("rotary_base", llama_rope_theta_from_hf, rope_theta_to_hf,
                 hf_keys=("rope_parameters", "rope_theta", "rope_scaling"), target="option"),
-        Constant("position_embedding_type", "rope", target="option"),
-        Constant("activation", "silu", target="option"),
     ),
 )
 
