@@ -124,9 +124,9 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
     import json
 
     from ferrule import registry
-    from ferrule.converters import SafetensorsReader
-    from ferrule.converters.weights import global_param_names
     from ferrule.mapping import MappingContext
+    from ferrule.megatron.weights import global_param_names
+    from ferrule.safetensors_io import SafetensorsReader
 
     table = registry.get_converter(family).resolved_mapping()
     src = tiny_hf_dir(family, Path(work_dir) / "hf_cover")
@@ -155,7 +155,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     from transformers import AutoModelForCausalLM
 
     from ferrule import registry
-    from ferrule.converters import load_hf_into_mcore
+    from ferrule.megatron.weights import load_hf_into_mcore
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())

@@ -61,6 +61,7 @@ __all__ = [
     "get_family",
     "list_families",
     "family_for_hf_config",
+    "hf_model_class",
     "get_provider",
     "get_converter",
     "get_update_groups",
@@ -524,6 +525,29 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> ModelFamilySpec:
         UnknownModelError: no plugin supports it (lists registered families and load failures).
     """
     return get_registry().family_for_hf_config(hf_config)
+
+
+def hf_model_class(hf_config: Any) -> Any:
+    """The transformers model class the checkpoint's family registers (``ModelFamilySpec.hf_model_class``).
+
+    Args:
+        hf_config: the parsed ``config.json`` (a dict) or a transformers ``PretrainedConfig``.
+
+    Returns:
+        The resolved class (imports the family's module, and so transformers).
+
+    Raises:
+        UnknownModelError: no plugin supports the config.
+        IncompleteFamilyError: the family declares no ``hf_model_class``.
+    """
+    from ferrule.specs import resolve_ref
+
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
+    family = family_for_hf_config(cfg)
+    if not family.hf_model_class:
+        raise IncompleteFamilyError(f"family {family.name!r} declares no hf_model_class, so no transformers model "
+                                    "can be built for it; pass model_class= explicitly or use the sglang engine.")
+    return resolve_ref(family.hf_model_class)
 
 
 def get_provider(family: str) -> ProviderSpec:

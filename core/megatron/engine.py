@@ -92,12 +92,15 @@ class TrainEngine:
         model: DDP-wrapped model chunks (``list``, one per virtual pipeline stage).
         optimizer: megatron optimizer; ``scheduler``: ``OptimizerParamScheduler``.
         hf_config: the HF ``config.json`` dict; ``family``: family name; ``vocab_size``: HF vocab.
+        mapping_table: the family's mapping table; ``update_groups``: its update-group table
+            (what weight sync needs; taken from the registry at build time unless given).
         step: number of applied optimizer steps (skipped steps not counted).
     """
 
     def __init__(self, model_chunks: Sequence[Any], *, hf_config: Mapping[str, Any], family: str,
                  mapping_table: Any, layout: ParallelLayout, optimizer: OptimizerSettings | None = None,
-                 params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None,
+                 update_groups: Any = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.utils import get_model_config
@@ -112,6 +115,7 @@ class TrainEngine:
         self.hf_config = dict(hf_config)
         self.family = family
         self.mapping_table = mapping_table
+        self._update_groups = update_groups
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
@@ -135,6 +139,15 @@ class TrainEngine:
         self.step = 0
         self._window_loads = [0] * self.dp_size
         self._padded_vocab = None
+
+    @property
+    def update_groups(self) -> Any:
+        """The family's :class:`~ferrule.specs.UpdateGroupTable` (groups resolved; weight sync reads it)."""
+        if self._update_groups is None:
+            from ..registry import get_update_groups
+
+            self._update_groups = get_update_groups(self.family)
+        return self._update_groups
 
     # ------------------------------------------------------------------ construction
 
@@ -175,7 +188,7 @@ class TrainEngine:
             ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
             ferrule.mapping.MappingError: checkpoint keys / shapes do not fit (all listed).
         """
-        from ferrule.converters.weights import load_hf_into_mcore
+        from ferrule.megatron.weights import load_hf_into_mcore
 
         layout = layout or ParallelLayout()
         hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -500,7 +513,7 @@ class TrainEngine:
         """Yield ``(hf_name, full tensor)`` for the whole model (weight sync / HF export).
 
         Collective: iterate to the end on every rank. Tensors are full (TP gathered, vocab
-        padding removed) via :func:`ferrule.converters.weights.export_mcore_to_hf`."""
-        from ferrule.converters.weights import export_mcore_to_hf
+        padding removed) via :func:`ferrule.megatron.weights.export_mcore_to_hf`."""
+        from ferrule.megatron.weights import export_mcore_to_hf
 
         return export_mcore_to_hf(self.model, self.mapping_table, hf_config=self.hf_config, dtype=dtype)
