@@ -116,12 +116,10 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
 def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
     """(family spec, provider build callable, mapping table) from the registry."""
     from ferrule import registry
-    from ferrule.specs import resolve_ref
 
     family = registry.family_for_hf_config(hf_config)
-    provider = registry.get_provider(family.name)
     converter = registry.get_converter(family.name)
-    return family, resolve_ref(provider.build), converter.resolved_mapping()
+    return family, registry.provider_build(family.name), converter.resolved_mapping()
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Numeric conformance cases for families with a converter (called from :mod:`ferrule.testing`).
 
 A family opts in by defining ``TINY_HF_CONFIG`` (a dict of HF config keys, ``model_type``
-included) in the module its ``ProviderSpec.build`` points to. :func:`tiny_hf_dir` builds a
+included) in the module its ``ProviderSpec.build`` points to (for a provider with the default
+build: the module of its ``ConverterSpec.config_translation`` reference). :func:`tiny_hf_dir` builds a
 random transformers model from it (``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config``,
 fixed seed) and saves it with ``save_pretrained``; the cases then check
 
@@ -36,6 +37,12 @@ def _variant_module(family: str):
     from ferrule import registry
 
     ref = registry.get_provider(family).build
+    if ref is None:  # the default build: the family's variant module is where its config rows live
+        conv = registry.get_converter(family)
+        ref = next((r for r in (conv.config_translation, conv.mapping) if isinstance(r, str)), None)
+        if ref is None:
+            raise LookupError(f"family {family!r} names no module (ProviderSpec.build is the default and "
+                              "ConverterSpec holds objects, not 'module:attr' references); cannot find TINY_HF_CONFIG.")
     return importlib.import_module(ref.partition(":")[0])
 
 
@@ -95,9 +102,8 @@ def single_rank() -> Iterator[None]:
 def _build(family: str, hf_config: dict, **options) -> list:
     from ferrule import registry
     from ferrule.megatron.parallel import ParallelLayout
-    from ferrule.specs import resolve_ref
 
-    return resolve_ref(registry.get_provider(family).build)(hf_config, ParallelLayout(), **options)
+    return registry.provider_build(family)(hf_config, ParallelLayout(), **options)
 
 
 def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:

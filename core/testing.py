@@ -36,6 +36,7 @@ import sys
 import pytest
 
 from ferrule import registry
+from ferrule.hook_parts import HOOK_PARTS, part_for_spec
 from ferrule.specs import FamilyStatus, resolve_ref
 
 HEAVY_MODULES = ("torch", "megatron", "transformers")
@@ -48,16 +49,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def family_specs(family: str) -> list[object]:
-    """Every spec registered for ``family`` (family, provider, converter, groups, LoRA, templates, towers)."""
+    """Every spec registered for ``family``, one hook part after another (:data:`ferrule.hook_parts.HOOK_PARTS`)."""
     reg = registry.get_registry()
-    out: list[object] = [reg.get_family(family)]
-    for table in (reg.providers, reg.converters, reg.update_groups):
-        if family in table:
-            out.append(table[family])
-    out += [s for (f, _), s in reg.lora_appliers.items() if f == family]
-    out += reg.chat_templates_for(family)
-    out += reg.get_towers(family)
-    return out
+    name = reg.get_family(family).name
+    return [spec for part in HOOK_PARTS if part.family is not None
+            for spec in getattr(reg, part.attr).values() if part.family(spec) == name]
 
 
 def discovery_imports(env: dict[str, str] | None = None) -> dict[str, object]:
@@ -127,10 +123,16 @@ class FamilyConformance:
 
     def test_lazy_references_resolve(self, ferrule_family: str) -> None:
         for spec in family_specs(ferrule_family):
-            for f in dataclasses.fields(spec):
-                value = getattr(spec, f.name)
-                if f.name in {"build", "apply", "export", "load", "hf_model_class", "tokenizer"} and isinstance(value, str):
-                    assert callable(resolve_ref(value)), f"{type(spec).__name__}.{f.name}={value!r}"
+            part = part_for_spec(spec)
+            for name in part.callables + part.data:
+                value = getattr(spec, name)
+                if isinstance(value, str):
+                    target = resolve_ref(value)
+                    assert target is not None, f"{type(spec).__name__}.{name}={value!r} resolves to None"
+                    if name in part.callables:
+                        assert callable(target), f"{type(spec).__name__}.{name}={value!r} is not callable"
+        if ferrule_family in registry.get_registry().providers:
+            assert callable(registry.provider_build(ferrule_family)), f"{ferrule_family}: provider build"
             if hasattr(spec, "read_source"):
                 assert spec.read_source().strip(), f"chat template {spec.name} is empty"
 

@@ -153,11 +153,10 @@ class TrainEngine:
 
     @staticmethod
     def _family_parts(hf_config: Mapping[str, Any]):
-        from ..registry import family_for_hf_config, get_converter, get_provider
-        from ..specs import resolve_ref
+        from ..registry import family_for_hf_config, get_converter, provider_build
 
         family = family_for_hf_config(hf_config)
-        return family.name, resolve_ref(get_provider(family.name).build), get_converter(family.name).resolved_mapping()
+        return family.name, provider_build(family.name), get_converter(family.name).resolved_mapping()
 
     @classmethod
     def _build(cls, hf_config: dict, layout: ParallelLayout, seed: int, params_dtype: torch.dtype,

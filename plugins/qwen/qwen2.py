@@ -5,13 +5,11 @@ MLP, RoPE, GQA, q/k/v projections *with* bias and o_proj without (so megatron
 ``add_qkv_bias=True``, ``add_bias_linear=False``), no q/k norm, optional tied embeddings. The
 HF config has no ``head_dim`` key: the head width is ``hidden_size // num_attention_heads``.
 
-Module-level data only; torch and megatron are imported inside :func:`build_provider`
-(``plugin.py`` imports this module at discovery).
+Module-level data only (``plugin.py`` names it at discovery). No provider function: the
+family's ``ProviderSpec`` uses the default build driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 from ferrule.config_translation import (
     DECODER_ENTRIES,
@@ -45,21 +43,6 @@ CONFIG_TRANSLATION = ConfigTranslation(
         Constant("qk_layernorm", False),
     ),
 )
-
-
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron ``GPTModel`` chunks for a Qwen2 HF config.
-
-    ``ProviderSpec.build`` target. Requires ``ferrule.megatron.parallel.init_distributed(layout)``.
-    ``options`` are :func:`ferrule.megatron.gpt_builder.build_from_hf_config`'s keywords
-    (``params_dtype``, ``core_attention``, ``parallel_output``, ...).
-
-    Returns:
-        ``list[GPTModel]``, one per virtual pipeline stage.
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
 
 
 # ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) are appended below ----

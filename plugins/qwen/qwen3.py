@@ -6,12 +6,11 @@ on each query and key head before RoPE (megatron ``qk_layernorm=True``), no q/k/
 and an explicit ``head_dim`` that may differ from ``hidden_size // num_attention_heads``
 (megatron ``kv_channels``).
 
-Module-level data only; torch and megatron are imported inside :func:`build_provider`.
+Module-level data only. No provider function: the family's ``ProviderSpec`` uses the default
+build driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 from ferrule.config_translation import (
     ConfigTranslation,
@@ -36,16 +35,6 @@ CONFIG_TRANSLATION = ConfigTranslation(
         Constant("qk_layernorm", True),
     ),
 )
-
-
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron ``GPTModel`` chunks for a Qwen3 HF config.
-
-    ``ProviderSpec.build`` target; see :func:`ferrule.plugins.qwen.qwen2.build_provider`.
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
 
 
 # ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) are appended below ----

@@ -11,12 +11,11 @@ renormalised over the top-k when ``norm_topk_prob``. Megatron equivalents:
 Dense layers between sparse ones (``decoder_sparse_step != 1`` or ``mlp_only_layers``) are
 not supported.
 
-Module-level data only; torch and megatron are imported inside :func:`build_provider`.
+Module-level data only. No provider function: the family's ``ProviderSpec`` uses the default
+build driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 from ferrule.config_translation import (
     ConfigTranslation,
@@ -58,17 +57,6 @@ CONFIG_TRANSLATION = ConfigTranslation(
         Constant("moe_grouped_gemm", False),
     ),
 )
-
-
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron MoE ``GPTModel`` chunks for a Qwen3-MoE HF config.
-
-    ``ProviderSpec.build`` target; see :func:`ferrule.plugins.qwen.qwen2.build_provider`.
-    ``moe_token_dispatcher_type`` (``'alltoall'`` default, or ``'allgather'``) is an option.
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
 
 
 # ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) are appended below ----

@@ -22,8 +22,9 @@ building a different model:
 ``pretraining_tp`` is not read: transformers >= 5 ignores it, and in older versions it only
 sliced the same matmuls (numerically the same model). It stays in ``config.json`` unchanged.
 
-Module-level data only: torch and megatron are imported inside :func:`build_provider`
-(``plugin.py`` imports this module at discovery, which must stay light).
+Module-level data only (discovery names it, so it must stay light). There is no provider
+function: ``ProviderSpec(family="llama")`` takes the default build, megatron's GPT builder
+driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ from ferrule.config_translation import (
 from ferrule.mapping import FuseGateUp, FuseQKV, Ignore, MappingTable, OutputLayer, Rename, TPSplit
 from ferrule.specs import UpdateGroup
 
-__all__ = ["CONFIG_TRANSLATION", "MAPPING", "UPDATE_GROUPS", "TINY_HF_CONFIG", "build_provider",
-           "llama_rope_theta_from_hf"]
+__all__ = ["CONFIG_TRANSLATION", "MAPPING", "UPDATE_GROUPS", "TINY_HF_CONFIG", "llama_rope_theta_from_hf"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,25 +95,6 @@ CONFIG_TRANSLATION = ConfigTranslation(
                 hf_keys=("rope_parameters", "rope_theta", "rope_scaling"), target="option"),
     ),
 )
-
-
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron ``GPTModel`` chunks for a Llama HF config.
-
-    ``ProviderSpec.build`` target. Requires ``ferrule.megatron.parallel.init_distributed(layout)``
-    with the same layout. ``options`` are the keywords of
-    :func:`ferrule.megatron.gpt_builder.build_from_hf_config` (``params_dtype``,
-    ``core_attention``, ``parallel_output``, ``config_overrides``, ...).
-
-    Returns:
-        ``list[GPTModel]``, one per virtual pipeline stage; logits ``[batch, seq, padded_vocab / tp]``.
-
-    Raises:
-        ConfigTranslationError: an unsupported Llama feature (see the module docstring).
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
 
 
 # ---------------------------------------------------------------------------------------------
