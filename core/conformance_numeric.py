@@ -9,7 +9,10 @@ fixed seed) and saves it with ``save_pretrained``; the cases then check
 - :func:`check_round_trip`: HF -> torch_dist -> HF is bit-exact (same keys, dtypes, values);
 - :func:`check_mapping_covers_provider`: the mapping table maps every parameter the provider
   builds, every table entry is used, and the HF keys produced equal the keys transformers saved;
-- :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1).
+- :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1);
+- :func:`check_update_groups_cover_parameters`: every parameter of the tiny model lands in
+  exactly one update unit, every unit names only existing parameters, and every suffix of a
+  non-optional update group matches a parameter (so a mistyped suffix fails, named).
 
 Each function runs in the calling process on one gloo/NCCL rank (it initializes and tears down
 megatron's parallel state unless it is already initialized with TP=PP=EP=1) and raises
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
-           "check_logits_parity", "single_rank", "LOGITS_ATOL_FP32"]
+           "check_logits_parity", "check_update_groups_cover_parameters", "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -181,3 +184,61 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     diff = (out.float() - ref.float()).abs().max().item()
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
     return diff
+
+
+def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> int:
+    """The family's update groups fit the parameters of its tiny model (TP=PP=EP=1, one rank).
+
+    Builds the tiny model from ``TINY_HF_CONFIG`` (``AutoConfig.for_model`` fills the HF
+    defaults; no weights are drawn) and splits its global parameter names into update units
+    (:func:`ferrule.sync.groups.build_update_units`). Checks that every parameter lands in
+    exactly one unit, that every unit names only parameters the model has, and that every
+    suffix of a non-optional group matches at least one parameter (an optional group, e.g. a
+    tied ``output_layer``, may match none).
+
+    Args:
+        groups: the update groups to check (default: the family's registered table); tests pass
+            a deliberately broken table here.
+
+    Returns:
+        The number of update units.
+
+    Raises:
+        AssertionError: naming the family and every offending parameter, unit or suffix.
+        LookupError: the family declares no ``TINY_HF_CONFIG``.
+    """
+    import collections
+
+    from transformers import AutoConfig
+
+    from ferrule import registry
+    from ferrule.megatron.weights import global_param_names
+    from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
+
+    table = registry.get_update_groups(family) if groups is None else as_group_table(groups, family)
+    cfg = tiny_hf_config(family)
+    if cfg is None:
+        raise LookupError(f"family {family!r} declares no TINY_HF_CONFIG in its provider module.")
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg).to_dict()
+    with single_rank():
+        chunks = _build(family, hf_config)
+        names = [g for c in chunks for g in global_param_names(c).values()]
+    try:
+        units = build_update_units(names, table)
+    except UpdateGroupError as exc:
+        raise AssertionError(f"{family}: the update groups do not fit the tiny model's parameters:\n{exc}") from None
+    counts = collections.Counter(n for u in units for n in u.names)
+    problems = []
+    not_once = sorted(f"{n} (in {counts[n]} units)" for n in names if counts[n] != 1)
+    if not_once:
+        problems.append("parameters not in exactly one update unit: " + ", ".join(not_once))
+    unknown = sorted(set(counts) - set(names))
+    if unknown:
+        problems.append("update units naming parameters the model does not have: " + ", ".join(unknown))
+    unused = [f"{g.key}: {s!r}" for g in table.groups if not g.optional for s in g.suffixes
+              if not any(n == s or n.endswith("." + s) for n in names)]
+    if unused:
+        problems.append("suffixes of non-optional update groups that match no parameter (typo?): " + ", ".join(unused))
+    assert not problems, f"{family}: " + "; ".join(problems)
+    return len(units)
+

@@ -20,6 +20,8 @@ families from the command line. The cases:
 - the family is complete for its status (VALIDATED/UNSTABLE: provider, converter, update
   groups and every declared feature; STRUCTURAL: a reason is given);
 - every lazy ``"module:attr"`` reference of the family resolves;
+- the update groups fit the tiny model: every parameter in exactly one update unit, every unit
+  naming existing parameters, every non-optional suffix used (a typo is named);
 - numeric cases for families with a converter (HF -> torch_dist -> HF round trip is
   bit-exact, the mapping table covers the provider's parameters exactly, Megatron logits
   match HF transformers) from :mod:`ferrule.conformance_numeric`.
@@ -164,3 +166,46 @@ class FamilyConformance:
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
         assert result["logits_max_abs_diff"] <= 1e-5
+
+    def test_update_groups_cover_parameters(self, ferrule_family: str) -> None:
+        """Every parameter of the tiny model lands in exactly one update unit, and every update unit
+        names only existing parameters (:func:`ferrule.conformance_numeric.check_update_groups_cover_parameters`).
+
+        Runs in a fresh interpreter (megatron's parallel state is process-global).
+        """
+        reg = registry.get_registry()
+        if ferrule_family not in reg.update_groups or ferrule_family not in reg.providers:
+            spec = reg.get_family(ferrule_family)
+            pytest.skip(f"{ferrule_family} registers no provider/update groups yet ({spec.status.name}: {spec.reason})")
+        result = run_conformance_check("check_update_groups_cover_parameters", ferrule_family)
+        if "skip" in result:
+            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        assert result["value"] > 0
+
+
+def run_conformance_check(check: str, family: str, *args: str) -> dict[str, object]:
+    """Run ``ferrule.conformance_numeric.<check>(family)`` in a fresh interpreter; ``{"value": result}``.
+
+    ``args`` are ``"module:attr"`` references passed as the check's ``groups=`` (tests use it to
+    hand in a deliberately broken table). Returns ``{"skip": reason}`` when the family declares
+    no ``TINY_HF_CONFIG``.
+
+    Raises:
+        AssertionError: the check failed; the message carries the check's own message.
+    """
+    code = (
+        "import json, sys\n"
+        "from ferrule import conformance_numeric as cn\n"
+        "from ferrule.specs import resolve_ref\n"
+        "fam = sys.argv[1]\n"
+        "if cn.tiny_hf_config(fam) is None:\n"
+        "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
+        "kw = {'groups': resolve_ref(sys.argv[2])} if len(sys.argv) > 2 else {}\n"
+        f"value = cn.{check}(fam, **kw)\n"
+        "print(json.dumps({'value': value}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, family, *args], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise AssertionError(f"{check} failed for {family}:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
