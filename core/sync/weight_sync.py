@@ -214,7 +214,7 @@ def _check_sender(rollout_engine: Any, need: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version: int, *,
+def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version: int, *old_form: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_equal: bool = False, skip: Iterable[str] = (),
                  family: str | None = None, hf_config: Mapping[str, Any] | None = None,
                  mapping: MappingTable | None = None,
@@ -233,6 +233,8 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
             ``hf_config`` and ``family`` (or ``mapping`` and ``update_groups``) are required).
         rollout_engine: the engine to update (on global rank 0).
         version: the weight version (e.g. the optimizer step count).
+        old_form: empty in a correct call; it only catches the old positional form
+            ``(engine, family, rollout, version)`` to raise a TypeError saying how to call.
         bucket_bytes: most bytes of HF tensors per ``update_weights`` call; a unit larger
             than this goes alone in its own bucket (units are never split).
         check_equal: after the sync, run :func:`check_weight_update_equal` (raises on mismatch).
@@ -254,7 +256,7 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
             with a mix of versions: sync again before generating.
     """
     t0 = time.perf_counter()
-    if isinstance(rollout_engine, str):
+    if old_form or isinstance(rollout_engine, str):
         raise TypeError(_OLD_FORM)
     chunks, cfg, family, table, groups = _sync_inputs(train_engine_or_model_chunks, family, mapping, update_groups,
                                                       hf_config)
@@ -313,7 +315,7 @@ def _max_abs_diff(a: "torch.Tensor", b: "torch.Tensor") -> str:
     return f"max |diff| {float(d.max()):.3e} over {int((d > 0).sum())}/{d.numel()} elements"
 
 
-def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine: Any, *,
+def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine: Any, *old_form: Any,
                               skip: Iterable[str] = (), family: str | None = None,
                               hf_config: Mapping[str, Any] | None = None,
                               mapping: MappingTable | None = None,
@@ -344,7 +346,7 @@ def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine:
     """
     import torch
 
-    if isinstance(rollout_engine, str):
+    if old_form or isinstance(rollout_engine, str):
         raise TypeError(_OLD_FORM)
     chunks, cfg, family, table, groups = _sync_inputs(train_engine_or_model_chunks, family, mapping, update_groups,
                                                       hf_config)
