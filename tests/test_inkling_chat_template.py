@@ -97,6 +97,11 @@ def test_matches_tml_renderers_live(index, tok):
     assert media == row["media"], row["name"]  # the golden file is what tml-renderers gives today
 
 
+def test_golden_file_is_reproducible(capsys):
+    """`python tests/make_tmlv0_golden.py --check`: the stored file is byte-identical to a fresh rendering."""
+    assert GEN.main(["--check"]) == 0, capsys.readouterr().out
+
+
 def _native_with_effort(messages: list, effort: float | None) -> list:
     """tinker-cookbook's SFT input: native messages, a ThinkingEffort before the first non-system one."""
     native = [m for oa in chat.OpenAIMessage.from_oss_messages(messages) for m in oa.to_messages()]
