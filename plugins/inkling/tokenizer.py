@@ -25,7 +25,7 @@ Checked by tests/test_inkling_chat_template.py: every special id and name equals
 tml-renderers', and ``encode(text, add_special_tokens=False)`` equals
 ``O200kBaseChatTokenizer.encode_ordinary(text)`` on 300+ random and fixed strings.
 
-Building takes about 5 s (loading a saved copy takes about as long, so there is no disk
+Building takes about 5 s (reloading a saved copy took 3 s, too little gain for a disk
 cache); :func:`load_tmlv0_tokenizer` keeps one instance per process.
 """
 
