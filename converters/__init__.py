@@ -5,11 +5,11 @@ Public API (imported lazily, so ``import ferrule.converters`` stays light):
 - :func:`hf_to_torch_dist`, :func:`torch_dist_to_hf`: whole-checkpoint conversion
   (:mod:`ferrule.converters.checkpoint`); ``ferrule convert`` (:mod:`ferrule.converters.cli`)
   is the command-line front end.
-- :func:`load_hf_into_mcore`, :func:`export_mcore_to_hf`: load HF weights into live, possibly
-  sharded Megatron modules, and export them back as full HF tensors
-  (:mod:`ferrule.converters.weights`; the train engine and weight sync use them).
-- :class:`SafetensorsReader`, :class:`ShardedSafetensorsWriter`, :class:`CheckpointError`
-  (:mod:`ferrule.converters.safetensors_io`).
+- re-exported from the core (the converters import downward only):
+  :func:`load_hf_into_mcore`, :func:`export_mcore_to_hf`, :func:`global_param_names`
+  (:mod:`ferrule.megatron.weights`, shared with the train engine and weight sync) and
+  :class:`SafetensorsReader`, :class:`ShardedSafetensorsWriter`, :class:`CheckpointError`
+  (:mod:`ferrule.safetensors_io`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ _EXPORTS = {
     "torch_dist_to_hf": "ferrule.converters.checkpoint",
     "ConversionError": "ferrule.converters.checkpoint",
     "read_checkpoint_metadata": "ferrule.converters.checkpoint",
-    "load_hf_into_mcore": "ferrule.converters.weights",
-    "export_mcore_to_hf": "ferrule.converters.weights",
-    "global_param_names": "ferrule.converters.weights",
-    "SafetensorsReader": "ferrule.converters.safetensors_io",
-    "ShardedSafetensorsWriter": "ferrule.converters.safetensors_io",
-    "CheckpointError": "ferrule.converters.safetensors_io",
+    "load_hf_into_mcore": "ferrule.megatron.weights",
+    "export_mcore_to_hf": "ferrule.megatron.weights",
+    "global_param_names": "ferrule.megatron.weights",
+    "SafetensorsReader": "ferrule.safetensors_io",
+    "ShardedSafetensorsWriter": "ferrule.safetensors_io",
+    "CheckpointError": "ferrule.safetensors_io",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrule.fsutil import commit_dir
-from ferrule.converters.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
+from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
            "HF_SIDE_FILES", "read_checkpoint_metadata"]
@@ -116,12 +116,10 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
 def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
     """(family spec, provider build callable, mapping table) from the registry."""
     from ferrule import registry
-    from ferrule.specs import resolve_ref
 
     family = registry.family_for_hf_config(hf_config)
-    provider = registry.get_provider(family.name)
     converter = registry.get_converter(family.name)
-    return family, resolve_ref(provider.build), converter.resolved_mapping()
+    return family, registry.provider_build(family.name), converter.resolved_mapping()
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,7 +205,7 @@ def _build(build: Callable, hf_config: dict, layout: Any, dtype: str) -> list:
 
 
 def _sharded_state_dict(chunks: list) -> dict:
-    from ferrule.converters.weights import unwrap
+    from ferrule.megatron.weights import unwrap
 
     if len(chunks) == 1:
         return {"model": unwrap(chunks[0]).sharded_state_dict()}
@@ -223,7 +221,7 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
     """
     from megatron.core import dist_checkpointing
 
-    from ferrule.converters.weights import unwrap
+    from ferrule.megatron.weights import unwrap
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(ckpt_dir), strict="raise_all")
@@ -241,7 +239,7 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
                              progress: Callable[[int], None] | None) -> None:
     from megatron.core import dist_checkpointing
 
-    from ferrule.converters.weights import load_hf_into_mcore
+    from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
     layout = ParallelLayout(**layout_kw)
@@ -323,7 +321,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              max_shard_bytes: int, progress: Callable[[int], None] | None) -> None:
-    from ferrule.converters.weights import export_mcore_to_hf
+    from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
     layout = ParallelLayout(**layout_kw)

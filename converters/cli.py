@@ -56,7 +56,7 @@ def hf_to_torch_dist_cmd(
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
     from ferrule.converters.checkpoint import hf_to_torch_dist
-    from ferrule.converters.safetensors_io import SafetensorsReader
+    from ferrule.safetensors_io import SafetensorsReader
 
     try:
         if out_dir.exists() and not overwrite:

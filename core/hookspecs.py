@@ -1,5 +1,19 @@
 """ferrule's plugin contract: every hook a model-family plugin can implement.
 
+Glossary (DESIGN.md §2 has the full vocabulary):
+
+- *family*: one plugin-declared model family (``qwen2``, ``llama``); *model_type*: HF
+  ``config.model_type``, which the registry maps to a family.
+- *hf_* / *mcore_*: Hugging Face vs Megatron-Core naming (``q_proj`` vs ``linear_qkv``).
+- *spec*: a frozen dataclass from :mod:`ferrule.specs` that a ``register_*`` hook returns;
+  heavy objects inside are lazy ``"module:attr"`` references.
+- *provider*: builds the family's Megatron model from an HF config and a parallel layout.
+- *mapping table*: the family's complete mcore <-> HF parameter table (:mod:`ferrule.mapping`).
+- *config translation*: rows translating HF config keys to ``TransformerConfig`` fields
+  (:mod:`ferrule.config_translation`); a provider without ``build`` is driven by them.
+- *update group*: parameters that travel to the rollout engine together in one bucket.
+- *hook part*: one row of :data:`ferrule.hook_parts.HOOK_PARTS` (hook, spec type, registry table).
+
 Lifecycle. :mod:`ferrule.registry` (the only module that calls ``pm.hook``) loads each
 ``ferrule`` entry point once per process, then calls the ``register_*`` hooks once and caches
 the specs. Collect hooks (``register_*``) run in every plugin and their lists are joined;
@@ -26,6 +40,7 @@ from typing import Any
 from ferrule import hookspec
 from ferrule.specs import (
     ChatTemplateSpec,
+    CommandSpec,
     ConverterSpec,
     LoRAApplierSpec,
     ModelFamilySpec,
@@ -81,8 +96,10 @@ def register_providers() -> Sequence[ProviderSpec]:
     Called by the registry once per process; collect hook.
 
     :return: provider specs; ``build`` is a lazy ``"module:attr"`` reference to
-        ``build(hf_config: dict, layout: ParallelLayout, **options) -> list[MegatronModule]``.
-        At most one provider per family.
+        ``build(hf_config: dict, layout: ParallelLayout, **options) -> list[MegatronModule]``,
+        or None (the default) for megatron's GPT builder driven by the family's
+        config-translation rows (``ConverterSpec.config_translation``). At most one provider
+        per family.
     """
 
 
@@ -107,8 +124,9 @@ def register_update_groups() -> Sequence[UpdateGroupTable]:
     the table in order; parameters of one unit (same group, same prefix) travel in one
     bucket to the rollout engine.
 
-    :return: update-group tables; every Megatron parameter of the family must match exactly
-        one group's suffix. At most one table per family.
+    :return: update-group tables; ``groups`` is a tuple or a lazy ``"module:attr"``
+        reference to one. Every Megatron parameter of the family must match exactly one
+        group's suffix. At most one table per family.
     """
 
 
@@ -142,4 +160,24 @@ def register_towers() -> Sequence[TowerSpec]:
     embeddings into the text sequence at ``placeholder_token_id`` positions.
 
     :return: tower specs; at most one per (family, modality).
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_commands() -> Sequence[CommandSpec]:
+    """Declare ``ferrule`` CLI sub-commands that the plugin contributes.
+
+    Called by :mod:`ferrule.cli` when the command line starts (through the registry); collect
+    hook. Each command is mounted lazily: ``app`` is imported only when the command line is
+    built, so the module should import typer and nothing heavy at module level.
+
+    :return: command specs; ``app`` is a ``"module:attr"`` reference to a ``typer.Typer``
+        (mounted as a command group, ``ferrule NAME SUB ...``) or to a function (mounted as
+        one command). Names are unique across plugins and may not shadow a built-in command.
+    :raises: nothing; a plugin that raises here is reported as failed, like any other hook.
     """

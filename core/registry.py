@@ -33,9 +33,12 @@ from typing import Any
 import pluggy
 
 from ferrule import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from ferrule.hook_parts import ALL_HOOKS, COLLECT_HOOKS, HOOK_PARTS, part_for_spec
 from ferrule.specs import (
+    DEFAULT_PROVIDER_BUILD,
     LORA_KINDS,
     ChatTemplateSpec,
+    CommandSpec,
     ConverterSpec,
     FamilyStatus,
     LoRAApplierSpec,
@@ -61,28 +64,24 @@ __all__ = [
     "get_family",
     "list_families",
     "family_for_hf_config",
+    "hf_model_class",
     "get_provider",
+    "provider_build",
     "get_converter",
     "get_update_groups",
     "get_chat_template",
     "chat_templates_for",
     "get_towers",
     "iter_lora_appliers",
+    "list_commands",
     "missing_parts",
 ]
 
 STRICT_ENV = "FERRULE_STRICT_PLUGINS"
 ALLOW_ENV = "FERRULE_PLUGINS"
 
-_COLLECT_HOOKS = (
-    "register_model_families",
-    "register_providers",
-    "register_converters",
-    "register_update_groups",
-    "register_lora_appliers",
-    "register_chat_templates",
-    "register_towers",
-)
+#: Collect hooks, in registration order (from the one table, :data:`ferrule.hook_parts.HOOK_PARTS`).
+_COLLECT_HOOKS = COLLECT_HOOKS
 
 
 class PluginError(RuntimeError):
@@ -110,6 +109,11 @@ class IncompleteFamilyError(PluginError):
 
 def _strict() -> bool:
     return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def strict_plugins() -> bool:
+    """True when ``FERRULE_STRICT_PLUGINS`` makes every plugin failure fatal."""
+    return _strict()
 
 
 def _allow_list() -> set[str] | None:
@@ -237,7 +241,7 @@ def _check_pending_for(pm: pluggy.PluginManager, name: str) -> None:
                 raise pluggy.PluginValidationError(
                     impl.plugin,
                     f"plugin {name!r} implements unknown hook {hook_name!r}; known hooks: "
-                    f"{', '.join(_COLLECT_HOOKS + ('resolve_model_family',))}. Check the spelling.",
+                    f"{', '.join(ALL_HOOKS)}. Check the spelling.",
                 )
     pm.check_pending()
 
@@ -261,6 +265,7 @@ class Registry:
     lora_appliers: dict[tuple[str, str], LoRAApplierSpec] = field(default_factory=dict)
     chat_templates: dict[str, ChatTemplateSpec] = field(default_factory=dict)
     towers: dict[tuple[str, str], TowerSpec] = field(default_factory=dict)
+    commands: dict[str, CommandSpec] = field(default_factory=dict)
     family_plugin: dict[str, str] = field(default_factory=dict)  # family -> entry-point name
 
     @classmethod
@@ -306,30 +311,13 @@ class Registry:
         self.owners[(kind, key)] = dist
 
     def _add(self, hook_name: str, spec: Any, dist: str) -> None:
+        part = part_for_spec(spec)
+        self._claim(part.claim, part.claim_key(spec), dist)
         if isinstance(spec, ModelFamilySpec):
-            self._claim("family", spec.name, dist)
             for mt in spec.model_types:
                 self._claim("model_type", mt, dist)
                 self.model_types[mt] = spec.name
-            self.families[spec.name] = spec
-        elif isinstance(spec, ProviderSpec):
-            self._claim("provider for family", spec.family, dist)
-            self.providers[spec.family] = spec
-        elif isinstance(spec, ConverterSpec):
-            self._claim("converter for family", spec.family, dist)
-            self.converters[spec.family] = spec
-        elif isinstance(spec, UpdateGroupTable):
-            self._claim("update-group table for family", spec.family, dist)
-            self.update_groups[spec.family] = spec
-        elif isinstance(spec, LoRAApplierSpec):
-            self._claim("LoRA applier", f"{spec.family}/{spec.kind}", dist)
-            self.lora_appliers[(spec.family, spec.kind)] = spec
-        elif isinstance(spec, ChatTemplateSpec):
-            self._claim("chat template", spec.name, dist)
-            self.chat_templates[spec.name] = spec
-        elif isinstance(spec, TowerSpec):
-            self._claim("tower", f"{spec.family}/{spec.modality}", dist)
-            self.towers[(spec.family, spec.modality)] = spec
+        getattr(self, part.attr)[part.key(spec)] = spec
 
     # -- queries ------------------------------------------------------------------------
 
@@ -385,7 +373,27 @@ class Registry:
         return self._part(self.converters, family, "converter")
 
     def get_update_groups(self, family: str) -> UpdateGroupTable:
-        return self._part(self.update_groups, family, "update-group table")
+        """The family's update-group table with ``groups`` resolved (a lazy reference is imported once)."""
+        table = self._part(self.update_groups, family, "update-group table")
+        if isinstance(table.groups, str):
+            table = self.update_groups[table.family] = table.resolved()
+        return table
+
+    def provider_build(self, family: str) -> Any:
+        """The callable that builds the family's Megatron model: ``build(hf_config, layout, **options)``.
+
+        ``ProviderSpec.build`` when given; else :data:`ferrule.specs.DEFAULT_PROVIDER_BUILD`
+        with the family's config-translation rows (``ConverterSpec.config_translation``).
+        """
+        import functools
+
+        from ferrule.specs import resolve_ref
+
+        spec = self.get_provider(family)
+        if spec.build is not None:
+            return resolve_ref(spec.build)
+        translation = self.get_converter(spec.family).resolved_config_translation()
+        return functools.partial(_default_build, resolve_ref(DEFAULT_PROVIDER_BUILD), translation)
 
     def get_chat_template(self, name: str) -> ChatTemplateSpec:
         if name in self.chat_templates:
@@ -410,16 +418,13 @@ class Registry:
                 yield spec
 
     def missing_parts(self, family: str) -> list[str]:
-        """Parts the family needs but lacks (empty list = complete)."""
+        """Parts the family needs but lacks (empty list = complete), in :data:`HOOK_PARTS` order."""
         spec = self.get_family(family)
-        missing = [part for part, table in (("provider", self.providers), ("converter", self.converters),
-                                            ("update_groups", self.update_groups)) if spec.name not in table]
-        if "lora" in spec.features and not any(f == spec.name for f, _ in self.lora_appliers):
-            missing.append("lora")
-        if "chat_template" in spec.features and not self.chat_templates_for(spec.name):
-            missing.append("chat_template")
-        if "towers" in spec.features and not self.get_towers(spec.name):
-            missing.append("towers")
+        missing = []
+        for part in HOOK_PARTS:
+            needed = part.required == "always" or (part.required == "feature" and part.part in spec.features)
+            if needed and not any(part.family(s) == spec.name for s in getattr(self, part.attr).values()):
+                missing.append(part.part)
         return missing
 
     def check_complete(self) -> None:
@@ -431,21 +436,22 @@ class Registry:
                 missing = self.missing_parts(name)
                 if missing:
                     problems.append(f"{name} ({spec.status.name}) lacks {', '.join(missing)}")
-        for kind, table in (("provider", self.providers), ("converter", self.converters),
-                            ("update-group table", self.update_groups)):
-            for fam in table:
-                if fam not in self.families:
-                    problems.append(f"{kind} registered for unknown family {fam!r}")
-        for fam, _ in list(self.lora_appliers) + list(self.towers):
-            if fam != "*" and fam not in self.families:
-                problems.append(f"LoRA applier or tower registered for unknown family {fam!r}")
-        for spec in self.chat_templates.values():
-            if spec.family not in self.families:
-                problems.append(f"chat template {spec.name!r} registered for unknown family {spec.family!r}")
+        for part in HOOK_PARTS:
+            if part.family is None or part.spec_type is ModelFamilySpec:
+                continue
+            for spec in getattr(self, part.attr).values():
+                fam = part.family(spec)
+                if fam != "*" and fam not in self.families:
+                    problems.append(f"{part.part} {part.claim_key(spec)!r} registered for unknown family {fam!r}")
         if problems:
             raise IncompleteFamilyError("incomplete plugin registrations: " + "; ".join(problems) +
                                         ". A family marked VALIDATED or UNSTABLE must register every part; "
                                         "mark it STRUCTURAL with a reason until it does.")
+
+
+def _default_build(builder: Any, translation: Any, hf_config: Any, layout: Any, **options: Any) -> Any:
+    """``builder(hf_config, layout, translation, **options)``: the provider of a family without ``build``."""
+    return builder(hf_config, layout, translation, **options)
 
 
 def _as_specs(hook_name: str, plugin_name: str, result: Any) -> list[Any]:
@@ -453,15 +459,7 @@ def _as_specs(hook_name: str, plugin_name: str, result: Any) -> list[Any]:
         return []
     if not isinstance(result, Iterable) or isinstance(result, (str, bytes)):
         result = [result]
-    expected = {
-        "register_model_families": ModelFamilySpec,
-        "register_providers": ProviderSpec,
-        "register_converters": ConverterSpec,
-        "register_update_groups": UpdateGroupTable,
-        "register_lora_appliers": LoRAApplierSpec,
-        "register_chat_templates": ChatTemplateSpec,
-        "register_towers": TowerSpec,
-    }[hook_name]
+    expected = next(p.spec_type for p in HOOK_PARTS if p.hook == hook_name)
     out = list(result)
     for spec in out:
         if not isinstance(spec, expected):
@@ -526,9 +524,47 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> ModelFamilySpec:
     return get_registry().family_for_hf_config(hf_config)
 
 
+def hf_model_class(hf_config: Any) -> Any:
+    """The transformers model class the checkpoint's family registers (``ModelFamilySpec.hf_model_class``).
+
+    Args:
+        hf_config: the parsed ``config.json`` (a dict) or a transformers ``PretrainedConfig``.
+
+    Returns:
+        The resolved class (imports the family's module, and so transformers).
+
+    Raises:
+        UnknownModelError: no plugin supports the config.
+        IncompleteFamilyError: the family declares no ``hf_model_class``.
+    """
+    from ferrule.specs import resolve_ref
+
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
+    family = family_for_hf_config(cfg)
+    if not family.hf_model_class:
+        raise IncompleteFamilyError(f"family {family.name!r} declares no hf_model_class, so no transformers model "
+                                    "can be built for it; pass model_class= explicitly or use the sglang engine.")
+    return resolve_ref(family.hf_model_class)
+
+
 def get_provider(family: str) -> ProviderSpec:
     """The provider spec of a family. Raises IncompleteFamilyError / UnknownModelError."""
     return get_registry().get_provider(family)
+
+
+def provider_build(family: str) -> Any:
+    """The callable building a family's Megatron model (see :meth:`Registry.provider_build`).
+
+    Raises:
+        IncompleteFamilyError / UnknownModelError: no provider (or, for the default build, no converter).
+    """
+    return get_registry().provider_build(family)
+
+
+def list_commands() -> list[CommandSpec]:
+    """CLI sub-commands contributed by plugins (``register_commands``), sorted by name."""
+    reg = get_registry()
+    return [reg.commands[n] for n in sorted(reg.commands)]
 
 
 def get_converter(family: str) -> ConverterSpec:

@@ -30,6 +30,8 @@ __all__ = [
     "ChatTemplateSpec",
     "TowerSpec",
     "TOWER_MODALITIES",
+    "CommandSpec",
+    "DEFAULT_PROVIDER_BUILD",
     "FAMILY_FEATURES",
     "resolve_ref",
 ]
@@ -43,6 +45,9 @@ FAMILY_FEATURES = ("lora", "chat_template", "towers")
 LORA_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "lm_head")
 #: Modalities a tower can encode.
 TOWER_MODALITIES = ("vision", "audio")
+#: The builder a :class:`ProviderSpec` without ``build`` gets: the family's config-translation
+#: rows (``ConverterSpec.config_translation``) drive megatron's GPT builder.
+DEFAULT_PROVIDER_BUILD = "ferrule.megatron.gpt_builder:build_from_hf_config"
 
 
 class SpecError(ValueError):
@@ -169,16 +174,19 @@ class ProviderSpec:
     Attributes:
         family: the family name.
         build: lazy reference to ``build(hf_config: dict, layout, **options) -> list[MegatronModule]``
-            (one module per virtual pipeline stage); the in-tree providers call
-            :func:`ferrule.megatron.gpt_builder.build_from_hf_config`.
+            (one module per virtual pipeline stage). None (the default) means
+            :data:`DEFAULT_PROVIDER_BUILD` driven by the family's config-translation rows
+            (``ConverterSpec.config_translation``): a Llama-shaped family whose whole model
+            follows from its config translation writes no builder.
+            :func:`ferrule.registry.provider_build` resolves either to a callable.
     """
 
     family: str
-    build: str
+    build: str | None = None
 
     def __post_init__(self) -> None:
         _check_name("ProviderSpec", "family", self.family)
-        _check_ref("ProviderSpec", "build", self.build)
+        _check_ref("ProviderSpec", "build", self.build, optional=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,13 +254,23 @@ class UpdateGroup:
 
 @dataclass(frozen=True, kw_only=True)
 class UpdateGroupTable:
-    """A family's ordered update-group table (``register_update_groups``)."""
+    """A family's ordered update-group table (``register_update_groups``).
+
+    Attributes:
+        family: the family name.
+        groups: the ordered :class:`UpdateGroup` tuple, or a lazy ``"module:attr"`` reference
+            to it (resolved and validated by :meth:`resolved`; the registry hands out resolved
+            tables).
+    """
 
     family: str
-    groups: tuple[UpdateGroup, ...]
+    groups: tuple[UpdateGroup, ...] | str
 
     def __post_init__(self) -> None:
         _check_name("UpdateGroupTable", "family", self.family)
+        if isinstance(self.groups, str):
+            _check_ref(f"UpdateGroupTable({self.family})", "groups", self.groups)
+            return
         _check_tuple(f"UpdateGroupTable({self.family})", "groups", self.groups, item_type=UpdateGroup)
         keys = [g.key for g in self.groups]
         if len(set(keys)) != len(keys):
@@ -266,6 +284,19 @@ class UpdateGroupTable:
                         f"{seen[s]!r} and {g.key!r}; a parameter must belong to exactly one group."
                     )
                 seen[s] = g.key
+
+    def resolved(self) -> "UpdateGroupTable":
+        """This table with ``groups`` imported if it was a reference (validated like a literal one).
+
+        Raises:
+            SpecError: the reference names no tuple of :class:`UpdateGroup`, or it breaks a rule.
+        """
+        if not isinstance(self.groups, str):
+            return self
+        value = resolve_ref(self.groups)
+        if isinstance(value, list):
+            value = tuple(value)
+        return UpdateGroupTable(family=self.family, groups=value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,6 +394,27 @@ class TowerSpec:
         _check_ref("TowerSpec", "build", self.build)
         if not isinstance(self.placeholder_token_id, int) or self.placeholder_token_id < 0:
             raise SpecError(f"TowerSpec.placeholder_token_id={self.placeholder_token_id!r}; expected a token id >= 0.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandSpec:
+    """A ``ferrule`` CLI sub-command contributed by a plugin (``register_commands``).
+
+    Attributes:
+        name: the sub-command name (``ferrule NAME ...``), lowercase with ``-`` or ``_``.
+        app: lazy reference to a ``typer.Typer`` app (mounted as a command group) or to a
+            plain function (mounted as one command, its parameters typer options/arguments).
+        help: one line for ``ferrule --help``.
+    """
+
+    name: str
+    app: str
+    help: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.match(r"^[a-z][a-z0-9_-]*$", self.name):
+            raise SpecError(f"CommandSpec.name={self.name!r}; use a lowercase command name such as 'assets'.")
+        _check_ref(f"CommandSpec({self.name})", "app", self.app)
 
 
 def spec_field_names(spec_type: type) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ families from the command line. The cases:
 - the family is complete for its status (VALIDATED/UNSTABLE: provider, converter, update
   groups and every declared feature; STRUCTURAL: a reason is given);
 - every lazy ``"module:attr"`` reference of the family resolves;
+- the update groups fit the tiny model: every parameter in exactly one update unit, every unit
+  naming existing parameters, every non-optional suffix used (a typo is named);
 - numeric cases for families with a converter (HF -> torch_dist -> HF round trip is
   bit-exact, the mapping table covers the provider's parameters exactly, Megatron logits
   match HF transformers) from :mod:`ferrule.conformance_numeric`.
@@ -36,6 +38,7 @@ import sys
 import pytest
 
 from ferrule import registry
+from ferrule.hook_parts import HOOK_PARTS, part_for_spec
 from ferrule.specs import FamilyStatus, resolve_ref
 
 HEAVY_MODULES = ("torch", "megatron", "transformers")
@@ -48,16 +51,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def family_specs(family: str) -> list[object]:
-    """Every spec registered for ``family`` (family, provider, converter, groups, LoRA, templates, towers)."""
+    """Every spec registered for ``family``, one hook part after another (:data:`ferrule.hook_parts.HOOK_PARTS`)."""
     reg = registry.get_registry()
-    out: list[object] = [reg.get_family(family)]
-    for table in (reg.providers, reg.converters, reg.update_groups):
-        if family in table:
-            out.append(table[family])
-    out += [s for (f, _), s in reg.lora_appliers.items() if f == family]
-    out += reg.chat_templates_for(family)
-    out += reg.get_towers(family)
-    return out
+    name = reg.get_family(family).name
+    return [spec for part in HOOK_PARTS if part.family is not None
+            for spec in getattr(reg, part.attr).values() if part.family(spec) == name]
 
 
 def discovery_imports(env: dict[str, str] | None = None) -> dict[str, object]:
@@ -127,10 +125,16 @@ class FamilyConformance:
 
     def test_lazy_references_resolve(self, ferrule_family: str) -> None:
         for spec in family_specs(ferrule_family):
-            for f in dataclasses.fields(spec):
-                value = getattr(spec, f.name)
-                if f.name in {"build", "apply", "export", "load", "hf_model_class", "tokenizer"} and isinstance(value, str):
-                    assert callable(resolve_ref(value)), f"{type(spec).__name__}.{f.name}={value!r}"
+            part = part_for_spec(spec)
+            for name in part.callables + part.data:
+                value = getattr(spec, name)
+                if isinstance(value, str):
+                    target = resolve_ref(value)
+                    assert target is not None, f"{type(spec).__name__}.{name}={value!r} resolves to None"
+                    if name in part.callables:
+                        assert callable(target), f"{type(spec).__name__}.{name}={value!r} is not callable"
+        if ferrule_family in registry.get_registry().providers:
+            assert callable(registry.provider_build(ferrule_family)), f"{ferrule_family}: provider build"
             if hasattr(spec, "read_source"):
                 assert spec.read_source().strip(), f"chat template {spec.name} is empty"
 
@@ -162,3 +166,46 @@ class FamilyConformance:
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
         assert result["logits_max_abs_diff"] <= 1e-5
+
+    def test_update_groups_cover_parameters(self, ferrule_family: str) -> None:
+        """Every parameter of the tiny model lands in exactly one update unit, and every update unit
+        names only existing parameters (:func:`ferrule.conformance_numeric.check_update_groups_cover_parameters`).
+
+        Runs in a fresh interpreter (megatron's parallel state is process-global).
+        """
+        reg = registry.get_registry()
+        if ferrule_family not in reg.update_groups or ferrule_family not in reg.providers:
+            spec = reg.get_family(ferrule_family)
+            pytest.skip(f"{ferrule_family} registers no provider/update groups yet ({spec.status.name}: {spec.reason})")
+        result = run_conformance_check("check_update_groups_cover_parameters", ferrule_family)
+        if "skip" in result:
+            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        assert result["value"] > 0
+
+
+def run_conformance_check(check: str, family: str, *args: str) -> dict[str, object]:
+    """Run ``ferrule.conformance_numeric.<check>(family)`` in a fresh interpreter; ``{"value": result}``.
+
+    ``args`` are ``"module:attr"`` references passed as the check's ``groups=`` (tests use it to
+    hand in a deliberately broken table). Returns ``{"skip": reason}`` when the family declares
+    no ``TINY_HF_CONFIG``.
+
+    Raises:
+        AssertionError: the check failed; the message carries the check's own message.
+    """
+    code = (
+        "import json, sys\n"
+        "from ferrule import conformance_numeric as cn\n"
+        "from ferrule.specs import resolve_ref\n"
+        "fam = sys.argv[1]\n"
+        "if cn.tiny_hf_config(fam) is None:\n"
+        "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
+        "kw = {'groups': resolve_ref(sys.argv[2])} if len(sys.argv) > 2 else {}\n"
+        f"value = cn.{check}(fam, **kw)\n"
+        "print(json.dumps({'value': value}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, family, *args], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise AssertionError(f"{check} failed for {family}:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+

@@ -138,3 +138,65 @@ class SecondTowerPlugin:
         from ferrule.specs import TowerSpec
 
         return [TowerSpec(family="mm", modality="vision", build="os.path:join", placeholder_token_id=9)]
+
+
+def hello_command(name: str = "world") -> None:
+    """Say hello (a plugin-contributed command)."""
+    print(f"hello {name}")
+
+
+class CommandPlugin:
+    """Contributes `ferrule hello` (a function) through register_commands."""
+
+    @hookimpl
+    def register_commands(self):
+        from ferrule.specs import CommandSpec
+
+        return [CommandSpec(name="hello", app="plugin_samples:hello_command", help="Say hello.")]
+
+
+class ShadowingCommandPlugin:
+    """Tries to replace the built-in `ferrule convert`."""
+
+    @hookimpl
+    def register_commands(self):
+        from ferrule.specs import CommandSpec
+
+        return [CommandSpec(name="convert", app="plugin_samples:hello_command")]
+
+
+class BrokenCommandPlugin:
+    @hookimpl
+    def register_commands(self):
+        from ferrule.specs import CommandSpec
+
+        return [CommandSpec(name="broken", app="no_such_module_xyz:app")]
+
+
+#: update groups named lazily by LazyFamilyPlugin
+LAZY_GROUPS = (UpdateGroup(key="all", suffixes=("weight",)),)
+
+
+class LazyFamilyPlugin:
+    """A family whose provider takes the default build and whose update groups are a reference."""
+
+    @hookimpl
+    def register_model_families(self):
+        return [ModelFamilySpec(name="lazy", model_types=("lazy_lm",), status=FamilyStatus.VALIDATED)]
+
+    @hookimpl
+    def register_providers(self):
+        return [ProviderSpec(family="lazy")]
+
+    @hookimpl
+    def register_converters(self):
+        return [ConverterSpec(family="lazy", mapping="os.path:join", config_translation="plugin_samples:LAZY_GROUPS")]
+
+    @hookimpl
+    def register_update_groups(self):
+        return [UpdateGroupTable(family="lazy", groups="plugin_samples:LAZY_GROUPS")]
+
+
+commands = CommandPlugin()
+shadowing_commands = ShadowingCommandPlugin()
+broken_commands = BrokenCommandPlugin()

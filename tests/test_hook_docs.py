@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ferrule import hookspecs
+from ferrule.hook_parts import ALL_HOOKS, HOOK_PARTS
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = [f for n, f in vars(hookspecs).items() if inspect.isfunction(f) and f.__module__ == hookspecs.__name__]
@@ -20,11 +21,13 @@ def _signature(fn) -> str:
     return f"{fn.__name__}({params}) -> {sig.return_annotation}"
 
 
-def test_expected_hook_set():
-    assert sorted(f.__name__ for f in HOOKS) == sorted([
-        "register_model_families", "register_providers", "register_converters", "register_update_groups",
-        "register_lora_appliers", "register_chat_templates", "register_towers", "resolve_model_family",
-    ])
+def test_hookspecs_match_the_hook_parts_table():
+    """The one table (ferrule.hook_parts) and the hookspec module list the same hooks, and each
+    collect hook is annotated with the spec type its table row expects."""
+    assert sorted(f.__name__ for f in HOOKS) == sorted(ALL_HOOKS)
+    for part in HOOK_PARTS:
+        hook = getattr(hookspecs, part.hook)
+        assert inspect.signature(hook).return_annotation == f"Sequence[{part.spec_type.__name__}]", part.hook
 
 
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda f: f.__name__)

@@ -275,3 +275,53 @@ def test_context_from_hf_config_and_gqa_check():
 def test_module_imports_no_torch():
     code = "import sys, ferrule.mapping; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_hf_assembler_streams_and_names_incomplete_stacks():
+    """HFAssembler (shared by export, weight sync and mcore_to_hf) yields a stacked tensor only
+    when its last expert arrives, and names the HF tensor and the experts it got when one is left."""
+    from ferrule.mapping import HFAssembler
+
+    table = _table()
+    ctx = _ctx(4, 2, 3, vocab=7, padded=8, experts=2)
+    e0, e1 = torch.randn(HIDDEN, 3), torch.randn(HIDDEN, 3)
+    asm = HFAssembler(table, ctx, dtype=torch.float64)
+    assert asm.add("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", e1) == []
+    ((name, stacked),) = asm.add("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", e0)
+    assert name == "model.layers.0.mlp.experts.down_proj" and stacked.dtype == torch.float64
+    assert torch.equal(stacked, torch.stack([e0, e1]).double())
+    asm.finish()
+    assert asm.add("decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", e0) == []
+    with pytest.raises(MappingError, match=r"model\.layers\.1\.mlp\.experts\.down_proj': \[0\]"):
+        asm.finish()
+
+
+def test_mapping_row_type_renamed_with_a_warning_alias():
+    import ferrule.mapping as mapping
+    from ferrule.mapping import ParamMapping
+    from ferrule.mapping_table import MappingTable as OldPathTable
+
+    assert issubclass(Rename, ParamMapping) and OldPathTable is MappingTable
+    with pytest.warns(DeprecationWarning, match="renamed ParamMapping"):
+        assert mapping.Mapping is ParamMapping
+
+
+def test_mapping_package_has_no_import_cycle():
+    """Inside ferrule.mapping imports run one way: vocabulary <- table <- package, vocabulary <- decoder
+    (read from the sources' import statements; no module-level __getattr__ re-export trick)."""
+    import ast
+    from pathlib import Path
+
+    import ferrule.mapping
+
+    root = Path(ferrule.mapping.__file__).parent
+    imports = {}
+    for mod in ("vocabulary", "table", "decoder"):
+        tree = ast.parse((root / f"{mod}.py").read_text())
+        imports[mod] = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                        and (n.module or "").startswith("ferrule")}
+    assert imports["vocabulary"] == set()
+    assert imports["table"] == {"ferrule.mapping.vocabulary"}
+    assert imports["decoder"] == {"ferrule.mapping.vocabulary", "ferrule.specs"}
+    code = "import sys, ferrule.mapping.decoder, ferrule.mapping_table; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -303,7 +303,7 @@ def test_build_and_forward_matches_hf(mcore, module, make, hf_cls, attention):
         for name, p in hf_model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    models = module.build_provider(cfg.to_dict(), ParallelLayout(), core_attention=attention)
+    models = _provider(module)(cfg.to_dict(), ParallelLayout(), core_attention=attention)
     assert len(models) == 1
     model = models[0].eval()
     assert model.embedding.word_embeddings.weight.shape[0] == 128  # padded_vocab_size(100, 1)
@@ -328,7 +328,7 @@ def test_builder_rejects_bad_layouts(mcore):
     from ferrule.megatron.parallel import ParallelLayout
 
     with pytest.raises(RuntimeError, match="initialized with"):
-        qwen3.build_provider(qwen3_cfg().to_dict(), ParallelLayout(tp=2))
+        _provider(qwen3)(qwen3_cfg().to_dict(), ParallelLayout(tp=2))
 
 
 def test_seed_all_is_deterministic(mcore):
@@ -338,9 +338,9 @@ def test_seed_all_is_deterministic(mcore):
     backend = get_backend()
     assert (backend.kind, backend.dist_backend, backend.device.type) == ("cpu", "gloo", "cpu")
     backend.seed_all(11)
-    a = qwen3.build_provider(qwen3_cfg().to_dict(), ParallelLayout())[0]
+    a = _provider(qwen3)(qwen3_cfg().to_dict(), ParallelLayout())[0]
     backend.seed_all(11)
-    b = qwen3.build_provider(qwen3_cfg().to_dict(), ParallelLayout())[0]
+    b = _provider(qwen3)(qwen3_cfg().to_dict(), ParallelLayout())[0]
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     stats = backend.memory_stats()
     assert stats["rss"] > 0 and stats["peak_rss"] >= stats["rss"] // 2
@@ -381,3 +381,10 @@ def test_two_process_tp_pp_ep_optimizer_checkpoint(tmp_path):
     assert out["ckpt_loaded_adam_steps_upstream"] == [1]
     assert out["ckpt_loaded_adam_steps_fixed"] == [2]
     assert out["ckpt_resume_param_max_diff"] == 0.0
+
+
+def _provider(module):
+    """The family's registered provider build (default build from the variant's config rows)."""
+    from ferrule.registry import provider_build
+
+    return provider_build(module.MAPPING.family)

@@ -195,3 +195,27 @@ def test_allow_list_entry_that_matches_nothing_is_reported(monkeypatch):
     registry.reset_registry()
     with pytest.raises(PluginLoadError, match="'godo'.*installed: good"):
         registry.get_registry()
+
+
+def test_lazy_update_groups_and_default_provider_build(monkeypatch):
+    """UpdateGroupTable.groups may be a "module:attr" reference (resolved when handed out), and a
+    ProviderSpec without build calls megatron's GPT builder with the family's config-translation rows."""
+    import ferrule.megatron.gpt_builder as gpt_builder
+
+    reg = _registry_with(("lazy", "dist-lazy", ps.LazyFamilyPlugin()))
+    assert reg.update_groups["lazy"].groups == "plugin_samples:LAZY_GROUPS"
+    table = reg.get_update_groups("lazy")
+    assert table.groups is ps.LAZY_GROUPS and reg.update_groups["lazy"] is table
+    calls = []
+    monkeypatch.setattr(gpt_builder, "build_from_hf_config",
+                        lambda hf_config, layout, translation, **options: calls.append(
+                            (hf_config, layout, translation, options)) or ["model"])
+    build = reg.provider_build("lazy")
+    assert build({"model_type": "lazy_lm"}, "LAYOUT", params_dtype="fp32") == ["model"]
+    assert calls == [({"model_type": "lazy_lm"}, "LAYOUT", ps.LAZY_GROUPS, {"params_dtype": "fp32"})]
+    assert reg.missing_parts("lazy") == []
+
+
+def test_command_names_are_claimed_once():
+    with pytest.raises(DuplicateClaimError, match="CLI command 'hello'.*d1.*d2"):
+        _registry_with(("a", "d1", ps.CommandPlugin()), ("b", "d2", ps.CommandPlugin()))

@@ -287,3 +287,16 @@ def test_hf_bucket_values_are_the_mapping_conversion():
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"], qkv[:HEADS * D])
     assert torch.equal(got["model.layers.0.self_attn.k_proj.weight"], qkv[HEADS * D:HEADS * D + D])
     assert torch.equal(got["model.layers.0.self_attn.v_proj.weight"], qkv[HEADS * D + D:])
+
+
+def test_sync_takes_the_family_from_the_train_engine():
+    """The old form sync_weights(engine, family, rollout, version) is refused with the new call
+    form in the message; bare chunks without family or tables are refused too."""
+    from ferrule.sync import check_weight_update_equal, sync_weights
+
+    with pytest.raises(TypeError, match=r"sync_weights\(train_engine, rollout_engine, version\)"):
+        sync_weights([], "qwen3", object(), 1)
+    with pytest.raises(TypeError, match="family beside the engine"):
+        check_weight_update_equal([], "qwen3")
+    with pytest.raises(ValueError, match="family="):
+        sync_weights([], object(), 1, hf_config={"vocab_size": 8})

@@ -111,27 +111,27 @@ def test_sync_makes_rollout_logprobs_match_train_engine(tmp_path_factory, mod, c
     tokens, stale = _engine_continuation(rollout)
     assert (stale - _train_logprobs(engine, tokens)).abs().max() > 1e-2
 
-    stats = sync_weights(engine, family, rollout, version=TRAIN_STEPS, bucket_bytes=16 * 1024)
+    stats = sync_weights(engine, rollout, version=TRAIN_STEPS, bucket_bytes=16 * 1024)
     assert stats.sender and stats.version == TRAIN_STEPS and rollout.weights_version == TRAIN_STEPS
     assert stats.buckets > 1 and stats.bytes > 16 * 1024
     tokens, synced = _engine_continuation(rollout)
     diff = (synced - _train_logprobs(engine, tokens)).abs().max()
     assert diff <= TOL, f"{family}: rollout vs train logprobs differ by {diff:.3e} after sync"
 
-    report = check_weight_update_equal(engine, family, rollout)
+    report = check_weight_update_equal(engine, rollout)
     expected_tensors = len(rollout.get_hf_state_dict()) - (1 if mod.TINY_HF_CONFIG["tie_word_embeddings"] else 0)
     assert report.mode == "exact" and report.compared == expected_tensors
-    assert check_weight_update_equal(engine, family, _ChecksumView(rollout)).mode == "checksum"
+    assert check_weight_update_equal(engine, _ChecksumView(rollout)).mode == "checksum"
 
     with torch.no_grad():
         rollout.get_hf_state_dict()[corrupt].view(-1)[3] += 1e-3
     for view in (rollout, _ChecksumView(rollout)):
         with pytest.raises(WeightSyncError) as exc:
-            check_weight_update_equal(engine, family, view)
+            check_weight_update_equal(engine, view)
         differing = re.findall(r"^  - (\S+):", str(exc.value), flags=re.M)
         assert differing == [corrupt], str(exc.value)
     # a fresh sync with verification restores the tensor and passes
-    stats = sync_weights(engine, family, rollout, version=TRAIN_STEPS + 1, check_equal=True)
+    stats = sync_weights(engine, rollout, version=TRAIN_STEPS + 1, check_equal=True)
     assert stats.checked and stats.buckets == 1
 
 
@@ -162,7 +162,7 @@ def test_qwen3_moe_synced_buckets_load_into_transformers(tmp_path_factory):
         engine.forward_backward(_batch(qwen3_moe.TINY_HF_CONFIG["vocab_size"], seed=step), "cross_entropy")
         assert engine.optim_step()["success"]
     sink = _Recorder()
-    stats = sync_weights(engine, "qwen3_moe", sink, version=7, bucket_bytes=8 * 1024)
+    stats = sync_weights(engine, sink, version=7, bucket_bytes=8 * 1024)
     received = [k for b in sink.buckets for k, _ in b]
     assert len(received) == len(set(received)) == stats.tensors
     # one expert = gate + up + down = 3 * 16 * 32 * 4 bytes = 6144 <= 8 KiB: each expert travels whole

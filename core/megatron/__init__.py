@@ -1,5 +1,6 @@
 """Megatron-Core train-engine runtime: device backend, CPU compatibility, parallel layout,
-SDPA core attention and the GPT model builder.
+SDPA core attention, the GPT model builder, and the one module that moves live weights
+(:mod:`ferrule.megatron.weights`: bind, TP/EP/PP gather, HF load and export).
 
 Import-light: submodules are imported on demand (``ferrule.megatron.device``,
 ``.parallel``, ``.gpt_builder``, ``.attention``, ``.cpu_compat``). ``cpu_compat`` is only ever

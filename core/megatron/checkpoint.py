@@ -51,7 +51,7 @@ DISTOPT_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _unwrap(module: Any) -> Any:
-    from ferrule.converters.weights import unwrap
+    from ferrule.megatron.weights import unwrap
 
     return unwrap(module)
 

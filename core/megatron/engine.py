@@ -108,12 +108,15 @@ class TrainEngine:
         model: DDP-wrapped model chunks (``list``, one per virtual pipeline stage).
         optimizer: megatron optimizer; ``scheduler``: ``OptimizerParamScheduler``.
         hf_config: the HF ``config.json`` dict; ``family``: family name; ``vocab_size``: HF vocab.
+        mapping_table: the family's mapping table; ``update_groups``: its update-group table
+            (what weight sync needs; taken from the registry at build time unless given).
         step: number of applied optimizer steps (skipped steps not counted).
     """
 
     def __init__(self, model_chunks: Sequence[Any], *, hf_config: Mapping[str, Any], family: str,
                  mapping_table: Any, layout: ParallelLayout, optimizer: OptimizerSettings | None = None,
-                 params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None,
+                 update_groups: Any = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.utils import get_model_config
@@ -128,6 +131,7 @@ class TrainEngine:
         self.hf_config = dict(hf_config)
         self.family = family
         self.mapping_table = mapping_table
+        self._update_groups = update_groups
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
@@ -183,15 +187,23 @@ class TrainEngine:
                              "(core_attention='sdpa') and no sequence parallelism; unset it to pad instead.")
         self.packed_sequences = False
 
+    @property
+    def update_groups(self) -> Any:
+        """The family's :class:`~ferrule.specs.UpdateGroupTable` (groups resolved; weight sync reads it)."""
+        if self._update_groups is None:
+            from ..registry import get_update_groups
+
+            self._update_groups = get_update_groups(self.family)
+        return self._update_groups
+
     # ------------------------------------------------------------------ construction
 
     @staticmethod
     def _family_parts(hf_config: Mapping[str, Any]):
-        from ..registry import family_for_hf_config, get_converter, get_provider
-        from ..specs import resolve_ref
+        from ..registry import family_for_hf_config, get_converter, provider_build
 
         family = family_for_hf_config(hf_config)
-        return family.name, resolve_ref(get_provider(family.name).build), get_converter(family.name).resolved_mapping()
+        return family.name, provider_build(family.name), get_converter(family.name).resolved_mapping()
 
     @classmethod
     def _build(cls, hf_config: dict, layout: ParallelLayout, seed: int, params_dtype: torch.dtype,
@@ -222,7 +234,7 @@ class TrainEngine:
             ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
             ferrule.mapping.MappingError: checkpoint keys / shapes do not fit (all listed).
         """
-        from ferrule.converters.weights import load_hf_into_mcore
+        from ferrule.megatron.weights import load_hf_into_mcore
 
         layout = layout or ParallelLayout()
         hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -600,7 +612,7 @@ class TrainEngine:
         """Yield ``(hf_name, full tensor)`` for the whole model (weight sync / HF export).
 
         Collective: iterate to the end on every rank. Tensors are full (TP gathered, vocab
-        padding removed) via :func:`ferrule.converters.weights.export_mcore_to_hf`."""
-        from ferrule.converters.weights import export_mcore_to_hf
+        padding removed) via :func:`ferrule.megatron.weights.export_mcore_to_hf`."""
+        from ferrule.megatron.weights import export_mcore_to_hf
 
         return export_mcore_to_hf(self.model, self.mapping_table, hf_config=self.hf_config, dtype=dtype)

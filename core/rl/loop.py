@@ -260,7 +260,7 @@ class GRPOTrainer:
     def _sync(self) -> float:
         from ferrule.sync import sync_weights
 
-        stats = sync_weights(self.engine, self.family, self.rollout, version=self.engine.step,
+        stats = sync_weights(self.engine, self.rollout, version=self.engine.step,
                              check_equal=self.check_equal)
         return stats.seconds
 

@@ -24,17 +24,17 @@ class ReferencePolicy:
         hf_dir: HF checkpoint folder; dtype: parameter dtype; device: torch device.
 
     Raises:
-        ValueError: the family registers no ``hf_model_class``.
+        ferrule.registry.IncompleteFamilyError: the family registers no ``hf_model_class``.
     """
 
     def __init__(self, hf_dir: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         from transformers import AutoConfig
 
-        from ferrule.rollout.embedded import _resolve_model_class
+        from ferrule import registry
 
         config = AutoConfig.from_pretrained(os.fspath(hf_dir))
-        cls = _resolve_model_class(config)
+        cls = registry.hf_model_class(config)
         self.model = cls.from_pretrained(os.fspath(hf_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -46,15 +46,10 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _resolve_model_class(hf_config: Any) -> Any:
-    """The transformers class the family registers (``ModelFamilySpec.hf_model_class``)."""
+    """The transformers class the family registers (:func:`ferrule.registry.hf_model_class`)."""
     from ferrule import registry
-    from ferrule.specs import resolve_ref
 
-    family = registry.family_for_hf_config(hf_config.to_dict())
-    if not family.hf_model_class:
-        raise ValueError(f"Family {family.name!r} declares no hf_model_class, so the embedded engine cannot "
-                         "build it; pass model_class= explicitly or use the sglang engine.")
-    return resolve_ref(family.hf_model_class)
+    return registry.hf_model_class(hf_config)
 
 
 class EmbeddedEngine:

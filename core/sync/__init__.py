@@ -2,8 +2,9 @@
 
 - :mod:`ferrule.sync.groups`: update units from mcore names and a family's update-group table;
   :func:`is_routed_expert_param`, the one routed-expert classifier.
-- :mod:`ferrule.sync.buckets`: collective gathering (TP / EP / PP) into full units, conversion to
-  HF names through the mapping table, byte-bounded buckets.
+- :mod:`ferrule.sync.buckets`: planning update units and packing their HF tensors into
+  byte-bounded buckets; the collective gathering (TP / EP / PP) is
+  :mod:`ferrule.megatron.weights`'s and the HF assembly :class:`ferrule.mapping.HFAssembler`'s.
 - :mod:`ferrule.sync.weight_sync`: :func:`sync_weights` and the verification mode
   :func:`check_weight_update_equal`.
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import time
-from collections.abc import Iterable, Mapping as _MappingABC, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -152,15 +152,33 @@ def resolve_sync_tables(family: str, mapping: MappingTable | None = None,
     return mapping, as_group_table(update_groups, family)
 
 
-def _model_and_config(source: Any, hf_config: Any) -> tuple[list, _MappingABC[str, Any]]:
-    """Model chunks and the HF config dict from a :class:`~ferrule.megatron.engine.TrainEngine`
-    (``.model``: DDP-wrapped chunks, ``.hf_config``) or from a list of model chunks."""
+_OLD_FORM = ("sync_weights / check_weight_update_equal no longer take the family beside the engine: call "
+             "sync_weights(train_engine, rollout_engine, version) (the train engine holds its family, mapping "
+             "table and update groups), or pass family=... (or mapping= and update_groups=) with bare model chunks.")
+
+
+def _sync_inputs(source: Any, family: str | None, mapping: MappingTable | None,
+                 update_groups: UpdateGroupTable | Sequence[UpdateGroup] | None, hf_config: Any
+                 ) -> tuple[list, Mapping[str, Any], str, MappingTable, UpdateGroupTable]:
+    """Model chunks, HF config dict, family, mapping table and update-group table of a sync.
+
+    From a :class:`~ferrule.megatron.engine.TrainEngine` everything is what the engine holds
+    (``.model``, ``.hf_config``, ``.family``, ``.mapping_table``, ``.update_groups``); explicit
+    arguments win. With bare model chunks (a list, or one module) ``hf_config`` is required,
+    and the tables come from ``mapping`` / ``update_groups`` or else the registry by ``family``.
+
+    Raises:
+        TypeError: ``source`` holds no model chunks.
+        ValueError: bare chunks without ``hf_config``, or without ``family`` and the tables.
+    """
     if isinstance(source, (list, tuple)):
         chunks = list(source)
     elif isinstance(getattr(source, "model", None), (list, tuple)):
         chunks = list(source.model)
-        if hf_config is None:
-            hf_config = getattr(source, "hf_config", None)
+        hf_config = hf_config if hf_config is not None else getattr(source, "hf_config", None)
+        family = family or getattr(source, "family", None)
+        mapping = mapping if mapping is not None else getattr(source, "mapping_table", None)
+        update_groups = update_groups if update_groups is not None else getattr(source, "update_groups", None)
     elif callable(getattr(source, "named_parameters", None)):
         chunks = [source]
     else:
@@ -170,7 +188,11 @@ def _model_and_config(source: Any, hf_config: Any) -> tuple[list, _MappingABC[st
         raise ValueError("pass hf_config= (the parsed HF config.json) together with bare model chunks.")
     if hasattr(hf_config, "to_dict"):
         hf_config = hf_config.to_dict()
-    return chunks, hf_config
+    if family is None and (mapping is None or update_groups is None):
+        raise ValueError("bare model chunks need family= (tables from the registry) or both mapping= and "
+                         "update_groups=.")
+    table, groups = resolve_sync_tables(family or getattr(mapping, "family", "unnamed"), mapping, update_groups)
+    return chunks, hf_config, family or table.family, table, groups
 
 
 def _rank() -> int:
@@ -192,9 +214,10 @@ def _check_sender(rollout_engine: Any, need: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def sync_weights(train_engine_or_model_chunks: Any, family: str, rollout_engine: Any, version: int, *,
+def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version: int, *old_form: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_equal: bool = False, skip: Iterable[str] = (),
-                 hf_config: _MappingABC[str, Any] | None = None, mapping: MappingTable | None = None,
+                 family: str | None = None, hf_config: Mapping[str, Any] | None = None,
+                 mapping: MappingTable | None = None,
                  update_groups: UpdateGroupTable | Sequence[UpdateGroup] | None = None,
                  dtype: "torch.dtype | None" = None) -> SyncStats:
     """Send the train engine's weights to the rollout engine as HF-named buckets.
@@ -205,16 +228,19 @@ def sync_weights(train_engine_or_model_chunks: Any, family: str, rollout_engine:
 
     Args:
         train_engine_or_model_chunks: the :class:`~ferrule.megatron.engine.TrainEngine` (its
-            ``.model`` chunks, ``.hf_config`` and ``.mapping_table`` are used) or this rank's
-            list of GPTModel chunks (then ``hf_config`` is required).
-        family: family name; its update-group table (and, without a train engine, its mapping
-            table) come from the registry unless ``update_groups`` / ``mapping`` are given.
+            ``.model`` chunks, ``.hf_config``, ``.family``, ``.mapping_table`` and
+            ``.update_groups`` are used) or this rank's list of GPTModel chunks (then
+            ``hf_config`` and ``family`` (or ``mapping`` and ``update_groups``) are required).
         rollout_engine: the engine to update (on global rank 0).
         version: the weight version (e.g. the optimizer step count).
+        old_form: empty in a correct call; it only catches the old positional form
+            ``(engine, family, rollout, version)`` to raise a TypeError saying how to call.
         bucket_bytes: most bytes of HF tensors per ``update_weights`` call; a unit larger
             than this goes alone in its own bucket (units are never split).
         check_equal: after the sync, run :func:`check_weight_update_equal` (raises on mismatch).
         skip: extra ``fnmatch`` patterns of engine tensors the check leaves out.
+        family: family name, for bare model chunks: its tables come from the registry unless
+            ``mapping`` / ``update_groups`` are given.
         hf_config: the parsed HF config (required with bare model chunks).
         dtype: cast floating tensors before sending (default: parameter dtype; the engine
             casts to its own dtype anyway).
@@ -223,15 +249,17 @@ def sync_weights(train_engine_or_model_chunks: Any, family: str, rollout_engine:
         :class:`SyncStats` for this rank.
 
     Raises:
+        TypeError: the old call form ``sync_weights(engine, family, rollout, version)``.
         WeightSyncError: on every rank, before any tensor moves, if the parameters do not fit
             the mapping / update-group tables or the sender has no rollout engine; from the
             check, naming mismatched tensors. An error raised by the engine part-way leaves it
             with a mix of versions: sync again before generating.
     """
     t0 = time.perf_counter()
-    mapping = mapping if mapping is not None else getattr(train_engine_or_model_chunks, "mapping_table", None)
-    table, groups = resolve_sync_tables(family, mapping, update_groups)
-    chunks, cfg = _model_and_config(train_engine_or_model_chunks, hf_config)
+    if old_form or isinstance(rollout_engine, str):
+        raise TypeError(_OLD_FORM)
+    chunks, cfg, family, table, groups = _sync_inputs(train_engine_or_model_chunks, family, mapping, update_groups,
+                                                      hf_config)
     _check_sender(rollout_engine, "update_weights")
     plan = plan_sync(chunks, table, groups, cfg)
     sender = _rank() == SENDER_RANK
@@ -248,7 +276,7 @@ def sync_weights(train_engine_or_model_chunks: Any, family: str, rollout_engine:
             pass
     checked = False
     if check_equal:
-        check_weight_update_equal(chunks, family, rollout_engine, skip=skip, hf_config=cfg, mapping=table,
+        check_weight_update_equal(chunks, rollout_engine, skip=skip, family=family, hf_config=cfg, mapping=table,
                                   update_groups=groups)
         checked = True
     return SyncStats(version=version, buckets=n_buckets, bytes=n_bytes, tensors=n_tensors,
@@ -287,14 +315,16 @@ def _max_abs_diff(a: "torch.Tensor", b: "torch.Tensor") -> str:
     return f"max |diff| {float(d.max()):.3e} over {int((d > 0).sum())}/{d.numel()} elements"
 
 
-def check_weight_update_equal(train_engine_or_model_chunks: Any, family: str, rollout_engine: Any, *,
-                              skip: Iterable[str] = (), hf_config: _MappingABC[str, Any] | None = None,
+def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine: Any, *old_form: Any,
+                              skip: Iterable[str] = (), family: str | None = None,
+                              hf_config: Mapping[str, Any] | None = None,
                               mapping: MappingTable | None = None,
                               update_groups: UpdateGroupTable | Sequence[UpdateGroup] | None = None
                               ) -> WeightCheckReport | None:
     """Verify that the rollout engine holds exactly the train engine's weights.
 
-    Collective (call on every rank, like :func:`sync_weights`); the comparison runs on global
+    Collective (call on every rank, like :func:`sync_weights`, with the same arguments: a
+    train engine, or bare chunks with ``family`` / tables and ``hf_config``); the comparison runs on global
     rank 0. The train side is the same HF export that :func:`sync_weights` sends, cast to the
     engine tensor's dtype (the engine casts on load, so a correct sync compares equal
     bit for bit). Engine side:
@@ -316,9 +346,10 @@ def check_weight_update_equal(train_engine_or_model_chunks: Any, family: str, ro
     """
     import torch
 
-    mapping = mapping if mapping is not None else getattr(train_engine_or_model_chunks, "mapping_table", None)
-    table, groups = resolve_sync_tables(family, mapping, update_groups)
-    chunks, cfg = _model_and_config(train_engine_or_model_chunks, hf_config)
+    if old_form or isinstance(rollout_engine, str):
+        raise TypeError(_OLD_FORM)
+    chunks, cfg, family, table, groups = _sync_inputs(train_engine_or_model_chunks, family, mapping, update_groups,
+                                                      hf_config)
     sender = _rank() == SENDER_RANK
     errors: list[str] = []
     mode, engine = "exact", {}

@@ -8,7 +8,8 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # VALIDATED: HF -> torch_dist -> HF bit-exact and Megatron-vs-HF logits <= 1e-5 (fp32; TP=1, TP=2, EP=2)
 # in tests/test_convert.py and tests/test_qwen_parity.py.
 
-#: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
+#: family -> variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS (the provider is the
+#: default build, driven by CONFIG_TRANSLATION).
 _VARIANTS = {"qwen2": "ferrule.plugins.qwen.qwen2", "qwen3": "ferrule.plugins.qwen.qwen3",
              "qwen3_moe": "ferrule.plugins.qwen.qwen3_moe"}
 
@@ -71,7 +72,7 @@ def register_chat_templates():
 def register_providers():
     from ferrule.specs import ProviderSpec
 
-    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
+    return [ProviderSpec(family=f) for f in _VARIANTS]
 
 
 @hookimpl
@@ -84,10 +85,6 @@ def register_converters():
 
 @hookimpl
 def register_update_groups():
-    # The variant modules are plain data (no torch / megatron import at module level).
-    import importlib
-
     from ferrule.specs import UpdateGroupTable
 
-    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS)
-            for f, m in _VARIANTS.items()]
+    return [UpdateGroupTable(family=f, groups=f"{m}:UPDATE_GROUPS") for f, m in _VARIANTS.items()]

@@ -6,12 +6,11 @@ on each query and key head before RoPE (megatron ``qk_layernorm=True``), no q/k/
 and an explicit ``head_dim`` that may differ from ``hidden_size // num_attention_heads``
 (megatron ``kv_channels``).
 
-Module-level data only; torch and megatron are imported inside :func:`build_provider`.
+Module-level data only. No provider function: the family's ``ProviderSpec`` uses the default
+build driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 from ferrule.config_translation import (
     ConfigTranslation,
@@ -38,54 +37,31 @@ CONFIG_TRANSLATION = ConfigTranslation(
 )
 
 
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron ``GPTModel`` chunks for a Qwen3 HF config.
-
-    ``ProviderSpec.build`` target; see :func:`ferrule.plugins.qwen.qwen2.build_provider`.
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
-
-
-# ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) are appended below ----
+# ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) ----
 
 from ferrule.mapping import MappingTable, Rename  # noqa: E402
-from ferrule.plugins.qwen.qwen2 import (  # noqa: E402
-    QWEN_COMMON_MAPPINGS,
-    QWEN_DENSE_MLP,
-    QWEN_EDGE_GROUPS,
-    QWEN_IGNORES,
-    QWEN_QKV_WEIGHT,
+from ferrule.mapping.decoder import (  # noqa: E402
+    DECODER_ATTENTION,
+    DECODER_EDGE,
+    DECODER_IGNORES,
+    DECODER_MLP,
+    decoder_update_groups,
 )
-from ferrule.specs import UpdateGroup  # noqa: E402
 
 #: q/k per-head RMSNorm weights ``[head_dim]`` (replicated over TP).
 QWEN3_QK_NORMS = (
     Rename("decoder.layers.*.self_attention.q_layernorm.weight", "model.layers.*.self_attn.q_norm.weight"),
     Rename("decoder.layers.*.self_attention.k_layernorm.weight", "model.layers.*.self_attn.k_norm.weight"),
 )
+#: Qwen3 attention rows: the shared decoder rows (no QKV bias) plus the q/k norms.
+QWEN3_ATTENTION = (*DECODER_ATTENTION[:2], *QWEN3_QK_NORMS, *DECODER_ATTENTION[2:])
 
-#: Qwen3 dense mapping table (no QKV bias; q/k norms).
-MAPPING = MappingTable(
-    family="qwen3",
-    mappings=(*QWEN_COMMON_MAPPINGS, QWEN_QKV_WEIGHT, *QWEN3_QK_NORMS, *QWEN_DENSE_MLP),
-    ignores=QWEN_IGNORES,
-)
+#: Qwen3 dense mapping table (shared decoder rows, :mod:`ferrule.mapping.decoder`; q/k norms).
+MAPPING = MappingTable(family="qwen3", mappings=(*DECODER_EDGE, *QWEN3_ATTENTION, *DECODER_MLP),
+                       ignores=DECODER_IGNORES)
 
-#: Attention group of Qwen3 variants (per layer).
-QWEN3_ATTENTION_GROUP = UpdateGroup(
-    key="attention",
-    suffixes=("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight",
-              "self_attention.k_layernorm.weight", "self_attention.linear_proj.weight"),
-)
-#: Weight-sync groups: one unit per layer for attention and for the dense MLP.
-UPDATE_GROUPS = (
-    QWEN_EDGE_GROUPS[0],
-    QWEN3_ATTENTION_GROUP,
-    UpdateGroup(key="mlp", suffixes=("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")),
-    *QWEN_EDGE_GROUPS[1:],
-)
+#: Weight-sync groups, derived from the same rows: one unit per layer for attention and for the MLP.
+UPDATE_GROUPS = decoder_update_groups(QWEN3_ATTENTION)
 
 #: A tiny random config for conformance tests (``transformers.Qwen3Config`` kwargs):
 #: head_dim 16 != hidden/heads = 8, one KV head (MQA), tied embeddings.

@@ -11,12 +11,11 @@ renormalised over the top-k when ``norm_topk_prob``. Megatron equivalents:
 Dense layers between sparse ones (``decoder_sparse_step != 1`` or ``mlp_only_layers``) are
 not supported.
 
-Module-level data only; torch and megatron are imported inside :func:`build_provider`.
+Module-level data only. No provider function: the family's ``ProviderSpec`` uses the default
+build driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 from ferrule.config_translation import (
     ConfigTranslation,
@@ -60,53 +59,39 @@ CONFIG_TRANSLATION = ConfigTranslation(
 )
 
 
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron MoE ``GPTModel`` chunks for a Qwen3-MoE HF config.
-
-    ``ProviderSpec.build`` target; see :func:`ferrule.plugins.qwen.qwen2.build_provider`.
-    ``moe_token_dispatcher_type`` (``'alltoall'`` default, or ``'allgather'``) is an option.
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
-
-
-# ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) are appended below ----
+# ---- parameter mapping (MAPPING) and update groups (UPDATE_GROUPS) ----
 
 from ferrule.mapping import ExpertFuseGateUp, ExpertRename, MappingTable, Rename, TPSplit  # noqa: E402
-from ferrule.plugins.qwen.qwen2 import QWEN_COMMON_MAPPINGS, QWEN_EDGE_GROUPS, QWEN_IGNORES, QWEN_QKV_WEIGHT  # noqa: E402
-from ferrule.plugins.qwen.qwen3 import QWEN3_ATTENTION_GROUP, QWEN3_QK_NORMS  # noqa: E402
+from ferrule.mapping.decoder import DECODER_EDGE, DECODER_IGNORES, DECODER_MLP, layer_suffixes  # noqa: E402
+from ferrule.mapping.decoder import decoder_update_groups  # noqa: E402
+from ferrule.plugins.qwen.qwen3 import QWEN3_ATTENTION  # noqa: E402
 from ferrule.specs import UpdateGroup  # noqa: E402
 
-#: Qwen3-MoE mapping table. Routed experts are per expert in HF files
-#: (``mlp.experts.E.{gate,up,down}_proj.weight``) and in megatron's ``SequentialMLP``
-#: (``mlp.experts.local_experts.E.linear_fc1/fc2``); ``E`` here is the *global* expert index.
-MAPPING = MappingTable(
-    family="qwen3_moe",
-    mappings=(
-        *QWEN_COMMON_MAPPINGS,
-        QWEN_QKV_WEIGHT,
-        *QWEN3_QK_NORMS,
-        Rename("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"),
-        ExpertFuseGateUp("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
-                         gate="model.layers.*.mlp.experts.*.gate_proj.weight",
-                         up="model.layers.*.mlp.experts.*.up_proj.weight"),
-        ExpertRename("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
-                     "model.layers.*.mlp.experts.*.down_proj.weight", tp=TPSplit.ROW),
-    ),
-    ignores=QWEN_IGNORES,
+#: Pre-MLP norm (shared decoder row) and the bias-free router ``[num_experts, hidden]``.
+MOE_ROUTER = (DECODER_MLP[0], Rename("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"))
+#: Routed experts: per expert in HF files (``mlp.experts.E.{gate,up,down}_proj.weight``) and in
+#: megatron's ``SequentialMLP`` (``mlp.experts.local_experts.E.linear_fc1/fc2``); ``E`` is the
+#: *global* expert index.
+MOE_EXPERTS = (
+    ExpertFuseGateUp("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                     gate="model.layers.*.mlp.experts.*.gate_proj.weight",
+                     up="model.layers.*.mlp.experts.*.up_proj.weight"),
+    ExpertRename("decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
+                 "model.layers.*.mlp.experts.*.down_proj.weight", tp=TPSplit.ROW),
 )
 
-#: Weight-sync groups: attention per layer; router (+ pre-MLP norm) per layer; one unit per
-#: routed expert (prefix ``decoder.layers.L.mlp.experts.local_experts.E.``). Qwen3-MoE has
-#: no shared expert, so the bare ``linear_fc1/linear_fc2`` suffixes only match routed experts.
-UPDATE_GROUPS = (
-    QWEN_EDGE_GROUPS[0],
-    QWEN3_ATTENTION_GROUP,
-    UpdateGroup(key="moe_router", suffixes=("pre_mlp_layernorm.weight", "mlp.router.weight")),
-    UpdateGroup(key="routed_expert", suffixes=("linear_fc1.weight", "linear_fc2.weight")),
-    *QWEN_EDGE_GROUPS[1:],
-)
+#: Qwen3-MoE mapping table: shared decoder edge rows, Qwen3 attention, router and routed experts.
+MAPPING = MappingTable(family="qwen3_moe", mappings=(*DECODER_EDGE, *QWEN3_ATTENTION, *MOE_ROUTER, *MOE_EXPERTS),
+                       ignores=DECODER_IGNORES)
+
+#: Weight-sync groups, derived from the same rows: attention per layer; router (+ pre-MLP norm)
+#: per layer; one unit per routed expert (prefix ``decoder.layers.L.mlp.experts.local_experts.E.``).
+#: Qwen3-MoE has no shared expert, so the bare ``linear_fc1/linear_fc2`` suffixes only match
+#: routed experts.
+UPDATE_GROUPS = decoder_update_groups(QWEN3_ATTENTION, middle=(
+    UpdateGroup(key="moe_router", suffixes=layer_suffixes(MOE_ROUTER)),
+    UpdateGroup(key="routed_expert", suffixes=layer_suffixes(MOE_EXPERTS)),
+))
 
 #: A tiny random config for conformance tests (``transformers.Qwen3MoeConfig`` kwargs):
 #: 4 experts, top-2, norm_topk_prob, untied.

@@ -59,7 +59,6 @@ def main(work: Path) -> None:
     from ferrule.converters import load_hf_into_mcore
     from ferrule.converters.checkpoint import _sharded_state_dict, load_torch_dist_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
-    from ferrule.specs import resolve_ref
 
     results: dict[str, dict] = {}
     # HF references first: transformers' lazily imported generation modules evaluate
@@ -75,7 +74,7 @@ def main(work: Path) -> None:
             parallel_state.destroy_model_parallel()
         init_distributed(layout)
         family = registry.family_for_hf_config(hf_config).name
-        chunks = resolve_ref(registry.get_provider(family).build)(hf_config, layout, parallel_output=False, **opts)
+        chunks = registry.provider_build(family)(hf_config, layout, parallel_output=False, **opts)
         return hf_dir, hf_config, chunks, registry.get_converter(family).resolved_mapping()
 
     def run(case, name, layout, *, load=None, **opts):

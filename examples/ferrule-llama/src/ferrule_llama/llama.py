@@ -22,8 +22,9 @@ building a different model:
 ``pretraining_tp`` is not read: transformers >= 5 ignores it, and in older versions it only
 sliced the same matmuls (numerically the same model). It stays in ``config.json`` unchanged.
 
-Module-level data only: torch and megatron are imported inside :func:`build_provider`
-(``plugin.py`` imports this module at discovery, which must stay light).
+Module-level data only (discovery names it, so it must stay light). There is no provider
+function: ``ProviderSpec(family="llama")`` takes the default build, megatron's GPT builder
+driven by :data:`CONFIG_TRANSLATION`.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ from ferrule.config_translation import (
     rope_theta_from_hf,
     rope_theta_to_hf,
 )
-from ferrule.mapping import FuseGateUp, FuseQKV, Ignore, MappingTable, OutputLayer, Rename, TPSplit
-from ferrule.specs import UpdateGroup
+from ferrule.mapping import MappingTable
+from ferrule.mapping.decoder import DECODER_ATTENTION, DECODER_EDGE, DECODER_IGNORES, DECODER_MLP, decoder_update_groups
 
-__all__ = ["CONFIG_TRANSLATION", "MAPPING", "UPDATE_GROUPS", "TINY_HF_CONFIG", "build_provider",
-           "llama_rope_theta_from_hf"]
+__all__ = ["CONFIG_TRANSLATION", "MAPPING", "UPDATE_GROUPS", "TINY_HF_CONFIG", "llama_rope_theta_from_hf"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,69 +97,20 @@ CONFIG_TRANSLATION = ConfigTranslation(
 )
 
 
-def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
-    """Build this rank's megatron ``GPTModel`` chunks for a Llama HF config.
-
-    ``ProviderSpec.build`` target. Requires ``ferrule.megatron.parallel.init_distributed(layout)``
-    with the same layout. ``options`` are the keywords of
-    :func:`ferrule.megatron.gpt_builder.build_from_hf_config` (``params_dtype``,
-    ``core_attention``, ``parallel_output``, ``config_overrides``, ...).
-
-    Returns:
-        ``list[GPTModel]``, one per virtual pipeline stage; logits ``[batch, seq, padded_vocab / tp]``.
-
-    Raises:
-        ConfigTranslationError: an unsupported Llama feature (see the module docstring).
-    """
-    from ferrule.megatron.gpt_builder import build_from_hf_config
-
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
-
-
 # ---------------------------------------------------------------------------------------------
-# Parameter mapping (MAPPING). Keys are global mcore names; ``*`` is the layer index.
+# Parameter mapping (MAPPING) and weight-sync groups (UPDATE_GROUPS): the shared Llama-shaped
+# decoder rows of ferrule.mapping.decoder, unchanged. Keys are global mcore names (``*`` = layer).
 # ---------------------------------------------------------------------------------------------
 
 #: Llama mapping table. ``linear_qkv`` interleaves per KV group ``[q.. , k, v]`` (layout in
 #: :class:`ferrule.mapping.FuseQKV`); ``linear_fc1`` is ``[gate; up]``. HF Llama checkpoints
 #: already store q/k in the ``rotate_half`` RoPE layout that Megatron uses, so no permutation.
-MAPPING = MappingTable(
-    family="llama",
-    mappings=(
-        Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp=TPSplit.VOCAB),
-        OutputLayer("output_layer.weight", hf="lm_head.weight", tied_hf="model.embed_tokens.weight"),
-        Rename("decoder.final_layernorm.weight", "model.norm.weight"),
-        Rename("decoder.layers.*.input_layernorm.weight", "model.layers.*.input_layernorm.weight"),
-        FuseQKV("decoder.layers.*.self_attention.linear_qkv.weight",
-                q="model.layers.*.self_attn.q_proj.weight", k="model.layers.*.self_attn.k_proj.weight",
-                v="model.layers.*.self_attn.v_proj.weight"),
-        Rename("decoder.layers.*.self_attention.linear_proj.weight", "model.layers.*.self_attn.o_proj.weight",
-               tp=TPSplit.ROW),
-        Rename("decoder.layers.*.pre_mlp_layernorm.weight", "model.layers.*.post_attention_layernorm.weight"),
-        FuseGateUp("decoder.layers.*.mlp.linear_fc1.weight", gate="model.layers.*.mlp.gate_proj.weight",
-                   up="model.layers.*.mlp.up_proj.weight"),
-        Rename("decoder.layers.*.mlp.linear_fc2.weight", "model.layers.*.mlp.down_proj.weight", tp=TPSplit.ROW),
-    ),
-    ignores=(
-        Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
-               reason="older Llama checkpoints store RoPE inverse frequencies; both HF and megatron "
-                      "recompute them from rope_theta"),
-    ),
-)
+MAPPING = MappingTable(family="llama", mappings=(*DECODER_EDGE, *DECODER_ATTENTION, *DECODER_MLP),
+                       ignores=DECODER_IGNORES)
 
-# ---------------------------------------------------------------------------------------------
-# Weight-sync groups (UPDATE_GROUPS): one unit per layer for attention and for the MLP.
-# ---------------------------------------------------------------------------------------------
-
-UPDATE_GROUPS = (
-    UpdateGroup(key="embedding", suffixes=("embedding.word_embeddings.weight",), optional=True),
-    UpdateGroup(key="attention", suffixes=("input_layernorm.weight", "self_attention.linear_qkv.weight",
-                                           "self_attention.linear_proj.weight")),
-    UpdateGroup(key="mlp", suffixes=("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")),
-    UpdateGroup(key="final_norm", suffixes=("decoder.final_layernorm.weight",), optional=True),
-    # absent when the embeddings are tied (PP=1) and on every PP stage but the last
-    UpdateGroup(key="output_layer", suffixes=("output_layer.weight",), optional=True),
-)
+#: One unit per layer for attention and for the MLP; embedding, final norm and output layer
+#: optional (``output_layer`` is absent when the embeddings are tied, and off the last PP stage).
+UPDATE_GROUPS = decoder_update_groups()
 
 # ---------------------------------------------------------------------------------------------
 # Tiny random model for the conformance kit (ferrule.conformance_numeric): HF config keys,

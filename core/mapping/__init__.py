@@ -1,0 +1,66 @@
+"""Declarative parameter mapping between Megatron-Core (``mcore_``) and Hugging Face (``hf_``).
+
+Two modules, imported in one direction only (no cycle):
+
+- :mod:`ferrule.mapping.vocabulary`: the row types. :class:`ParamMapping` is the base of every
+  row (:class:`Rename`, :class:`FuseQKV`, :class:`FuseGateUp`, :class:`ExpertRename`,
+  :class:`ExpertFuseGateUp`, :class:`StackExperts`, :class:`OutputLayer`); :class:`Ignore`
+  drops an HF key with a reason; :class:`TPSplit` says how TP splits a full tensor;
+  :class:`MappingContext` carries the few config numbers a row needs; :class:`MappingError`.
+- :mod:`ferrule.mapping.table`: :class:`MappingTable` (a family's complete, immutable table)
+  and :class:`HFAssembler` (full mcore tensors -> HF tensors, shared by export, weight sync
+  and :meth:`MappingTable.mcore_to_hf`); imports :mod:`~ferrule.mapping.vocabulary`.
+- :mod:`ferrule.mapping.decoder`: shared rows and update groups for Llama-shaped decoders.
+
+``Mapping`` is the old name of :class:`ParamMapping` (it clashed with
+``collections.abc.Mapping``); it still works for this release and warns
+(``DeprecationWarning``). ``ferrule.mapping_table`` is the old path of
+:mod:`ferrule.mapping.table`. Importing this package imports no torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ferrule.mapping.table import HFAssembler, MappingTable
+from ferrule.mapping.vocabulary import (
+    ExpertFuseGateUp,
+    ExpertRename,
+    FuseGateUp,
+    FuseQKV,
+    Ignore,
+    MappingContext,
+    MappingError,
+    OutputLayer,
+    ParamMapping,
+    Rename,
+    StackExperts,
+    TPSplit,
+)
+
+__all__ = [
+    "ExpertFuseGateUp",
+    "ExpertRename",
+    "FuseGateUp",
+    "FuseQKV",
+    "HFAssembler",
+    "Ignore",
+    "MappingContext",
+    "MappingError",
+    "MappingTable",
+    "OutputLayer",
+    "ParamMapping",
+    "Rename",
+    "StackExperts",
+    "TPSplit",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562 deprecation shim for the old row-type name (not an import-cycle workaround).
+    if name == "Mapping":
+        warnings.warn("ferrule.mapping.Mapping is renamed ParamMapping (it clashed with collections.abc.Mapping); "
+                      "the old name goes away in the next release.", DeprecationWarning, stacklevel=2)
+        return ParamMapping
+    raise AttributeError(f"module 'ferrule.mapping' has no attribute {name!r}")
