@@ -239,9 +239,8 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
 
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              progress: Callable[[int], None] | None) -> None:
-    from megatron.core import dist_checkpointing
-
     from ferrule.converters.weights import load_hf_into_mcore
+    from ferrule.megatron.checkpoint import save_sharded
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
     layout = ParallelLayout(**layout_kw)
@@ -249,7 +248,7 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
     _, build, table = _family_parts(hf_config)
     chunks = _build(build, hf_config, layout, dtype)
     load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config, progress=progress if rank == 0 else None)
-    dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
+    save_sharded(_sharded_state_dict(chunks), tmp)  # no __main__ guard needed in the caller
 
 
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,

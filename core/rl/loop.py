@@ -408,9 +408,13 @@ class GRPOTrainer:
             raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
                                        "checkpointed run (only train.steps, checkpoint.*, eval.* and logging.* may "
                                        "change); or start a new logging.run_dir"], origin=str(path))
-        self.engine.load(path / "engine")
+        engine_state = self.engine.load(path / "engine")
         self.sampler.load_state_dict(state["sampler"])
         self._log(f"resumed from {path} (step {step}, optimizer step {self.engine.step})")
+        changed = engine_state.get("settings_changed") or {}
+        if changed:  # e.g. train.steps grew: the decay horizon is re-planned, never silently kept
+            self._log("optimizer settings differ from the checkpoint; this config's are used from step "
+                      f"{self.engine.step} on: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         return int(step)
 
     def _truncate_samples(self, step: int) -> None:
