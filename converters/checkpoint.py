@@ -218,15 +218,15 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
     """Load a torch_dist checkpoint's model weights into live Megatron chunks (any layout).
 
     Uses ``{"model": sharded_state_dict}`` (``model0``, ... for virtual stages) with
-    ``strict="raise_all"``: a key missing from the checkpoint or not in the model raises.
+    ``strict="raise_all"``: a key missing from the checkpoint or not in the model raises
+    (``ferrule.megatron.checkpoint.CheckpointMismatchError``, as does a shape mismatch).
     Every rank of the job must call it.
     """
-    from megatron.core import dist_checkpointing
-
     from ferrule.converters.weights import unwrap
+    from ferrule.megatron.checkpoint import load_sharded
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(ckpt_dir), strict="raise_all")
+    loaded = load_sharded(_sharded_state_dict(chunks), ckpt_dir, strict="raise_all")
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -363,8 +363,9 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.
-        ConversionError / megatron CheckpointingException: the torch_dist files do not match
-            the model built from the stored config.
+        ferrule.megatron.checkpoint.CheckpointMismatchError: the torch_dist files do not match
+            the model built from the stored config (ConversionError when a worker of a
+            multi-process conversion reports it).
     """
     from ferrule.megatron.parallel import ParallelLayout
 

@@ -53,7 +53,8 @@ import torch
 from ferrule.fsutil import commit_dir
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "save_training_state", "load_training_state",
-           "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded"]
+           "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
+           "CheckpointMismatchError"]
 
 ENGINE_STATE_FILE = "engine_state.json"
 #: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
@@ -135,6 +136,46 @@ def save_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwarg
 
     with _in_process_write_results():
         dist_checkpointing.save(sharded_state_dict, str(directory), **kwargs)
+
+
+class CheckpointMismatchError(ValueError):
+    """A torch_dist checkpoint's tensors do not fit the model they are loaded into (shape, key)."""
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The per-rank cause inside torch's ``CheckpointException`` (``failures: {rank: (exc, tb)}``)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        return inner[0] if isinstance(inner, tuple) else inner
+    return exc
+
+
+def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> dict:
+    """``megatron.core.dist_checkpointing.load`` with checkpoint-content errors as one ``Exception``.
+
+    torch's ``CheckpointException`` (raised for a shape mismatch or a missing key, wrapping
+    megatron's ``CheckpointingException`` per rank) derives from ``BaseException``, so
+    ``except Exception`` handlers miss it and its text is a traceback per rank.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not fit the template; the message names
+            ``directory`` and the first rank's cause, e.g. ``Global shape mismatch for loaded
+            (torch.Size([2, 96, 32])) and expected ((2, 128, 32)) tensor for key
+            decoder.layers.mlp.linear_fc1.weight``.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(directory), **kwargs)
+    except (CheckpointException, CheckpointingException) as exc:
+        cause = _first_failure(exc)
+        detail = " ".join(str(cause).split())
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} does not fit the model it is loaded into: {detail} (was it written for "
+            "another model config?)") from exc
 
 
 def _barrier() -> None:
@@ -229,9 +270,9 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     Raises:
         FileNotFoundError: ``path`` is not a torch_dist checkpoint.
         ValueError: ``load_optimizer`` on a checkpoint without optimizer state.
+        CheckpointMismatchError: the checkpoint's tensors do not fit this model.
     """
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     from .optim import init_adam_state, set_adam_step
 
@@ -250,7 +291,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         for key in template:
             model_sd.update(template[key])
         template["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=DISTOPT_SHARDING)
-    loaded = dist_checkpointing.load(template, str(path))
+    loaded = load_sharded(template, path)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)

@@ -408,8 +408,12 @@ class GRPOTrainer:
             raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
                                        "checkpointed run (only train.steps, checkpoint.*, eval.* and logging.* may "
                                        "change); or start a new logging.run_dir"], origin=str(path))
+        try:  # before the engine loads: a data set that changed size or order cannot resume
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as exc:
+            raise ConfigError([f"{exc} (the training data changed since the checkpoint: restore it, or start a "
+                               "new logging.run_dir)"], origin=str(path)) from None
         engine_state = self.engine.load(path / "engine")
-        self.sampler.load_state_dict(state["sampler"])
         self._log(f"resumed from {path} (step {step}, optimizer step {self.engine.step})")
         changed = engine_state.get("settings_changed") or {}
         if changed:  # e.g. train.steps grew: the decay horizon is re-planned, never silently kept
