@@ -129,3 +129,26 @@ def test_resume_with_the_same_settings_reports_no_change(saved):
     assert engine.load(ckpt)["settings_changed"] == {}
     engine.forward_backward(w.make_batch(seed=20), "cross_entropy")
     assert engine.optim_step()["learning_rate"] == pytest.approx(scheduled_lr(SAVED_STEPS, BASE), rel=1e-12, abs=0)
+
+
+def test_distributed_optimizer_resume_uses_the_configured_settings(saved, tmp_path):
+    """Same check through megatron's DistributedOptimizer (its own state-dict load path)."""
+    hf, _ = saved
+    base = {**BASE, "use_distributed_optimizer": True}
+    engine = TrainEngine.from_hf(hf, ParallelLayout(), optimizer=OptimizerSettings(**base))
+    for i in range(SAVED_STEPS):
+        engine.forward_backward(w.make_batch(seed=10 + i), "cross_entropy")
+        engine.optim_step()
+    engine.save(tmp_path / "ckpt")
+
+    changed = {"lr_decay_steps": 12, "adam_beta1": 0.5, "adam_eps": 1e-4, "weight_decay": 0.1}
+    settings = {**base, **changed}
+    resumed = TrainEngine.from_hf(hf, ParallelLayout(), optimizer=OptimizerSettings(**settings))
+    assert resumed.load(tmp_path / "ckpt")["settings_changed"] == {k: [base[k], v] for k, v in changed.items()}
+    groups = [g for o in resumed.optimizer.chained_optimizers for g in o.optimizer.param_groups]
+    assert groups and all(g["betas"] == (0.5, 0.999) and g["eps"] == 1e-4 for g in groups)
+    assert sorted({g["weight_decay"] / 0.1 for g in groups if g["wd_mult"]}) == [1.0]
+    for n in (SAVED_STEPS, SAVED_STEPS + 1):
+        resumed.forward_backward(w.make_batch(seed=20 + n), "cross_entropy")
+        lr = resumed.optim_step()["learning_rate"]
+        assert lr == pytest.approx(scheduled_lr(n, settings), rel=1e-12, abs=0)
