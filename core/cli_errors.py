@@ -73,10 +73,10 @@ def user_error_message(exc: BaseException) -> str | None:
             failures = getattr(exc, "failures", None) or {}
             rank = min(failures) if failures else None
             cause = failures[rank][0] if rank is not None else exc
-            return _one_line(f"checkpoint does not fit the model it is loaded into (rank {rank}): "
+            return _one_line(f"checkpoint cannot be loaded into this model (rank {rank}): "
                              f"{type(cause).__name__}: {cause}")
         if ref.startswith("megatron."):
-            return _one_line(f"checkpoint does not fit the model it is loaded into: {exc}")
+            return _one_line(f"checkpoint cannot be loaded into this model: {exc}")
         problems = getattr(exc, "problems", None)  # ConfigError: one problem fits on one line
         if isinstance(problems, list) and len(problems) == 1:
             where = f" in {exc.origin}" if getattr(exc, "origin", None) else ""

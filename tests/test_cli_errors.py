@@ -66,7 +66,7 @@ def test_checkpoint_exception_is_a_base_exception_and_maps_to_one_line():
     inner = ValueError("Global shape mismatch for tensor for key decoder.final_layernorm.weight")
     exc = CheckpointException("load failed", {1: (inner, None), 0: (inner, None)})
     assert not isinstance(exc, Exception)  # why ``except Exception`` missed it
-    assert user_error_message(exc) == ("checkpoint does not fit the model it is loaded into (rank 0): ValueError: "
+    assert user_error_message(exc) == ("checkpoint cannot be loaded into this model (rank 0): ValueError: "
                                        "Global shape mismatch for tensor for key decoder.final_layernorm.weight")
     assert user_error_message(FileExistsError("out exists")) == "FileExistsError: out exists"
     assert user_error_message(RuntimeError("bug")) is None

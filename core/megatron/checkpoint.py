@@ -117,7 +117,10 @@ def _in_process_write_results() -> Iterator[None]:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    previous = getattr(filesystem_async, "_results_queue", None)
+    if not hasattr(filesystem_async, "_results_queue"):  # checked against megatron-core 0.16.1
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue; "
+                           "this megatron-core version collects write results differently: update save_sharded.")
+    previous = filesystem_async._results_queue
     filesystem_async._results_queue = queue.Queue()
     try:
         yield
@@ -174,8 +177,8 @@ def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwarg
         cause = _first_failure(exc)
         detail = " ".join(str(cause).split())
         raise CheckpointMismatchError(
-            f"checkpoint {directory} does not fit the model it is loaded into: {detail} (was it written for "
-            "another model config?)") from exc
+            f"checkpoint {directory} cannot be loaded into this model: {detail} (a checkpoint loads only into "
+            "the model config it was written for)") from exc
 
 
 def _barrier() -> None:
