@@ -216,15 +216,15 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
     """Load a torch_dist checkpoint's model weights into live Megatron chunks (any layout).
 
     Uses ``{"model": sharded_state_dict}`` (``model0``, ... for virtual stages) with
-    ``strict="raise_all"``: a key missing from the checkpoint or not in the model raises.
+    ``strict="raise_all"``: a key missing from the checkpoint or not in the model raises
+    (``ferrule.megatron.checkpoint.CheckpointMismatchError``, as does a shape mismatch).
     Every rank of the job must call it.
     """
-    from megatron.core import dist_checkpointing
-
+    from ferrule.megatron.checkpoint import load_sharded
     from ferrule.megatron.weights import unwrap
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(ckpt_dir), strict="raise_all")
+    loaded = load_sharded(_sharded_state_dict(chunks), ckpt_dir, strict="raise_all")
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -237,8 +237,7 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
 
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              progress: Callable[[int], None] | None) -> None:
-    from megatron.core import dist_checkpointing
-
+    from ferrule.megatron.checkpoint import save_sharded
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -247,7 +246,7 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
     _, build, table = _family_parts(hf_config)
     chunks = _build(build, hf_config, layout, dtype)
     load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config, progress=progress if rank == 0 else None)
-    dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
+    save_sharded(_sharded_state_dict(chunks), tmp)  # no __main__ guard needed in the caller
 
 
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,
@@ -362,8 +361,9 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.
-        ConversionError / megatron CheckpointingException: the torch_dist files do not match
-            the model built from the stored config.
+        ferrule.megatron.checkpoint.CheckpointMismatchError: the torch_dist files do not match
+            the model built from the stored config (ConversionError when a worker of a
+            multi-process conversion reports it).
     """
     from ferrule.megatron.parallel import ParallelLayout
 

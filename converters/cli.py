@@ -5,7 +5,7 @@ Commands::
     ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N] [--overwrite]
     ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite]
 
-Errors are printed as one message (what was wrong and how to fix it) with exit code 1; no
+Errors are printed as one message (what was wrong and how to fix it) with exit code 2; no
 partial output is left behind. See docs/convert.md.
 """
 
@@ -35,10 +35,14 @@ def _progress(total_bytes: int, label: str):
 
 
 def _fail(exc: BaseException) -> None:
-    from rich.console import Console
+    """Every conversion error, including torch's ``CheckpointException`` (a ``BaseException``),
+    becomes one ``error:`` line and exit code 2; Ctrl-C and exits pass through."""
+    from ferrule.cli_errors import print_user_error, user_error_message
 
-    Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", markup=True, highlight=False)
-    raise typer.Exit(code=2)
+    if not isinstance(exc, Exception) and user_error_message(exc) is None:
+        raise exc
+    print_user_error(user_error_message(exc) or f"{type(exc).__name__}: {exc}")
+    raise typer.Exit(code=2) from None
 
 
 @app.command("hf-to-torch-dist")
@@ -66,7 +70,7 @@ def hf_to_torch_dist_cmd(
         with progress:
             out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
                                    progress=advance if total else None)
-    except Exception as exc:  # noqa: BLE001 - every error becomes one clear message
+    except BaseException as exc:  # noqa: BLE001 - every error becomes one clear message
         _fail(exc)
     typer.echo(f"wrote {out}")
 
@@ -91,7 +95,7 @@ def torch_dist_to_hf_cmd(
         with progress:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
                                    progress=advance)
-    except Exception as exc:  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001 - see _fail
         _fail(exc)
     typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")
 

@@ -158,18 +158,22 @@ _mount()
 def main() -> None:
     """Console-script entry point.
 
-    Plugin problems (strict mode, an unknown model_type, an incomplete family) are user-facing
-    errors: one message and exit code 2, not a traceback.
+    User errors that a command did not handle itself (a plugin problem, a bad path, a checkpoint
+    that does not fit; the table is :data:`ferrule.cli_errors.USER_ERRORS`) print one message and
+    exit with code 2, not a traceback; other exceptions keep their traceback.
     """
-    from ferrule.registry import PluginError
+    from ferrule.cli_errors import print_user_error, user_error_message
 
     if _MOUNT_ERRORS:
         console.print(f"[red]error:[/red] {_MOUNT_ERRORS[0]}", highlight=False)
         raise SystemExit(2)
     try:
         app()
-    except PluginError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        print_user_error(message)
         raise SystemExit(2) from None
 
 

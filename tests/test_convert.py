@@ -189,7 +189,7 @@ def test_tp2_conversion_spawns_two_processes(qwen2_dir, tmp_path):
     assert json.loads((ckpt / "ferrule_checkpoint.json").read_text())["saved_layout"] == {"tp": 2, "pp": 1, "ep": 1}
     assert (ckpt / "__1_0.distcp").is_file()  # rank 1 wrote its shard
     _assert_same_files(qwen2_dir, torch_dist_to_hf(ckpt, tmp_path / "back_tp2"))  # loaded at TP=1
-    # (EP=2 save / TP=2 load of MoE is covered by tests/test_qwen_parity.py's torchrun launch)
+    # (EP=2 save / TP=2 load of MoE is covered by plugins/qwen/tests/test_qwen_parity.py's torchrun launch)
     src = cn.tiny_hf_dir("qwen3", tmp_path / "hf")  # 1 KV head: TP=2 impossible
     with pytest.raises(ValueError, match="tp=2 must divide"):
         hf_to_torch_dist(src, tmp_path / "out", tp=2)

@@ -67,10 +67,14 @@ def test_wheel_contents(wheel):
             rel = f.relative_to(ROOT / src).as_posix()
             if src == "core" and rel.split("/")[0] in {"converters", "plugins"}:
                 continue
+            if "tests" in rel.split("/")[:-1]:  # a plugin's own tests (plugins/qwen/tests): checked below
+                continue
             assert f"{dst}/{rel}" in names, f"{src}/{rel} is not packaged (add its package to pyproject)"
         for f in (ROOT / src).rglob("*.jinja"):
             rel = f.relative_to(ROOT / src).as_posix()
             assert f"{dst}/{rel}" in names, f"template {src}/{rel} is not packaged"
+    # plugins keep their tests, golden data and workers beside them; none of it ships
+    assert not [n for n in names if "/tests/" in n], sorted(n for n in names if "/tests/" in n)
     eps = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(eps).decode()
     assert "[ferrule]" in text and "qwen = ferrule.plugins.qwen.plugin" in text

@@ -200,6 +200,47 @@ def test_grpo_rejects_singleton_groups_and_nan():
         adv_mod.grpo_advantages([1.0, float("nan")], group_size=2)
 
 
+def test_grpo_sample_mask_leaves_untrainable_samples_out_of_the_baseline():
+    """A sample with no trainable token gets 0 and does not move its group's mean / std."""
+    rewards = [1.0, 0.0, 0.0, 5.0,   # sample 3: empty response (masked), its reward must not count
+               0.3, 0.9, 0.9, 0.9,   # only sample 4 remains: no baseline, all 0
+               0.2, 0.4, 0.8, 1.0]   # unmasked group
+    mask = [1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 1, 1]
+    eps = 1e-6
+    expected = [0.0] * 12
+    for members in ([0, 1, 2], [8, 9, 10, 11]):
+        vals = [rewards[i] for i in members]
+        mean, std = statistics.fmean(vals), statistics.stdev(vals)
+        for i in members:
+            expected[i] = (rewards[i] - mean) / (std + eps)
+    assert expected[0] == pytest.approx(0.6666667 / 0.5773513, rel=1e-6)  # the hand value: (1 - 1/3) / sqrt(1/3)
+    got = adv_mod.grpo_advantages(rewards, group_size=4, eps=eps, sample_mask=mask)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+    drgrpo = adv_mod.grpo_advantages(rewards, group_size=4, std_normalization=False,
+                                     sample_mask=np.array(mask, dtype=bool))
+    np.testing.assert_allclose(drgrpo[:4], [2 / 3, -1 / 3, -1 / 3, 0.0], rtol=1e-12)
+    assert drgrpo[4:8].tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="sample_mask shape"):
+        adv_mod.grpo_advantages(rewards, group_size=4, sample_mask=mask[:-1])
+    with pytest.raises(ValueError, match="bool or 0/1"):
+        adv_mod.grpo_advantages(rewards, group_size=4, sample_mask=[0.5] * 12)
+
+
+def test_all_equal_non_binary_groups_count_as_zero_std():
+    """Equal float64 rewards do not sum exactly (``[0.1] * 3`` has std 1.7e-17): such groups still
+    carry no signal, get advantage exactly 0 and count in ``zero_std_group_fraction``."""
+    rewards = [0.1] * 3 + [0.35] * 3 + [0.7] * 3 + [0.1, 0.35, 0.7]
+    assert np.asarray(rewards[:3]).std(ddof=1) > 0  # the round-off this test is about
+    adv = adv_mod.grpo_advantages(rewards, group_size=3)
+    assert adv[:9].tolist() == [0.0] * 9
+    mean, std = statistics.fmean([0.1, 0.35, 0.7]), statistics.stdev([0.1, 0.35, 0.7])
+    np.testing.assert_allclose(adv[9:], [(v - mean) / (std + 1e-6) for v in (0.1, 0.35, 0.7)], rtol=1e-12)
+    assert adv_mod.zero_std_group_fraction(rewards, 3) == 0.75
+    assert adv_mod.zero_std_group_fraction([1e6, 1e6 * (1 + 1e-15), 1.0, 2.0], 2) == 0.5  # scale-relative
+    # a masked sample leaves a group with one reward: no comparison, so it counts as zero-std
+    assert adv_mod.zero_std_group_fraction([0.0, 1.0, 0.0, 1.0], 2, sample_mask=[1, 0, 1, 1]) == 0.5
+
+
 def test_token_weights_give_split_invariant_means():
     rng = np.random.default_rng(SEED)
     lengths = [int(n) for n in rng.integers(0, 20, size=GROUP * N_GROUPS)]

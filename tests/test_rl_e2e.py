@@ -226,3 +226,39 @@ def test_kl_reference_and_minibatches(assets, config_file, tmp_path):
     entries = train(cfg).metrics
     assert all(e["ppo_kl"] > 0 and e["ratio_mean"] != 1.0 for e in entries)  # mini-batch 2 ran on updated weights
     assert entries[-1]["weights_version"] == 4
+
+
+@pytest.mark.timeout(240)
+def test_resume_with_more_steps_replans_the_decay_and_a_shrunk_data_set_is_a_cli_error(assets, config_file, tmp_path):
+    """Issue 9: cosine decay over ``train.steps=4``, resumed with ``train.steps=6``: steps 5-6 use the
+    schedule re-planned over 6 steps (the checkpoint's horizon gave lr 0.0), by the cosine formula.
+    Then the task file shrinks: ``ferrule train --resume`` prints one error line and exits 2."""
+    import math
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+    from ferrule.rl.metrics import read_metrics
+
+    lr, run_dir = 1e-2, tmp_path / "cosine"
+    task = tmp_path / "task.jsonl"
+    task.write_text((assets / "task.jsonl").read_text())
+    overrides = [f"model.hf_dir={assets / 'model'}", f"data.jsonl_path={task}", f"logging.run_dir={run_dir}",
+                 "optimizer.lr_decay_style=cosine", "logging.plot_at_end=false"]
+    train(load_config(config_file, overrides + ["train.steps=4"]))
+    second = train(load_config(config_file, overrides + ["train.steps=6", "checkpoint.resume=true"]))
+    assert second.start_step == 4 and second.last_step == 6
+    lrs = [e["lr"] for e in read_metrics(run_dir / "metrics.jsonl")]
+    # step s trains at lr(s - 1): cosine from lr to min_lr 0 over the decay horizon, no warmup
+    assert lrs[:4] == pytest.approx([lr * (1 + math.cos(math.pi * n / 4)) / 2 for n in range(4)], rel=1e-12)
+    assert lrs[4:] == pytest.approx([lr * (1 + math.cos(math.pi * n / 6)) / 2 for n in (4, 5)], rel=1e-12)
+
+    task.write_text("".join(task.read_text().splitlines(keepends=True)[:40]))  # 64 -> 40 prompts
+    launcher = "from ferrule.cli import main; main()"
+    env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
+    res = subprocess.run([sys.executable, "-c", launcher, "train", "--resume", "--run-dir", str(run_dir),
+                          "train.steps=8"], env=env, capture_output=True, text=True, timeout=150)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "num_prompts=64" in errors[0] and "num_prompts=40" in errors[0], res.stderr[-2000:]
+    assert len(read_metrics(run_dir / "metrics.jsonl")) == 6  # nothing was trained or truncated

@@ -26,14 +26,25 @@ bit-exact.
 Writes go to a sibling temporary directory that rank 0 renames into place after every rank
 finished (``os.replace``); an existing checkpoint is replaced only then, so a crash never
 leaves a half-written checkpoint under the final name.
+
+No ``if __name__ == "__main__":`` guard is needed in the caller (:func:`save_sharded`):
+megatron's torch_dist writer collects its per-rank write results through a queue that it
+creates once per process with ``multiprocessing.get_context("spawn").Manager()``
+(``dist_checkpointing/strategies/filesystem_async.py``, ``_get_write_results_queue``). Starting
+a spawn Manager re-imports the caller's ``__main__`` script, which fails in a plain script with
+multiprocessing's "bootstrapping phase" ``RuntimeError``. Our saves are synchronous (the writer
+runs in this process and reads its own results back), so an in-process ``queue.Queue`` serves
+the same purpose without a helper process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +53,8 @@ import torch
 from ferrule.fsutil import commit_dir
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "save_training_state", "load_training_state",
-           "model_sharded_state_dict", "rng_state", "set_rng_state"]
+           "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
+           "CheckpointMismatchError"]
 
 ENGINE_STATE_FILE = "engine_state.json"
 #: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
@@ -94,6 +106,81 @@ def set_rng_state(state: dict) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """Give megatron's torch_dist writer an in-process results queue for one synchronous save.
+
+    The writer would otherwise start a spawn-method ``multiprocessing.Manager`` (see the module
+    docstring); the previous queue, if any, is put back afterwards.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):  # checked against megatron-core 0.16.1
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue; "
+                           "this megatron-core version collects write results differently: update save_sharded.")
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def save_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> None:
+    """``megatron.core.dist_checkpointing.save`` (synchronous torch_dist) that works from a plain
+    script without an ``if __name__ == "__main__":`` guard and from a notebook cell.
+
+    ``kwargs`` go to ``dist_checkpointing.save`` unchanged (e.g. ``validate_access_integrity``).
+    Collective: every rank calls it.
+    """
+    from megatron.core import dist_checkpointing
+
+    with _in_process_write_results():
+        dist_checkpointing.save(sharded_state_dict, str(directory), **kwargs)
+
+
+class CheckpointMismatchError(ValueError):
+    """A torch_dist checkpoint's tensors do not fit the model they are loaded into (shape, key)."""
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The per-rank cause inside torch's ``CheckpointException`` (``failures: {rank: (exc, tb)}``)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        return inner[0] if isinstance(inner, tuple) else inner
+    return exc
+
+
+def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> dict:
+    """``megatron.core.dist_checkpointing.load`` with checkpoint-content errors as one ``Exception``.
+
+    torch's ``CheckpointException`` (raised for a shape mismatch or a missing key, wrapping
+    megatron's ``CheckpointingException`` per rank) derives from ``BaseException``, so
+    ``except Exception`` handlers miss it and its text is a traceback per rank.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not fit the template; the message names
+            ``directory`` and the first rank's cause, e.g. ``Global shape mismatch for loaded
+            (torch.Size([2, 96, 32])) and expected ((2, 128, 32)) tensor for key
+            decoder.layers.mlp.linear_fc1.weight``.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(directory), **kwargs)
+    except (CheckpointException, CheckpointingException) as exc:
+        cause = _first_failure(exc)
+        detail = " ".join(str(cause).split())
+        raise CheckpointMismatchError(
+            f"checkpoint {directory} cannot be loaded into this model: {detail} (a checkpoint loads only into "
+            "the model config it was written for)") from exc
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -125,8 +212,6 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False (raised on every rank).
     """
-    from megatron.core import dist_checkpointing
-
     from .optim import adam_step_count, init_adam_state
 
     path = Path(path).absolute()
@@ -146,7 +231,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=DISTOPT_SHARDING)
         state["scheduler"] = scheduler.state_dict()
         engine_state = dict(engine_state, adam_step=adam_step_count(optimizer))
-        dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
+        save_sharded(state, tmp, validate_access_integrity=True)
         if _rank() == 0:
             (tmp / "rng").mkdir(exist_ok=True)
         _barrier()
@@ -167,20 +252,30 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     return path
 
 
+def _param_groups(optimizer) -> list[dict]:
+    from .optim import inner_optimizers
+
+    return [g for o in inner_optimizers(optimizer) if getattr(o, "optimizer", None) is not None
+            for g in o.optimizer.param_groups]
+
+
 def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
                         load_optimizer: bool = True) -> dict:
     """Load a :func:`save_training_state` checkpoint (or a converter checkpoint, weights only).
 
-    Model tensors load at any layout. With ``load_optimizer`` the optimizer state, scheduler,
-    Adam step and (when the world size matches) RNG states are restored too. Returns the
-    saved ``engine_state`` (empty for a weights-only checkpoint).
+    Model tensors load at any layout. With ``load_optimizer`` the optimizer state (Adam
+    moments), the scheduler's step count, Adam's step and (when the world size matches) RNG
+    states are restored too. Settings are not: the lr schedule (lr, min_lr, warmup, decay
+    steps and style), weight decay, betas and eps stay those ``optimizer`` / ``scheduler`` were
+    built with, applied at the restored step (a resume may re-plan the schedule, e.g. decay
+    over more steps). Returns the saved ``engine_state`` (empty for a weights-only checkpoint).
 
     Raises:
         FileNotFoundError: ``path`` is not a torch_dist checkpoint.
         ValueError: ``load_optimizer`` on a checkpoint without optimizer state.
+        CheckpointMismatchError: the checkpoint's tensors do not fit this model.
     """
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     from .optim import init_adam_state, set_adam_step
 
@@ -199,7 +294,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         for key in template:
             model_sd.update(template[key])
         template["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=DISTOPT_SHARDING)
-    loaded = dist_checkpointing.load(template, str(path))
+    loaded = load_sharded(template, path)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -207,13 +302,20 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
             sub.reload_model_params()
         return engine_state
+    # torch's Optimizer.load_state_dict replaces every param group's hyper-parameters (megatron's
+    # max_lr / min_lr, betas, eps, weight_decay) with the saved ones: keep this engine's settings.
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in _param_groups(optimizer)]
     with torch.no_grad():
         optimizer.load_state_dict(loaded["optimizer"])
+    for group, hyper in zip(_param_groups(optimizer), configured, strict=True):
+        group.update(hyper)
     set_adam_step(optimizer, int(engine_state.get("adam_step", 0)))
-    # OptimizerParamScheduler.load_state_dict calls self.step(saved num_steps), which *adds* to
-    # the current count: start from 0 so a used engine resumes at the saved step.
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(loaded["scheduler"])
+    # Only the step count comes from the checkpoint. OptimizerParamScheduler.load_state_dict would
+    # also take the saved max_lr / min_lr / warmup / decay steps and style / weight decay over the
+    # configured ones (use_checkpoint_opt_param_scheduler), e.g. keep a decay horizon of 4 steps
+    # on a resume configured for 6, so it is not used.
+    scheduler.num_steps = int(loaded["scheduler"]["num_steps"])
+    scheduler.step(0)  # lr and weight decay of every group at the resumed step, configured schedule
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if engine_state.get("world_size") == world and rng_file.is_file():

@@ -593,16 +593,31 @@ class TrainEngine:
 
     def load(self, path: str | Path, *, load_optimizer: bool = True) -> dict:
         """Load a :meth:`save` checkpoint (any TP/PP/DP for the weights; the distributed
-        optimizer's state needs the same TP/PP). Discards accumulated gradients. Returns the
-        saved engine state (step, layout, ...)."""
+        optimizer's state needs the same TP/PP). Discards accumulated gradients.
+
+        With ``load_optimizer`` the Adam moments, Adam's step, the scheduler's step count and
+        the RNG states are restored, while this engine's :class:`OptimizerSettings` stay in force
+        (lr, min_lr, warmup, decay steps and style, weight decay, betas, eps): a resume with
+        ``lr_decay_steps`` 6 instead of the saved run's 4 decays over 6 steps from the saved
+        step on. megatron's own scheduler load would silently keep the checkpoint's settings.
+
+        Returns:
+            The saved engine state (step, layout, optimizer settings, ...) plus
+            ``"settings_changed"``: ``{name: [saved value, value in force now]}`` for every
+            :class:`OptimizerSettings` field that differs from the checkpoint (empty when none
+            do, or for a weights-only load), so callers can report the change.
+        """
         from .checkpoint import load_training_state
 
         self.zero_grad()
         state = load_training_state(path, model_chunks=self.model, optimizer=self.optimizer,
                                     scheduler=self.scheduler, load_optimizer=load_optimizer)
+        changed: dict[str, list] = {}
         if load_optimizer:
             self.step = int(state.get("step", 0))
-        return state
+            saved = state.get("optimizer") or {}
+            changed = {k: [saved[k], v] for k, v in asdict(self.settings).items() if k in saved and saved[k] != v}
+        return dict(state, settings_changed=changed)
 
     def adam_step(self) -> int:
         """torch Adam's shared ``step`` count (equals :attr:`step` unless state was loaded from elsewhere)."""

@@ -10,7 +10,13 @@ prompt. For sample ``i`` of group ``g`` with reward ``r_i``::
   the normalized reward is every response token's advantage).
 - ``std_g`` is the sample standard deviation (Bessel's correction, ``ddof=1``), as
   ``torch.Tensor.std`` computes it in TRL's, verl's and miles' GRPO implementations. A group whose
-  rewards are all equal gets advantage 0 for every sample.
+  rewards are all equal gets advantage exactly 0. "Equal" has a tolerance
+  (:func:`is_zero_std`): summing equal float64 values is not exact (``[0.1] * 3`` has std
+  ``1.7e-17``), so ``std == 0`` would call such a group informative and divide its round-off by
+  ``eps``.
+- ``sample_mask`` leaves samples out of the group statistics: a sample with no trainable token
+  (an empty response, or one whose loss mask is all zero) gets advantage 0 and does not move
+  its group's baseline ``mean_g`` or ``std_g``; the group is what remains.
 - Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783) drops the
   std division (question-level difficulty bias) and the per-response length normalization; use
   ``std_normalization=False`` and ``token_weights(..., mode="constant")``.
@@ -36,6 +42,15 @@ from collections.abc import Sequence
 import numpy as np
 
 WEIGHT_MODES = ("token_mean", "sample_mean", "constant")
+#: A group counts as all-equal when its reward std is at most ``ZERO_STD_RTOL * max(1, max|r|)``.
+#: float64 round-off of equal values is ~1e-16 relative; real reward differences are far larger.
+ZERO_STD_RTOL = 1e-8
+
+
+def is_zero_std(values: np.ndarray) -> bool:
+    """True when ``values`` (one group's float64 rewards, >= 2 of them) are equal up to round-off:
+    ``std(ddof=1) <= ZERO_STD_RTOL * max(1, max|values|)``."""
+    return float(values.std(ddof=1)) <= ZERO_STD_RTOL * max(1.0, float(np.abs(values).max()))
 
 
 def group_ids_contiguous(num_samples: int, group_size: int) -> np.ndarray:
@@ -51,7 +66,7 @@ def group_ids_contiguous(num_samples: int, group_size: int) -> np.ndarray:
 
 def grpo_advantages(rewards: Sequence[float] | np.ndarray, *, group_size: int | None = None,
                     group_ids: Sequence[int] | np.ndarray | None = None, std_normalization: bool = True,
-                    eps: float = 1e-6) -> np.ndarray:
+                    eps: float = 1e-6, sample_mask: Sequence[bool] | np.ndarray | None = None) -> np.ndarray:
     """Group-normalized advantages, one per sample.
 
     Args:
@@ -61,13 +76,18 @@ def grpo_advantages(rewards: Sequence[float] | np.ndarray, *, group_size: int | 
             interleaved and of different sizes). Give exactly one of ``group_size`` / ``group_ids``.
         std_normalization: divide by ``std_g + eps`` (GRPO) or not (Dr. GRPO).
         eps: added to the std (``algorithm.advantage_eps``).
+        sample_mask: ``[num_samples]`` bool (or 0/1); False marks a sample with no trainable
+            token. Such a sample gets advantage 0 and is left out of its group's mean and std.
+            A group left with fewer than 2 samples under ``std_normalization`` (or none at all)
+            has no baseline to compare against: its samples get 0. Default: every sample counts.
 
     Returns:
-        ``[num_samples]`` float64 advantages.
+        ``[num_samples]`` float64 advantages; exactly 0 for masked samples and for groups whose
+        (unmasked) rewards are all equal (:func:`is_zero_std`).
 
     Raises:
-        ValueError: non-finite rewards, both/neither grouping argument, shape mismatch, or a
-            group of size 1 with ``std_normalization`` (its std is undefined).
+        ValueError: non-finite rewards, both/neither grouping argument, shape mismatch, a mask
+            that is not 0/1, or a group of size 1 with ``std_normalization`` (its std is undefined).
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
@@ -79,16 +99,58 @@ def grpo_advantages(rewards: Sequence[float] | np.ndarray, *, group_size: int | 
     ids = group_ids_contiguous(len(r), group_size) if group_size is not None else np.asarray(group_ids)
     if ids.shape != r.shape:
         raise ValueError(f"group_ids shape {ids.shape} != rewards shape {r.shape}")
-    adv = np.empty_like(r)
+    live = _sample_mask(sample_mask, r.shape)
+    adv = np.zeros_like(r)
     for g in np.unique(ids):
         idx = np.flatnonzero(ids == g)
-        centered = r[idx] - r[idx].mean()
+        if std_normalization and len(idx) < 2:
+            raise ValueError(f"group {g} has 1 sample; std normalization needs >= 2 samples per group")
+        idx = idx[live[idx]]
+        if len(idx) == 0 or (std_normalization and len(idx) < 2):
+            continue
+        vals = r[idx]
+        if len(idx) > 1 and is_zero_std(vals):
+            continue  # all equal: no preference inside the group
+        centered = vals - vals.mean()
         if std_normalization:
-            if len(idx) < 2:
-                raise ValueError(f"group {g} has 1 sample; std normalization needs >= 2 samples per group")
-            centered = centered / (r[idx].std(ddof=1) + eps)
+            centered = centered / (vals.std(ddof=1) + eps)
         adv[idx] = centered
     return adv
+
+
+def _sample_mask(sample_mask: Sequence[bool] | np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    if sample_mask is None:
+        return np.ones(shape, dtype=bool)
+    m = np.asarray(sample_mask)
+    if m.shape != shape:
+        raise ValueError(f"sample_mask shape {m.shape} != rewards shape {shape}")
+    if m.dtype != bool:
+        if not np.all((m == 0) | (m == 1)):
+            raise ValueError(f"sample_mask must be bool or 0/1, got values {sorted(set(m.tolist()))}")
+        m = m.astype(bool)
+    return m
+
+
+def zero_std_group_fraction(rewards: Sequence[float] | np.ndarray, group_size: int, *,
+                            sample_mask: Sequence[bool] | np.ndarray | None = None) -> float:
+    """Fraction of contiguous groups whose (unmasked) rewards are all equal, i.e. groups that get
+    advantage 0 from :func:`grpo_advantages` (:func:`is_zero_std`; a group with fewer than 2
+    unmasked samples counts too).
+
+    Raises:
+        ValueError: ``len(rewards)`` is not a multiple of ``group_size``, or a bad mask.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    ids = group_ids_contiguous(len(r), group_size)
+    live = _sample_mask(sample_mask, r.shape)
+    n_groups = len(r) // group_size
+    if n_groups == 0:
+        return 0.0
+    flat = 0
+    for g in range(n_groups):
+        vals = r[(ids == g) & live]
+        flat += len(vals) < 2 or is_zero_std(vals)
+    return flat / n_groups
 
 
 def token_weights(response_lengths: Sequence[int], *, mode: str = "token_mean",

@@ -2,8 +2,9 @@
 
 Mounted by ``ferrule.cli`` with ``app.command("train")(train_command)``.
 
-Exit codes: 0 done; 2 config error (every problem listed); 130 stopped by Ctrl-C (after saving
-a checkpoint when ``checkpoint.save_on_interrupt``); 1 other errors.
+Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
+the run; a bad path or checkpoint: :data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by
+Ctrl-C (after saving a checkpoint when ``checkpoint.save_on_interrupt``); 1 other errors.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def train_command(
     weight sync, with checkpoints, resume, metrics.jsonl and a reward-curve PNG in the run folder."""
     from rich.console import Console
 
-    from ferrule.registry import PluginError
+    from ferrule.cli_errors import print_user_error, user_error_message
     from ferrule.rl.config import ConfigError
 
     console = Console(stderr=True, soft_wrap=True)
@@ -81,12 +82,15 @@ def train_command(
             raise ConfigError([f"--resume: no complete checkpoint in {trainer.ckpt_dir}; check --run-dir, or drop "
                                "--resume to start a new run"])
         result = trainer.run(stop_after=stop_after)
-    except (ConfigError, PluginError) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
+    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        print_user_error(message)
+        raise typer.Exit(2) from None
     last = result.metrics[-1] if result.metrics else {}
     summary = f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}"
     if "reward_mean" in last:

@@ -270,7 +270,7 @@ class GRPOTrainer:
         import torch
 
         from ferrule.losses import finalize_metrics, sum_metrics
-        from ferrule.rl.advantages import grpo_advantages, token_weights
+        from ferrule.rl.advantages import grpo_advantages, token_weights, zero_std_group_fraction
         from ferrule.rl.batch import (Sample, build_datums, loss_fn_config, response_slice, sequence_datum,
                                       split_groups)
         from ferrule.rl.metrics import rollout_metrics
@@ -289,8 +289,9 @@ class GRPOTrainer:
                           rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
                           truncated=r.finish_reason == "length") for r in results]
         reward_values = [r.reward for r in rewards]
+        trainable = [len(s.response_ids) > 0 for s in samples]  # an empty response has no token to train
         adv = grpo_advantages(reward_values, group_size=n, std_normalization=a.grpo_std_normalization,
-                              eps=a.advantage_eps)
+                              eps=a.advantage_eps, sample_mask=trainable)
         rollout_lp = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
 
         t_train0 = time.perf_counter()
@@ -351,7 +352,7 @@ class GRPOTrainer:
             "grad_norm": float(np.mean(grad_norms)),
             "lr": lrs[-1],
             "advantage_abs_mean": float(np.abs(adv).mean()),
-            "zero_std_group_fraction": float(np.mean(np.asarray(reward_values).reshape(-1, n).std(axis=1) == 0)),
+            "zero_std_group_fraction": zero_std_group_fraction(reward_values, n, sample_mask=trainable),
         })
         if a.use_tis:
             metrics["tis_weight_mean"] = lm.get("tis_weight:mean")
@@ -407,9 +408,17 @@ class GRPOTrainer:
             raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
                                        "checkpointed run (only train.steps, checkpoint.*, eval.* and logging.* may "
                                        "change); or start a new logging.run_dir"], origin=str(path))
-        self.engine.load(path / "engine")
-        self.sampler.load_state_dict(state["sampler"])
+        try:  # before the engine loads: a data set that changed size or order cannot resume
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as exc:
+            raise ConfigError([f"{exc} (the training data changed since the checkpoint: restore it, or start a "
+                               "new logging.run_dir)"], origin=str(path)) from None
+        engine_state = self.engine.load(path / "engine")
         self._log(f"resumed from {path} (step {step}, optimizer step {self.engine.step})")
+        changed = engine_state.get("settings_changed") or {}
+        if changed:  # e.g. train.steps grew: the decay horizon is re-planned, never silently kept
+            self._log("optimizer settings differ from the checkpoint; this config's are used from step "
+                      f"{self.engine.step} on: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         return int(step)
 
     def _truncate_samples(self, step: int) -> None:

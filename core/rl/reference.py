@@ -4,8 +4,8 @@ The reference is the *initial* checkpoint (``model.hf_dir``) run by transformers
 process, in eval mode under ``torch.inference_mode`` (one extra copy of the weights; no optimizer
 state, no gradients), with the family's ``hf_model_class`` from the plugin registry. Its
 logprobs are ``log_softmax`` of fp32 logits at temperature 1, the same quantity the train engine
-computes (megatron and HF forwards agree to ~1e-6 in fp32, tests/test_qwen_parity.py), so at
-step 1 the KL estimate is ~0. Computing them costs one forward pass over the rollout batch per
+computes (megatron and HF forwards agree to ~1e-6 in fp32,
+plugins/qwen/tests/test_qwen_parity.py), so at step 1 the KL estimate is ~0. Computing them costs one forward pass over the rollout batch per
 step; a reference kept as a second Megatron engine would cost the same compute and more memory.
 """
 

@@ -6,7 +6,7 @@ from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
 # VALIDATED: HF -> torch_dist -> HF bit-exact and Megatron-vs-HF logits <= 1e-5 (fp32; TP=1, TP=2, EP=2)
-# in tests/test_convert.py and tests/test_qwen_parity.py.
+# in tests/test_convert.py and plugins/qwen/tests/test_qwen_parity.py.
 
 #: family -> variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS (the provider is the
 #: default build, driven by CONFIG_TRANSLATION).

@@ -1,6 +1,6 @@
-"""torchrun worker (2 gloo processes) for tests/test_qwen_parity.py.
+"""torchrun worker (2 gloo processes) for plugins/qwen/tests/test_qwen_parity.py.
 
-Usage: torchrun --nproc-per-node 2 tests/dist/qwen_parity_worker.py WORK_DIR
+Usage: torchrun --nproc-per-node 2 plugins/qwen/tests/dist/qwen_parity_worker.py WORK_DIR
 
 WORK_DIR holds HF dirs prepared by the test (``qwen2``, ``qwen3_untied``, ``qwen3_tied``,
 ``qwen3_moe``) and ``qwen3_untied_td`` (a torch_dist checkpoint converted at TP=1). For each

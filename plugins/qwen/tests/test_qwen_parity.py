@@ -4,7 +4,7 @@ Referee: transformers' Qwen2/Qwen3/Qwen3-MoE forward in fp32. Tolerance 1e-5 max
 (the observed differences are ~1e-7: fp32 summation order only).
 
 - TP=1 in this process (``ferrule.conformance_numeric.check_logits_parity``).
-- One ``torchrun`` launch with 2 gloo processes (tests/dist/qwen_parity_worker.py): TP=2 for
+- One ``torchrun`` launch with 2 gloo processes (plugins/qwen/tests/dist/qwen_parity_worker.py): TP=2 for
   Qwen2 / Qwen3 tied / Qwen3-MoE, EP=2 for Qwen3-MoE (alltoall and allgather dispatchers),
   export at PP=2, and torch_dist resharding (saved at TP=1 -> loaded at TP=2, saved at TP=2 ->
   loaded at TP=1, MoE saved at EP=2 -> loaded at TP=2). Every case also checks that
@@ -24,7 +24,8 @@ import pytest
 from ferrule import conformance_numeric as cn
 
 ATOL = 1e-5
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).resolve().parent / "dist" / "qwen_parity_worker.py"
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
@@ -47,7 +48,7 @@ def test_tp2_ep2_pp2_and_resharding_over_two_gloo_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(REPO / "tests" / "dist" / "qwen_parity_worker.py"), str(tmp_path)],
+         str(WORKER), str(tmp_path)],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())

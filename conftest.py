@@ -1,4 +1,6 @@
-"""Test-suite setup.
+"""Test-suite setup, shared by every test folder in ``testpaths`` (tests/, plugins/qwen/tests/,
+examples/ferrule-llama/tests/): it sits at the repository root so that a plugin's own tests
+(kept beside the plugin) get the same environment and fixtures.
 
 - Only the in-tree plugins and the example out-of-tree package are visible
   (``FERRULE_PLUGINS=qwen,inkling,llama``), so another installed third-party plugin cannot change
