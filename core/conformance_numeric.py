@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
-           "check_logits_parity", "single_rank", "LOGITS_ATOL_FP32"]
+           "check_logits_parity", "check_translation_matches_hf", "rotary_tables_hf", "rotary_tables_mcore",
+           "translated_fields_vs_hf", "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -174,4 +175,123 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
             out = model(ids, pos, attention_mask=None)[..., :vocab]
     diff = (out.float() - ref.float()).abs().max().item()
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
+    return diff
+
+
+# ---------------------------------------------------------------------------------------------
+# What HF's model actually uses vs what ferrule built (rotary frequencies and translated fields).
+# ---------------------------------------------------------------------------------------------
+
+def rotary_tables_hf(hf_model, seq_len: int):
+    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that HF's model applies at positions 0..seq_len-1.
+
+    From ``model.model.rotary_emb(x, position_ids)``: HF's inverse frequencies after scaling, times
+    its ``attention_scaling``.
+    """
+    import torch
+
+    rotary = hf_model.model.rotary_emb
+    x = torch.zeros(1, seq_len, 1, dtype=torch.float32)
+    cos, sin = rotary(x, torch.arange(seq_len).unsqueeze(0))
+    return cos[0].double(), sin[0].double()
+
+
+def rotary_tables_mcore(mcore_model, seq_len: int):
+    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that megatron's ``GPTModel`` applies.
+
+    From ``model.rotary_pos_emb(seq_len)`` (``[s, 1, 1, rotary_dim]`` angles; megatron's
+    ``apply_rotary_pos_emb`` rotates the first ``rotary_dim`` channels with ``cos``/``sin`` of them).
+    """
+    emb = mcore_model.rotary_pos_emb(seq_len)[:, 0, 0, :].double()
+    return emb.cos(), emb.sin()
+
+
+def translated_fields_vs_hf(hf_model, mcore_model) -> list[tuple[str, Any, Any]]:
+    """``(field, ferrule value, HF value)`` for each translated quantity HF's modules expose.
+
+    HF values are read from the instantiated model (module shapes and attributes), not from the
+    config: layer count, hidden size, MLP width, query heads, KV heads, head width, softmax scale,
+    norm epsilon, vocabulary rows, tied embeddings, and (when the MLP has ``act_fn``) the activation
+    evaluated on a probe vector.
+    """
+    import torch
+
+    cfg = mcore_model.config
+    layer = hf_model.model.layers[0]
+    attn = layer.self_attn
+    head_dim = int(attn.head_dim)
+    core = mcore_model.decoder.layers[0].self_attention.core_attention
+    scale = getattr(core, "sdpa_scale", None) or core.softmax_scale
+    rows = [
+        ("num_layers", cfg.num_layers, len(hf_model.model.layers)),
+        ("hidden_size", cfg.hidden_size, hf_model.model.embed_tokens.weight.shape[1]),
+        ("ffn_hidden_size", cfg.ffn_hidden_size if not cfg.num_moe_experts else cfg.moe_ffn_hidden_size,
+         _hf_ffn_width(layer)),
+        ("num_attention_heads", cfg.num_attention_heads, attn.q_proj.out_features // head_dim),
+        ("num_query_groups", cfg.num_query_groups, attn.k_proj.out_features // head_dim),
+        ("kv_channels", cfg.kv_channels, head_dim),
+        ("softmax_scale", round(float(scale), 9), round(float(attn.scaling), 9)),
+        ("layernorm_epsilon", cfg.layernorm_epsilon, _norm_eps(hf_model.model.norm)),
+        ("vocab_size", mcore_model.vocab_size >= hf_model.model.embed_tokens.weight.shape[0], True),
+        ("share_embeddings_and_output_weights", bool(mcore_model.share_embeddings_and_output_weights),
+         hf_model.lm_head.weight is hf_model.model.embed_tokens.weight),
+    ]
+    act = getattr(getattr(layer, "mlp", None), "act_fn", None)
+    if act is not None:
+        probe = torch.linspace(-4, 4, 17)
+        ours = cfg.activation_func(probe)
+        rows.append(("activation_func", "matches" if torch.allclose(ours, act(probe), atol=1e-6) else
+                     f"differs ({cfg.activation_func})", "matches"))
+    return rows
+
+
+def _hf_ffn_width(layer) -> int:
+    mlp = layer.mlp
+    if hasattr(mlp, "gate_proj"):
+        return mlp.gate_proj.out_features
+    experts = getattr(mlp, "experts", None)
+    if experts is not None and hasattr(experts, "down_proj"):
+        return int(experts.down_proj.shape[-1])
+    raise AssertionError(f"cannot read the MLP width of HF layer {type(layer).__name__}")
+
+
+def _norm_eps(norm) -> float:
+    for attr in ("variance_epsilon", "eps"):
+        if hasattr(norm, attr):
+            return float(getattr(norm, attr))
+    raise AssertionError(f"cannot read the epsilon of HF norm {type(norm).__name__}")
+
+
+def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, seq_len: int = 64,
+                                 overrides: Mapping[str, Any] | None = None, atol: float = 1e-6) -> float:
+    """Rotary ``cos``/``sin`` and translated fields of ferrule's model equal what HF's model uses.
+
+    Builds HF's model and the family's megatron model from the same ``config.json`` (the tiny
+    config plus ``overrides``) and compares :func:`rotary_tables_mcore` with
+    :func:`rotary_tables_hf` over ``seq_len`` positions, and every row of
+    :func:`translated_fields_vs_hf`. Returns the max rotary difference.
+
+    Raises:
+        AssertionError: naming the rotary table or each field that differs.
+    """
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_hf_dir(family, Path(work_dir) / "hf_fields", overrides=overrides)
+    hf_config = json.loads((src / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with single_rank():
+        (model,) = _build(family, hf_config)
+        cos_m, sin_m = rotary_tables_mcore(model, seq_len)
+        rows = translated_fields_vs_hf(hf, model)
+    cos_h, sin_h = rotary_tables_hf(hf, seq_len)
+    assert cos_m.shape == cos_h.shape, (
+        f"{family}: megatron rotates {cos_m.shape[-1]} channels per head, HF {cos_h.shape[-1]} "
+        f"(partial_rotary_factor / rotary_percent translation)")
+    diff = max((cos_m - cos_h).abs().max().item(), (sin_m - sin_h).abs().max().item())
+    assert diff <= atol, f"{family}: rotary cos/sin differ from HF's by {diff:.3g} (rope_theta / rope scaling translation)"
+    bad = [f"{name}: ferrule {ours!r} vs HF {theirs!r}" for name, ours, theirs in rows if ours != theirs]
+    assert not bad, f"{family}: translated fields differ from what HF's model uses: " + "; ".join(bad)
     return diff

@@ -21,8 +21,9 @@ families from the command line. The cases:
   groups and every declared feature; STRUCTURAL: a reason is given);
 - every lazy ``"module:attr"`` reference of the family resolves;
 - numeric cases for families with a converter (HF -> torch_dist -> HF round trip is
-  bit-exact, the mapping table covers the provider's parameters exactly, Megatron logits
-  match HF transformers) from :mod:`ferrule.conformance_numeric`.
+  bit-exact, the mapping table covers the provider's parameters exactly, rotary frequencies and
+  every translated field equal what HF's model uses, Megatron logits match HF transformers)
+  from :mod:`ferrule.conformance_numeric`.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class FamilyConformance:
             "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
             "cn.check_round_trip(fam, work + '/rt')\n"
             "cn.check_mapping_covers_provider(fam, work + '/cov')\n"
+            "cn.check_translation_matches_hf(fam, work + '/fields')\n"
             "diff = cn.check_logits_parity(fam, work + '/par')\n"
             "print(json.dumps({'logits_max_abs_diff': float(diff)}))\n"
         )

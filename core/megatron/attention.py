@@ -16,6 +16,12 @@ broadcastable to ``[b, np, sq, sk]``. A given mask is used as is (megatron does 
 with the causal mask); with ``attention_mask=None`` and a causal layer the mask is causal
 (``is_causal=True``, which lets SDPA pick the flash kernel on GPU). Masked scores get -10000,
 like megatron's ``attention_mask_func``, so a fully masked (padding) row stays finite.
+
+Sliding windows (``config.window_size = (left, right)``, on the layers that megatron's
+``is_layer_window_attention`` selects through ``window_attn_skip_freq``): query at absolute
+position ``i`` (the last ``sq`` of ``sk`` positions) sees keys ``j`` with ``i - left <= j <= i +
+right``; the window mask is OR-ed into the causal or given mask. This is HF's
+``sliding_window_overlay`` with ``left = sliding_window - 1``, ``right = 0``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
 
 __all__ = ["SDPAttention", "CORE_ATTENTION_CHOICES", "core_attention_class"]
 
@@ -38,17 +45,18 @@ class SDPAttention(DotProductAttention):
 
     Construction is :class:`megatron.core.transformer.dot_product_attention.DotProductAttention`'s
     (same arguments from the layer spec). Supported: causal / no-mask / explicit boolean masks,
-    GQA/MQA (``enable_gqa``), attention dropout in training. Not supported (raise
-    ``NotImplementedError`` at construction): sliding windows, ``softmax_type`` other than
+    GQA/MQA (``enable_gqa``), attention dropout in training, sliding windows (module docs).
+    Not supported (raise ``NotImplementedError`` at construction): ``softmax_type`` other than
     ``'vanilla'``, packed sequences, attention bias.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.config.window_size is not None:
-            raise NotImplementedError(
-                "SDPAttention does not implement sliding-window attention; use core_attention='local'."
-            )
+        #: ``(left, right)`` tokens this layer's queries see around themselves, or None.
+        self.window: tuple[int, int] | None = None
+        if is_layer_window_attention(self.config.window_size, self.config.window_attn_skip_freq, self.layer_number):
+            left, right = self.config.window_size
+            self.window = (int(left), int(right))
         if self.config.softmax_type != "vanilla":
             raise NotImplementedError(
                 f"SDPAttention supports softmax_type='vanilla' only, got {self.config.softmax_type!r}; "
@@ -84,6 +92,9 @@ class SDPAttention(DotProductAttention):
 
         attn_mask = None
         is_causal = False
+        if self.window is not None:
+            blocked = window_blocked(sq, sk, self.window, causal=mask_type == AttnMaskType.causal, device=q.device)
+            attention_mask = blocked if attention_mask is None else (attention_mask.to(q.device) | blocked)
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise TypeError(
@@ -107,6 +118,26 @@ class SDPAttention(DotProductAttention):
             enable_gqa=k.shape[1] != np_,
         )  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def window_blocked(sq: int, sk: int, window: tuple[int, int], *, causal: bool, device=None) -> torch.Tensor:
+    """Boolean ``[sq, sk]`` mask, True = blocked, for a sliding window ``(left, right)``.
+
+    Queries are the last ``sq`` of ``sk`` positions (``i = sk - sq + row``); key ``j`` is visible
+    when ``i - left <= j <= i + right`` (a negative bound means unbounded) and, if ``causal``,
+    ``j <= i``.
+    """
+    i = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    left, right = window
+    blocked = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        blocked |= j < i - left
+    if right >= 0:
+        blocked |= j > i + right
+    if causal:
+        blocked |= j > i
+    return blocked
 
 
 CORE_ATTENTION_CHOICES = ("sdpa", "local")

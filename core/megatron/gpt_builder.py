@@ -144,6 +144,8 @@ def build_gpt_model(
     max_sequence_length: int,
     share_embeddings_and_output_weights: bool = False,
     rotary_base: float = 10000.0,
+    rotary_percent: float = 1.0,
+    rope_scaling: Mapping[str, Any] | None = None,
     position_embedding_type: str = "rope",
     core_attention: str = "sdpa",
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
@@ -163,6 +165,11 @@ def build_gpt_model(
         max_sequence_length: tokens (HF ``max_position_embeddings``).
         share_embeddings_and_output_weights: tied input/output embeddings (HF ``tie_word_embeddings``).
         rotary_base: RoPE theta.
+        rotary_percent: fraction of each head's channels that RoPE rotates (HF
+            ``partial_rotary_factor``); the rest pass through.
+        rope_scaling: None, ``{"type": "linear", "factor": f}`` (megatron
+            ``seq_len_interpolation_factor=f``: positions divided by ``f``, = HF linear scaling) or
+            ``{"type": "llama3", "factor": f}`` (megatron ``rope_scaling=True``, Llama-3.1 scaling).
         position_embedding_type: ``'rope'`` (the only type the HF families use).
         core_attention: ``'sdpa'`` (:class:`SDPAttention`) or ``'local'`` (megatron's).
         parallel_output: keep logits split over TP (True, for vocab-parallel cross entropy).
@@ -209,6 +216,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
+        **_rope_scaling_kwargs(rope_scaling),
         vp_stage=vp_stage,
     )
     backend = get_backend()
@@ -218,9 +227,21 @@ def build_gpt_model(
     return model
 
 
+def _rope_scaling_kwargs(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``GPTModel`` keywords for the ``rope_scaling`` model option (see :func:`build_gpt_model`)."""
+    if not rope_scaling:
+        return {}
+    kind, factor = rope_scaling.get("type"), float(rope_scaling.get("factor", 0.0))
+    if kind == "linear":
+        return {"seq_len_interpolation_factor": factor}
+    if kind == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": factor}
+    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear' or 'llama3'.")
+
+
 _MODEL_OPTION_KEYS = (
     "vocab_size", "max_sequence_length", "share_embeddings_and_output_weights", "rotary_base",
-    "position_embedding_type",
+    "position_embedding_type", "rotary_percent", "rope_scaling",
 )
 
 
