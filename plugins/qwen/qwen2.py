@@ -94,7 +94,7 @@ QWEN_DENSE_MLP = (
 #: HF keys older Qwen checkpoints carry that hold no weights.
 QWEN_IGNORES = (
     Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
-           reason="RoPE inverse frequencies are recomputed from rope_theta by both HF and megatron"),
+           reason="RoPE inverse frequencies are recomputed from rope_theta by both HF and megatron", unused_by_hf=True),
 )
 
 #: Qwen2 / Qwen2.5 mapping table: QKV with bias (``attention_bias`` is implied for Qwen2).

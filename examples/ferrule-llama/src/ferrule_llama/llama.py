@@ -146,7 +146,7 @@ MAPPING = MappingTable(
     ignores=(
         Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
                reason="older Llama checkpoints store RoPE inverse frequencies; both HF and megatron "
-                      "recompute them from rope_theta"),
+                      "recompute them from rope_theta", unused_by_hf=True),
     ),
 )
 
