@@ -144,6 +144,20 @@ def _ctx_for(table_ctx: MappingContext | None, hf_config: _MappingABC | None, it
     return table_ctx
 
 
+def _shape_suspect(it: _Item, full_shape: tuple, tp: int, family: str) -> str:
+    """Which side a shape mismatch points at: the plugin's TP split, or the checkpoint/config."""
+    p = it.param
+    global_shape = list(p.shape)
+    if getattr(p, "tensor_model_parallel", False) and tp > 1:
+        global_shape[p.partition_dim] *= tp
+    if tuple(global_shape) == tuple(full_shape):
+        return (f"suspect the plugin: the HF tensors have the full shape {tuple(full_shape)} this parameter needs, but "
+                f"MappingTable({family}) splits it over TP={tp} as TPSplit.{it.mapping.tp.name} while megatron "
+                f"splits it on dim {getattr(p, 'partition_dim', None)}; fix the row's tp= in the mapping table.")
+    return (f"suspect the checkpoint (or the family's config translation): the HF tensors assemble to "
+            f"{tuple(full_shape)}, the model built from config.json needs {tuple(global_shape)} in full.")
+
+
 def _all_gather_objects(obj: Any, group=None) -> list:
     import torch.distributed as dist
 
@@ -223,12 +237,12 @@ def load_hf_into_mcore(model_chunks: Any, hf_dir_or_tensors: str | os.PathLike |
                 local = it.mapping.shard(full, *it.split(ranks))
                 if tuple(local.shape) != tuple(it.param.shape):
                     raise MappingError(f"HF {list(keys)} {[tuple(m.shape) for m in metas]} give a shard of shape "
-                                       f"{tuple(local.shape)}, the live parameter has {tuple(it.param.shape)}")
+                                       f"{tuple(local.shape)}, the live parameter has {tuple(it.param.shape)}; "
+                                       + _shape_suspect(it, tuple(full.shape), ranks.tp, table.family))
             except (MappingError, RuntimeError) as exc:
                 shape_errors.append(f"{it.global_name}: {exc}")
     if shape_errors:
-        errors.append(f"shape mismatch ({len(shape_errors)}):\n" + "\n".join(f"  - {e}" for e in shape_errors)
-                      + "\nThe checkpoint does not match the model built from its config.")
+        errors.append(f"shape mismatch ({len(shape_errors)}):\n" + "\n".join(f"  - {e}" for e in shape_errors))
     # extra keys: union of needed keys over every rank
     all_needed = set().union(*_all_gather_objects(sorted(needed)))
     extra = sorted(k for k in present if k not in all_needed and not table.is_ignored(k))

@@ -26,7 +26,8 @@ from typing import Any
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_translation_matches_hf", "rotary_tables_hf", "rotary_tables_mcore",
-           "translated_fields_vs_hf", "single_rank", "LOGITS_ATOL_FP32"]
+           "translated_fields_vs_hf", "check_features_reached", "test_token_ids", "tiny_test_seq_len",
+           "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -44,6 +45,41 @@ def tiny_hf_config(family: str) -> dict[str, Any] | None:
     """The family's ``TINY_HF_CONFIG`` (a copy), or None if it declares none."""
     cfg = getattr(_variant_module(family), "TINY_HF_CONFIG", None)
     return dict(cfg) if cfg is not None else None
+
+
+DEFAULT_TEST_SEQ_LEN = 12
+
+#: HF config keys of features a tiny test model can hide (a window longer than the test
+#: sequence, a cap that random weights never reach) -> the value that switches them off for
+#: :func:`check_features_reached` (None: the key's "off" value; "seq": longer than the sequence).
+FEATURE_KEYS = {"sliding_window": "seq", "attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+def tiny_test_seq_len(family: str) -> int:
+    """Tokens per kit test sequence: the family's ``TINY_TEST_SEQ_LEN`` or :data:`DEFAULT_TEST_SEQ_LEN`."""
+    return int(getattr(_variant_module(family), "TINY_TEST_SEQ_LEN", DEFAULT_TEST_SEQ_LEN))
+
+
+def test_token_ids(vocab_size: int, seq_len: int, *, batch: int = 2, ids=None):
+    """``[batch, seq_len]`` int64 token ids: random in ``[0, vocab_size)`` (fixed seed), or ``ids`` checked.
+
+    Raises:
+        ValueError: a given id outside ``[0, vocab_size)``, naming it and the vocabulary size
+            (e.g. text tokenized with a full tokenizer fed to a tiny test model).
+    """
+    import torch
+
+    if ids is None:
+        return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(SEED))
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(f"token ids {sorted(set(bad.tolist()))[:10]} are outside the model's vocabulary "
+                         f"[0, {vocab_size}); tokenize with the checkpoint's own tokenizer, or use random ids.")
+    return ids
+
+
+test_token_ids.__test__ = False  # a helper, not a pytest test
 
 
 def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
@@ -144,12 +180,15 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
 
 
 def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float = LOGITS_ATOL_FP32,
-                        seq_len: int = 12) -> float:
+                        seq_len: int | None = None) -> float:
     """Max |Megatron logits - HF logits| over a random batch at TP=1, fp32; returns it.
+
+    ``seq_len`` defaults to the family's ``TINY_TEST_SEQ_LEN`` (else 12 tokens).
 
     Raises:
         AssertionError: the difference exceeds ``atol``.
     """
+    seq_len = seq_len or tiny_test_seq_len(family)
     import json
 
     import torch
@@ -161,8 +200,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())
     vocab = int(hf_config["vocab_size"])
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, vocab, (2, seq_len), generator=g)
+    ids = test_token_ids(vocab, seq_len)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
@@ -295,3 +333,41 @@ def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, se
     bad = [f"{name}: ferrule {ours!r} vs HF {theirs!r}" for name, ours, theirs in rows if ours != theirs]
     assert not bad, f"{family}: translated fields differ from what HF's model uses: " + "; ".join(bad)
     return diff
+
+
+def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len: int | None = None,
+                           min_effect: float = 1e-4) -> dict[str, float]:
+    """Each feature of :data:`FEATURE_KEYS` set in ``TINY_HF_CONFIG`` changes HF's logits on the kit's sequence.
+
+    For each such key, HF's model is loaded twice from the tiny checkpoint, with the feature on
+    and switched off; the returned ``{key: max |logit difference|}`` must exceed ``min_effect``,
+    otherwise the parity cases could not see a wrong translation of it.
+
+    Raises:
+        AssertionError: naming each feature the test sequence does not reach, and the fix.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    seq_len = seq_len or tiny_test_seq_len(family)
+    src = tiny_hf_dir(family, Path(work_dir) / "hf_features")
+    config = AutoConfig.from_pretrained(src)
+    ids = test_token_ids(int(config.vocab_size), seq_len)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids).logits
+    effects, unreached = {}, []
+    for key, off in FEATURE_KEYS.items():
+        if getattr(config, key, None) is None:
+            continue
+        cfg_off = AutoConfig.from_pretrained(src)
+        setattr(cfg_off, key, seq_len + 1 if off == "seq" else off)
+        with torch.no_grad():
+            out = AutoModelForCausalLM.from_pretrained(src, config=cfg_off, dtype=torch.float32).eval()(input_ids=ids).logits
+        effects[key] = (out - ref).abs().max().item()
+        if effects[key] <= min_effect:
+            fix = (f"make TINY_TEST_SEQ_LEN (now {seq_len}) longer than the window" if off == "seq"
+                   else "lower the cap in TINY_HF_CONFIG until random weights reach it")
+            unreached.append(f"{key}={getattr(config, key)!r} changes the logits by only {effects[key]:.2g}: {fix}")
+    assert not unreached, (f"{family}: the kit's test sequence does not exercise declared features, so a wrong "
+                           f"translation would pass: " + "; ".join(unreached) + " (docs/plugins.md, test config checklist).")
+    return effects

@@ -154,6 +154,7 @@ class FamilyConformance:
             "cn.check_round_trip(fam, work + '/rt')\n"
             "cn.check_mapping_covers_provider(fam, work + '/cov')\n"
             "cn.check_translation_matches_hf(fam, work + '/fields')\n"
+            "cn.check_features_reached(fam, work + '/features')\n"
             "diff = cn.check_logits_parity(fam, work + '/par')\n"
             "print(json.dumps({'logits_max_abs_diff': float(diff)}))\n"
         )

@@ -46,12 +46,16 @@ class SDPAttention(DotProductAttention):
     Construction is :class:`megatron.core.transformer.dot_product_attention.DotProductAttention`'s
     (same arguments from the layer spec). Supported: causal / no-mask / explicit boolean masks,
     GQA/MQA (``enable_gqa``), attention dropout in training, sliding windows (module docs).
-    Not supported (raise ``NotImplementedError`` at construction): ``softmax_type`` other than
+    ``softcap=c`` (a ``ModuleSpec`` param) caps the scores at ``c * tanh(s / c)`` on an explicit
+    matmul path (SDPA has no soft-capping). Not supported (raise ``NotImplementedError`` at
+    construction): ``softmax_type`` other than
     ``'vanilla'``, packed sequences, attention bias.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, softcap: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        #: attention logit soft-cap ``c``: scores become ``c * tanh(scores / c)`` (None: off).
+        self.softcap = None if softcap is None else float(softcap)
         #: ``(left, right)`` tokens this layer's queries see around themselves, or None.
         self.window: tuple[int, int] | None = None
         if is_layer_window_attention(self.config.window_size, self.config.window_attn_skip_freq, self.layer_number):
@@ -109,6 +113,9 @@ class SDPAttention(DotProductAttention):
             is_causal = True
 
         dropout_p = self.attention_dropout.p if self.training else 0.0
+        if self.softcap is not None:
+            context = self._softcapped(q, k, v, attn_mask, is_causal, dropout_p)
+            return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         context = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=attn_mask,
@@ -118,6 +125,26 @@ class SDPAttention(DotProductAttention):
             enable_gqa=k.shape[1] != np_,
         )  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def _softcapped(self, q, k, v, attn_mask, is_causal, dropout_p):
+        """Explicit attention with logit soft-capping (HF Gemma-2 ``eager_attention_forward``).
+
+        q ``[b, np, sq, hn]``, k/v ``[b, ng, sk, hn]`` -> ``[b, np, sq, hn]``; softmax in fp32.
+        """
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.sdpa_scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if is_causal:
+            sq, sk = scores.shape[-2:]
+            attn_mask = torch.zeros(sq, sk, dtype=scores.dtype, device=scores.device).masked_fill(
+                window_blocked(sq, sk, (-1, -1), causal=True, device=scores.device), MASKED_SCORE)
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=dropout_p, training=self.training)
+        return torch.matmul(probs, v)
 
 
 def window_blocked(sq: int, sk: int, window: tuple[int, int], *, causal: bool, device=None) -> torch.Tensor:
@@ -143,14 +170,22 @@ def window_blocked(sq: int, sk: int, window: tuple[int, int], *, causal: bool, d
 CORE_ATTENTION_CHOICES = ("sdpa", "local")
 
 
-def core_attention_class(name: str) -> type:
-    """``'sdpa'`` -> :class:`SDPAttention`; ``'local'`` -> megatron's ``DotProductAttention``.
+def core_attention_class(name) -> type:
+    """``'sdpa'`` -> :class:`SDPAttention`; ``'local'`` -> megatron's ``DotProductAttention``;
+    a ``DotProductAttention`` subclass, or a ``"module:attr"`` reference to one, as is.
 
     Raises:
-        ValueError: an unknown name (lists the choices).
+        ValueError: an unknown name (lists the choices) or a class that is no ``DotProductAttention``.
     """
     if name == "sdpa":
         return SDPAttention
     if name == "local":
         return DotProductAttention
+    if isinstance(name, type) or (isinstance(name, str) and ":" in name):
+        from .extensions import resolve_class
+
+        cls = resolve_class(name, "core_attention")
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            return cls
+        raise ValueError(f"core_attention={name!r} is not a torch module class (e.g. a DotProductAttention subclass).")
     raise ValueError(f"core_attention={name!r} is unknown; choose one of {list(CORE_ATTENTION_CHOICES)}.")
