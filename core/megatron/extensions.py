@@ -36,6 +36,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 
 __all__ = ["FerruleRMSNorm", "PostNormRowParallelLinear", "EXTRA_NORMS", "customize_local_spec",
            "install_output_hooks", "resolve_class"]
@@ -88,32 +89,23 @@ def _norm_spec(zero_centered: bool):
     return ModuleSpec(module=FerruleRMSNorm, params={"zero_centered": zero_centered})
 
 
-class PostNormRowParallelLinear:
-    """Factory for a ``RowParallelLinear`` whose output is normalised (child ``post_layernorm``).
+class PostNormRowParallelLinear(RowParallelLinear):
+    """A ``RowParallelLinear`` whose (all-reduced) output is normalised by its child ``post_layernorm``.
 
-    Built through a ``ModuleSpec(module=PostNormRowParallelLinear.build, params=...)``; see
-    :func:`customize_local_spec`. Output ``(norm(x W^T), bias)``; bias must be None
-    (``add_bias_linear=False``), since the norm would otherwise see a pre-bias output.
+    Output ``(norm(x W^T), bias)``; bias must be None (``add_bias_linear=False``), since the norm
+    would otherwise see a pre-bias output. ``zero_centered`` selects the ``(1 + w)`` norm.
     """
 
-    @staticmethod
-    def build(*args: Any, zero_centered: bool = False, **kwargs: Any):
-        from megatron.core.tensor_parallel.layers import RowParallelLinear
+    def __init__(self, *args: Any, zero_centered: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.bias is not None:
+            raise NotImplementedError("a post-norm output projection needs add_bias_linear=False.")
+        self.post_layernorm = FerruleRMSNorm(self.config, self.output_size, self.config.layernorm_epsilon,
+                                             zero_centered=zero_centered)
 
-        class _PostNormRowParallelLinear(RowParallelLinear):
-            def __init__(self, *a: Any, **kw: Any) -> None:
-                super().__init__(*a, **kw)
-                if self.bias is not None:
-                    raise NotImplementedError("a post-norm output projection needs add_bias_linear=False.")
-                self.post_layernorm = FerruleRMSNorm(self.config, self.output_size, self.config.layernorm_epsilon,
-                                                     zero_centered=zero_centered)
-
-            def forward(self, input_):
-                out, bias = super().forward(input_)
-                return self.post_layernorm(out), bias
-
-        _PostNormRowParallelLinear.__name__ = _PostNormRowParallelLinear.__qualname__ = "PostNormRowParallelLinear"
-        return _PostNormRowParallelLinear(*args, **kwargs)
+    def forward(self, input_):
+        out, bias = super().forward(input_)
+        return self.post_layernorm(out), bias
 
 
 def customize_local_spec(spec, config, *, attention_cls, attn_logit_softcapping: float | None,
@@ -145,7 +137,7 @@ def customize_local_spec(spec, config, *, attention_cls, attn_logit_softcapping:
         attn_sub = dataclasses.replace(attn_sub, q_layernorm=norm, k_layernorm=norm)
     if "post_attention" in extra_norms:
         attn_sub = dataclasses.replace(attn_sub, linear_proj=ModuleSpec(
-            module=PostNormRowParallelLinear.build, params={"zero_centered": zero_centered_norms}))
+            module=PostNormRowParallelLinear, params={"zero_centered": zero_centered_norms}))
     changes: dict[str, Any] = {"self_attention": dataclasses.replace(attn, submodules=attn_sub)}
     if norm is not None:
         changes.update(input_layernorm=norm, pre_mlp_layernorm=norm)
@@ -154,7 +146,7 @@ def customize_local_spec(spec, config, *, attention_cls, attn_logit_softcapping:
             raise ValueError("extra_norms=('post_mlp',) is implemented for dense MLPs only.")
         mlp = sub.mlp
         changes["mlp"] = dataclasses.replace(mlp, submodules=dataclasses.replace(
-            mlp.submodules, linear_fc2=ModuleSpec(module=PostNormRowParallelLinear.build,
+            mlp.submodules, linear_fc2=ModuleSpec(module=PostNormRowParallelLinear,
                                                   params={"zero_centered": zero_centered_norms})))
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes)), norm
 
