@@ -57,11 +57,24 @@ def _resolve_model_class(hf_config: Any) -> Any:
     return resolve_ref(family.hf_model_class)
 
 
-def family_attn_implementation(hf_config: Any) -> str:
-    """The ``attn_implementation`` the family of ``hf_config`` chose (``ModelFamilySpec.attn_implementation``)."""
+def family_attn_implementation(hf_config: Any, *, unregistered: str | None = None) -> str:
+    """The ``attn_implementation`` the family of ``hf_config`` chose (``ModelFamilySpec.attn_implementation``).
+
+    Args:
+        unregistered: returned when no family claims the config (callers that were given the
+            model class explicitly pass ``"sdpa"``); None raises.
+
+    Raises:
+        ferrule.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
+    """
     from ferrule import registry
 
-    return registry.family_for_hf_config(hf_config.to_dict()).attn_implementation
+    try:
+        return registry.family_for_hf_config(hf_config.to_dict()).attn_implementation
+    except registry.UnknownModelError:
+        if unregistered is None:
+            raise
+        return unregistered
 
 
 class EmbeddedEngine:
@@ -150,7 +163,8 @@ class EmbeddedEngine:
             raise FileNotFoundError(f"{hf_dir!r} has no config.json; pass an HF checkpoint directory.")
         config = AutoConfig.from_pretrained(hf_dir)
         cls = model_class or _resolve_model_class(config)
-        model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=family_attn_implementation(config))
+        attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
+        model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn)
         if tokenizer is None and any(os.path.isfile(os.path.join(hf_dir, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json")):
             from transformers import AutoTokenizer
