@@ -6,7 +6,8 @@ Run by :class:`ferrule.testing.FamilyConformance` (or by hand)::
         --work DIR --out results.json FAMILY [FAMILY ...]
 
 Each rank initializes megatron with ``ParallelLayout(tp=2)`` (gloo on CPU) once; then, for each
-family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance_numeric.tiny_hf_dir`),
+family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance_numeric.tiny_hf_dir`,
+with the family's optional ``TINY_TP2_OVERRIDES`` applied, e.g. 2 KV heads for an MQA config),
 both ranks build the provider at TP=2, load the HF tensors through the mapping table (so a
 wrong ``TPSplit`` shows up as a shape error or wrong numbers), export them back
 (:func:`ferrule.converters.weights.export_mcore_to_hf`, which gathers the TP shards) and run the
@@ -30,6 +31,17 @@ __all__ = ["check_family_tp", "main"]
 TP = 2
 
 
+def tp2_overrides(family: str) -> dict | None:
+    """The family's ``TINY_TP2_OVERRIDES`` (HF keys applied over ``TINY_HF_CONFIG`` for the TP=2 run), or None.
+
+    For a tiny config TP cannot split, e.g. one KV head (MQA) at TP=2.
+    """
+    from ferrule.conformance_numeric import _variant_module
+
+    value = getattr(_variant_module(family), "TINY_TP2_OVERRIDES", None)
+    return dict(value) if value is not None else None
+
+
 def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     """Numeric cases for ``family`` at the current TP layout; returns the logits max abs diff (rank 0)."""
     import torch
@@ -47,12 +59,16 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     rank = dist.get_rank()
     src = work / family / "hf"
     if rank == 0:
-        cn.tiny_hf_dir(family, src)
+        cn.tiny_hf_dir(family, src, overrides=tp2_overrides(family))
     dist.barrier()
     hf_config = json.loads((src / "config.json").read_text())
     converter = registry.get_converter(family)
     tc_kwargs, _ = converter.resolved_config_translation().to_mcore(hf_config)
-    check_layout_fits(tc_kwargs, ParallelLayout(tp=TP))
+    try:
+        check_layout_fits(tc_kwargs, ParallelLayout(tp=TP))
+    except ValueError as exc:
+        raise ValueError(f"TINY_HF_CONFIG cannot be split at TP={TP} ({exc}); set TINY_TP2_OVERRIDES in the "
+                         f"provider module (e.g. more KV heads) so the kit can check the TP split.") from None
     table = converter.resolved_mapping()
     build = resolve_ref(registry.get_provider(family).build)
     (model,) = build(hf_config, ParallelLayout(tp=TP), parallel_output=False)
