@@ -165,3 +165,27 @@ def test_unknown_options_are_refused(mcore):
     with pytest.raises(ValueError, match="activation='swish2'"):
         make_transformer_config({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2}, ParallelLayout(),
                                 activation="swish2")
+
+
+def test_packed_thd_sequences_respect_the_window(mcore):
+    """thd-packed documents (CPU path): causal within each document and within the window."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = (5, 4)
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(t, GROUPS, HEAD_DIM, generator=g)
+    v = torch.randn(t, GROUPS, HEAD_DIM, generator=g)
+    cu = torch.tensor([0, lengths[0], t], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    out = _attention(window=(1, 0))(q, k, v, None, packed_seq_params=params)
+    ref = []
+    for start, n in ((0, lengths[0]), (lengths[0], lengths[1])):  # each document alone, window 2 tokens
+        blocked = torch.arange(n).unsqueeze(0) > torch.arange(n).unsqueeze(1)
+        blocked |= torch.arange(n).unsqueeze(0) <= torch.arange(n).unsqueeze(1) - 2
+        doc = [x[start:start + n].unsqueeze(1) for x in (q, k, v)]
+        ref.append(_float64_attention(*doc, blocked)[:, 0])
+    assert (out.double() - torch.cat(ref)).abs().max() < 1e-5
+    with pytest.raises(NotImplementedError, match="soft-capping with packed"):
+        _attention(softcap=1.0)(q, k, v, None, packed_seq_params=params)
