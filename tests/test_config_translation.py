@@ -157,3 +157,52 @@ def test_rotary_tables_match_hf_for_partial_and_llama3(mcore, rope):
     cos_h, sin_h = cn.rotary_tables_hf(hf, 64)
     assert cos_m.shape == cos_h.shape
     assert (cos_m - cos_h).abs().max() < 1e-6 and (sin_m - sin_h).abs().max() < 1e-6
+
+
+def test_partial_rotary_logits_match_hf_phi3(mcore):
+    """Phi-3 with ``partial_rotary_factor=0.5``: megatron (rotary_percent 0.5) logits equal HF's.
+
+    Phi-3 fuses q/k/v and gate/up in its checkpoint; the test splits them into Llama names by
+    hand (rows ``[q; k; v]`` and ``[gate; up]``, ``modeling_phi3.py``) and loads them through the
+    Llama example's mapping table.
+    """
+    from ferrule.converters import load_hf_into_mcore
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+    from ferrule.megatron.parallel import ParallelLayout
+
+    cfg = transformers.Phi3Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                           "partial_rotary_factor": 0.5}, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    tensors = {}
+    for name, t in hf.state_dict().items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = t.split([heads * hd, kv * hd, kv * hd])
+            base = name.removesuffix("qkv_proj.weight")
+            tensors.update({base + "q_proj.weight": q, base + "k_proj.weight": k, base + "v_proj.weight": v})
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = t.chunk(2)
+            base = name.removesuffix("gate_up_proj.weight")
+            tensors.update({base + "gate_proj.weight": gate, base + "up_proj.weight": up})
+        else:
+            tensors[name] = t
+    translation = _decoder_translation("phi3", ("resid_pdrop", "embd_pdrop", "original_max_position_embeddings"))
+    hf_config = cfg.to_dict()
+    _, opts = translation.to_mcore(hf_config)
+    assert opts["rotary_percent"] == 0.5
+    (model,) = build_from_hf_config(hf_config, ParallelLayout(), translation)
+    load_hf_into_mcore([model], tensors, ferrule_llama.MAPPING, hf_config=hf_config)
+    ids = cn.test_token_ids(96, 24)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        got = model.eval()(ids, torch.arange(24).expand_as(ids), None)[..., :96]
+        full = build_from_hf_config(dict(hf_config, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                                    ParallelLayout(), translation)[0]
+        load_hf_into_mcore([full], tensors, ferrule_llama.MAPPING, hf_config=hf_config)
+        wrong = full.eval()(ids, torch.arange(24).expand_as(ids), None)[..., :96]
+    assert (got - ref).abs().max() < 1e-5
+    assert (wrong - ref).abs().max() > 1e-3  # rotating every channel (the old behaviour) is visibly wrong
