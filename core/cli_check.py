@@ -27,11 +27,13 @@ def check_command(
     from rich.console import Console
     from rich.table import Table
 
+    import os
     import warnings
 
     from ferrule.check import run_check
 
     warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers
     err = Console(stderr=True)
     try:
         report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
