@@ -61,3 +61,32 @@ def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_pa
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ATTN eager" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
+    """A window as long as the test sequence never bites: the kit says so and names the fix."""
+    env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
+    code = (
+        "import json, sys, warnings; warnings.filterwarnings('ignore')\n"
+        "from ferrule import conformance_numeric as cn\n"
+        "print('EFFECTS', json.dumps(cn.check_features_reached('mistral', sys.argv[1] + '/ok')))\n"
+        "try:\n"
+        "    cn.check_features_reached('mistral', sys.argv[1] + '/short', seq_len=4)\n"
+        "except AssertionError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    effects = json.loads(proc.stdout.split("EFFECTS ", 1)[1].splitlines()[0])
+    assert effects["sliding_window"] > 1e-2
+    assert "REFUSED" in proc.stdout and "sliding_window=4" in proc.stdout and "TINY_TEST_SEQ_LEN" in proc.stdout
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    from ferrule import conformance_numeric as cn
+
+    assert cn.test_token_ids(96, 5).shape == (2, 5)
+    with pytest.raises(ValueError, match=r"token ids \[96, 200\] are outside the model's vocabulary \[0, 96\)"):
+        cn.test_token_ids(96, 3, ids=[[1, 200, 96]])
