@@ -5,7 +5,8 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 - Only the in-tree plugins and the example out-of-tree package are visible
   (``FERRULE_PLUGINS=qwen,inkling,llama``), so another installed third-party plugin cannot change
   what these tests see; tests that need others set it.
-- The conformance kit ``ferrule.testing`` runs over the in-tree families.
+- The conformance kit ``ferrule.testing`` runs over the in-tree families; the fixture plugins
+  under tests/fixtures run it in a subprocess (tests/test_fixture_families.py).
 - The process-wide registry is rebuilt around every test.
 """
 
@@ -18,6 +19,10 @@ import pytest
 os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,llama")
 
 pytest_plugins = ["ferrule.testing"]
+
+# Fixture plugin packages carry their own kit tests; tests/test_fixture_families.py runs them in a
+# subprocess where the fixtures are discoverable (tests/fixture_plugins.py).
+collect_ignore_glob = ["fixtures/*"]
 
 
 @pytest.fixture(autouse=True)

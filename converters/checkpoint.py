@@ -33,7 +33,7 @@ from ferrule.fsutil import commit_dir
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
-           "HF_SIDE_FILES", "read_checkpoint_metadata"]
+           "HF_SIDE_FILES", "read_checkpoint_metadata", "dropped_hf_tensors"]
 
 HF_SUBDIR = "hf"
 METADATA_FILE = "ferrule_checkpoint.json"
@@ -285,7 +285,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     hf_dir = Path(hf_dir).absolute()
     out_dir = Path(out_dir).absolute()
     hf_config = _read_config(hf_dir)
-    family, _, _ = _family_parts(hf_config)  # unsupported model_type fails here, before any output
+    family, _, table = _family_parts(hf_config)  # unsupported model_type fails here, before any output
     reader = SafetensorsReader(hf_dir)  # missing / truncated shards fail here
     dtype = dtype or _dtype_name(reader)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
@@ -304,6 +304,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
                 "hf_bytes": reader.total_bytes(), "ferrule_version": __version__,
+                "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k)),
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         commit_dir(tmp, out_dir)
@@ -316,6 +317,30 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 # ---------------------------------------------------------------------------------------
 # torch_dist -> HF
 # ---------------------------------------------------------------------------------------
+
+
+def dropped_hf_tensors(meta: dict, table: Any) -> list[tuple[str, Any]]:
+    """``(hf_key, Ignore row)`` for each source tensor the export will not contain.
+
+    ``meta`` is :func:`read_checkpoint_metadata`'s dict (``hf_ignored`` lists the source keys the
+    table ignored at import; checkpoints written before ferrule recorded it give ``[]``).
+    """
+    out = []
+    for key in meta.get("hf_ignored", []):
+        row = next((i for i in table.ignores if i.match(key)), None)
+        out.append((key, row))
+    return out
+
+
+def _check_dropped(dropped: list[tuple[str, Any]], table: Any) -> None:
+    bad = [key for key, row in dropped if row is None or not row.unused_by_hf]
+    if bad:
+        shown = ", ".join(bad[:20]) + (f" ... ({len(bad)} in all)" if len(bad) > 20 else "")
+        raise CheckpointError(
+            f"the source HF checkpoint had tensors that MappingTable({table.family}) Ignores, so this export would "
+            f"lack them although transformers loads them: {shown}. Map them in the family's mapping table, or, if "
+            f"HF does not load them either, mark the Ignore row unused_by_hf=True."
+        )
 
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
@@ -357,8 +382,13 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     Returns:
         ``out_dir`` as an absolute path.
 
+    Tensors of the source HF checkpoint that the mapping table ``Ignore``\ d are not in the
+    export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
+
     Raises:
-        CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint.
+        CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint; or the source had
+            tensors the table ``Ignore``\ d without ``unused_by_hf=True`` (the export would lack
+            tensors transformers loads; all are named, nothing is written).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.
         ferrule.megatron.checkpoint.CheckpointMismatchError: the torch_dist files do not match
@@ -371,7 +401,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     out_dir = Path(out_dir).absolute()
     meta = read_checkpoint_metadata(ckpt_dir)
     hf_config = _read_config(ckpt_dir / HF_SUBDIR)
-    _family_parts(hf_config)
+    _, _, table = _family_parts(hf_config)
+    _check_dropped(dropped_hf_tensors(meta, table), table)
     layout_kw = {"tp": tp, "pp": 1, "ep": ep}
     world = tp * ep
     ParallelLayout(**layout_kw).validate(world)

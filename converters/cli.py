@@ -85,7 +85,8 @@ def torch_dist_to_hf_cmd(
     """Convert a torch_dist checkpoint back to HF safetensors shards + index + config + tokenizer."""
     import json
 
-    from ferrule.converters.checkpoint import read_checkpoint_metadata, torch_dist_to_hf
+    from ferrule.converters.checkpoint import _family_parts, _read_config, dropped_hf_tensors, read_checkpoint_metadata
+    from ferrule.converters.checkpoint import torch_dist_to_hf
 
     try:
         if out_dir.exists() and not overwrite:
@@ -98,6 +99,11 @@ def torch_dist_to_hf_cmd(
     except BaseException as exc:  # noqa: BLE001 - see _fail
         _fail(exc)
     typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")
+    dropped = dropped_hf_tensors(meta, _family_parts(_read_config(ckpt_dir / "hf"))[2])
+    if dropped:
+        typer.echo(f"not exported ({len(dropped)} source tensors HF does not load either):")
+        for key, row in dropped:
+            typer.echo(f"  {key}: {row.reason}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -35,6 +35,7 @@ _SUBAPPS: tuple[tuple[str, str, str], ...] = (
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("train", "ferrule.rl.cli_train:train_command"),
     ("plot", "ferrule.rl.cli_plot:plot_command"),
+    ("check", "ferrule.cli_check:check_command"),
 )
 
 

@@ -12,20 +12,34 @@ A family declares one immutable :class:`ConfigTranslation` per variant (module-l
 - :class:`Require`: an HF key whose value must be one of a few supported values (e.g.
   ``hidden_act == 'silu'``); anything else raises :class:`ConfigTranslationError` naming the key,
   the value found and what is supported.
+- :class:`Harmless`: an HF key that ferrule deliberately does not translate, with the reason it
+  cannot change the model's numbers (e.g. ``use_cache``, Llama's ``pretraining_tp``).
 
-``to_mcore(hf_config)`` returns ``(transformer_config_kwargs, model_options)``: plain Python
-data (no torch objects) that :func:`ferrule.megatron.gpt_builder.build_gpt_model` turns into a
-``TransformerConfig`` and a ``GPTModel``. ``to_hf(...)`` inverts it.
+``to_mcore(hf_config)`` reads the config *as transformers parses it*: a dict (``config.json``)
+is first parsed by the model_type's ``PretrainedConfig`` class, so defaults, legacy spellings
+(``rope_scaling``, top-level ``rope_theta``) and transformers' own normalisation apply exactly as
+they do when HF builds the model. It then refuses every key of the config that no entry
+translates and that is not :class:`Harmless` for the family (naming each key and the fix), and
+returns ``(transformer_config_kwargs, model_options)``: plain Python data (no torch objects)
+that :func:`ferrule.megatron.gpt_builder.build_gpt_model` turns into a ``TransformerConfig`` and
+a ``GPTModel``. ``to_hf(...)`` inverts it.
 
 Model options understood by the builder: ``vocab_size`` (unpadded HF vocab, tokens),
 ``max_sequence_length`` (tokens), ``share_embeddings_and_output_weights``, ``rotary_base``,
-``position_embedding_type``, ``activation`` (name, e.g. ``'silu'``).
+``rotary_percent`` (fraction of each head rotated, HF ``partial_rotary_factor``),
+``rope_scaling`` (None or ``{"type": "linear"|"llama3", "factor": f}``),
+``position_embedding_type``, ``activation`` (name, e.g. ``'silu'``), and the
+:mod:`ferrule.megatron.gpt_builder` extension options (``embedding_multiplier``,
+``attn_logit_softcapping``, ``final_logit_softcapping``, ``query_pre_attn_scalar``,
+``extra_norms``, ``zero_centered_norms``).
 
-Importing this module imports neither torch nor megatron.
+Importing this module imports neither torch nor megatron (transformers is imported by
+``to_mcore`` only).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping
@@ -37,10 +51,19 @@ __all__ = [
     "Constant",
     "Derived",
     "Require",
+    "Harmless",
     "ConfigTranslation",
+    "parse_hf_config",
+    "COMMON_HARMLESS",
+    "ROPE_SCALING_ENTRIES",
+    "SLIDING_WINDOW_ENTRIES",
     "MISSING",
     "rope_theta_from_hf",
     "rope_theta_to_hf",
+    "rope_scaling_from_hf",
+    "rotary_percent_from_hf",
+    "window_size_from_hf",
+    "window_attn_skip_freq_from_hf",
     "head_dim_from_hf",
     "head_dim_to_hf",
     "num_experts_from_hf",
@@ -120,6 +143,8 @@ class Derived:
         hf_keys: the HF keys this entry reads; ``to_hf`` removes those of them that ``to_hf``
             does not write (legacy spellings such as top-level ``rope_theta``).
         target: where the value goes on the mcore side.
+        reads: further HF keys ``to_mcore`` reads but ``to_hf`` neither writes nor removes
+            (they stay in ``base``); they count as translated for the unknown-key check.
     """
 
     mcore: str
@@ -127,6 +152,24 @@ class Derived:
     to_hf: Callable[[Any, Mapping[str, Any], Mapping[str, Any]], dict]
     hf_keys: tuple[str, ...]
     target: Target = "config"
+    reads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Harmless:
+    """An HF key the family reads on purpose *not at all*, because it cannot change the numbers.
+
+    Attributes:
+        hf: the HF key (kept unchanged in ``config.json`` by :meth:`ConfigTranslation.to_hf`).
+        reason: why ignoring it is safe, for reviewers and ``ferrule check`` output. Required.
+    """
+
+    hf: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not self.reason.strip():
+            raise ValueError(f"Harmless({self.hf!r}) needs a reason: say why ignoring the key cannot change the model.")
 
 
 @dataclass(frozen=True)
@@ -149,7 +192,7 @@ class Require:
     write_back: bool = True
 
 
-Entry = Field | Constant | Derived | Require
+Entry = Field | Constant | Derived | Require | Harmless
 
 
 @dataclass(frozen=True)
@@ -169,10 +212,11 @@ class ConfigTranslation:
             raise TypeError(f"ConfigTranslation({self.name}).entries must be a tuple (tables are immutable).")
         seen: dict[tuple[str, str], int] = {}
         for i, e in enumerate(self.entries):
-            if isinstance(e, Require):
+            if isinstance(e, (Require, Harmless)):
                 continue
             if not isinstance(e, (Field, Constant, Derived)):
-                raise TypeError(f"ConfigTranslation({self.name}).entries[{i}]={e!r} is not a Field/Constant/Derived/Require.")
+                raise TypeError(f"ConfigTranslation({self.name}).entries[{i}]={e!r} is not a "
+                                f"Field/Constant/Derived/Require/Harmless.")
             key = (e.target, e.mcore)
             if key in seen:
                 raise ValueError(
@@ -189,28 +233,55 @@ class ConfigTranslation:
             if isinstance(e, Field):
                 keys += [e.hf, *e.aliases]
             elif isinstance(e, Derived):
-                keys += list(e.hf_keys)
+                keys += [*e.hf_keys, *e.reads]
             elif isinstance(e, Require):
                 keys.append(e.hf)
         return tuple(dict.fromkeys(keys))
 
+    def harmless_keys(self) -> dict[str, str]:
+        """HF keys listed as :class:`Harmless` -> their reason."""
+        return {e.hf: e.reason for e in self.entries if isinstance(e, Harmless)}
+
+    def unknown_keys(self, keys) -> list[str]:
+        """The keys of ``keys`` that no entry translates and no :class:`Harmless` entry lists."""
+        known = set(self.hf_keys()) | set(self.harmless_keys())
+        return sorted(k for k in keys if k not in known)
+
     # -- HF -> mcore ----------------------------------------------------------------------
-    def to_mcore(self, hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Translate an HF config dict (``PretrainedConfig.to_dict()`` or ``config.json``).
+    def to_mcore(self, hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Translate an HF config as transformers parses it.
+
+        Args:
+            hf_config: a ``transformers.PretrainedConfig``, or a dict (``config.json`` contents or
+                ``PretrainedConfig.to_dict()``) which is parsed by the class registered for its
+                ``model_type`` first (see :func:`parse_hf_config`).
 
         Returns:
             ``(transformer_config_kwargs, model_options)``, two new dicts of plain values.
 
         Raises:
-            ConfigTranslationError: a required key is missing, a value is unsupported, or a
-                value has the wrong type; the message names the key and the fix.
+            ConfigTranslationError: transformers refuses the config; a key is neither translated
+                nor :class:`Harmless` for this family; a required key is missing, a value is
+                unsupported, or a value has the wrong type. The message names the key and the fix.
         """
-        if not isinstance(hf_config, Mapping):
+        values, keys = parse_hf_config(hf_config, self.name)
+        self._translate(values, requires_only=True)  # a wrong model_type / feature is the clearer error
+        unknown = self.unknown_keys(keys)
+        if unknown:
             raise ConfigTranslationError(
-                f"{self.name}: expected the HF config as a dict (config.to_dict()), got {type(hf_config).__name__}."
+                f"{self.name}: HF config key(s) {unknown} are neither translated nor listed as harmless for this "
+                f"family, so ferrule would silently build a different model than transformers. Fix: translate "
+                f"each in the family's CONFIG_TRANSLATION (Field / Derived / Require), or, if it cannot change "
+                f"the model's numbers, add Harmless(key, reason=...) (docs/plugins.md)."
             )
+        return self._translate(values)
+
+    def _translate(self, hf_config: Mapping[str, Any],
+                   requires_only: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {"config": {}, "option": {}}
         for e in self.entries:
+            if isinstance(e, Harmless) or (requires_only and not isinstance(e, Require)):
+                continue
             if isinstance(e, Require):
                 _, value = _lookup(hf_config, (e.hf,))
                 if value is MISSING:
@@ -263,6 +334,8 @@ class ConfigTranslation:
         hf: dict[str, Any] = dict(base or {})
         src = {"config": transformer_config_kwargs, "option": model_options}
         for e in self.entries:
+            if isinstance(e, Harmless):
+                continue
             if isinstance(e, Require):
                 if e.write_back:
                     hf[e.hf] = e.allowed[0]
@@ -307,55 +380,241 @@ def _cast(name: str, key: str, value: Any, cast: type | None) -> Any:
     return cast(value)
 
 
+#: ``PretrainedConfig`` attributes every config has (their defaults cannot change a decoder's
+#: numbers); keys of a raw dict equal to these defaults are not checked as unknown.
+def _base_defaults() -> dict[str, Any]:
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig().to_dict()
+
+
+def parse_hf_config(hf_config: Any, name: str = "hf config") -> tuple[dict[str, Any], frozenset[str]]:
+    """The config as transformers parses it, and the keys it sets.
+
+    A dict is parsed by ``CONFIG_MAPPING[model_type].from_dict`` (what ``AutoConfig`` and
+    ``from_pretrained`` do), so transformers' defaults, legacy spellings and normalisation apply:
+    e.g. a legacy ``rope_scaling: {type: linear, factor: 4}`` beside ``rope_parameters`` becomes
+    ``rope_parameters = {rope_type: linear, factor: 4, rope_theta: 10000}`` in transformers 5.24,
+    which is what HF's model then uses.
+
+    Returns:
+        ``(values, keys)``: ``values`` is ``parsed.to_dict()`` plus the dict's keys transformers
+        dropped (legacy aliases such as ``num_experts``, kept so consistency checks can see
+        them); ``keys`` is every key the config sets: ``parsed.to_diff_dict()`` (the keys
+        ``save_pretrained`` writes) plus the dict's own keys, minus generic ``PretrainedConfig``
+        keys left at their defaults.
+
+    Raises:
+        ConfigTranslationError: not a dict / ``PretrainedConfig``, a ``model_type`` transformers
+            does not know, or a value transformers' config class refuses.
+    """
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(hf_config, PretrainedConfig):
+        parsed, raw = hf_config, {}
+    elif isinstance(hf_config, Mapping):
+        raw = dict(hf_config)
+        model_type = raw.get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigTranslationError(
+                f"{name}: HF config has model_type={model_type!r}, which transformers does not know; ferrule "
+                f"translates the config as transformers parses it. Install a transformers version with this "
+                f"model, or register its config class with transformers.AutoConfig.register."
+            )
+        try:
+            parsed = CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(raw))
+        except Exception as exc:  # noqa: BLE001 - transformers raises several types; re-raised with context
+            raise ConfigTranslationError(f"{name}: transformers refuses this config: {exc}") from exc
+    else:
+        raise ConfigTranslationError(
+            f"{name}: expected the HF config as a dict (config.json) or a transformers PretrainedConfig, "
+            f"got {type(hf_config).__name__}."
+        )
+    values = parsed.to_dict()
+    for key, value in raw.items():
+        values.setdefault(key, value)
+    base = _base_defaults()
+    keys = set(parsed.to_diff_dict()) | {k for k, v in raw.items() if k not in base or v != base[k]}
+    return values, frozenset(keys)
+
+
 # ---------------------------------------------------------------------------------------------
 # Named derivations shared by families.
 # ---------------------------------------------------------------------------------------------
 
-#: RoPE types the Megatron GPTModel local path reproduces exactly (plain RoPE, no scaling).
-SUPPORTED_ROPE_TYPES = ("default",)
+#: RoPE types megatron-core's ``RotaryEmbedding`` reproduces: plain RoPE, linear position
+#: interpolation (``seq_len_interpolation_factor``) and Llama-3.1 scaling (``rope_scaling``, with
+#: megatron's fixed low/high frequency factors 1 / 4 and original context 8192).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: Llama-3.1 scaling constants hard-coded in megatron-core 0.16.1 ``RotaryEmbedding._apply_scaling``.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_ROPE_FIELDS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
+_ROPE_FIELDS["linear"] = _ROPE_FIELDS["default"] | {"factor"}
+_ROPE_FIELDS["llama3"] = _ROPE_FIELDS["linear"] | set(MEGATRON_LLAMA3_ROPE)
+
+
+def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (or a legacy ``rope_scaling`` + ``rope_theta``) as one dict, validated.
+
+    With a parsed config (:func:`parse_hf_config`) transformers has already merged the legacy
+    keys into ``rope_parameters``; the legacy branch serves hand-built dicts passed to the
+    entries directly.
+
+    Raises:
+        ConfigTranslationError: a rope type megatron-core cannot reproduce, a field ferrule does not
+            translate for that type, or Llama-3.1 constants other than megatron's.
+    """
+    params = hf.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        key = "rope_scaling"
+        params = dict(hf.get("rope_scaling") or {})
+        if hf.get("rope_theta") is not None:
+            params.setdefault("rope_theta", hf["rope_theta"])
+    if not isinstance(params, Mapping):
+        raise ConfigTranslationError(f"HF key {key!r}={params!r} must be a dict.")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigTranslationError(
+            f"HF key '{key}.rope_type'={rope_type!r} is not supported; supported rope types: "
+            f"{list(SUPPORTED_ROPE_TYPES)} (megatron-core's RotaryEmbedding implements no other scaling). "
+            f"Use a checkpoint with one of those, or extend the family's provider."
+        )
+    extra = sorted(set(params) - _ROPE_FIELDS[rope_type])
+    if extra:
+        raise ConfigTranslationError(
+            f"HF key {key!r} has field(s) {extra} that ferrule does not translate for rope_type={rope_type!r}; "
+            f"translated: {sorted(_ROPE_FIELDS[rope_type])}."
+        )
+    if rope_type == "llama3":
+        for name, value in MEGATRON_LLAMA3_ROPE.items():
+            if float(params.get(name, value)) != float(value):
+                raise ConfigTranslationError(
+                    f"HF key '{key}.{name}'={params.get(name)!r}: megatron-core's llama3 RoPE scaling hard-codes "
+                    f"{name}={value}; this checkpoint's scaling cannot be reproduced."
+                )
+    return {**params, "rope_type": rope_type}
 
 
 def rope_theta_from_hf(hf: Mapping[str, Any]) -> float:
     """RoPE base (``theta``) from ``rope_parameters`` (transformers 5) or legacy ``rope_theta``.
 
-    transformers >= 5 writes ``rope_parameters: {"rope_type": "default", "rope_theta": 1e6}``;
-    older configs write top-level ``rope_theta`` plus an optional ``rope_scaling`` dict. Only
-    unscaled RoPE (``rope_type`` ``'default'``) is supported: Megatron's GPTModel has no YaRN /
-    linear / dynamic scaling that matches HF.
+    The rope type and scaling fields are validated here too (see :data:`SUPPORTED_ROPE_TYPES`);
+    :func:`rope_scaling_from_hf` and :func:`rotary_percent_from_hf` translate them.
 
     Raises:
-        ConfigTranslationError: a scaled ``rope_type`` / ``rope_scaling`` (naming the key and the
+        ConfigTranslationError: an unsupported ``rope_type`` / field (naming the key and the
             supported types), or no theta anywhere.
     """
-    params = hf.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, Mapping):
-            raise ConfigTranslationError(f"HF key 'rope_parameters'={params!r} must be a dict.")
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigTranslationError(
-                f"HF key 'rope_parameters.rope_type'={rope_type!r} is not supported; supported "
-                f"rope types: {list(SUPPORTED_ROPE_TYPES)} (RoPE scaling is not implemented)."
-            )
-        theta = params.get("rope_theta", hf.get("rope_theta"))
-    else:
-        scaling = hf.get("rope_scaling")
-        if scaling:
-            rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ConfigTranslationError(
-                    f"HF key 'rope_scaling' has type {rope_type!r}, which is not supported; supported "
-                    f"rope types: {list(SUPPORTED_ROPE_TYPES)} (RoPE scaling is not implemented)."
-                )
-        theta = hf.get("rope_theta")
+    params = _rope_params(hf)
+    theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise ConfigTranslationError("HF config has no RoPE base: expected 'rope_parameters.rope_theta' or 'rope_theta'.")
     return float(theta)
 
 
-def rope_theta_to_hf(value: float, _cfg: Mapping[str, Any], _opts: Mapping[str, Any]) -> dict:
-    """Inverse of :func:`rope_theta_from_hf`: the transformers-5 ``rope_parameters`` dict."""
-    return {"rope_parameters": {"rope_theta": float(value), "rope_type": "default"}}
+def rope_theta_to_hf(value: float, _cfg: Mapping[str, Any], opts: Mapping[str, Any]) -> dict:
+    """Inverse of :func:`rope_theta_from_hf` (with the scaling options): the transformers-5
+    ``rope_parameters`` dict."""
+    params: dict[str, Any] = {"rope_theta": float(value), "rope_type": "default"}
+    scaling = opts.get("rope_scaling")
+    if scaling:
+        params.update(rope_type=scaling["type"], factor=float(scaling["factor"]))
+        if scaling["type"] == "llama3":
+            params.update(MEGATRON_LLAMA3_ROPE)
+    if float(opts.get("rotary_percent", 1.0)) != 1.0:
+        params["partial_rotary_factor"] = float(opts["rotary_percent"])
+    return {"rope_parameters": params}
+
+
+def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict | None:
+    """Model option ``rope_scaling``: None (plain RoPE) or ``{"type": "linear"|"llama3", "factor": f}``.
+
+    HF ``linear`` divides the inverse frequencies by ``factor``
+    (``modeling_rope_utils._compute_linear_scaling_rope_parameters``); megatron divides the
+    positions by ``seq_len_interpolation_factor`` instead (same angles). HF ``llama3``
+    (``_compute_llama3_parameters``) is megatron's ``RotaryEmbedding(rope_scaling=True,
+    rope_scaling_factor=factor)`` when the constants equal :data:`MEGATRON_LLAMA3_ROPE`.
+    """
+    params = _rope_params(hf)
+    if params["rope_type"] == "default":
+        return None
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ConfigTranslationError(f"HF rope '{params['rope_type']}' scaling needs a positive 'factor', got {factor!r}.")
+    return {"type": params["rope_type"], "factor": float(factor)}
+
+
+def rotary_percent_from_hf(hf: Mapping[str, Any]) -> float:
+    """Model option ``rotary_percent`` (megatron ``GPTModel``) from HF ``partial_rotary_factor``.
+
+    HF (``_compute_default_rope_parameters``) rotates the first ``int(head_dim * factor)``
+    channels of each head; megatron's ``RotaryEmbedding`` uses ``int(kv_channels *
+    rotary_percent)`` and passes the rest through (``apply_rotary_pos_emb_bshd``). The factor is
+    read from ``rope_parameters`` (transformers 5) or the top-level key.
+    """
+    params = _rope_params(hf)
+    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    value = 1.0 if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value <= 1.0:
+        raise ConfigTranslationError(f"HF key 'partial_rotary_factor'={value!r} must be a number in (0, 1].")
+    return float(value)
+
+
+def _owned_elsewhere(_value: Any, _cfg: Mapping[str, Any], _opts: Mapping[str, Any]) -> dict:
+    """``to_hf`` of an entry whose HF keys another entry writes (e.g. ``rope_parameters``)."""
+    return {}
+
+
+def _layer_types(hf: Mapping[str, Any]) -> list[str] | None:
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        return None
+    bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise ConfigTranslationError(
+            f"HF key 'layer_types' has {bad}; ferrule translates 'full_attention' and 'sliding_attention' only."
+        )
+    return list(layer_types)
+
+
+def window_size_from_hf(hf: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``TransformerConfig.window_size`` from HF ``sliding_window`` (and ``layer_types``).
+
+    HF (``masking_utils.sliding_window_overlay``) lets query ``i`` see keys ``j`` with
+    ``i - sliding_window < j <= i``: ``sliding_window`` tokens including itself. Megatron's
+    window ``(left, right)`` (flash-attention convention) sees ``i - left <= j <= i + right``, so
+    ``window_size = (sliding_window - 1, 0)``. None when no layer slides (no ``sliding_window``,
+    or every ``layer_types`` entry ``'full_attention'``).
+    """
+    window = hf.get("sliding_window")
+    layer_types = _layer_types(hf)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        if layer_types and "sliding_attention" in layer_types:
+            raise ConfigTranslationError("HF key 'layer_types' has sliding layers but 'sliding_window' is null.")
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigTranslationError(f"HF key 'sliding_window'={window!r} must be an integer >= 1 (tokens).")
+    return (window - 1, 0)
+
+
+def window_size_to_hf(value: tuple[int, int] | None, _cfg: Mapping[str, Any], _opts: Mapping[str, Any]) -> dict:
+    """Inverse of :func:`window_size_from_hf`: writes ``sliding_window`` when a window is set
+    (without one, ``base``'s ``sliding_window`` / ``layer_types`` stay as they are)."""
+    return {} if value is None else {"sliding_window": int(value[0]) + 1}
+
+
+def window_attn_skip_freq_from_hf(hf: Mapping[str, Any]) -> list[int] | None:
+    """``TransformerConfig.window_attn_skip_freq``: per layer 1 = sliding, 0 = full attention.
+
+    None (every layer slides, or none does) unless ``layer_types`` mixes both, as Gemma-2's
+    alternating layers do (megatron ``is_layer_window_attention``, 1-based layer numbers).
+    """
+    layer_types = _layer_types(hf)
+    if window_size_from_hf(hf) is None or layer_types is None or set(layer_types) == {"sliding_attention"}:
+        return None
+    return [int(t == "sliding_attention") for t in layer_types]
 
 
 def head_dim_from_hf(hf: Mapping[str, Any]) -> int:
@@ -439,10 +698,51 @@ def pre_softmax_to_norm_topk_prob(value: bool, _cfg: Mapping[str, Any], _opts: M
 ENTRY_KINDS = MappingProxyType({"Field": Field, "Constant": Constant, "Derived": Derived, "Require": Require})
 
 
+#: RoPE scaling and partial rotary (model options ``rope_scaling`` and ``rotary_percent``). The
+#: family's own ``Derived("rotary_base", ...)`` owns and writes ``rope_parameters``.
+ROPE_SCALING_ENTRIES: tuple = (
+    Derived("rope_scaling", rope_scaling_from_hf, _owned_elsewhere, hf_keys=(), target="option",
+            reads=("rope_parameters", "rope_scaling", "rope_theta")),
+    Derived("rotary_percent", rotary_percent_from_hf, _owned_elsewhere, hf_keys=(), target="option",
+            reads=("rope_parameters", "partial_rotary_factor")),
+)
+
+#: Sliding-window attention (``TransformerConfig.window_size`` / ``window_attn_skip_freq``), from
+#: HF ``sliding_window`` and ``layer_types``.
+SLIDING_WINDOW_ENTRIES: tuple = (
+    Derived("window_size", window_size_from_hf, window_size_to_hf, hf_keys=(),
+            reads=("sliding_window", "layer_types")),
+    Derived("window_attn_skip_freq", window_attn_skip_freq_from_hf, _owned_elsewhere, hf_keys=(),
+            reads=("layer_types", "sliding_window")),
+)
+
+#: Keys every transformers config may carry that cannot change a decoder's numbers.
+COMMON_HARMLESS: tuple = (
+    Harmless("model_type", "selects the family (each family Requires its own model_type)"),
+    Harmless("architectures", "names the HF class; the family is chosen by model_type"),
+    Harmless("transformers_version", "provenance only"),
+    Harmless("dtype", "storage dtype of the checkpoint; conversion keeps each tensor's dtype"),
+    Harmless("torch_dtype", "transformers-4 spelling of dtype (storage dtype only)"),
+    Harmless("_name_or_path", "provenance only"),
+    Harmless("bos_token_id", "tokenizer/generation metadata; no effect on logits"),
+    Harmless("eos_token_id", "tokenizer/generation metadata; no effect on logits"),
+    Harmless("pad_token_id", "tokenizer metadata; ferrule's embedding has no padding_idx and HF's gradient "
+             "masking of padding_idx does not change forward logits"),
+    Harmless("use_cache", "KV-cache switch of HF generate; no effect on logits"),
+    Harmless("output_attentions", "HF forward output switch"),
+    Harmless("output_hidden_states", "HF forward output switch"),
+    Harmless("return_dict", "HF forward output switch"),
+    Harmless("id2label", "classification-head labels; unused by causal LMs"),
+    Harmless("label2id", "classification-head labels; unused by causal LMs"),
+    Harmless("problem_type", "classification-head loss choice; unused by causal LMs"),
+    Harmless("tokenizer_class", "tokenizer metadata"),
+    Harmless("chunk_size_feed_forward", "HF memory-saving chunking of the MLP; same numbers"),
+)
+
 #: Entries every Llama-style decoder shares (HF ``LlamaConfig`` field names; RMSNorm pre-norm,
 #: SwiGLU MLP without biases, RoPE, GQA): layer/width/head counts, norm epsilon, init std,
 #: dropout, and the model options vocab size, max sequence length, tied embeddings, rope and
-#: silu. A family adds its ``model_type`` requirement, head width (``kv_channels``), RoPE base,
+#: silu; RoPE scaling / partial rotary, sliding windows and the generic harmless keys. A family adds its ``model_type`` requirement, head width (``kv_channels``), RoPE base,
 #: QKV bias / q-k norm, MoE fields and anything it must refuse. ``num_key_value_heads`` is
 #: required (Llama-1 style configs without it are refused rather than guessed).
 DECODER_ENTRIES: tuple = (
@@ -463,4 +763,7 @@ DECODER_ENTRIES: tuple = (
     Field("tie_word_embeddings", "share_embeddings_and_output_weights", target="option", default=False, cast=bool),
     Constant("position_embedding_type", "rope", target="option"),
     Constant("activation", "silu", target="option"),
+    *ROPE_SCALING_ENTRIES,
+    *SLIDING_WINDOW_ENTRIES,
+    *COMMON_HARMLESS,
 )

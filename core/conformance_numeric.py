@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
-           "check_logits_parity", "check_update_groups_cover_parameters", "single_rank", "LOGITS_ATOL_FP32"]
+           "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
+           "rotary_tables_hf", "rotary_tables_mcore", "translated_fields_vs_hf", "check_features_reached",
+           "test_token_ids", "tiny_test_seq_len", "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -53,6 +55,41 @@ def tiny_hf_config(family: str) -> dict[str, Any] | None:
     """The family's ``TINY_HF_CONFIG`` (a copy), or None if it declares none."""
     cfg = getattr(_variant_module(family), "TINY_HF_CONFIG", None)
     return dict(cfg) if cfg is not None else None
+
+
+DEFAULT_TEST_SEQ_LEN = 12
+
+#: HF config keys of features a tiny test model can hide (a window longer than the test
+#: sequence, a cap that random weights never reach) -> the value that switches them off for
+#: :func:`check_features_reached` (None: the key's "off" value; "seq": longer than the sequence).
+FEATURE_KEYS = {"sliding_window": "seq", "attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+def tiny_test_seq_len(family: str) -> int:
+    """Tokens per kit test sequence: the family's ``TINY_TEST_SEQ_LEN`` or :data:`DEFAULT_TEST_SEQ_LEN`."""
+    return int(getattr(_variant_module(family), "TINY_TEST_SEQ_LEN", DEFAULT_TEST_SEQ_LEN))
+
+
+def test_token_ids(vocab_size: int, seq_len: int, *, batch: int = 2, ids=None):
+    """``[batch, seq_len]`` int64 token ids: random in ``[0, vocab_size)`` (fixed seed), or ``ids`` checked.
+
+    Raises:
+        ValueError: a given id outside ``[0, vocab_size)``, naming it and the vocabulary size
+            (e.g. text tokenized with a full tokenizer fed to a tiny test model).
+    """
+    import torch
+
+    if ids is None:
+        return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(SEED))
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(f"token ids {sorted(set(bad.tolist()))[:10]} are outside the model's vocabulary "
+                         f"[0, {vocab_size}); tokenize with the checkpoint's own tokenizer, or use random ids.")
+    return ids
+
+
+test_token_ids.__test__ = False  # a helper, not a pytest test
 
 
 def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
@@ -175,12 +212,15 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
 
 
 def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float = LOGITS_ATOL_FP32,
-                        seq_len: int = 12) -> float:
+                        seq_len: int | None = None) -> float:
     """Max |Megatron logits - HF logits| over a random batch at TP=1, fp32; returns it.
+
+    ``seq_len`` defaults to the family's ``TINY_TEST_SEQ_LEN`` (else 12 tokens).
 
     Raises:
         AssertionError: the difference exceeds ``atol``.
     """
+    seq_len = seq_len or tiny_test_seq_len(family)
     import json
 
     import torch
@@ -192,8 +232,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())
     vocab = int(hf_config["vocab_size"])
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, vocab, (2, seq_len), generator=g)
+    ids = test_token_ids(vocab, seq_len)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
@@ -265,3 +304,159 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
     assert not problems, f"{family}: " + "; ".join(problems)
     return len(units)
 
+
+# ---------------------------------------------------------------------------------------------
+# What HF's model actually uses vs what ferrule built (rotary frequencies and translated fields).
+# ---------------------------------------------------------------------------------------------
+
+def rotary_tables_hf(hf_model, seq_len: int):
+    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that HF's model applies at positions 0..seq_len-1.
+
+    From ``model.model.rotary_emb(x, position_ids)``: HF's inverse frequencies after scaling, times
+    its ``attention_scaling``.
+    """
+    import torch
+
+    rotary = hf_model.model.rotary_emb
+    x = torch.zeros(1, seq_len, 1, dtype=torch.float32)
+    cos, sin = rotary(x, torch.arange(seq_len).unsqueeze(0))
+    return cos[0].double(), sin[0].double()
+
+
+def rotary_tables_mcore(mcore_model, seq_len: int):
+    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that megatron's ``GPTModel`` applies.
+
+    From ``model.rotary_pos_emb(seq_len)`` (``[s, 1, 1, rotary_dim]`` angles; megatron's
+    ``apply_rotary_pos_emb`` rotates the first ``rotary_dim`` channels with ``cos``/``sin`` of them).
+    """
+    emb = mcore_model.rotary_pos_emb(seq_len)[:, 0, 0, :].double()
+    return emb.cos(), emb.sin()
+
+
+def translated_fields_vs_hf(hf_model, mcore_model) -> list[tuple[str, Any, Any]]:
+    """``(field, ferrule value, HF value)`` for each translated quantity HF's modules expose.
+
+    HF values are read from the instantiated model (module shapes and attributes), not from the
+    config: layer count, hidden size, MLP width, query heads, KV heads, head width, softmax scale,
+    norm epsilon, vocabulary rows, tied embeddings, and (when the MLP has ``act_fn``) the activation
+    evaluated on a probe vector.
+    """
+    import torch
+
+    cfg = mcore_model.config
+    layer = hf_model.model.layers[0]
+    attn = layer.self_attn
+    head_dim = int(attn.head_dim)
+    core = mcore_model.decoder.layers[0].self_attention.core_attention
+    scale = getattr(core, "sdpa_scale", None) or core.softmax_scale
+    rows = [
+        ("num_layers", cfg.num_layers, len(hf_model.model.layers)),
+        ("hidden_size", cfg.hidden_size, hf_model.model.embed_tokens.weight.shape[1]),
+        ("ffn_hidden_size", cfg.ffn_hidden_size if not cfg.num_moe_experts else cfg.moe_ffn_hidden_size,
+         _hf_ffn_width(layer)),
+        ("num_attention_heads", cfg.num_attention_heads, attn.q_proj.out_features // head_dim),
+        ("num_query_groups", cfg.num_query_groups, attn.k_proj.out_features // head_dim),
+        ("kv_channels", cfg.kv_channels, head_dim),
+        ("softmax_scale", round(float(scale), 9), round(float(attn.scaling), 9)),
+        ("layernorm_epsilon", cfg.layernorm_epsilon, _norm_eps(hf_model.model.norm)),
+        ("vocab_size", mcore_model.vocab_size >= hf_model.model.embed_tokens.weight.shape[0], True),
+        ("share_embeddings_and_output_weights", bool(mcore_model.share_embeddings_and_output_weights),
+         hf_model.lm_head.weight is hf_model.model.embed_tokens.weight),
+    ]
+    act = getattr(getattr(layer, "mlp", None), "act_fn", None)
+    if act is not None:
+        probe = torch.linspace(-4, 4, 17)
+        ours = cfg.activation_func(probe)
+        rows.append(("activation_func", "matches" if torch.allclose(ours, act(probe), atol=1e-6) else
+                     f"differs ({cfg.activation_func})", "matches"))
+    return rows
+
+
+def _hf_ffn_width(layer) -> int:
+    mlp = layer.mlp
+    if hasattr(mlp, "gate_proj"):
+        return mlp.gate_proj.out_features
+    experts = getattr(mlp, "experts", None)
+    if experts is not None and hasattr(experts, "down_proj"):
+        return int(experts.down_proj.shape[-1])
+    raise AssertionError(f"cannot read the MLP width of HF layer {type(layer).__name__}")
+
+
+def _norm_eps(norm) -> float:
+    for attr in ("variance_epsilon", "eps"):
+        if hasattr(norm, attr):
+            return float(getattr(norm, attr))
+    raise AssertionError(f"cannot read the epsilon of HF norm {type(norm).__name__}")
+
+
+def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, seq_len: int = 64,
+                                 overrides: Mapping[str, Any] | None = None, atol: float = 1e-6) -> float:
+    """Rotary ``cos``/``sin`` and translated fields of ferrule's model equal what HF's model uses.
+
+    Builds HF's model and the family's megatron model from the same ``config.json`` (the tiny
+    config plus ``overrides``) and compares :func:`rotary_tables_mcore` with
+    :func:`rotary_tables_hf` over ``seq_len`` positions, and every row of
+    :func:`translated_fields_vs_hf`. Returns the max rotary difference.
+
+    Raises:
+        AssertionError: naming the rotary table or each field that differs.
+    """
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_hf_dir(family, Path(work_dir) / "hf_fields", overrides=overrides)
+    hf_config = json.loads((src / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with single_rank():
+        (model,) = _build(family, hf_config)
+        cos_m, sin_m = rotary_tables_mcore(model, seq_len)
+        rows = translated_fields_vs_hf(hf, model)
+    cos_h, sin_h = rotary_tables_hf(hf, seq_len)
+    assert cos_m.shape == cos_h.shape, (
+        f"{family}: megatron rotates {cos_m.shape[-1]} channels per head, HF {cos_h.shape[-1]} "
+        f"(partial_rotary_factor / rotary_percent translation)")
+    diff = max((cos_m - cos_h).abs().max().item(), (sin_m - sin_h).abs().max().item())
+    assert diff <= atol, f"{family}: rotary cos/sin differ from HF's by {diff:.3g} (rope_theta / rope scaling translation)"
+    bad = [f"{name}: ferrule {ours!r} vs HF {theirs!r}" for name, ours, theirs in rows if ours != theirs]
+    assert not bad, f"{family}: translated fields differ from what HF's model uses: " + "; ".join(bad)
+    return diff
+
+
+def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len: int | None = None,
+                           min_effect: float = 1e-4) -> dict[str, float]:
+    """Each feature of :data:`FEATURE_KEYS` set in ``TINY_HF_CONFIG`` changes HF's logits on the kit's sequence.
+
+    For each such key, HF's model is loaded twice from the tiny checkpoint, with the feature on
+    and switched off; the returned ``{key: max |logit difference|}`` must exceed ``min_effect``,
+    otherwise the parity cases could not see a wrong translation of it.
+
+    Raises:
+        AssertionError: naming each feature the test sequence does not reach, and the fix.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    seq_len = seq_len or tiny_test_seq_len(family)
+    src = tiny_hf_dir(family, Path(work_dir) / "hf_features")
+    config = AutoConfig.from_pretrained(src)
+    ids = test_token_ids(int(config.vocab_size), seq_len)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids).logits
+    effects, unreached = {}, []
+    for key, off in FEATURE_KEYS.items():
+        if getattr(config, key, None) is None:
+            continue
+        cfg_off = AutoConfig.from_pretrained(src)
+        setattr(cfg_off, key, seq_len + 1 if off == "seq" else off)
+        with torch.no_grad():
+            out = AutoModelForCausalLM.from_pretrained(src, config=cfg_off, dtype=torch.float32).eval()(input_ids=ids).logits
+        effects[key] = (out - ref).abs().max().item()
+        if effects[key] <= min_effect:
+            fix = (f"make TINY_TEST_SEQ_LEN (now {seq_len}) longer than the window" if off == "seq"
+                   else "lower the cap in TINY_HF_CONFIG until random weights reach it")
+            unreached.append(f"{key}={getattr(config, key)!r} changes the logits by only {effects[key]:.2g}: {fix}")
+    assert not unreached, (f"{family}: the kit's test sequence does not exercise declared features, so a wrong "
+                           f"translation would pass: " + "; ".join(unreached) + " (docs/plugins.md, test config checklist).")
+    return effects

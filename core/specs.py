@@ -119,6 +119,10 @@ class FamilyStatus(str, enum.Enum):
     UNSTABLE = "unstable"
 
 
+#: transformers ``attn_implementation`` values the embedded rollout engine drives.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFamilySpec:
     """One model family (returned by ``register_model_families``).
@@ -134,6 +138,10 @@ class ModelFamilySpec:
         features: optional parts this family declares (subset of :data:`FAMILY_FEATURES`);
             the registry checks that each declared part is registered.
         description: one line for ``ferrule plugins``.
+        attn_implementation: the transformers ``attn_implementation`` the embedded rollout
+            engine and the RL reference model load ``hf_model_class`` with: ``"sdpa"`` (default)
+            or ``"eager"`` (e.g. Gemma-2, whose attention soft-capping transformers does not
+            run under SDPA).
     """
 
     name: str
@@ -143,6 +151,7 @@ class ModelFamilySpec:
     hf_model_class: str | None = None
     features: tuple[str, ...] = ()
     description: str = ""
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         _check_name("ModelFamilySpec", "name", self.name)
@@ -164,6 +173,11 @@ class ModelFamilySpec:
             raise SpecError(
                 f"ModelFamilySpec({self.name}).features has unknown entries {unknown}; "
                 f"allowed: {list(FAMILY_FEATURES)}."
+            )
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise SpecError(
+                f"ModelFamilySpec({self.name}).attn_implementation={self.attn_implementation!r}; the embedded "
+                f"engine supports {list(ATTN_IMPLEMENTATIONS)}."
             )
 
 

@@ -23,15 +23,22 @@ families from the command line. The cases:
 - the update groups fit the tiny model: every parameter in exactly one update unit, every unit
   naming existing parameters, every non-optional suffix used (a typo is named);
 - numeric cases for families with a converter (HF -> torch_dist -> HF round trip is
-  bit-exact, the mapping table covers the provider's parameters exactly, Megatron logits
-  match HF transformers) from :mod:`ferrule.conformance_numeric`.
+  bit-exact, the mapping table covers the provider's parameters exactly, rotary frequencies and
+  every translated field equal what HF's model uses, Megatron logits match HF transformers)
+  from :mod:`ferrule.conformance_numeric`, and again at TP=2 (round trip through the TP split
+  and logits) in one ``torchrun`` launch for all families (:mod:`ferrule.conformance_tp`).
+
+A failing case reports one readable assertion (the worker's exception message, without
+``[rankN]:`` prefixes or megatron's warnings).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -139,32 +146,37 @@ class FamilyConformance:
                 assert spec.read_source().strip(), f"chat template {spec.name} is empty"
 
     def test_numeric_conformance(self, ferrule_family: str, tmp_path) -> None:
-        """Round trip bit-exact, mapping covers the provider, Megatron logits == HF logits.
+        """Round trip bit-exact, mapping covers the provider, rotary tables / translated fields /
+        declared features as HF uses them, Megatron logits == HF logits (TP=1).
 
         Runs in a fresh interpreter: megatron's parallel state and the CPU-compat patches are
         process-global and must not leak into the rest of the test session.
         """
-        reg = registry.get_registry()
-        if ferrule_family not in reg.converters or ferrule_family not in reg.providers:
-            spec = reg.get_family(ferrule_family)
-            pytest.skip(f"{ferrule_family} registers no converter/provider yet ({spec.status.name}: {spec.reason})")
+        _skip_without_numeric_parts(ferrule_family)
         code = (
-            "import json, sys\n"
+            "import json, sys, warnings\n"
+            "warnings.filterwarnings('ignore')\n"
             "from ferrule import conformance_numeric as cn\n"
             "fam, work = sys.argv[1], sys.argv[2]\n"
             "if cn.tiny_hf_config(fam) is None:\n"
             "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
-            "cn.check_round_trip(fam, work + '/rt')\n"
-            "cn.check_mapping_covers_provider(fam, work + '/cov')\n"
-            "diff = cn.check_logits_parity(fam, work + '/par')\n"
+            "try:\n"
+            "    cn.check_round_trip(fam, work + '/rt')\n"
+            "    cn.check_mapping_covers_provider(fam, work + '/cov')\n"
+            "    cn.check_translation_matches_hf(fam, work + '/fields')\n"
+            "    cn.check_features_reached(fam, work + '/features')\n"
+            "    diff = cn.check_logits_parity(fam, work + '/par')\n"
+            "except BaseException as exc:\n"
+            "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'})); sys.exit(0)\n"
             "print(json.dumps({'logits_max_abs_diff': float(diff)}))\n"
         )
         out = subprocess.run([sys.executable, "-c", code, ferrule_family, str(tmp_path)],
                              capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, f"numeric conformance failed for {ferrule_family}:\n{out.stderr[-4000:]}"
-        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result = _last_json(out, f"numeric conformance for {ferrule_family}")
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        if "error" in result:
+            pytest.fail(f"{ferrule_family} (TP=1): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
 
     def test_update_groups_cover_parameters(self, ferrule_family: str) -> None:
@@ -181,6 +193,46 @@ class FamilyConformance:
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
         assert result["value"] > 0
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tp2_results(cls, request, tmp_path_factory) -> dict[str, dict]:
+        """One ``torchrun`` launch (2 gloo ranks) running :mod:`ferrule.conformance_tp` for every
+        family of this class that has a provider, a converter and a ``TINY_HF_CONFIG``."""
+        from ferrule import conformance_numeric as cn
+
+        reg = registry.get_registry()
+        names = [f.name for f in registry.list_families()]
+        wanted = list(cls.families or ())
+        try:
+            wanted += request.config.getoption("ferrule_family") or []
+        except ValueError:
+            pass
+        families = [n for n in names if (not wanted or n in wanted) and n in reg.converters and n in reg.providers
+                    and cn.tiny_hf_config(n) is not None]
+        if not families:
+            return {}
+        work = tmp_path_factory.mktemp("kit_tp2")
+        out_file = work / "results.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "ferrule.conformance_tp", "--work", str(work), "--out", str(out_file), *families]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        if not out_file.is_file():
+            pytest.fail("the TP=2 conformance launch wrote no results:\n" + readable_failure(proc.stderr),
+                        pytrace=False)
+        return json.loads(out_file.read_text())
+
+    def test_numeric_conformance_tp2(self, ferrule_family: str, tp2_results) -> None:
+        """The same HF model at TP=2: weights round-trip bit-exact and logits match HF (a wrong TP split fails)."""
+        _skip_without_numeric_parts(ferrule_family)
+        result = tp2_results.get(ferrule_family)
+        if result is None:
+            pytest.skip(f"{ferrule_family}: no TINY_HF_CONFIG in its provider module (see docs/plugins.md)")
+        if not result["ok"]:
+            pytest.fail(f"{ferrule_family} (TP=2): {result['error']}", pytrace=False)
+        assert result["logits_max_abs_diff"] <= 1e-5
+
 
 
 def run_conformance_check(check: str, family: str, *args: str) -> dict[str, object]:
@@ -209,3 +261,29 @@ def run_conformance_check(check: str, family: str, *args: str) -> dict[str, obje
         raise AssertionError(f"{check} failed for {family}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+def _skip_without_numeric_parts(family: str) -> None:
+    reg = registry.get_registry()
+    if family not in reg.converters or family not in reg.providers:
+        spec = reg.get_family(family)
+        pytest.skip(f"{family} registers no converter/provider yet ({spec.status.name}: {spec.reason})")
+
+
+_RANK_PREFIX = re.compile(r"^(\[(?:rank|default)\d*\]:\s?)+")
+
+
+def readable_failure(stderr: str, limit: int = 40) -> str:
+    """The last exception of a worker's stderr, without ``[rankN]:`` prefixes and warning lines."""
+    lines = [_RANK_PREFIX.sub("", line) for line in stderr.splitlines()]
+    lines = [line for line in lines if "Warning" not in line and "warnings.warn" not in line]
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=0)
+    block = lines[start:]
+    tail = [line for line in block if line and not line.startswith((" ", "Traceback"))]
+    return "\n".join((tail or block)[-limit:])
+
+
+def _last_json(proc: subprocess.CompletedProcess, what: str) -> dict:
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    pytest.fail(f"{what} crashed (exit {proc.returncode}):\n{readable_failure(proc.stderr)}", pytrace=False)

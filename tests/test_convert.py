@@ -194,3 +194,34 @@ def test_tp2_conversion_spawns_two_processes(qwen2_dir, tmp_path):
     with pytest.raises(ValueError, match="tp=2 must divide"):
         hf_to_torch_dist(src, tmp_path / "out", tp=2)
     _assert_nothing_written(tmp_path / "out")
+
+
+def test_ignored_source_tensors_are_reported_on_export(qwen2_dir, tmp_path, monkeypatch):
+    """A source tensor the table Ignores is named on export, and is an error unless HF drops it too."""
+    import dataclasses
+
+    from ferrule.converters import checkpoint as ck
+    from ferrule.mapping import Ignore
+
+    src = tmp_path / "hf"
+    shutil.copytree(qwen2_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    key = "model.layers.1.self_attn.rotary_emb.inv_freq"
+    tensors[key] = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    ckpt = hf_to_torch_dist(src, tmp_path / "td")
+    meta = ck.read_checkpoint_metadata(ckpt)
+    assert meta["hf_ignored"] == [key]
+    back = torch_dist_to_hf(ckpt, tmp_path / "back")  # qwen2 marks inv_freq unused_by_hf: allowed
+    assert key not in SafetensorsReader(back)
+    table = ck._family_parts(json.loads((src / "config.json").read_text()))[2]
+    dropped = ck.dropped_hf_tensors(meta, table)
+    assert [(k, row.unused_by_hf) for k, row in dropped] == [(key, True)]
+    # the same tensor ignored by a row that does not say HF drops it too: an error naming it
+    strict = dataclasses.replace(table, ignores=(Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
+                                                        reason="test: HF loads this"),))
+    real = ck._family_parts
+    monkeypatch.setattr(ck, "_family_parts", lambda cfg: (*real(cfg)[:2], strict))
+    with pytest.raises(CheckpointError, match=r"lack them.*model\.layers\.1\.self_attn\.rotary_emb\.inv_freq"):
+        torch_dist_to_hf(ckpt, tmp_path / "back2")
+    _assert_nothing_written(tmp_path / "back2")

@@ -143,3 +143,36 @@ def test_sync_from_cuda_train_engine_into_cpu_rollout_engine(tmp_path):
     engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.float32)
     stats = sync_weights(engine, rollout, 1, check_equal=True)
     assert stats.checked and stats.tensors > 0
+
+
+def test_packed_window_flex_attention_matches_dense_cuda():
+    """SDPAttention on thd-packed documents with a sliding window: FlexAttention (CUDA) vs the
+    dense block-diagonal causal+window mask the CPU path uses (fp32)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ferrule.megatron import attention as attn_mod
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout())
+    try:
+        cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                                kv_channels=64, attention_dropout=0.0, window_size=(15, 0))
+        layer = attn_mod.SDPAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                      attention_type="self")
+        lengths = [100, 60, 96]
+        t = sum(lengths)
+        cu = torch.tensor([0, 100, 160, t], dtype=torch.int32, device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(t, 4, 64, device="cuda", generator=g)
+        k = torch.randn(t, 2, 64, device="cuda", generator=g)
+        v = torch.randn(t, 2, 64, device="cuda", generator=g)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=100,
+                                 max_seqlen_kv=100)
+        flex = layer(q, k, v, None, packed_seq_params=params)
+        dense = layer(q.cpu(), k.cpu(), v.cpu(), None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu.cpu(), cu_seqlens_kv=cu.cpu(), max_seqlen_q=100, max_seqlen_kv=100))
+        assert (flex.cpu() - dense).abs().max() < 1e-4
+    finally:
+        destroy_distributed()

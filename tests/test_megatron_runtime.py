@@ -119,14 +119,18 @@ def test_legacy_spellings():
 @pytest.mark.parametrize("module,change,match", [
     (qwen3, {"hidden_act": "gelu"}, r"hidden_act='gelu'.*supported: \['silu'\]"),
     (qwen3, {"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}},
-     r"rope_parameters.rope_type'='yarn'.*\['default'\]"),
-    (qwen2, {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     r"rope_scaling.*'linear'"),
+     r"rope_parameters.rope_type'='yarn'.*\['default', 'linear', 'llama3'\]"),
+    (qwen2, {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     r"rope_type'='dynamic'.*not supported"),
+    (qwen2, {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta": 1.0}},
+     r"field\(s\) \['beta'\].*'linear'"),
+    (qwen2, {"sliding_window": 4, "use_sliding_window": False, "foo_scale": 2.0},
+     r"key\(s\) \['foo_scale'\] are neither translated nor listed as harmless"),
     (qwen2, {"use_sliding_window": True}, r"use_sliding_window=True"),
     (qwen3, {"attention_bias": True}, r"attention_bias=True"),
     (qwen3_moe, {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
     (qwen3_moe, {"num_experts": 8}, r"num_local_experts=4 and num_experts=8"),
-    (qwen3, {"hidden_size": None}, r"lacks required key 'hidden_size'"),
+    (qwen3, {"hidden_size": None}, r"transformers refuses this config.*hidden_size"),
     (qwen2, {"model_type": "llama"}, r"model_type='llama'"),
 ])
 def test_translation_errors(module, change, match):

@@ -86,3 +86,13 @@ def test_resolve_ref():
         resolve_ref("os.path:nope")
     with pytest.raises(ImportError):
         resolve_ref("no_such_mod_abc:x")
+
+
+def test_family_chooses_attn_implementation():
+    spec = ModelFamilySpec(name="g2", model_types=("gemma2",), status=FamilyStatus.VALIDATED,
+                           hf_model_class="transformers:Gemma2ForCausalLM", attn_implementation="eager")
+    assert spec.attn_implementation == "eager"
+    assert ModelFamilySpec(name="q", model_types=("q",), status=FamilyStatus.VALIDATED).attn_implementation == "sdpa"
+    with pytest.raises(SpecError, match=r"attn_implementation='flash_attention_2'.*\['sdpa', 'eager'\]"):
+        ModelFamilySpec(name="g2", model_types=("gemma2",), status=FamilyStatus.VALIDATED,
+                        attn_implementation="flash_attention_2")

@@ -69,7 +69,8 @@ DECODER_MLP: tuple[ParamMapping, ...] = (
 #: HF keys that older checkpoints carry and that hold no weights.
 DECODER_IGNORES: tuple[Ignore, ...] = (
     Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
-           reason="RoPE inverse frequencies are recomputed from rope_theta by both HF and megatron"),
+           reason="RoPE inverse frequencies are recomputed from rope_theta by both HF and megatron",
+           unused_by_hf=True),
 )
 
 

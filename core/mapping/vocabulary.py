@@ -495,11 +495,15 @@ class OutputLayer(ParamMapping):
 class Ignore:
     """An HF key pattern that is deliberately not loaded (e.g. rotary ``inv_freq`` buffers).
 
-    ``reason`` is required: it says why dropping the tensor loses nothing.
+    ``reason`` is required: it says why dropping the tensor loses nothing. ``unused_by_hf``
+    says that transformers does not load the tensor either (a buffer it recomputes, such as
+    ``rotary_emb.inv_freq``), so an HF export without it is complete; otherwise exporting a
+    checkpoint whose source had such a tensor is an error naming it (the export would lack it).
     """
 
     hf: str
     reason: str
+    unused_by_hf: bool = False
 
     def __post_init__(self) -> None:
         _check_pattern("Ignore", self.hf)

@@ -24,6 +24,12 @@ broadcastable to ``[b, np, sq, sk]``. A given mask is used as is (megatron does 
 with the causal mask); with ``attention_mask=None`` and a causal layer the mask is causal
 (``is_causal=True``, which lets SDPA pick the flash kernel on GPU). Masked scores get -10000,
 like megatron's ``attention_mask_func``, so a fully masked (padding) row stays finite.
+
+Sliding windows (``config.window_size = (left, right)``, on the layers that megatron's
+``is_layer_window_attention`` selects through ``window_attn_skip_freq``): query at absolute
+position ``i`` (the last ``sq`` of ``sk`` positions) sees keys ``j`` with ``i - left <= j <= i +
+right``; the window mask is OR-ed into the causal or given mask. This is HF's
+``sliding_window_overlay`` with ``left = sliding_window - 1``, ``right = 0``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
 
 __all__ = ["SDPAttention", "CORE_ATTENTION_CHOICES", "core_attention_class"]
 
@@ -46,17 +53,22 @@ class SDPAttention(DotProductAttention):
 
     Construction is :class:`megatron.core.transformer.dot_product_attention.DotProductAttention`'s
     (same arguments from the layer spec). Supported: causal / no-mask / explicit boolean masks,
-    GQA/MQA (``enable_gqa``), attention dropout in training, packed (``thd``) sequences.
-    Not supported (raise ``NotImplementedError``): sliding windows, ``softmax_type`` other
-    than ``'vanilla'``, attention bias, dropout with packed sequences on CUDA.
+    GQA/MQA (``enable_gqa``), attention dropout in training, sliding windows (module docs), packed
+    (``thd``) sequences (windows included). ``softcap=c`` (a ``ModuleSpec`` param) caps the scores
+    at ``c * tanh(s / c)`` on an explicit matmul path (SDPA has no soft-capping). Not supported
+    (raise ``NotImplementedError``): ``softmax_type`` other than ``'vanilla'``, attention bias,
+    dropout with packed sequences on CUDA, soft-capping with packed sequences.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, softcap: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.config.window_size is not None:
-            raise NotImplementedError(
-                "SDPAttention does not implement sliding-window attention; use core_attention='local'."
-            )
+        #: attention logit soft-cap ``c``: scores become ``c * tanh(scores / c)`` (None: off).
+        self.softcap = None if softcap is None else float(softcap)
+        #: ``(left, right)`` tokens this layer's queries see around themselves, or None.
+        self.window: tuple[int, int] | None = None
+        if is_layer_window_attention(self.config.window_size, self.config.window_attn_skip_freq, self.layer_number):
+            left, right = self.config.window_size
+            self.window = (int(left), int(right))
         if self.config.softmax_type != "vanilla":
             raise NotImplementedError(
                 f"SDPAttention supports softmax_type='vanilla' only, got {self.config.softmax_type!r}; "
@@ -92,6 +104,9 @@ class SDPAttention(DotProductAttention):
 
         attn_mask = None
         is_causal = False
+        if self.window is not None:
+            blocked = window_blocked(sq, sk, self.window, causal=mask_type == AttnMaskType.causal, device=q.device)
+            attention_mask = blocked if attention_mask is None else (attention_mask.to(q.device) | blocked)
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise TypeError(
@@ -106,6 +121,9 @@ class SDPAttention(DotProductAttention):
             is_causal = True
 
         dropout_p = self.attention_dropout.p if self.training else 0.0
+        if self.softcap is not None:
+            context = self._softcapped(q, k, v, attn_mask, is_causal, dropout_p)
+            return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         context = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=attn_mask,
@@ -116,6 +134,25 @@ class SDPAttention(DotProductAttention):
         )  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
+    def _softcapped(self, q, k, v, attn_mask, is_causal, dropout_p):
+        """Explicit attention with logit soft-capping (HF Gemma-2 ``eager_attention_forward``).
+
+        q ``[b, np, sq, hn]``, k/v ``[b, ng, sk, hn]`` -> ``[b, np, sq, hn]``; softmax in fp32.
+        """
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.sdpa_scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if is_causal:
+            sq, sk = scores.shape[-2:]
+            attn_mask = torch.zeros(sq, sk, dtype=scores.dtype, device=scores.device).masked_fill(
+                window_blocked(sq, sk, (-1, -1), causal=True, device=scores.device), MASKED_SCORE)
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=dropout_p, training=self.training)
+        return torch.matmul(probs, v)
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
         """``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np * hn]``."""
@@ -124,6 +161,9 @@ class SDPAttention(DotProductAttention):
                                       f"got qkv_format={params.qkv_format!r}.")
         if self.attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError("packed sequences need a causal attention layer.")
+        if self.softcap is not None:
+            raise NotImplementedError("attention logit soft-capping with packed (thd) sequences is not implemented; "
+                                      "train with padded micro-batches for this family.")
         t, np_, hn = query.shape
         q = query.transpose(0, 1).unsqueeze(0)  # [1, np, t, hn]
         k = key.transpose(0, 1).unsqueeze(0)
@@ -134,15 +174,37 @@ class SDPAttention(DotProductAttention):
             if dropout_p:
                 raise NotImplementedError("attention dropout with packed sequences is not supported on CUDA "
                                           "(FlexAttention has no dropout); set attention_dropout=0.")
-            out = _flex()(q, k, v, block_mask=document_block_mask(params, t), scale=self.sdpa_scale,
+            out = _flex()(q, k, v, block_mask=document_block_mask(params, t, self.window), scale=self.sdpa_scale,
                           enable_gqa=gqa)
         else:
             doc = document_ids(params.cu_seqlens_q, t)
             pos = torch.arange(t, device=q.device)
             allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+            if self.window is not None and self.window[0] >= 0:  # documents are contiguous: same distances
+                allowed &= pos[:, None] - pos[None, :] <= self.window[0]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
                                                  scale=self.sdpa_scale, enable_gqa=gqa)
         return out[0].transpose(0, 1).reshape(t, np_ * hn)
+
+
+def window_blocked(sq: int, sk: int, window: tuple[int, int], *, causal: bool, device=None) -> torch.Tensor:
+    """Boolean ``[sq, sk]`` mask, True = blocked, for a sliding window ``(left, right)``.
+
+    Queries are the last ``sq`` of ``sk`` positions (``i = sk - sq + row``); key ``j`` is visible
+    when ``i - left <= j <= i + right`` (a negative bound means unbounded) and, if ``causal``,
+    ``j <= i``.
+    """
+    i = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    left, right = window
+    blocked = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        blocked |= j < i - left
+    if right >= 0:
+        blocked |= j > i + right
+    if causal:
+        blocked |= j > i
+    return blocked
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -152,12 +214,17 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts, output_size=total)
 
 
-def document_block_mask(params, total: int):
-    """FlexAttention block mask (causal within each document) for a ``thd`` micro-batch, built
-    once and cached on ``params`` so the model's layers share it."""
-    cached = getattr(params, "_ferrule_block_mask", None)
-    if cached is not None and cached[0] == total:
-        return cached[1]
+def document_block_mask(params, total: int, window: tuple[int, int] | None = None):
+    """FlexAttention block mask (causal within each document, and within ``window[0]`` tokens
+    back when a sliding window is given) for a ``thd`` micro-batch, built once per window and
+    cached on ``params`` so the model's layers share it."""
+    left = window[0] if window is not None and window[0] >= 0 else None
+    cache = getattr(params, "_ferrule_block_masks", None)
+    if cache is None or cache[0] != total:
+        cache = (total, {})
+        params._ferrule_block_masks = cache
+    if left in cache[1]:
+        return cache[1][left]
     from torch.nn.attention.flex_attention import create_block_mask
 
     doc = document_ids(params.cu_seqlens_q, total)
@@ -165,8 +232,12 @@ def document_block_mask(params, total: int):
     def same_doc_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    mask = create_block_mask(same_doc_causal, None, None, total, total, device=doc.device)
-    params._ferrule_block_mask = (total, mask)
+    def same_doc_causal_window(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx <= left)
+
+    mask_mod = same_doc_causal if left is None else same_doc_causal_window
+    mask = create_block_mask(mask_mod, None, None, total, total, device=doc.device)
+    cache[1][left] = mask
     return mask
 
 
@@ -187,14 +258,22 @@ def _flex():
 CORE_ATTENTION_CHOICES = ("sdpa", "local")
 
 
-def core_attention_class(name: str) -> type:
-    """``'sdpa'`` -> :class:`SDPAttention`; ``'local'`` -> megatron's ``DotProductAttention``.
+def core_attention_class(name) -> type:
+    """``'sdpa'`` -> :class:`SDPAttention`; ``'local'`` -> megatron's ``DotProductAttention``;
+    a ``DotProductAttention`` subclass, or a ``"module:attr"`` reference to one, as is.
 
     Raises:
-        ValueError: an unknown name (lists the choices).
+        ValueError: an unknown name (lists the choices) or a class that is no ``DotProductAttention``.
     """
     if name == "sdpa":
         return SDPAttention
     if name == "local":
         return DotProductAttention
+    if isinstance(name, type) or (isinstance(name, str) and ":" in name):
+        from .extensions import resolve_class
+
+        cls = resolve_class(name, "core_attention")
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            return cls
+        raise ValueError(f"core_attention={name!r} is not a torch module class (e.g. a DotProductAttention subclass).")
     raise ValueError(f"core_attention={name!r} is unknown; choose one of {list(CORE_ATTENTION_CHOICES)}.")

@@ -57,9 +57,16 @@ __all__ = [
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``.
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 
-#: Activation names (model option ``activation``) -> torch functions. With
-#: ``gated_linear_unit=True`` megatron computes ``act(x W_gate) * (x W_up)`` (SwiGLU for silu).
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (HF ``gelu_pytorch_tanh`` / ``GELUTanh``; GeGLU in Gemma)."""
+    return F.gelu(x, approximate="tanh")
+
+
+#: Activation names (model option ``activation``, HF ``hidden_act`` spellings) -> torch functions.
+#: With ``gated_linear_unit=True`` megatron computes ``act(x W_gate) * (x W_up)`` (SwiGLU for
+#: silu, GeGLU for the gelus). A ``"module:attr"`` reference to any elementwise function is
+#: accepted too.
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh}
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
@@ -98,7 +105,7 @@ def make_transformer_config(
         config_kwargs: ``TransformerConfig`` fields from :meth:`ConfigTranslation.to_mcore`.
         layout: sets tensor/pipeline/expert parallel sizes.
         params_dtype: ``torch.float32`` or ``torch.bfloat16`` (sets ``bf16`` and the pipeline dtype).
-        activation: a key of :data:`ACTIVATIONS`.
+        activation: a key of :data:`ACTIVATIONS`, or a ``"module:attr"`` reference / callable.
         use_cpu_initialization: None = True on CPU, False on CUDA.
         overrides: extra ``TransformerConfig`` fields applied last (e.g.
             ``moe_token_dispatcher_type``, ``recompute_granularity``).
@@ -111,8 +118,15 @@ def make_transformer_config(
 
     from .device import get_backend
 
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {sorted(ACTIVATIONS)}.")
+    if activation in ACTIVATIONS:
+        activation_func = ACTIVATIONS[activation]
+    elif callable(activation) or (isinstance(activation, str) and ":" in activation):
+        from .extensions import resolve_class
+
+        activation_func = resolve_class(activation, "activation")
+    else:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {sorted(ACTIVATIONS)} "
+                         f"or pass a 'module:attr' reference to an elementwise function.")
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}; use torch.float32 or torch.bfloat16.")
     kw = dict(config_kwargs)
@@ -128,7 +142,7 @@ def make_transformer_config(
         expert_tensor_parallel_size=layout.etp,
         context_parallel_size=layout.cp,
         sequence_parallel=False,  # the local spec's torch norms cannot do SP
-        activation_func=ACTIVATIONS[activation],
+        activation_func=activation_func,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -144,13 +158,21 @@ def build_gpt_model(
     max_sequence_length: int,
     share_embeddings_and_output_weights: bool = False,
     rotary_base: float = 10000.0,
+    rotary_percent: float = 1.0,
+    rope_scaling: Mapping[str, Any] | None = None,
     position_embedding_type: str = "rope",
-    core_attention: str = "sdpa",
+    core_attention: Any = "sdpa",
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     parallel_output: bool = True,
     pre_process: bool | None = None,
     post_process: bool | None = None,
     vp_stage: int | None = None,
+    layer_spec: Any = None,
+    embedding_multiplier: float | None = None,
+    attn_logit_softcapping: float | None = None,
+    final_logit_softcapping: float | None = None,
+    extra_norms: tuple[str, ...] = (),
+    zero_centered_norms: bool = False,
 ):
     """One megatron-core ``GPTModel`` with the local layer spec (no TransformerEngine).
 
@@ -163,12 +185,21 @@ def build_gpt_model(
         max_sequence_length: tokens (HF ``max_position_embeddings``).
         share_embeddings_and_output_weights: tied input/output embeddings (HF ``tie_word_embeddings``).
         rotary_base: RoPE theta.
+        rotary_percent: fraction of each head's channels that RoPE rotates (HF
+            ``partial_rotary_factor``); the rest pass through.
+        rope_scaling: None, ``{"type": "linear", "factor": f}`` (megatron
+            ``seq_len_interpolation_factor=f``: positions divided by ``f``, = HF linear scaling) or
+            ``{"type": "llama3", "factor": f}`` (megatron ``rope_scaling=True``, Llama-3.1 scaling).
         position_embedding_type: ``'rope'`` (the only type the HF families use).
-        core_attention: ``'sdpa'`` (:class:`SDPAttention`) or ``'local'`` (megatron's).
+        core_attention: ``'sdpa'`` (:class:`SDPAttention`), ``'local'`` (megatron's), or a
+            ``DotProductAttention`` subclass / ``"module:attr"`` reference to one.
         parallel_output: keep logits split over TP (True, for vocab-parallel cross entropy).
         pre_process / post_process: embedding / output layer on this pipeline stage; None reads
             megatron's parallel state (first / last stage).
         vp_stage: virtual pipeline stage index (None without interleaving).
+        layer_spec, embedding_multiplier, attn_logit_softcapping, final_logit_softcapping,
+            extra_norms, zero_centered_norms: extension points for non-Llama decoders
+            (Gemma-2 style); see :mod:`ferrule.megatron.extensions`.
 
     Returns:
         A ``GPTModel`` on the backend's device.
@@ -176,23 +207,35 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .attention import core_attention_class
     from .device import get_backend
 
     attention_cls = core_attention_class(core_attention)
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-        qk_layernorm=config.qk_layernorm,
-        normalization=config.normalization,
-    )
-    self_attention = spec.submodules.self_attention
-    self_attention = dataclasses.replace(
-        self_attention,
-        submodules=dataclasses.replace(self_attention.submodules, core_attention=attention_cls),
-    )
-    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention))
+    final_norm = None
+    if layer_spec is not None:
+        from .extensions import resolve_class
+
+        spec = resolve_class(layer_spec, "layer_spec")
+        spec = spec(config) if callable(spec) and not isinstance(spec, ModuleSpec) else spec
+    else:
+        from .extensions import customize_local_spec
+
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+        )
+        spec, final_norm = customize_local_spec(
+            spec, config, attention_cls=attention_cls, attn_logit_softcapping=attn_logit_softcapping,
+            extra_norms=tuple(extra_norms), zero_centered_norms=zero_centered_norms)
+    if final_norm is not None:  # megatron builds the final norm in the TransformerBlock
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                          layer_norm=final_norm)
 
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -209,14 +252,32 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
+        **_rope_scaling_kwargs(rope_scaling),
         vp_stage=vp_stage,
     )
+    from .extensions import install_output_hooks
+
+    install_output_hooks(model, embedding_multiplier=embedding_multiplier,
+                         final_logit_softcapping=final_logit_softcapping)
     backend = get_backend()
     if backend.kind == "cuda":
         model = model.to(backend.device)
     mark_tensor_parallel_params([model])
     norm_weights_to_params_dtype(model, config.params_dtype)
     return model
+
+
+def _rope_scaling_kwargs(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``GPTModel`` keywords for the ``rope_scaling`` model option (see :func:`build_gpt_model`)."""
+    if not rope_scaling:
+        return {}
+    kind, factor = rope_scaling.get("type"), float(rope_scaling.get("factor", 0.0))
+    if kind == "linear":
+        return {"seq_len_interpolation_factor": factor}
+    if kind == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": factor}
+    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear' or 'llama3'.")
 
 
 def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
@@ -243,7 +304,8 @@ def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
 
 _MODEL_OPTION_KEYS = (
     "vocab_size", "max_sequence_length", "share_embeddings_and_output_weights", "rotary_base",
-    "position_embedding_type",
+    "position_embedding_type", "rotary_percent", "rope_scaling", "layer_spec", "embedding_multiplier",
+    "attn_logit_softcapping", "final_logit_softcapping", "extra_norms", "zero_centered_norms",
 )
 
 

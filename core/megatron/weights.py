@@ -424,6 +424,20 @@ class _DictSource:
         return self.tensors[k]
 
 
+def _shape_suspect(bp: BoundParam, full_shape: tuple, tp: int, family: str) -> str:
+    """Which side a shape mismatch points at: the plugin's TP split, or the checkpoint/config."""
+    p = bp.param
+    global_shape = list(p.shape)
+    if getattr(p, "tensor_model_parallel", False) and tp > 1:
+        global_shape[p.partition_dim] *= tp
+    if tuple(global_shape) == tuple(full_shape):
+        return (f"suspect the plugin: the HF tensors have the full shape {tuple(full_shape)} this parameter needs, but "
+                f"MappingTable({family}) splits it over TP={tp} as TPSplit.{bp.mapping.tp.name} while megatron "
+                f"splits it on dim {getattr(p, 'partition_dim', None)}; fix the row's tp= in the mapping table.")
+    return (f"suspect the checkpoint (or the family's config translation): the HF tensors assemble to "
+            f"{tuple(full_shape)}, the model built from config.json needs {tuple(global_shape)} in full.")
+
+
 def _check_load(params: list[BoundParam], src: Any, table: MappingTable, ctx: MappingContext,
                 ranks: ParallelRanks) -> tuple[list[str], set[str]]:
     """Problems of loading ``src`` into ``params`` (names, then shapes on meta tensors), and the HF keys read."""
@@ -446,13 +460,14 @@ def _check_load(params: list[BoundParam], src: Any, table: MappingTable, ctx: Ma
             metas = [torch.empty(src.shape(k), device="meta") for k in keys]
             local = bp.mapping.shard(bp.mapping.to_mcore(metas, ctx, bp.wildcards), *bp.split(ranks))
             if tuple(local.shape) != tuple(bp.param.shape):
+                full = bp.mapping.to_mcore(metas, ctx, bp.wildcards)
                 raise MappingError(f"HF {list(keys)} {[tuple(m.shape) for m in metas]} give a shard of shape "
-                                   f"{tuple(local.shape)}, the live parameter has {tuple(bp.param.shape)}")
+                                   f"{tuple(local.shape)}, the live parameter has {tuple(bp.param.shape)}; "
+                                   + _shape_suspect(bp, tuple(full.shape), ranks.tp, table.family))
         except (MappingError, RuntimeError) as exc:
             bad.append(f"{bp.global_name}: {exc}")
     if bad:
-        return [f"shape mismatch ({len(bad)}):\n" + "\n".join(f"  - {e}" for e in bad)
-                + "\nThe checkpoint does not match the model built from its config."], needed
+        return [f"shape mismatch ({len(bad)}):\n" + "\n".join(f"  - {e}" for e in bad)], needed
     return [], needed
 
 

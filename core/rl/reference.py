@@ -32,10 +32,12 @@ class ReferencePolicy:
         from transformers import AutoConfig
 
         from ferrule import registry
+        from ferrule.rollout.embedded import family_attn_implementation
 
         config = AutoConfig.from_pretrained(os.fspath(hf_dir))
         cls = registry.hf_model_class(config)
-        self.model = cls.from_pretrained(os.fspath(hf_dir), dtype=dtype, attn_implementation="sdpa").to(device).eval()
+        self.model = cls.from_pretrained(os.fspath(hf_dir), dtype=dtype,
+                                         attn_implementation=family_attn_implementation(config)).to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.device = torch.device(device)

@@ -52,6 +52,26 @@ def _resolve_model_class(hf_config: Any) -> Any:
     return registry.hf_model_class(hf_config)
 
 
+def family_attn_implementation(hf_config: Any, *, unregistered: str | None = None) -> str:
+    """The ``attn_implementation`` the family of ``hf_config`` chose (``ModelFamilySpec.attn_implementation``).
+
+    Args:
+        unregistered: returned when no family claims the config (callers that were given the
+            model class explicitly pass ``"sdpa"``); None raises.
+
+    Raises:
+        ferrule.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
+    """
+    from ferrule import registry
+
+    try:
+        return registry.family_for_hf_config(hf_config.to_dict()).attn_implementation
+    except registry.UnknownModelError:
+        if unregistered is None:
+            raise
+        return unregistered
+
+
 class EmbeddedEngine:
     """Rollout engine running a transformers CausalLM in-process.
 
@@ -59,7 +79,9 @@ class EmbeddedEngine:
 
     - ``model``: an already-built ``PreTrainedModel`` (moved to ``device``/``dtype`` if given);
     - ``hf_dir``: an HF checkpoint directory (``config.json`` + safetensors); the class comes
-      from the family registry (``ModelFamilySpec.hf_model_class``) unless ``model_class``;
+      from the family registry (``ModelFamilySpec.hf_model_class``) unless ``model_class``, loaded
+      with the family's ``ModelFamilySpec.attn_implementation`` (``"sdpa"`` unless it chose
+      ``"eager"``);
     - ``hf_config`` (+ optional ``state_dict``, loaded strictly: either the model's own
       ``state_dict()`` names or the HF checkpoint names that :meth:`update_weights` takes; every
       tensor must be given, a tied alias such as ``lm_head.weight`` may be left out).
@@ -136,7 +158,8 @@ class EmbeddedEngine:
             raise FileNotFoundError(f"{hf_dir!r} has no config.json; pass an HF checkpoint directory.")
         config = AutoConfig.from_pretrained(hf_dir)
         cls = model_class or _resolve_model_class(config)
-        model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa")
+        attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
+        model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn)
         if tokenizer is None and any(os.path.isfile(os.path.join(hf_dir, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json")):
             from transformers import AutoTokenizer

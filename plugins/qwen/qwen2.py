@@ -16,6 +16,7 @@ from ferrule.config_translation import (
     ConfigTranslation,
     Constant,
     Derived,
+    Harmless,
     Require,
     head_dim_from_hf,
     head_dim_to_hf_implicit,
@@ -26,7 +27,9 @@ from ferrule.config_translation import (
 #: Entries every Qwen dense/MoE variant shares (HF key -> TransformerConfig kwarg / model option).
 QWEN_COMMON_ENTRIES = (
     Require("hidden_act", ("silu",), reason="megatron's gated MLP is built with silu (SwiGLU)"),
-    Require("use_sliding_window", (False,), default=False, reason="sliding-window attention is not implemented"),
+    Require("use_sliding_window", (False,), default=False,
+            reason="Qwen's per-layer windows (max_window_layers) are not validated against HF yet"),
+    Harmless("max_window_layers", "HF reads it only when use_sliding_window is true, which is refused"),
     *DECODER_ENTRIES,
     Derived("rotary_base", rope_theta_from_hf, rope_theta_to_hf,
             hf_keys=("rope_parameters", "rope_theta", "rope_scaling"), target="option"),

@@ -70,3 +70,5 @@ TINY_HF_CONFIG = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
     "max_position_embeddings": 64, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
 }
+#: The kit's TP=2 run needs KV heads divisible by 2 (megatron splits KV groups over TP).
+TINY_TP2_OVERRIDES = {"num_key_value_heads": 2}

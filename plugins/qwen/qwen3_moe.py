@@ -22,6 +22,7 @@ from ferrule.config_translation import (
     Constant,
     Derived,
     Field,
+    Harmless,
     Require,
     head_dim_from_hf,
     head_dim_to_hf,
@@ -52,6 +53,8 @@ CONFIG_TRANSLATION = ConfigTranslation(
         Derived("moe_router_pre_softmax", pre_softmax_from_norm_topk_prob, pre_softmax_to_norm_topk_prob,
                 hf_keys=("norm_topk_prob",)),
         Field("router_aux_loss_coef", "moe_aux_loss_coeff", default=0.001, cast=float),
+        Harmless("output_router_logits", "HF then also returns router logits / adds its aux loss to `loss`; "
+                 "the logits are unchanged (ferrule's aux loss is moe_aux_loss_coeff)"),
         Constant("moe_router_score_function", "softmax"),
         Constant("moe_router_load_balancing_type", "aux_loss"),
         Constant("moe_grouped_gemm", False),

@@ -35,7 +35,9 @@ def test_smollm2_config_to_mcore():
     assert cfg["add_bias_linear"] is False and cfg["add_qkv_bias"] is False and cfg["qk_layernorm"] is False
     assert cfg["layernorm_epsilon"] == pytest.approx(1e-5)
     assert opts == {"vocab_size": 49152, "max_sequence_length": 8192, "share_embeddings_and_output_weights": True,
-                    "rotary_base": 100000.0, "position_embedding_type": "rope", "activation": "silu"}
+                    "rotary_base": 100000.0, "position_embedding_type": "rope", "activation": "silu",
+                    "rotary_percent": 1.0, "rope_scaling": None}
+    assert cfg["window_size"] is None and cfg["window_attn_skip_freq"] is None
 
 
 def test_to_hf_inverts_to_mcore():

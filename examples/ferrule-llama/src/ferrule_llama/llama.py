@@ -19,8 +19,9 @@ building a different model:
   ``add_bias_linear`` would also add MLP biases) and ``mlp_bias: true``;
 - ``hidden_act`` other than ``silu``.
 
-``pretraining_tp`` is not read: transformers >= 5 ignores it, and in older versions it only
-sliced the same matmuls (numerically the same model). It stays in ``config.json`` unchanged.
+``pretraining_tp`` is listed as ``Harmless``: transformers >= 5 ignores it, and in older versions
+it only sliced the same matmuls (numerically the same model). It stays in ``config.json``
+unchanged. Any other key that the table neither translates nor lists is refused.
 
 Module-level data only (discovery names it, so it must stay light). There is no provider
 function: ``ProviderSpec(family="llama")`` takes the default build, megatron's GPT builder
@@ -37,6 +38,7 @@ from ferrule.config_translation import (
     ConfigTranslationError,
     Constant,
     Derived,
+    Harmless,
     Require,
     head_dim_from_hf,
     head_dim_to_hf,
@@ -87,6 +89,7 @@ CONFIG_TRANSLATION = ConfigTranslation(
         Require("attention_bias", (False,), default=False,
                 reason="HF adds q/k/v and o_proj biases; megatron's add_bias_linear would also add MLP biases"),
         Require("mlp_bias", (False,), default=False, reason="MLP biases are not mapped"),
+        Harmless("pretraining_tp", "transformers >= 5 ignores it; older versions only sliced the same matmuls"),
         *DECODER_ENTRIES,
         Derived("kv_channels", head_dim_from_hf, head_dim_to_hf, hf_keys=("head_dim",)),
         Constant("add_qkv_bias", False),

@@ -1,0 +1,58 @@
+"""``ferrule check HF_DIR``: convert, round trip, logits parity and a per-layer divergence report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["check_command"]
+
+
+def check_command(
+    hf_dir: Annotated[Path, typer.Argument(help="HF checkpoint directory (config.json + safetensors).")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size for the conversion and round trip.")] = 1,
+    family: Annotated[Optional[str], typer.Option("--family", help="Family name (default: from config.json).")] = None,
+    seqs: Annotated[int, typer.Option("--seqs", help="Random test sequences.")] = 2,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per random test sequence.")] = 32,
+    text: Annotated[Optional[str], typer.Option("--text", help="Use this text (checkpoint tokenizer) instead of random ids.")] = None,
+    atol: Annotated[float, typer.Option("--atol", help="Logits tolerance (fp32, max abs difference).")] = 1e-5,
+) -> None:
+    """Check that ferrule reproduces an HF checkpoint: config translation, HF -> torch_dist at --tp,
+    a bit-exact round trip, Megatron vs HF logits, and the first layer/op that departs when they differ.
+
+    Exit code 0 when every step passes, 1 when a step fails, 2 for unusable input.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    import os
+    import warnings
+
+    from ferrule.check import run_check
+
+    warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers
+    err = Console(stderr=True)
+    try:
+        report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
+    except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2
+        err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+    console = Console()
+    table = Table(title=f"ferrule check {hf_dir} (family {report.family})", title_justify="left")
+    for col in ("step", "status", "detail", "seconds"):
+        table.add_column(col, overflow="fold")
+    colour = {"ok": "green", "FAIL": "red", "skipped": "yellow"}
+    for row in report.rows:
+        table.add_row(row.step, f"[{colour[row.status]}]{row.status}[/]", row.detail, f"{row.seconds:.1f}")
+    console.print(table)
+    if report.divergence:
+        div = Table(title="per-layer divergence (max |megatron - HF|)", title_justify="left")
+        for col in ("layer", "op", "max abs diff"):
+            div.add_column(col)
+        for layer, op, diff in report.divergence:
+            div.add_row(str(layer), op or "-", f"{diff:.3g}")
+        console.print(div)
+    raise typer.Exit(code=0 if report.ok else 1)

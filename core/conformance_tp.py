@@ -1,0 +1,130 @@
+"""The conformance kit's numeric cases at tensor parallelism 2: one ``torchrun`` launch, every family.
+
+Run by :class:`ferrule.testing.FamilyConformance` (or by hand)::
+
+    python -m torch.distributed.run --nproc-per-node 2 -m ferrule.conformance_tp \
+        --work DIR --out results.json FAMILY [FAMILY ...]
+
+Each rank initializes megatron with ``ParallelLayout(tp=2)`` (gloo on CPU) once; then, for each
+family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance_numeric.tiny_hf_dir`,
+with the family's optional ``TINY_TP2_OVERRIDES`` applied, e.g. 2 KV heads for an MQA config),
+both ranks build the provider at TP=2, load the HF tensors through the mapping table (so a
+wrong ``TPSplit`` shows up as a shape error or wrong numbers), export them back
+(:func:`ferrule.converters.weights.export_mcore_to_hf`, which gathers the TP shards) and run the
+kit's test batch. Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
+1e-5) and the exported tensors with the source files (bit-exact), and writes
+``{family: {"ok": bool, "logits_max_abs_diff": float | None, "error": str | None}}`` to
+``--out``. One failing family does not stop the others (errors are raised on every rank at the
+same point, so the ranks stay in step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+
+__all__ = ["check_family_tp", "main"]
+
+TP = 2
+
+
+def tp2_overrides(family: str) -> dict | None:
+    """The family's ``TINY_TP2_OVERRIDES`` (HF keys applied over ``TINY_HF_CONFIG`` for the TP=2 run), or None.
+
+    For a tiny config TP cannot split, e.g. one KV head (MQA) at TP=2.
+    """
+    from ferrule.conformance_numeric import _variant_module
+
+    value = getattr(_variant_module(family), "TINY_TP2_OVERRIDES", None)
+    return dict(value) if value is not None else None
+
+
+def check_family_tp(family: str, work: Path, *, atol: float) -> float:
+    """Numeric cases for ``family`` at the current TP layout; returns the logits max abs diff (rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ferrule import conformance_numeric as cn
+    from ferrule import registry
+    from ferrule.converters import SafetensorsReader, load_hf_into_mcore
+    from ferrule.converters.weights import export_mcore_to_hf
+    from ferrule.megatron.gpt_builder import check_layout_fits
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.specs import resolve_ref
+
+    rank = dist.get_rank()
+    src = work / family / "hf"
+    if rank == 0:
+        cn.tiny_hf_dir(family, src, overrides=tp2_overrides(family))
+    dist.barrier()
+    hf_config = json.loads((src / "config.json").read_text())
+    converter = registry.get_converter(family)
+    tc_kwargs, _ = converter.resolved_config_translation().to_mcore(hf_config)
+    try:
+        check_layout_fits(tc_kwargs, ParallelLayout(tp=TP))
+    except ValueError as exc:
+        raise ValueError(f"TINY_HF_CONFIG cannot be split at TP={TP} ({exc}); set TINY_TP2_OVERRIDES in the "
+                         f"provider module (e.g. more KV heads) so the kit can check the TP split.") from None
+    table = converter.resolved_mapping()
+    build = resolve_ref(registry.get_provider(family).build)
+    (model,) = build(hf_config, ParallelLayout(tp=TP), parallel_output=False)
+    load_hf_into_mcore([model], src, table, hf_config=hf_config)
+    exported = {name: t.cpu() for name, t in export_mcore_to_hf([model], table, hf_config=hf_config)}
+    model.eval()
+    vocab = int(hf_config["vocab_size"])
+    seq_len = cn.tiny_test_seq_len(family)
+    ids = cn.test_token_ids(vocab, seq_len)
+    with torch.no_grad():
+        out = model(ids, torch.arange(seq_len).unsqueeze(0).expand_as(ids), attention_mask=None)[..., :vocab]
+    if rank != 0:
+        return float("nan")
+    reader = SafetensorsReader(src)
+    changed = sorted(k for k in reader.keys() if k not in exported or not torch.equal(reader.get(k), exported[k]))
+    extra = sorted(set(exported) - set(reader.keys()))
+    assert not changed and not extra, (
+        f"{family}: HF -> megatron (TP={TP}) -> HF changed {changed[:8]} and added {extra[:8]}: the mapping table's "
+        f"TP split (tp= of those rows) or the provider does not round-trip at TP={TP}.")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    diff = (out.float() - ref.float()).abs().max().item()
+    assert diff <= atol, (f"{family}: Megatron (TP={TP}) vs HF logits max abs diff {diff:.3g} > {atol} while the "
+                          f"weights round-trip: suspect the plugin's TP split of a row (tp=) or the provider.")
+    return diff
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ferrule.conformance_tp")
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("families", nargs="+")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")  # megatron's deprecation chatter is not part of the report
+
+    import torch.distributed as dist
+
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout(tp=TP))
+    results: dict[str, dict] = {}
+    for family in args.families:
+        try:
+            diff = check_family_tp(family, Path(args.work), atol=args.atol)
+            results[family] = {"ok": True, "logits_max_abs_diff": diff, "error": None}
+        except Exception as exc:  # noqa: BLE001 - reported per family; the launch goes on
+            results[family] = {"ok": False, "logits_max_abs_diff": None, "error": f"{type(exc).__name__}: {exc}"}
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())

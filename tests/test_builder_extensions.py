@@ -1,0 +1,193 @@
+"""Builder extension points (megatron/extensions.py, SDPAttention windows / soft-cap) on tiny models.
+
+References: a float64 attention written here (windows, soft-cap), HF transformers' Qwen2 (logits)
+and torch's own tanh GELU. The Gemma-2 and Mistral families using the options end to end are
+checked against HF in tests/test_fixture_families.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ferrule import conformance_numeric as cn  # noqa: E402
+
+SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 9, 2, 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout(), seed=5)
+    yield
+    destroy_distributed()
+
+
+def _float64_attention(q, k, v, blocked, *, softcap=None):
+    """q [s,b,np,d], k/v [s,b,ng,d], blocked [s, s] True = masked -> [s, b, np*d] (float64)."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    out = scores.masked_fill(blocked, float("-inf")).softmax(-1) @ v
+    return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+
+def _attention(window=None, skip=None, layer=1, softcap=None):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ferrule.megatron.attention import SDPAttention
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                            num_query_groups=GROUPS, kv_channels=HEAD_DIM, use_cpu_initialization=True,
+                            attention_dropout=0.0, window_size=window, window_attn_skip_freq=skip)
+    return SDPAttention(config=cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                        softcap=softcap)
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, generator=g) * 2,
+            torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=g) * 2,
+            torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=g))
+
+
+def _blocked(window):
+    i, j = torch.arange(SEQ).unsqueeze(1), torch.arange(SEQ).unsqueeze(0)
+    blocked = j > i
+    if window is not None:
+        blocked |= j <= i - window  # HF: key j visible when i - window < j <= i
+    return blocked
+
+
+@pytest.mark.parametrize("hf_window", [1, 3, SEQ + 2])
+def test_sdpa_sliding_window_matches_float64(mcore, hf_window):
+    q, k, v = _qkv()
+    out = _attention(window=(hf_window - 1, 0))(q, k, v, None)
+    assert (out.double() - _float64_attention(q, k, v, _blocked(hf_window))).abs().max() < 1e-5
+
+
+def test_window_only_on_the_layers_skip_freq_selects(mcore):
+    q, k, v = _qkv()
+    full, sliding = _attention(window=(2, 0), skip=[0, 1], layer=1), _attention(window=(2, 0), skip=[0, 1], layer=2)
+    assert full.window is None and sliding.window == (2, 0)
+    assert (full(q, k, v, None).double() - _float64_attention(q, k, v, _blocked(None))).abs().max() < 1e-5
+    assert (sliding(q, k, v, None).double() - _float64_attention(q, k, v, _blocked(3))).abs().max() < 1e-5
+
+
+def test_attention_softcap_matches_float64(mcore):
+    q, k, v = _qkv()
+    out = _attention(softcap=0.7)(q, k, v, None)
+    ref = _float64_attention(q, k, v, _blocked(None), softcap=0.7)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (_float64_attention(q, k, v, _blocked(None)) - ref).abs().max() > 1e-2  # the cap bites
+
+
+def test_gelu_tanh_and_activation_references():
+    from ferrule.megatron.gpt_builder import ACTIVATIONS
+
+    x = torch.linspace(-5, 5, 101)
+    ref = 0.5 * x.double() * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x.double() + 0.044715 * x.double() ** 3)))
+    assert (ACTIVATIONS["gelu_pytorch_tanh"](x).double() - ref).abs().max() < 1e-6
+    from transformers.activations import ACT2FN
+
+    assert torch.allclose(ACTIVATIONS["gelu_pytorch_tanh"](x), ACT2FN["gelu_pytorch_tanh"](x))
+
+
+def _qwen2_pair(tmp_path, **build_options):
+    from ferrule.converters import load_hf_into_mcore
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.plugins.qwen import qwen2
+
+    src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
+    hf_config = json.loads((src / "config.json").read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    from ferrule import registry
+
+    (model,) = registry.provider_build("qwen2")(hf_config, ParallelLayout(), **build_options)
+    load_hf_into_mcore([model], src, qwen2.MAPPING, hf_config=hf_config)
+    ids = cn.test_token_ids(hf_config["vocab_size"], 12)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        got = model.eval()(ids, torch.arange(12).expand_as(ids), None)[..., :hf_config["vocab_size"]]
+    return model, (got - ref).abs().max().item()
+
+
+def local_layer_spec(config):
+    """A layer_spec factory (``"module:attr"`` target): megatron's local spec with its own attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+
+@pytest.mark.parametrize("options", [
+    {"core_attention": "ferrule.megatron.attention:SDPAttention"},
+    {"core_attention": "megatron.core.transformer.dot_product_attention:DotProductAttention"},
+    {"config_overrides": {"perform_initialization": True}, "core_attention": "local"},
+])
+def test_core_attention_class_by_reference(mcore, tmp_path, options):
+    model, diff = _qwen2_pair(tmp_path, **options)
+    assert diff < 1e-5
+
+
+def test_custom_layer_spec(mcore, tmp_path):
+    """``layer_spec="module:attr"`` replaces the local spec; same weights give HF's logits."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from ferrule.megatron.gpt_builder import build_gpt_model
+
+    model, diff = _qwen2_pair(tmp_path)
+    assert diff < 1e-5
+    custom = build_gpt_model(model.config, vocab_size=96, max_sequence_length=64, rotary_base=10000.0,
+                             layer_spec="test_builder_extensions:local_layer_spec")
+    assert type(custom.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+    custom.load_state_dict(model.state_dict(), strict=True)
+    ids = cn.test_token_ids(96, 12)
+    pos = torch.arange(12).expand_as(ids)
+    with torch.no_grad():
+        assert (custom.eval()(ids, pos, None) - model(ids, pos, None)).abs().max() < 1e-5
+
+
+def test_unknown_options_are_refused(mcore):
+    from ferrule.megatron.attention import core_attention_class
+    from ferrule.megatron.gpt_builder import make_transformer_config
+    from ferrule.megatron.parallel import ParallelLayout
+
+    with pytest.raises(ValueError, match="core_attention='flash'"):
+        core_attention_class("flash")
+    with pytest.raises(ValueError, match="activation='swish2'"):
+        make_transformer_config({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2}, ParallelLayout(),
+                                activation="swish2")
+
+
+def test_packed_thd_sequences_respect_the_window(mcore):
+    """thd-packed documents (CPU path): causal within each document and within the window."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = (5, 4)
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(t, GROUPS, HEAD_DIM, generator=g)
+    v = torch.randn(t, GROUPS, HEAD_DIM, generator=g)
+    cu = torch.tensor([0, lengths[0], t], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+    out = _attention(window=(1, 0))(q, k, v, None, packed_seq_params=params)
+    ref = []
+    for start, n in ((0, lengths[0]), (lengths[0], lengths[1])):  # each document alone, window 2 tokens
+        blocked = torch.arange(n).unsqueeze(0) > torch.arange(n).unsqueeze(1)
+        blocked |= torch.arange(n).unsqueeze(0) <= torch.arange(n).unsqueeze(1) - 2
+        doc = [x[start:start + n].unsqueeze(1) for x in (q, k, v)]
+        ref.append(_float64_attention(*doc, blocked)[:, 0])
+    assert (out.double() - torch.cat(ref)).abs().max() < 1e-5
+    with pytest.raises(NotImplementedError, match="soft-capping with packed"):
+        _attention(softcap=1.0)(q, k, v, None, packed_seq_params=params)

@@ -1,0 +1,92 @@
+"""Fixture plugin families (tests/fixtures) through the conformance kit, the embedded engine and the TP=2 check.
+
+References: HF transformers' Mistral and Gemma-2 models (logits, rotary tables, module shapes),
+the safetensors files transformers saved (round trips).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fixture_plugins import FIXTURES, ROOT, plugin_env
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(1200)
+def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
+    """Sliding-window (Mistral-like) and Gemma-2-like families: every kit case at TP=1 and TP=2."""
+    env = plugin_env(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir",
+                           str(FIXTURES), "-o", "timeout=1100", str(FIXTURES / "kit_fixture_families.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1150)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    # 2 families x 6 cases (discovery, specs, completeness, references, numeric TP=1, numeric TP=2)
+    assert "12 passed" in summary and "skipped" not in summary, summary
+
+
+@pytest.mark.timeout(600)
+def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(tmp_path):
+    """o_proj split on the wrong axis: the kit's TP=2 launch fails and names the plugin's TP split."""
+    env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
+    env["FERRULE_SWA_FIXTURE_BAD_TP"] = "1"
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "ferrule.conformance_tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
+                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=550)
+    result = json.loads(out.read_text())["mistral"]
+    assert not result["ok"]
+    assert "self_attention.linear_proj.weight" in result["error"]
+    assert "suspect the plugin" in result["error"] and "TPSplit.COLUMN" in result["error"]
+
+
+@pytest.mark.timeout(300)
+def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_path):
+    """transformers refuses attn_implementation='sdpa' for Gemma-2; the family chose 'eager'."""
+    env = plugin_env(tmp_path, ("ferrule-gemma2-fixture",))
+    code = (
+        "import sys, warnings; warnings.filterwarnings('ignore')\n"
+        "from ferrule import conformance_numeric as cn\n"
+        "from ferrule.rollout.embedded import EmbeddedEngine\n"
+        "src = cn.tiny_hf_dir('gemma2', sys.argv[1])\n"
+        "engine = EmbeddedEngine(hf_dir=src)\n"
+        "print('ATTN', engine.model.config._attn_implementation)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ATTN eager" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
+    """A window as long as the test sequence never bites: the kit says so and names the fix."""
+    env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
+    code = (
+        "import json, sys, warnings; warnings.filterwarnings('ignore')\n"
+        "from ferrule import conformance_numeric as cn\n"
+        "print('EFFECTS', json.dumps(cn.check_features_reached('mistral', sys.argv[1] + '/ok')))\n"
+        "try:\n"
+        "    cn.check_features_reached('mistral', sys.argv[1] + '/short', seq_len=4)\n"
+        "except AssertionError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    effects = json.loads(proc.stdout.split("EFFECTS ", 1)[1].splitlines()[0])
+    assert effects["sliding_window"] > 1e-2
+    assert "REFUSED" in proc.stdout and "sliding_window=4" in proc.stdout and "TINY_TEST_SEQ_LEN" in proc.stdout
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    from ferrule import conformance_numeric as cn
+
+    assert cn.test_token_ids(96, 5).shape == (2, 5)
+    with pytest.raises(ValueError, match=r"token ids \[96, 200\] are outside the model's vocabulary \[0, 96\)"):
+        cn.test_token_ids(96, 3, ids=[[1, 200, 96]])
