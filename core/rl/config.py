@@ -107,6 +107,9 @@ class DataConfig:
     prompt_template: str = _f("{question}", "Python format string for the user message; the only "
                                             "field is {question}.")
     chat_template: str = _f("", "Chat template name from the plugin registry; empty: the family's default.")
+    chat_template_kwargs: dict[str, Any] = _f({}, "Extra chat-template variables, passed as "
+                                                  "tokenizer.apply_chat_template(**kwargs) would (e.g. "
+                                                  "{enable_thinking: false} turns Qwen3 thinking off).")
     answer_extraction: Literal["answer_tag", "last_number", "last_line", "full"] = _f(
         "answer_tag", "How the answer is taken from a response: last <answer>...</answer> block, last "
                       "number, last non-empty line, or the whole stripped text.")

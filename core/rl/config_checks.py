@@ -95,6 +95,10 @@ def validate_config(cfg: RLConfig) -> list[str]:
                      f"field, got fields {fields}; write literal braces as {{{{ }}}}")
     except ValueError as exc:
         p.append(f"data.prompt_template: not a valid format string ({exc})")
+    reserved = sorted(set(d.chat_template_kwargs) & {"messages", "add_generation_prompt", "tokenizer"})
+    if reserved:
+        p.append(f"data.chat_template_kwargs: {reserved} are set by the loop (the prompt's messages, an open "
+                 "assistant turn, the checkpoint's tokenizer); remove them")
     if d.max_prompt_tokens < 1:
         p.append(f"data.max_prompt_tokens: must be >= 1, got {d.max_prompt_tokens}")
 

@@ -3,7 +3,8 @@
 One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` samples each):
 
 1. **Prompts**: the next prompts of the resumable :class:`~ferrule.rl.tasks.PromptSampler`,
-   rendered with the family's chat template (``add_generation_prompt=True``) and tokenized.
+   rendered with the family's chat template (``add_generation_prompt=True``, the tokenizer's
+   special tokens and ``data.chat_template_kwargs``, as ``apply_chat_template``) and tokenized.
 2. **Rollout**: the rollout engine samples ``n`` responses per prompt with seed
    ``sha256("ferrule-rollout:{train.seed}:{step}")`` (so a resumed run samples what an
    uninterrupted one would); generation stops at the template's stop tokens, EOS or
@@ -57,7 +58,7 @@ from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_writ
 from ferrule.rl.config import ConfigError, RLConfig
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
-           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE"]
+           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids"]
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -66,6 +67,19 @@ def rollout_seed(seed: int, step: int, salt: str = "rollout") -> int:
     """Sampling seed of ``step``: ``sha256("ferrule-{salt}:{seed}:{step}")`` (first 8 bytes, < 2**63)."""
     digest = hashlib.sha256(f"ferrule-{salt}:{seed}:{step}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % (2**63)
+
+
+def prompt_token_ids(template: Any, tokenizer: Any, messages: Any,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """Token ids of one prompt: the chat template with an open assistant turn, rendered with the
+    tokenizer's special tokens and ``data.chat_template_kwargs`` (``tools`` goes to ``tools=``),
+    i.e. ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)``."""
+    from ferrule.chat import render_chat_ids
+
+    extra = dict(chat_template_kwargs or {})
+    tools = extra.pop("tools", None)
+    return render_chat_ids(template, tokenizer, list(messages), tools=tools, add_generation_prompt=True,
+                           **extra).token_ids
 
 
 def check_supported(cfg: RLConfig) -> None:
@@ -217,12 +231,9 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ pieces
     def _prompt_ids(self, prompt: Any, kind: str) -> tuple[int, ...]:
-        from ferrule.chat import encode_rendered, render_chat
-
         key = (kind, prompt.index)
         if key not in self._prompt_cache:
-            text = render_chat(self.template, list(prompt.messages), add_generation_prompt=True)
-            ids = tuple(encode_rendered(self.tokenizer, text))
+            ids = prompt_token_ids(self.template, self.tokenizer, prompt.messages, self.cfg.data.chat_template_kwargs)
             if len(ids) > self.cfg.data.max_prompt_tokens:
                 raise ConfigError([f"data.max_prompt_tokens: prompt {prompt.id!r} renders to {len(ids)} tokens > "
                                    f"{self.cfg.data.max_prompt_tokens}; raise data.max_prompt_tokens (and "
