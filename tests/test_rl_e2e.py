@@ -226,3 +226,47 @@ def test_kl_reference_and_minibatches(assets, config_file, tmp_path):
     entries = train(cfg).metrics
     assert all(e["ppo_kl"] > 0 and e["ratio_mean"] != 1.0 for e in entries)  # mini-batch 2 ran on updated weights
     assert entries[-1]["weights_version"] == 4
+
+
+REWARD_MODULE = '''
+def picky(response, prompt):
+    """1 for a final 7; raises like a strict verifier on responses holding a letter a-m."""
+    bad = [c for c in response if c in "abcdefghijklm"]
+    if bad:
+        raise ValueError(f"cannot parse {bad[0]!r}")
+    return 1.0 if response.strip().endswith("7") else 0.0
+
+
+def broken(response, prompt):
+    raise TypeError("this reward function is broken")
+'''
+
+
+@pytest.mark.timeout(180)
+def test_reward_function_failures_are_scored_counted_and_a_broken_function_stops(assets, config_file, tmp_path,
+                                                                                  monkeypatch):
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+    from ferrule.rl.metrics import read_metrics
+    from ferrule.rl.rewards import RewardError
+
+    (tmp_path / "e2e_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["checkpoint.enabled=false", "logging.plot_at_end=false", "reward.failure_reward=-1"]
+    run_dir = tmp_path / "picky"
+    result = train(load_config(config_file, _overrides(assets, run_dir, 2) + common +
+                               ["reward.function=e2e_rewards:picky"]))
+    assert result.last_step == 2
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for e in read_metrics(run_dir / "metrics.jsonl"):
+        step = [s for s in samples if s["step"] == e["step"]]
+        failed = [s for s in step if any(c in "abcdefghijklm" for c in s["response"])]  # independent of ferrule
+        assert 0 < len(failed) < len(step)
+        assert e["reward_errors"] == len(failed) and e["reward_error_types"] == {"ValueError": len(failed)}
+        assert all(s["reward"] == -1.0 and s["reward_error"].startswith("ValueError: cannot parse") for s in failed)
+        assert all("reward_error" not in s for s in step if s not in failed)
+
+    with pytest.raises(RewardError, match="step 1: the reward function raised on all 32 samples.*TypeError"):
+        train(load_config(config_file, _overrides(assets, tmp_path / "broken", 2) + common +
+                          ["reward.function=e2e_rewards:broken"]))
+    assert not (tmp_path / "broken" / "samples.jsonl").exists()

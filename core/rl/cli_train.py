@@ -2,7 +2,8 @@
 
 Mounted by ``ferrule.cli`` with ``app.command("train")(train_command)``.
 
-Exit codes: 0 done; 2 config error (every problem listed); 130 stopped by Ctrl-C (after saving
+Exit codes: 0 done; 2 config error (every problem listed) or a reward function that raised on
+every sample of a step; 130 stopped by Ctrl-C (after saving
 a checkpoint when ``checkpoint.save_on_interrupt``); 1 other errors.
 """
 
@@ -63,6 +64,7 @@ def train_command(
 
     from ferrule.registry import PluginError
     from ferrule.rl.config import ConfigError
+    from ferrule.rl.rewards import RewardError
 
     console = Console(stderr=True, soft_wrap=True)
     if config is not None and config_opt is not None:
@@ -81,7 +83,7 @@ def train_command(
             raise ConfigError([f"--resume: no complete checkpoint in {trainer.ckpt_dir}; check --run-dir, or drop "
                                "--resume to start a new run"])
         result = trainer.run(stop_after=stop_after)
-    except (ConfigError, PluginError) as exc:
+    except (ConfigError, PluginError, RewardError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:

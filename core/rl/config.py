@@ -125,6 +125,14 @@ class RewardConfig:
     kwargs: dict[str, Any] = _f({}, "Keyword arguments passed to a custom reward function.")
     format_reward: float = _f(0.0, "Added to the reward when the answer could be extracted "
                                    "(e.g. an <answer> block is present).", "reward")
+    mode: Literal["task_score", "exact"] = _f(
+        "task_score", "task_score: the reward is the task's own score, which may give partial credit "
+                      "(basic_arithmetic scores a sign error 0.5); exact: 1 only when that score is 1, "
+                      "else 0. Both the score and accuracy are logged either way.")
+    failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
+                                    "that cannot parse a junk answer); the run goes on, counting "
+                                    "reward_errors. A function raising on every sample of a step stops "
+                                    "the run.", "reward")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import string
 import typing
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,9 @@ def validate_config(cfg: RLConfig) -> list[str]:
                      f"({', '.join(BUILTIN_REWARDS)}) nor 'module:attr'; {_near(rw.function, list(BUILTIN_REWARDS))}")
     elif rw.kwargs:
         p.append("reward.kwargs: only passed to a custom 'module:attr' reward; remove it")
+    for key in ("format_reward", "failure_reward"):
+        if not math.isfinite(getattr(rw, key)):
+            p.append(f"reward.{key}: must be finite, got {getattr(rw, key)}")
 
     # algorithm
     if a.advantage_eps <= 0:

@@ -9,7 +9,10 @@ One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` s
    ``sha256("ferrule-rollout:{train.seed}:{step}")`` (so a resumed run samples what an
    uninterrupted one would); generation stops at the template's stop tokens, EOS or
    ``max_new_tokens``. The engine also returns the temperature-1 logprobs of the sampled tokens.
-3. **Rewards**: decoded responses -> answer extraction -> the task's verifier (+ format reward).
+3. **Rewards**: decoded responses -> answer extraction -> the task's verifier -> ``reward.mode``
+   (+ format reward). A sample whose reward function raises gets ``reward.failure_reward`` and
+   is counted (``reward_errors``); a step where every sample raised stops the run
+   (:mod:`ferrule.rl.rewards`).
 4. **Advantages**: group-normalized (:func:`~ferrule.rl.advantages.grpo_advantages`), one per
    sample, broadcast over its response tokens.
 5. **Old / reference logprobs**: with ``algorithm.use_tis`` or several optimizer steps per
@@ -61,6 +64,8 @@ __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids"]
 
 SAMPLES_FILE = "samples.jsonl"
+#: Reward-function failures printed per run (every one is counted in the metrics).
+MAX_SHOWN_REWARD_FAILURES = 5
 
 
 def rollout_seed(seed: int, step: int, salt: str = "rollout") -> int:
@@ -147,6 +152,7 @@ class GRPOTrainer:
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self._stop_requested = False
         self._setup_done = False
+        self._reward_failures_shown = 0
 
     # ------------------------------------------------------------------ setup
     def _log(self, text: str) -> None:
@@ -256,7 +262,7 @@ class GRPOTrainer:
         return results, texts
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        from ferrule.rl.rewards import score_responses
+        from ferrule.rl.rewards import reward_error_metrics
 
         e = self.cfg.eval
         prompts = [self.eval_source[i] for i in range(len(self.eval_source))]
@@ -264,9 +270,26 @@ class GRPOTrainer:
         results, texts = self._generate(prompts, ids, n=1, temperature=e.temperature,
                                         max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                         seed=rollout_seed(self.cfg.train.seed, step, "eval"))
-        rewards = score_responses(self.eval_reward_fn, texts, prompts)
-        return {"eval_reward_mean": float(np.mean([r.reward for r in rewards])),
-                "eval_accuracy": float(np.mean([r.correct for r in rewards]))}
+        rewards = self._score(self.eval_reward_fn, texts, prompts, f"evaluation at step {step}")
+        out = {"eval_reward_mean": float(np.mean([r.reward for r in rewards])),
+               "eval_accuracy": float(np.mean([r.correct for r in rewards]))}
+        out.update(reward_error_metrics(rewards, prefix="eval_"))
+        return out
+
+    def _score(self, reward_fn: Any, texts: list[str], prompts: list[Any], where: str) -> list[Any]:
+        """Rewards with failures scored as ``reward.failure_reward``; the first few are printed; a step
+        whose every sample failed raises :class:`~ferrule.rl.rewards.RewardError`."""
+        from ferrule.rl.rewards import check_reward_failures, describe_failure, score_responses
+
+        rewards = score_responses(reward_fn, texts, prompts, failure_reward=self.cfg.reward.failure_reward)
+        check_reward_failures(rewards, texts, prompts, where)
+        for r, text, prompt in zip(rewards, texts, prompts):
+            if r.error_type is not None and self._reward_failures_shown < MAX_SHOWN_REWARD_FAILURES:
+                self._reward_failures_shown += 1
+                self._log(f"{where}: reward function failed, sample scored {self.cfg.reward.failure_reward} "
+                          f"({self._reward_failures_shown}/{MAX_SHOWN_REWARD_FAILURES} shown; all are counted in "
+                          f"reward_errors): {describe_failure(r, text, prompt)}")
+        return rewards
 
     def _sync(self) -> float:
         from ferrule.sync import sync_weights
@@ -285,7 +308,7 @@ class GRPOTrainer:
         from ferrule.rl.batch import (Sample, build_datums, loss_fn_config, response_slice, sequence_datum,
                                       split_groups)
         from ferrule.rl.metrics import rollout_metrics
-        from ferrule.rl.rewards import score_responses
+        from ferrule.rl.rewards import reward_error_metrics
 
         cfg, ro, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         n = ro.n_samples_per_prompt
@@ -295,7 +318,7 @@ class GRPOTrainer:
         results, texts = self._generate(prompts, prompt_ids, n=n, temperature=ro.temperature,
                                         max_new_tokens=ro.max_new_tokens, seed=rollout_seed(cfg.train.seed, step))
         t_rollout = time.perf_counter() - t_step
-        rewards = score_responses(self.reward_fn, texts, [prompts[r.prompt_index] for r in results])
+        rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
         samples = [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
                           rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
                           truncated=r.finish_reason == "length") for r in results]
@@ -348,6 +371,8 @@ class GRPOTrainer:
         metrics: dict[str, Any] = rollout_metrics(
             reward_values, group_size=n, response_lengths=lengths, correct=[r.correct for r in rewards],
             format_ok=[r.format_ok for r in rewards], truncated=[s.truncated for s in samples])
+        metrics["task_score_mean"] = float(np.mean([r.score if r.score is not None else 0.0 for r in rewards]))
+        metrics.update(reward_error_metrics(rewards))
         have = [i for i, lp in enumerate(trainer_lp) if lp is not None]
         diff = torch.cat([(trainer_lp[i] - rollout_lp[i]).abs() for i in have]) if have else torch.zeros(1)
         ppo_kl = ppo_kl_num / max(ppo_kl_den, 1)
@@ -385,7 +410,9 @@ class GRPOTrainer:
         metrics["tokens_per_s"] = gen_tokens / max(t_total, 1e-9)
         logged = [{"step": step, "prompt_id": prompts[r.prompt_index].id, "sample": r.sample_index,
                    "response": texts[i], "answer": prompts[r.prompt_index].answer, "extracted": rewards[i].extracted,
-                   "reward": rewards[i].reward, "correct": rewards[i].correct, "advantage": float(adv[i])}
+                   "reward": rewards[i].reward, "score": rewards[i].score, "correct": rewards[i].correct,
+                   "advantage": float(adv[i]),
+                   **({"reward_error": f"{rewards[i].error_type}: {rewards[i].error}"} if rewards[i].error_type else {})}
                   for i, r in enumerate(results[:cfg.logging.log_samples])]
         return metrics, logged
 

@@ -27,11 +27,17 @@ METRICS_FILE = "metrics.jsonl"
 
 #: Standard metric names -> (unit, description). The loop should log these names.
 METRICS: dict[str, tuple[str, str]] = {
-    "reward_mean": ("reward", "mean reward over all samples of the step"),
+    "reward_mean": ("reward", "mean reward over all samples of the step (per reward.mode, + format reward)"),
     "reward_std": ("reward", "std of the reward over all samples of the step"),
     "reward_group_std_mean": ("reward", "mean over groups of the within-group reward std (GRPO signal; 0 "
                                         "means no learning signal)"),
-    "accuracy": ("fraction", "fraction of samples whose verifier score reached 1"),
+    "accuracy": ("fraction", "fraction of samples whose verifier score reached 1 (the mean reward of "
+                             "reward.mode=exact)"),
+    "task_score_mean": ("score", "mean task score before reward.mode and format reward (partial credit "
+                                 "included; failed samples count 0)"),
+    "reward_errors": ("samples", "samples whose reward function raised (scored reward.failure_reward)"),
+    "reward_error_types": ("", "{exception type: count} of those samples (only when > 0)"),
+    "eval_reward_errors": ("samples", "held-out samples whose reward function raised (eval steps only)"),
     "format_rate": ("fraction", "fraction of samples whose answer could be extracted"),
     "response_length_mean": ("tokens", "mean response length"),
     "response_length_max": ("tokens", "longest response"),
