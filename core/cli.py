@@ -36,6 +36,7 @@ _SUBAPPS: tuple[tuple[str, str, str], ...] = (
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("train", "ferrule.rl.cli_train:train_command"),
     ("plot", "ferrule.rl.cli_plot:plot_command"),
+    ("export", "ferrule.rl.export:export_command"),
 )
 
 

@@ -270,3 +270,62 @@ def test_reward_function_failures_are_scored_counted_and_a_broken_function_stops
         train(load_config(config_file, _overrides(assets, tmp_path / "broken", 2) + common +
                           ["reward.function=e2e_rewards:broken"]))
     assert not (tmp_path / "broken" / "samples.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_file, tmp_path):
+    """``ferrule export RUN_DIR OUT`` (latest step by default) gives a folder transformers loads with the
+    trained weights, the source's generation config (two EOS ids) and its tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.export import ExportError, find_run_checkpoint
+    from ferrule.rl.loop import GRPOTrainer
+
+    src = tmp_path / "model"
+    shutil.copytree(assets / "model", src)
+    gen = GenerationConfig.from_pretrained(src)
+    gen.eos_token_id = [3, 1]  # <|im_end|>, <|endoftext|>: two EOS ids, as Qwen2.5-Instruct has
+    gen.save_pretrained(src)
+    run_dir = tmp_path / "run"
+    cfg = load_config(config_file, _overrides(assets, run_dir, 2) + [
+        f"model.hf_dir={src}", "checkpoint.interval=1", "checkpoint.keep=0", "logging.plot_at_end=false"])
+    trainer = GRPOTrainer(cfg, check_weight_update_equal=True)  # the rollout engine holds exactly the trained weights
+    trainer.run()
+    trained = {k: v.clone() for k, v in trainer.rollout.get_hf_state_dict().items()}
+    hf_files = sorted(p.name for p in (run_dir / "checkpoints" / "step_000002" / "engine" / "hf").iterdir())
+    assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json", "config.json"} <= set(hf_files)
+
+    assert find_run_checkpoint(run_dir)[0] == 2 and find_run_checkpoint(run_dir, 1)[0] == 1
+    with pytest.raises(ExportError, match=r"no checkpoint of step 7 .*steps \[1, 2\]"):
+        find_run_checkpoint(run_dir, 7)
+    with pytest.raises(ExportError, match="does not exist"):
+        find_run_checkpoint(tmp_path / "nope")
+
+    out = tmp_path / "exported"
+    env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
+    launcher = "import typer; from ferrule.rl.export import export_command; typer.run(export_command)"
+    res = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "exported step 2" in res.stderr
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == [3, 1]
+    assert GenerationConfig.from_pretrained(out).to_dict() == GenerationConfig.from_pretrained(src).to_dict()
+    tok, ref_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    assert tok("say 7\n").input_ids == ref_tok("say 7\n").input_ids and tok.eos_token == ref_tok.eos_token
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) <= set(trained)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0)
+    original = load_file(src / "model.safetensors")
+    assert any(not torch.equal(original[k], exported[k]) for k in exported)  # training moved the weights
+
+    again = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
