@@ -88,6 +88,8 @@ def _copy_side_files(src: Path, dst: Path) -> list[str]:
 
 def _read_config(hf_dir: Path) -> dict:
     path = hf_dir / "config.json"
+    if not hf_dir.exists():
+        raise CheckpointError(f"HF checkpoint directory {hf_dir} does not exist.")
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; an HF checkpoint directory needs its config.json.")
     try:

@@ -9,6 +9,7 @@ a checkpoint when ``checkpoint.save_on_interrupt``); 1 other errors.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -66,6 +67,7 @@ def train_command(
     from ferrule.rl.config import ConfigError
     from ferrule.rl.rewards import RewardError
 
+    t_start = time.monotonic()
     console = Console(stderr=True, soft_wrap=True)
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
@@ -89,12 +91,12 @@ def train_command(
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
-    last = result.metrics[-1] if result.metrics else {}
-    summary = f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}"
-    if "reward_mean" in last:
-        summary += f", last reward_mean {last['reward_mean']:.3f}"
+    from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
+
+    summary = (f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}; "
+               + run_summary(read_metrics(result.run_dir / METRICS_FILE), wall_s=time.monotonic() - t_start))
     if result.plot:
-        summary += f", reward curve {result.plot}"
+        summary += f"; reward curve {result.plot}"
     console.print(summary, highlight=False, markup=False)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)

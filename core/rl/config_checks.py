@@ -149,7 +149,7 @@ def validate_config(cfg: RLConfig) -> list[str]:
     decay_steps = o.lr_decay_steps or t.steps
     if o.lr_warmup_steps < 0 or o.lr_decay_steps < 0:
         p.append("optimizer.lr_warmup_steps / lr_decay_steps: must be >= 0")
-    elif o.lr_warmup_steps > decay_steps:
+    elif o.lr_warmup_steps > decay_steps and decay_steps >= 1:  # train.steps < 1 is reported once, below
         p.append(f"optimizer.lr_warmup_steps: {o.lr_warmup_steps} exceeds the schedule length "
                  f"{decay_steps} (lr_decay_steps or train.steps); set optimizer.lr_warmup_steps<={decay_steps} "
                  f"or raise train.steps")

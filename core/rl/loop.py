@@ -61,7 +61,7 @@ from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_writ
 from ferrule.rl.config import ConfigError, RLConfig
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
-           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids"]
+           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
 
 SAMPLES_FILE = "samples.jsonl"
 #: Reward-function failures printed per run (every one is counted in the metrics).
@@ -85,6 +85,45 @@ def prompt_token_ids(template: Any, tokenizer: Any, messages: Any,
     tools = extra.pop("tools", None)
     return render_chat_ids(template, tokenizer, list(messages), tools=tools, add_generation_prompt=True,
                            **extra).token_ids
+
+
+def preflight(cfg: RLConfig) -> None:
+    """The checks that need no model, run before any is loaded (seconds earlier than setup).
+
+    Raises:
+        ConfigError: every problem at once: a fresh run into a run folder that already holds
+            metrics (the message names ``--resume``), an unknown ``model.family``, a checkpoint
+            whose ``model_type`` no plugin supports, an unknown ``data.chat_template``.
+    """
+    from ferrule import registry
+    from ferrule.rl.metrics import METRICS_FILE, read_metrics
+
+    problems = []
+    run_dir = Path(cfg.logging.run_dir)
+    if not cfg.checkpoint.resume:
+        done = read_metrics(run_dir / METRICS_FILE)
+        if done:
+            problems.append(f"logging.run_dir: {run_dir} already holds a run ({len(done)} logged steps, last "
+                            f"step {done[-1].get('step')}); continue it with --resume (`ferrule train --resume "
+                            f"--run-dir {run_dir}`), or start a new run with another --run-dir")
+    if cfg.model.family:
+        try:
+            registry.get_family(cfg.model.family)
+        except registry.UnknownModelError as exc:
+            problems.append(f"model.family: {exc.args[0] if exc.args else exc}")
+    else:
+        hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
+        try:
+            registry.family_for_hf_config(hf_config)
+        except registry.UnknownModelError as exc:
+            problems.append(f"model.hf_dir: {exc.args[0] if exc.args else exc}")
+    if cfg.data.chat_template:
+        try:
+            registry.get_chat_template(cfg.data.chat_template)
+        except registry.UnknownModelError as exc:
+            problems.append(f"data.chat_template: {exc.args[0] if exc.args else exc}")
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_supported(cfg: RLConfig) -> None:
@@ -145,6 +184,7 @@ class GRPOTrainer:
 
         check_supported(cfg)
         cfg.check_paths()
+        preflight(cfg)
         self.cfg = cfg
         self.check_equal = check_weight_update_equal
         self.console = console or Console(stderr=True, soft_wrap=True)
@@ -290,6 +330,12 @@ class GRPOTrainer:
                           f"({self._reward_failures_shown}/{MAX_SHOWN_REWARD_FAILURES} shown; all are counted in "
                           f"reward_errors): {describe_failure(r, text, prompt)}")
         return rewards
+
+    def _log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        errors = metrics.get("eval_reward_errors") or 0
+        self._log(f"eval at step {step}: accuracy {metrics['eval_accuracy']:.3f}, reward "
+                  f"{metrics['eval_reward_mean']:.3f} on {len(self.eval_source)} held-out prompts"
+                  + (f" ({errors} reward errors)" if errors else ""))
 
     def _sync(self) -> float:
         from ferrule.sync import sync_weights
@@ -509,10 +555,14 @@ class GRPOTrainer:
                                       console=self.console) as bar:
                 if start == 0 and self.eval_source is not None:
                     logged.append(logger.log(0, self._evaluate(0)))
+                    self._log_eval(0, logged[-1])
+                    bar.restart_clock()
                 while step < cfg.train.steps:
                     step += 1
                     metrics, samples = self.train_step(step)
                     logged.append(logger.log(step, metrics))
+                    if "eval_accuracy" in metrics:
+                        self._log_eval(step, metrics)
                     if samples:
                         with open(self.run_dir / SAMPLES_FILE, "a") as f:
                             f.writelines(json.dumps(s) + "\n" for s in samples)

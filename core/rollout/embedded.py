@@ -139,6 +139,8 @@ class EmbeddedEngine:
         from transformers import AutoConfig
 
         hf_dir = os.fspath(hf_dir)
+        if not os.path.exists(hf_dir):
+            raise FileNotFoundError(f"HF checkpoint directory {hf_dir!r} does not exist.")
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise FileNotFoundError(f"{hf_dir!r} has no config.json; pass an HF checkpoint directory.")
         config = AutoConfig.from_pretrained(hf_dir)
