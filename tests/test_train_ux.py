@@ -139,3 +139,30 @@ def test_nonexistent_hf_path_says_does_not_exist(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         EmbeddedEngine(hf_dir=tmp_path / "nope")
+
+
+def test_only_known_harmless_megatron_warnings_are_silenced():
+    import warnings
+
+    from ferrule.megatron import KNOWN_HARMLESS_WARNINGS, silence_known_warnings
+
+    def emitted(message, category, module):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            silence_known_warnings()
+            warnings.warn_explicit(message, category, "x.py", 1, module=module)
+        return len(rec)
+
+    seen = {  # the texts megatron-core 0.16.1 prints (copied from a run's output)
+        "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.": UserWarning,
+        "Apex is not installed. Falling back to Torch Norm": UserWarning,
+        "Warning: tp_group is None, using default tp group. Passing tp_group will be mandatory soon":
+            DeprecationWarning,
+        "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.": UserWarning,
+    }
+    assert len(KNOWN_HARMLESS_WARNINGS) >= len(seen)
+    for message, category in seen.items():
+        assert emitted(message, category, "megatron.core.optimizer") == 0, message
+        assert emitted(message, category, "ferrule.rl.loop") == 1, message  # same text elsewhere: shown
+    assert emitted("Transformer Engine and Apex are not installed", RuntimeWarning, "megatron.core") == 1
+    assert emitted("some new megatron warning", UserWarning, "megatron.core.models") == 1

@@ -68,6 +68,9 @@ def train_command(
     from ferrule.rl.rewards import RewardError
 
     t_start = time.monotonic()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model "Loading weights" bars; the run has its own progress display
     console = Console(stderr=True, soft_wrap=True)
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
