@@ -164,5 +164,12 @@ def test_only_known_harmless_megatron_warnings_are_silenced():
     for message, category in seen.items():
         assert emitted(message, category, "megatron.core.optimizer") == 0, message
         assert emitted(message, category, "ferrule.rl.loop") == 1, message  # same text elsewhere: shown
+    sharded = "Please use DTensor instead and we are deprecating ShardedTensor."
+    assert emitted(sharded, FutureWarning, "torch.distributed.checkpoint.planner_helpers") == 0
+    assert emitted(sharded, FutureWarning, "ferrule.megatron.checkpoint") == 1
+    collective = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                  "`torch.distributed.all_gather_single` instead.")
+    assert emitted(collective, FutureWarning, "torch.distributed.c10d_logger") == 0
+    assert emitted("`torch.distributed.broadcast` is deprecated.", FutureWarning, "torch.distributed.c10d_logger") == 1
     assert emitted("Transformer Engine and Apex are not installed", RuntimeWarning, "megatron.core") == 1
     assert emitted("some new megatron warning", UserWarning, "megatron.core.models") == 1

@@ -70,8 +70,8 @@ class RewardResult:
         correct: the verifier score reached 1 (counted in the ``accuracy`` metric).
         format_ok: an answer could be extracted.
         extracted: the extracted answer, or None.
-        score: the task score before ``reward.mode`` and format reward (None when the
-            function returned a ``RewardResult`` without one, or raised).
+        score: the task score before ``reward.mode`` and format reward (a custom
+            ``RewardResult`` without one: its ``reward``); None when the function raised.
         error_type: the exception's class name when the reward function raised, else None.
         error: ``str(exception)`` when it raised, else None.
     """
@@ -178,7 +178,7 @@ def build_reward_fn(function: str = "task", *, source: PromptSource | None = Non
             if isinstance(out, RewardResult):
                 _check_number(out.reward, function)
                 return RewardResult(out.reward + format_reward * out.format_ok, out.correct, out.format_ok,
-                                    out.extracted, score=out.score)
+                                    out.extracted, score=out.reward if out.score is None else out.score)
             value = _check_number(out, function)
             ans = extract_answer(response, extraction)
             fmt = ans is not None
