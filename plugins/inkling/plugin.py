@@ -23,3 +23,23 @@ def register_model_families():
             description="Inkling multimodal MoE (text, vision and audio towers)",
         ),
     ]
+
+
+#: TMLv0 model turns end with <|content_model_end_sampling|> (tml-renderers' ``v0.Renderer.stop()`` is [200006]).
+_TMLV0_STOP_TOKENS = ("<|content_model_end_sampling|>",)
+
+
+@hookimpl
+def register_chat_templates():
+    from ferrule.specs import ChatTemplateSpec
+
+    return [
+        ChatTemplateSpec(
+            name="tmlv0",
+            family="inkling",
+            template="ferrule.plugins.inkling:templates/tmlv0.jinja",
+            stop_tokens=_TMLV0_STOP_TOKENS,
+            tokenizer="ferrule.plugins.inkling.tokenizer:load_tmlv0_tokenizer",
+            description="TMLv0 (tml-renderers v0): effort line, thinking, tool calls, image/audio placeholders",
+        ),
+    ]
