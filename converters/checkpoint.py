@@ -33,7 +33,7 @@ from ferrule.fsutil import commit_dir
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
-           "HF_SIDE_FILES", "read_checkpoint_metadata", "dropped_hf_tensors"]
+           "HF_SIDE_FILES", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
 
 HF_SUBDIR = "hf"
 METADATA_FILE = "ferrule_checkpoint.json"
@@ -88,6 +88,8 @@ def _copy_side_files(src: Path, dst: Path) -> list[str]:
 
 def _read_config(hf_dir: Path) -> dict:
     path = hf_dir / "config.json"
+    if not hf_dir.exists():
+        raise CheckpointError(f"HF checkpoint directory {hf_dir} does not exist.")
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; an HF checkpoint directory needs its config.json.")
     try:
@@ -212,19 +214,42 @@ def _sharded_state_dict(chunks: list) -> dict:
     return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
+#: Prefix of the sharded keys a training checkpoint (``TrainEngine.save``) holds besides the model:
+#: the optimizer's moments and step. Model-weight loads skip them.
+TRAINING_STATE_PREFIXES = ("optimizer.",)
+
+
 def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -> None:
     """Load a torch_dist checkpoint's model weights into live Megatron chunks (any layout).
 
-    Uses ``{"model": sharded_state_dict}`` (``model0``, ... for virtual stages) with
-    ``strict="raise_all"``: a key missing from the checkpoint or not in the model raises
-    (``ferrule.megatron.checkpoint.CheckpointMismatchError``, as does a shape mismatch).
+    Uses ``{"model": sharded_state_dict}`` (``model0``, ... for virtual stages) and reads only
+    those tensors, so both a converter checkpoint (weights only) and a training checkpoint
+    (``TrainEngine.save``: weights + optimizer + scheduler) work. Every model tensor must be in
+    the checkpoint; a checkpoint tensor that is neither a model tensor nor training state
+    (:data:`TRAINING_STATE_PREFIXES`) is an error too (it would mean another model).
     Every rank of the job must call it.
+
+    Raises:
+        CheckpointError: model tensors missing from the checkpoint, or unknown checkpoint
+            tensors (the first few of each are named).
+        ferrule.megatron.checkpoint.CheckpointMismatchError: a tensor's shape differs.
     """
     from ferrule.megatron.checkpoint import load_sharded
     from ferrule.megatron.weights import unwrap
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    loaded = load_sharded(_sharded_state_dict(chunks), ckpt_dir, strict="raise_all")
+    # megatron: "missing" = in the checkpoint, not requested; "unexpected" = requested, not in the checkpoint
+    loaded, in_ckpt_only, in_model_only = load_sharded(_sharded_state_dict(chunks), ckpt_dir, strict="return_all")
+    foreign = sorted(str(k) for k in in_ckpt_only if not str(k).startswith(TRAINING_STATE_PREFIXES))
+    if in_model_only or foreign:
+        parts = []
+        if in_model_only:
+            parts.append(f"{len(in_model_only)} model tensor(s) are not in the checkpoint, e.g. "
+                         f"{sorted(map(str, in_model_only))[:5]}")
+        if foreign:
+            parts.append(f"{len(foreign)} checkpoint tensor(s) belong to no model parameter, e.g. {foreign[:5]}")
+        raise CheckpointError(f"{ckpt_dir} does not match the model built from its hf/config.json: "
+                              + "; ".join(parts) + ".")
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks):
         unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -370,11 +395,13 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
                      progress: Callable[[int], None] | None = None) -> Path:
-    """Convert a checkpoint written by :func:`hf_to_torch_dist` back to HF safetensors.
+    """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
+    ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
     Reads the family, dtype and HF config from ``CKPT_DIR/ferrule_checkpoint.json`` and
     ``CKPT_DIR/hf/``; builds the model at ``tp`` x ``ep`` (any layout; 1 is enough), loads the
-    torch_dist tensors (``strict="raise_all"``: missing or unexpected keys are errors),
+    model weights only (:func:`load_torch_dist_into_mcore`: optimizer state is skipped, a
+    missing or foreign tensor is an error),
     exports through the mapping table and writes ``model-0000i-of-0000n.safetensors`` shards
     (``max_shard_bytes`` each, bytes) + ``model.safetensors.index.json`` (or one
     ``model.safetensors``), plus the config / generation config / tokenizer files.
@@ -391,9 +418,11 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             tensors transformers loads; all are named, nothing is written).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.
-        ferrule.megatron.checkpoint.CheckpointMismatchError: the torch_dist files do not match
-            the model built from the stored config (ConversionError when a worker of a
-            multi-process conversion reports it).
+        CheckpointError: model tensors missing from the torch_dist files, or tensors there that
+            belong to no model parameter (all counted, the first few named).
+        ferrule.megatron.checkpoint.CheckpointMismatchError: a tensor's shape does not match the
+            model built from the stored config (ConversionError when a worker of a multi-process
+            conversion reports it).
     """
     from ferrule.megatron.parallel import ParallelLayout
 

@@ -12,9 +12,16 @@ renders correctly here renders identically through ``tokenizer.apply_chat_templa
 - globals ``raise_exception(message)`` (raises), ``strftime_now(fmt)``, ``namespace``, ``dict``;
 - the ``{% generation %}...{% endgeneration %}`` tag is accepted and renders its body (HF uses
   it to build assistant masks; spans are not tracked here);
-- template variables: ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and any
-  extra keyword (e.g. ``enable_thinking``). As in transformers 5.24, a message whose reasoning is
-  given as ``thinking`` or ``reasoning`` also gets ``reasoning_content`` (and vice versa).
+- template variables, as ``apply_chat_template`` passes them: the tokenizer's named special
+  tokens (``tokenizer.special_tokens_map``: ``bos_token``, ``eos_token``, ``pad_token``,
+  ``unk_token``, ... as strings; HF-style Llama-3 / Mistral / DeepSeek-R1-Distill templates write
+  ``{{ bos_token }}``), then ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and
+  any extra keyword (e.g. ``enable_thinking``), an extra keyword overriding a special token of
+  the same name. A template that uses a special-token variable needs the tokenizer
+  (:class:`ChatTemplateError` otherwise: it would silently render an empty string);
+- messages as transformers 5.24 normalizes them: keys whose value is ``None`` are dropped, and a
+  message whose reasoning is given as ``thinking`` or ``reasoning`` also gets
+  ``reasoning_content`` (and vice versa).
 
 Messages are validated before rendering; errors name the offending message index.
 """
@@ -39,6 +46,9 @@ if TYPE_CHECKING:
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 #: Names under which a message's reasoning may arrive; the first one is what templates read.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: The named special tokens of an HF tokenizer (``SPECIAL_TOKENS_ATTRIBUTES`` in transformers
+#: ``tokenization_utils_base.py``); ``apply_chat_template`` passes those that are set.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatTemplateError(ValueError):
@@ -222,10 +232,11 @@ def validate_messages(messages: Any, tools: Any = None) -> None:
 
 
 def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Deep-copied plain dicts, reasoning aliased under every name (transformers 5.24 behaviour)."""
+    """Deep-copied plain dicts without ``None`` values, reasoning aliased under every name
+    (transformers 5.24 ``_normalize_chat_messages`` and ``_alias_reasoning_fields``)."""
     out = []
     for msg in messages:
-        msg = copy.deepcopy(dict(msg))
+        msg = copy.deepcopy({k: v for k, v in msg.items() if v is not None})
         reasoning = next((msg[k] for k in REASONING_FIELDS if msg.get(k) is not None), None)
         if reasoning is not None:
             msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
@@ -253,12 +264,32 @@ def _source(spec: ChatTemplateSpec) -> str:
     return spec.read_source()
 
 
+@functools.lru_cache(maxsize=64)
+def template_variables(source: str) -> frozenset[str]:
+    """Names a template reads from its context (``jinja2.meta.find_undeclared_variables``)."""
+    import jinja2.meta
+
+    return frozenset(jinja2.meta.find_undeclared_variables(make_environment().parse(source)))
+
+
+def special_tokens_of(tokenizer: Any) -> dict[str, str]:
+    """``tokenizer.special_tokens_map`` (HF: the named special tokens that are set, as strings),
+    or the :data:`SPECIAL_TOKEN_NAMES` attributes that are not None for other tokenizers."""
+    if tokenizer is None:
+        return {}
+    named = getattr(tokenizer, "special_tokens_map", None)
+    if isinstance(named, Mapping):
+        return {k: str(v) for k, v in named.items() if k in SPECIAL_TOKEN_NAMES and v is not None}
+    return {k: str(getattr(tokenizer, k)) for k in SPECIAL_TOKEN_NAMES if getattr(tokenizer, k, None) is not None}
+
+
 def render_chat(
     spec: ChatTemplateSpec | str,
     messages: Sequence[Mapping[str, Any]],
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> str:
     """Render a conversation with a registered chat template.
@@ -269,8 +300,11 @@ def render_chat(
         messages: OpenAI / HF chat messages (see :func:`validate_messages`); not modified.
         tools: JSON-schema tool declarations (``{"type": "function", "function": {...}}``).
         add_generation_prompt: end with the template's open assistant turn.
+        tokenizer: the HF tokenizer whose named special tokens (``bos_token``, ``eos_token``,
+            ...) the template sees, as ``apply_chat_template`` passes them. Required when the
+            template reads one of them and ``kwargs`` does not give it.
         **kwargs: extra template variables (e.g. ``enable_thinking=False`` for Qwen3,
-            ``documents=[...]``).
+            ``documents=[...]``); they override special tokens of the same name.
 
     Returns:
         The rendered text, identical to ``tokenizer.apply_chat_template(messages, tools=tools,
@@ -278,15 +312,23 @@ def render_chat(
 
     Raises:
         ChatTemplateError: malformed messages/tools (naming ``messages[i]``), a template that
-            does not parse, or a template that calls ``raise_exception``.
+            does not parse, a template that calls ``raise_exception``, or one that reads a
+            special token (``{{ bos_token }}``) while no tokenizer was given.
         UnknownModelError: ``spec`` is a name no plugin registered.
     """
     import jinja2
 
     spec = _resolve_spec(spec)
     validate_messages(messages, tools)
-    template = compile_template(_source(spec))
-    variables = {"documents": None, **kwargs}
+    source = _source(spec)
+    template = compile_template(source)
+    special = special_tokens_of(tokenizer)
+    wanted = sorted((template_variables(source) & set(SPECIAL_TOKEN_NAMES)) - set(special) - set(kwargs))
+    if wanted and tokenizer is None:
+        raise ChatTemplateError(f"chat template {spec.name!r} writes {', '.join(wanted)}, which come from the "
+                                "tokenizer; pass tokenizer= (as tokenizer.apply_chat_template does) or give "
+                                "them as keyword arguments.")
+    variables = {**special, "documents": None, **kwargs}
     try:
         return template.render(
             messages=_template_messages(messages),
@@ -316,9 +358,12 @@ def render_chat_ids(
     add_generation_prompt: bool = False,
     **kwargs: Any,
 ) -> RenderedChat:
-    """:func:`render_chat` followed by :func:`encode_rendered`. Raises what those raise."""
+    """:func:`render_chat` (with ``tokenizer``'s special tokens) followed by :func:`encode_rendered`.
+    The ids equal ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=...,
+    **kwargs)`` with the same template. Raises what those raise."""
     spec = _resolve_spec(spec)
-    text = render_chat(spec, messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    text = render_chat(spec, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                       tokenizer=tokenizer, **kwargs)
     return RenderedChat(text=text, token_ids=tuple(encode_rendered(tokenizer, text)), template=spec.name)
 
 

@@ -36,6 +36,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("train", "ferrule.rl.cli_train:train_command"),
     ("plot", "ferrule.rl.cli_plot:plot_command"),
     ("check", "ferrule.cli_check:check_command"),
+    ("export", "ferrule.rl.export:export_command"),
 )
 
 

@@ -136,17 +136,21 @@ def render_cmd(
     from rich.console import Console
     from rich.rule import Rule
 
-    from ferrule.chat import ChatTemplateError, encode_rendered, render_chat, stop_token_ids
+    from ferrule.chat import (SPECIAL_TOKEN_NAMES, ChatTemplateError, encode_rendered, render_chat, stop_token_ids,
+                              template_variables)
 
     try:
         spec = _pick_template(family, template)
         messages, tools = read_conversation(file)
         extra = _parse_vars(var or [])
-        text = render_chat(spec, messages, tools=tools, add_generation_prompt=generation_prompt, **extra)
+        # the tokenizer's special tokens (bos_token, ...) are template variables, as in apply_chat_template
+        needs_tok = ids or bool(template_variables(spec.read_source()) & set(SPECIAL_TOKEN_NAMES))
+        tok = _load_tokenizer(tokenizer, spec) if needs_tok else None
+        text = render_chat(spec, messages, tools=tools, add_generation_prompt=generation_prompt, tokenizer=tok,
+                           **extra)
         token_ids: list[int] | None = None
         stops: tuple[int, ...] | None = None
         if ids:
-            tok = _load_tokenizer(tokenizer, spec)
             token_ids = encode_rendered(tok, text)
             stops = stop_token_ids(spec, tok)
     except (ChatTemplateError, ValueError, LookupError, ImportError, FileNotFoundError) as exc:

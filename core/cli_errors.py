@@ -30,8 +30,8 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.megatron.parallel:ParallelLayoutError",
     "ferrule.megatron.checkpoint:CheckpointMismatchError",
     "ferrule.rl.tasks:PromptFileError",
-    "ferrule.assets:AssetError",
-    "ferrule.converters.safetensors_io:CheckpointError",
+    "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
+    "ferrule.rl.rewards:RewardError",                     # a reward function raised on every sample of a step
     "ferrule.converters.checkpoint:ConversionError",
     # dist_checkpointing errors that reach the CLI without going through load_sharded
     "torch.distributed.checkpoint.api:CheckpointException",   # a BaseException

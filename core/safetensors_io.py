@@ -109,6 +109,8 @@ class SafetensorsReader:
             return
         elif (path / SINGLE_FILE).is_file():
             files = [path / SINGLE_FILE]
+        elif not path.exists():
+            raise CheckpointError(f"HF checkpoint directory {path} does not exist.")
         else:
             found = sorted(p.name for p in path.glob("*.safetensors")) if path.is_dir() else []
             raise CheckpointError(

@@ -262,3 +262,106 @@ def test_resume_with_more_steps_replans_the_decay_and_a_shrunk_data_set_is_a_cli
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "num_prompts=64" in errors[0] and "num_prompts=40" in errors[0], res.stderr[-2000:]
     assert len(read_metrics(run_dir / "metrics.jsonl")) == 6  # nothing was trained or truncated
+
+
+REWARD_MODULE = '''
+def picky(response, prompt):
+    """1 for a final 7; raises like a strict verifier on responses holding a letter a-m."""
+    bad = [c for c in response if c in "abcdefghijklm"]
+    if bad:
+        raise ValueError(f"cannot parse {bad[0]!r}")
+    return 1.0 if response.strip().endswith("7") else 0.0
+
+
+def broken(response, prompt):
+    raise TypeError("this reward function is broken")
+'''
+
+
+@pytest.mark.timeout(180)
+def test_reward_function_failures_are_scored_counted_and_a_broken_function_stops(assets, config_file, tmp_path,
+                                                                                  monkeypatch):
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+    from ferrule.rl.metrics import read_metrics
+    from ferrule.rl.rewards import RewardError
+
+    (tmp_path / "e2e_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["checkpoint.enabled=false", "logging.plot_at_end=false", "reward.failure_reward=-1"]
+    run_dir = tmp_path / "picky"
+    result = train(load_config(config_file, _overrides(assets, run_dir, 2) + common +
+                               ["reward.function=e2e_rewards:picky"]))
+    assert result.last_step == 2
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for e in read_metrics(run_dir / "metrics.jsonl"):
+        step = [s for s in samples if s["step"] == e["step"]]
+        failed = [s for s in step if any(c in "abcdefghijklm" for c in s["response"])]  # independent of ferrule
+        assert 0 < len(failed) < len(step)
+        assert e["reward_errors"] == len(failed) and e["reward_error_types"] == {"ValueError": len(failed)}
+        assert all(s["reward"] == -1.0 and s["reward_error"].startswith("ValueError: cannot parse") for s in failed)
+        assert all("reward_error" not in s for s in step if s not in failed)
+
+    with pytest.raises(RewardError, match="step 1: the reward function raised on all 32 samples.*TypeError"):
+        train(load_config(config_file, _overrides(assets, tmp_path / "broken", 2) + common +
+                          ["reward.function=e2e_rewards:broken"]))
+    assert not (tmp_path / "broken" / "samples.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_file, tmp_path):
+    """``ferrule export RUN_DIR OUT`` (latest step by default) gives a folder transformers loads with the
+    trained weights, the source's generation config (two EOS ids) and its tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.export import ExportError, find_run_checkpoint
+    from ferrule.rl.loop import GRPOTrainer
+
+    src = tmp_path / "model"
+    shutil.copytree(assets / "model", src)
+    gen = GenerationConfig.from_pretrained(src)
+    gen.eos_token_id = [3, 1]  # <|im_end|>, <|endoftext|>: two EOS ids, as Qwen2.5-Instruct has
+    gen.save_pretrained(src)
+    run_dir = tmp_path / "run"
+    cfg = load_config(config_file, _overrides(assets, run_dir, 2) + [
+        f"model.hf_dir={src}", "checkpoint.interval=1", "checkpoint.keep=0", "logging.plot_at_end=false"])
+    trainer = GRPOTrainer(cfg, check_weight_update_equal=True)  # the rollout engine holds exactly the trained weights
+    trainer.run()
+    trained = {k: v.clone() for k, v in trainer.rollout.get_hf_state_dict().items()}
+    hf_files = sorted(p.name for p in (run_dir / "checkpoints" / "step_000002" / "engine" / "hf").iterdir())
+    assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json", "config.json"} <= set(hf_files)
+
+    assert find_run_checkpoint(run_dir)[0] == 2 and find_run_checkpoint(run_dir, 1)[0] == 1
+    with pytest.raises(ExportError, match=r"no checkpoint of step 7 .*steps \[1, 2\]"):
+        find_run_checkpoint(run_dir, 7)
+    with pytest.raises(ExportError, match="does not exist"):
+        find_run_checkpoint(tmp_path / "nope")
+
+    out = tmp_path / "exported"
+    env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
+    launcher = "import typer; from ferrule.rl.export import export_command; typer.run(export_command)"
+    res = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "exported step 2" in res.stderr
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == [3, 1]
+    assert GenerationConfig.from_pretrained(out).to_dict() == GenerationConfig.from_pretrained(src).to_dict()
+    tok, ref_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    assert tok("say 7\n").input_ids == ref_tok("say 7\n").input_ids and tok.eos_token == ref_tok.eos_token
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) <= set(trained)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0)
+    original = load_file(src / "model.safetensors")
+    assert any(not torch.equal(original[k], exported[k]) for k in exported)  # training moved the weights
+
+    again = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr

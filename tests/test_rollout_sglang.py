@@ -34,7 +34,7 @@ from ferrule.rollout.sglang import (
 
 # Field names copied from SGLang's dataclasses (see module docstring) -- the contract we build against.
 GENERATE_REQ_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream", "lora_path"}
-SGLANG_SAMPLING_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "ignore_eos",
+SGLANG_SAMPLING_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "ignore_eos",
                           "skip_special_tokens", "no_stop_trim", "n", "sampling_seed"}
 REQS = [GenerateRequest((1, 2, 3), request_id="a"), GenerateRequest((4, 5), request_id="b")]
 

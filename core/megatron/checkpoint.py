@@ -9,6 +9,7 @@ Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpo
       engine_state.json                                    step counters, Adam step, settings
       rng/rank_<R>.pt                                      each rank's RNG states
       hf/config.json                                       the HF config the model was built from
+      hf/generation_config.json, hf/tokenizer*             copied from the source HF folder (those present)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict(), "optimizer":
 MegatronOptimizer.sharded_state_dict(...), "scheduler": OptimizerParamScheduler.state_dict()}``
@@ -206,8 +207,12 @@ def _broadcast_str(value: str | None) -> str:
 
 def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
                         engine_state: dict, checkpoint_meta: dict, hf_config: dict,
-                        overwrite: bool = True) -> Path:
+                        overwrite: bool = True, hf_files_dir: str | os.PathLike | None = None) -> Path:
     """Write model + optimizer + scheduler + RNG + counters to ``path`` atomically (all ranks call).
+
+    ``hf/config.json`` is ``hf_config``; the other HF side files
+    (:data:`ferrule.converters.checkpoint.HF_SIDE_FILES`: generation config, tokenizer files, chat
+    template) present in ``hf_files_dir`` are copied next to it.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False (raised on every rank).
@@ -238,6 +243,12 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
         if _rank() == 0:
             (tmp / "hf").mkdir(exist_ok=True)
+            if hf_files_dir is not None:
+                from ferrule.converters.checkpoint import HF_SIDE_FILES
+
+                for name in HF_SIDE_FILES:
+                    if name != "config.json" and (Path(hf_files_dir) / name).is_file():
+                        shutil.copy2(Path(hf_files_dir) / name, tmp / "hf" / name)
             (tmp / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, default=str) + "\n")
             (tmp / "ferrule_checkpoint.json").write_text(json.dumps(checkpoint_meta, indent=2) + "\n")
             (tmp / ENGINE_STATE_FILE).write_text(json.dumps(engine_state, indent=2) + "\n")

@@ -111,7 +111,12 @@ class TrainEngine:
         mapping_table: the family's mapping table; ``update_groups``: its update-group table
             (what weight sync needs; taken from the registry at build time unless given).
         step: number of applied optimizer steps (skipped steps not counted).
+        hf_files_dir: the folder whose generation config and tokenizer files every :meth:`save`
+            copies into the checkpoint's ``hf/`` (set by :meth:`from_hf` / :meth:`from_torch_dist`
+            to the source; None: only ``config.json`` is written).
     """
+
+    hf_files_dir: Path | None = None
 
     def __init__(self, model_chunks: Sequence[Any], *, hf_config: Mapping[str, Any], family: str,
                  mapping_table: Any, layout: ParallelLayout, optimizer: OptimizerSettings | None = None,
@@ -240,8 +245,10 @@ class TrainEngine:
         hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
         family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
         load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config)
-        return cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
-                   optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch)
+        engine = cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
+                     optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch)
+        engine.hf_files_dir = Path(hf_dir).absolute()
+        return engine
 
     @classmethod
     def from_torch_dist(cls, ckpt_dir: str | Path, layout: ParallelLayout | None = None, *,
@@ -266,6 +273,7 @@ class TrainEngine:
         if load_optimizer is None:
             load_optimizer = (ckpt_dir / ENGINE_STATE_FILE).is_file()
         engine.load(ckpt_dir, load_optimizer=load_optimizer)
+        engine.hf_files_dir = cfg_file.parent.absolute()
         return engine
 
     # ------------------------------------------------------------------ input checks
@@ -580,7 +588,9 @@ class TrainEngine:
 
     def save(self, path: str | Path, *, overwrite: bool = True) -> Path:
         """Save model, optimizer (incl. Adam's step), scheduler, RNG and counters atomically
-        (torch_dist; :mod:`ferrule.megatron.checkpoint`). Gradients of an open accumulation
+        (torch_dist; :mod:`ferrule.megatron.checkpoint`), with the source's generation config and
+        tokenizer files (:attr:`hf_files_dir`) under ``hf/``, so ``ferrule export`` /
+        ``torch_dist_to_hf`` make a complete HF folder of it. Gradients of an open accumulation
         window are not saved. All ranks call it. Returns the absolute path."""
         from .checkpoint import save_training_state
 
@@ -589,7 +599,7 @@ class TrainEngine:
                 "contents": "engine (model, optimizer, scheduler, rng)"}
         return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                    engine_state=self._engine_state(), checkpoint_meta=meta, hf_config=self.hf_config,
-                                   overwrite=overwrite)
+                                   overwrite=overwrite, hf_files_dir=self.hf_files_dir)
 
     def load(self, path: str | Path, *, load_optimizer: bool = True) -> dict:
         """Load a :meth:`save` checkpoint (any TP/PP/DP for the weights; the distributed

@@ -42,8 +42,17 @@ def list_checkpoints(ckpt_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]
     return sorted(out)
 
 
+def _default(section: str, key: str) -> Any:
+    from ferrule.rl.config import config_from_dict
+
+    return config_from_dict({}, validate=False).to_dict().get(section, {}).get(key)
+
+
 def config_differences(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
-    """``section.key`` entries that differ between two config dicts, except :data:`RESUME_MUTABLE`."""
+    """``section.key`` entries that differ between two config dicts, except :data:`RESUME_MUTABLE`.
+
+    A key missing from ``old`` (a checkpoint written before the key existed) counts as its default.
+    """
     diffs = []
     for section in sorted(set(old) | set(new)):
         for key in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
@@ -51,6 +60,8 @@ def config_differences(old: dict[str, dict[str, Any]], new: dict[str, dict[str, 
             if any(dotted == m or (m.endswith(".") and dotted.startswith(m)) for m in RESUME_MUTABLE):
                 continue
             a, b = old.get(section, {}).get(key), new.get(section, {}).get(key)
+            if key not in old.get(section, {}):
+                a = _default(section, key)
             if a != b:
                 diffs.append(f"{dotted}: checkpointed run has {a!r}, this config has {b!r}")
     return diffs

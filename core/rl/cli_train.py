@@ -3,12 +3,14 @@
 Mounted by ``ferrule.cli`` with ``app.command("train")(train_command)``.
 
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
-the run; a bad path or checkpoint: :data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by
-Ctrl-C (after saving a checkpoint when ``checkpoint.save_on_interrupt``); 1 other errors.
+the run; a bad path or checkpoint; a reward function that raised on every sample of a step:
+:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C (after saving a checkpoint when
+``checkpoint.save_on_interrupt``); 1 other errors.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -65,6 +67,10 @@ def train_command(
     from ferrule.cli_errors import print_user_error, user_error_message
     from ferrule.rl.config import ConfigError
 
+    t_start = time.monotonic()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model "Loading weights" bars; the run has its own progress display
     console = Console(stderr=True, soft_wrap=True)
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
@@ -91,12 +97,12 @@ def train_command(
             raise
         print_user_error(message)
         raise typer.Exit(2) from None
-    last = result.metrics[-1] if result.metrics else {}
-    summary = f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}"
-    if "reward_mean" in last:
-        summary += f", last reward_mean {last['reward_mean']:.3f}"
+    from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
+
+    summary = (f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}; "
+               + run_summary(read_metrics(result.run_dir / METRICS_FILE), wall_s=time.monotonic() - t_start))
     if result.plot:
-        summary += f", reward curve {result.plot}"
+        summary += f"; reward curve {result.plot}"
     console.print(summary, highlight=False, markup=False)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)

@@ -107,6 +107,9 @@ class DataConfig:
     prompt_template: str = _f("{question}", "Python format string for the user message; the only "
                                             "field is {question}.")
     chat_template: str = _f("", "Chat template name from the plugin registry; empty: the family's default.")
+    chat_template_kwargs: dict[str, Any] = _f({}, "Extra chat-template variables, passed as "
+                                                  "tokenizer.apply_chat_template(**kwargs) would (e.g. "
+                                                  "{enable_thinking: false} turns Qwen3 thinking off).")
     answer_extraction: Literal["answer_tag", "last_number", "last_line", "full"] = _f(
         "answer_tag", "How the answer is taken from a response: last <answer>...</answer> block, last "
                       "number, last non-empty line, or the whole stripped text.")
@@ -122,6 +125,14 @@ class RewardConfig:
     kwargs: dict[str, Any] = _f({}, "Keyword arguments passed to a custom reward function.")
     format_reward: float = _f(0.0, "Added to the reward when the answer could be extracted "
                                    "(e.g. an <answer> block is present).", "reward")
+    mode: Literal["task_score", "exact"] = _f(
+        "task_score", "task_score: the reward is the task's own score, which may give partial credit "
+                      "(basic_arithmetic scores a sign error 0.5); exact: 1 only when that score is 1, "
+                      "else 0. Both the score and accuracy are logged either way.")
+    failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
+                                    "that cannot parse a junk answer); the run goes on, counting "
+                                    "reward_errors. A function raising on every sample of a step stops "
+                                    "the run.", "reward")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import string
 import typing
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,10 @@ def validate_config(cfg: RLConfig) -> list[str]:
                      f"field, got fields {fields}; write literal braces as {{{{ }}}}")
     except ValueError as exc:
         p.append(f"data.prompt_template: not a valid format string ({exc})")
+    reserved = sorted(set(d.chat_template_kwargs) & {"messages", "add_generation_prompt", "tokenizer"})
+    if reserved:
+        p.append(f"data.chat_template_kwargs: {reserved} are set by the loop (the prompt's messages, an open "
+                 "assistant turn, the checkpoint's tokenizer); remove them")
     if d.max_prompt_tokens < 1:
         p.append(f"data.max_prompt_tokens: must be >= 1, got {d.max_prompt_tokens}")
 
@@ -106,6 +111,9 @@ def validate_config(cfg: RLConfig) -> list[str]:
                      f"({', '.join(BUILTIN_REWARDS)}) nor 'module:attr'; {_near(rw.function, list(BUILTIN_REWARDS))}")
     elif rw.kwargs:
         p.append("reward.kwargs: only passed to a custom 'module:attr' reward; remove it")
+    for key in ("format_reward", "failure_reward"):
+        if not math.isfinite(getattr(rw, key)):
+            p.append(f"reward.{key}: must be finite, got {getattr(rw, key)}")
 
     # algorithm
     if a.advantage_eps <= 0:
@@ -141,7 +149,7 @@ def validate_config(cfg: RLConfig) -> list[str]:
     decay_steps = o.lr_decay_steps or t.steps
     if o.lr_warmup_steps < 0 or o.lr_decay_steps < 0:
         p.append("optimizer.lr_warmup_steps / lr_decay_steps: must be >= 0")
-    elif o.lr_warmup_steps > decay_steps:
+    elif o.lr_warmup_steps > decay_steps and decay_steps >= 1:  # train.steps < 1 is reported once, below
         p.append(f"optimizer.lr_warmup_steps: {o.lr_warmup_steps} exceeds the schedule length "
                  f"{decay_steps} (lr_decay_steps or train.steps); set optimizer.lr_warmup_steps<={decay_steps} "
                  f"or raise train.steps")

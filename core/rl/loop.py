@@ -3,12 +3,16 @@
 One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` samples each):
 
 1. **Prompts**: the next prompts of the resumable :class:`~ferrule.rl.tasks.PromptSampler`,
-   rendered with the family's chat template (``add_generation_prompt=True``) and tokenized.
+   rendered with the family's chat template (``add_generation_prompt=True``, the tokenizer's
+   special tokens and ``data.chat_template_kwargs``, as ``apply_chat_template``) and tokenized.
 2. **Rollout**: the rollout engine samples ``n`` responses per prompt with seed
    ``sha256("ferrule-rollout:{train.seed}:{step}")`` (so a resumed run samples what an
    uninterrupted one would); generation stops at the template's stop tokens, EOS or
    ``max_new_tokens``. The engine also returns the temperature-1 logprobs of the sampled tokens.
-3. **Rewards**: decoded responses -> answer extraction -> the task's verifier (+ format reward).
+3. **Rewards**: decoded responses -> answer extraction -> the task's verifier -> ``reward.mode``
+   (+ format reward). A sample whose reward function raises gets ``reward.failure_reward`` and
+   is counted (``reward_errors``); a step where every sample raised stops the run
+   (:mod:`ferrule.rl.rewards`).
 4. **Advantages**: group-normalized (:func:`~ferrule.rl.advantages.grpo_advantages`), one per
    sample, broadcast over its response tokens.
 5. **Old / reference logprobs**: with ``algorithm.use_tis`` or several optimizer steps per
@@ -55,11 +59,14 @@ import numpy as np
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.run_checks import check_supported, preflight
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
-           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE"]
+           "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
 
 SAMPLES_FILE = "samples.jsonl"
+#: Reward-function failures printed per run (every one is counted in the metrics).
+MAX_SHOWN_REWARD_FAILURES = 5
 
 
 def rollout_seed(seed: int, step: int, salt: str = "rollout") -> int:
@@ -68,23 +75,17 @@ def rollout_seed(seed: int, step: int, salt: str = "rollout") -> int:
     return int.from_bytes(digest[:8], "big") % (2**63)
 
 
-def check_supported(cfg: RLConfig) -> None:
-    """Raise :class:`ConfigError` for settings the loop does not implement (yet)."""
-    p = []
-    a = cfg.algorithm
-    if a.kl_coef > 0 and a.kl_estimator != "k3":
-        p.append(f"algorithm.kl_estimator: {a.kl_estimator!r} is not implemented as a loss term "
-                 "(ferrule.losses uses k3); set algorithm.kl_estimator=k3")
-    if a.entropy_coef > 0:
-        p.append("algorithm.entropy_coef: an entropy bonus is not implemented by the train engine; set it to 0 "
-                 "(entropy is still reported)")
-    if cfg.rollout.engine != "embedded":
-        p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop yet; use embedded")
-    for key in ("tp", "pp", "ep"):
-        if getattr(cfg.parallel, key) != 1:
-            p.append(f"parallel.{key}: the loop runs in one process; multi-rank training is not implemented, set 1")
-    if p:
-        raise ConfigError(p)
+def prompt_token_ids(template: Any, tokenizer: Any, messages: Any,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """Token ids of one prompt: the chat template with an open assistant turn, rendered with the
+    tokenizer's special tokens and ``data.chat_template_kwargs`` (``tools`` goes to ``tools=``),
+    i.e. ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)``."""
+    from ferrule.chat import render_chat_ids
+
+    extra = dict(chat_template_kwargs or {})
+    tools = extra.pop("tools", None)
+    return render_chat_ids(template, tokenizer, list(messages), tools=tools, add_generation_prompt=True,
+                           **extra).token_ids
 
 
 @dataclass
@@ -126,6 +127,7 @@ class GRPOTrainer:
 
         check_supported(cfg)
         cfg.check_paths()
+        preflight(cfg)
         self.cfg = cfg
         self.check_equal = check_weight_update_equal
         self.console = console or Console(stderr=True, soft_wrap=True)
@@ -133,6 +135,7 @@ class GRPOTrainer:
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self._stop_requested = False
         self._setup_done = False
+        self._reward_failures_shown = 0
 
     # ------------------------------------------------------------------ setup
     def _log(self, text: str) -> None:
@@ -217,12 +220,9 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ pieces
     def _prompt_ids(self, prompt: Any, kind: str) -> tuple[int, ...]:
-        from ferrule.chat import encode_rendered, render_chat
-
         key = (kind, prompt.index)
         if key not in self._prompt_cache:
-            text = render_chat(self.template, list(prompt.messages), add_generation_prompt=True)
-            ids = tuple(encode_rendered(self.tokenizer, text))
+            ids = prompt_token_ids(self.template, self.tokenizer, prompt.messages, self.cfg.data.chat_template_kwargs)
             if len(ids) > self.cfg.data.max_prompt_tokens:
                 raise ConfigError([f"data.max_prompt_tokens: prompt {prompt.id!r} renders to {len(ids)} tokens > "
                                    f"{self.cfg.data.max_prompt_tokens}; raise data.max_prompt_tokens (and "
@@ -245,7 +245,7 @@ class GRPOTrainer:
         return results, texts
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        from ferrule.rl.rewards import score_responses
+        from ferrule.rl.rewards import reward_error_metrics
 
         e = self.cfg.eval
         prompts = [self.eval_source[i] for i in range(len(self.eval_source))]
@@ -253,9 +253,32 @@ class GRPOTrainer:
         results, texts = self._generate(prompts, ids, n=1, temperature=e.temperature,
                                         max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                         seed=rollout_seed(self.cfg.train.seed, step, "eval"))
-        rewards = score_responses(self.eval_reward_fn, texts, prompts)
-        return {"eval_reward_mean": float(np.mean([r.reward for r in rewards])),
-                "eval_accuracy": float(np.mean([r.correct for r in rewards]))}
+        rewards = self._score(self.eval_reward_fn, texts, prompts, f"evaluation at step {step}")
+        out = {"eval_reward_mean": float(np.mean([r.reward for r in rewards])),
+               "eval_accuracy": float(np.mean([r.correct for r in rewards]))}
+        out.update(reward_error_metrics(rewards, prefix="eval_"))
+        return out
+
+    def _score(self, reward_fn: Any, texts: list[str], prompts: list[Any], where: str) -> list[Any]:
+        """Rewards with failures scored as ``reward.failure_reward``; the first few are printed; a step
+        whose every sample failed raises :class:`~ferrule.rl.rewards.RewardError`."""
+        from ferrule.rl.rewards import check_reward_failures, describe_failure, score_responses
+
+        rewards = score_responses(reward_fn, texts, prompts, failure_reward=self.cfg.reward.failure_reward)
+        check_reward_failures(rewards, texts, prompts, where)
+        for r, text, prompt in zip(rewards, texts, prompts):
+            if r.error_type is not None and self._reward_failures_shown < MAX_SHOWN_REWARD_FAILURES:
+                self._reward_failures_shown += 1
+                self._log(f"{where}: reward function failed, sample scored {self.cfg.reward.failure_reward} "
+                          f"({self._reward_failures_shown}/{MAX_SHOWN_REWARD_FAILURES} shown; all are counted in "
+                          f"reward_errors): {describe_failure(r, text, prompt)}")
+        return rewards
+
+    def _log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        errors = metrics.get("eval_reward_errors") or 0
+        self._log(f"eval at step {step}: accuracy {metrics['eval_accuracy']:.3f}, reward "
+                  f"{metrics['eval_reward_mean']:.3f} on {len(self.eval_source)} held-out prompts"
+                  + (f" ({errors} reward errors)" if errors else ""))
 
     def _sync(self) -> float:
         from ferrule.sync import sync_weights
@@ -274,7 +297,7 @@ class GRPOTrainer:
         from ferrule.rl.batch import (Sample, build_datums, loss_fn_config, response_slice, sequence_datum,
                                       split_groups)
         from ferrule.rl.metrics import rollout_metrics
-        from ferrule.rl.rewards import score_responses
+        from ferrule.rl.rewards import reward_error_metrics
 
         cfg, ro, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         n = ro.n_samples_per_prompt
@@ -284,7 +307,7 @@ class GRPOTrainer:
         results, texts = self._generate(prompts, prompt_ids, n=n, temperature=ro.temperature,
                                         max_new_tokens=ro.max_new_tokens, seed=rollout_seed(cfg.train.seed, step))
         t_rollout = time.perf_counter() - t_step
-        rewards = score_responses(self.reward_fn, texts, [prompts[r.prompt_index] for r in results])
+        rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
         samples = [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
                           rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
                           truncated=r.finish_reason == "length") for r in results]
@@ -338,6 +361,8 @@ class GRPOTrainer:
         metrics: dict[str, Any] = rollout_metrics(
             reward_values, group_size=n, response_lengths=lengths, correct=[r.correct for r in rewards],
             format_ok=[r.format_ok for r in rewards], truncated=[s.truncated for s in samples])
+        metrics["task_score_mean"] = float(np.mean([r.score if r.score is not None else 0.0 for r in rewards]))
+        metrics.update(reward_error_metrics(rewards))
         have = [i for i, lp in enumerate(trainer_lp) if lp is not None]
         diff = torch.cat([(trainer_lp[i] - rollout_lp[i]).abs() for i in have]) if have else torch.zeros(1)
         ppo_kl = ppo_kl_num / max(ppo_kl_den, 1)
@@ -375,7 +400,9 @@ class GRPOTrainer:
         metrics["tokens_per_s"] = gen_tokens / max(t_total, 1e-9)
         logged = [{"step": step, "prompt_id": prompts[r.prompt_index].id, "sample": r.sample_index,
                    "response": texts[i], "answer": prompts[r.prompt_index].answer, "extracted": rewards[i].extracted,
-                   "reward": rewards[i].reward, "correct": rewards[i].correct, "advantage": float(adv[i])}
+                   "reward": rewards[i].reward, "score": rewards[i].score, "correct": rewards[i].correct,
+                   "advantage": float(adv[i]),
+                   **({"reward_error": f"{rewards[i].error_type}: {rewards[i].error}"} if rewards[i].error_type else {})}
                   for i, r in enumerate(results[:cfg.logging.log_samples])]
         return metrics, logged
 
@@ -480,10 +507,14 @@ class GRPOTrainer:
                                       console=self.console) as bar:
                 if start == 0 and self.eval_source is not None:
                     logged.append(logger.log(0, self._evaluate(0)))
+                    self._log_eval(0, logged[-1])
+                    bar.restart_clock()
                 while step < cfg.train.steps:
                     step += 1
                     metrics, samples = self.train_step(step)
                     logged.append(logger.log(step, metrics))
+                    if "eval_accuracy" in metrics:
+                        self._log_eval(step, metrics)
                     if samples:
                         with open(self.run_dir / SAMPLES_FILE, "a") as f:
                             f.writelines(json.dumps(s) + "\n" for s in samples)

@@ -27,11 +27,17 @@ METRICS_FILE = "metrics.jsonl"
 
 #: Standard metric names -> (unit, description). The loop should log these names.
 METRICS: dict[str, tuple[str, str]] = {
-    "reward_mean": ("reward", "mean reward over all samples of the step"),
+    "reward_mean": ("reward", "mean reward over all samples of the step (per reward.mode, + format reward)"),
     "reward_std": ("reward", "std of the reward over all samples of the step"),
     "reward_group_std_mean": ("reward", "mean over groups of the within-group reward std (GRPO signal; 0 "
                                         "means no learning signal)"),
-    "accuracy": ("fraction", "fraction of samples whose verifier score reached 1"),
+    "accuracy": ("fraction", "fraction of samples whose verifier score reached 1 (the mean reward of "
+                             "reward.mode=exact)"),
+    "task_score_mean": ("score", "mean task score before reward.mode and format reward (partial credit "
+                                 "included; failed samples count 0)"),
+    "reward_errors": ("samples", "samples whose reward function raised (scored reward.failure_reward)"),
+    "reward_error_types": ("", "{exception type: count} of those samples (only when > 0)"),
+    "eval_reward_errors": ("samples", "held-out samples whose reward function raised (eval steps only)"),
     "format_rate": ("fraction", "fraction of samples whose answer could be extracted"),
     "response_length_mean": ("tokens", "mean response length"),
     "response_length_max": ("tokens", "longest response"),
@@ -160,7 +166,7 @@ class MetricsLogger:
         if resume_step is None:
             if existing and not overwrite:
                 raise FileExistsError(f"{self.path} already has {len(existing)} entries; resume the run "
-                                      "(checkpoint.resume=true) or choose a new logging.run_dir")
+                                      "(--resume, i.e. checkpoint.resume=true) or choose a new logging.run_dir")
             kept: list[dict[str, Any]] = []
         else:
             kept = [e for e in existing if e.get("step", -1) <= resume_step]
@@ -237,6 +243,51 @@ def eta_seconds(elapsed_s: float, steps_done: int, steps_left: int) -> float | N
     return elapsed_s / steps_done * max(steps_left, 0)
 
 
+#: Weight of the newest step duration in the ETA's exponential moving average: the ETA follows a
+#: lasting change of speed (other jobs on the machine) within a few steps without jumping on one
+#: slow step (an evaluation, a checkpoint save).
+ETA_SMOOTHING = 0.3
+
+
+def smoothed_step_time(durations: Sequence[float], alpha: float = ETA_SMOOTHING) -> float | None:
+    """Exponential moving average of step durations (seconds): ``m_1 = d_1``,
+    ``m_k = alpha * d_k + (1 - alpha) * m_{k-1}``; None for no steps."""
+    mean = None
+    for d in durations:
+        mean = d if mean is None else alpha * d + (1 - alpha) * mean
+    return mean
+
+
+def run_summary(entries: Sequence[Mapping[str, Any]], wall_s: float | None = None, window: int = 5) -> str:
+    """One-paragraph summary of a run's metrics.jsonl entries (step 0 = the initial evaluation).
+
+    Reports the mean ``reward_mean`` and ``accuracy`` of the last ``window`` steps (one step's
+    value is noisy), the peak ``reward_mean`` and its step, the last ``eval_accuracy`` and its
+    step, and the wall time.
+    """
+    def num(e: Mapping[str, Any], key: str) -> float | None:
+        v = e.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    train = [e for e in entries if e.get("step", 0) > 0 and num(e, "reward_mean") is not None]
+    parts = []
+    if train:
+        tail = train[-window:]
+        span = f"steps {tail[0]['step']}-{tail[-1]['step']}" if len(tail) > 1 else f"step {tail[0]['step']}"
+        parts.append(f"reward_mean {np.mean([num(e, 'reward_mean') for e in tail]):.3f} (mean of {span})")
+        acc = [num(e, "accuracy") for e in tail if num(e, "accuracy") is not None]
+        if acc:
+            parts.append(f"accuracy {np.mean(acc):.3f}")
+        peak = max(train, key=lambda e: num(e, "reward_mean"))
+        parts.append(f"peak reward_mean {num(peak, 'reward_mean'):.3f} at step {peak['step']}")
+    evals = [e for e in entries if num(e, "eval_accuracy") is not None]
+    if evals:
+        parts.append(f"last eval_accuracy {num(evals[-1], 'eval_accuracy'):.3f} (step {evals[-1]['step']})")
+    if wall_s is not None:
+        parts.append(f"wall time {format_duration(wall_s)}")
+    return ", ".join(parts) if parts else "no steps logged"
+
+
 def format_duration(seconds: float | None) -> str:
     """``"1:02:03"`` / ``"2:03"`` / ``"?"``."""
     if seconds is None or not math.isfinite(seconds):
@@ -250,9 +301,11 @@ def format_duration(seconds: float | None) -> str:
 class StepProgress:
     """Rich progress bar over RL steps with ETA and the latest reward/accuracy.
 
-    ``with StepProgress(total_steps, start_step) as bar: bar.update(step, metrics)``. The ETA
-    uses only steps run in this process (a resumed run does not count restored steps). Without a
-    TTY it prints one plain line per step instead; ``enabled=False`` prints nothing.
+    ``with StepProgress(total_steps, start_step) as bar: bar.update(step, metrics)``. The ETA is
+    the :func:`smoothed_step_time` of the steps run in this process (a resumed run does not count
+    restored steps) times the steps left; :meth:`restart_clock` excludes work before the first
+    step (the step-0 evaluation). Without a TTY it prints one plain line per step instead;
+    ``enabled=False`` prints nothing.
     """
 
     def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, console: Any = None):
@@ -261,7 +314,8 @@ class StepProgress:
         self.total, self.start = total_steps, start_step
         self.enabled = enabled
         self.console = console or Console(stderr=True)
-        self._t0 = time.monotonic()
+        self._last = time.monotonic()
+        self._step_time: float | None = None
         self._progress = None
         self._task = None
 
@@ -275,10 +329,17 @@ class StepProgress:
             self._task = self._progress.add_task("train", total=self.total, completed=self.start, info="")
         return self
 
+    def restart_clock(self) -> None:
+        """Start timing the next step now (work done since the last update is not a step)."""
+        self._last = time.monotonic()
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> str:
         """Advance to ``step`` (1-based, completed steps) and show a summary; return the text."""
-        done = step - self.start
-        eta = eta_seconds(time.monotonic() - self._t0, done, self.total - step)
+        now = time.monotonic()
+        self._step_time = smoothed_step_time([now - self._last] if self._step_time is None else
+                                             [self._step_time, now - self._last])
+        self._last = now
+        eta = self._step_time * max(self.total - step, 0)
         parts = [f"step {step}/{self.total}"]
         for key, label in (("reward_mean", "reward"), ("accuracy", "acc"), ("response_length_mean", "len"),
                            ("kl", "kl")):

@@ -10,7 +10,23 @@ Builtins (``reward.function``):
   by ``metadata.source_dataset`` or exact match).
 - ``"exact_match"``: extract, then :func:`ferrule.rl.tasks.exact_match` against ``prompt.answer``.
 
-Both add ``format_reward`` when an answer could be extracted (``RewardResult.format_ok``).
+**Reward mode** (``reward.mode``). The verifier returns a *task score*, which for many
+reasoning-gym tasks gives partial credit (``basic_arithmetic`` scores the answer ``1`` to
+``7 - 6 = ?`` with 0.5, a sign error; ``coin_flip`` scores matching digit prefixes).
+``"task_score"`` uses that score as the reward; ``"exact"`` gives 1 only when the score is 1
+(:data:`CORRECT_THRESHOLD`) and 0 otherwise. Either way ``RewardResult.score`` keeps the task
+score and ``RewardResult.correct`` says whether it reached 1 (the ``accuracy`` metric), so both
+are logged. Both modes add ``format_reward`` when an answer could be extracted
+(``RewardResult.format_ok``).
+
+**Failures** (:func:`score_responses`). A verifier may raise on a malformed answer (reasoning-gym's
+``prime_factorization`` raises ``ValueError`` on ``'7i.s'``, ``coin_flip`` ``OverflowError`` on
+``'1e400'``, ``boxnet`` ``AttributeError`` on ``'[1, 2]'``). A policy's junk output must not stop a
+run: such a sample gets ``reward.failure_reward`` (0 by default), ``correct=False``, and the
+exception's type and message in ``RewardResult.error_type`` / ``error``. The loop counts them per
+step (``reward_errors`` and ``reward_error_types`` in metrics.jsonl) and prints the first few with
+their sample; :func:`check_reward_failures` stops the run when *every* sample of a step failed
+(a broken reward function, not a junk answer).
 
 **Custom functions** (``"package.module:attr"``) have the signature::
 
@@ -18,9 +34,11 @@ Both add ``format_reward`` when an answer could be extracted (``RewardResult.for
 
 ``response`` is the decoded response text without special tokens; ``prompt`` carries
 ``messages``, ``answer`` (may be None), ``entry`` (the raw record) and ``id``; ``kwargs`` are
-``reward.kwargs``. Returning a number means ``correct = reward >= 1`` and ``format_ok`` from the
-configured extraction; ``format_reward`` is added in both cases. The function must be
-deterministic and thread-safe (it may be called from a worker pool).
+``reward.kwargs``. A returned number is the task score (``reward.mode`` applies, ``correct =
+score >= 1``, ``format_ok`` from the configured extraction); a returned ``RewardResult`` is used
+as given (its ``reward``; ``reward.mode`` does not apply). ``format_reward`` is added in both
+cases. The function must be deterministic and thread-safe (it may be called from a worker
+pool); an exception it raises is a failed sample (see above).
 """
 
 from __future__ import annotations
@@ -33,8 +51,10 @@ from typing import Any
 
 from ferrule.rl.tasks import Prompt, PromptSource, exact_match, extract_answer
 
-#: A score at or above this counts as "correct" (accuracy metric).
+#: A score at or above this counts as "correct" (accuracy metric, and reward 1 in ``exact`` mode).
 CORRECT_THRESHOLD = 1.0 - 1e-9
+#: ``reward.mode`` values.
+REWARD_MODES = ("task_score", "exact")
 
 
 class RewardError(ValueError):
@@ -46,16 +66,23 @@ class RewardResult:
     """Reward of one response.
 
     Attributes:
-        reward: total scalar reward (verifier score + format reward), finite.
+        reward: total scalar reward (the mode's value of the score + format reward), finite.
         correct: the verifier score reached 1 (counted in the ``accuracy`` metric).
         format_ok: an answer could be extracted.
         extracted: the extracted answer, or None.
+        score: the task score before ``reward.mode`` and format reward (a custom
+            ``RewardResult`` without one: its ``reward``); None when the function raised.
+        error_type: the exception's class name when the reward function raised, else None.
+        error: ``str(exception)`` when it raised, else None.
     """
 
     reward: float
     correct: bool
     format_ok: bool
     extracted: str | None = None
+    score: float | None = None
+    error_type: str | None = None
+    error: str | None = None
 
 
 RewardFn = Callable[[str, Prompt], RewardResult]
@@ -98,9 +125,22 @@ def load_custom_reward(ref: str) -> Callable[..., Any]:
     return fn
 
 
+def apply_mode(score: float, mode: str) -> float:
+    """The reward of a task score: the score itself (``"task_score"``) or 1/0 (``"exact"``).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode == "task_score":
+        return score
+    if mode == "exact":
+        return 1.0 if score >= CORRECT_THRESHOLD else 0.0
+    raise ValueError(f"unknown reward mode {mode!r}; use one of {list(REWARD_MODES)}")
+
+
 def build_reward_fn(function: str = "task", *, source: PromptSource | None = None,
                     extraction: str = "answer_tag", format_reward: float = 0.0,
-                    kwargs: dict[str, Any] | None = None) -> RewardFn:
+                    kwargs: dict[str, Any] | None = None, mode: str = "task_score") -> RewardFn:
     """Build ``reward_fn(response, prompt) -> RewardResult``.
 
     Args:
@@ -109,12 +149,15 @@ def build_reward_fn(function: str = "task", *, source: PromptSource | None = Non
         extraction: answer extraction mode (``data.answer_extraction``).
         format_reward: added when an answer was extracted (``reward.format_reward``).
         kwargs: passed to a custom function (``reward.kwargs``).
+        mode: ``"task_score"`` or ``"exact"`` (``reward.mode``, module docstring).
 
     Raises:
         RewardError: ``"task"`` without a source, or a bad custom function (see
             :func:`load_custom_reward`).
+        ValueError: unknown extraction or reward mode.
     """
     extract_answer("", extraction)  # validates the mode early (ValueError)
+    apply_mode(0.0, mode)
     if function == "task":
         if source is None:
             raise RewardError("reward.function='task' needs the prompt source (its verifier)")
@@ -135,11 +178,12 @@ def build_reward_fn(function: str = "task", *, source: PromptSource | None = Non
             if isinstance(out, RewardResult):
                 _check_number(out.reward, function)
                 return RewardResult(out.reward + format_reward * out.format_ok, out.correct, out.format_ok,
-                                    out.extracted)
+                                    out.extracted, score=out.reward if out.score is None else out.score)
             value = _check_number(out, function)
             ans = extract_answer(response, extraction)
             fmt = ans is not None
-            return RewardResult(value + format_reward * fmt, value >= CORRECT_THRESHOLD, fmt, ans)
+            return RewardResult(apply_mode(value, mode) + format_reward * fmt, value >= CORRECT_THRESHOLD, fmt, ans,
+                                score=value)
 
         return reward_custom
 
@@ -147,7 +191,8 @@ def build_reward_fn(function: str = "task", *, source: PromptSource | None = Non
         ans = extract_answer(response, extraction)
         value = _check_number(score(ans, prompt), function)
         fmt = ans is not None
-        return RewardResult(value + format_reward * fmt, value >= CORRECT_THRESHOLD, fmt, ans)
+        return RewardResult(apply_mode(value, mode) + format_reward * fmt, value >= CORRECT_THRESHOLD, fmt, ans,
+                            score=value)
 
     return reward_builtin
 
@@ -155,15 +200,60 @@ def build_reward_fn(function: str = "task", *, source: PromptSource | None = Non
 def build_reward_fn_from_config(cfg: Any, source: PromptSource) -> RewardFn:
     """:func:`build_reward_fn` from an ``RLConfig`` (``cfg.reward`` and ``cfg.data``)."""
     return build_reward_fn(cfg.reward.function, source=source, extraction=cfg.data.answer_extraction,
-                           format_reward=cfg.reward.format_reward, kwargs=cfg.reward.kwargs)
+                           format_reward=cfg.reward.format_reward, kwargs=cfg.reward.kwargs, mode=cfg.reward.mode)
 
 
-def score_responses(reward_fn: RewardFn, responses: Sequence[str], prompts: Sequence[Prompt]) -> list[RewardResult]:
+def score_responses(reward_fn: RewardFn, responses: Sequence[str], prompts: Sequence[Prompt], *,
+                    failure_reward: float = 0.0) -> list[RewardResult]:
     """Rewards of a rollout batch; ``prompts[i]`` is the prompt of ``responses[i]``.
+
+    An ``Exception`` raised by ``reward_fn`` for one sample does not propagate: that sample
+    gets ``RewardResult(failure_reward, correct=False, format_ok=False, error_type=..., error=...)``
+    (module docstring). ``KeyboardInterrupt`` / ``SystemExit`` still propagate.
 
     Raises:
         ValueError: length mismatch.
     """
     if len(responses) != len(prompts):
         raise ValueError(f"{len(responses)} responses but {len(prompts)} prompts")
-    return [reward_fn(r, p) for r, p in zip(responses, prompts)]
+    out = []
+    for r, p in zip(responses, prompts):
+        try:
+            out.append(reward_fn(r, p))
+        except Exception as exc:  # a verifier that chokes on junk output: score the sample, keep the run
+            out.append(RewardResult(float(failure_reward), False, False, None, score=None,
+                                    error_type=type(exc).__name__, error=str(exc)))
+    return out
+
+
+def reward_error_metrics(results: Sequence[RewardResult], prefix: str = "") -> dict[str, Any]:
+    """``{prefix+"reward_errors": count}`` plus ``{prefix+"reward_error_types": {type: count}}``
+    when any sample failed (the type counts are sorted by name)."""
+    types: dict[str, int] = {}
+    for r in results:
+        if r.error_type is not None:
+            types[r.error_type] = types.get(r.error_type, 0) + 1
+    out: dict[str, Any] = {f"{prefix}reward_errors": sum(types.values())}
+    if types:
+        out[f"{prefix}reward_error_types"] = dict(sorted(types.items()))
+    return out
+
+
+def describe_failure(result: RewardResult, response: str, prompt: Prompt, limit: int = 200) -> str:
+    """One line naming a failed sample: prompt id, exception, and the (shortened) response."""
+    text = response if len(response) <= limit else response[:limit] + "..."
+    return f"prompt {prompt.id}: {result.error_type}: {result.error} (response {text!r})"
+
+
+def check_reward_failures(results: Sequence[RewardResult], responses: Sequence[str], prompts: Sequence[Prompt],
+                          where: str) -> None:
+    """Raise when the reward function raised on *every* sample (a broken function, not junk output).
+
+    Raises:
+        RewardError: naming ``where`` (e.g. ``"step 3"``), the count and the first failure.
+    """
+    if results and all(r.error_type is not None for r in results):
+        raise RewardError(f"{where}: the reward function raised on all {len(results)} samples, so it is broken "
+                          f"rather than fed junk; first: {describe_failure(results[0], responses[0], prompts[0])}. "
+                          "Fix the reward function (reward.function) or the answer extraction "
+                          "(data.answer_extraction).")

@@ -48,6 +48,9 @@ class SamplingParams:
         temperature: softmax temperature, ``>= 0``; ``0`` means greedy (argmax).
         top_p: nucleus mass in ``(0, 1]``; ``1`` disables it. Applied after top-k.
         top_k: keep the ``top_k`` most likely tokens; ``-1`` (or 0) disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely token's
+            (HF ``MinPLogitsWarper``, SGLang ``min_p``), in ``[0, 1]``; ``0`` disables it.
+            Applied after top-p.
         max_new_tokens: most tokens to generate per sample, ``>= 1``.
         stop_token_ids: generation of a sample ends after it samples one of these ids; the
             stop token is included in the output (it is part of what the policy produced).
@@ -68,6 +71,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -91,6 +95,9 @@ class SamplingParams:
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k not in (-1, 0)):
             raise ValueError(f"SamplingParams.top_k={k!r}; expected an int >= 1, or -1 / 0 to disable top-k.")
+        mp = self.min_p
+        if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not (0.0 <= mp <= 1.0):
+            raise ValueError(f"SamplingParams.min_p={mp!r}; expected 0 <= min_p <= 1 (0 disables min-p).")
         m = self.max_new_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={m!r}; expected an int >= 1.")

@@ -7,7 +7,8 @@ ours (convention: :mod:`ferrule.rollout.base`):
    ids counting from 0 at each row's first real token;
 2. one prompt forward fills a static KV cache (:mod:`ferrule.rollout._static_cache`);
 3. each decode step samples one token per row (per-call ``torch.Generator`` seeded with
-   ``seed``), records its logprob, and runs the model on ``[batch, 1]``. Finished rows keep
+   ``seed``, or with fresh OS entropy when ``seed`` is None: torch's global RNG is never read
+   or reseeded), records its logprob, and runs the model on ``[batch, 1]``. Finished rows keep
    their slot in the batch (static shapes) but their further tokens are discarded.
 
 On CUDA the decode step is captured once per ``(batch, max_len)`` bucket as a CUDA graph
@@ -26,6 +27,7 @@ import collections
 import difflib
 import json
 import os
+import secrets
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -154,6 +156,8 @@ class EmbeddedEngine:
         from transformers import AutoConfig
 
         hf_dir = os.fspath(hf_dir)
+        if not os.path.exists(hf_dir):
+            raise FileNotFoundError(f"HF checkpoint directory {hf_dir!r} does not exist.")
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise FileNotFoundError(f"{hf_dir!r} has no config.json; pass an HF checkpoint directory.")
         config = AutoConfig.from_pretrained(hf_dir)
@@ -257,7 +261,8 @@ class EmbeddedEngine:
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=dev)
-            gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()) % (2**63))
+            # unseeded: fresh OS entropy; torch.seed() would reseed (and so change) the global generator
+            gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         stop_t = torch.tensor(stop_ids, dtype=torch.long, device=dev)
         n_new = params.max_new_tokens
         tokens_out = torch.zeros((batch, n_new), dtype=torch.long, device=dev)

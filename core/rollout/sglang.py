@@ -63,6 +63,7 @@ def sampling_params_to_sglang(params: SamplingParams, row_seed: int | None) -> d
         "temperature": float(params.temperature),
         "top_p": float(params.top_p),
         "top_k": params.effective_top_k or -1,
+        "min_p": float(params.min_p),
         "max_new_tokens": params.max_new_tokens,
         "ignore_eos": params.ignore_eos,
         "skip_special_tokens": False,
