@@ -109,7 +109,7 @@ class MappingContext:
         cfg = hf_config.get("text_config") or hf_config
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
         return cls(
             num_attention_heads=heads,
             num_query_groups=int(cfg.get("num_key_value_heads") or heads),

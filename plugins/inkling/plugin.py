@@ -5,21 +5,59 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
+#: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
+_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text"}
+
 
 @hookimpl
 def register_model_families():
     return [
         ModelFamilySpec(
             name="inkling",
-            model_types=("inkling_mm_model", "inkling_text"),
+            model_types=("inkling_mm_model",),
             status=FamilyStatus.STRUCTURAL,
             reason=(
-                "registered for discovery only: the Megatron provider (ShortConv, local/global relative "
-                "attention, shared-expert-sink router), mapping table, update groups, LoRA appliers, TMLv0 "
-                "template and vision/audio towers are not implemented yet"
+                "registered for discovery only: the released multimodal layout (model.llm.*, vision/audio towers), "
+                "LoRA appliers and TMLv0 template are not implemented yet; the text model is family 'inkling_text'"
             ),
-            hf_model_class="transformers:InklingForConditionalGeneration",  # text-only: InklingForCausalLM
+            hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
             description="Inkling multimodal MoE (text, vision and audio towers)",
         ),
+        ModelFamilySpec(
+            name="inkling_text",
+            model_types=("inkling_text",),
+            status=FamilyStatus.UNSTABLE,
+            reason=(
+                "Megatron provider, mapping table and update groups exist and match InklingForCausalLM at TP=1 "
+                "(logits, gradients, bit-exact round trip); TP/EP layouts, weight sync and RL are not validated yet"
+            ),
+            hf_model_class="transformers:InklingForCausalLM",
+            description="Inkling text MoE (ShortConv, local/global relative attention, shared-expert-sink router)",
+        ),
     ]
+
+
+@hookimpl
+def register_providers():
+    from ferrule.specs import ProviderSpec
+
+    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_converters():
+    from ferrule.specs import ConverterSpec
+
+    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
+            for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_update_groups():
+    # The variant modules are plain data (no torch / megatron import at module level).
+    import importlib
+
+    from ferrule.specs import UpdateGroupTable
+
+    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
