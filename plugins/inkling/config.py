@@ -36,7 +36,7 @@ from ferrule.config_translation import (
     Require,
 )
 
-__all__ = ["InklingConfigTranslation", "TEXT_ENTRIES", "text_config_of", "normalize_text_config",
+__all__ = ["InklingConfigTranslation", "TEXT_ENTRIES", "HF_DEFAULTS", "text_config_of", "normalize_text_config",
            "LAYER_TYPES", "MLP_LAYER_TYPES"]
 
 #: ``layer_types`` values: ``"hybrid_sliding"`` = local (sliding-window) attention, ``"hybrid"`` = global.
@@ -51,6 +51,22 @@ _ATTRIBUTE_MAP = {
     "num_local_experts": "n_routed_experts",
     "sconv_kernel_size": "conv_kernel_size",
     "model_max_length": "max_position_embeddings",
+}
+
+
+#: ``InklingTextConfig`` field defaults (transformers 5.24), applied to keys a raw ``config.json`` omits
+#: (``tests/test_inkling_config.py`` checks them against the dataclass).
+HF_DEFAULTS = {
+    "vocab_size": 201024, "unpadded_vocab_size": None, "hidden_size": 6144, "num_hidden_layers": 66,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads": 64,
+    "swa_num_key_value_heads": 16, "swa_head_dim": 128, "sliding_window_size": 512, "d_rel": 16, "rel_extent": 1024,
+    "log_scaling_n_floor": None, "log_scaling_alpha": 0.1, "local_layer_ids": None, "layer_types": None,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-06, "conv_kernel_size": 4, "mlp_layer_types": None,
+    "intermediate_size": 24576, "hidden_act": "silu", "moe_intermediate_size": 3072, "n_routed_experts": 256,
+    "num_experts_per_tok": 6, "n_shared_experts": 2, "shared_expert_sink": True, "route_scale": 8.0,
+    "logits_mup_width_multiplier": 24.0, "rms_norm_eps_moe_gate": 1e-06, "attention_dropout": 0.0,
+    "initializer_range": 0.02, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "num_mtp_layers": None,
+    "chain_hidden_post_norm": False, "mtp_hidden_states_first": True, "mtp_local_layer_ids": None,
 }
 
 
@@ -84,6 +100,7 @@ def normalize_text_config(text: Mapping[str, Any]) -> dict[str, Any]:
     """Apply ``InklingTextConfig``'s attribute map and ``__post_init__`` rewrites to a raw dict.
 
     - alias keys (``sconv_kernel_size``, ``sliding_window``, ...) become the field names;
+    - absent fields take :data:`HF_DEFAULTS`;
     - without ``mlp_layer_types``: the first ``dense_mlp_idx`` (default 0) layers are dense,
       the rest sparse;
     - with ``dense_intermediate_size``: ``intermediate_size`` was the routed experts' width
@@ -102,6 +119,8 @@ def normalize_text_config(text: Mapping[str, Any]) -> dict[str, Any]:
                     f"(InklingTextConfig.attribute_map), remove one.")
             if out.get(name) is None:
                 out[name] = value
+    for key, value in HF_DEFAULTS.items():
+        out.setdefault(key, value)
     dense_mlp_idx = out.pop("dense_mlp_idx", None)
     if out.get("mlp_layer_types") is None and "num_hidden_layers" in out:
         k = int(dense_mlp_idx or 0)
@@ -323,6 +342,9 @@ TEXT_ENTRIES: tuple = (
     Field("logits_mup_width_multiplier", "logits_mup_width_multiplier", target="option", cast=float),
     # read by no transformers module (InklingTopkRouter applies no norm): carried through unchanged
     Field("rms_norm_eps_moe_gate", "rms_norm_eps_moe_gate", target="option", default=1e-6, cast=float),
+    # generation-side token ids: no effect on the network, carried through for the exported config
+    Field("bos_token_id", "bos_token_id", target="option", default=None),
+    Field("eos_token_id", "eos_token_id", target="option", default=None),
     Derived("padding_idx", padding_idx_from_hf, padding_idx_to_hf, hf_keys=("pad_token_id",), target="option"),
     Require("num_mtp_layers", (None,), default=None, reason=_NO_MTP),
     Require("mtp_local_layer_ids", (None,), default=None, reason=_NO_MTP),
