@@ -101,3 +101,38 @@ def test_gradients_match_hf_autograd_tp1(name, overrides, tmp_path):
             bad[key] = (rel, scale)
     assert not bad, f"{name}: gradients differ (relative, scale): {bad}"
     assert all(g.abs().max() > 0 for k, g in hf_grads.items() if "experts" not in k), "a gradient is identically 0"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tp2_ep2_and_resharding_over_two_gloo_processes(tmp_path):
+    """One torchrun launch: TP=2 logits/export for four configs, TP=2 refused for 1 KV head, EP=2
+    (alltoall, allgather) with router + shared experts replicated over EP, torch_dist resharding."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ferrule.converters import hf_to_torch_dist
+
+    for name, overrides in CONFIGS.items():
+        tiny_inkling_dir(tmp_path / name, overrides)
+    hf_to_torch_dist(tmp_path / "moe_2_shared", tmp_path / "moe_2_shared_td")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(repo / "tests" / "dist" / "inkling_parity_worker.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=280, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results.pop("shared_experts_replicated_over_ep") is True
+    refused = {c: r["refused"] for c, r in results.items() if "refused" in r}
+    assert set(refused) == {"one_kv_head_tp2", "swa_head_shape_tp2"}
+    assert all(msg and "tp=2 must divide" in msg for msg in refused.values()), refused
+    numeric = {c: r for c, r in results.items() if "refused" not in r}
+    assert set(numeric) == {"moe_2_shared_tp2", "dense_only_tp2", "local_only_tp2", "global_only_log_scaling_tp2",
+                            "moe_2_shared_ep2", "moe_2_shared_ep2_allgather", "moe_2_shared_td_tp1_to_tp2",
+                            "moe_2_shared_td_ep2_to_tp2"}
+    assert [c for c, r in numeric.items() if not r["export_exact"]] == []
+    too_far = {c: r["logits_diff"] for c, r in numeric.items() if not r["logits_diff"] <= ATOL}
+    assert not too_far, f"logits differ from HF by more than {ATOL}: {too_far}"
