@@ -6,6 +6,8 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
       metadata.json, .metadata, common.pt, __R_W.distcp   megatron torch_dist files
       ferrule_checkpoint.json                              family, layout it was saved from, dtype
       hf/config.json, hf/generation_config.json, hf/tokenizer*  copied from the HF directory
+      hf/passthrough.safetensors                           HF tensors the mapping table passes through
+                                                           (MappingTable.passthrough; only if any)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict()}`` (``"model0"``,
 ``"model1"``, ... per virtual pipeline stage, as Megatron-LM does); it stores global tensors
@@ -36,6 +38,8 @@ __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore",
            "HF_SIDE_FILES", "read_checkpoint_metadata"]
 
 HF_SUBDIR = "hf"
+#: File in ``OUT_DIR/hf`` holding the tensors a family's mapping table passes through unchanged.
+PASSTHROUGH_FILE = "passthrough.safetensors"
 METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
 #: Non-weight files copied between HF directories and ``OUT_DIR/hf`` (those present).
@@ -64,6 +68,19 @@ def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
+
+
+def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> int:
+    """Copy the checkpoint's :class:`~ferrule.mapping.Passthrough` tensors to ``hf_out/passthrough.safetensors``.
+
+    Returns the number of tensors kept (0 writes no file).
+    """
+    keys = sorted(k for k in reader.keys() if table.is_passthrough(k))
+    if keys:
+        from safetensors.torch import save_file
+
+        save_file({k: reader.get(k).contiguous() for k in keys}, str(hf_out / PASSTHROUGH_FILE))
+    return len(keys)
 
 
 def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
@@ -288,7 +305,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     hf_dir = Path(hf_dir).absolute()
     out_dir = Path(out_dir).absolute()
     hf_config = _read_config(hf_dir)
-    family, _, _ = _family_parts(hf_config)  # unsupported model_type fails here, before any output
+    family, _, table = _family_parts(hf_config)  # unsupported model_type fails here, before any output
     reader = SafetensorsReader(hf_dir)  # missing / truncated shards fail here
     dtype = dtype or _dtype_name(reader)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
@@ -302,11 +319,12 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         if not (tmp / "metadata.json").is_file():
             raise ConversionError(f"megatron dist_checkpointing.save wrote no metadata.json into {tmp}.")
         copied = _copy_side_files(hf_dir, tmp / HF_SUBDIR)
+        kept = _save_passthrough(reader, table, tmp / HF_SUBDIR)
         import megatron.core
 
         meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
-                "hf_bytes": reader.total_bytes(), "ferrule_version": __version__,
+                "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept, "ferrule_version": __version__,
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         commit_dir(tmp, out_dir)
@@ -342,6 +360,12 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
             if progress is not None:
                 progress(tensor.numel() * tensor.element_size())
     if writer is not None:
+        passthrough = Path(ckpt_dir) / HF_SUBDIR / PASSTHROUGH_FILE
+        if passthrough.is_file():  # tensors Megatron does not hold (MappingTable.passthrough), written back verbatim
+            from safetensors.torch import load_file
+
+            for name, tensor in load_file(str(passthrough)).items():
+                writer.add(name, tensor)
         writer.close()
 
 

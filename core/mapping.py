@@ -52,6 +52,7 @@ __all__ = [
     "StackExperts",
     "OutputLayer",
     "Ignore",
+    "Passthrough",
     "MappingTable",
     "ExpertRename",
     "ExpertFuseGateUp",
@@ -507,6 +508,29 @@ class Ignore:
 
     def match(self, hf_key: str) -> bool:
         return _pattern_regex(self.hf).match(hf_key) is not None
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    """HF tensors under ``prefix`` that Megatron does not hold but a conversion must keep.
+
+    ``hf_to_torch_dist`` copies them verbatim into ``OUT_DIR/hf/passthrough.safetensors`` and
+    ``torch_dist_to_hf`` writes them back, so the round trip stays bit-exact (e.g. Inkling's frozen
+    vision / audio towers, ``model.visual.`` and ``model.audio.``, until a tower issue trains them).
+    Loading into Megatron skips them like :class:`Ignore`. ``reason`` is required.
+    """
+
+    prefix: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix.endswith(".") or " " in self.prefix:
+            raise MappingError(f"Passthrough({self.prefix!r}): the prefix must be a dotted name ending with '.'.")
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise MappingError(f"Passthrough({self.prefix!r}) needs a reason saying why the tensors are kept aside.")
+
+    def match(self, hf_key: str) -> bool:
+        return hf_key.startswith(self.prefix)
 
 
 def __getattr__(name: str) -> Any:

@@ -373,3 +373,11 @@ class InklingConfigTranslation(ConfigTranslation):
             raise ConfigTranslationError(
                 f"{self.name}: HF config has model_type={model_type!r}; this translation reads {list(self.model_types)}.")
         return super().to_mcore(normalize_text_config(text_config_of(hf_config)))
+
+    def to_hf(self, transformer_config_kwargs, model_options, base=None) -> dict[str, Any]:
+        """The HF config dict; for an ``inkling_mm_model`` ``base`` the text keys go under ``text_config``."""
+        if base is not None and base.get("model_type") == "inkling_mm_model":
+            out = dict(base)
+            out["text_config"] = super().to_hf(transformer_config_kwargs, model_options, base.get("text_config") or {})
+            return out
+        return super().to_hf(transformer_config_kwargs, model_options, base)

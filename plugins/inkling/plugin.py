@@ -6,7 +6,7 @@ from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text"}
+_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling_mm"}
 
 
 @hookimpl
@@ -17,8 +17,9 @@ def register_model_families():
             model_types=("inkling_mm_model",),
             status=FamilyStatus.STRUCTURAL,
             reason=(
-                "registered for discovery only: the released multimodal layout (model.llm.*, vision/audio towers), "
-                "LoRA appliers and TMLv0 template are not implemented yet; the text model is family 'inkling_text'"
+                "the text model converts from/to the released layout (model.llm.*; towers kept verbatim) and trains "
+                "like family 'inkling_text'; the vision/audio towers, LoRA appliers and TMLv0 template are not "
+                "implemented yet"
             ),
             hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
