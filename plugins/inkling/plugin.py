@@ -5,6 +5,11 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
+# inkling_text is VALIDATED: logits == InklingForCausalLM within 1e-5 (fp32; TP=1, TP=2, EP=2) and gradients within
+# 1e-5 relative (tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
+# (tests/test_inkling_convert.py, conformance kit), exact embedded rollout (tests/test_inkling_rollout.py), update
+# groups + checked weight sync and GRPO on the shipped example with bit-identical resume (tests/test_inkling_rl.py).
+
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 _VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling_mm"}
 
@@ -28,11 +33,7 @@ def register_model_families():
         ModelFamilySpec(
             name="inkling_text",
             model_types=("inkling_text",),
-            status=FamilyStatus.UNSTABLE,
-            reason=(
-                "Megatron provider, mapping table and update groups exist and match InklingForCausalLM at TP=1 "
-                "(logits, gradients, bit-exact round trip); TP/EP layouts, weight sync and RL are not validated yet"
-            ),
+            status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:InklingForCausalLM",
             description="Inkling text MoE (ShortConv, local/global relative attention, shared-expert-sink router)",
         ),
