@@ -206,12 +206,37 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
         shutil.rmtree(err_dir, ignore_errors=True)
 
 
+_FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
 def _dtype_name(reader: SafetensorsReader) -> str:
-    names = {reader.dtype_name(k) for k in reader.keys()}
-    float_names = [n for n in ("F32", "BF16", "F16") if n in names]
-    if len(float_names) != 1:
-        raise CheckpointError(f"checkpoint mixes floating dtypes {sorted(names)}; pass dtype= explicitly.")
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[float_names[0]]
+    """The checkpoint's main floating dtype: the one holding the most bytes (e.g. ``"bfloat16"``)."""
+    sizes: dict[str, int] = {}
+    for k in reader.keys():
+        name = reader.dtype_name(k)
+        if name in _FLOAT_NAMES:
+            numel = 1
+            for d in reader.shape(k):
+                numel *= int(d)
+            sizes[name] = sizes.get(name, 0) + numel * (4 if name == "F32" else 2)
+    if not sizes:
+        raise CheckpointError("checkpoint has no floating-point tensors (F32/BF16/F16); pass dtype= explicitly.")
+    return _FLOAT_NAMES[max(sizes, key=lambda n: (sizes[n], n))]
+
+
+def _other_float_dtypes(reader: SafetensorsReader, main: str) -> dict[str, str]:
+    """``{hf_key: dtype}`` for floating tensors stored in another dtype than ``main``.
+
+    E.g. transformers keeps Inkling's ShortConv weights and router bias / global scale in fp32
+    inside a bf16 checkpoint (``_keep_in_fp32_modules_strict``); the export restores each such
+    tensor's own dtype, so the round trip stays bit-exact.
+    """
+    out = {}
+    for k in reader.keys():
+        name = _FLOAT_NAMES.get(reader.dtype_name(k))
+        if name is not None and name != main:
+            out[k] = name
+    return out
 
 
 def _build(build: Callable, hf_config: dict, layout: Any, dtype: str) -> list:
@@ -285,7 +310,9 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         tp, ep, pp: parallel layout used for the conversion processes (the checkpoint itself
             loads under any layout).
         dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the
-            checkpoint's floating dtype, so the conversion is bit-exact.
+            checkpoint's main floating dtype (most bytes). Tensors stored in another floating dtype
+            are recorded (``hf_dtypes`` in ``ferrule_checkpoint.json``) and exported in their own
+            dtype again, so the conversion is bit-exact.
         progress: ``progress(n_bytes)`` after each parameter (single-process runs only).
 
     Returns:
@@ -308,6 +335,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     family, _, table = _family_parts(hf_config)  # unsupported model_type fails here, before any output
     reader = SafetensorsReader(hf_dir)  # missing / truncated shards fail here
     dtype = dtype or _dtype_name(reader)
+    other_dtypes = _other_float_dtypes(reader, dtype)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
     world = tp * pp * ep
     ParallelLayout(**layout_kw).validate(world)
@@ -324,7 +352,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 
         meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
-                "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept, "ferrule_version": __version__,
+                "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept,
+                "hf_dtypes": other_dtypes, "ferrule_version": __version__,
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         commit_dir(tmp, out_dir)
@@ -340,7 +369,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
-                             max_shard_bytes: int, progress: Callable[[int], None] | None) -> None:
+                             max_shard_bytes: int, progress: Callable[[int], None] | None,
+                             hf_dtypes: dict | None = None) -> None:
     from ferrule.converters.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -352,9 +382,12 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
     writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank == 0 else None
     import torch
 
-    # megatron may keep some parameters (e.g. torch norms) in fp32 under bf16 params_dtype;
-    # the HF checkpoint had one floating dtype, which is restored here (exact for bf16 -> fp32 -> bf16)
-    for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config, dtype=getattr(torch, dtype)):
+    # megatron may keep some parameters (e.g. torch norms) in fp32 under bf16 params_dtype; each HF
+    # tensor gets back the dtype it had in the source checkpoint (exact for bf16 -> fp32 -> bf16), which
+    # is the main dtype except for the tensors listed in hf_dtypes
+    hf_dtypes = hf_dtypes or {}
+    for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config):
+        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, dtype)))
         if writer is not None:
             writer.add(name, tensor.cpu())
             if progress is not None:
@@ -404,7 +437,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     tmp = _prepare_out(out_dir, overwrite)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
-                                               max_shard_bytes, progress if world == 1 else None), tmp)
+                                               max_shard_bytes, progress if world == 1 else None,
+                                               meta.get("hf_dtypes", {})), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
         commit_dir(tmp, out_dir)
     except BaseException:

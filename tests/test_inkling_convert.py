@@ -125,3 +125,26 @@ def test_interleave_layout_matches_transformers_conversion():
     assert torch.equal(deinterleave(w13, 1), theirs)
     assert torch.equal(interleave(theirs, 1), w13)
     assert torch.equal(deinterleave(w13[0], 0), theirs[0])
+
+
+@pytest.mark.timeout(300)
+def test_bf16_checkpoint_with_fp32_kept_tensors_round_trips_exactly(tmp_path):
+    """transformers keeps Inkling's ShortConvs and router bias / global scale in fp32 inside a bf16
+    checkpoint (``_keep_in_fp32_modules_strict``); conversion keeps every tensor's own dtype."""
+    from transformers import AutoModelForCausalLM, InklingTextConfig
+
+    from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
+    from ferrule.converters.checkpoint import read_checkpoint_metadata
+    from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG
+
+    torch.manual_seed(0)
+    cfg = InklingTextConfig(**{k: v for k, v in TINY_HF_CONFIG.items() if k != "model_type"})
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    reader = SafetensorsReader(tmp_path / "bf16")
+    fp32 = {k for k in reader.keys() if reader.dtype_name(k) == "F32"}
+    assert any("sconv" in k for k in fp32) and any("global_scale" in k for k in fp32)
+    hf_to_torch_dist(tmp_path / "bf16", tmp_path / "td")
+    meta = read_checkpoint_metadata(tmp_path / "td")
+    assert meta["dtype"] == "bfloat16" and set(meta["hf_dtypes"]) == fp32
+    torch_dist_to_hf(tmp_path / "td", tmp_path / "back")
+    _same_tensors(tmp_path / "bf16", tmp_path / "back")
