@@ -153,18 +153,20 @@ def _fused_step_factory(engine, batch):
     ranks = assign_dp_ranks(lengths, engine.dp_size)
     mine = [i for i, r in enumerate(ranks) if r == engine.dp_rank]
     prepared, _ = engine._prepare(batch, "cross_entropy", None)
-    mbs = [engine._microbatch(prepared, idx) for idx in pack_microbatches(mine, lengths, engine.max_tokens_per_microbatch)]
+    mbs = [engine._microbatch(prepared, idx)
+           for idx in pack_microbatches(mine, lengths, engine.max_tokens_per_microbatch, packed=engine.packed_sequences)]
     weights = {i: d.loss_fn_inputs["weights"] for i, d in enumerate(batch)}
 
     def forward_step(it, model):
         mb = next(it)
-        out = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+        extra = {"packed_seq_params": mb["packed_seq_params"]} if mb["packed_seq_params"] is not None else {}
+        out = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
 
         def loss_func(logits):
             lp = -vocab_parallel_cross_entropy(logits.float(), mb["labels"])
             w = torch.zeros_like(lp)
-            for row, (i, n) in enumerate(zip(mb["idx"], mb["lengths"])):
-                w[row, :n] = weights[i].to(w.device)
+            for i, (row, a, n) in zip(mb["idx"], mb["spans"]):
+                w[row, a:a + n] = weights[i].to(w.device)
             return -(lp * w).sum(), torch.tensor(sum(mb["lengths"]), dtype=torch.int), {}
 
         return out, loss_func

@@ -75,6 +75,43 @@ def test_bf16_parity_vs_hf(tmp_path, family):
     assert mean_m < 0.02
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_cuda_fast_paths_equal_plain_path_fp32(tmp_path, monkeypatch, family):
+    """The CUDA defaults (fused hidden-state logprobs with compiled kernels, fused SwiGLU/RoPE,
+    thd-packed micro-batches through FlexAttention) against the plain padded path with all of
+    them off, fp32 parameters: logprobs within 1e-4, gradients within 1e-4 relative (fp32 with
+    TF32-free kernels that sum in a different order)."""
+    from ferrule.megatron.batching import Datum
+    from ferrule.megatron.engine import TrainEngine
+
+    hf_dir = _hf_dir(tmp_path, family)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 4096, (n + 1,), generator=g) for n in (64, 200, 128, 31, 300, 90)]
+    total = sum(len(s) - 1 for s in seqs)
+    batch = [Datum(model_input=s[:-1].tolist(),
+                   loss_fn_inputs={"target_tokens": s[1:], "weights": torch.full((len(s) - 1,), 1 / total)})
+             for s in seqs]
+    res = {}
+    for fast in (False, True):
+        for k in ("FERRULE_FUSED_LOGPROBS", "FERRULE_CUDA_FUSIONS", "FERRULE_PACKED_SEQUENCES"):
+            if fast:
+                monkeypatch.delenv(k, raising=False)
+            else:
+                monkeypatch.setenv(k, "0")
+        engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.float32, max_tokens_per_microbatch=512)
+        assert engine.packed_sequences is fast and engine.fused_logprobs is fast
+        assert bool(engine.cuda_fusions) is fast
+        out = engine.forward_backward(batch, "cross_entropy")
+        grads = {n: p.main_grad.detach().float().cpu() for n, p in engine.model[0].module.named_parameters()}
+        res[fast] = ([o["logprobs"] for o in out.loss_fn_outputs], grads)
+        del engine
+    lp_diff = max(float((a - b).abs().max()) for a, b in zip(res[False][0], res[True][0]))
+    grad_diff = max(float((res[True][1][n] - g0).abs().max() / g0.abs().max().clamp_min(1e-12))
+                    for n, g0 in res[False][1].items())
+    print(f"\n{family}: max|logprob diff| = {lp_diff:.3g}, max relative grad diff = {grad_diff:.3g}")
+    assert lp_diff <= 1e-4 and grad_diff <= 1e-4, (lp_diff, grad_diff)
+
+
 def test_split_invariance_nccl_bf16(tmp_path):
     import train_engine_worker as w
 

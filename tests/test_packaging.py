@@ -117,3 +117,61 @@ def test_out_of_tree_plugins(fresh_venv, tmp_path):
                                             "COLUMNS": "250"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "demo_family" in r.stdout and "broken" not in r.stdout
+
+
+#: imports that must resolve to the installed package from any working directory (issue 18)
+_CWD_PROBE = (
+    "import os, sys\n"
+    "from ferrule import hookspecs, registry\n"
+    "import ferrule.converters, ferrule.plugins.qwen\n"
+    "names = [f.name for f in registry.list_families()]\n"
+    "assert 'qwen2' in names, names\n"
+    "print(os.path.realpath(hookspecs.__file__))\n"
+    "print(os.path.realpath(ferrule.converters.__file__))\n"
+    "print(os.path.realpath(ferrule.plugins.qwen.__file__))\n"
+)
+
+
+def _probe_with_ferrule_folder(python: str, tmp_path: Path) -> list[str]:
+    """Run ``_CWD_PROBE`` in a fresh interpreter whose working directory holds an empty ``ferrule/``
+    folder (what a user has beside a clone named ``ferrule``); return the realpaths it printed."""
+    (tmp_path / "ferrule").mkdir()
+    r = _run([python, "-c", _CWD_PROBE], cwd=tmp_path, env={"FERRULE_PLUGINS": "qwen"})
+    assert r.returncode == 0, (
+        "`import ferrule` in a directory holding a `ferrule/` folder failed (the folder shadowed the "
+        "installed package as a namespace package):\n" + r.stderr[-3000:])
+    return r.stdout.strip().splitlines()[-3:]
+
+
+def test_import_from_a_cwd_holding_a_ferrule_folder_editable(tmp_path):
+    """The development install (./install.sh, strict editable mode) resolves ``import ferrule`` to
+    this checkout's files, not to the empty folder, and through links, so edits are live."""
+    paths = _probe_with_ferrule_folder(sys.executable, tmp_path)
+    assert paths == [str(ROOT / "core" / "hookspecs.py"), str(ROOT / "converters" / "__init__.py"),
+                     str(ROOT / "plugins" / "qwen" / "__init__.py")], paths
+
+
+def test_import_from_a_cwd_holding_a_ferrule_folder_wheel(fresh_venv, tmp_path):
+    paths = _probe_with_ferrule_folder(str(fresh_venv / "bin" / "python"), tmp_path)
+    assert all("site-packages" in p for p in paths), paths
+
+
+def test_editable_link_tree_lists_every_module():
+    """Strict editable mode links files, not folders: a module added after ``./install.sh`` is not
+    importable until it is run again. Name every such module instead of failing later, far away."""
+    import importlib.util
+
+    src_dirs = {"core": "ferrule", "converters": "ferrule.converters", "plugins": "ferrule.plugins"}
+    stale = []
+    for src, pkg in src_dirs.items():
+        for f in sorted((ROOT / src).rglob("*.py")):
+            rel = f.relative_to(ROOT / src)
+            if "tests" in rel.parts or "build" in rel.parts:
+                continue  # test modules (plugins/*/tests) are collected by pytest, not imported by name
+            parts = [*rel.parent.parts, rel.stem] if rel.stem != "__init__" else list(rel.parent.parts)
+            name = ".".join([pkg, *parts])
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.origin is None or Path(spec.origin).resolve() != f.resolve():
+                stale.append(f"{src}/{rel.as_posix()} (as {name})")
+    assert not stale, ("modules missing from the installed link tree; run ./install.sh again: "
+                       + ", ".join(stale))

@@ -229,6 +229,9 @@ def test_two_process_checks_and_cross_dp_load(hf_dirs, tmp_path):
         # DP ranks' gradients are summed (not averaged); TP shards add up to the full norm
         assert r[case]["grad_norm"] == pytest.approx(ws1, rel=1e-6), case
     assert r["tp2_logprobs_vs_hf"]["max_abs_diff"] <= HF_ATOL and r["tp2_logprobs_vs_hf"]["fb_equals_forward"]
+    fused = r["tp2_fused_logprobs"]
+    assert fused["max_abs_diff_vs_hf"] <= HF_ATOL and fused["fb_close_to_forward"], fused
+    assert fused["max_rel_grad_diff_vs_plain"] <= 1e-5, fused
     res = r["dp2_resume"]
     assert res["loaded_weights_identical"] and res["continuation_identical"] and res["weights_identical"]
     assert res["step"] == 4 and res["adam_step"] == 4

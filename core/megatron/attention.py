@@ -11,6 +11,14 @@ Layouts (megatron's, ``transformer/dot_product_attention.py``):
     groups on this TP rank, ``np % ng == 0``; query head ``i`` reads KV group
     ``i // (np // ng)``, i.e. ``repeat_interleave`` order) -> context ``[sq, b, np * hn]``.
 
+Packed sequences (megatron's ``thd`` format, ``packed_seq_params.qkv_format == 'thd'``): the
+data of a micro-batch are concatenated into one row of ``t`` tokens; query ``[t, np, hn]``,
+key/value ``[t, ng, hn]`` and ``cu_seqlens_q == cu_seqlens_kv`` ``[n_docs + 1]`` (int32) mark
+the documents. Each token attends causally within its own document only. On CUDA this runs
+through FlexAttention (``torch.nn.attention.flex_attention``, compiled) with a block mask built
+once per micro-batch and shared by every layer; elsewhere through SDPA with the dense
+``[t, t]`` block-diagonal causal mask (the exact reference the CPU tests use).
+
 Mask convention (megatron's): ``attention_mask`` is boolean, ``True`` = *masked out*,
 broadcastable to ``[b, np, sq, sk]``. A given mask is used as is (megatron does not combine it
 with the causal mask); with ``attention_mask=None`` and a causal layer the mask is causal
@@ -38,9 +46,9 @@ class SDPAttention(DotProductAttention):
 
     Construction is :class:`megatron.core.transformer.dot_product_attention.DotProductAttention`'s
     (same arguments from the layer spec). Supported: causal / no-mask / explicit boolean masks,
-    GQA/MQA (``enable_gqa``), attention dropout in training. Not supported (raise
-    ``NotImplementedError`` at construction): sliding windows, ``softmax_type`` other than
-    ``'vanilla'``, packed sequences, attention bias.
+    GQA/MQA (``enable_gqa``), attention dropout in training, packed (``thd``) sequences.
+    Not supported (raise ``NotImplementedError``): sliding windows, ``softmax_type`` other
+    than ``'vanilla'``, attention bias, dropout with packed sequences on CUDA.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -70,10 +78,10 @@ class SDPAttention(DotProductAttention):
         packed_seq_params=None,
     ) -> torch.Tensor:
         """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPAttention does not support packed sequences (packed_seq_params).")
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention_bias.")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, np_, hn = query.shape
         sk = key.shape[0]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -107,6 +115,73 @@ class SDPAttention(DotProductAttention):
             enable_gqa=k.shape[1] != np_,
         )  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np * hn]``."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention supports packed sequences in 'thd' format only, "
+                                      f"got qkv_format={params.qkv_format!r}.")
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("packed sequences need a causal attention layer.")
+        t, np_, hn = query.shape
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, np, t, hn]
+        k = key.transpose(0, 1).unsqueeze(0)
+        v = value.transpose(0, 1).unsqueeze(0)
+        gqa = k.shape[1] != np_
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        if q.is_cuda:
+            if dropout_p:
+                raise NotImplementedError("attention dropout with packed sequences is not supported on CUDA "
+                                          "(FlexAttention has no dropout); set attention_dropout=0.")
+            out = _flex()(q, k, v, block_mask=document_block_mask(params, t), scale=self.sdpa_scale,
+                          enable_gqa=gqa)
+        else:
+            doc = document_ids(params.cu_seqlens_q, t)
+            pos = torch.arange(t, device=q.device)
+            allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                                 scale=self.sdpa_scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1).reshape(t, np_ * hn)
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[t]`` int64 document index of every packed token, from ``cu_seqlens`` ``[n + 1]``."""
+    cu = cu_seqlens.to(torch.int64)
+    counts = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts, output_size=total)
+
+
+def document_block_mask(params, total: int):
+    """FlexAttention block mask (causal within each document) for a ``thd`` micro-batch, built
+    once and cached on ``params`` so the model's layers share it."""
+    cached = getattr(params, "_ferrule_block_mask", None)
+    if cached is not None and cached[0] == total:
+        return cached[1]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids(params.cu_seqlens_q, total)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = create_block_mask(same_doc_causal, None, None, total, total, device=doc.device)
+    params._ferrule_block_mask = (total, mask)
+    return mask
+
+
+_FLEX = None
+
+
+def _flex():
+    """``torch.compile``-d ``flex_attention`` (compiled once per process; eager flex is a slow
+    reference implementation)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
 
 
 CORE_ATTENTION_CHOICES = ("sdpa", "local")

@@ -14,8 +14,9 @@ same plan from the same batch:
   ``forward_backward`` calls of one accumulation window, so datum ``k`` of the window goes to
   the same rank, in the same order, however the window is split into calls. That is what makes
   the accumulated gradient bit-identical across splits (see :func:`pack_microbatches`).
-- :func:`pack_microbatches` — a rank's data, in arrival order, greedily packed into
-  micro-batches whose padded size ``count * max_len`` stays within a token budget.
+- :func:`pack_microbatches` — a rank's data, longest first, greedily packed into
+  micro-batches whose padded size ``count * max_len`` stays within a token budget (sorting by
+  length keeps the padding of RL batches, whose lengths vary widely, to a few percent).
   With ``max_tokens=None`` every datum is its own micro-batch: gradients then accumulate datum
   by datum in window order, which is bit-identical for any split of the window into calls.
   With a budget, packed micro-batches are exact in real arithmetic but the floating-point
@@ -94,24 +95,43 @@ def assign_dp_ranks(lengths: Sequence[int], dp_size: int, loads: list[int] | Non
 
 
 def pack_microbatches(indices: Sequence[int], lengths: Mapping[int, int] | Sequence[int],
-                      max_tokens: int | None) -> list[list[int]]:
-    """Group ``indices`` (in order) into micro-batches of at most ``max_tokens`` padded tokens.
+                      max_tokens: int | None, *, packed: bool = False) -> list[list[int]]:
+    """Group ``indices`` into micro-batches of at most ``max_tokens`` padded tokens.
 
     A micro-batch of ``b`` data padded to its longest (``s`` tokens) costs ``b * s`` tokens.
-    A datum longer than ``max_tokens`` gets a micro-batch of its own (never split: a datum's
-    tokens attend to each other). ``max_tokens=None`` puts every datum in its own micro-batch.
+    With a budget the data are taken longest first (ties in arrival order) and packed greedily,
+    so each micro-batch holds data of similar length and little padding. A datum longer than
+    ``max_tokens`` gets a micro-batch of its own (never split: a datum's tokens attend to each
+    other). ``max_tokens=None`` puts every datum in its own micro-batch, in arrival order (what
+    the bit-identical split invariance rests on). ``packed=True`` (the engine concatenates a
+    micro-batch's data into one row, megatron's ``thd`` format) counts real tokens: data are
+    taken in arrival order while their summed length fits the budget.
 
     Returns:
-        A list of micro-batches, each a list of datum indices, order preserved.
+        A list of micro-batches, each a list of datum indices.
     """
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}; expected None or an integer >= 1.")
+    if max_tokens is None:
+        return [[i] for i in indices]
+    if packed:
+        groups: list[list[int]] = []
+        used = 0
+        for i in indices:
+            n = int(lengths[i])
+            if groups and used + n <= max_tokens:
+                groups[-1].append(i)
+                used += n
+            else:
+                groups.append([i])
+                used = n
+        return groups
     out: list[list[int]] = []
     cur: list[int] = []
     cur_max = 0
-    for i in indices:
+    for i in sorted(indices, key=lambda i: -int(lengths[i])):
         n = int(lengths[i])
-        if cur and (max_tokens is None or (len(cur) + 1) * max(cur_max, n) > max_tokens):
+        if cur and (len(cur) + 1) * max(cur_max, n) > max_tokens:
             out.append(cur)
             cur, cur_max = [], 0
         cur.append(i)

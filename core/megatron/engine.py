@@ -22,7 +22,10 @@ Semantics (DESIGN.md §5; issue 4):
   the model config has ``calculate_per_token_loss=True``, so DDP's gradient scaling factor is
   1 and normalisation stays in the loss weights, :mod:`ferrule.losses`), clips, steps, zeroes.
 - Per-token logprobs use vocab-parallel cross entropy on fp32 logits with the padded
-  vocabulary columns masked out, so they equal HF's ``log_softmax`` of the unpadded logits.
+  vocabulary columns masked out, so they equal HF's ``log_softmax`` of the unpadded logits. On
+  CUDA (``fused_logprobs``) the same quantity comes from the last hidden states chunk by chunk
+  (:mod:`.fused_logprob`), and mixed-length micro-batches are packed (``packed_sequences``,
+  megatron's ``thd`` format): docs/engine.md "GPU fast paths".
 - Split invariance: the k-th datum of an accumulation window goes to the same DP rank in the
   same order however the window is split into calls (:func:`~ferrule.megatron.batching.assign_dp_ranks`);
   with one datum per micro-batch (``max_tokens_per_microbatch=None``, the default) the summed
@@ -38,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -46,6 +50,7 @@ import torch
 
 from ..losses import finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
 from .batching import Datum, FBOutput, assign_dp_ranks, pack_microbatches
+from .gpu_fusions import enable_cuda_fusions
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
 
@@ -55,6 +60,17 @@ __all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings"]
 def _no_finalize(*args: Any, **kwargs: Any) -> None:
     """Stand-in for ``config.finalize_model_grads_func`` during ``forward_backward``."""
     return None
+
+
+#: packed (``thd``) rows are padded to a multiple of this many tokens on CUDA.
+PACK_ALIGN = 1024
+
+
+def _unwrap_gpt(model: Any) -> Any:
+    """The megatron ``GPTModel`` inside a DDP / Float16Module wrapper (``.module`` chain)."""
+    while not hasattr(model, "post_process") and hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _as_tensor(value: Any, dtype: torch.dtype, where: str) -> torch.Tensor:
@@ -135,6 +151,39 @@ class TrainEngine:
         self.step = 0
         self._window_loads = [0] * self.dp_size
         self._padded_vocab = None
+        #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
+        #: ``[tokens, vocab]`` logits. On by default on CUDA; off on CPU, where the plain path is the
+        #: bit-exact reference the tests pin. Settable; ``FERRULE_FUSED_LOGPROBS=0|1`` overrides.
+        env = os.environ.get("FERRULE_FUSED_LOGPROBS")
+        on_cuda = next(chunks[0].parameters()).device.type == "cuda"
+        self.fused_logprobs = (env == "1") if env in ("0", "1") else on_cuda
+        #: megatron's fused SwiGLU / RoPE paths switched on for CUDA (:mod:`.gpu_fusions`)
+        self.cuda_fusions = enable_cuda_fusions(config) if on_cuda else []
+        #: with a micro-batch budget, data are concatenated into one row (megatron's ``thd``
+        #: packed format; attention stays within each datum, see :mod:`.attention`) instead of
+        #: padded to the longest: RL batches of mixed lengths pay for real tokens only. On by
+        #: default on CUDA; off on CPU (the padded path is the pinned reference).
+        #: ``FERRULE_PACKED_SEQUENCES=0|1`` overrides; needs SDPAttention in every layer.
+        env = os.environ.get("FERRULE_PACKED_SEQUENCES")
+        self.packed_sequences = (env == "1") if env in ("0", "1") else on_cuda
+        if self.packed_sequences:
+            self._check_packable(chunks, forced=env == "1")
+
+    def _check_packable(self, chunks: Sequence[Any], forced: bool) -> None:
+        """Packed sequences need ferrule's SDPAttention as every layer's core attention."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from .attention import SDPAttention
+
+        cores = [m for c in chunks for m in c.modules() if isinstance(m, DotProductAttention)]
+        # a model with no megatron core attention (e.g. Inkling's own attention module, which refuses
+        # packed_seq_params) is not packable
+        if cores and all(isinstance(m, SDPAttention) for m in cores) and not self.config.sequence_parallel:
+            return
+        if forced:
+            raise ValueError("FERRULE_PACKED_SEQUENCES=1 needs SDPAttention as the core attention of every layer "
+                             "(core_attention='sdpa') and no sequence parallelism; unset it to pad instead.")
+        self.packed_sequences = False
 
     # ------------------------------------------------------------------ construction
 
@@ -264,32 +313,58 @@ class TrainEngine:
         return torch.arange(start, start + v_local, device=logits.device) >= self.vocab_size
 
     def _microbatch(self, data: list[_Prepared], idx: list[int] | None) -> dict:
+        """Device tensors of one micro-batch. ``spans[k] = (row, start, n)`` locates datum
+        ``idx[k]``'s tokens: padded layout ``[b, max_len]`` (row k, start 0), or with
+        :attr:`packed_sequences` one row of concatenated data (``thd``: row 0, start at the
+        datum's offset, per-document positions and ``cu_seqlens``)."""
         device = next(self.model[0].parameters()).device
-        if idx is None:  # lock-step filler (EP > 1): one token, zero loss
-            tokens = torch.zeros(1, 1, dtype=torch.int64)
-            lengths = [1]
-        else:
-            lengths = [data[i].tokens.numel() for i in idx]
-            tokens = torch.zeros(len(idx), max(lengths), dtype=torch.int64)
-            labels = torch.zeros_like(tokens)
-            for row, i in enumerate(idx):
-                tokens[row, : lengths[row]] = data[i].tokens
-                labels[row, : lengths[row]] = data[i].inputs["target_tokens"]
-        if idx is None:
-            labels = torch.zeros_like(tokens)
+        lengths = [1] if idx is None else [data[i].tokens.numel() for i in idx]  # None: EP lock-step filler
+        toks = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].tokens for i in idx]
+        labs = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].inputs["target_tokens"] for i in idx]
+        out = {"idx": idx, "lengths": lengths, "packed_seq_params": None}
+        if self.packed_sequences and len(set(lengths)) > 1:  # equal lengths: padding costs nothing
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            offsets = [0]
+            for n in lengths:
+                offsets.append(offsets[-1] + n)
+            # on CUDA the row is padded to a multiple of PACK_ALIGN tokens (the padding is one
+            # more document, never selected), so FlexAttention compiles for a few lengths only
+            align = PACK_ALIGN if device.type == "cuda" else 1
+            pad = -offsets[-1] % align
+            docs = lengths + ([pad] if pad else [])
+            if pad:
+                offsets.append(offsets[-1] + pad)
+                toks, labs = toks + [torch.zeros(pad, dtype=torch.int64)], labs + [torch.zeros(pad, dtype=torch.int64)]
+            cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+            out.update(tokens=torch.cat(toks).unsqueeze(0).to(device), labels=torch.cat(labs).unsqueeze(0).to(device),
+                       position_ids=torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).to(device),
+                       spans=[(0, offsets[k], n) for k, n in enumerate(lengths)],
+                       packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                         max_seqlen_q=max(docs), max_seqlen_kv=max(docs)))
+            return out
+        tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        labels = torch.zeros_like(tokens)
+        for row, (t, y) in enumerate(zip(toks, labs)):
+            tokens[row, : t.numel()] = t
+            labels[row, : t.numel()] = y
         b, s = tokens.shape
-        return {"idx": idx, "lengths": lengths, "tokens": tokens.to(device), "labels": labels.to(device),
-                "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s)}
+        out.update(tokens=tokens.to(device), labels=labels.to(device), spans=[(k, 0, n) for k, n in enumerate(lengths)],
+                   position_ids=torch.arange(s, device=device).unsqueeze(0).expand(b, s))
+        return out
 
     def _run(self, data: list[_Prepared], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        from .fused_logprob import linear_logprobs
+
         lengths = [p.tokens.numel() for p in data]
         ranks = assign_dp_ranks(lengths, self.dp_size, None if forward_only else self._window_loads)
         per_rank = [pack_microbatches([i for i, r in enumerate(ranks) if r == d], lengths,
-                                      self.max_tokens_per_microbatch) for d in range(self.dp_size)]
+                                      self.max_tokens_per_microbatch, packed=self.packed_sequences)
+                    for d in range(self.dp_size)]
         mbs: list[list[int] | None] = list(per_rank[self.dp_rank])
         if ps.get_expert_model_parallel_world_size() > 1:  # expert all-to-alls need lock-step ranks
             mbs += [None] * (max(len(m) for m in per_rank) - len(mbs))
@@ -298,24 +373,51 @@ class TrainEngine:
         metric_list: list[dict[str, float]] = []
         microbatches = [self._microbatch(data, idx) for idx in mbs]
 
+        fused = self.fused_logprobs and not self.config.sequence_parallel
+
         def forward_step(data_iterator: Iterator[dict], model: Any):
             mb = next(data_iterator)
-            output = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+            gpt = _unwrap_gpt(model)
+            extra = {"packed_seq_params": mb["packed_seq_params"]} if mb["packed_seq_params"] is not None else {}
+            if fused and gpt.post_process:
+                # the last stage returns final-norm hidden states [s, b, h]; logprobs come from
+                # them and the output weight, chunk by chunk (fused_logprob)
+                weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+                    else gpt.output_layer.weight
+                gpt.post_process = False
+                try:
+                    output = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
+                finally:
+                    gpt.post_process = True
+            else:
+                weight = None
+                output = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
 
-            def loss_func(logits: torch.Tensor):
-                logits = logits.float()
+            def select(x: torch.Tensor) -> torch.Tensor:
+                """``[b, s, ...]`` -> the data's tokens concatenated, ``[T, ...]``."""
+                return torch.cat([x[row, a:a + n] for row, a, n in mb["spans"]])
+
+            def row_logprobs(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None)."""
+                if weight is not None:
+                    return linear_logprobs(select(out.transpose(0, 1)), weight, select(mb["labels"]), self.vocab_size,
+                                           tp_group=ps.get_tensor_model_parallel_group()), None
+                logits = out.float()
                 mask = self._pad_mask(logits)
                 if mask is not None:
                     logits = logits.masked_fill(mask, float("-inf"))
-                logprobs = -vocab_parallel_cross_entropy(logits, mb["labels"])  # [b, s]
+                full = -vocab_parallel_cross_entropy(logits, mb["labels"])  # [b, s]
+                return select(full), full
+
+            def loss_func(out: torch.Tensor):
+                t, full = row_logprobs(out)
                 n_tokens = torch.tensor(sum(mb["lengths"]), dtype=torch.int)
                 if mb["idx"] is None:
-                    return logprobs.sum() * 0.0, n_tokens, {}
-                t = torch.cat([logprobs[row, :n] for row, n in enumerate(mb["lengths"])])
+                    return (full if full is not None else t).sum() * 0.0, n_tokens, {}
                 if loss is None:
-                    for row, (i, n) in enumerate(zip(mb["idx"], mb["lengths"])):
-                        records.append((i, logprobs[row, :n].detach().cpu(), None))
-                    return logprobs.sum().detach() * 0.0, n_tokens, {}
+                    for i, lp in zip(mb["idx"], t.detach().cpu().split(mb["lengths"])):
+                        records.append((i, lp, None))
+                    return t.sum().detach() * 0.0, n_tokens, {}
                 inputs = {}
                 for key in data[mb["idx"][0]].inputs:
                     parts = []

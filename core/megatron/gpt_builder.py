@@ -215,7 +215,30 @@ def build_gpt_model(
     if backend.kind == "cuda":
         model = model.to(backend.device)
     mark_tensor_parallel_params([model])
+    norm_weights_to_params_dtype(model, config.params_dtype)
     return model
+
+
+def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
+    """Give torch norm layers the model's parameter dtype; returns how many tensors were cast.
+
+    The local spec's ``WrappedTorchNorm`` builds ``torch.nn.RMSNorm`` / ``LayerNorm`` without a
+    dtype, so a bf16 model got fp32 norm weights. ``torch.rms_norm`` with a bf16 input and an fp32
+    weight cannot use its fused CUDA kernel and runs unfused (several elementwise kernels each way;
+    measured on an H200, see docs/benchmarks.md). HF keeps these weights in the model dtype too
+    (``Qwen2RMSNorm`` in a bf16 checkpoint), and megatron's mixed-precision optimizer keeps an
+    fp32 master copy of every bf16 parameter, so training precision is unchanged.
+    """
+    if dtype == torch.float32:
+        return 0
+    cast = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            for name, p in module.named_parameters(recurse=False):
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                    cast += 1
+    return cast
 
 
 _MODEL_OPTION_KEYS = (

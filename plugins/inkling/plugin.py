@@ -23,8 +23,7 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=(
                 "the text model converts from/to the released layout (model.llm.*; towers kept verbatim) and trains "
-                "like family 'inkling_text'; the vision/audio towers, LoRA appliers and TMLv0 template are not "
-                "implemented yet"
+                "like family 'inkling_text'; the vision/audio towers and LoRA appliers are not implemented yet"
             ),
             hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
@@ -63,3 +62,23 @@ def register_update_groups():
     from ferrule.specs import UpdateGroupTable
 
     return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
+
+
+#: TMLv0 model turns end with <|content_model_end_sampling|> (tml-renderers' ``v0.Renderer.stop()`` is [200006]).
+_TMLV0_STOP_TOKENS = ("<|content_model_end_sampling|>",)
+
+
+@hookimpl
+def register_chat_templates():
+    from ferrule.specs import ChatTemplateSpec
+
+    return [
+        ChatTemplateSpec(
+            name="tmlv0",
+            family="inkling",
+            template="ferrule.plugins.inkling:templates/tmlv0.jinja",
+            stop_tokens=_TMLV0_STOP_TOKENS,
+            tokenizer="ferrule.plugins.inkling.tokenizer:load_tmlv0_tokenizer",
+            description="TMLv0 (tml-renderers v0): effort line, thinking, tool calls, image/audio placeholders",
+        ),
+    ]

@@ -11,6 +11,8 @@ worker runs every 2-process check in one launch and rank 0 writes ``results.json
   averages).
 - ``tp2_logprobs_vs_hf``: max |fb logprobs - HF transformers logprobs| at TP=2 (the padded
   vocabulary columns live on TP rank 1).
+- ``tp2_fused_logprobs``: the same at TP=2 through the fused hidden-state logprob path
+  (``TrainEngine.fused_logprobs``): logprobs vs HF, and the gradients vs the plain path's.
 - ``dp2_resume``: DP=2 with the distributed optimizer, save after 2 steps, 2 more steps; a
   fresh engine loads and repeats them: identical losses, grad norms, weights, Adam step.
   The checkpoint stays in WORK_DIR/ckpt_dp2 for the test's cross-DP load, with the expected
@@ -163,6 +165,25 @@ def main(work: Path) -> None:
             diff = max(diff, float((ref - o["logprobs"].double()).abs().max()))
             fb_vs_fwd &= bool(torch.equal(o["logprobs"], lp))
     results["tp2_logprobs_vs_hf"] = {"max_abs_diff": diff, "fb_equals_forward": fb_vs_fwd}
+
+    # the fused (hidden-state) logprob path at TP=2: vocab-parallel reductions and the hidden
+    # gradient's all-reduce, against HF and against the plain path's gradients
+    plain = {n: p.main_grad.detach().clone() for n, p in engine.model[0].module.named_parameters()}
+    fused = TrainEngine.from_hf(hf_dir, tp)
+    fused.fused_logprobs = True
+    out_f = fused.forward_backward(batch, "cross_entropy")
+    lps_f = fused.forward_logprobs(batch)
+    diff_f, fb_vs_fwd_f = 0.0, True
+    with torch.no_grad():
+        for d, o, lp in zip(batch, out_f.loss_fn_outputs, lps_f):
+            ref = torch.log_softmax(hf(torch.tensor([d.model_input])).logits[0].double(), -1)
+            ref = ref.gather(-1, d.loss_fn_inputs["target_tokens"][:, None])[:, 0]
+            diff_f = max(diff_f, float((ref - o["logprobs"].double()).abs().max()))
+            fb_vs_fwd_f &= bool(torch.allclose(o["logprobs"], lp, atol=1e-6, rtol=0))
+    grad_diff = max(float((p.main_grad - plain[n]).abs().max() / plain[n].abs().max().clamp_min(1e-12))
+                    for n, p in fused.model[0].module.named_parameters())
+    results["tp2_fused_logprobs"] = {"max_abs_diff_vs_hf": diff_f, "fb_close_to_forward": fb_vs_fwd_f,
+                                     "max_rel_grad_diff_vs_plain": grad_diff}
     if dist.get_rank() == 0:
         (work / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

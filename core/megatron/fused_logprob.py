@@ -1,0 +1,169 @@
+"""Per-token logprobs straight from the last hidden states, without ``[tokens, vocab]`` fp32 logits.
+
+The plain path (``model(...) -> logits -> logits.float() -> vocab_parallel_cross_entropy``)
+materialises the logits of every token in the parameter dtype *and* in fp32, then runs several
+elementwise passes over them; for Qwen2-0.5B at 16k tokens that is 10 GB per fp32 copy and, on an
+H200, about a fifth of the train step (profile in docs/benchmarks.md). :func:`linear_logprobs`
+computes the same quantity chunk by chunk (``chunk_tokens`` rows at a time) and recomputes each
+chunk's logits in the backward pass, the scheme of "fused linear cross entropy" kernels (Liger's
+``LigerFusedLinearCrossEntropy``, Megatron's ``cross_entropy_fusion``), but with an arbitrary
+upstream gradient per token, since RL losses (``ppo``, ``cispo``, ...) are non-linear in the
+logprobs.
+
+Math, for token ``t`` with hidden ``h_t``, output weight ``W`` (``[V, H]``) and target ``y_t``::
+
+    z_t = W h_t                         (computed in W's dtype, reduced in fp32)
+    logprob_t = z_t[y_t] - logsumexp(z_t)                      (padded vocab rows excluded)
+    d logprob_t / d z_t = onehot(y_t) - softmax(z_t)
+
+so with upstream gradients ``g_t``: ``dz = g[:, None] * (onehot - softmax)``, ``dh = dz W`` and
+``dW = dz^T h``. Under tensor parallelism ``W`` is split by vocabulary rows (Megatron's
+``ColumnParallelLinear`` output layer, ``parallel_output=True``); the max, the sum of exponentials
+and the target logit are all-reduced over the TP group, as in
+``megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy``, and ``dh`` is
+all-reduced in the backward pass (the output layer's input is TP-replicated when sequence
+parallelism is off, which is how ferrule builds models).
+
+Numerics: logits are rounded to ``W``'s dtype (as the plain path's matmul output is) and every
+reduction is fp32; on CPU in fp32 the result equals the plain path to ~1e-6 (tested). ``dW`` is
+accumulated over chunks in fp32 and cast to ``W``'s dtype once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+__all__ = ["linear_logprobs", "DEFAULT_CHUNK_TOKENS"]
+
+#: Rows per chunk: 4096 tokens x 151936 vocab in bf16 is 1.2 GB of transient logits.
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def _chunk_max(z: torch.Tensor) -> torch.Tensor:
+    """``[c, V]`` logits (param dtype) -> ``[c]`` fp32 row max."""
+    return z.float().amax(dim=-1)
+
+
+def _chunk_sumexp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``sum_v exp(z - m)`` in fp32, ``[c]``."""
+    return torch.exp(z.float() - m[:, None]).sum(dim=-1)
+
+
+def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, y: torch.Tensor,
+                in_range: torch.Tensor) -> torch.Tensor:
+    """``g * (onehot(y) - softmax(z))`` in z's dtype, ``[c, V]`` (one pass on CUDA when compiled)."""
+    cols = torch.arange(z.shape[1], device=z.device)
+    onehot = ((cols[None, :] == y[:, None]) & in_range[:, None]).float()
+    return ((onehot - torch.exp(z.float() - lse[:, None])) * g[:, None]).to(z.dtype)
+
+
+@functools.cache
+def _kernels(cuda: bool):
+    """(max, sumexp, grad): ``torch.compile``-d on CUDA (each one fused pass over the chunk's
+    logits instead of an fp32 copy plus several elementwise passes); eager on CPU, where the
+    tests compare with fp64 references."""
+    if not cuda:
+        return _chunk_max, _chunk_sumexp, _chunk_grad
+    return tuple(torch.compile(f, dynamic=True) for f in (_chunk_max, _chunk_sumexp, _chunk_grad))
+
+
+def _tp_group_and_rank(tp_group):
+    import torch.distributed as dist
+
+    if tp_group is None or not dist.is_initialized() or dist.get_world_size(tp_group) == 1:
+        return None, 0
+    return tp_group, dist.get_rank(tp_group)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group):
+        import torch.distributed as dist
+
+        group, rank = _tp_group_and_rank(tp_group)
+        v_local = weight.shape[0]
+        start = rank * v_local
+        n_valid = max(0, min(v_local, vocab_size - start))  # unpadded rows on this rank
+        t = hidden.shape[0]
+        lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        out = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        local_labels = labels - start
+        in_range = (local_labels >= 0) & (local_labels < n_valid)
+        safe = torch.where(in_range, local_labels, torch.zeros_like(local_labels))
+        kmax, ksumexp, _ = _kernels(hidden.is_cuda)
+        for a in range(0, t, chunk_tokens):
+            b = min(a + chunk_tokens, t)
+            z = hidden[a:b] @ weight[:n_valid].t()  # [c, n_valid] in the parameter dtype
+            if n_valid:
+                m = kmax(z)
+            else:
+                m = torch.full((b - a,), float("-inf"), device=z.device)
+            if group is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            s = ksumexp(z, m) if n_valid else torch.zeros(b - a, device=z.device)
+            tgt = z.gather(1, safe[a:b, None]).squeeze(1).float() * in_range[a:b]
+            if group is not None:
+                dist.all_reduce(s, group=group)
+                dist.all_reduce(tgt, group=group)
+            lse[a:b] = m + torch.log(s)
+            out[a:b] = tgt - lse[a:b]
+        ctx.save_for_backward(hidden, weight, safe, in_range, lse)
+        ctx.meta = (n_valid, chunk_tokens, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        import torch.distributed as dist
+
+        hidden, weight, safe, in_range, lse = ctx.saved_tensors
+        n_valid, chunk_tokens, group = ctx.meta
+        t = hidden.shape[0]
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        g = grad_out.float()
+        w = weight[:n_valid]
+        _, _, kgrad = _kernels(hidden.is_cuda)
+        for a in range(0, t, chunk_tokens):
+            b = min(a + chunk_tokens, t)
+            z = hidden[a:b] @ w.t()
+            dz = kgrad(z, lse[a:b], g[a:b], safe[a:b], in_range[a:b])  # [c, n_valid], W's dtype
+            if grad_h is not None:
+                grad_h[a:b] = dz @ w
+            if grad_w32 is not None:
+                grad_w32[:n_valid] += dz.t() @ hidden[a:b]  # matmul in W's dtype, summed over chunks in fp32
+        if grad_h is not None and group is not None:
+            dist.all_reduce(grad_h, group=group)
+        grad_w = grad_w32.to(weight.dtype) if grad_w32 is not None else None
+        return grad_h, grad_w, None, None, None, None
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, *,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T)[labels]`` over the unpadded vocabulary, chunked.
+
+    Args:
+        hidden: ``[T, H]`` final-norm hidden states (any float dtype; the matmul runs in it).
+        weight: ``[V_local, H]`` this TP rank's rows of the output weight (rows
+            ``rank * V_local ...``); rows at global index ``>= vocab_size`` are padding and excluded.
+        labels: ``[T]`` int64 global token ids in ``[0, vocab_size)``.
+        vocab_size: the unpadded vocabulary size (HF ``config.vocab_size``).
+        chunk_tokens: rows per chunk (memory ``chunk_tokens * V_local`` fp32 at a time).
+        tp_group: the tensor-parallel process group (None or size 1: no communication).
+
+    Returns:
+        ``[T]`` float32 logprobs, differentiable w.r.t. ``hidden`` and ``weight``.
+
+    Raises:
+        ValueError: mismatched shapes or a non-positive ``chunk_tokens``.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_logprobs needs hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}.")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [T] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}.")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group)

@@ -1,0 +1,120 @@
+"""The fused (hidden-state, chunked) logprob path, ferrule.megatron.fused_logprob.
+
+Referees: a float64 ``log_softmax`` of the explicit logits and float64 autograd for the gradients
+(unit level); the engine's plain logits path and HF transformers (engine level, fp32, CPU). The
+TP=2 case (vocab-parallel reductions) runs in tests/dist/train_engine_worker.py's launch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM  # noqa: F401  (import before ferrule's CPU patches)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+import train_engine_worker as w  # noqa: E402
+
+from ferrule.megatron.engine import OptimizerSettings, TrainEngine  # noqa: E402
+from ferrule.megatron.fused_logprob import linear_logprobs  # noqa: E402
+from ferrule.megatron.parallel import ParallelLayout  # noqa: E402
+
+T, H, V_PADDED, VOCAB = 23, 16, 40, 37  # 3 padded rows, a token count no chunk size divides
+
+
+def _reference(hidden, weight, labels, g):
+    h = hidden.detach().double().requires_grad_()
+    wt = weight.detach().double().requires_grad_()
+    lp = torch.log_softmax(h @ wt[:VOCAB].t(), -1).gather(1, labels[:, None])[:, 0]
+    (lp * g.double()).sum().backward()
+    return lp.detach(), h.grad, wt.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 23, 4096])
+def test_linear_logprobs_match_float64_reference(chunk):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(T, H, generator=gen, requires_grad=True)
+    weight = torch.randn(V_PADDED, H, generator=gen, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (T,), generator=gen)
+    g = torch.randn(T, generator=gen)  # an arbitrary upstream gradient (RL losses are non-linear)
+    lp = linear_logprobs(hidden, weight, labels, VOCAB, chunk_tokens=chunk)
+    (lp * g).sum().backward()
+    ref_lp, ref_h, ref_w = _reference(hidden, weight, labels, g)
+    assert lp.dtype == torch.float32 and lp.shape == (T,)
+    assert float((lp.double() - ref_lp).abs().max()) <= 1e-5
+    assert float((hidden.grad.double() - ref_h).abs().max()) <= 1e-5
+    assert float((weight.grad.double() - ref_w).abs().max()) <= 1e-5
+    assert float(weight.grad[VOCAB:].abs().max()) == 0.0  # padded rows get no gradient
+
+
+def test_linear_logprobs_reject_bad_shapes():
+    with pytest.raises(ValueError, match="hidden"):
+        linear_logprobs(torch.zeros(3, 4), torch.zeros(5, 6), torch.zeros(3, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="labels"):
+        linear_logprobs(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        linear_logprobs(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long), 5, chunk_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return w.make_hf_dir(tmp_path_factory.mktemp("fused") / "qwen2")
+
+
+def _grads(engine):
+    return {n: p.main_grad.detach().clone() for n, p in engine.model[0].module.named_parameters()}
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])
+def test_engine_fused_path_equals_plain_path(hf_dir, loss):
+    """Same logprobs (1e-6) and gradients (1e-5 relative) as the plain logits path, with a
+    non-linear loss too, and the padded vocabulary (96 -> 128 rows) excluded."""
+    batch = w.make_batch(seed=5, loss=loss)
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} if loss == "ppo" else None
+    results = {}
+    for fused in (False, True):
+        e = TrainEngine.from_hf(hf_dir, ParallelLayout(), optimizer=OptimizerSettings(lr=w.LR))
+        assert e.fused_logprobs is False  # the CPU default stays the exact plain path
+        e.fused_logprobs = fused
+        out = e.forward_backward(batch, loss, cfg)
+        results[fused] = ([o["logprobs"] for o in out.loss_fn_outputs], _grads(e), e.forward_logprobs(batch))
+    for a, b in zip(results[False][0], results[True][0]):
+        assert float((a - b).abs().max()) <= 1e-6
+    for a, b in zip(results[False][2], results[True][2]):
+        assert float((a - b).abs().max()) <= 1e-6
+    for n, ga in results[False][1].items():
+        gb = results[True][1][n]
+        assert float((ga - gb).abs().max()) <= 1e-5 * max(float(ga.abs().max()), 1e-12), n
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_packed_sequences_equal_padded_microbatches(hf_dir, monkeypatch, fused):
+    """Megatron's ``thd`` packing (data concatenated in one row, attention within each datum,
+    positions restarting per datum) gives the padded layout's logprobs and gradients (fp32)."""
+    batch = w.make_batch(seed=6, loss="ppo")
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    results = {}
+    for packed in ("0", "1"):
+        monkeypatch.setenv("FERRULE_PACKED_SEQUENCES", packed)
+        e = TrainEngine.from_hf(hf_dir, ParallelLayout(), optimizer=OptimizerSettings(lr=w.LR),
+                                max_tokens_per_microbatch=40)
+        assert e.packed_sequences is (packed == "1")
+        e.fused_logprobs = fused
+        out = e.forward_backward(batch, "ppo", cfg)
+        results[packed] = ([o["logprobs"] for o in out.loss_fn_outputs], _grads(e), e.forward_logprobs(batch))
+    for a, b in zip(results["0"][0] + results["0"][2], results["1"][0] + results["1"][2]):
+        assert float((a - b).abs().max()) <= 1e-5
+    for n, ga in results["0"][1].items():
+        gb = results["1"][1][n]
+        assert float((ga - gb).abs().max()) <= 1e-5 * max(float(ga.abs().max()), 1e-12), n
+
+
+def test_packed_microbatch_planning_counts_real_tokens():
+    from ferrule.megatron.batching import pack_microbatches
+
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6]
+    mbs = pack_microbatches(range(8), lengths, 20, packed=True)
+    assert mbs == [[0, 1, 2], [3, 4], [5, 6, 7]]  # 17, 19, 20 real tokens; arrival order kept
