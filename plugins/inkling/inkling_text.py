@@ -18,18 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ferrule.mapping import (
-    ExpertFuseGateUp,  # noqa: F401  (re-exported vocabulary for readers)
-    FuseGateUp,
-    Ignore,
-    Mapping as ParamMapping,
-    MappingTable,
-    Rename,
-    StackExperts,
-    TPSplit,
-    _expect_shape,
-    _torch,
-)
+from ferrule.mapping import FuseGateUp, MappingError, MappingTable, Rename, StackExperts, TPSplit
+from ferrule.mapping import Mapping as ParamMapping
 from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
 from ferrule.specs import UpdateGroup
 
@@ -62,9 +52,12 @@ class StackSharedGateUp(ParamMapping):
         return (self.gate, self.up)
 
     def to_mcore(self, hf, ctx, wildcards=()):
+        import torch
+
         gate, up = hf
-        _expect_shape(f"{self.mcore} up_proj", up, tuple(gate.shape))
-        return _torch().cat([gate, up], 1)
+        if tuple(up.shape) != tuple(gate.shape):
+            raise MappingError(f"{self.mcore}: up_proj {tuple(up.shape)} and gate_proj {tuple(gate.shape)} differ.")
+        return torch.cat([gate, up], 1)
 
     def to_hf(self, full, ctx, wildcards=()):
         ffn = full.shape[1] // 2
@@ -151,5 +144,3 @@ TINY_HF_CONFIG = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2, "max_position_embeddings": 64,
     "logits_mup_width_multiplier": 4.0, "route_scale": 2.0,
 }
-
-_ = Ignore  # (no HF tensor of this layout is ignored)

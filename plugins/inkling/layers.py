@@ -10,7 +10,6 @@ hidden-width ShortConvs are replicated.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

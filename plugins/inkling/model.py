@@ -151,8 +151,9 @@ def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, p
                          make_vocab_size_divisible_by: int = 128, core_attention: str | None = None) -> list:
     """Provider body: this rank's Inkling model chunks for an HF config (see ``ProviderSpec.build``).
 
-    ``core_attention`` is accepted for interface compatibility and must be None or ``'eager'``
-    (the Inkling attention computes HF's eager attention with the relative bias itself).
+    ``core_attention`` is accepted for interface compatibility (None, ``'sdpa'`` or ``'eager'``,
+    all meaning the same): the Inkling attention computes HF's eager attention with the
+    per-query relative bias itself; another value is refused.
 
     Raises:
         ConfigTranslationError: unsupported HF config (from the translation).

@@ -35,6 +35,7 @@ class InklingDenseMLP(MLP):
     """
 
     def __init__(self, config, submodules, conv_kernel_size: int = 4, **kwargs):
+        kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)
         super().__init__(config, submodules, **kwargs)
         self.global_scale = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype))
         self.mlp_sconv = InklingShortConv(config, config.hidden_size, conv_kernel_size)
