@@ -154,6 +154,9 @@ class InklingMoELayer(MoELayer):
     and ``SequentialMLP`` (``mlp.experts.local_experts.E.linear_fc1/fc2``; ``fc1`` = ``[gate; up]``;
     the router weight scales the SwiGLU output before ``fc2``, which is linear, so equal to HF's
     scaling after ``down``).
+
+    Training at TP>1 is refused (``ValueError``), as megatron's own ``MoELayer`` refuses it
+    without sequence parallelism: the routed experts' gradients would be ``tp`` times too large.
     """
 
     def __init__(self, config, submodules, layer_number=None, pg_collection=None, *, n_shared_experts: int,
@@ -163,6 +166,15 @@ class InklingMoELayer(MoELayer):
         self.mlp_sconv = InklingShortConv(config, config.hidden_size, conv_kernel_size)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if self.training and self.tp_group.size() > 1 and not self.config.sequence_parallel:
+            # megatron's MoELayer.forward refuses this too: without sequence parallelism every TP rank holds
+            # the same tokens, the dispatcher gathers them over TP, and the routed experts' gradients come
+            # out tp times too large (measured: exactly 2x at TP=2). Forward / logprobs are exact.
+            raise ValueError(
+                f"Inkling MoE layers cannot train at tp={self.tp_group.size()}: megatron's token dispatcher would "
+                "count every token tp times in the routed experts' gradients (sequence parallelism, which avoids "
+                "it, needs TransformerEngine). Train MoE Inkling with tp=1 (use ep to split the experts); "
+                "inference / logprobs at tp>1 are fine.")
         probs, routing_map, gammas = self.router.route(hidden_states)
         x, probs = self.preprocess(hidden_states, probs, routing_map)
         dispatched, probs = self.dispatch(x, probs)

@@ -6,7 +6,8 @@ WORK_DIR holds tiny InklingForCausalLM dirs made by the test (one per name in
 ``tests/inkling_fixtures.CONFIGS``) and ``moe_2_shared_td``, a torch_dist checkpoint converted at
 TP=1. Each case builds the Megatron model at a layout, loads it, compares full-vocab logits with
 transformers (eager attention, fp32, computed here) and the exported HF tensors with the
-safetensors files (bit-exact). Layouts the model cannot use must be refused with a ValueError.
+safetensors files (bit-exact); for ``GRAD_TP2`` it also compares the TP=2 gradients of a summed
+token log-likelihood with HF autograd (``grad_rel_diff``: max |diff| / max |HF grad| per tensor). Layouts the model cannot use must be refused with a ValueError.
 Rank 0 writes ``results.json``: ``{case: {"logits_diff", "export_exact"} | {"refused": message}}``
 plus ``shared_experts_replicated_over_ep``.
 """
@@ -23,6 +24,14 @@ warnings.filterwarnings("ignore")
 SEQ = 12
 TP2 = ("moe_2_shared", "dense_only", "local_only", "global_only_log_scaling")
 REFUSED_AT_TP2 = ("one_kv_head", "swa_head_shape")
+GRAD_TP2 = ("dense_only",)
+
+
+def _summed_logprob(logits, ids):
+    import torch
+
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, ids[:, 1:, None]).sum()
 
 
 def main(work: Path) -> None:
@@ -37,12 +46,37 @@ def main(work: Path) -> None:
     from ferrule.plugins.inkling import inkling_text
 
     ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    ref = {}
+    ref, ref_grads = {}, {}
     for name in (*TP2, *REFUSED_AT_TP2):  # HF first (see qwen_parity_worker.py on import order)
         hf = InklingForCausalLM.from_pretrained(work / name, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             ref[name] = hf(input_ids=ids).logits
+        if name in GRAD_TP2:
+            hf.train()
+            _summed_logprob(hf(input_ids=ids).logits, ids).backward()
+            ref_grads[name] = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                               for n, p in hf.named_parameters()}
     results: dict[str, dict] = {}
+
+    def grad_rel_diff(name, chunks, hf_config):
+        """Max over HF parameters of max|grad_mcore - grad_hf| / max|grad_hf| (TP-gathered by the table)."""
+        model = chunks[0]
+        model.train()
+        model.zero_grad()
+        out = model(ids, torch.arange(SEQ).unsqueeze(0).expand_as(ids), attention_mask=None)[..., :96]
+        _summed_logprob(out, ids).backward()
+        # what megatron's finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) does at optim_step
+        # with config.qk_layernorm: sum the per-head q/k norm gradients over the TP group (each rank holds
+        # the norm for its own heads only)
+        for n, p in model.named_parameters():
+            if "q_layernorm" in n or "k_layernorm" in n:
+                dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
+        with torch.no_grad():  # export the gradients through the mapping table (gathers the TP shards)
+            for p in model.parameters():
+                p.data.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+        got = dict(export_mcore_to_hf(chunks, inkling_text.MAPPING, hf_config=hf_config))
+        return max(((got[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+                   for k, g in ref_grads[name].items())
 
     def build(name, layout, **opts):
         hf_config = json.loads((work / name / "config.json").read_text())
@@ -68,7 +102,17 @@ def main(work: Path) -> None:
         return chunks
 
     for name in TP2:
-        run(f"{name}_tp2", name, ParallelLayout(tp=2))
+        chunks = run(f"{name}_tp2", name, ParallelLayout(tp=2))
+        if name in GRAD_TP2:
+            hf_config = json.loads((work / name / "config.json").read_text())
+            results[f"{name}_tp2"]["grad_rel_diff"] = grad_rel_diff(name, chunks, hf_config)
+        if name == "moe_2_shared":  # MoE training at TP>1 is refused (routed-expert grads would be tp x)
+            chunks[0].train()
+            try:
+                chunks[0](ids, torch.arange(SEQ).unsqueeze(0).expand_as(ids), attention_mask=None)
+                results["moe_2_shared_tp2_train"] = {"refused": None}
+            except ValueError as exc:
+                results["moe_2_shared_tp2_train"] = {"refused": str(exc)}
     for name in REFUSED_AT_TP2:
         try:
             build(name, ParallelLayout(tp=2))
