@@ -20,7 +20,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["HFCacheDecodeState"]
+__all__ = ["HFCacheDecodeState", "HF_CACHE_LAYER_TYPES", "uses_hf_cache"]
+
+#: ``config.layer_types`` values whose decode through transformers' own cache is verified exact against a
+#: full forward (Inkling: ``tests/test_inkling_rollout.py``). A model with any other unsupported layer
+#: type is still refused by the engine (no silent fallback).
+HF_CACHE_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
+
+
+def uses_hf_cache(config: Any) -> bool:
+    """True if every ``layer_types`` entry of ``config`` (or its text config) is in :data:`HF_CACHE_LAYER_TYPES`."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    return bool(types) and set(types) <= HF_CACHE_LAYER_TYPES
 
 
 class HFCacheDecodeState:

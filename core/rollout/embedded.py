@@ -81,10 +81,12 @@ class EmbeddedEngine:
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
+        NotImplementedError: layer types the engine cannot decode (see below).
 
-    Models whose layers are not plain full / sliding attention (``layer_windows`` refuses them,
-    e.g. Inkling) decode through transformers' own cache instead of the static KV cache, one
-    batch per prompt length (:mod:`ferrule.rollout._hf_cache_decode`): exact, without CUDA graphs.
+    Models whose layers are Inkling's ``"hybrid"`` / ``"hybrid_sliding"`` types (ShortConv state
+    besides keys and values) decode through transformers' own cache instead of the static KV
+    cache, one batch per prompt length (:mod:`ferrule.rollout._hf_cache_decode`): exact, without
+    CUDA graphs. Any other layer type raises ``NotImplementedError``.
     """
 
     kind = "embedded"
@@ -121,8 +123,12 @@ class EmbeddedEngine:
         try:
             self._windows: dict | None = layer_windows(self.model.config)
         except NotImplementedError:
-            # other per-layer state (e.g. Inkling's ShortConv states): transformers' own cache, exact
-            # (rows grouped by prompt length, no CUDA graphs); see ferrule.rollout._hf_cache_decode
+            from ferrule.rollout._hf_cache_decode import uses_hf_cache
+
+            if not uses_hf_cache(self.model.config):
+                raise
+            # Inkling-style layers (ShortConv states): transformers' own cache, exact (rows grouped by
+            # prompt length, no CUDA graphs); see ferrule.rollout._hf_cache_decode
             self._windows = None
         self.cuda_graph = bool(self.device.type == "cuda" and (cuda_graph is None or cuda_graph)
                                and self._windows is not None)
