@@ -6,6 +6,8 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
       metadata.json, .metadata, common.pt, __R_W.distcp   megatron torch_dist files
       ferrule_checkpoint.json                              family, layout it was saved from, dtype
       hf/config.json, hf/generation_config.json, hf/tokenizer*  copied from the HF directory
+      hf/passthrough.safetensors                           HF tensors the mapping table passes through
+                                                           (MappingTable.passthrough; only if any)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict()}`` (``"model0"``,
 ``"model1"``, ... per virtual pipeline stage, as Megatron-LM does); it stores global tensors
@@ -36,12 +38,12 @@ __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore",
            "HF_SIDE_FILES", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
 
 HF_SUBDIR = "hf"
+#: File in ``OUT_DIR/hf`` holding the tensors a family's mapping table passes through unchanged.
+PASSTHROUGH_FILE = "passthrough.safetensors"
 METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
 #: Non-weight files copied between HF directories and ``OUT_DIR/hf`` (those present).
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                 "tokenizer.model", "chat_template.jinja", "chat_template.json")
+from ferrule.megatron.checkpoint import HF_SIDE_FILES  # noqa: E402  (re-exported; defined in the core)
 
 
 class ConversionError(RuntimeError):
@@ -64,6 +66,19 @@ def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
+
+
+def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> int:
+    """Copy the checkpoint's :class:`~ferrule.mapping.Passthrough` tensors to ``hf_out/passthrough.safetensors``.
+
+    Returns the number of tensors kept (0 writes no file).
+    """
+    keys = sorted(k for k in reader.keys() if table.is_passthrough(k))
+    if keys:
+        from safetensors.torch import save_file
+
+        save_file({k: reader.get(k).contiguous() for k in keys}, str(hf_out / PASSTHROUGH_FILE))
+    return len(keys)
 
 
 def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
@@ -189,12 +204,37 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
         shutil.rmtree(err_dir, ignore_errors=True)
 
 
+_FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
 def _dtype_name(reader: SafetensorsReader) -> str:
-    names = {reader.dtype_name(k) for k in reader.keys()}
-    float_names = [n for n in ("F32", "BF16", "F16") if n in names]
-    if len(float_names) != 1:
-        raise CheckpointError(f"checkpoint mixes floating dtypes {sorted(names)}; pass dtype= explicitly.")
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[float_names[0]]
+    """The checkpoint's main floating dtype: the one holding the most bytes (e.g. ``"bfloat16"``)."""
+    sizes: dict[str, int] = {}
+    for k in reader.keys():
+        name = reader.dtype_name(k)
+        if name in _FLOAT_NAMES:
+            numel = 1
+            for d in reader.shape(k):
+                numel *= int(d)
+            sizes[name] = sizes.get(name, 0) + numel * (4 if name == "F32" else 2)
+    if not sizes:
+        raise CheckpointError("checkpoint has no floating-point tensors (F32/BF16/F16); pass dtype= explicitly.")
+    return _FLOAT_NAMES[max(sizes, key=lambda n: (sizes[n], n))]
+
+
+def _other_float_dtypes(reader: SafetensorsReader, main: str) -> dict[str, str]:
+    """``{hf_key: dtype}`` for floating tensors stored in another dtype than ``main``.
+
+    E.g. transformers keeps Inkling's ShortConv weights and router bias / global scale in fp32
+    inside a bf16 checkpoint (``_keep_in_fp32_modules_strict``); the export restores each such
+    tensor's own dtype, so the round trip stays bit-exact.
+    """
+    out = {}
+    for k in reader.keys():
+        name = _FLOAT_NAMES.get(reader.dtype_name(k))
+        if name is not None and name != main:
+            out[k] = name
+    return out
 
 
 def _build(build: Callable, hf_config: dict, layout: Any, dtype: str) -> list:
@@ -290,7 +330,9 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         tp, ep, pp: parallel layout used for the conversion processes (the checkpoint itself
             loads under any layout).
         dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the
-            checkpoint's floating dtype, so the conversion is bit-exact.
+            checkpoint's main floating dtype (most bytes). Tensors stored in another floating dtype
+            are recorded (``hf_dtypes`` in ``ferrule_checkpoint.json``) and exported in their own
+            dtype again, so the conversion is bit-exact.
         progress: ``progress(n_bytes)`` after each parameter (single-process runs only).
 
     Returns:
@@ -313,6 +355,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     family, _, table = _family_parts(hf_config)  # unsupported model_type fails here, before any output
     reader = SafetensorsReader(hf_dir)  # missing / truncated shards fail here
     dtype = dtype or _dtype_name(reader)
+    other_dtypes = _other_float_dtypes(reader, dtype)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
     world = tp * pp * ep
     ParallelLayout(**layout_kw).validate(world)
@@ -324,12 +367,14 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         if not (tmp / "metadata.json").is_file():
             raise ConversionError(f"megatron dist_checkpointing.save wrote no metadata.json into {tmp}.")
         copied = _copy_side_files(hf_dir, tmp / HF_SUBDIR)
+        kept = _save_passthrough(reader, table, tmp / HF_SUBDIR)
         import megatron.core
 
         meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
-                "hf_bytes": reader.total_bytes(), "ferrule_version": __version__,
-                "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k)),
+                "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept,
+                "hf_dtypes": other_dtypes, "ferrule_version": __version__,
+                "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k) and not table.is_passthrough(k)),
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         commit_dir(tmp, out_dir)
@@ -369,7 +414,8 @@ def _check_dropped(dropped: list[tuple[str, Any]], table: Any) -> None:
 
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
-                             max_shard_bytes: int, progress: Callable[[int], None] | None) -> None:
+                             max_shard_bytes: int, progress: Callable[[int], None] | None,
+                             hf_dtypes: dict | None = None) -> None:
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -381,14 +427,23 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
     writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank == 0 else None
     import torch
 
-    # megatron may keep some parameters (e.g. torch norms) in fp32 under bf16 params_dtype;
-    # the HF checkpoint had one floating dtype, which is restored here (exact for bf16 -> fp32 -> bf16)
-    for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config, dtype=getattr(torch, dtype)):
+    # megatron may keep some parameters (e.g. torch norms) in fp32 under bf16 params_dtype; each HF
+    # tensor gets back the dtype it had in the source checkpoint (exact for bf16 -> fp32 -> bf16), which
+    # is the main dtype except for the tensors listed in hf_dtypes
+    hf_dtypes = hf_dtypes or {}
+    for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config):
+        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, dtype)))
         if writer is not None:
             writer.add(name, tensor.cpu())
             if progress is not None:
                 progress(tensor.numel() * tensor.element_size())
     if writer is not None:
+        passthrough = Path(ckpt_dir) / HF_SUBDIR / PASSTHROUGH_FILE
+        if passthrough.is_file():  # tensors Megatron does not hold (MappingTable.passthrough), written back verbatim
+            from safetensors.torch import load_file
+
+            for name, tensor in load_file(str(passthrough)).items():
+                writer.add(name, tensor)
         writer.close()
 
 
@@ -438,7 +493,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     tmp = _prepare_out(out_dir, overwrite)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
-                                               max_shard_bytes, progress if world == 1 else None), tmp)
+                                               max_shard_bytes, progress if world == 1 else None,
+                                               meta.get("hf_dtypes", {})), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
         commit_dir(tmp, out_dir)
     except BaseException:

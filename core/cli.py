@@ -35,8 +35,8 @@ _SUBAPPS: tuple[tuple[str, str, str], ...] = (
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("train", "ferrule.rl.cli_train:train_command"),
     ("plot", "ferrule.rl.cli_plot:plot_command"),
-    ("check", "ferrule.cli_check:check_command"),
-    ("export", "ferrule.rl.export:export_command"),
+    ("check", "ferrule.converters.cli_check:check_command"),
+    ("export", "ferrule.converters.export:export_command"),
 )
 
 

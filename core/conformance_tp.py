@@ -10,7 +10,7 @@ family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance_numeri
 with the family's optional ``TINY_TP2_OVERRIDES`` applied, e.g. 2 KV heads for an MQA config),
 both ranks build the provider at TP=2, load the HF tensors through the mapping table (so a
 wrong ``TPSplit`` shows up as a shape error or wrong numbers), export them back
-(:func:`ferrule.converters.weights.export_mcore_to_hf`, which gathers the TP shards) and run the
+(:func:`ferrule.megatron.weights.export_mcore_to_hf`, which gathers the TP shards) and run the
 kit's test batch. Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
 1e-5) and the exported tensors with the source files (bit-exact), and writes
 ``{family: {"ok": bool, "logits_max_abs_diff": float | None, "error": str | None}}`` to
@@ -50,8 +50,9 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
 
     from ferrule import conformance_numeric as cn
     from ferrule import registry
-    from ferrule.converters import SafetensorsReader, load_hf_into_mcore
-    from ferrule.converters.weights import export_mcore_to_hf
+    from ferrule.megatron.weights import load_hf_into_mcore
+    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.gpt_builder import check_layout_fits
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule.specs import resolve_ref

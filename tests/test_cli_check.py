@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(600)
 def test_check_passes_on_qwen2(tmp_path):
-    from ferrule.check import run_check
+    from ferrule.converters.check import run_check
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
     report = run_check(src, seq_len=24)

@@ -319,7 +319,7 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from ferrule.rl.config import load_config
-    from ferrule.rl.export import ExportError, find_run_checkpoint
+    from ferrule.converters.export import ExportError, find_run_checkpoint
     from ferrule.rl.loop import GRPOTrainer
 
     src = tmp_path / "model"
@@ -344,7 +344,7 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
 
     out = tmp_path / "exported"
     env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
-    launcher = "import typer; from ferrule.rl.export import export_command; typer.run(export_command)"
+    launcher = "import typer; from ferrule.converters.export import export_command; typer.run(export_command)"
     res = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -34,12 +34,14 @@ from ferrule.mapping.vocabulary import (
     MappingError,
     OutputLayer,
     ParamMapping,
+    Passthrough,
     Rename,
     StackExperts,
     TPSplit,
 )
 
 __all__ = [
+    "Passthrough",
     "ExpertFuseGateUp",
     "ExpertRename",
     "FuseGateUp",

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ferrule.mapping.vocabulary import Ignore, MappingContext, MappingError, ParamMapping, StackExperts
+from ferrule.mapping.vocabulary import Ignore, MappingContext, MappingError, ParamMapping, Passthrough, StackExperts
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -33,6 +33,7 @@ class MappingTable:
         family: the family name (for messages).
         mappings: one entry per mcore parameter pattern (patterns must be unique).
         ignores: HF key patterns that are deliberately dropped.
+        passthrough: HF key prefixes kept verbatim beside the Megatron checkpoint (not loaded).
 
     Names given to the table are *global* mcore names: layer index counted over the whole
     model (PP offset added) and expert index global (EP offset added); see
@@ -42,12 +43,16 @@ class MappingTable:
     family: str
     mappings: tuple[ParamMapping, ...]
     ignores: tuple[Ignore, ...] = ()
+    passthrough: tuple[Passthrough, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.mappings, tuple) or not isinstance(self.ignores, tuple):
             raise MappingError(f"MappingTable({self.family}): mappings and ignores must be tuples (tables are immutable).")
         bad = [m for m in self.mappings if not isinstance(m, ParamMapping)]
         bad += [i for i in self.ignores if not isinstance(i, Ignore)]
+        if not isinstance(self.passthrough, tuple):
+            raise MappingError(f"MappingTable({self.family}): passthrough must be a tuple (tables are immutable).")
+        bad += [p for p in self.passthrough if not isinstance(p, Passthrough)]
         if bad:
             raise MappingError(f"MappingTable({self.family}) holds non-mapping entries {bad!r}.")
         pats = [m.mcore for m in self.mappings]
@@ -78,7 +83,12 @@ class MappingTable:
         return m.hf_keys(mcore_name, ctx)
 
     def is_ignored(self, hf_key: str) -> bool:
-        return any(i.match(hf_key) for i in self.ignores)
+        """True for HF keys Megatron does not load: :class:`Ignore`\ d and :class:`Passthrough` keys."""
+        return any(i.match(hf_key) for i in self.ignores) or self.is_passthrough(hf_key)
+
+    def is_passthrough(self, hf_key: str) -> bool:
+        """True for HF keys a conversion keeps verbatim beside the Megatron checkpoint."""
+        return any(p.match(hf_key) for p in self.passthrough)
 
     # -- completeness -------------------------------------------------------------------
     def check_mcore_names(self, mcore_names: Iterable[str]) -> None:

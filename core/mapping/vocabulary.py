@@ -54,6 +54,7 @@ __all__ = [
     "StackExperts",
     "OutputLayer",
     "Ignore",
+    "Passthrough",
     "ExpertRename",
     "ExpertFuseGateUp",
 ]
@@ -110,7 +111,7 @@ class MappingContext:
         cfg = hf_config.get("text_config") or hf_config
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
         return cls(
             num_attention_heads=heads,
             num_query_groups=int(cfg.get("num_key_value_heads") or heads),
@@ -512,4 +513,27 @@ class Ignore:
 
     def match(self, hf_key: str) -> bool:
         return _pattern_regex(self.hf).match(hf_key) is not None
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    """HF tensors under ``prefix`` that Megatron does not hold but a conversion must keep.
+
+    ``hf_to_torch_dist`` copies them verbatim into ``OUT_DIR/hf/passthrough.safetensors`` and
+    ``torch_dist_to_hf`` writes them back, so the round trip stays bit-exact (e.g. Inkling's frozen
+    vision / audio towers, ``model.visual.`` and ``model.audio.``, until a tower issue trains them).
+    Loading into Megatron skips them like :class:`Ignore`. ``reason`` is required.
+    """
+
+    prefix: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix.endswith(".") or " " in self.prefix:
+            raise MappingError(f"Passthrough({self.prefix!r}): the prefix must be a dotted name ending with '.'.")
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise MappingError(f"Passthrough({self.prefix!r}) needs a reason saying why the tensors are kept aside.")
+
+    def match(self, hf_key: str) -> bool:
+        return hf_key.startswith(self.prefix)
 

@@ -53,7 +53,7 @@ import torch
 
 from ferrule.fsutil import commit_dir
 
-__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "save_training_state", "load_training_state",
+__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_SIDE_FILES", "save_training_state", "load_training_state",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
            "CheckpointMismatchError"]
 
@@ -61,6 +61,11 @@ ENGINE_STATE_FILE = "engine_state.json"
 #: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
 #: default, fails in 0.16.1 with ``ShardedTensor.flattened_range is not supported``).
 DISTOPT_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+#: Files of an HF checkpoint directory besides its weights that a checkpoint's ``hf/`` keeps
+#: (config, generation config, tokenizer and chat template), so an export is a complete HF folder.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
 
 def _unwrap(module: Any) -> Any:
@@ -211,7 +216,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     """Write model + optimizer + scheduler + RNG + counters to ``path`` atomically (all ranks call).
 
     ``hf/config.json`` is ``hf_config``; the other HF side files
-    (:data:`ferrule.converters.checkpoint.HF_SIDE_FILES`: generation config, tokenizer files, chat
+    (:data:`HF_SIDE_FILES`: generation config, tokenizer files, chat
     template) present in ``hf_files_dir`` are copied next to it.
 
     Raises:
@@ -244,8 +249,6 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         if _rank() == 0:
             (tmp / "hf").mkdir(exist_ok=True)
             if hf_files_dir is not None:
-                from ferrule.converters.checkpoint import HF_SIDE_FILES
-
                 for name in HF_SIDE_FILES:
                     if name != "config.json" and (Path(hf_files_dir) / name).is_file():
                         shutil.copy2(Path(hf_files_dir) / name, tmp / "hf" / name)

@@ -185,7 +185,9 @@ class TrainEngine:
         from .attention import SDPAttention
 
         cores = [m for c in chunks for m in c.modules() if isinstance(m, DotProductAttention)]
-        if all(isinstance(m, SDPAttention) for m in cores) and not self.config.sequence_parallel:
+        # a model with no megatron core attention (e.g. Inkling's own attention module, which refuses
+        # packed_seq_params) is not packable
+        if cores and all(isinstance(m, SDPAttention) for m in cores) and not self.config.sequence_parallel:
             return
         if forced:
             raise ValueError("FERRULE_PACKED_SEQUENCES=1 needs SDPAttention as the core attention of every layer "

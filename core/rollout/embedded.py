@@ -100,7 +100,12 @@ class EmbeddedEngine:
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
-        NotImplementedError: layer types other than full / sliding attention.
+        NotImplementedError: layer types the engine cannot decode (see below).
+
+    Models whose layers are Inkling's ``"hybrid"`` / ``"hybrid_sliding"`` types (ShortConv state
+    besides keys and values) decode through transformers' own cache instead of the static KV
+    cache, one batch per prompt length (:mod:`ferrule.rollout._hf_cache_decode`): exact, without
+    CUDA graphs. Any other layer type raises ``NotImplementedError``.
     """
 
     kind = "embedded"
@@ -134,8 +139,18 @@ class EmbeddedEngine:
             raise ValueError(f"EmbeddedEngine supports attn_implementation 'sdpa' or 'eager', got {attn!r}; "
                              "build the model with attn_implementation='sdpa'.")
         self._additive_dtype = self.dtype if attn == "eager" else None
-        self._windows = layer_windows(self.model.config)
-        self.cuda_graph = bool(self.device.type == "cuda" and (cuda_graph is None or cuda_graph))
+        try:
+            self._windows: dict | None = layer_windows(self.model.config)
+        except NotImplementedError:
+            from ferrule.rollout._hf_cache_decode import uses_hf_cache
+
+            if not uses_hf_cache(self.model.config):
+                raise
+            # Inkling-style layers (ShortConv states): transformers' own cache, exact (rows grouped by
+            # prompt length, no CUDA graphs); see ferrule.rollout._hf_cache_decode
+            self._windows = None
+        self.cuda_graph = bool(self.device.type == "cuda" and (cuda_graph is None or cuda_graph)
+                               and self._windows is not None)
         self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.weights_version = 0
@@ -216,7 +231,17 @@ class EmbeddedEngine:
             raise ValueError(f"Longest prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                              f"max_position_embeddings={self._max_positions}; shorten the prompt or max_new_tokens.")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
-        rows = self._run(prompts, params, sorted(stop_ids), matcher)
+        if self._windows is None:  # HF-cache path: one batch per prompt length (no padding)
+            groups: dict[int, list[int]] = {}
+            for k, toks in enumerate(prompts):
+                groups.setdefault(len(toks), []).append(k)
+            rows = [None] * len(prompts)
+            for length in sorted(groups):
+                ks = groups[length]
+                for k, row in zip(ks, self._run([prompts[k] for k in ks], params, sorted(stop_ids), matcher)):
+                    rows[k] = row
+        else:
+            rows = self._run(prompts, params, sorted(stop_ids), matcher)
         out = []
         for k, (tokens, lps, raw, reason) in enumerate(rows):
             i, j = divmod(k, params.n)
@@ -227,6 +252,10 @@ class EmbeddedEngine:
         return out
 
     def _state(self, batch: int, max_len: int) -> DecodeState:
+        if self._windows is None:
+            from ferrule.rollout._hf_cache_decode import HFCacheDecodeState
+
+            return HFCacheDecodeState(self.model)
         key = (batch, max_len)
         if key in self._states:
             self._states.move_to_end(key)

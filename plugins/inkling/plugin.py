@@ -5,24 +5,63 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
+# inkling_text is VALIDATED: logits == InklingForCausalLM within 1e-5 (fp32; TP=1, TP=2, EP=2) and gradients within
+# 1e-5 relative (tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
+# (tests/test_inkling_convert.py, conformance kit), exact embedded rollout (tests/test_inkling_rollout.py), update
+# groups + checked weight sync and GRPO on the shipped example with bit-identical resume (tests/test_inkling_rl.py).
+
+#: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
+_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling_mm"}
+
 
 @hookimpl
 def register_model_families():
     return [
         ModelFamilySpec(
             name="inkling",
-            model_types=("inkling_mm_model", "inkling_text"),
+            model_types=("inkling_mm_model",),
             status=FamilyStatus.STRUCTURAL,
             reason=(
-                "registered for discovery only: the Megatron provider (ShortConv, local/global relative "
-                "attention, shared-expert-sink router), mapping table, update groups, LoRA appliers, TMLv0 "
-                "template and vision/audio towers are not implemented yet"
+                "the text model converts from/to the released layout (model.llm.*; towers kept verbatim) and trains "
+                "like family 'inkling_text'; the vision/audio towers and LoRA appliers are not implemented yet"
             ),
-            hf_model_class="transformers:InklingForConditionalGeneration",  # text-only: InklingForCausalLM
+            hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
             description="Inkling multimodal MoE (text, vision and audio towers)",
         ),
+        ModelFamilySpec(
+            name="inkling_text",
+            model_types=("inkling_text",),
+            status=FamilyStatus.VALIDATED,
+            hf_model_class="transformers:InklingForCausalLM",
+            description="Inkling text MoE (ShortConv, local/global relative attention, shared-expert-sink router)",
+        ),
     ]
+
+
+@hookimpl
+def register_providers():
+    from ferrule.specs import ProviderSpec
+
+    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_converters():
+    from ferrule.specs import ConverterSpec
+
+    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
+            for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_update_groups():
+    # The variant modules are plain data (no torch / megatron import at module level).
+    import importlib
+
+    from ferrule.specs import UpdateGroupTable
+
+    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
 
 
 #: TMLv0 model turns end with <|content_model_end_sampling|> (tml-renderers' ``v0.Renderer.stop()`` is [200006]).

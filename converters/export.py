@@ -73,7 +73,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
     Raises:
         ExportError: see :func:`find_run_checkpoint`.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-        ferrule.converters.safetensors_io.CheckpointError: the checkpoint does not match its
+        ferrule.safetensors_io.CheckpointError: the checkpoint does not match its
             stored config (:func:`ferrule.converters.checkpoint.load_torch_dist_into_mcore`).
     """
     from ferrule.converters.checkpoint import torch_dist_to_hf
@@ -99,7 +99,7 @@ def export_command(
     generation config, tokenizer): loads with transformers' from_pretrained."""
     from rich.console import Console
 
-    from ferrule.converters.safetensors_io import CheckpointError
+    from ferrule.safetensors_io import CheckpointError
 
     console = Console(stderr=True, soft_wrap=True)
     try:

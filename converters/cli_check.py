@@ -30,7 +30,7 @@ def check_command(
     import os
     import warnings
 
-    from ferrule.check import run_check
+    from ferrule.converters.check import run_check
 
     warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers

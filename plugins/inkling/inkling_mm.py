@@ -1,0 +1,160 @@
+"""Inkling multimodal checkpoints (HF ``model_type='inkling_mm_model'``), text model in the *released* layout.
+
+The released checkpoint layout (what ``InklingForConditionalGeneration.save_pretrained`` writes;
+transformers' ``conversion_mapping.py`` entry ``inkling_mm_model`` renames it on load):
+``model.llm.embed.weight``, ``model.llm.embed_norm.weight``, ``model.llm.layers.L.attn_norm``,
+``attn.{wq_du,wk_dv,wv_dv,wr_du,wo_ud}.weight``, ``attn.{q,k}_norm.weight``,
+``attn.{k,v}_sconv.weight``, ``attn.rel_logits_proj.proj``, ``attn_sconv.weight``, ``mlp_norm``,
+``mlp_sconv.weight``, dense ``mlp.w13_dn.weight`` / ``mlp.w2_md.weight`` / ``mlp.global_scale``,
+MoE ``mlp.gate.{weight,bias,global_scale}``, ``mlp.experts.{w13,w2}_weight``,
+``mlp.shared_experts.shared_{w13,w2}_weight``, ``model.llm.norm.weight``, ``model.llm.unembed.weight``;
+plus the vision and audio towers ``model.visual.*`` / ``model.audio.*``.
+
+**Gate/up interleaving.** Every ``w13`` tensor stores gate and up rows interleaved
+(``g0, u0, g1, u1, ...`` along the ffn dim: transformers applies ``Interleave`` then ``Chunk`` on
+load); megatron keeps ``[gate; up]``. The mappings below de-interleave on load and re-interleave
+on export (bit-exact).
+
+**Towers.** The text model is converted; the tower tensors are not Megatron parameters and are
+kept verbatim beside the torch_dist checkpoint (:class:`~ferrule.mapping.Passthrough`), so
+HF -> torch_dist -> HF returns them unchanged. Training and weight sync cover the text model.
+
+Same Megatron model, provider and update groups as :mod:`ferrule.plugins.inkling.inkling_text`
+(the config translation reads ``text_config``). Module-level data only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ferrule.mapping import ParamMapping
+from ferrule.mapping import MappingTable, Passthrough, Rename, StackExperts, TPSplit
+from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
+from ferrule.plugins.inkling.inkling_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
+
+#: HF ``inkling_mm_model`` config (its ``text_config``) <-> megatron.
+CONFIG_TRANSLATION = InklingConfigTranslation(name="inkling", entries=TEXT_ENTRIES, model_types=("inkling_mm_model",))
+
+
+def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
+    """This rank's megatron Inkling text-model chunks for an ``inkling_mm_model`` HF config (``ProviderSpec.build``)."""
+    from ferrule.plugins.inkling.model import build_from_hf_config
+
+    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
+
+
+def deinterleave(t, dim: int):
+    """Released ``[g0, u0, g1, u1, ...]`` along ``dim`` -> ``[g0, g1, ...; u0, u1, ...]`` (transformers ``Interleave``)."""
+    shape = list(t.shape)
+    n = shape[dim] // 2
+    return t.reshape(*shape[:dim], n, 2, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+def interleave(t, dim: int):
+    """Inverse of :func:`deinterleave`."""
+    shape = list(t.shape)
+    n = shape[dim] // 2
+    return t.reshape(*shape[:dim], 2, n, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+@dataclass(frozen=True)
+class InterleavedGateUp(ParamMapping):
+    """Dense ``mlp.w13_dn.weight`` ``[2*ffn, hidden]`` (gate/up rows interleaved) <-> megatron ``linear_fc1`` ``[gate; up]``.
+
+    TP: ``GATE_UP`` (rank r holds ``[gate_r; up_r]``).
+    """
+
+    hf: str = ""
+    tp: TPSplit = field(default=TPSplit.GATE_UP, kw_only=True)
+
+    def hf_patterns(self, ctx):
+        return (self.hf,)
+
+    def to_mcore(self, hf, ctx, wildcards=()):
+        return deinterleave(hf[0], 0)
+
+    def to_hf(self, full, ctx, wildcards=()):
+        return (interleave(full, 0),)
+
+
+@dataclass(frozen=True)
+class StackExpertsInterleaved(StackExperts):
+    """Routed ``mlp.experts.w13_weight`` ``[E, 2*ffn, hidden]`` (interleaved per expert) <-> expert ``e``'s ``linear_fc1`` ``[gate; up]``."""
+
+    def to_mcore(self, hf, ctx, wildcards=()):
+        return deinterleave(super().to_mcore(hf, ctx, wildcards), 0)
+
+    def to_hf(self, full, ctx, wildcards=()):
+        return (interleave(full, 0),)
+
+
+@dataclass(frozen=True)
+class SharedInterleaved(ParamMapping):
+    """``mlp.shared_experts.shared_w13_weight`` ``[S, 2*ffn, hidden]`` (interleaved on dim 1) <-> shared ``linear_fc1`` (``[gate; up]`` per expert).
+
+    Replicated over TP and EP (shared experts are never expert-parallel).
+    """
+
+    hf: str = ""
+
+    def hf_patterns(self, ctx):
+        return (self.hf,)
+
+    def to_mcore(self, hf, ctx, wildcards=()):
+        return deinterleave(hf[0], 1)
+
+    def to_hf(self, full, ctx, wildcards=()):
+        return (interleave(full, 1),)
+
+
+_L = "decoder.layers.*."
+_H = "model.llm.layers.*."
+
+#: (mcore suffix, released HF suffix, TP split) per layer: attention, norms, ShortConvs.
+ATTENTION_ROWS = (
+    ("input_layernorm.weight", "attn_norm.weight", TPSplit.REPLICATED),
+    ("self_attention.linear_q.weight", "attn.wq_du.weight", TPSplit.COLUMN),
+    ("self_attention.linear_k.weight", "attn.wk_dv.weight", TPSplit.COLUMN),
+    ("self_attention.linear_v.weight", "attn.wv_dv.weight", TPSplit.COLUMN),
+    ("self_attention.linear_r.weight", "attn.wr_du.weight", TPSplit.COLUMN),
+    ("self_attention.linear_proj.weight", "attn.wo_ud.weight", TPSplit.ROW),
+    ("self_attention.k_sconv.weight", "attn.k_sconv.weight", TPSplit.COLUMN),
+    ("self_attention.v_sconv.weight", "attn.v_sconv.weight", TPSplit.COLUMN),
+    ("self_attention.q_layernorm.weight", "attn.q_norm.weight", TPSplit.REPLICATED),
+    ("self_attention.k_layernorm.weight", "attn.k_norm.weight", TPSplit.REPLICATED),
+    ("self_attention.rel_logits_proj.weight", "attn.rel_logits_proj.proj", TPSplit.REPLICATED),
+    ("self_attention.attn_sconv.weight", "attn_sconv.weight", TPSplit.REPLICATED),
+    ("pre_mlp_layernorm.weight", "mlp_norm.weight", TPSplit.REPLICATED),
+    ("mlp.mlp_sconv.weight", "mlp_sconv.weight", TPSplit.REPLICATED),
+)
+
+_TOWERS = "frozen multimodal tower (not a Megatron parameter); kept verbatim so the round trip is exact"
+
+#: Released-layout mapping table; towers pass through the conversion unchanged.
+MAPPING = MappingTable(
+    family="inkling",
+    mappings=(
+        Rename("embedding.word_embeddings.weight", "model.llm.embed.weight", tp=TPSplit.VOCAB),
+        Rename("embedding.embed_norm.weight", "model.llm.embed_norm.weight"),
+        Rename("decoder.final_layernorm.weight", "model.llm.norm.weight"),
+        Rename("output_layer.weight", "model.llm.unembed.weight", tp=TPSplit.VOCAB),
+        *(Rename(_L + m, _H + h, tp=tp) for m, h, tp in ATTENTION_ROWS),
+        InterleavedGateUp(_L + "mlp.linear_fc1.weight", hf=_H + "mlp.w13_dn.weight"),
+        Rename(_L + "mlp.linear_fc2.weight", _H + "mlp.w2_md.weight", tp=TPSplit.ROW),
+        Rename(_L + "mlp.global_scale", _H + "mlp.global_scale"),
+        Rename(_L + "mlp.router.weight", _H + "mlp.gate.weight"),
+        Rename(_L + "mlp.router.expert_bias", _H + "mlp.gate.bias"),
+        Rename(_L + "mlp.router.global_scale", _H + "mlp.gate.global_scale"),
+        StackExpertsInterleaved(_L + "mlp.experts.local_experts.*.linear_fc1.weight", hf=_H + "mlp.experts.w13_weight",
+                                tp=TPSplit.GATE_UP),
+        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc2.weight", hf=_H + "mlp.experts.w2_weight",
+                     tp=TPSplit.ROW),
+        SharedInterleaved(_L + "mlp.shared_experts.linear_fc1.weight", hf=_H + "mlp.shared_experts.shared_w13_weight"),
+        Rename(_L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_experts.shared_w2_weight"),
+    ),
+    passthrough=(Passthrough("model.visual.", _TOWERS), Passthrough("model.audio.", _TOWERS)),
+)
+
+#: Same Megatron parameters as the text variant, so the same groups.
+UPDATE_GROUPS = TEXT_UPDATE_GROUPS
