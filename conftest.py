@@ -22,7 +22,7 @@ pytest_plugins = ["ferrule.testing"]
 
 # Fixture plugin packages carry their own kit tests; tests/test_fixture_families.py runs them in a
 # subprocess where the fixtures are discoverable (tests/fixture_plugins.py).
-collect_ignore_glob = ["fixtures/*"]
+collect_ignore_glob = ["tests/fixtures/*"]
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ferrule.config_translation import (
+    COMMON_HARMLESS,
     ConfigTranslation,
     ConfigTranslationError,
     Constant,
@@ -276,6 +277,8 @@ _NO_MTP = ("multi-token-prediction layers are not implemented (InklingForCausalL
 #: Entries shared by both Inkling model types, applied to the (normalised) text config.
 TEXT_ENTRIES: tuple = (
     Require("model_type", ("inkling_text",), reason="the text model of the Inkling family"),
+    # provenance / HF-switch keys every transformers config carries (architectures, dtype, ...)
+    *(h for h in COMMON_HARMLESS if h.hf != "model_type"),
     # -- the global ("hybrid") attention layers and widths: megatron TransformerConfig --
     Field("num_hidden_layers", "num_layers", cast=int),
     Field("hidden_size", "hidden_size", cast=int),
