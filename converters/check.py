@@ -136,7 +136,6 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
     from ferrule.converters.checkpoint import load_torch_dist_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
-    from ferrule.specs import resolve_ref
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
@@ -180,7 +179,7 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
         with torch.no_grad():
             ref = hf(input_ids=ids).logits
         with single_rank():
-            build = resolve_ref(registry.get_provider(spec.name).build)
+            build = registry.provider_build(spec.name)
             (model,) = build(hf_config, ParallelLayout(), params_dtype=torch.float32,
                              config_overrides={"perform_initialization": False})
             load_torch_dist_into_mcore([model], tmp / "td")

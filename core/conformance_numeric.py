@@ -31,7 +31,7 @@ from typing import Any
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
            "rotary_tables_hf", "rotary_tables_mcore", "translated_fields_vs_hf", "check_features_reached",
-           "test_token_ids", "tiny_test_seq_len", "single_rank", "LOGITS_ATOL_FP32"]
+           "test_token_ids", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -63,6 +63,14 @@ DEFAULT_TEST_SEQ_LEN = 12
 #: sequence, a cap that random weights never reach) -> the value that switches them off for
 #: :func:`check_features_reached` (None: the key's "off" value; "seq": longer than the sequence).
 FEATURE_KEYS = {"sliding_window": "seq", "attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+def kit_feature_keys(family: str) -> dict:
+    """The features :func:`check_features_reached` switches off: the family's ``KIT_FEATURE_KEYS``
+    (same form as :data:`FEATURE_KEYS`) or :data:`FEATURE_KEYS`. A family whose feature keys also
+    shape its parameters (Inkling's window sizes its relative-position projection) declares the
+    subset that can be switched off on the same weights, and tests the rest in its own suite."""
+    return dict(getattr(_variant_module(family), "KIT_FEATURE_KEYS", FEATURE_KEYS))
 
 
 def tiny_test_seq_len(family: str) -> int:
@@ -390,13 +398,17 @@ def _norm_eps(norm) -> float:
 
 
 def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, seq_len: int = 64,
-                                 overrides: Mapping[str, Any] | None = None, atol: float = 1e-6) -> float:
+                                 overrides: Mapping[str, Any] | None = None, atol: float = 1e-6) -> float | None:
     """Rotary ``cos``/``sin`` and translated fields of ferrule's model equal what HF's model uses.
 
     Builds HF's model and the family's megatron model from the same ``config.json`` (the tiny
     config plus ``overrides``) and compares :func:`rotary_tables_mcore` with
     :func:`rotary_tables_hf` over ``seq_len`` positions, and every row of
-    :func:`translated_fields_vs_hf`. Returns the max rotary difference.
+    :func:`translated_fields_vs_hf`. Returns the max rotary difference, or None when the check
+    does not apply: the family's megatron model has no rotary embedding (``GPTModel.rotary_pos_emb``)
+    or HF's model is not Llama-shaped (no ``model.rotary_emb``), e.g. Inkling's relative-position
+    attention; such a family tests its translation against its HF config class itself
+    (``tests/test_inkling_config.py``).
 
     Raises:
         AssertionError: naming the rotary table or each field that differs.
@@ -409,8 +421,12 @@ def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, se
     src = tiny_hf_dir(family, Path(work_dir) / "hf_fields", overrides=overrides)
     hf_config = json.loads((src / "config.json").read_text())
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    if getattr(getattr(hf, "model", None), "rotary_emb", None) is None:
+        return None
     with single_rank():
         (model,) = _build(family, hf_config)
+        if getattr(model, "rotary_pos_emb", None) is None:
+            return None
         cos_m, sin_m = rotary_tables_mcore(model, seq_len)
         rows = translated_fields_vs_hf(hf, model)
     cos_h, sin_h = rotary_tables_hf(hf, seq_len)
@@ -445,7 +461,7 @@ def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len:
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids).logits
     effects, unreached = {}, []
-    for key, off in FEATURE_KEYS.items():
+    for key, off in kit_feature_keys(family).items():
         if getattr(config, key, None) is None:
             continue
         cfg_off = AutoConfig.from_pretrained(src)

@@ -135,6 +135,12 @@ UPDATE_GROUPS = (
 
 #: A tiny random config (``transformers.InklingTextConfig`` kwargs) for the conformance kit:
 #: one dense + two MoE layers (4 routed experts top-2, 2 shared), local + global attention.
+#: The conformance kit's feature check switches a feature key off on the same weights; Inkling's
+#: ``sliding_window`` also sizes the relative-position projection (``rel_logits_proj``), so it cannot
+#: be switched off that way. Windows are tested by tests/test_inkling_parity.py instead (local-only
+#: and hybrid configs, sequences longer than the window).
+KIT_FEATURE_KEYS: dict = {}
+
 TINY_HF_CONFIG = {
     "model_type": "inkling_text", "vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 3,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
