@@ -26,8 +26,9 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1150)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
-    # 2 families x 6 cases (discovery, specs, completeness, references, numeric TP=1, numeric TP=2)
-    assert "12 passed" in summary and "skipped" not in summary, summary
+    # 2 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
+    # numeric TP=1, numeric TP=2)
+    assert "14 passed" in summary and "skipped" not in summary, summary
 
 
 @pytest.mark.timeout(600)
