@@ -724,8 +724,10 @@ COMMON_HARMLESS: tuple = (
     Harmless("dtype", "storage dtype of the checkpoint; conversion keeps each tensor's dtype"),
     Harmless("torch_dtype", "transformers-4 spelling of dtype (storage dtype only)"),
     Harmless("_name_or_path", "provenance only"),
+    Harmless("_model_name_or_path", "provenance only (written by transformers' GGUF loader, e.g. SmolLM2's)"),
     Harmless("bos_token_id", "tokenizer/generation metadata; no effect on logits"),
     Harmless("eos_token_id", "tokenizer/generation metadata; no effect on logits"),
+    Harmless("unk_token_id", "tokenizer metadata; no effect on logits"),
     Harmless("pad_token_id", "tokenizer metadata; ferrule's embedding has no padding_idx and HF's gradient "
              "masking of padding_idx does not change forward logits"),
     Harmless("use_cache", "KV-cache switch of HF generate; no effect on logits"),
