@@ -384,30 +384,81 @@ class ChatTemplateSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TowerSpec:
-    """A multimodal encoder (``register_towers``).
+    """A multimodal encoder (``register_towers``) whose embeddings replace placeholder tokens.
+
+    The core (:mod:`ferrule.megatron.towers`) builds the module, attaches it to the first
+    pipeline stage's model chunk as ``towers.<name>`` (a plain PyTorch module replicated on every
+    TP rank), runs it on a batch's media of this ``modality`` and scatters its output rows into
+    the text embeddings at the placeholder positions, in order, before the decoder.
 
     Attributes:
         family: the family name.
-        modality: one of :data:`TOWER_MODALITIES`.
-        build: lazy reference to ``build(hf_config: dict) -> torch.nn.Module``; the module maps
-            raw inputs to embeddings ``[num_tokens, hidden]``.
-        placeholder_token_id: token id whose positions receive the tower's embeddings.
-        frozen: True if the tower is not trained by default.
+        modality: one of :data:`TOWER_MODALITIES`; ``Datum.media[modality]`` feeds this tower.
+        build: lazy reference to ``build(hf_config: dict) -> torch.nn.Module``. The module maps
+            one tensor ``[n, ...]`` (the media items of a batch concatenated on dim 0; each
+            row fills one placeholder token) to embeddings ``[n, hidden]``.
+        placeholder_token_id: token id whose positions receive the tower's embeddings; or
+        placeholder_config_key: the HF config key holding that id (e.g. ``"image_token_id"``,
+            read from the top-level config). Exactly one of the two is set.
+        name: module name under ``towers.`` (default: ``modality``); mcore parameter names
+            start with :attr:`mcore_prefix`.
+        hf_prefix: HF checkpoint key prefix of the tower's tensors (e.g. ``"model.visual."``);
+            the family's mapping table maps them, ``""`` if the tower has no parameters.
+        frozen: True if the tower's parameters are not trained (its own forward then runs under
+            ``torch.no_grad``; the scatter and everything after it keep the graph).
+        update_group: the key of the family's update group that carries this tower's
+            parameters to the rollout engine on every weight sync (default ``"<name>_tower"``);
+            the registry checks the family's table has it.
     """
 
     family: str
     modality: str
     build: str
-    placeholder_token_id: int
+    placeholder_token_id: int | None = None
+    placeholder_config_key: str | None = None
+    name: str = ""
+    hf_prefix: str = ""
     frozen: bool = True
+    update_group: str = ""
 
     def __post_init__(self) -> None:
         _check_name("TowerSpec", "family", self.family)
         if self.modality not in TOWER_MODALITIES:
             raise SpecError(f"TowerSpec.modality={self.modality!r}; expected one of {list(TOWER_MODALITIES)}.")
         _check_ref("TowerSpec", "build", self.build)
-        if not isinstance(self.placeholder_token_id, int) or self.placeholder_token_id < 0:
+        if (self.placeholder_token_id is None) == (self.placeholder_config_key is None):
+            raise SpecError(f"TowerSpec({self.family}/{self.modality}): set exactly one of placeholder_token_id and "
+                            f"placeholder_config_key (the HF config key holding the placeholder id).")
+        if self.placeholder_token_id is not None and (
+                not isinstance(self.placeholder_token_id, int) or self.placeholder_token_id < 0):
             raise SpecError(f"TowerSpec.placeholder_token_id={self.placeholder_token_id!r}; expected a token id >= 0.")
+        if not self.name:
+            object.__setattr__(self, "name", self.modality)
+        _check_name("TowerSpec", "name", self.name)
+        if self.hf_prefix and not self.hf_prefix.endswith("."):
+            raise SpecError(f"TowerSpec({self.family}/{self.name}).hf_prefix={self.hf_prefix!r}; write a dotted "
+                            f"prefix ending with '.', e.g. 'model.visual.'.")
+        if not self.update_group:
+            object.__setattr__(self, "update_group", f"{self.name}_tower")
+
+    @property
+    def mcore_prefix(self) -> str:
+        """Prefix of the tower's mcore parameter names (``"towers.<name>."``)."""
+        return f"towers.{self.name}."
+
+    def placeholder_id(self, hf_config: Any) -> int:
+        """The placeholder token id for a model with ``hf_config`` (a dict).
+
+        Raises:
+            SpecError: ``placeholder_config_key`` is missing from the config or not an int.
+        """
+        if self.placeholder_token_id is not None:
+            return self.placeholder_token_id
+        value = hf_config.get(self.placeholder_config_key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise SpecError(f"tower {self.family}/{self.name}: HF config key {self.placeholder_config_key!r} is "
+                            f"{value!r}; expected the placeholder token id (an int >= 0).")
+        return value
 
 
 @dataclass(frozen=True, kw_only=True)

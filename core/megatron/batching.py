@@ -41,10 +41,15 @@ class Datum:
         loss_fn_inputs: Tinker names -> ``[N]`` tensors (or lists): ``target_tokens`` (int64),
             ``weights``, ``logprobs`` (the sampler's), ``advantages`` (float32), and the
             optional keys :data:`ferrule.losses.LOSS_INPUT_KEYS` lists per loss.
+        media: for a family with towers (``register_towers``): ``{modality: [item, ...]}``, one
+            tensor per media part in order of appearance, dim 0 = the placeholder tokens it fills
+            in ``model_input`` (Inkling: vision ``pixel_values`` ``[n_patches, 2, P, P, 3]``
+            float32, audio dMel ids ``[n_frames, 80]`` int). None or empty: text only.
     """
 
     model_input: Any
     loss_fn_inputs: dict[str, Any] = field(default_factory=dict)
+    media: dict[str, Any] | None = None
 
 
 @dataclass

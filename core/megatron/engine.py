@@ -53,6 +53,7 @@ from .batching import Datum, FBOutput, assign_dp_ranks, pack_microbatches
 from .gpu_fusions import enable_cuda_fusions
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
+from .towers import check_media, embed_with_media, towers_of
 
 __all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings"]
 
@@ -90,12 +91,14 @@ def _as_tensor(value: Any, dtype: torch.dtype, where: str) -> torch.Tensor:
 
 
 class _Prepared:
-    """A validated datum: CPU tensors ``tokens`` [N] int64 and ``inputs`` (name -> [N])."""
+    """A validated datum: CPU tensors ``tokens`` [N] int64, ``inputs`` (name -> [N]) and ``media``
+    (modality -> list of tensors, checked against the placeholders; empty for text)."""
 
-    __slots__ = ("tokens", "inputs")
+    __slots__ = ("tokens", "inputs", "media")
 
-    def __init__(self, tokens: torch.Tensor, inputs: dict[str, torch.Tensor]):
-        self.tokens, self.inputs = tokens, inputs
+    def __init__(self, tokens: torch.Tensor, inputs: dict[str, torch.Tensor],
+                 media: dict[str, list[torch.Tensor]] | None = None):
+        self.tokens, self.inputs, self.media = tokens, inputs, media or {}
 
 
 class TrainEngine:
@@ -137,6 +140,7 @@ class TrainEngine:
         self.family = family
         self.mapping_table = mapping_table
         self._update_groups = update_groups
+        self._towers: dict | None = None
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
@@ -193,6 +197,20 @@ class TrainEngine:
             raise ValueError("FERRULE_PACKED_SEQUENCES=1 needs SDPAttention as the core attention of every layer "
                              "(core_attention='sdpa') and no sequence parallelism; unset it to pad instead.")
         self.packed_sequences = False
+
+    @property
+    def towers(self) -> dict:
+        """``{modality: (TowerSpec, module, placeholder id)}`` of the towers on this rank's first
+        stage (:mod:`.towers`); the same specs on every rank (empty for a text-only family)."""
+        if self._towers is None:
+            found = [towers_of(_unwrap_gpt(c)) for c in self.model]
+            local = next((t for t in found if t), {})
+            if not local and self.layout.pp > 1:
+                from ..registry import get_towers
+
+                local = {s.modality: (s, None, s.placeholder_id(self.hf_config)) for s in get_towers(self.family)}
+            self._towers = local
+        return self._towers
 
     @property
     def update_groups(self) -> Any:
@@ -287,7 +305,7 @@ class TrainEngine:
         out: list[_Prepared] = []
         for i, d in enumerate(batch):
             if isinstance(d, Mapping):
-                d = Datum(d.get("model_input"), dict(d.get("loss_fn_inputs") or {}))
+                d = Datum(d.get("model_input"), dict(d.get("loss_fn_inputs") or {}), d.get("media"))
             tokens = _as_tensor(d.model_input, torch.int64, f"datum {i}: model_input")
             if tokens.dim() != 1 or tokens.numel() == 0:
                 raise ValueError(f"datum {i}: model_input must be a non-empty 1-D list of token ids, "
@@ -309,7 +327,8 @@ class TrainEngine:
             if inputs["target_tokens"].shape != tokens.shape:
                 raise ValueError(f"datum {i}: target_tokens has length {inputs['target_tokens'].numel()} but "
                                  f"model_input has {tokens.numel()}; they must be token-aligned (same length).")
-            out.append(_Prepared(tokens, inputs))
+            media = check_media(tokens, getattr(d, "media", None), self.towers, f"datum {i}", self.family)
+            out.append(_Prepared(tokens, inputs, media))
         if loss_fn is None:  # forward_logprobs: only target_tokens matter
             for i, p in enumerate(out):
                 validate_loss_inputs("cross_entropy", {"target_tokens": p.inputs["target_tokens"],
@@ -341,7 +360,8 @@ class TrainEngine:
         lengths = [1] if idx is None else [data[i].tokens.numel() for i in idx]  # None: EP lock-step filler
         toks = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].tokens for i in idx]
         labs = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].inputs["target_tokens"] for i in idx]
-        out = {"idx": idx, "lengths": lengths, "packed_seq_params": None}
+        out = {"idx": idx, "lengths": lengths, "packed_seq_params": None,
+               "media": [] if idx is None else [data[i].media for i in idx]}
         if self.packed_sequences and len(set(lengths)) > 1:  # equal lengths: padding costs nothing
             from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -399,6 +419,8 @@ class TrainEngine:
             mb = next(data_iterator)
             gpt = _unwrap_gpt(model)
             extra = {"packed_seq_params": mb["packed_seq_params"]} if mb["packed_seq_params"] is not None else {}
+            if gpt.pre_process and any(mb["media"]):
+                extra["decoder_input"] = embed_with_media(gpt, mb["tokens"], mb["position_ids"], mb["media"])
             if fused and gpt.post_process:
                 # the last stage returns final-norm hidden states [s, b, h]; logprobs come from
                 # them and the output weight, chunk by chunk (fused_logprob)

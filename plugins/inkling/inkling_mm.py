@@ -15,9 +15,10 @@ plus the vision and audio towers ``model.visual.*`` / ``model.audio.*``.
 load); megatron keeps ``[gate; up]``. The mappings below de-interleave on load and re-interleave
 on export (bit-exact).
 
-**Towers.** The text model is converted; the tower tensors are not Megatron parameters and are
-kept verbatim beside the torch_dist checkpoint (:class:`~ferrule.mapping.Passthrough`), so
-HF -> torch_dist -> HF returns them unchanged. Training and weight sync cover the text model.
+**Towers.** The vision and audio towers (:mod:`ferrule.plugins.inkling.towers`, attached by the
+core as ``towers.vision`` / ``towers.audio`` on the first stage, replicated over TP) are mapped by
+:data:`TOWER_ROWS` (renames; ``layers.<i>.linear`` <-> ``layers.linear_<i>``) and travel on every
+weight sync in the ``*_tower*`` update groups.
 
 Same Megatron model, provider and update groups as :mod:`ferrule.plugins.inkling.inkling_text`
 (the config translation reads ``text_config``). Module-level data only.
@@ -29,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ferrule.mapping import ParamMapping
-from ferrule.mapping import MappingTable, Passthrough, Rename, StackExperts, TPSplit
+from ferrule.mapping import MappingTable, Rename, StackExperts, TPSplit
 from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
 from ferrule.plugins.inkling.inkling_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
+from ferrule.specs import UpdateGroup
 
 #: HF ``inkling_mm_model`` config (its ``text_config``) <-> megatron.
 CONFIG_TRANSLATION = InklingConfigTranslation(name="inkling", entries=TEXT_ENTRIES, model_types=("inkling_mm_model",))
@@ -129,9 +131,16 @@ ATTENTION_ROWS = (
     ("mlp.mlp_sconv.weight", "mlp_sconv.weight", TPSplit.REPLICATED),
 )
 
-_TOWERS = "frozen multimodal tower (not a Megatron parameter); kept verbatim so the round trip is exact"
+#: Tower parameters (mcore name under ``towers.``, released HF key); replicated over TP.
+TOWER_ROWS = (
+    ("towers.vision.layers.*.linear.weight", "model.visual.layers.linear_*.weight"),
+    ("towers.vision.layers.*.norm.weight", "model.visual.layers.norm_*.weight"),
+    ("towers.vision.final_norm.weight", "model.visual.final_norm.weight"),
+    ("towers.audio.encoder.weight", "model.audio.encoder.weight"),
+    ("towers.audio.final_norm.weight", "model.audio.final_norm.weight"),
+)
 
-#: Released-layout mapping table; towers pass through the conversion unchanged.
+#: Released-layout mapping table (text model + towers).
 MAPPING = MappingTable(
     family="inkling",
     mappings=(
@@ -152,9 +161,16 @@ MAPPING = MappingTable(
                      tp=TPSplit.ROW),
         SharedInterleaved(_L + "mlp.shared_experts.linear_fc1.weight", hf=_H + "mlp.shared_experts.shared_w13_weight"),
         Rename(_L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_experts.shared_w2_weight"),
+        *(Rename(m, h) for m, h in TOWER_ROWS),
     ),
-    passthrough=(Passthrough("model.visual.", _TOWERS), Passthrough("model.audio.", _TOWERS)),
 )
 
-#: Same Megatron parameters as the text variant, so the same groups.
-UPDATE_GROUPS = TEXT_UPDATE_GROUPS
+#: The text variant's groups plus the towers' (first pipeline stage only, hence optional; a
+#: missing tower group is refused when the model is built, see ``ferrule.registry.provider_build``).
+#: Every base weight sync sends every group, so the towers always travel with the text model.
+UPDATE_GROUPS = TEXT_UPDATE_GROUPS + (
+    UpdateGroup(key="vision_tower", suffixes=("vision.final_norm.weight",), optional=True),
+    UpdateGroup(key="vision_tower_linear", suffixes=("linear.weight",), optional=True),
+    UpdateGroup(key="vision_tower_norm", suffixes=("norm.weight",), optional=True),
+    UpdateGroup(key="audio_tower", suffixes=("audio.encoder.weight", "audio.final_norm.weight"), optional=True),
+)

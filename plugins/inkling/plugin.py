@@ -82,3 +82,17 @@ def register_chat_templates():
             description="TMLv0 (tml-renderers v0): effort line, thinking, tool calls, image/audio placeholders",
         ),
     ]
+
+
+@hookimpl
+def register_towers():
+    from ferrule.specs import TowerSpec
+
+    # frozen by default, as miles trains Inkling (reference/miles_study.md 1.6); placeholder ids come from the
+    # InklingConfig (image_token_id 200054 / audio_token_id 200053 in the released checkpoints)
+    return [
+        TowerSpec(family="inkling", modality="vision", build="ferrule.plugins.inkling.towers:build_vision_tower",
+                  placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower"),
+        TowerSpec(family="inkling", modality="audio", build="ferrule.plugins.inkling.towers:build_audio_tower",
+                  placeholder_config_key="audio_token_id", hf_prefix="model.audio.", update_group="audio_tower"),
+    ]
