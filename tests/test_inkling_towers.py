@@ -99,3 +99,118 @@ def test_text_embedding_gradient_on_multimodal_batch_matches_hf(tmp_path):
     rel = ((grad - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-5, f"word-embedding gradient vs HF autograd: {rel:.3g} relative"
     assert frozen == [], f"frozen towers got gradients: {frozen}"
+
+
+def _datum(ids, media):
+    from ferrule.megatron.batching import Datum
+
+    tokens = ids[0]
+    return Datum(tokens, {"target_tokens": torch.roll(tokens, -1), "weights": torch.ones(tokens.numel())}, media)
+
+
+class _CheckpointRollout:
+    """Rollout side holding the released checkpoint's tensors by name (``update_weights`` overwrites them,
+    refusing unknown names; ``get_hf_state_dict`` is what ``check_weight_update_equal`` compares).
+
+    The embedded engine cannot serve ``inkling_mm_model`` in place yet (transformers fuses the released
+    ``shared_w13_weight`` from two parameters, which its name map refuses), so the sync is checked against
+    the checkpoint layout itself."""
+
+    def __init__(self, path):
+        from safetensors.torch import load_file
+
+        self.state = load_file(str(path / "model.safetensors"))
+
+    def update_weights(self, named, version):
+        for name, t in named:
+            assert name in self.state, f"sync sent unknown tensor {name}"
+            self.state[name] = t.detach().to(self.state[name].dtype).clone()
+
+    def get_hf_state_dict(self):
+        return self.state
+
+
+def test_towers_travel_on_every_weight_sync(tmp_path):
+    """The train engine holds the towers, trains on a multimodal datum, and every sync carries the towers:
+    after the train side's tower weights change, sync + ``check_weight_update_equal`` pass; changed again
+    without a sync, the check names the tower tensors."""
+    from ferrule.conformance_numeric import single_rank
+    from ferrule.converters import SafetensorsReader
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.sync import WeightSyncError, check_weight_update_equal, sync_weights
+
+    path = tiny_inkling_mm_dir(tmp_path / "mm")
+    pixel_values, dmel = tiny_media()
+    ids = _prompt(pixel_values.shape[0], dmel.shape[0])
+    with single_rank():
+        engine = TrainEngine.from_hf(path)
+        rollout = _CheckpointRollout(path)
+        out = engine.forward_backward([_datum(ids, {"vision": [pixel_values], "audio": [dmel]})], "cross_entropy")
+        assert engine.optim_step(learning_rate=1e-2)["success"]
+        towers = {n: p for n, p in engine.model[0].module.named_parameters() if n.startswith("towers.")}
+        assert len(towers) == 6 and not any(p.requires_grad for p in towers.values())  # frozen by default
+        with torch.no_grad():
+            for p in towers.values():
+                p.mul_(1.5)
+        sync_weights(engine, rollout, version=1)
+        report = check_weight_update_equal(engine, rollout)
+        assert report.compared == len(SafetensorsReader(path).keys()) and report.skipped == ()  # towers included
+        with torch.no_grad():
+            towers["towers.audio.encoder.weight"].add_(1.0)
+        with pytest.raises(WeightSyncError, match="model.audio.encoder.weight"):
+            check_weight_update_equal(engine, rollout)
+    assert out.loss_fn_outputs[0]["logprobs"].shape == ids[0].shape
+
+
+def test_bad_media_is_refused_naming_the_datum(tmp_path):
+    from inkling_fixtures import tiny_inkling_dir
+
+    from ferrule.conformance_numeric import single_rank
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.megatron.towers import MediaError
+
+    pixel_values, dmel = tiny_media()
+    ids = _prompt(pixel_values.shape[0], dmel.shape[0])
+    good = _datum(ids, {"vision": [pixel_values], "audio": [dmel]})
+    with single_rank():
+        text_engine = TrainEngine.from_hf(tiny_inkling_dir(tmp_path / "text"))
+        with pytest.raises(MediaError, match=r"datum 1: has vision media but family 'inkling_text' has no vision "):
+            text_engine.forward_backward([_datum(torch.tensor([[1, 2, 3]]), None), good], "cross_entropy")
+        engine = TrainEngine.from_hf(tiny_inkling_mm_dir(tmp_path / "mm"))
+        before = {n: p.detach().clone() for n, p in engine.model[0].module.named_parameters()}
+        two_images = _datum(ids, {"vision": [pixel_values, pixel_values], "audio": [dmel]})
+        with pytest.raises(MediaError, match=r"datum 0: 6 vision placeholder tokens \(id 90\) but 12 vision rows in 2"):
+            engine.forward_backward([two_images], "cross_entropy")
+        no_media = _datum(ids, None)
+        with pytest.raises(MediaError, match=r"datum 1: 6 audio placeholder tokens \(id 91\) but 0 audio rows"):
+            engine.forward_backward([good, no_media], "cross_entropy")
+        with pytest.raises(ValueError, match="audio tower: dMel ids outside"):
+            engine.forward_backward([_datum(ids, {"vision": [pixel_values], "audio": [dmel + 100]})], "cross_entropy")
+        # nothing trained: every refused call left no gradient behind, and a step changes nothing
+        engine.optim_step(learning_rate=1.0)
+        after = dict(engine.model[0].module.named_parameters())
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_image_preprocessing_errors_and_patch_count():
+    from ferrule.plugins.inkling.towers import audio_to_dmel_ids, image_to_pixel_values
+
+    with pytest.raises(ValueError, match="cannot decode the image"):
+        image_to_pixel_values(b"not an image at all", 8)
+    with pytest.raises(ValueError, match="sampling rate of 16000"):
+        audio_to_dmel_ids([0.0] * 4410, 44100)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torchvision") is None,
+                    reason="transformers' InklingImageProcessor needs torchvision (no CPU wheel for torch 2.13 here)")
+def test_image_preprocessing_equals_transformers_processor():
+    import numpy as np
+    from PIL import Image
+    from transformers import InklingImageProcessor
+
+    from ferrule.plugins.inkling.towers import image_to_pixel_values
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (37, 50, 3), dtype=np.uint8))
+    ref = InklingImageProcessor(size={"height": 16, "width": 16})(image, return_tensors="pt")["pixel_values"]
+    ours = image_to_pixel_values(image, 16)
+    assert ours.shape == ref.shape and (ours - ref).abs().max() <= 1e-6

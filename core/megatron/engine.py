@@ -141,8 +141,12 @@ class TrainEngine:
         self.mapping_table = mapping_table
         self._update_groups = update_groups
         self._towers: dict | None = None
-        self.vocab_size = int(self.hf_config["vocab_size"])
-        self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
+        # multimodal configs (e.g. inkling_mm_model) keep the language model's fields in text_config
+        text = self.hf_config if "vocab_size" in self.hf_config else dict(self.hf_config.get("text_config") or {})
+        if "vocab_size" not in text:
+            raise ValueError("the HF config has no vocab_size (nor text_config.vocab_size); is it a causal LM config?")
+        self.vocab_size = int(text["vocab_size"])
+        self.max_positions = int(text.get("max_position_embeddings") or 0) or None
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         chunks = list(model_chunks)
         config = get_model_config(chunks[0])
