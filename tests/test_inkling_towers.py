@@ -108,28 +108,6 @@ def _datum(ids, media):
     return Datum(tokens, {"target_tokens": torch.roll(tokens, -1), "weights": torch.ones(tokens.numel())}, media)
 
 
-class _CheckpointRollout:
-    """Rollout side holding the released checkpoint's tensors by name (``update_weights`` overwrites them,
-    refusing unknown names; ``get_hf_state_dict`` is what ``check_weight_update_equal`` compares).
-
-    The embedded engine cannot serve ``inkling_mm_model`` in place yet (transformers fuses the released
-    ``shared_w13_weight`` from two parameters, which its name map refuses), so the sync is checked against
-    the checkpoint layout itself."""
-
-    def __init__(self, path):
-        from safetensors.torch import load_file
-
-        self.state = load_file(str(path / "model.safetensors"))
-
-    def update_weights(self, named, version):
-        for name, t in named:
-            assert name in self.state, f"sync sent unknown tensor {name}"
-            self.state[name] = t.detach().to(self.state[name].dtype).clone()
-
-    def get_hf_state_dict(self):
-        return self.state
-
-
 def test_towers_travel_on_every_weight_sync(tmp_path):
     """The train engine holds the towers, trains on a multimodal datum, and every sync carries the towers:
     after the train side's tower weights change, sync + ``check_weight_update_equal`` pass; changed again
@@ -137,6 +115,7 @@ def test_towers_travel_on_every_weight_sync(tmp_path):
     from ferrule.conformance_numeric import single_rank
     from ferrule.converters import SafetensorsReader
     from ferrule.megatron.engine import TrainEngine
+    from ferrule.rollout.embedded import EmbeddedEngine
     from ferrule.sync import WeightSyncError, check_weight_update_equal, sync_weights
 
     path = tiny_inkling_mm_dir(tmp_path / "mm")
@@ -144,7 +123,7 @@ def test_towers_travel_on_every_weight_sync(tmp_path):
     ids = _prompt(pixel_values.shape[0], dmel.shape[0])
     with single_rank():
         engine = TrainEngine.from_hf(path)
-        rollout = _CheckpointRollout(path)
+        rollout = EmbeddedEngine(hf_dir=path)
         out = engine.forward_backward([_datum(ids, {"vision": [pixel_values], "audio": [dmel]})], "cross_entropy")
         assert engine.optim_step(learning_rate=1e-2)["success"]
         towers = {n: p for n, p in engine.model[0].module.named_parameters() if n.startswith("towers.")}

@@ -44,17 +44,30 @@ class CheckpointTensor:
     shape: tuple[int, ...]
     view: torch.Tensor | None
     index: torch.Tensor | None = None
+    #: a checkpoint tensor assembled from several parameters (e.g. Inkling's released
+    #: ``shared_w13_weight`` from ``shared_experts.gate_proj`` and ``up_proj``): the parameters, and
+    #: per parameter the positions in the flattened checkpoint tensor and the flat indices in it
+    parts: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
 
     def read(self) -> torch.Tensor:
         """The tensor (an alias when ``view`` is set, else a gathered copy)."""
         if self.view is not None:
             return self.view
+        if self.parts:
+            out = torch.empty(self.shape, dtype=self.param.dtype, device=self.param.device).view(-1)
+            for param, pos, local in self.parts:
+                out[pos] = param.reshape(-1)[local]
+            return out.view(self.shape)
         return self.param.reshape(-1)[self.index.reshape(-1)].view(self.shape)
 
     def write_(self, src: torch.Tensor) -> None:
         """Copy ``src`` (checkpoint shape, same device / dtype as the parameter) into the model."""
         if self.view is not None:
             self.view.copy_(src)
+        elif self.parts:
+            flat = src.reshape(-1)
+            for param, pos, local in self.parts:
+                param.view(-1).index_copy_(0, local, flat[pos])
         else:
             self.param.view(-1).index_copy_(0, self.index.reshape(-1), src.reshape(-1))
 
@@ -118,10 +131,17 @@ def _trace_group(model: torch.nn.Module, names: list[str], params: dict[str, tor
         p_name, base = names[i], bases[i]
         local = idx - base
         param = params[p_name]
-        if int(local.min()) < 0 or int(local.max()) >= param.numel():
-            raise NotImplementedError(f"Checkpoint tensor {ck_name!r} mixes elements of several parameters "
-                                      f"of {names}; the embedded engine cannot map it in place.")
         seen.index_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64))
+        if int(local.min()) < 0 or int(local.max()) >= param.numel():
+            # elements of several parameters (one module's): gather / scatter per parameter
+            flat = idx.reshape(-1)
+            owner = torch.tensor([bisect.bisect_right(bases, int(v)) - 1 for v in flat.tolist()])
+            parts = []
+            for j in owner.unique().tolist():
+                pos = (owner == j).nonzero().reshape(-1)
+                parts.append((params[names[j]], pos, flat[pos] - bases[j]))
+            entries.append(CheckpointTensor(ck_name, p_name, param, tuple(idx.shape), None, None, tuple(parts)))
+            continue
         strided = _strided(local)
         if strided is None:
             entries.append(CheckpointTensor(ck_name, p_name, param, tuple(idx.shape), None, local.clone()))
@@ -145,7 +165,8 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, CheckpointTensor]:
 
     Raises:
         NotImplementedError: transformers' reverse conversion is not a pure re-layout (it changes
-            values, mixes parameters or drops / duplicates elements).
+            values or drops / duplicates elements). A checkpoint tensor made of elements of several
+            parameters of one module is gathered / scattered per parameter (``parts``).
     """
     params = {k: v.detach() for k, v in model.state_dict().items()}
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in params.items()}
@@ -162,7 +183,17 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, CheckpointTensor]:
     for k in params:
         if k not in plain:
             groups[k.rpartition(".")[0]].append(k)
+    # parameters of sibling modules may form one checkpoint tensor (Inkling's released dense
+    # ``mlp.w13_dn.weight`` interleaves ``mlp.gate_proj`` and ``mlp.up_proj``): groups whose
+    # (meta, data-free) reverse conversions share a checkpoint name are traced together
+    merged: list[tuple[list[str], set[str]]] = []
     for names in groups.values():
+        outs = set(_revert(model, {k: meta[k] for k in names}))
+        for other in [m for m in merged if m[1] & outs]:
+            merged.remove(other)
+            names, outs = other[0] + names, other[1] | outs
+        merged.append((names, outs))
+    for names, _ in merged:
         for e in _trace_group(model, names, params):
             result[e.name] = e
     missing = sorted(set(reverted) - set(result))
