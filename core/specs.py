@@ -409,6 +409,9 @@ class TowerSpec:
         update_group: the key of the family's update group that carries this tower's
             parameters to the rollout engine on every weight sync (default ``"<name>_tower"``);
             the registry checks the family's table has it.
+        hf_input: keyword of the family's transformers model ``forward`` that takes this
+            modality's items concatenated on dim 0 (embedded rollout; Inkling: ``pixel_values``,
+            ``audio_input_ids``); ``""``: the embedded engine refuses this modality.
     """
 
     family: str
@@ -420,6 +423,7 @@ class TowerSpec:
     hf_prefix: str = ""
     frozen: bool = True
     update_group: str = ""
+    hf_input: str = ""
 
     def __post_init__(self) -> None:
         _check_name("TowerSpec", "family", self.family)

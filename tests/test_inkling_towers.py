@@ -193,3 +193,44 @@ def test_image_preprocessing_equals_transformers_processor():
     ref = InklingImageProcessor(size={"height": 16, "width": 16})(image, return_tensors="pt")["pixel_values"]
     ours = image_to_pixel_values(image, 16)
     assert ours.shape == ref.shape and (ours - ref).abs().max() <= 1e-6
+
+
+def test_embedded_rollout_with_media_matches_full_hf_forward(tmp_path):
+    """Prompt tokens + media in, sampled tokens' logprobs equal one full ``InklingForConditionalGeneration`` forward."""
+    from ferrule.media import MediaError
+    from ferrule.rollout.base import GenerateRequest, SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    path = tiny_inkling_mm_dir(tmp_path / "mm")
+    pixel_values, dmel = tiny_media()
+    pv2, _ = tiny_media(1, image_hw=(8, 9))
+    ids = _prompt(pixel_values.shape[0], dmel.shape[0])[0].tolist()
+    ids2 = [7, 3] + [MM_IMAGE_TOKEN] * pv2.shape[0] + [9]
+    media = [{"vision": [pixel_values], "audio": [dmel]}, {"vision": [pv2]}]
+    engine = EmbeddedEngine(hf_dir=path)
+    reqs = [GenerateRequest(tuple(ids), media=media[0]), GenerateRequest(tuple(ids2), media=media[1]),
+            GenerateRequest((4, 5, 6))]
+    results = engine.generate(reqs, SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seed=3, ignore_eos=True))
+    hf = _hf(path).eval()
+    worst = 0.0
+    for r in results:
+        prompt = list(reqs[r.prompt_index].prompt_token_ids)
+        m = reqs[r.prompt_index].media or {}
+        full = torch.tensor([prompt + list(r.token_ids)])
+        with torch.no_grad():
+            # HF's own embedding and tower features, scattered at the *prompt's* placeholders only (a sampled
+            # token may equal a placeholder id; the engine embeds it as text, as HF's decode steps do)
+            embeds = hf.get_input_embeddings()(full)
+            in_prompt = torch.arange(full.shape[1]) < len(prompt)
+            for key, pid, feats in (("vision", MM_IMAGE_TOKEN, lambda x: hf.model.get_image_features(x).pooler_output),
+                                    ("audio", MM_AUDIO_TOKEN, lambda x: hf.model.get_audio_features(x).last_hidden_state)):
+                if key in m:
+                    mask = ((full[0] == pid) & in_prompt)[None, :, None]
+                    embeds = embeds.masked_scatter(mask, feats(m[key][0]))
+            logp = torch.log_softmax(hf(inputs_embeds=embeds).logits[0].float(), -1)
+        want = logp[len(prompt) - 1:-1].gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        worst = max(worst, (torch.tensor(r.logprobs) - want).abs().max().item())
+    assert len(results) == 6 and worst <= ATOL, worst
+    with pytest.raises(MediaError, match=r"request 1 \(id None\): 6 vision placeholder tokens \(id 90\) but 4 "):
+        engine.generate([reqs[2], GenerateRequest(tuple(ids2[:2] + [MM_IMAGE_TOKEN] * 6), media={"vision": [pv2, pv2]})],
+                        SamplingParams(max_new_tokens=2))

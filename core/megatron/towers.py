@@ -17,9 +17,9 @@ core owns the wiring:
    keep the autograd graph, so the text embedding receives gradients at every non-placeholder
    position of a multimodal batch (a failure that zeroed them is known from a peer framework).
 
-Media format (``Datum.media``): ``{modality: [item, ...]}`` in order of appearance; an item is a
-tensor whose dim 0 counts the placeholder tokens it fills (vision ``[n_patches, ...]``, audio
-``[n_frames, ...]``). Sequence parallelism is refused with towers (the scatter needs the whole
+Media format (``Datum.media``, checked by :func:`ferrule.media.check_media`): ``{modality:
+[item, ...]}`` in order of appearance; an item is a tensor whose dim 0 counts the placeholder
+tokens it fills (vision ``[n_patches, ...]``, audio ``[n_frames, ...]``). Sequence parallelism is refused with towers (the scatter needs the whole
 sequence on every rank).
 """
 
@@ -30,14 +30,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["MediaError", "attach_towers", "embed_with_media", "towers_of", "check_media", "media_token_counts"]
+from ferrule.media import MediaError, check_media  # noqa: F401  (re-exported)
+
+__all__ = ["MediaError", "attach_towers", "embed_with_media", "towers_of", "check_media"]
 
 #: attribute of the first-stage ``GPTModel`` holding the ``ModuleDict`` of towers
 TOWERS_ATTR = "towers"
-
-
-class MediaError(ValueError):
-    """A datum's media do not fit the model (no tower for it, counts or shapes wrong)."""
 
 
 def towers_of(gpt: Any) -> dict[str, tuple[Any, torch.nn.Module, int]]:
@@ -86,44 +84,6 @@ def attach_towers(chunks: Sequence[Any], specs: Sequence[Any], hf_config: Mappin
         gpt.add_module(TOWERS_ATTR, modules)
         gpt._ferrule_towers = table
     return list(chunks)
-
-
-def media_token_counts(media: Mapping[str, Sequence[torch.Tensor]] | None) -> dict[str, int]:
-    """``{modality: total placeholder rows}`` of one datum's media (dim 0 summed over items)."""
-    return {m: sum(int(t.shape[0]) for t in items) for m, items in (media or {}).items()}
-
-
-def check_media(tokens: torch.Tensor, media: Mapping[str, Sequence[torch.Tensor]] | None,
-                towers: Mapping[str, tuple[Any, Any, int]], where: str, family: str) -> dict[str, list[torch.Tensor]]:
-    """Validate one datum's media against its tokens; return them as ``{modality: [CPU tensors]}``.
-
-    Raises:
-        MediaError (naming ``where``): a modality without a tower in ``family``; an item that is
-            not a tensor with at least one row; a placeholder count in ``tokens`` that differs
-            from the media rows (including placeholders without media).
-    """
-    out: dict[str, list[torch.Tensor]] = {}
-    for modality, items in (media or {}).items():
-        if modality not in towers:
-            have = sorted(towers) or "none"
-            raise MediaError(f"{where}: has {modality} media but family {family!r} has no {modality} tower "
-                             f"(towers: {have}); remove the {modality} parts or use a family with that tower.")
-        if isinstance(items, torch.Tensor) or not isinstance(items, Sequence):
-            raise MediaError(f"{where}: media[{modality!r}] must be a list of tensors (one per media part), "
-                             f"got {type(items).__name__}.")
-        for k, t in enumerate(items):
-            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] == 0:
-                raise MediaError(f"{where}: media[{modality!r}][{k}] must be a tensor whose dim 0 counts its "
-                                 f"placeholder tokens (>= 1), got {getattr(t, 'shape', type(t).__name__)}.")
-        out[modality] = [t.detach().cpu() for t in items]
-    for modality, (spec, _, pid) in towers.items():
-        n_tokens = int((tokens == pid).sum())
-        n_rows = sum(int(t.shape[0]) for t in out.get(modality, []))
-        if n_tokens != n_rows:
-            raise MediaError(f"{where}: {n_tokens} {modality} placeholder tokens (id {pid}) but {n_rows} {modality} "
-                             f"rows in {len(out.get(modality, []))} media part(s); each part must be expanded to as "
-                             f"many placeholders as it has rows (ferrule.media.expand_placeholders).")
-    return out
 
 
 def embed_with_media(gpt: Any, tokens: torch.Tensor, position_ids: torch.Tensor,

@@ -46,8 +46,12 @@ class HFCacheDecodeState:
         self.cache: Any = None
         self.tokens: torch.Tensor | None = None
 
-    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                media_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the prompts ``[batch, P]`` (all real tokens); return last-position logits ``[batch, vocab]`` fp32.
+
+        ``media_inputs``: extra keywords of the model's forward for this prefill only (e.g. Inkling's
+        ``pixel_values`` / ``audio_input_ids``); decode steps see only the cache.
 
         Raises:
             ValueError: a row is padded (the engine must group rows by prompt length).
@@ -58,7 +62,8 @@ class HFCacheDecodeState:
         if not bool(prompt_mask[:, :p].all()):
             raise ValueError("HFCacheDecodeState needs unpadded rows of equal prompt length; group requests by length.")
         self.cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kw: self.cache}, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kw: self.cache}, logits_to_keep=1,
+                         **(media_inputs or {}))
         return out.logits[:, -1, :].float()
 
     def set_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> None:

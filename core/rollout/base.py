@@ -130,12 +130,15 @@ class GenerateRequest:
     """One prompt.
 
     Attributes:
-        prompt_token_ids: the prompt, token ids (non-empty; already chat-templated).
+        prompt_token_ids: the prompt, token ids (non-empty; already chat-templated, media
+            placeholders expanded: :func:`ferrule.media.expand_placeholders`).
         request_id: optional caller id, copied to each result.
+        media: ``{modality: [item, ...]}`` for a family with towers (:mod:`ferrule.media`), or None.
     """
 
     prompt_token_ids: tuple[int, ...]
     request_id: str | None = None
+    media: Any = dataclasses.field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.prompt_token_ids)

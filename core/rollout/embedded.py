@@ -225,20 +225,28 @@ class EmbeddedEngine:
             bad = [t for t in r.prompt_token_ids if t >= vocab]
             if bad:
                 raise ValueError(f"Request {i} (id {r.request_id!r}) has token ids {bad[:5]} >= vocab size {vocab}.")
+        media = self._check_media(reqs)
         prompts = [list(r.prompt_token_ids) for r in reqs for _ in range(params.n)]
         longest = max(len(p) for p in prompts)
         if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
             raise ValueError(f"Longest prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                              f"max_position_embeddings={self._max_positions}; shorten the prompt or max_new_tokens.")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        if media and self._windows is not None:
+            raise ValueError("media in a request: only models decoding through transformers' own cache "
+                             "(ferrule.rollout._hf_cache_decode) take media in the embedded engine.")
         if self._windows is None:  # HF-cache path: one batch per prompt length (no padding)
-            groups: dict[int, list[int]] = {}
+            # a prompt with media is its own group (its n samples share the media)
+            groups: dict[tuple, list[int]] = {}
             for k, toks in enumerate(prompts):
-                groups.setdefault(len(toks), []).append(k)
+                i = k // params.n
+                groups.setdefault((len(toks), i if i in media else -1), []).append(k)
             rows = [None] * len(prompts)
-            for length in sorted(groups):
-                ks = groups[length]
-                for k, row in zip(ks, self._run([prompts[k] for k in ks], params, sorted(stop_ids), matcher)):
+            for key in sorted(groups):
+                ks = groups[key]
+                extra = self._hf_media_inputs(media[key[1]], len(ks)) if key[1] >= 0 else None
+                for k, row in zip(ks, self._run([prompts[k] for k in ks], params, sorted(stop_ids), matcher,
+                                                extra)):
                     rows[k] = row
         else:
             rows = self._run(prompts, params, sorted(stop_ids), matcher)
@@ -249,6 +257,51 @@ class EmbeddedEngine:
                                       prompt_index=i, sample_index=j, request_id=reqs[i].request_id,
                                       raw_logprobs=None if raw is None else tuple(raw),
                                       weights_version=self.weights_version))
+        return out
+
+    def _towers(self) -> dict:
+        """``{modality: (TowerSpec, None, placeholder id)}`` of the served model's family (cached)."""
+        if getattr(self, "_tower_specs", None) is None:
+            from ferrule import registry
+
+            cfg = self.model.config.to_dict()
+            try:
+                specs = registry.get_towers(registry.family_for_hf_config(cfg).name)
+            except registry.UnknownModelError:
+                specs = []
+            self._tower_specs = {s.modality: (s, None, s.placeholder_id(cfg)) for s in specs}
+        return self._tower_specs
+
+    def _check_media(self, reqs: Sequence[GenerateRequest]) -> dict[int, dict[str, list[torch.Tensor]]]:
+        """``{request index: media}`` of the requests that carry media (checked against their placeholders).
+
+        Raises:
+            ferrule.media.MediaError: naming the request (no tower for a modality, counts differ).
+        """
+        from ferrule.media import check_media
+
+        towers = self._towers()
+        out = {}
+        for i, r in enumerate(reqs):
+            if r.media or towers:
+                where = f"request {i} (id {r.request_id!r})"
+                family = getattr(self.model.config, "model_type", "?")
+                checked = check_media(torch.tensor(r.prompt_token_ids), r.media, towers, where, family)
+                if checked:
+                    out[i] = checked
+        return out
+
+    def _hf_media_inputs(self, media: dict[str, list[torch.Tensor]], copies: int) -> dict[str, torch.Tensor]:
+        """The model's forward keywords for ``copies`` rows sharing ``media`` (items concatenated on dim 0, in
+        row order, as the HF model's ``masked_scatter`` consumes them)."""
+        towers = self._towers()
+        out = {}
+        for modality, items in media.items():
+            spec = towers[modality][0]
+            if not spec.hf_input:
+                raise ValueError(f"tower {spec.family}/{spec.name} declares no hf_input; the embedded engine cannot "
+                                 f"pass {modality} media to the transformers model.")
+            out[spec.hf_input] = torch.cat(items * copies, 0).to(self.device)
         return out
 
     def _state(self, batch: int, max_len: int) -> DecodeState:
@@ -268,7 +321,7 @@ class EmbeddedEngine:
         return state
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
-             matcher: StopStringMatcher | None):
+             matcher: StopStringMatcher | None, media_inputs: dict[str, torch.Tensor] | None = None):
         dev = self.device
         real = len(prompts)
         p = max(len(x) for x in prompts)
@@ -303,7 +356,8 @@ class EmbeddedEngine:
         lengths = torch.zeros(batch, dtype=torch.long, device=dev)
 
         state = self._state(batch, max_len)
-        logits = state.prefill(input_ids, position_ids, prompt_mask)
+        logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
+                  else state.prefill(input_ids, position_ids, prompt_mask))
         host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
         sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
         for t in range(n_new):

@@ -1,0 +1,109 @@
+"""Media beside tokens: the format every layer shares, its checks, and placeholder expansion.
+
+A prompt with media is token ids plus ``media = {modality: [item, ...]}`` (modalities of
+:data:`ferrule.specs.TOWER_MODALITIES`), items in order of appearance. An item is one media part
+already preprocessed for the family's tower (e.g. Inkling: an image as ``pixel_values``
+``[n_patches, 2, P, P, 3]``, an audio clip as dMel ids ``[n_frames, 80]``); its dim 0 is the number
+of placeholder tokens it fills. Chat templates write **one** placeholder per part;
+:func:`expand_placeholders` repeats it to the item's row count, after which the tokens hold
+exactly as many placeholders as the media have rows (:func:`check_media`). The train engine
+(``Datum.media``), the embedded rollout engine (``GenerateRequest.media``) and the RL loop use
+this format. Importing this module imports torch only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["MediaError", "check_media", "expand_placeholders", "media_token_counts"]
+
+
+class MediaError(ValueError):
+    """A datum's / request's media do not fit the model (no tower for it, counts or shapes wrong)."""
+
+
+def media_token_counts(media: Mapping[str, Sequence[torch.Tensor]] | None) -> dict[str, int]:
+    """``{modality: total placeholder rows}`` of one prompt's media (dim 0 summed over items)."""
+    return {m: sum(int(t.shape[0]) for t in items) for m, items in (media or {}).items()}
+
+
+def expand_placeholders(tokens: Sequence[int], media: Mapping[str, Sequence[torch.Tensor]] | None,
+                        placeholder_ids: Mapping[str, int], where: str = "prompt") -> list[int]:
+    """Repeat the k-th placeholder of each modality to the k-th item's row count.
+
+    Args:
+        tokens: rendered token ids holding one placeholder per media part.
+        media: ``{modality: [item, ...]}`` (see module docstring).
+        placeholder_ids: ``{modality: token id}`` (``TowerSpec.placeholder_id``).
+        where: names the prompt in errors (e.g. ``"datum 3"``).
+
+    Returns:
+        The expanded token list.
+
+    Raises:
+        MediaError: a modality without a placeholder id, or a count of single placeholders that
+            differs from the number of media parts (e.g. more media parts than placeholders).
+    """
+    media = media or {}
+    unknown = sorted(set(media) - set(placeholder_ids))
+    if unknown:
+        raise MediaError(f"{where}: media of modality {unknown} but this model has towers for "
+                         f"{sorted(placeholder_ids) or 'no modality'}.")
+    by_id = {pid: m for m, pid in placeholder_ids.items()}
+    found = {m: sum(1 for t in tokens if t == pid) for m, pid in placeholder_ids.items()}
+    for m, pid in placeholder_ids.items():
+        parts = len(media.get(m, ()))
+        if found[m] != parts:
+            raise MediaError(f"{where}: {parts} {m} part(s) but {found[m]} {m} placeholder(s) (id {pid}) in the "
+                             f"rendered prompt; every {m} part needs exactly one placeholder in the chat messages.")
+    out: list[int] = []
+    seen = dict.fromkeys(placeholder_ids, 0)
+    for t in tokens:
+        m = by_id.get(t)
+        if m is None:
+            out.append(t)
+            continue
+        out.extend([t] * int(media[m][seen[m]].shape[0]))
+        seen[m] += 1
+    return out
+
+
+def check_media(tokens: torch.Tensor, media: Mapping[str, Sequence[torch.Tensor]] | None,
+                towers: Mapping[str, tuple[Any, Any, int]], where: str, family: str) -> dict[str, list[torch.Tensor]]:
+    """Validate one prompt's media against its (expanded) tokens; return ``{modality: [CPU tensors]}``.
+
+    Args:
+        tokens: ``[N]`` token ids.
+        towers: ``{modality: (TowerSpec, module or None, placeholder id)}`` of the model.
+        where / family: name the prompt and the family in errors.
+
+    Raises:
+        MediaError (naming ``where``): a modality without a tower in ``family``; an item that is
+            not a tensor with at least one row; a placeholder count in ``tokens`` that differs
+            from the media rows (including placeholders without media).
+    """
+    out: dict[str, list[torch.Tensor]] = {}
+    for modality, items in (media or {}).items():
+        if modality not in towers:
+            have = sorted(towers) or "none"
+            raise MediaError(f"{where}: has {modality} media but family {family!r} has no {modality} tower "
+                             f"(towers: {have}); remove the {modality} parts or use a family with that tower.")
+        if isinstance(items, torch.Tensor) or not isinstance(items, Sequence):
+            raise MediaError(f"{where}: media[{modality!r}] must be a list of tensors (one per media part), "
+                             f"got {type(items).__name__}.")
+        for k, t in enumerate(items):
+            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] == 0:
+                raise MediaError(f"{where}: media[{modality!r}][{k}] must be a tensor whose dim 0 counts its "
+                                 f"placeholder tokens (>= 1), got {getattr(t, 'shape', type(t).__name__)}.")
+        out[modality] = [t.detach().cpu() for t in items]
+    tokens = torch.as_tensor(tokens)
+    for modality, (_, _, pid) in towers.items():
+        n_tokens = int((tokens == pid).sum())
+        n_rows = sum(int(t.shape[0]) for t in out.get(modality, []))
+        if n_tokens != n_rows:
+            raise MediaError(f"{where}: {n_tokens} {modality} placeholder tokens (id {pid}) but {n_rows} {modality} "
+                             f"rows in {len(out.get(modality, []))} media part(s); each part must be expanded to as "
+                             f"many placeholders as it has rows (ferrule.media.expand_placeholders).")
+    return out
