@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["MediaError", "check_media", "expand_placeholders", "media_token_counts"]
+__all__ = ["MediaError", "check_media", "expand_placeholders", "media_token_counts", "message_media",
+           "MEDIA_PART_TYPES"]
 
 
 class MediaError(ValueError):
@@ -106,4 +107,59 @@ def check_media(tokens: torch.Tensor, media: Mapping[str, Sequence[torch.Tensor]
             raise MediaError(f"{where}: {n_tokens} {modality} placeholder tokens (id {pid}) but {n_rows} {modality} "
                              f"rows in {len(out.get(modality, []))} media part(s); each part must be expanded to as "
                              f"many placeholders as it has rows (ferrule.media.expand_placeholders).")
+    return out
+
+
+#: chat content-part types that carry media, by modality (the TMLv0 template renders the same types)
+MEDIA_PART_TYPES = {"vision": ("image", "image_url"), "audio": ("audio", "input_audio")}
+
+
+def _part_source(part: Mapping[str, Any], base_dir: Any) -> Any:
+    """The media payload of a content part: ``part[type]`` (a path relative to ``base_dir``, bytes, an object)."""
+    import os
+
+    value = part.get(part["type"])
+    if isinstance(value, Mapping):  # OpenAI style {"image_url": {"url": ...}} / {"input_audio": {"data": ...}}
+        value = value.get("url", value.get("data", value.get("path")))
+    if isinstance(value, str) and base_dir is not None and not os.path.isabs(value):
+        value = os.path.join(str(base_dir), value)
+    return value
+
+
+def message_media(messages: Sequence[Mapping[str, Any]], towers: Sequence[Any], hf_config: Mapping[str, Any],
+                  where: str, *, base_dir: Any = None) -> dict[str, list[torch.Tensor]]:
+    """Preprocess the media parts of chat ``messages`` in order: ``{modality: [item, ...]}``.
+
+    A part ``{"type": "image", "image": SOURCE}`` (or ``audio``) goes through the tower's
+    ``TowerSpec.preprocess``; string sources are paths, relative to ``base_dir`` if given.
+
+    Raises:
+        MediaError (naming ``where`` and the part): a media part for a modality the family has no
+            tower (or no ``preprocess``) for, or a part its ``preprocess`` rejects (corrupt file,
+            wrong sampling rate, ...).
+    """
+    from ferrule.specs import resolve_ref
+
+    by_type = {t: m for m, types in MEDIA_PART_TYPES.items() for t in types}
+    specs = {s.modality: s for s in towers}
+    out: dict[str, list[torch.Tensor]] = {}
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if isinstance(content, str) or content is None:
+            continue
+        for j, part in enumerate(content):
+            modality = by_type.get(part.get("type")) if isinstance(part, Mapping) else None
+            if modality is None:
+                continue
+            at = f"{where}: messages[{i}].content[{j}] ({part['type']})"
+            spec = specs.get(modality)
+            if spec is None or not spec.preprocess:
+                raise MediaError(f"{at}: this model has no {modality} tower"
+                                 f"{'' if spec is None else ' preprocessing'} (towers: {sorted(specs) or 'none'}); "
+                                 f"remove the part or use a family with a {modality} tower.")
+            try:
+                item = resolve_ref(spec.preprocess)(_part_source(part, base_dir), dict(hf_config))
+            except (ValueError, OSError) as exc:
+                raise MediaError(f"{at}: {exc}") from exc
+            out.setdefault(modality, []).append(item)
     return out

@@ -412,6 +412,10 @@ class TowerSpec:
         hf_input: keyword of the family's transformers model ``forward`` that takes this
             modality's items concatenated on dim 0 (embedded rollout; Inkling: ``pixel_values``,
             ``audio_input_ids``); ``""``: the embedded engine refuses this modality.
+        preprocess: lazy reference to ``preprocess(source, hf_config: dict) -> torch.Tensor``:
+            one media part of a chat message (a file path, bytes, a PIL image, ...) -> the
+            tower's input item (dim 0 = its placeholder count); raises ``ValueError`` for bad
+            input. ``""``: chat messages cannot carry this modality (callers pass tensors).
     """
 
     family: str
@@ -424,6 +428,7 @@ class TowerSpec:
     frozen: bool = True
     update_group: str = ""
     hf_input: str = ""
+    preprocess: str = ""
 
     def __post_init__(self) -> None:
         _check_name("TowerSpec", "family", self.family)
@@ -444,6 +449,7 @@ class TowerSpec:
                             f"prefix ending with '.', e.g. 'model.visual.'.")
         if not self.update_group:
             object.__setattr__(self, "update_group", f"{self.name}_tower")
+        _check_ref("TowerSpec", "preprocess", self.preprocess or None, optional=True)
 
     @property
     def mcore_prefix(self) -> str:

@@ -23,7 +23,8 @@ Per response token ``t`` of sample ``i`` (:func:`build_datums`):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ class Sample:
         rollout_logprobs: ``[R]`` logprobs of ``response_ids`` under the rollout engine's
             *untempered* model distribution (natural log).
         truncated: generation stopped at ``max_new_tokens`` (finish reason ``"length"``).
+        media: the prompt's media (``{modality: [item, ...]}``, :mod:`ferrule.media`) or None.
     """
 
     group: int
@@ -49,6 +51,7 @@ class Sample:
     response_ids: tuple[int, ...]
     rollout_logprobs: tuple[float, ...]
     truncated: bool
+    media: Any = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +62,7 @@ class Sample:
 def sequence_datum(sample: Sample) -> Datum:
     """A datum with only ``target_tokens`` (for ``forward_logprobs``)."""
     seq = list(sample.prompt_ids) + list(sample.response_ids)
-    return Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:], dtype=torch.int64)})
+    return Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:], dtype=torch.int64)}, sample.media)
 
 
 def response_slice(per_position: torch.Tensor, sample: Sample) -> torch.Tensor:
@@ -122,7 +125,7 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
                 inputs["ref_logprobs"] = _pad_response(ref_logprobs[i], s)
         except ValueError as exc:
             raise ValueError(f"sample {i}: {exc}") from None
-        out.append(Datum(seq[:-1], inputs))
+        out.append(Datum(seq[:-1], inputs, s.media))
     return out
 
 

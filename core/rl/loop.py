@@ -60,6 +60,7 @@ from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_writ
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import check_supported, preflight
+from ferrule.rl.tasks import has_media
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
@@ -191,6 +192,8 @@ class GRPOTrainer:
             (stop_ids.extend(ids) if len(ids) == 1 else stop_strings.append(tok))
         self.stop_ids, self.stop_strings = tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
         self._prompt_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._media_cache: dict[tuple[str, int], dict] = {}
+        self.towers = registry.get_towers(self.family)
 
         self.reference = None
         if cfg.algorithm.kl_coef > 0:
@@ -214,6 +217,10 @@ class GRPOTrainer:
         else:
             self.engine = TrainEngine.from_hf(cfg.model.hf_dir, **kwargs)
         self._total_optim_steps = total_optim_steps
+        self._check_all_media()
+        if self._media_cache and self.reference is not None:
+            raise ConfigError(["algorithm.kl_coef: the reference policy does not take media yet; use kl_coef 0 "
+                               "with prompts that carry images or audio"])
         self._log(f"ferrule train: family {self.family}, template {self.template.name}, "
                   f"{len(self.source)} prompts ({self.source.name}), setup {time.perf_counter() - t0:.1f} s")
         self._setup_done = True
@@ -223,6 +230,15 @@ class GRPOTrainer:
         key = (kind, prompt.index)
         if key not in self._prompt_cache:
             ids = prompt_token_ids(self.template, self.tokenizer, prompt.messages, self.cfg.data.chat_template_kwargs)
+            if has_media(prompt):
+                from ferrule.media import expand_placeholders, message_media
+
+                where = f"prompt {prompt.id!r}"
+                media = message_media(prompt.messages, self.towers, self.engine.hf_config, where,
+                                      base_dir=prompt.media_dir or None)
+                ids = tuple(expand_placeholders(ids, media, {t.modality: t.placeholder_id(self.engine.hf_config)
+                                                             for t in self.towers}, where))
+                self._media_cache[key] = media
             if len(ids) > self.cfg.data.max_prompt_tokens:
                 raise ConfigError([f"data.max_prompt_tokens: prompt {prompt.id!r} renders to {len(ids)} tokens > "
                                    f"{self.cfg.data.max_prompt_tokens}; raise data.max_prompt_tokens (and "
@@ -239,10 +255,23 @@ class GRPOTrainer:
                                 top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
                                 stop_token_ids=self.stop_ids, stop=self.stop_strings, n=n, seed=seed,
                                 return_raw_logprobs=temperature > 0)
-        results = self.rollout.generate([GenerateRequest(ids, request_id=p.id) for p, ids in zip(prompts, prompt_ids)],
-                                        params)
+        results = self.rollout.generate([GenerateRequest(ids, request_id=p.id, media=self._media_of(p))
+                                         for p, ids in zip(prompts, prompt_ids)], params)
         texts = [self.tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
         return results, texts
+
+    def _media_of(self, prompt: Any) -> dict | None:
+        """The preprocessed media of a prompt rendered by :meth:`_prompt_ids` (None: text only)."""
+        return self._media_cache.get(("train", prompt.index), self._media_cache.get(("eval", prompt.index)))
+
+    def _check_all_media(self) -> None:
+        """Preprocess every prompt with media before training (bad media stop the run before step 1)."""
+        for kind, source in (("train", self.source), ("eval", self.eval_source)):
+            if source is None:
+                continue
+            for i in range(len(source)):
+                if has_media(source[i]):
+                    self._prompt_ids(source[i], kind)
 
     def _evaluate(self, step: int) -> dict[str, float]:
         from ferrule.rl.rewards import reward_error_metrics
@@ -310,7 +339,8 @@ class GRPOTrainer:
         rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
         samples = [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
                           rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
-                          truncated=r.finish_reason == "length") for r in results]
+                          truncated=r.finish_reason == "length", media=self._media_of(prompts[r.prompt_index]))
+                   for r in results]
         reward_values = [r.reward for r in rewards]
         trainable = [len(s.response_ids) > 0 for s in samples]  # an empty response has no token to train
         adv = grpo_advantages(reward_values, group_size=n, std_normalization=a.grpo_std_normalization,
@@ -379,6 +409,13 @@ class GRPOTrainer:
             "advantage_abs_mean": float(np.abs(adv).mean()),
             "zero_std_group_fraction": zero_std_group_fraction(reward_values, n, sample_mask=trainable),
         })
+        if self.towers:  # media of the step's prompts (each prompt's n samples share them)
+            from ferrule.media import media_token_counts
+
+            for t in self.towers:
+                media = [self._media_of(p) or {} for p in prompts]
+                metrics[f"media_{t.modality}_parts"] = sum(len(m.get(t.modality, ())) for m in media)
+                metrics[f"media_{t.modality}_tokens"] = sum(media_token_counts(m).get(t.modality, 0) for m in media)
         if a.use_tis:
             metrics["tis_weight_mean"] = lm.get("tis_weight:mean")
             metrics["tis_truncated_fraction"] = lm.get("tis_truncated_fraction:mean")

@@ -12,7 +12,11 @@ the task's own verifier (:meth:`PromptSource.score`, a float, usually in [0, 1])
   ============ ======== =====================================================================
   ``prompt``   one of   the user question (str); the system prompt and template are applied
   ``messages`` one of   a full chat ``[{"role": "system"|"user"|"assistant", "content": str}]``
-                        used as is (system prompt and template are *not* applied)
+                        used as is (system prompt and template are *not* applied); a content
+                        may also be a list of parts ``{"type": "text", "text": str}``,
+                        ``{"type": "image", "image": PATH}`` or ``{"type": "audio", "audio":
+                        PATH}`` (paths relative to the file; media for a family with towers,
+                        :mod:`ferrule.media`)
   ``answer``   yes*     reference answer (str, or a number which is converted with ``str``);
                         *optional only if ``require_answer=False`` (custom reward functions)
   ``id``       no       identifier (str or int) kept in :attr:`Prompt.id`
@@ -69,6 +73,7 @@ class Prompt:
         entry: the raw record the verifier needs (a reasoning-gym entry dict, or the JSONL object).
         id: a stable identifier (``"task:index"`` or the JSONL ``id``).
         question: the user question before templating ("" for ``messages`` records).
+        media_dir: folder that relative media paths in ``messages`` are relative to.
     """
 
     index: int
@@ -77,6 +82,7 @@ class Prompt:
     entry: dict[str, Any] = field(repr=False)
     id: str = ""
     question: str = ""
+    media_dir: str = ""
 
 
 class PromptSource(Protocol):
@@ -209,6 +215,20 @@ class ReasoningGymSource:
 
 
 _JSONL_FIELDS = ("prompt", "messages", "answer", "id", "metadata")
+_PART_FIELDS = {"text": ("text", str), "image": ("image", str), "audio": ("audio", str)}
+
+
+def _valid_parts(content: Any) -> bool:
+    """True for a non-empty list of ``{"type": t, t: str}`` parts with ``t`` in text / image / audio."""
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and p.get("type") in _PART_FIELDS and set(p) == {"type", p["type"]}
+        and isinstance(p[p["type"]], str) for p in content)
+
+
+def has_media(prompt: "Prompt") -> bool:
+    """True if a message of ``prompt`` holds an image or audio part."""
+    return any(isinstance(m["content"], list) and any(p["type"] != "text" for p in m["content"])
+               for m in prompt.messages)
 _ROLES = ("system", "user", "assistant")
 
 
@@ -262,9 +282,11 @@ class JsonlSource:
             msgs = obj["messages"]
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in _ROLES
-                    and isinstance(m["content"], str) for m in msgs):
+                    and (isinstance(m["content"], str) or _valid_parts(m["content"])) for m in msgs):
                 raise PromptFileError(f"{where}: 'messages' must be a non-empty list of "
-                                      f"{{'role': one of {list(_ROLES)}, 'content': str}}")
+                                      f"{{'role': one of {list(_ROLES)}, 'content': str or a list of parts "
+                                      f"{{'type': 'text', 'text': str}} / {{'type': 'image', 'image': path}} / "
+                                      f"{{'type': 'audio', 'audio': path}}}}")
             if msgs[-1]["role"] != "user":
                 raise PromptFileError(f"{where}: the last message must have role 'user'")
             messages = tuple(dict(m) for m in msgs)
@@ -282,7 +304,8 @@ class JsonlSource:
             raise PromptFileError(f"{where}: 'metadata' must be a JSON object")
         index = len(self._prompts)
         return Prompt(index=index, messages=messages, answer=answer, entry=obj,
-                      id=str(obj.get("id", f"{self.name}:{lineno}")), question=question)
+                      id=str(obj.get("id", f"{self.name}:{lineno}")), question=question,
+                      media_dir=str(self.path.parent.absolute()))
 
     def __len__(self) -> int:
         return len(self._prompts)

@@ -62,7 +62,8 @@ def truncate_logits(scaled: torch.Tensor, top_k: int | None, top_p: float, min_p
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sample one token per row and report its logprob.
 
@@ -70,6 +71,8 @@ def sample_next(
         logits: ``[batch, vocab]`` float32 next-token logits.
         params: sampling parameters (temperature, top_k, top_p, min_p, return_raw_logprobs).
         generator: RNG for ``torch.multinomial`` (same device as ``logits``); unused if greedy.
+        banned: token ids never sampled (the engine passes a multimodal model's media placeholder
+            ids); like top-k they only restrict the choice, logprobs keep the full distribution.
 
     Returns:
         ``(tokens [batch] int64, logprobs [batch] float32, raw_logprobs [batch] float32 or None)``.
@@ -78,12 +81,14 @@ def sample_next(
     """
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = torch.argmax(logits if banned is None else logits.index_fill(-1, banned, float("-inf")), dim=-1)
         lp = logp.gather(-1, tokens[:, None])[:, 0]
         return tokens, lp, (lp if params.return_raw_logprobs else None)
     scaled = logits / params.temperature
     logp = torch.log_softmax(scaled, dim=-1)
     kept = truncate_logits(scaled, params.effective_top_k, params.top_p, params.min_p)
+    if banned is not None:
+        kept = kept.index_fill(-1, banned, float("-inf"))
     probs = torch.softmax(kept, dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
     lp = logp.gather(-1, tokens[:, None])[:, 0]

@@ -102,6 +102,10 @@ class EmbeddedEngine:
         ValueError: not exactly one model source, or an unsupported attention implementation.
         NotImplementedError: layer types the engine cannot decode (see below).
 
+    Multimodal families (``register_towers``): a request may carry ``media`` (prompt
+    placeholders expanded, :mod:`ferrule.media`); it is passed to the model at prefill. The
+    placeholder ids are never sampled (logprobs are still over the full vocabulary).
+
     Models whose layers are Inkling's ``"hybrid"`` / ``"hybrid_sliding"`` types (ShortConv state
     besides keys and values) decode through transformers' own cache instead of the static KV
     cache, one batch per prompt length (:mod:`ferrule.rollout._hf_cache_decode`): exact, without
@@ -360,8 +364,10 @@ class EmbeddedEngine:
                   else state.prefill(input_ids, position_ids, prompt_mask))
         host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
         sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
+        towers = self._towers()  # a media placeholder in a response would need media nobody produced
+        banned = torch.tensor(sorted(pid for _, _, pid in towers.values()), device=dev) if towers else None
         for t in range(n_new):
-            tok, lp, raw = sample_next(logits, params, gen)
+            tok, lp, raw = sample_next(logits, params, gen, banned)
             tokens_out[:, t] = tok
             lp_out[:, t] = lp
             if raw_out is not None:

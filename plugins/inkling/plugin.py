@@ -92,7 +92,9 @@ def register_towers():
     # InklingConfig (image_token_id 200054 / audio_token_id 200053 in the released checkpoints)
     return [
         TowerSpec(family="inkling", modality="vision", build="ferrule.plugins.inkling.towers:build_vision_tower",
-                  placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower", hf_input="pixel_values"),
+                  placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower", hf_input="pixel_values",
+                  preprocess="ferrule.plugins.inkling.towers:preprocess_image"),
         TowerSpec(family="inkling", modality="audio", build="ferrule.plugins.inkling.towers:build_audio_tower",
-                  placeholder_config_key="audio_token_id", hf_prefix="model.audio.", update_group="audio_tower", hf_input="audio_input_ids"),
+                  placeholder_config_key="audio_token_id", hf_prefix="model.audio.", update_group="audio_tower", hf_input="audio_input_ids",
+                  preprocess="ferrule.plugins.inkling.towers:preprocess_audio"),
     ]

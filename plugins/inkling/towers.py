@@ -235,3 +235,37 @@ class _DmelQuantizer:
     def __init__(self, dmel_min: float, dmel_max: float, levels: int):
         self.dmel_min_value, self.dmel_max_value = dmel_min, dmel_max
         self.bin_centers = torch.linspace(dmel_min, dmel_max, levels, dtype=torch.float64).to(torch.float32)
+
+
+def preprocess_image(source: Any, hf_config: Mapping[str, Any]) -> torch.Tensor:
+    """``TowerSpec.preprocess`` of the vision tower: an image (path, bytes or PIL image) -> ``pixel_values``
+    for this model's ``vision_config`` (:func:`image_to_pixel_values`). Raises ``ValueError`` (undecodable)."""
+    v = _sub_config(hf_config, "vision_config")
+    return image_to_pixel_values(source, v.patch_size, v.temporal_patch_size)
+
+
+def preprocess_audio(source: Any, hf_config: Mapping[str, Any]) -> torch.Tensor:
+    """``TowerSpec.preprocess`` of the audio tower: a WAV file path (or ``(waveform, sampling_rate)``) ->
+    dMel ids (:func:`audio_to_dmel_ids`; 16 kHz mono expected, stereo is averaged by transformers).
+
+    Raises:
+        ValueError: unreadable WAV file, wrong sampling rate, ids beyond ``audio_config.mel_vocab_size``.
+    """
+    import numpy as np
+
+    if isinstance(source, tuple):
+        wave, rate = source
+    else:
+        from scipy.io import wavfile
+
+        try:
+            rate, wave = wavfile.read(source)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the WAV file {source}: {exc}") from exc
+        if np.issubdtype(wave.dtype, np.integer):
+            wave = wave.astype(np.float32) / float(np.iinfo(wave.dtype).max)
+    ids = audio_to_dmel_ids(np.asarray(wave, dtype=np.float32), int(rate))
+    levels = _sub_config(hf_config, "audio_config").mel_vocab_size
+    if ids.numel() and int(ids.max()) >= levels:
+        raise ValueError(f"dMel ids reach {int(ids.max())} but audio_config.mel_vocab_size is {levels}.")
+    return ids
