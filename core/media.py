@@ -115,12 +115,27 @@ MEDIA_PART_TYPES = {"vision": ("image", "image_url"), "audio": ("audio", "input_
 
 
 def _part_source(part: Mapping[str, Any], base_dir: Any) -> Any:
-    """The media payload of a content part: ``part[type]`` (a path relative to ``base_dir``, bytes, an object)."""
+    """The media payload of a content part: a path (relative to ``base_dir``), bytes, or an object.
+
+    ``{"type": "image", "image": PATH}``; OpenAI style ``{"type": "image_url", "image_url": {"url":
+    "data:image/png;base64,..." or PATH}}`` and ``{"type": "input_audio", "input_audio": {"data":
+    BASE64, "format": "wav"}}`` (base64 payloads are decoded to bytes).
+    """
+    import base64
+    import binascii
     import os
 
     value = part.get(part["type"])
-    if isinstance(value, Mapping):  # OpenAI style {"image_url": {"url": ...}} / {"input_audio": {"data": ...}}
-        value = value.get("url", value.get("data", value.get("path")))
+    if isinstance(value, Mapping):
+        if "data" in value:  # OpenAI input_audio: base64 without a data: prefix
+            value = "data:;base64," + str(value["data"])
+        else:
+            value = value.get("url", value.get("path"))
+    if isinstance(value, str) and value.startswith("data:"):
+        try:
+            return base64.b64decode(value.partition(",")[2], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"the base64 payload does not decode: {exc}") from exc
     if isinstance(value, str) and base_dir is not None and not os.path.isabs(value):
         value = os.path.join(str(base_dir), value)
     return value

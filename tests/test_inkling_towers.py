@@ -234,3 +234,31 @@ def test_embedded_rollout_with_media_matches_full_hf_forward(tmp_path):
     with pytest.raises(MediaError, match=r"request 1 \(id None\): 6 vision placeholder tokens \(id 90\) but 4 "):
         engine.generate([reqs[2], GenerateRequest(tuple(ids2[:2] + [MM_IMAGE_TOKEN] * 6), media={"vision": [pv2, pv2]})],
                         SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("name", ["image_part", "audio_part"])
+def test_tmlv0_media_parts_expand_to_tml_renderers_token_counts(name):
+    """Golden conversations with an image / audio part (tests/data/tmlv0_golden.jsonl, made by tml-renderers):
+    the TMLv0 template writes one placeholder per part; preprocessing the part for the released config
+    (patch 40, 16 kHz dMel) and expanding gives tml-renderers' own token count for that span."""
+    from pathlib import Path
+
+    from transformers import InklingConfig
+
+    from ferrule import registry
+    from ferrule.chat import encode_rendered, render_chat
+    from ferrule.media import expand_placeholders, message_media
+    from ferrule.plugins.inkling.tokenizer import load_tmlv0_tokenizer
+
+    golden = Path(__file__).parent / "data" / "tmlv0_golden.jsonl"
+    row = next(r for r in map(json.loads, golden.read_text().splitlines()) if r["name"] == name)
+    hf_config = InklingConfig().to_dict()  # the released defaults: patch 40, image/audio ids 200054/200053
+    towers = registry.get_towers("inkling")
+    ids = encode_rendered(load_tmlv0_tokenizer(), render_chat(
+        "tmlv0", row["messages"], tools=row["tools"], add_generation_prompt=row["add_generation_prompt"],
+        thinking_effort=row["thinking_effort"]))
+    media = message_media(row["messages"], towers, hf_config, name)
+    expanded = expand_placeholders(ids, media, {t.modality: t.placeholder_id(hf_config) for t in towers}, name)
+    counts = iter(m["num_tokens"] for m in row["media"])
+    want = [x for t in row["token_ids"] for x in ([t] * next(counts) if t in (200053, 200054) else [t])]
+    assert expanded == want and len(expanded) > len(ids)

@@ -245,7 +245,7 @@ def preprocess_image(source: Any, hf_config: Mapping[str, Any]) -> torch.Tensor:
 
 
 def preprocess_audio(source: Any, hf_config: Mapping[str, Any]) -> torch.Tensor:
-    """``TowerSpec.preprocess`` of the audio tower: a WAV file path (or ``(waveform, sampling_rate)``) ->
+    """``TowerSpec.preprocess`` of the audio tower: a WAV file (path or bytes) or ``(waveform, sampling_rate)`` ->
     dMel ids (:func:`audio_to_dmel_ids`; 16 kHz mono expected, stereo is averaged by transformers).
 
     Raises:
@@ -256,10 +256,12 @@ def preprocess_audio(source: Any, hf_config: Mapping[str, Any]) -> torch.Tensor:
     if isinstance(source, tuple):
         wave, rate = source
     else:
+        import io
+
         from scipy.io import wavfile
 
         try:
-            rate, wave = wavfile.read(source)
+            rate, wave = wavfile.read(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read the WAV file {source}: {exc}") from exc
         if np.issubdtype(wave.dtype, np.integer):
