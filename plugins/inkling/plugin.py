@@ -22,8 +22,9 @@ def register_model_families():
             model_types=("inkling_mm_model",),
             status=FamilyStatus.STRUCTURAL,
             reason=(
-                "the text model converts from/to the released layout (model.llm.*; towers kept verbatim) and trains "
-                "like family 'inkling_text'; the vision/audio towers and LoRA appliers are not implemented yet"
+                "text model + vision/audio towers convert, train, sync and serve (logits == "
+                "InklingForConditionalGeneration on image+audio prompts, tests/test_inkling_towers.py); "
+                "LoRA appliers are not implemented yet (issue 13)"
             ),
             hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
