@@ -17,8 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["MediaError", "check_media", "expand_placeholders", "media_token_counts", "message_media",
-           "MEDIA_PART_TYPES"]
+__all__ = ["MediaError", "check_media", "check_requests", "expand_placeholders", "hf_media_inputs",
+           "media_token_counts", "message_media", "towers_for_config", "MEDIA_PART_TYPES"]
 
 
 class MediaError(ValueError):
@@ -177,4 +177,57 @@ def message_media(messages: Sequence[Mapping[str, Any]], towers: Sequence[Any], 
             except (ValueError, OSError) as exc:
                 raise MediaError(f"{at}: {exc}") from exc
             out.setdefault(modality, []).append(item)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Embedded rollout (a transformers model fed the media at prefill)
+# ---------------------------------------------------------------------------------------
+
+
+def towers_for_config(hf_config: Mapping[str, Any]) -> dict[str, tuple[Any, None, int]]:
+    """``{modality: (TowerSpec, None, placeholder id)}`` of the family claiming ``hf_config`` (empty if
+    none claims it or it has no towers)."""
+    from ferrule import registry
+
+    try:
+        specs = registry.get_towers(registry.family_for_hf_config(dict(hf_config)).name)
+    except registry.UnknownModelError:
+        specs = []
+    return {s.modality: (s, None, s.placeholder_id(hf_config)) for s in specs}
+
+
+def check_requests(reqs: Sequence[Any], towers: Mapping[str, tuple[Any, Any, int]],
+                   family: str) -> dict[int, dict[str, list[torch.Tensor]]]:
+    """``{request index: media}`` of the ``GenerateRequest``s that carry media, each checked with
+    :func:`check_media` (a request without media is checked too: it must hold no placeholder).
+
+    Raises:
+        MediaError: naming the request (index and ``request_id``).
+    """
+    out = {}
+    for i, r in enumerate(reqs):
+        if r.media or towers:
+            checked = check_media(torch.tensor(r.prompt_token_ids), r.media, towers,
+                                  f"request {i} (id {r.request_id!r})", family)
+            if checked:
+                out[i] = checked
+    return out
+
+
+def hf_media_inputs(towers: Mapping[str, tuple[Any, Any, int]], media: Mapping[str, Sequence[torch.Tensor]],
+                    copies: int, device: Any) -> dict[str, torch.Tensor]:
+    """The transformers model's forward keywords (``TowerSpec.hf_input``) for ``copies`` rows sharing ``media``:
+    items concatenated on dim 0, in row order, as its ``masked_scatter`` consumes them.
+
+    Raises:
+        ValueError: a tower declares no ``hf_input``.
+    """
+    out = {}
+    for modality, items in media.items():
+        spec = towers[modality][0]
+        if not spec.hf_input:
+            raise ValueError(f"tower {spec.family}/{spec.name} declares no hf_input; the embedded engine cannot "
+                             f"pass {modality} media to the transformers model.")
+        out[spec.hf_input] = torch.cat(list(items) * copies, 0).to(device)
     return out

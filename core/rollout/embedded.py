@@ -286,47 +286,21 @@ class EmbeddedEngine:
     def _towers(self) -> dict:
         """``{modality: (TowerSpec, None, placeholder id)}`` of the served model's family (cached)."""
         if getattr(self, "_tower_specs", None) is None:
-            from ferrule import registry
+            from ferrule.media import towers_for_config
 
-            cfg = self.model.config.to_dict()
-            try:
-                specs = registry.get_towers(registry.family_for_hf_config(cfg).name)
-            except registry.UnknownModelError:
-                specs = []
-            self._tower_specs = {s.modality: (s, None, s.placeholder_id(cfg)) for s in specs}
+            self._tower_specs = towers_for_config(self.model.config.to_dict())
         return self._tower_specs
 
     def _check_media(self, reqs: Sequence[GenerateRequest]) -> dict[int, dict[str, list[torch.Tensor]]]:
-        """``{request index: media}`` of the requests that carry media (checked against their placeholders).
+        """``{request index: media}`` of the requests that carry media (:func:`ferrule.media.check_requests`)."""
+        from ferrule.media import check_requests
 
-        Raises:
-            ferrule.media.MediaError: naming the request (no tower for a modality, counts differ).
-        """
-        from ferrule.media import check_media
-
-        towers = self._towers()
-        out = {}
-        for i, r in enumerate(reqs):
-            if r.media or towers:
-                where = f"request {i} (id {r.request_id!r})"
-                family = getattr(self.model.config, "model_type", "?")
-                checked = check_media(torch.tensor(r.prompt_token_ids), r.media, towers, where, family)
-                if checked:
-                    out[i] = checked
-        return out
+        return check_requests(reqs, self._towers(), getattr(self.model.config, "model_type", "?"))
 
     def _hf_media_inputs(self, media: dict[str, list[torch.Tensor]], copies: int) -> dict[str, torch.Tensor]:
-        """The model's forward keywords for ``copies`` rows sharing ``media`` (items concatenated on dim 0, in
-        row order, as the HF model's ``masked_scatter`` consumes them)."""
-        towers = self._towers()
-        out = {}
-        for modality, items in media.items():
-            spec = towers[modality][0]
-            if not spec.hf_input:
-                raise ValueError(f"tower {spec.family}/{spec.name} declares no hf_input; the embedded engine cannot "
-                                 f"pass {modality} media to the transformers model.")
-            out[spec.hf_input] = torch.cat(items * copies, 0).to(self.device)
-        return out
+        from ferrule.media import hf_media_inputs
+
+        return hf_media_inputs(self._towers(), media, copies, self.device)
 
     def _state(self, batch: int, max_len: int) -> DecodeState:
         if self._windows is None:
