@@ -195,3 +195,14 @@ def test_live_update_weights_sets_version(live_engine):
     after = eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     assert after[0].token_ids == before[0].token_ids and torch.allclose(
         torch.tensor(after[0].logprobs), torch.tensor(before[0].logprobs), atol=1e-4)
+
+
+def test_requests_with_media_are_refused_not_dropped(fixed_server):
+    import torch
+
+    from ferrule.rollout.base import GenerateRequest, SamplingParams
+
+    eng = SGLangEngine(url=fixed_server)
+    reqs = [GenerateRequest((1, 2)), GenerateRequest((3, 4), media={"vision": [torch.zeros(2, 3)]})]
+    with pytest.raises(NotImplementedError, match=r"requests \[1\] carry media"):
+        eng.generate(reqs, SamplingParams(max_new_tokens=1))

@@ -268,6 +268,10 @@ class SGLangEngine:
                  lora_name: str | None = None) -> list[GenerateResult]:
         """``POST /generate``; results prompt-major (see :class:`ferrule.rollout.base.RolloutEngine`)."""
         reqs = as_requests(requests)
+        with_media = [i for i, r in enumerate(reqs) if r.media]
+        if with_media:  # never drop media silently
+            raise NotImplementedError(f"requests {with_media[:5]} carry media; the SGLang client does not send media "
+                                      f"yet; use the embedded engine for multimodal prompts.")
         body = self._request("POST", "/generate", build_generate_payload(reqs, sampling_params, lora_name))
         return parse_generate_response(body, reqs, sampling_params, self.weights_version)
 
