@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -434,10 +435,19 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
             params = backend.sampling_params(body.get("sampling_params") or {}, len(tokens), n)
         except (ValueError, TypeError) as exc:
             raise HTTPError(400, f"asample: {exc}") from None
+        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+                                   "target_prompt_logprobs", "record_stability_info") if body.get(k)]
+        if unsupported:
+            raise HTTPError(400, f"asample: {', '.join(unsupported)} not supported by ferrule serve; leave unset.")
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and (not isinstance(last_n, int) or not 1 <= last_n <= len(tokens) - 1):
+            raise HTTPError(400, f"asample: prompt_logprobs_last_n = {last_n!r}; expected 1..{len(tokens) - 1}.")
         spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)))
 
         def run():
             seqs, prompt_lp = backend.sample(directory, spec)
+            if prompt_lp is not None and last_n is not None:
+                prompt_lp = [math.nan] * (len(prompt_lp) - last_n) + prompt_lp[-last_n:]
             return "application/x-protobuf", encode_sample_response(seqs, prompt_lp)
         rid_seq = [f"{sid}:{body.get('seq_id', 0)}:{i}" for i in range(n)]
         return enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),
