@@ -337,25 +337,27 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
             return hit
         check_seq(model_id, seq_id)
         sseq = body.get("sampling_session_seq_id")
+        named = body.get("path") is not None
         try:
-            if body.get("path") is None and not isinstance(sseq, int):
+            if not named and not isinstance(sseq, int):
                 raise PathError("give a path (a checkpoint name) or a sampling_session_seq_id.")
-            name = check_name(body["path"]) if body.get("path") is not None else f"ephemeral-{uuid.uuid4().hex[:12]}"
-            cp = CheckpointPath(model_id, "sampler_weights", name)
-            directory = cp.directory(storage)
+            cp = CheckpointPath(model_id, "sampler_weights", check_name(body["path"])) if named else None
+            directory = cp.directory(storage) if named else None
         except PathError as exc:
             raise refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {exc}") from None
         tenant = request.state.tenant
 
         def run():
-            size = backend.save_sampler_weights(model_id, directory)
-            store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
             out: dict = {"type": "save_weights_for_sampler"}
-            if body.get("path") is not None:
-                out["path"] = cp.uri
+            if named:  # a checkpoint on disk, addressable by its tinker:// path
+                size = backend.save_sampler_weights(model_id, directory)
+                store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
+                out["path"] = source = cp.uri
+            else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
+                source = backend.snapshot(model_id)
             if isinstance(sseq, int):
                 sid = f"{row['session_id']}:sample:{sseq}"
-                store.add_sampling_session(sid, tenant, row["session_id"], cp.uri, backend.model_name)
+                store.add_sampling_session(sid, tenant, row["session_id"], source, backend.model_name)
                 out["sampling_session_id"] = sid
             return json_body(out)
         return enqueue(request, "save_weights_for_sampler", run, model_id, seq_id)
@@ -410,7 +412,8 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         row = store.sampling_session(sampler_id)
         if row is None or row["tenant"] != request.state.tenant:
             raise HTTPError(404, f"sampler {sampler_id!r} does not exist for this API key.")
-        return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+        path = row["model_path"] if row["model_path"] and row["model_path"].startswith("tinker://") else None
+        return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": path}
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
@@ -419,9 +422,11 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         row = store.sampling_session(sid)
         if row is None or row["tenant"] != request.state.tenant:
             raise HTTPError(404, f"sampling session {sid!r} does not exist for this API key.")
-        directory = None
-        if row["model_path"] is not None:
-            _, directory = own_checkpoint(request, row["model_path"], "sampler_weights")
+        source: Path | str | None = None
+        if row["model_path"] is not None and row["model_path"].startswith("ephemeral:"):
+            source = row["model_path"]
+        elif row["model_path"] is not None:
+            _, source = own_checkpoint(request, row["model_path"], "sampler_weights")
         n = body.get("num_samples", 1)
         try:
             tokens: list[int] = []
@@ -445,7 +450,7 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)))
 
         def run():
-            seqs, prompt_lp = backend.sample(directory, spec)
+            seqs, prompt_lp = backend.sample(source, spec)
             if prompt_lp is not None and last_n is not None:
                 prompt_lp = [math.nan] * (len(prompt_lp) - last_n) + prompt_lp[-last_n:]
             return "application/x-protobuf", encode_sample_response(seqs, prompt_lp)

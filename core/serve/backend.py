@@ -20,6 +20,7 @@ except :meth:`check_forward_backward`, a pure input check the HTTP handlers run 
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import shutil
@@ -30,6 +31,8 @@ __all__ = ["EngineBackend", "SampleSpec"]
 
 #: default ``max_tokens`` when a sample request leaves it unset
 DEFAULT_MAX_TOKENS = 128
+#: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory
+MAX_SNAPSHOTS = 4
 
 
 class SampleSpec:
@@ -74,6 +77,8 @@ class EngineBackend:
         self._rollout = None
         self._base_state: dict | None = None
         self._loaded: str | None = None  # which weights the rollout engine holds: None = base
+        self._snapshots: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._snap_counter = 0
         self._version = 0
         _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
 
@@ -189,16 +194,36 @@ class EngineBackend:
             self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
         return self._rollout
 
-    def _hold(self, weights_dir: Path | None) -> Any:
+    def snapshot(self, model_id: str) -> str:
+        """Keep the client's current weights in memory for sampling (``save_weights_and_get_sampling_client``:
+        Tinker's ephemeral sampler weights, never written to disk); returns the snapshot key.
+        The :data:`MAX_SNAPSHOTS` most recent snapshots are kept; older ones are dropped."""
+        self._snap_counter += 1
+        key = f"ephemeral:{model_id}:{self._snap_counter}"
+        self._snapshots[key] = {k: v.detach().to("cpu").contiguous().clone()
+                                for k, v in self.engine(model_id).export_hf_state()}
+        while len(self._snapshots) > MAX_SNAPSHOTS:
+            self._snapshots.popitem(last=False)
+        return key
+
+    def _hold(self, source: Path | str | None) -> Any:
+        """The rollout engine holding ``source``'s weights: None = base, a sampler-weights
+        directory, or a :meth:`snapshot` key (swapped in place when it differs from the last)."""
         engine = self.rollout
-        key = None if weights_dir is None else str(weights_dir)
+        key = None if source is None else str(source)
         if key != self._loaded:
-            if weights_dir is None:
+            if source is None:
                 tensors = self._base_state
+            elif isinstance(source, str):
+                if source not in self._snapshots:
+                    raise LookupError(f"the weights of this sampling client ({source}) are gone: the server keeps the "
+                                      f"{MAX_SNAPSHOTS} latest unnamed snapshots in memory and none across restarts; "
+                                      "call save_weights_and_get_sampling_client again, or save_weights_for_sampler(name).")
+                tensors = self._snapshots[source]
             else:
                 from safetensors.torch import load_file
 
-                tensors = load_file(str(weights_dir / "model.safetensors"))
+                tensors = load_file(str(source / "model.safetensors"))
             targets = engine.get_hf_state_dict()
             self._version += 1
             engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
@@ -251,8 +276,8 @@ class EngineBackend:
             raise ValueError(f"prompt holds token ids {bad[:5]} outside [0, {self.vocab_size}); the tokens do not "
                              "belong to this model's tokenizer.")
 
-    def sample(self, weights_dir: Path | None, spec: SampleSpec) -> tuple[list, list | None]:
-        """Sample ``spec.n`` continuations with the given weights.
+    def sample(self, source: Path | str | None, spec: SampleSpec) -> tuple[list, list | None]:
+        """Sample ``spec.n`` continuations with the weights of ``source`` (see :meth:`_hold`).
 
         Returns:
             ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
@@ -261,7 +286,7 @@ class EngineBackend:
         """
         import torch
 
-        engine = self._hold(weights_dir)
+        engine = self._hold(source)
         results = engine.generate([spec.prompt], spec.params)
         seqs = [(list(r.token_ids), list(r.logprobs), r.finish_reason) for r in results]
         prompt_lp = None

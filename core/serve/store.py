@@ -64,7 +64,8 @@ sampling_sessions = sa.Table(
     sa.Column("sampling_session_id", sa.String, primary_key=True),
     sa.Column("tenant", sa.String, nullable=False),
     sa.Column("session_id", sa.String, nullable=False),
-    sa.Column("model_path", sa.String, nullable=True),  # None: the base model
+    # None: the base model; tinker://...: a sampler checkpoint; ephemeral:...: an in-memory snapshot
+    sa.Column("model_path", sa.String, nullable=True),
     sa.Column("base_model", sa.String, nullable=False),
 )
 checkpoints = sa.Table(
