@@ -12,37 +12,26 @@ and another tenant asking for them gets 404.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
-from sqlalchemy.exc import IntegrityError
 from fastapi.responses import JSONResponse, Response
 
 from .backend import EngineBackend, SampleSpec
-from .paths import CheckpointPath, PathError, check_name, parse_tinker_path
-from .scheduler import JSON, Job, Scheduler, json_body
+from .routes_train import add_training_routes
+from .scheduler import JSON, Scheduler
+from .service import HTTPError, Service
 from .store import Store
 from .telemetry import Telemetry
-from .wire import WireError, decode_forward_backward, encode_forward_backward_output, encode_sample_response
+from .wire import encode_sample_response
 
 __all__ = ["create_app", "HTTPError"]
 
 log = logging.getLogger("ferrule.serve")
-
-
-class HTTPError(Exception):
-    """An error answered as ``{"detail": message}`` with ``status`` (never an empty body: the SDK
-    would retry a bare 400 as a proxy rejection)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, str], *,
@@ -91,83 +80,10 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
                                time.monotonic() - start)
         return response
 
-    async def body_json(request: Request) -> dict:
-        try:
-            data = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
-            raise HTTPError(400, f"request body is not JSON ({exc}).") from None
-        if not isinstance(data, dict):
-            raise HTTPError(400, "request body must be a JSON object.")
-        return data
-
-    def need(body: dict, key: str, typ: type | tuple = str) -> Any:
-        if key not in body or not isinstance(body[key], typ) or isinstance(body[key], bool) and typ is int:
-            raise HTTPError(400, f"field {key!r} is missing or not a {getattr(typ, '__name__', typ)}.")
-        return body[key]
-
-    def own_session(request: Request, session_id: str) -> dict:
-        row = store.session(session_id)
-        if row is None or row["tenant"] != request.state.tenant:
-            raise HTTPError(404, f"session {session_id!r} does not exist for this API key; create a session first.")
-        return row
-
-    def own_model(request: Request, model_id: str) -> dict:
-        row = store.model(model_id)
-        if row is None or row["tenant"] != request.state.tenant:
-            raise HTTPError(404, f"model {model_id!r} does not exist for this API key.")
-        if scheduler.expected_seq(model_id) is None:
-            raise HTTPError(410, f"model {model_id!r} is gone from this server process (created before a restart or "
-                                 "its session finished); create a training client from a saved state.")
-        return row
-
-    def own_checkpoint(request: Request, uri: str, kind: str) -> tuple[CheckpointPath, Path]:
-        try:
-            cp = parse_tinker_path(uri)
-            directory = cp.directory(storage)
-        except PathError as exc:
-            raise HTTPError(400, str(exc)) from None
-        row = store.checkpoint(cp.uri)
-        if row is None or row["tenant"] != request.state.tenant or not directory.is_dir():
-            raise HTTPError(404, f"checkpoint {uri!r} does not exist for this API key.")
-        if cp.kind != kind:
-            raise HTTPError(400, f"checkpoint {uri!r} is a {cp.kind} checkpoint; this call needs {kind} "
-                                 f"({'save_state' if kind == 'weights' else 'save_weights_for_sampler'} makes those).")
-        return cp, directory
-
-    def dedupe(request: Request, model_id: str | None, seq_id: int | None) -> JSONResponse | None:
-        """The first request's id for a retry (same idempotency key, or same model + seq_id)."""
-        key = request.headers.get("x-idempotency-key")
-        row = store.future_by_key(request.state.tenant, key) if key else None
-        if row is None and model_id is not None and seq_id is not None:
-            row = store.future_by_seq(model_id, seq_id)
-        if row is not None:
-            telemetry.deduplicated.inc()
-            return JSONResponse({"request_id": row["request_id"], "model_id": row["model_id"]})
-        return None
-
-    def check_seq(model_id: str, seq_id: int) -> None:
-        expected = scheduler.expected_seq(model_id)
-        if expected is not None and seq_id < expected:
-            raise HTTPError(400, f"seq_id {seq_id} of model {model_id!r} was already used (next is {expected}); "
-                                 "seq_ids increase by one per training-client request.")
-
-    def enqueue(request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
-                num_data: int = 0, num_tokens: int = 0, extra: dict | None = None) -> JSONResponse:
-        rid = f"req-{uuid.uuid4().hex}"
-        try:
-            store.add_future(rid, request.state.tenant, op, model_id, seq_id, request.headers.get("x-idempotency-key"))
-        except IntegrityError:  # a concurrent retry of the same (model_id, seq_id) won the race
-            hit = dedupe(request, model_id, seq_id)
-            if hit is None:
-                raise
-            return hit
-        scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens))
-        return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
-
-    def refuse(model_id: str, seq_id: int, status: int, message: str) -> HTTPError:
-        scheduler.skip(model_id, seq_id)
-        telemetry.refused.inc()
-        return HTTPError(status, message)
+    svc = Service(store, scheduler, backend, telemetry, storage)
+    add_training_routes(app, svc)
+    body_json, need, own_session, own_checkpoint, enqueue = (svc.body_json, svc.need, svc.own_session,
+                                                             svc.own_checkpoint, svc.enqueue)
 
     # ------------------------------------------------------------------ bootstrap and sessions
     @app.get("/api/v1/healthz")
@@ -219,177 +135,6 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         body = await body_json(request)
         store.finish_session(session_id, str((body.get("reason") or {}).get("type", "unknown")))
         return {}
-
-    # ------------------------------------------------------------------ training clients
-    @app.post("/api/v1/create_model")
-    async def create_model(request: Request):
-        body = await body_json(request)
-        session_id, mseq = need(body, "session_id"), need(body, "model_seq_id", int)
-        own_session(request, session_id)
-        if body.get("base_model") != backend.model_name:
-            raise HTTPError(400, f"base_model {body.get('base_model')!r} is not served here; this server serves "
-                                 f"{backend.model_name!r}.")
-        lora = body.get("lora_config") or {}
-        rank = lora.get("rank")
-        if rank is not None and (not isinstance(rank, int) or rank < 1):
-            raise HTTPError(400, f"lora_config.rank = {rank!r}; expected an int >= 1.")
-        model_id = f"{session_id}:train:{mseq}"
-        if (hit := dedupe(request, model_id, 0)) is not None:
-            return hit
-        store.add_model(model_id, session_id, request.state.tenant, backend.model_name, rank)
-        scheduler.open_model(model_id, next_seq=0)
-
-        def run():
-            backend.create(model_id, rank)
-            return json_body({"model_id": model_id, "type": "create_model"})
-        return enqueue(request, "create_model", run, model_id, 0)
-
-    @app.post("/api/v1/get_info")
-    async def get_info(request: Request):
-        body = await body_json(request)
-        row = own_model(request, need(body, "model_id"))
-        return {"model_id": row["model_id"], "type": "get_info", "model_name": backend.model_name,
-                "model_data": {"arch": backend.hf_config.get("model_type"), "model_name": backend.model_name,
-                               "tokenizer_id": backend.model_name},
-                "is_lora": False, "lora_rank": row["lora_rank"]}
-
-    @app.post("/api/v1/forward_backward")
-    async def forward_backward(request: Request):
-        raw = await request.body()
-        try:
-            req = decode_forward_backward(raw, request.headers.get("content-encoding"))
-        except WireError as exc:
-            raise HTTPError(400, str(exc)) from None
-        own_model(request, req.model_id)
-        if (hit := dedupe(request, req.model_id, req.seq_id)) is not None:
-            return hit
-        check_seq(req.model_id, req.seq_id)
-        op = "forward" if req.forward_only else "forward_backward"
-        try:
-            if not req.loss_fn:
-                raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
-            if req.model_id in backend.engines:
-                backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config,
-                                               req.forward_only)
-        except (ValueError, TypeError) as exc:
-            raise refuse(req.model_id, req.seq_id, 400, f"{op}: {exc}") from None
-
-        def run():
-            out = backend.forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
-            return "application/x-protobuf", encode_forward_backward_output(out.loss_fn_outputs, out.metrics,
-                                                                            out.loss_fn_output_type)
-        return enqueue(request, op, run, req.model_id, req.seq_id, len(req.data), req.num_tokens)
-
-    @app.post("/api/v1/optim_step")
-    async def optim_step(request: Request):
-        from ferrule.megatron.optim import _check_adam_params
-
-        body = await body_json(request)
-        model_id, seq_id = need(body, "model_id"), need(body, "seq_id", int)
-        own_model(request, model_id)
-        if (hit := dedupe(request, model_id, seq_id)) is not None:
-            return hit
-        check_seq(model_id, seq_id)
-        adam = dict(body.get("adam_params") or {})
-        try:
-            if body.get("optimizer_params"):
-                raise ValueError("only Adam (adam_params) is supported; optimizer_params (e.g. dimuon) is not.")
-            _check_adam_params(adam)
-        except ValueError as exc:
-            raise refuse(model_id, seq_id, 400, f"optim_step: {exc}") from None
-
-        def run():
-            res = backend.optim_step(model_id, adam)
-            metrics = {"grad_norm:mean": res["grad_norm"], "learning_rate:mean": res["learning_rate"],
-                       "step:max": float(res["step"]), "skipped:sum": 0.0 if res["success"] else 1.0}
-            return json_body({"metrics": metrics, "type": "optim_step"})
-        return enqueue(request, "optim_step", run, model_id, seq_id)
-
-    @app.post("/api/v1/save_weights")
-    async def save_weights(request: Request):
-        body = await body_json(request)
-        model_id, seq_id = need(body, "model_id"), need(body, "seq_id", int)
-        own_model(request, model_id)
-        if (hit := dedupe(request, model_id, seq_id)) is not None:
-            return hit
-        check_seq(model_id, seq_id)
-        try:
-            cp = CheckpointPath(model_id, "weights", check_name(need(body, "path")))
-            directory = cp.directory(storage)
-        except (PathError, HTTPError) as exc:
-            raise refuse(model_id, seq_id, 400, f"save_weights: {exc}") from None
-        overwrite = bool(body.get("overwrite", False))
-
-        def run():
-            if directory.exists() and not overwrite:
-                raise ValueError(f"{cp.uri} exists; pass overwrite=True or another name.")
-            size = backend.save_state(model_id, directory)
-            store.add_checkpoint(cp.uri, request.state.tenant, model_id, cp.kind, cp.name, size)
-            return json_body({"path": cp.uri, "type": "save_weights"})
-        return enqueue(request, "save_state", run, model_id, seq_id)
-
-    @app.post("/api/v1/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request):
-        body = await body_json(request)
-        model_id, seq_id = need(body, "model_id"), need(body, "seq_id", int)
-        row = own_model(request, model_id)
-        if (hit := dedupe(request, model_id, seq_id)) is not None:
-            return hit
-        check_seq(model_id, seq_id)
-        sseq = body.get("sampling_session_seq_id")
-        named = body.get("path") is not None
-        try:
-            if not named and not isinstance(sseq, int):
-                raise PathError("give a path (a checkpoint name) or a sampling_session_seq_id.")
-            cp = CheckpointPath(model_id, "sampler_weights", check_name(body["path"])) if named else None
-            directory = cp.directory(storage) if named else None
-        except PathError as exc:
-            raise refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {exc}") from None
-        tenant = request.state.tenant
-
-        def run():
-            out: dict = {"type": "save_weights_for_sampler"}
-            if named:  # a checkpoint on disk, addressable by its tinker:// path
-                size = backend.save_sampler_weights(model_id, directory)
-                store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
-                out["path"] = source = cp.uri
-            else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
-                source = backend.snapshot(model_id)
-            if isinstance(sseq, int):
-                sid = f"{row['session_id']}:sample:{sseq}"
-                store.add_sampling_session(sid, tenant, row["session_id"], source, backend.model_name)
-                out["sampling_session_id"] = sid
-            return json_body(out)
-        return enqueue(request, "save_weights_for_sampler", run, model_id, seq_id)
-
-    @app.post("/api/v1/load_weights")
-    async def load_weights(request: Request):
-        body = await body_json(request)
-        optimizer = bool(body.get("optimizer", False))
-        if "model_id" in body:  # legacy load_state on an existing client
-            model_id, seq_id = need(body, "model_id"), need(body, "seq_id", int)
-            row = own_model(request, model_id)
-            if (hit := dedupe(request, model_id, seq_id)) is not None:
-                return hit
-            check_seq(model_id, seq_id)
-            try:
-                cp, directory = own_checkpoint(request, need(body, "path"), "weights")
-            except HTTPError as exc:
-                raise refuse(model_id, seq_id, exc.status, f"load_weights: {exc.message}") from None
-        else:  # create-via-load: the SDK derives model_id = session:train:model_seq_id itself
-            session_id, mseq = need(body, "session_id"), need(body, "model_seq_id", int)
-            own_session(request, session_id)
-            model_id, seq_id = f"{session_id}:train:{mseq}", 0
-            if (hit := dedupe(request, model_id, 0)) is not None:
-                return hit
-            cp, directory = own_checkpoint(request, need(body, "path"), "weights")
-            store.add_model(model_id, session_id, request.state.tenant, backend.model_name, None)
-            scheduler.open_model(model_id, next_seq=0)
-
-        def run():
-            backend.load_state(model_id, directory, optimizer)
-            return json_body({"path": cp.uri, "model_id": model_id, "type": "load_weights"})
-        return enqueue(request, "load_state", run, model_id, seq_id)
 
     # ------------------------------------------------------------------ sampling
     @app.post("/api/v1/create_sampling_session")
@@ -468,10 +213,10 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
             raise HTTPError(404, f"future {rid!r} does not exist for this API key.")
         deadline = time.monotonic() + long_poll_s
         while row["status"] == "pending" and time.monotonic() < deadline:
-            ev = scheduler.event(rid)
-            if ev is not None:
-                await asyncio.to_thread(ev.wait, min(1.0, max(0.0, deadline - time.monotonic())))
-            else:
+            ev = scheduler.event(rid)   # long poll: a 10 ms tick on the event, the row re-read when it fires
+            while ev is not None and not ev.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if ev is None:
                 await asyncio.sleep(0.01)
             row = store.future(rid)
         if row["status"] == "done":
