@@ -415,3 +415,52 @@ def test_cli_refuses_missing_keys_in_one_line(base, tmp_path, monkeypatch):
     r = subprocess.run([str(exe), "serve", "--base-model", str(tmp_path / "nope"), "--api-keys", str(tmp_path / "k")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_ferrule_serve_command_on_loopback(base, tmp_path):
+    """The real `ferrule serve` process: the SDK trains through it, each operation is logged
+    once (client, op, data, tokens, seconds) and counted at /metrics."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("tml-cli-key-1 carol\n")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {k: v for k, v in os.environ.items() if k != "FERRULE_SERVE_API_KEYS"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("ferrule")), "serve", "--base-model", str(base),
+                                 "--model-name", MODEL_NAME, "--port", str(port), "--storage", str(tmp_path / "s"),
+                                 "--api-keys", str(keys)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(url + "/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        os.environ["TINKER_TELEMETRY"] = "0"
+        tc = tinker.ServiceClient(base_url=url, api_key="tml-cli-key-1").create_lora_training_client(
+            base_model=MODEL_NAME, rank=4).result()
+        data = sdk_data(seed=61, lengths=(5, 7))
+        first = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        tc.optim_step(adam()).result()
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
+        text = httpx.get(url + "/metrics").text
+        assert 'ferrule_serve_ops_total{op="forward_backward",status="ok"} 1.0' in text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    lines = [ln for ln in log.read_text().splitlines() if "op=forward_backward" in ln]
+    assert len(lines) == 1 and "client=carol" in lines[0] and "data=2" in lines[0] and "tokens=12" in lines[0] \
+        and "run_s=" in lines[0], lines
