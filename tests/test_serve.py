@@ -9,8 +9,8 @@ every batch of more than three data into concurrent requests, the first one sent
 
 from __future__ import annotations
 
-import json
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -424,7 +424,6 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
     import signal
     import socket
     import subprocess
-    import time
 
     keys = tmp_path / "keys.txt"
     keys.write_text("tml-cli-key-1 carol\n")
@@ -464,3 +463,17 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
     lines = [ln for ln in log.read_text().splitlines() if "op=forward_backward" in ln]
     assert len(lines) == 1 and "client=carol" in lines[0] and "data=2" in lines[0] and "tokens=12" in lines[0] \
         and "run_s=" in lines[0], lines
+
+
+def test_finishing_a_session_frees_its_training_clients(server):
+    sc = server.client()
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    tc.forward_backward(sdk_data(seed=71, lengths=(3,)), "cross_entropy").result()
+    assert tc.model_id in server.app.state.backend.engines
+    sc.close("success").result()
+    r = raw(server, "/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 2, "adam_params": {}})
+    assert r.status_code == 410 and "saved state" in r.json()["detail"]
+    deadline = time.monotonic() + 30
+    while tc.model_id in server.app.state.backend.engines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tc.model_id not in server.app.state.backend.engines

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .backend import EngineBackend, SampleSpec
 from .routes_train import add_training_routes
-from .scheduler import JSON, Scheduler
+from .scheduler import JSON, Job, Scheduler
 from .service import HTTPError, Service
 from .store import Store
 from .telemetry import Telemetry
@@ -134,6 +134,11 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         own_session(request, session_id)
         body = await body_json(request)
         store.finish_session(session_id, str((body.get("reason") or {}).get("type", "unknown")))
+        for model_id in store.session_models(session_id):  # free the session's engines
+            for job in scheduler.close_model(model_id):
+                store.fail(job.request_id, f"{job.op}: the session finished before this request ran.", "user")
+            scheduler.submit(Job(f"drop-{uuid.uuid4().hex}", "drop_model", request.state.tenant,
+                                 lambda mid=model_id: (backend.drop(mid), (JSON, b"{}"))[1], model_id=None))
         return {}
 
     # ------------------------------------------------------------------ sampling

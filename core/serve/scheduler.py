@@ -79,10 +79,13 @@ class Scheduler:
             self._next_seq[model_id] = next_seq
             self._cv.notify_all()
 
-    def close_model(self, model_id: str) -> None:
+    def close_model(self, model_id: str) -> list[Job]:
+        """Stop accepting jobs for ``model_id``; returns its queued jobs, now removed (not run)."""
         with self._cv:
             self._next_seq.pop(model_id, None)
+            dropped = [j for j in self._pending if j.model_id == model_id]
             self._pending = [j for j in self._pending if j.model_id != model_id]
+        return dropped
 
     def expected_seq(self, model_id: str) -> int | None:
         with self._cv:

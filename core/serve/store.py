@@ -135,6 +135,9 @@ class Store:
             model_id=model_id, session_id=session_id, tenant=tenant, base_model=base_model, lora_rank=lora_rank,
             created=time.time()))
 
+    def session_models(self, session_id: str) -> list[str]:
+        return [r["model_id"] for r in self._all(models.select().where(models.c.session_id == session_id))]
+
     def model(self, model_id: str) -> dict | None:
         return self._one(models.select().where(models.c.model_id == model_id))
 
