@@ -477,3 +477,30 @@ def test_finishing_a_session_frees_its_training_clients(server):
     while tc.model_id in server.app.state.backend.engines and time.monotonic() < deadline:
         time.sleep(0.05)
     assert tc.model_id not in server.app.state.backend.engines
+
+
+def test_concurrent_unseeded_samples_share_one_generate_call(server, caplog):
+    """Greedy requests waiting together run as one batched generate call and give the tokens
+    each gives alone (a seeded request always runs alone)."""
+    import logging
+
+    sc = server.client()
+    sampler = sc.create_sampling_client(base_model=MODEL_NAME)
+    prompts = [[5, 9, 2], [17, 3, 44, 8, 1], [60], [7, 7, 7, 7]]
+    greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+    alone = [sampler.sample(types.ModelInput.from_ints(p), 1, types.SamplingParams(max_tokens=5, temperature=0.0,
+                                                                                   seed=1)).result()
+             for p in prompts]
+    blocker = tinker.ServiceClient(base_url=server.url, api_key=ALICE).create_lora_training_client(
+        base_model=MODEL_NAME, rank=4).result()
+    with caplog.at_level(logging.INFO, logger="ferrule.serve"):
+        busy = blocker.forward_backward(sdk_data(seed=81), "cross_entropy")   # keeps the worker busy
+        futs = [sampler.sample(types.ModelInput.from_ints(p), 1, greedy) for p in prompts]
+        together = [f.result() for f in futs]
+        busy.result()
+    assert [r.sequences[0].tokens for r in together] == [r.sequences[0].tokens for r in alone]
+    for a, b in zip(together, alone):
+        assert max(abs(x - y) for x, y in zip(a.sequences[0].logprobs, b.sequences[0].logprobs)) < 1e-5
+    batches = [int(r.getMessage().split("batch=")[1].split()[0]) for r in caplog.records
+               if r.getMessage().startswith("op=sample")]
+    assert max(batches) > 1, batches

@@ -169,6 +169,13 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
     async def asample(request: Request):
         body = await body_json(request)
         sid = need(body, "sampling_session_id")
+        n = body.get("num_samples", 1)
+        rid_seq = [f"{sid}:{body.get('seq_id', 0)}:{i}" for i in range(n if isinstance(n, int) else 0)]
+        key = request.headers.get("x-idempotency-key")
+        prev = store.future_by_key(request.state.tenant, key) if key else None
+        if prev is not None:  # a retry with the same idempotency key: the first request's id
+            telemetry.deduplicated.inc()
+            return JSONResponse({"request_id": prev["request_id"], "sample_sequence_ids": rid_seq})
         row = store.sampling_session(sid)
         if row is None or row["tenant"] != request.state.tenant:
             raise HTTPError(404, f"sampling session {sid!r} does not exist for this API key.")
@@ -177,7 +184,6 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
             source = row["model_path"]
         elif row["model_path"] is not None:
             _, source = own_checkpoint(request, row["model_path"], "sampler_weights")
-        n = body.get("num_samples", 1)
         try:
             tokens: list[int] = []
             for chunk in (body.get("prompt") or {}).get("chunks") or []:
@@ -199,14 +205,22 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
             raise HTTPError(400, f"asample: prompt_logprobs_last_n = {last_n!r}; expected 1..{len(tokens) - 1}.")
         spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)))
 
-        def run():
-            seqs, prompt_lp = backend.sample(source, spec)
+        def encode(seqs, prompt_lp, last_n):
             if prompt_lp is not None and last_n is not None:
                 prompt_lp = [math.nan] * (len(prompt_lp) - last_n) + prompt_lp[-last_n:]
             return "application/x-protobuf", encode_sample_response(seqs, prompt_lp)
-        rid_seq = [f"{sid}:{body.get('seq_id', 0)}:{i}" for i in range(n)]
+
+        def run_batch(jobs):
+            results = backend.sample(source, [j.payload[0] for j in jobs])
+            return [encode(seqs, lp, j.payload[1]) for j, (seqs, lp) in zip(jobs, results)]
+
+        def run():
+            (seqs, lp), = backend.sample(source, [spec])
+            return encode(seqs, lp, last_n)
+        # unseeded requests with the same weights and parameters may share one generate call
+        key = None if params.seed is not None else f"sample|{source}|{params!r}"
         return enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),
-                       extra={"sample_sequence_ids": rid_seq})
+                       extra={"sample_sequence_ids": rid_seq}, batch=(key, run_batch, (spec, last_n)))
 
     # ------------------------------------------------------------------ futures
     @app.post("/api/v1/retrieve_future")

@@ -276,27 +276,35 @@ class EngineBackend:
             raise ValueError(f"prompt holds token ids {bad[:5]} outside [0, {self.vocab_size}); the tokens do not "
                              "belong to this model's tokenizer.")
 
-    def sample(self, source: Path | str | None, spec: SampleSpec) -> tuple[list, list | None]:
-        """Sample ``spec.n`` continuations with the weights of ``source`` (see :meth:`_hold`).
+    def sample(self, source: Path | str | None, specs: Sequence[SampleSpec]) -> list[tuple[list, list | None]]:
+        """Sample ``spec.n`` continuations of each prompt with the weights of ``source`` (see
+        :meth:`_hold`), all prompts in one ``generate`` call (they must share ``params``).
 
         Returns:
-            ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
+            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
             ``prompt_logprobs[0]`` is NaN (no context), ``[i]`` = log p(prompt[i] | prompt[:i])
             from float32 ``log_softmax`` of the untempered logits.
         """
         import torch
 
+        params = specs[0].params
+        if any(s.params != params for s in specs):
+            raise ValueError("internal: one sample batch needs one SamplingParams.")
         engine = self._hold(source)
-        results = engine.generate([spec.prompt], spec.params)
-        seqs = [(list(r.token_ids), list(r.logprobs), r.finish_reason) for r in results]
-        prompt_lp = None
-        if spec.prompt_logprobs:
-            with torch.inference_mode():
-                ids = torch.tensor([spec.prompt], device=engine.device)
-                logits = engine.model(input_ids=ids).logits[0].float()
-                lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-            prompt_lp = [math.nan] + lp.cpu().tolist()
-        return seqs, prompt_lp
+        results = engine.generate([s.prompt for s in specs], params)
+        out = []
+        for i, spec in enumerate(specs):
+            rows = results[i * params.n:(i + 1) * params.n]
+            seqs = [(list(r.token_ids), list(r.logprobs), r.finish_reason) for r in rows]
+            prompt_lp = None
+            if spec.prompt_logprobs:
+                with torch.inference_mode():
+                    ids = torch.tensor([spec.prompt], device=engine.device)
+                    logits = engine.model(input_ids=ids).logits[0].float()
+                    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+                prompt_lp = [math.nan] + lp.cpu().tolist()
+            out.append((seqs, prompt_lp))
+        return out
 
 
 def _du(path: Path) -> int:

@@ -10,7 +10,10 @@ Rules (reference/tinker_protocol.md §5, §6.5, §6.6):
   either gets the first request's id back and runs nothing (the app checks the store).
 - A request refused on arrival (bad input) still consumes its ``seq_id`` (:meth:`Scheduler.skip`),
   so the client's later requests are not left waiting for it.
-- Sampling jobs carry no model id and run in arrival order between training jobs.
+- Sampling jobs carry no model id and run in arrival order between training jobs. Unseeded
+  sampling jobs with the same weights and sampling parameters that are waiting together run as
+  one batched ``generate`` call (at most :data:`MAX_BATCH_JOBS`); a seeded request always runs
+  alone, so its result depends only on its own prompt and seed.
 
 Results are written to the store (JSON or protobuf bytes) before the job counts as done, so a
 poll after a restart is answered from the database.
@@ -33,6 +36,9 @@ PROTOBUF = "application/x-protobuf"
 
 log = logging.getLogger("ferrule.serve")
 
+#: most sampling requests merged into one ``generate`` call
+MAX_BATCH_JOBS = 16
+
 
 class UserError(ValueError):
     """A request that cannot run for a reason the client controls (reported with category 'user')."""
@@ -51,6 +57,10 @@ class Job:
     num_data: int = 0
     num_tokens: int = 0
     submitted: float = field(default_factory=time.monotonic)
+    #: jobs with the same key may run together: ``batch_run(jobs)`` returns one ``run()`` result per job
+    batch_key: str | None = None
+    batch_run: Callable[[list["Job"]], list[tuple[str, bytes]]] | None = None
+    payload: Any = None
 
 
 class Scheduler:
@@ -58,10 +68,10 @@ class Scheduler:
 
     Args:
         store: :class:`ferrule.serve.store.Store` (results and failures are written there).
-        observe: ``observe(job, status, seconds)`` called after each job (metrics, logging).
+        observe: ``observe(job, status, seconds, batch_size)`` called after each job (metrics, logging).
     """
 
-    def __init__(self, store: Any, observe: Callable[[Job, str, float], None] | None = None):
+    def __init__(self, store: Any, observe: Callable[[Job, str, float, int], None] | None = None):
         self.store = store
         self.observe = observe
         self._cv = threading.Condition()
@@ -112,48 +122,62 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     # ---------------------------------------------------------------- worker
-    def _ready(self) -> Job | None:
+    def _ready(self) -> list[Job] | None:
         for i, job in enumerate(self._pending):
             if job.model_id is None or job.seq_id is None or self._next_seq.get(job.model_id) == job.seq_id:
-                return self._pending.pop(i)
+                self._pending.pop(i)
+                if job.batch_key is None:
+                    return [job]
+                group = [job] + [j for j in self._pending if j.batch_key == job.batch_key][:MAX_BATCH_JOBS - 1]
+                self._pending = [j for j in self._pending if j not in group]
+                return group
         return None
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                job = self._ready()
-                while job is None and not self._stop:
+                jobs = self._ready()
+                while jobs is None and not self._stop:
                     self._cv.wait()
-                    job = self._ready()
+                    jobs = self._ready()
                 if self._stop:
                     return
-            self._execute(job)
+            self._execute(jobs)
             with self._cv:
-                if job.model_id is not None and job.seq_id is not None and job.model_id in self._next_seq:
-                    self._next_seq[job.model_id] = job.seq_id + 1
+                for job in jobs:
+                    if job.model_id is not None and job.seq_id is not None and job.model_id in self._next_seq:
+                        self._next_seq[job.model_id] = job.seq_id + 1
                 self._cv.notify_all()
 
-    def _execute(self, job: Job) -> None:
+    def _execute(self, jobs: list[Job]) -> None:
         start = time.monotonic()
         status = "ok"
+        op = jobs[0].op
         try:
-            content_type, body = job.run()
-            if job.op != "refused":
-                self.store.complete(job.request_id, content_type, body)
+            if jobs[0].batch_run is not None:
+                results = jobs[0].batch_run(jobs)
+            else:
+                results = [jobs[0].run()]
+            for job, (content_type, body) in zip(jobs, results, strict=True):
+                if job.op != "refused":
+                    self.store.complete(job.request_id, content_type, body)
         except (UserError, ValueError, TypeError, LookupError, FileNotFoundError) as exc:
             status = "user_error"
-            self.store.fail(job.request_id, f"{job.op}: {exc}", "user")
+            for job in jobs:
+                self.store.fail(job.request_id, f"{op}: {exc}", "user")
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged with its traceback
             status = "server_error"
-            log.error("%s %s failed:\n%s", job.op, job.request_id, traceback.format_exc())
-            self.store.fail(job.request_id, f"{job.op}: internal error {type(exc).__name__}: {exc}", "server")
+            log.error("%s %s failed:\n%s", op, jobs[0].request_id, traceback.format_exc())
+            for job in jobs:
+                self.store.fail(job.request_id, f"{op}: internal error {type(exc).__name__}: {exc}", "server")
         finally:
             seconds = time.monotonic() - start
-            ev = self._done.pop(job.request_id, None)
-            if ev is not None:
-                ev.set()
-            if self.observe is not None and job.op != "refused":
-                self.observe(job, status, seconds)
+            for job in jobs:
+                ev = self._done.pop(job.request_id, None)
+                if ev is not None:
+                    ev.set()
+                if self.observe is not None and job.op != "refused":
+                    self.observe(job, status, seconds, len(jobs))
 
 
 def json_body(obj: Any) -> tuple[str, bytes]:

@@ -107,7 +107,9 @@ class Service:
                                  "seq_ids increase by one per training-client request.")
 
     def enqueue(self, request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
-                num_data: int = 0, num_tokens: int = 0, extra: dict | None = None) -> JSONResponse:
+                num_data: int = 0, num_tokens: int = 0, extra: dict | None = None,
+                batch: tuple | None = None) -> JSONResponse:
+        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``."""
         rid = f"req-{uuid.uuid4().hex}"
         try:
             self.store.add_future(rid, request.state.tenant, op, model_id, seq_id, request.headers.get("x-idempotency-key"))
@@ -116,7 +118,9 @@ class Service:
             if hit is None:
                 raise
             return hit
-        self.scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens))
+        key, batch_run, payload = batch or (None, None, None)
+        self.scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens,
+                                  batch_key=key, batch_run=batch_run, payload=payload))
         return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
 
     def refuse(self, model_id: str, seq_id: int, status: int, message: str) -> HTTPError:

@@ -2,7 +2,9 @@
 
 One log line per operation when it finishes (logger ``ferrule.serve``, INFO)::
 
-    op=forward_backward client=alice model=sess-..:train:0 seq=3 data=8 tokens=412 queued_s=0.001 run_s=0.214 status=ok
+    op=forward_backward client=alice model=sess-..:train:0 seq=3 data=8 tokens=412 queued_s=0.001 run_s=0.214 batch=1 status=ok
+
+(``batch``: how many sampling requests shared one ``generate`` call; ``run_s`` is that call's time.)
 
 Prometheus series (``prometheus_client``, one registry per app so several apps in one process
 do not collide), served at ``GET /metrics``:
@@ -56,16 +58,16 @@ class Telemetry:
         self.http_requests.labels(method, route, str(status)).inc()
         self.http_seconds.labels(method, route).observe(seconds)
 
-    def observe_job(self, job: Any, status: str, seconds: float) -> None:
+    def observe_job(self, job: Any, status: str, seconds: float, batch: int = 1) -> None:
         queued = max(0.0, time.monotonic() - job.submitted - seconds)
         self.ops.labels(job.op, status).inc()
         self.op_seconds.labels(job.op).observe(seconds)
         self.queue_seconds.labels(job.op).observe(queued)
         self.tokens.labels(job.op).inc(job.num_tokens)
         self.data.labels(job.op).inc(job.num_data)
-        log.info("op=%s client=%s model=%s seq=%s data=%d tokens=%d queued_s=%.3f run_s=%.3f status=%s", job.op,
-                 job.tenant, job.model_id or "-", "-" if job.seq_id is None else job.seq_id, job.num_data,
-                 job.num_tokens, queued, seconds, status)
+        log.info("op=%s client=%s model=%s seq=%s data=%d tokens=%d queued_s=%.3f run_s=%.3f batch=%d status=%s",
+                 job.op, job.tenant, job.model_id or "-", "-" if job.seq_id is None else job.seq_id, job.num_data,
+                 job.num_tokens, queued, seconds, batch, status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
