@@ -504,3 +504,21 @@ def test_concurrent_unseeded_samples_share_one_generate_call(server, caplog):
     batches = [int(r.getMessage().split("batch=")[1].split()[0]) for r in caplog.records
                if r.getMessage().startswith("op=sample")]
     assert max(batches) > 1, batches
+
+
+def test_engine_forward_matches_forward_backward_without_touching_gradients(base):
+    """TrainEngine.forward (what the service's `forward` runs): the outputs and metrics of
+    forward_backward, no gradient accumulated; check_batch raises what forward_backward raises."""
+    from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+
+    engine = TrainEngine.from_hf(base, optimizer=OptimizerSettings())
+    batch = w.make_batch(seed=91, lengths=(4, 6))
+    fwd = engine.forward(batch, "cross_entropy")
+    assert all(float(p.main_grad.abs().max()) == 0 for p in engine.model[0].module.parameters())
+    fb = engine.forward_backward(batch, "cross_entropy")
+    assert fwd.metrics == fb.metrics and set(fwd.metrics) >= {"loss:sum", "tokens:sum"}
+    for a, b in zip(fwd.loss_fn_outputs, fb.loss_fn_outputs):
+        assert torch.equal(a["logprobs"], b["logprobs"]) and torch.equal(a["elementwise_loss"], b["elementwise_loss"])
+    with pytest.raises(ValueError, match="outside"):
+        engine.check_batch([{"model_input": [1, w.VOCAB], "loss_fn_inputs": {"target_tokens": [1, 2],
+                                                                             "weights": [1.0, 1.0]}}], "cross_entropy")
