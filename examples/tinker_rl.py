@@ -45,7 +45,8 @@ for step in range(args.steps):
     sampler = trainer.save_weights_and_get_sampling_client()
     entries = [data[(step * args.prompts + i) % len(data)] for i in range(args.prompts)]
     prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPTS["direct"]},
-                                        {"role": "user", "content": e["question"]}], add_generation_prompt=True)
+                                        {"role": "user", "content": e["question"]}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
                for e in entries]
     futures = [sampler.sample(types.ModelInput.from_ints(list(pr)), args.group, params) for pr in prompts]
     batch, rewards = [], []

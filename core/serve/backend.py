@@ -107,7 +107,7 @@ class EngineBackend:
                               "restart or its session finished); create a training client from a saved state.") from None
 
     def check_forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
-                               loss_fn_config: Mapping[str, Any] | None, forward_only: bool) -> None:
+                               loss_fn_config: Mapping[str, Any] | None) -> None:
         """The engine's own input checks (loss name and config, token ids within the vocabulary,
         token-aligned lengths, finite inputs, known keys), without touching any state.
 
@@ -115,8 +115,7 @@ class EngineBackend:
             ValueError / TypeError: the first problem, naming the datum and key.
             LookupError: no engine for ``model_id``.
         """
-        engine = self.engine(model_id)
-        engine.check_batch(data, None if forward_only and not loss_fn else loss_fn, loss_fn_config)
+        self.engine(model_id).check_batch(data, loss_fn, loss_fn_config)
 
     def forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
                          loss_fn_config: Mapping[str, Any] | None, forward_only: bool):

@@ -6,7 +6,6 @@ scheduler runs in the client's ``seq_id`` order."""
 
 from __future__ import annotations
 
-
 from fastapi import FastAPI, Request
 
 from .paths import CheckpointPath, PathError, check_name
@@ -19,6 +18,7 @@ __all__ = ["add_training_routes"]
 
 def add_training_routes(app: FastAPI, svc: Service) -> None:
     """Register the training-client routes of ``svc`` on ``app``."""
+
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         body = await svc.body_json(request)
@@ -67,8 +67,7 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
             if not req.loss_fn:
                 raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
             if req.model_id in svc.backend.engines:
-                svc.backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config,
-                                               req.forward_only)
+                svc.backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
         except (ValueError, TypeError) as exc:
             raise svc.refuse(req.model_id, req.seq_id, 400, f"{op}: {exc}") from None
 
