@@ -31,31 +31,49 @@ p.add_argument("--prompts", type=int, default=4)
 p.add_argument("--group", type=int, default=8)
 p.add_argument("--lr", type=float, default=1e-5)
 p.add_argument("--rank", type=int, default=16)
+p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts scored greedily before and after")
 args = p.parse_args()
 
 tok = AutoTokenizer.from_pretrained(args.tokenizer)
-data = reasoning_gym.create_dataset("basic_arithmetic", size=10000, seed=1, min_terms=2, max_terms=2, min_digits=1,
-                                    max_digits=1, operators=["+", "-"], allow_parentheses=False, allow_negation=False)
+task = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"], allow_parentheses=False,
+            allow_negation=False)
+data = reasoning_gym.create_dataset("basic_arithmetic", size=10000, seed=1, **task)
+held_out = reasoning_gym.create_dataset("basic_arithmetic", size=args.eval_prompts, seed=1000003, **task)
+
+
+def encode(question):
+    return tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPTS["direct"]},
+                                    {"role": "user", "content": question}],
+                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def score(dataset, entry, tokens):
+    numbers = re.findall(r"-?\d+", tok.decode(tokens, skip_special_tokens=True))
+    return float(dataset.score_answer(numbers[-1] if numbers else None, entry))
+
+
+def evaluate(sampler):  # greedy accuracy on the held-out prompts
+    greedy = types.SamplingParams(max_tokens=32, temperature=0.0)
+    futs = [sampler.sample(types.ModelInput.from_ints(encode(e["question"])), 1, greedy) for e in held_out]
+    return sum(score(held_out, e, f.result().sequences[0].tokens) == 1.0 for e, f in zip(held_out, futs)) / len(futs)
+
+
 service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
 trainer = service.create_lora_training_client(base_model=args.model, rank=args.rank).result()
 params = types.SamplingParams(max_tokens=32, temperature=0.8)
 
 for step in range(args.steps):
     t0 = time.time()
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     entries = [data[(step * args.prompts + i) % len(data)] for i in range(args.prompts)]
-    prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPTS["direct"]},
-                                        {"role": "user", "content": e["question"]}],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False)
-               for e in entries]
+    if step == 0:
+        print(json.dumps({"step": 0, "eval_accuracy": evaluate(sampler)}), flush=True)
+    prompts = [encode(e["question"]) for e in entries]
     futures = [sampler.sample(types.ModelInput.from_ints(list(pr)), args.group, params) for pr in prompts]
     batch, rewards = [], []
     for entry, prompt, fut in zip(entries, prompts, futures):
         seqs = fut.result().sequences
-        scores = []
-        for s in seqs:
-            numbers = re.findall(r"-?\d+", tok.decode(s.tokens, skip_special_tokens=True))
-            scores.append(float(data.score_answer(numbers[-1] if numbers else None, entry)))
+        scores = [score(data, entry, s.tokens) for s in seqs]
         mean = sum(scores) / len(scores)
         rewards += scores
         for s, r in zip(seqs, scores):
@@ -71,3 +89,4 @@ for step in range(args.steps):
         trainer.optim_step(types.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.98, eps=1e-8)).result()
     print(json.dumps({"step": step, "reward": round(sum(rewards) / len(rewards), 4), "data": len(batch),
                       "seconds": round(time.time() - t0, 1)}), flush=True)
+print(json.dumps({"step": args.steps, "eval_accuracy": evaluate(trainer.save_weights_and_get_sampling_client().result())}))
