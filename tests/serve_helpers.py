@@ -1,5 +1,7 @@
-"""Start ``ferrule serve``'s app on a loopback port in this process (uvicorn in a thread), for
-tests/test_serve.py. The client under test is the unmodified ``tinker`` 0.38.0 SDK."""
+"""Start ``ferrule serve``'s app on a loopback port in this process (uvicorn in a thread), plus
+the fixtures and helpers of tests/test_serve.py and tests/test_serve_protocol.py. The client
+under test is the unmodified ``tinker`` 0.38.0 SDK. Import it after putting ``tests`` and
+``tests/dist`` on ``sys.path``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import socket
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 KEYS = {"tml-alice-0001": "alice", "tml-bob-00002": "bob"}
 MODEL_NAME = "tiny-qwen2"
@@ -50,3 +54,61 @@ class RunningServer:
         self.thread.join(timeout=30)
         self.app.state.scheduler.shutdown()
         self.app.state.store.engine.dispose()
+
+
+ALICE, BOB = "tml-alice-0001", "tml-bob-00002"
+LR = 1e-2
+LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Qwen2 HF checkpoint (tests/dist/train_engine_worker.make_hf_dir)."""
+    import train_engine_worker as w
+
+    return w.make_hf_dir(tmp_path_factory.mktemp("serve_base") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def server(base, tmp_path_factory):
+    srv = RunningServer(base, tmp_path_factory.mktemp("serve_storage"))
+    yield srv
+    srv.stop()
+
+
+def sdk_data(seed: int = 1, loss: str = "cross_entropy", lengths=LENGTHS) -> list:
+    """``train_engine_worker.make_batch`` data as ``tinker.types.Datum`` (what the SDK sends)."""
+    import train_engine_worker as w
+    from tinker import types
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(list(d.model_input)),
+                        loss_fn_inputs={k: v.tolist() for k, v in d.loss_fn_inputs.items()})
+            for d in w.make_batch(seed=seed, lengths=lengths, loss=loss)]
+
+
+def sampler_weights(srv: RunningServer, uri: str) -> dict:
+    """The tensors the server wrote for a ``sampler_weights`` tinker path."""
+    from safetensors.torch import load_file
+
+    model_id, kind, name = uri.removeprefix("tinker://").split("/")
+    return load_file(str(srv.storage / "checkpoints" / model_id / kind / name / "model.safetensors"))
+
+
+def adam():
+    from tinker import types
+
+    return types.AdamParams(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def raw(srv: RunningServer, path: str, key: str | None = ALICE, **kw):
+    """A POST with ``X-API-Key: key`` (None: no key), outside the SDK."""
+    import httpx
+
+    headers = kw.pop("headers", {})
+    if key is not None:
+        headers["X-API-Key"] = key
+    return httpx.post(srv.url + path, headers=headers, timeout=30, **kw)
+
+
+def poll(srv: RunningServer, request_id: str, key: str = ALICE):
+    return raw(srv, "/api/v1/retrieve_future", key, json={"request_id": request_id, "allow_metadata_only": False})
