@@ -280,6 +280,17 @@ class GRPOTrainer:
                   f"{metrics['eval_reward_mean']:.3f} on {len(self.eval_source)} held-out prompts"
                   + (f" ({errors} reward errors)" if errors else ""))
 
+    def _train_mfu(self, samples: list, seconds: float, forward_only_too: bool) -> float | None:
+        """Model FLOPs utilisation of the train phase (:func:`ferrule.megatron.flops.training_mfu`):
+        forward_backward over every sample, plus forward_logprobs when it ran; None on CPU or where
+        the count or the device's peak is unknown."""
+        from ferrule.megatron.flops import training_mfu
+
+        device = next(self.engine.model[0].parameters()).device
+        lens = [s.num_tokens for s in samples]
+        return training_mfu(self.engine.hf_config, lens, seconds, device,
+                            forward_only_seq_lens=lens if forward_only_too else ())
+
     def _sync(self) -> float:
         from ferrule.sync import sync_weights
 
@@ -390,6 +401,7 @@ class GRPOTrainer:
         metrics.update({"time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": t_sync,
                         "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
                         "train_tokens_per_s": seq_tokens / max(t_train, 1e-9),
+                        "mfu": self._train_mfu(samples, t_train, need_old),
                         "weights_version": self.engine.step, "epoch": self.sampler.epoch})
         if self.eval_source is not None and step % cfg.eval.interval == 0:
             t_eval = time.perf_counter()
