@@ -203,3 +203,29 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert math.isfinite(res["tp2_split"]["grad_norms"][0])
     r = res["tp2_resume"]
     assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+
+
+def test_cli_export_and_import(dirs, tmp_path):
+    from ferrule.lora.cli import export_adapter, import_adapter
+    from ferrule.megatron.engine import TrainEngine
+
+    engine = lw.lora_engine(dirs["qwen2"])
+    lw.randomize_adapter(engine, seed=21)
+    engine.save(tmp_path / "ckpt")
+    batch = tw.make_batch(seed=8)
+    ours = engine.forward_logprobs(batch)
+    out = export_adapter(tmp_path / "ckpt", tmp_path / "peft", base_model="tiny-qwen2")
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-qwen2"
+    base = Qwen2ForCausalLM.from_pretrained(dirs["qwen2"], dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, out).eval()
+    assert max_diff(ours, hf_logprobs(model, batch)) <= PEFT_ATOL
+    ckpt = import_adapter(out, dirs["qwen2"], tmp_path / "imported")
+    back = TrainEngine.from_torch_dist(ckpt, lora=LoraSettings(rank=lw.RANK, alpha=lw.ALPHA,
+                                                               target_modules=tuple(model.peft_config["default"].target_modules)))
+    assert all(torch.equal(a, b) for a, b in zip(ours, back.forward_logprobs(batch)))
+    # user errors: one line on stderr, exit code 2, no traceback
+    ferrule = Path(sys.executable).parent / "ferrule"
+    proc = subprocess.run([str(ferrule), "lora", "export", str(dirs["qwen2"]), str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a LoRA train checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()

@@ -50,10 +50,9 @@ def lora_save_payload(engine: Any) -> tuple[dict, dict[str, bytes]]:
 
 
 def _check_settings(engine: Any, saved: dict, where: Path) -> None:
+    """rank / alpha / rsLoRA must match (the adapted modules are compared by the shard keys)."""
     mine = asdict(engine.lora)
-    diff = {k: [saved.get(k), mine[k]] for k in ("rank", "alpha", "use_rslora", "target_modules")
-            if k in saved and (list(saved[k]) if isinstance(saved[k], (list, tuple)) else saved[k])
-            != (list(mine[k]) if isinstance(mine[k], (list, tuple)) else mine[k])}
+    diff = {k: [saved[k], mine[k]] for k in ("rank", "alpha", "use_rslora") if k in saved and saved[k] != mine[k]}
     if diff:
         raise ValueError(f"{where} was saved with other LoRA settings ({{name: [saved, engine]}}: {diff}); build the "
                          f"engine with the saved LoraSettings to load it.")
@@ -77,11 +76,9 @@ def lora_load_payload(engine: Any, ckpt: Path, with_optimizer: bool) -> dict | N
 
     rank, world = _rank_world()
     f = Path(ckpt) / "lora" / f"rank_{rank}.pt"
-    saved_cfg = json.loads((Path(ckpt) / "engine_state.json").read_text()).get("lora", {}) \
-        if (Path(ckpt) / "engine_state.json").is_file() else {}
-    _check_settings(engine, saved_cfg, Path(ckpt))
     meta_file = Path(ckpt) / "engine_state.json"
     saved_state = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    _check_settings(engine, saved_state.get("lora") or {}, Path(ckpt))
     same_layout = saved_state.get("world_size") == world and saved_state.get("layout") == asdict(engine.layout)
     if not same_layout:
         if with_optimizer:
@@ -101,7 +98,7 @@ def lora_load_payload(engine: Any, ckpt: Path, with_optimizer: bool) -> dict | N
     problems += [f"{k}: saved {tuple(saved[k].shape)}, engine {tuple(p.shape)}" for k, p in params.items()
                  if k in saved and tuple(saved[k].shape) != tuple(p.shape)]
     if problems:
-        raise ValueError(f"{f} does not fit this engine's adapters: {problems[:8]}")
+        raise ValueError(f"{f} does not fit this engine's adapters (other target_modules?): {problems[:8]}")
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(saved[k])
