@@ -68,7 +68,7 @@ def test_settings_scaling_and_errors():
 @pytest.mark.parametrize("family,settings", [
     ("qwen2", LoraSettings(rank=4, alpha=12)),
     ("qwen2", LoraSettings(rank=4, alpha=12, use_rslora=True, target_modules=("linear_qkv", "o_proj", "lm_head"))),
-    ("llama", LoraSettings(rank=3, alpha=5, use_rslora=True)),
+    ("llama", LoraSettings(rank=3, alpha=5, use_rslora=True, dropout=0.25)),  # dropout: fb only, not logprobs
 ])
 def test_logprobs_match_hf_peft(dirs, tmp_path, family, settings):
     hf_cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[family]

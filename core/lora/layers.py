@@ -60,7 +60,7 @@ class LoraAdapter(torch.nn.Module):
         self.parallel, self.kind, self.scaling, self.tp_size = parallel, kind, float(scaling), int(tp_size)
         self.lora_A = torch.nn.Parameter(torch.zeros(rank, in_local, dtype=dtype, device=device))
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
-        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.dropout_p = float(dropout)
         for p in (self.lora_A, self.lora_B):
             setattr(p, LORA_PARAM_ATTR, True)
         split = self.lora_B if parallel == "column" else self.lora_A
@@ -71,10 +71,13 @@ class LoraAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``scaling * B (A dropout(x))`` for the base module's input ``x`` ``[s, b, in_local]``
-        -> ``[s, b, out_local]`` (column) / ``[s, b, out]`` (row)."""
+        -> ``[s, b, out_local]`` (column) / ``[s, b, out]`` (row). Dropout acts only in training
+        mode with grad enabled (``forward_backward``), never in ``forward_logprobs``."""
         from megatron.core.tensor_parallel import mappings
 
-        h = torch.nn.functional.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)
+        if self.dropout_p > 0 and self.training and torch.is_grad_enabled():  # not in forward_logprobs (no_grad)
+            x = torch.nn.functional.dropout(x, self.dropout_p, training=True)
+        h = torch.nn.functional.linear(x.to(self.lora_A.dtype), self.lora_A)
         if self.tp_size > 1:
             if self.parallel == "column":
                 h = mappings.copy_to_tensor_model_parallel_region(h)
