@@ -19,7 +19,10 @@ The core serves ``attention`` (``self_attention.linear_qkv`` / ``linear_proj``),
 ``linear_fc2``: regular TP parameters) and ``lm_head`` (``output_layer``, refused on tied
 embeddings) for megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``; a family's own spec
 (or a plugin's ``"*"`` spec) for a kind replaces the core one (:func:`appliers_for`).
-Routed experts have no core applier.
+``routed_experts`` (megatron ``SequentialMLP``: ``mlp.experts.local_experts.E.linear_fc1`` /
+``linear_fc2``) shares one ``A`` per layer and linear across all experts and gives every expert
+its own ``B`` (memory grows with experts through ``B`` only); it is exported in PEFT's 3-D
+expert-parameter format (``target_parameters``, :func:`ferrule.lora.peft_format.export_routed`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ CORE_APPLIERS: dict[str, LoRAApplierSpec] = {
                           export=f"{_PEFT}:export_linear", load=f"{_PEFT}:load_linear")
     for kind in ("attention", "dense_mlp", "shared_experts", "lm_head")
 }
+CORE_APPLIERS["routed_experts"] = LoRAApplierSpec(
+    kind="routed_experts", family="*", apply="ferrule.lora.appliers:apply_routed_experts",
+    export=f"{_PEFT}:export_routed", load=f"{_PEFT}:load_routed")
 
 _KIND_PATTERNS = {
     "attention": re.compile(r"^decoder\.layers\.\d+\.self_attention\.(linear_qkv|linear_proj)$"),
@@ -144,6 +150,57 @@ def apply_shared_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
 def apply_lm_head(chunk: Any, settings: Any, ctx: ApplyContext) -> list[str]:
     """Core ``lm_head`` applier: the untied ``output_layer`` (vocab-parallel column); only when named."""
     return _apply_kind(chunk, settings, ctx, "lm_head")
+
+
+_EXPERTS_RE = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts$")
+
+
+def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[str]:
+    """Core ``routed_experts`` applier for megatron's ``SequentialMLP`` (expert TP 1).
+
+    Per MoE layer and linear (``linear_fc1``, ``linear_fc2``): one ``A`` ``[r, in]`` shared by
+    every expert (a dense parameter, seeded by the layer-level name
+    ``decoder.layers.L.mlp.experts.linear_fc1``), one ``B`` ``[out, r]`` per local expert (an
+    expert-parallel parameter).
+
+    Raises:
+        LoraTargetError: expert tensor parallelism > 1, dropout > 0 (PEFT's expert LoRA has no
+            dropout, so the adapter could not be loaded there), or grouped-GEMM experts.
+    """
+    import torch
+
+    from .layers import attach_adapter
+
+    done = []
+    for local, module in chunk.named_modules():
+        if not _EXPERTS_RE.match(local):
+            continue
+        experts = list(getattr(module, "local_experts", []) or [])
+        if not experts:
+            raise LoraTargetError(f"{local} is a {type(module).__name__}; the core routed-experts applier adapts "
+                                  f"megatron's SequentialMLP (moe_grouped_gemm=False) only.")
+        layer = ctx.global_names.get(f"{local}.local_experts.0.linear_fc1", f"{local}.x.x.linear_fc1")
+        layer = layer.rsplit(".local_experts.", 1)[0]
+        etp = getattr(experts[0].linear_fc1, "tp_size", 1)
+        for leaf in ("linear_fc1", "linear_fc2"):
+            first = ctx.global_names.get(f"{local}.local_experts.0.{leaf}", f"{local}.local_experts.0.{leaf}")
+            if not ctx.selects(first, "routed_experts"):
+                continue
+            if etp != 1:
+                raise LoraTargetError(f"{layer}: LoRA on routed experts needs expert tensor parallelism 1 (etp=1).")
+            if settings.dropout > 0:
+                raise LoraTargetError(f"{layer}: LoRA dropout on routed experts is refused (PEFT's expert-parameter "
+                                      f"LoRA has none, so the adapter could not be loaded there); use dropout=0.")
+            shared = None
+            for j, expert in enumerate(experts):
+                name = ctx.global_names.get(f"{local}.local_experts.{j}.{leaf}", f"{local}.local_experts.{j}.{leaf}")
+                ad = attach_adapter(getattr(expert, leaf), global_name=f"{layer}.{leaf}" if shared is None else name,
+                                    kind="routed_experts", settings=settings, tp_rank=0, tp_size=1,
+                                    shared_a=shared, expert=True)
+                shared = ad.lora_A
+                done.append(name)
+            assert isinstance(shared, torch.nn.Parameter)
+    return done
 
 
 def appliers_for(family: str) -> list[LoRAApplierSpec]:

@@ -90,8 +90,11 @@ def settings_from_peft_config(config: dict):
             bad.append(f"{key}={config[key]!r}")
     if config.get("bias", "none") != "none":
         bad.append(f"bias={config['bias']!r}")
-    targets = config.get("target_modules")
-    if not targets or isinstance(targets, str):
+    targets = list(config.get("target_modules") or [])
+    for param in config.get("target_parameters") or []:  # routed experts (PEFT ParamWrapper)
+        targets += {"gate_up_proj": ["gate_proj", "up_proj"], "down_proj": ["down_proj"]}.get(param.rsplit(".", 1)[-1],
+                                                                                          [param])
+    if not targets or isinstance(config.get("target_modules"), str):
         bad.append(f"target_modules={targets!r} (a list of module names is needed)")
     if bad:
         raise AdapterFormatError("this PEFT adapter uses options ferrule's LoRA does not train: " + ", ".join(bad))

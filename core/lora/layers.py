@@ -104,7 +104,8 @@ def _ignore_missing_adapter_keys(module: Any, incompatible: Any) -> None:
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if ".lora.lora_" not in k]
 
 
-def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, tp_rank: int, tp_size: int) -> LoraAdapter:
+def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, tp_rank: int, tp_size: int,
+                   shared_a: Any = None, expert: bool = False) -> LoraAdapter:
     """Attach a :class:`LoraAdapter` to one megatron linear module and hook its forward.
 
     Args:
@@ -114,6 +115,12 @@ def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, t
         kind: the applier kind recorded on the adapter.
         settings: :class:`~ferrule.lora.LoraSettings`.
         tp_rank / tp_size: this rank's position in the module's TP group.
+        shared_a: an ``A`` parameter to share instead of a new one (routed experts: one ``A`` per
+            layer and linear, shared by every expert; ``global_name`` then only names the module).
+        expert: mark ``B`` as an expert-parallel parameter (megatron's ``allreduce=False``: its
+            gradient is reduced over the expert-data-parallel group, and the optimizer puts it
+            in the expert param group); a shared ``A`` stays a dense parameter, so its gradient
+            is summed over the whole data-parallel group, EP ranks included.
 
     ``A`` is drawn full (``[rank, in]``, kaiming-uniform ``a=sqrt(5)``, generator seeded by
     ``settings.init_seed`` and ``global_name``) and sliced for this rank, so TP does not change
@@ -153,8 +160,16 @@ def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, t
     adapter = LoraAdapter(in_local=in_local, out_local=out_local, rank=settings.rank, scaling=settings.scaling,
                           dropout=settings.dropout, parallel=parallel, kind=kind, tp_size=tp_size,
                           dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():
-        adapter.lora_A.copy_(a_full)
+    if shared_a is not None:
+        if tuple(shared_a.shape) != tuple(adapter.lora_A.shape):
+            raise ValueError(f"{global_name}: shared lora_A has shape {tuple(shared_a.shape)}, the module needs "
+                             f"{tuple(adapter.lora_A.shape)}.")
+        adapter.lora_A = shared_a
+    else:
+        with torch.no_grad():
+            adapter.lora_A.copy_(a_full)
+    if expert:
+        adapter.lora_B.allreduce = False
     module.lora = adapter
     module.register_forward_hook(_forward_hook, with_kwargs=True)
     module._register_state_dict_hook(_drop_adapter_keys)

@@ -220,17 +220,24 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
 
     _require_lora(engine)
     ctx = _export_context(engine)
-    leaves = set()
+    leaves, expert_leaves = set(), set()
     for e in adapter_entries(engine.model):
-        leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, ctx)[2])
+        if e.kind == "routed_experts":
+            expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
+        else:
+            leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, ctx)[2])
     leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
+    expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
     s = engine.lora
     base = base_model_name_or_path if base_model_name_or_path is not None else (
         str(engine.hf_files_dir) if getattr(engine, "hf_files_dir", None) else None)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": s.rank,
             "lora_alpha": s.alpha, "lora_dropout": s.dropout, "use_rslora": s.use_rslora, "target_modules": leaves,
             "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True,
-            "inference_mode": True, "revision": None}
+            "inference_mode": True, "revision": None,
+            # routed experts: transformers' fused 3-D expert parameters, in PEFT's nesting order
+            "target_parameters": [f"mlp.experts.{EXPERT_PARAMS[k]}" for k in EXPERT_PARAMS if k in expert_leaves]
+            or None}
 
 
 def check_peft_config(engine: Any, config: Mapping[str, Any]) -> None:
@@ -310,3 +317,148 @@ def read_peft_dir(path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             raise FileNotFoundError(f"{f} is missing; {path} is not a PEFT adapter folder "
                                     f"(adapter_model.safetensors + adapter_config.json).")
     return load_file(str(st)), json.loads(cfg.read_text())
+
+
+# ---------------------------------------------------------------------------------------
+# Routed experts: PEFT's 3-D expert-parameter format
+# ---------------------------------------------------------------------------------------
+
+#: transformers' fused expert parameters (``Qwen3MoeExperts``: ``gate_up_proj`` ``[E, 2I, H]``,
+#: ``down_proj`` ``[E, H, I]``) per megatron expert linear; PEFT targets them with
+#: ``target_parameters`` in this order (``peft.tuners.lora.layer.ParamWrapper``).
+EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+_LOCAL_EXPERT_RE = __import__("re").compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])$")
+
+
+def _expert_module(table: Any, mctx: Any, layer: str, leaf: str) -> str:
+    """HF module path of a layer's experts (``model.layers.3.mlp.experts``) from the table's per-expert row."""
+    import re
+
+    weight = f"{layer}.local_experts.0.{leaf}.weight"
+    mapping, _ = table.resolve(weight)
+    key = mapping.hf_keys(weight, mctx)[0]
+    return re.sub(r"\.\d+\.[^.]+\.weight$", "", key)
+
+
+def _expert_keys(module: str, leaf: str, leaves_here: set[str]) -> tuple[str, str]:
+    """PEFT keys of one expert parameter's factors. PEFT nests a second ``ParamWrapper`` around the
+    first when both parameters of the experts module are targeted, so ``gate_up_proj``'s factors then
+    live under ``base_layer``."""
+    inner = leaf == "linear_fc1" and "linear_fc2" in leaves_here
+    base = f"{PEFT_PREFIX}{module}.{'base_layer.' if inner else ''}"
+    return base + "lora_A.weight", base + "lora_B.weight"
+
+
+def _routed_groups(entries: Sequence[Any]) -> dict[tuple[str, str], list[tuple[int, Any]]]:
+    out: dict[tuple[str, str], list[tuple[int, Any]]] = {}
+    for e in entries:
+        m = _LOCAL_EXPERT_RE.match(e.global_name)
+        if m is None:
+            raise MappingError(f"{e.global_name} is not a routed-expert linear (…mlp.experts.local_experts.E.linear_fcN).")
+        out.setdefault((m.group(1), m.group(3)), []).append((int(m.group(2)), e.adapter))
+    for group in out.values():
+        group.sort(key=lambda x: x[0])
+    return out
+
+
+def export_routed(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[str, Any]]:
+    """PEFT tensors of routed-expert adapters (collective over EP and PP).
+
+    Per layer and linear, PEFT's ``ParamWrapper`` layout for ``E`` experts: ``lora_A.weight``
+    ``[E * r, in]`` (expert-major: rows ``e*r .. e*r+r`` are expert ``e``'s ``A``; here ``A`` is
+    shared, so it repeats) and ``lora_B.weight`` ``[out, r * E]`` (expert-minor: column
+    ``k * E + e`` is expert ``e``'s ``B[:, k]``), i.e. ``delta_e = B[:, :, e] @ A[e]`` as in
+    ``ParamWrapper.get_delta_weight``.
+    """
+    import torch
+
+    from ferrule.mapping import Rename
+    from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
+
+    params: dict[str, BoundParam] = {}
+    groups: list[tuple[str, list[str]]] = []
+    for (layer, leaf), experts in _routed_groups(entries).items():
+        a = experts[0][1].lora_A
+        a_name = f"{layer}.{leaf}.lora_A"
+        params[a_name] = BoundParam(a_name, a, Rename(a_name, hf=a_name, tp=TPSplit.REPLICATED), ())
+        row, _ = ctx.table.resolve(f"{layer}.local_experts.{experts[0][0]}.{leaf}.weight")
+        stack = torch.stack([ad.lora_B.detach() for _, ad in experts])  # [n_local, out, r]
+        b_name = f"{layer}.{leaf}.lora_B.{experts[0][0]}"
+        params[b_name] = BoundParam(b_name, stack, dataclasses.replace(row, tp=TPSplit.REPLICATED), ())
+        groups += [(f"{layer}.{leaf}|A", [a_name]), (f"{layer}.{leaf}|B", [b_name])]
+    steps = plan_gather(params, groups, ctx.ranks)
+    adapted: dict[str, set[str]] = {}
+    for stage in steps:
+        for step in stage:
+            layer_leaf = step.key.split("|")[0]
+            layer, leaf = layer_leaf.rsplit(".", 1)
+            adapted.setdefault(layer, set()).add(leaf)
+    pending_a: dict[str, Any] = {}
+    pending_b: dict[str, list[tuple[int, Any]]] = {}
+    for key, names, (t,) in iter_full(steps, params, ctx.ranks):
+        layer_leaf, part = key.split("|")
+        if part == "A":
+            pending_a[layer_leaf] = t
+            continue
+        pending_b.setdefault(layer_leaf, []).append((int(names[0].rsplit(".", 1)[1]), t))
+        if len(pending_b[layer_leaf]) < ctx.ranks.ep:  # a routed step yields once per EP rank
+            continue
+        layer, leaf = layer_leaf.rsplit(".", 1)
+        full_b = torch.cat([b for _, b in sorted(pending_b.pop(layer_leaf), key=lambda x: x[0])])  # [E, out, r]
+        a = pending_a.pop(layer_leaf)
+        n_exp, out, r = full_b.shape
+        key_a, key_b = _expert_keys(_expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, adapted[layer])
+        yield key_a, a.unsqueeze(0).expand(n_exp, *a.shape).reshape(n_exp * r, a.shape[1]).contiguous()
+        yield key_b, full_b.permute(1, 2, 0).reshape(out, r * n_exp).contiguous()
+
+
+def load_routed(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportContext, *,
+                dry_run: bool = False) -> tuple[set[str], list[str]]:
+    """Inverse of :func:`export_routed` for this rank's experts (not collective); the ``E`` blocks
+    of ``lora_A`` must be equal (one shared ``A``), else the layer is refused."""
+    import torch
+
+    used: set[str] = set()
+    problems: list[str] = []
+    plans = []
+    groups = _routed_groups(entries)
+    leaves_by_layer: dict[str, set[str]] = {}
+    for layer, leaf in groups:
+        leaves_by_layer.setdefault(layer, set()).add(leaf)
+    for (layer, leaf), experts in groups.items():
+        key_a, key_b = _expert_keys(_expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, leaves_by_layer[layer])
+        missing = [k for k in (key_a, key_b) if k not in tensors]
+        if missing:
+            problems.append(f"{layer}.{leaf}: missing {missing}")
+            continue
+        used.update((key_a, key_b))
+        a_all, b_all = tensors[key_a], tensors[key_b]
+        r = experts[0][1].lora_A.shape[0]
+        if a_all.dim() != 2 or b_all.dim() != 2 or a_all.shape[0] % r or b_all.shape[1] % r:
+            problems.append(f"{layer}.{leaf}: PEFT expert factors of shapes {tuple(a_all.shape)}, {tuple(b_all.shape)} "
+                            f"do not fit rank {r}.")
+            continue
+        n_exp = a_all.shape[0] // r
+        a_blocks = a_all.reshape(n_exp, r, -1)
+        if any(not torch.equal(a_blocks[0], a_blocks[e]) for e in range(1, n_exp)):
+            problems.append(f"{layer}.{leaf}: ferrule shares one lora_A across the experts, but the adapter's "
+                            f"per-expert lora_A differ (an adapter trained with per-expert A cannot be imported exactly).")
+            continue
+        b_blocks = b_all.reshape(b_all.shape[0], r, n_exp)
+        for e, ad in experts:
+            if e >= n_exp:
+                problems.append(f"{layer}.{leaf}: expert {e} is missing (the adapter has {n_exp} experts).")
+                continue
+            a_e, b_e = a_blocks[0], b_blocks[:, :, e]
+            if tuple(a_e.shape) != tuple(ad.lora_A.shape) or tuple(b_e.shape) != tuple(ad.lora_B.shape):
+                problems.append(f"{layer}.{leaf}: expert {e} factors {tuple(a_e.shape)}, {tuple(b_e.shape)} vs "
+                                f"{tuple(ad.lora_A.shape)}, {tuple(ad.lora_B.shape)}.")
+                continue
+            plans.append((ad, a_e, b_e))
+    if problems or dry_run:
+        return used, problems
+    with torch.no_grad():
+        for ad, a, b in plans:
+            ad.lora_A.copy_(a)
+            ad.lora_B.copy_(b)
+    return used, []
