@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 # HF modeling modules must be imported before ferrule's CPU patches replace torch.cuda.Stream.
-from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
@@ -34,9 +34,11 @@ PEFT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
+    from ferrule import conformance_numeric as cn
+
     root = tmp_path_factory.mktemp("lora")
     return {"qwen2": tw.make_hf_dir(root / "qwen2", family="qwen2"), "llama": lw.make_llama_dir(root / "llama"),
-            "root": root}
+            "qwen3_moe": cn.tiny_hf_dir("qwen3_moe", root / "qwen3_moe"), "root": root}
 
 
 def hf_logprobs(model, batch) -> list[torch.Tensor]:
@@ -90,6 +92,34 @@ def test_logprobs_match_hf_peft(dirs, tmp_path, family, settings):
     assert max_diff(ours, hf_logprobs(merged, batch)) <= PEFT_ATOL
     if "lm_head" in str(settings.target_modules):
         assert any(k.endswith("lm_head.lora_B.weight") and v.shape[0] == tw.VOCAB for k, v in tensors.items())
+
+
+def test_qwen3_moe_routed_experts_match_hf_peft(dirs, tmp_path):
+    """Routed experts: one A per layer and linear shared by the experts, per-expert B; PEFT loads it
+    through target_parameters on transformers' fused 3-D expert parameters."""
+    engine = lw.lora_engine(dirs["qwen3_moe"], settings=LoraSettings(rank=2, alpha=5))
+    a_params = {id(e.adapter.lora_A) for e in __import__("ferrule.lora", fromlist=["x"]).adapter_entries(engine.model)
+                if e.kind == "routed_experts"}
+    assert len(a_params) == 2 * 2  # layers x (linear_fc1, linear_fc2)
+    tensors = lw.randomize_adapter(engine, seed=9)
+    config = peft_config(engine)
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    adapter = lw.write_peft_dir(tmp_path / "adapter", tensors, config)
+    batch = tw.make_batch(seed=3)
+    ours = engine.forward_logprobs(batch)
+    base = Qwen3MoeForCausalLM.from_pretrained(dirs["qwen3_moe"], dtype=torch.float32).eval()
+    base_lp = hf_logprobs(base, batch)
+    model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    ref = hf_logprobs(model, batch)
+    assert max_diff(ours, ref) <= PEFT_ATOL and max_diff(ref, base_lp) > 1e-2
+    fresh = lw.lora_engine(dirs["qwen3_moe"], settings=LoraSettings(rank=2, alpha=5))
+    load_hf_adapter(fresh, tensors, config)
+    assert lw.same({k: v.cpu() for k, v in hf_adapter_state_dict(fresh).items()}, tensors)
+    base0 = lw.base_snapshot(fresh)
+    fresh.forward_backward(batch, "cross_entropy")
+    assert fresh.optim_step()["success"] and lw.same(base0, lw.base_snapshot(fresh))
+    with pytest.raises(LoraTargetError, match="dropout"):
+        lw.lora_engine(dirs["qwen3_moe"], settings=LoraSettings(rank=2, alpha=5, dropout=0.1))
 
 
 def test_target_names_are_checked(dirs):
@@ -192,6 +222,14 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     lw.write_peft_dir(work / "adapter", tensors, peft_config(engine))
     out = engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")
     ws1 = [o["logprobs"] for o in out.loss_fn_outputs]
+    # Qwen3-MoE for the EP=2 checks: world-size-1 reference of one fb + step
+    (work / "qwen3_moe").symlink_to(dirs["qwen3_moe"])
+    moe = lw.lora_engine(dirs["qwen3_moe"])
+    moe_tensors = lw.randomize_adapter(moe, seed=6)
+    lw.write_peft_dir(work / "adapter_moe", moe_tensors, peft_config(moe))
+    moe_out = moe.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    moe_norm = moe.optim_step()["grad_norm"]
+    moe_after = {k: v.cpu() for k, v in hf_adapter_state_dict(moe).items()}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
                           capture_output=True, text=True, timeout=280, cwd=REPO)
@@ -202,6 +240,12 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert res["tp2_split"]["identical"], res["tp2_split"]
     assert math.isfinite(res["tp2_split"]["grad_norms"][0])
     r = res["tp2_resume"]
+    assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+    assert res["ep2_roundtrip"]
+    assert max_diff([torch.tensor(x) for x in res["ep2_logprobs"]], [o["logprobs"] for o in moe_out.loss_fn_outputs]) <= 1e-5
+    assert math.isclose(res["ep2_grad_norm"], moe_norm, rel_tol=1e-5)
+    assert max(float((torch.tensor(res["ep2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
+    r = res["ep2_resume"]
     assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
 
 
@@ -225,6 +269,14 @@ def test_cli_export_and_import(dirs, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ours, back.forward_logprobs(batch)))
     # user errors: one line on stderr, exit code 2, no traceback
     ferrule = Path(sys.executable).parent / "ferrule"
+    # Qwen3-MoE for the EP=2 checks: world-size-1 reference of one fb + step
+    (work / "qwen3_moe").symlink_to(dirs["qwen3_moe"])
+    moe = lw.lora_engine(dirs["qwen3_moe"])
+    moe_tensors = lw.randomize_adapter(moe, seed=6)
+    lw.write_peft_dir(work / "adapter_moe", moe_tensors, peft_config(moe))
+    moe_out = moe.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    moe_norm = moe.optim_step()["grad_norm"]
+    moe_after = {k: v.cpu() for k, v in hf_adapter_state_dict(moe).items()}
     proc = subprocess.run([str(ferrule), "lora", "export", str(dirs["qwen2"]), str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not a LoRA train checkpoint" in proc.stderr and "Traceback" not in proc.stderr

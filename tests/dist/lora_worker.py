@@ -11,6 +11,9 @@ test wrote at world size 1) and ``expected.json``-free inputs; rank 0 writes ``r
 - ``tp2_resume``: 2 steps, save, 2 more; a fresh TP=2 engine loads and repeats them: identical
   losses, grad norms, Adam steps and adapter tensors; the base stays untouched.
 - ``tp2_split``: fb(8) vs fb(3)+fb(5) at TP=2: identical grad norm and adapter after the step.
+- ``ep2_*``: Qwen3-MoE (``qwen3_moe``, adapter ``adapter_moe``) at EP=2: round trip, fb logprobs,
+  grad norm and the exported adapter after one step (the test compares them with world size 1),
+  and exact resume.
 """
 
 from __future__ import annotations
@@ -152,6 +155,22 @@ def main(work: Path) -> None:
     results["tp2_split"] = {"grad_norms": [r[0] for r in runs], "identical": runs[0][0] == runs[1][0]
                             and same(runs[0][1], runs[1][1])}
     results["tp2_resume"] = resume_check(hf_dir, tp2, tensors, work / "ckpt_tp2")
+    # Qwen3-MoE at EP=2 (DP=2): shared A reduced over both EP ranks, per-expert B on its owner
+    from ferrule.megatron.parallel import destroy_distributed
+
+    del engine
+    destroy_distributed(keep_process_group=True)  # switch the megatron layout from TP=2 to EP=2
+    moe_dir = work / "qwen3_moe"
+    moe_tensors, _ = read_peft_dir(work / "adapter_moe")
+    ep2 = ParallelLayout(ep=2)
+    engine = lora_engine(moe_dir, ep2)
+    load_hf_adapter(engine, moe_tensors)
+    results["ep2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()}, moe_tensors)
+    out = engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    results["ep2_logprobs"] = [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+    results["ep2_grad_norm"] = engine.optim_step()["grad_norm"]
+    results["ep2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
+    results["ep2_resume"] = resume_check(moe_dir, ep2, moe_tensors, work / "ckpt_ep2")
     if dist.get_rank() == 0:
         (work / "results.json").write_text(json.dumps(results))
     dist.barrier()
