@@ -122,6 +122,34 @@ def test_qwen3_moe_routed_experts_match_hf_peft(dirs, tmp_path):
         lw.lora_engine(dirs["qwen3_moe"], settings=LoraSettings(rank=2, alpha=5, dropout=0.1))
 
 
+def test_inkling_dense_moe_and_attention_match_hf_peft(tmp_path):
+    """Inkling text (dense + MoE layers, local/global attention with q/k/v/r/o projections): its own
+    attention applier, the core dense-MLP and routed-expert appliers; shared experts stay frozen."""
+    from transformers import InklingForCausalLM
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import inkling_fixtures as inf
+
+    hf_dir = inf.tiny_inkling_dir(tmp_path / "inkling")
+    engine = lw.lora_engine(hf_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
+    adapted = {n for n, p in engine.model[0].module.named_parameters() if p.requires_grad}
+    assert not any("shared_experts" in n for n in adapted)
+    assert any("linear_r.lora" in n for n in adapted) and any("local_experts" in n for n in adapted)
+    tensors = lw.randomize_adapter(engine, seed=4)
+    config = peft_config(engine)
+    assert "r_proj" in config["target_modules"] and config["target_parameters"]
+    adapter = lw.write_peft_dir(tmp_path / "adapter", tensors, config)
+    batch = tw.make_batch(seed=3)
+    ours = engine.forward_logprobs(batch)
+    base = InklingForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    base_lp = hf_logprobs(base, batch)
+    ref = hf_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), batch)
+    assert max_diff(ours, ref) <= PEFT_ATOL and max_diff(ref, base_lp) > 1e-2
+    fresh = lw.lora_engine(hf_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
+    load_hf_adapter(fresh, tensors, config)
+    assert lw.same({k: v.cpu() for k, v in hf_adapter_state_dict(fresh).items()}, tensors)
+
+
 def test_target_names_are_checked(dirs):
     with pytest.raises(LoraTargetError, match="fuses"):
         lw.lora_engine(dirs["qwen2"], settings=LoraSettings(rank=2, alpha=2, target_modules=("q_proj", "v_proj")))

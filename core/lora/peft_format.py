@@ -331,13 +331,37 @@ _LOCAL_EXPERT_RE = __import__("re").compile(r"^(.*\.mlp\.experts)\.local_experts
 
 
 def _expert_module(table: Any, mctx: Any, layer: str, leaf: str) -> str:
-    """HF module path of a layer's experts (``model.layers.3.mlp.experts``) from the table's per-expert row."""
+    """HF module path of a layer's experts (``model.layers.3.mlp.experts``), from the table row of
+    expert 0's weight: a per-expert checkpoint key (``...experts.0.gate_proj.weight``, Qwen3-MoE) or
+    a stacked 3-D one (``...experts.gate_up_proj``, Inkling)."""
     import re
 
     weight = f"{layer}.local_experts.0.{leaf}.weight"
     mapping, _ = table.resolve(weight)
     key = mapping.hf_keys(weight, mctx)[0]
-    return re.sub(r"\.\d+\.[^.]+\.weight$", "", key)
+    m = re.match(r"^(.*)\.\d+\.[^.]+\.weight$", key)
+    return m.group(1) if m else key.rsplit(".", 1)[0]
+
+
+def _b_to_hf(table: Any, mctx: Any, layer: str, leaf: str, expert: int, b: Any) -> Any:
+    """One expert's ``B`` ``[out, r]`` in the HF 3-D parameter's row layout (the row's ``to_hf``;
+    per-expert checkpoint parts such as gate / up are concatenated, as transformers fuses them)."""
+    import torch
+
+    row, wild = table.resolve(f"{layer}.local_experts.{expert}.{leaf}.weight")
+    parts = row.to_hf(b, mctx, wild)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+def _b_to_mcore(table: Any, mctx: Any, layer: str, leaf: str, expert: int, b_stacked: Any) -> Any:
+    """Inverse of :func:`_b_to_hf` for expert ``expert`` of ``b_stacked`` ``[E, out, r]``."""
+    from ferrule.mapping import StackExperts
+
+    row, wild = table.resolve(f"{layer}.local_experts.{expert}.{leaf}.weight")
+    if isinstance(row, StackExperts):
+        return row.to_mcore([b_stacked], mctx, wild)
+    n = len(row.hf_keys(f"{layer}.local_experts.{expert}.{leaf}.weight", mctx))
+    return row.to_mcore(list(b_stacked[expert].chunk(n, 0)), mctx, wild)
 
 
 def _expert_keys(module: str, leaf: str, leaves_here: set[str]) -> tuple[str, str]:
@@ -405,6 +429,7 @@ def export_routed(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[
             continue
         layer, leaf = layer_leaf.rsplit(".", 1)
         full_b = torch.cat([b for _, b in sorted(pending_b.pop(layer_leaf), key=lambda x: x[0])])  # [E, out, r]
+        full_b = torch.stack([_b_to_hf(ctx.table, ctx.mapping, layer, leaf, e, full_b[e]) for e in range(len(full_b))])
         a = pending_a.pop(layer_leaf)
         n_exp, out, r = full_b.shape
         key_a, key_b = _expert_keys(_expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, adapted[layer])
@@ -444,12 +469,16 @@ def load_routed(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
             problems.append(f"{layer}.{leaf}: ferrule shares one lora_A across the experts, but the adapter's "
                             f"per-expert lora_A differ (an adapter trained with per-expert A cannot be imported exactly).")
             continue
-        b_blocks = b_all.reshape(b_all.shape[0], r, n_exp)
+        b_stacked = b_all.reshape(b_all.shape[0], r, n_exp).permute(2, 0, 1)  # [E, out, r]
         for e, ad in experts:
             if e >= n_exp:
                 problems.append(f"{layer}.{leaf}: expert {e} is missing (the adapter has {n_exp} experts).")
                 continue
-            a_e, b_e = a_blocks[0], b_blocks[:, :, e]
+            try:
+                a_e, b_e = a_blocks[0], _b_to_mcore(ctx.table, ctx.mapping, layer, leaf, e, b_stacked)
+            except MappingError as exc:
+                problems.append(f"{layer}.{leaf}: expert {e}: {exc}")
+                continue
             if tuple(a_e.shape) != tuple(ad.lora_A.shape) or tuple(b_e.shape) != tuple(ad.lora_B.shape):
                 problems.append(f"{layer}.{leaf}: expert {e} factors {tuple(a_e.shape)}, {tuple(b_e.shape)} vs "
                                 f"{tuple(ad.lora_A.shape)}, {tuple(ad.lora_B.shape)}.")
