@@ -22,7 +22,7 @@ embeddings) for megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``; a f
 ``routed_experts`` (megatron ``SequentialMLP``: ``mlp.experts.local_experts.E.linear_fc1`` /
 ``linear_fc2``) shares one ``A`` per layer and linear across all experts and gives every expert
 its own ``B`` (memory grows with experts through ``B`` only); it is exported in PEFT's 3-D
-expert-parameter format (``target_parameters``, :func:`ferrule.lora.peft_format.export_routed`).
+expert-parameter format (``target_parameters``, :func:`ferrule.lora.peft_experts.export_routed`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ CORE_APPLIERS: dict[str, LoRAApplierSpec] = {
 }
 CORE_APPLIERS["routed_experts"] = LoRAApplierSpec(
     kind="routed_experts", family="*", apply="ferrule.lora.appliers:apply_routed_experts",
-    export=f"{_PEFT}:export_routed", load=f"{_PEFT}:load_routed")
+    export="ferrule.lora.peft_experts:export_routed", load="ferrule.lora.peft_experts:load_routed")
 
 _KIND_PATTERNS = {
     "attention": re.compile(r"^decoder\.layers\.\d+\.self_attention\.(linear_qkv|linear_proj)$"),
@@ -167,8 +167,6 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
         LoraTargetError: expert tensor parallelism > 1, dropout > 0 (PEFT's expert LoRA has no
             dropout, so the adapter could not be loaded there), or grouped-GEMM experts.
     """
-    import torch
-
     from .layers import attach_adapter
 
     done = []
@@ -179,8 +177,8 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
         if not experts:
             raise LoraTargetError(f"{local} is a {type(module).__name__}; the core routed-experts applier adapts "
                                   f"megatron's SequentialMLP (moe_grouped_gemm=False) only.")
-        layer = ctx.global_names.get(f"{local}.local_experts.0.linear_fc1", f"{local}.x.x.linear_fc1")
-        layer = layer.rsplit(".local_experts.", 1)[0]
+        # the global layer-level name (layer index with the pipeline offset)
+        layer = ctx.global_names.get(f"{local}.local_experts.0.linear_fc1", local).split(".local_experts.")[0]
         etp = getattr(experts[0].linear_fc1, "tp_size", 1)
         for leaf in ("linear_fc1", "linear_fc2"):
             first = ctx.global_names.get(f"{local}.local_experts.0.{leaf}", f"{local}.local_experts.0.{leaf}")
@@ -199,7 +197,6 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
                                     shared_a=shared, expert=True)
                 shared = ad.lora_A
                 done.append(name)
-            assert isinstance(shared, torch.nn.Parameter)
     return done
 
 

@@ -2,8 +2,9 @@
 
 Usage: torchrun --nproc-per-node 2 tests/dist/lora_worker.py WORK_DIR
 
-WORK_DIR holds ``qwen2`` (tiny HF checkpoint), ``adapter`` (a PEFT adapter with random B that the
-test wrote at world size 1) and ``expected.json``-free inputs; rank 0 writes ``results.json``:
+WORK_DIR holds ``qwen2`` (tiny HF checkpoint) and ``adapter`` (a PEFT adapter with random B that the
+test wrote at world size 1), plus ``qwen3_moe`` / ``adapter_moe`` for EP=2; rank 0 writes
+``results.json``:
 
 - ``tp2_logprobs``: fb logprobs of the TP=2 LoRA engine with that adapter loaded (the test compares
   them with its world-size-1 engine's and with HF + PEFT).
