@@ -164,3 +164,60 @@ def test_cli_nproc_checks_the_layout_first_and_passes_a_user_error_through(work,
     last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("error: rank 0: step 1: the reward function raised on all 32 samples"), last
     assert time.time() - t0 < 180
+
+
+def _cfg(**parallel):
+    from ferrule.rl.config import config_from_dict
+
+    return config_from_dict({"model": {"hf_dir": "unused"}, "parallel": parallel}, validate=False)
+
+
+DENSE = {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 6}
+
+
+@pytest.mark.parametrize("parallel, world, fragments", [
+    ({"tp": 3}, 6, ["parallel.tp: 3 does not divide the model's attention heads 8, KV heads 2 and FFN width 96",
+                    "valid tp: [1, 2]"]),
+    ({"pp": 4}, 4, ["parallel.pp: 4 does not divide the model's 6 layers", "valid pp: [1, 2, 3, 6]"]),
+    ({"tp": 2, "pp": 2}, 2, ["tp*pp = 2*2 = 4 does not divide the world size 2",
+                             "tp=1 pp=1, tp=1 pp=2, tp=2 pp=1"]),
+    ({"ep": 2}, 2, ["parallel.ep: 2 > 1 but the model has no routed experts"]),
+    ({"vpp": 2, "pp": 2}, 2, ["parallel.vpp: 2 virtual pipeline stages are not supported",
+                              "non-interleaved pipeline schedule"]),
+])
+def test_layout_is_checked_against_world_size_and_model(parallel, world, fragments):
+    from ferrule.rl.config import ConfigError
+    from ferrule.rl.distributed import check_layout
+
+    with pytest.raises(ConfigError) as info:
+        check_layout(_cfg(**parallel), DENSE, world)
+    text = str(info.value)
+    for fragment in fragments:
+        assert fragment in text, text
+
+
+def test_valid_layouts_pass_and_experts_are_checked():
+    from ferrule.rl.config import ConfigError
+    from ferrule.rl.distributed import check_layout
+
+    check_layout(_cfg(tp=2, pp=3), DENSE, 12)  # DP = 2
+    moe = dict(DENSE, num_experts=6)
+    check_layout(_cfg(ep=2), moe, 4)
+    with pytest.raises(ConfigError, match=r"parallel.ep: 4 does not divide the model's 6 routed experts; valid ep: \[1, 2, 3, 6\]"):
+        check_layout(_cfg(ep=4), moe, 4)
+
+
+def test_shards_and_their_seeds_do_not_depend_on_the_replica_count():
+    from ferrule.rl.distributed import plan_shards, shard_seed
+    from ferrule.rl.loop import rollout_seed
+
+    one = plan_shards(8, 2, 1, 5, 3)
+    two = plan_shards(8, 2, 2, 5, 3)
+    assert [(s.start, s.stop, s.seed) for s in one] == [(s.start, s.stop, s.seed) for s in two]
+    assert [s.replica for s in two] == [0, 1, 0, 1] and {s.replica for s in one} == {0}
+    # shard 0 keeps the single-shard seed of earlier runs; the others are distinct sha256 seeds
+    assert one[0].seed == rollout_seed(5, 3) and len({s.seed for s in one}) == 4
+    assert shard_seed(5, 3, 1) != shard_seed(5, 4, 1)
+    # default (0): one shard per replica, the last one shorter
+    assert [(s.start, s.stop) for s in plan_shards(5, 0, 2, 0, 1)] == [(0, 3), (3, 5)]
+    assert [(s.start, s.stop) for s in plan_shards(4, 0, 1, 0, 1)] == [(0, 4)]
