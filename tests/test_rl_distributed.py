@@ -116,13 +116,15 @@ def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
         _assert_close(full_m, ref_metrics, name)
         assert {"time_train_s_max", "time_rollout_s_min"} <= full_m[0].keys(), name
 
-    # resume the DP=2 run's step-2 checkpoint in one process (DP 2 -> 1: weights and Adam state reshard)
-    cross = tmp_path / "dp2_to_1"
-    shutil.copytree(work / "dp2" / "full", cross)
-    shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
-    cross_m, cross_r, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={cross}", "checkpoint.resume=true"])
-    assert cross_r == ref_responses
-    _assert_close(cross_m, ref_metrics, "dp2 -> 1 resume")
+    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the
+    # torch_dist weights and Adam state reshard); step 3 then matches the one-process run
+    for name in results:
+        cross = tmp_path / f"{name}_to_1"
+        shutil.copytree(work / name / "full", cross)
+        shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
+        cross_m, cross_r, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={cross}", "checkpoint.resume=true"])
+        assert cross_r == ref_responses, name
+        _assert_close(cross_m, ref_metrics, f"{name} -> 1 resume")
 
 
 @pytest.mark.timeout(240)
