@@ -2,7 +2,8 @@
 
 Referee: the same GRPO run in one process (this pytest process), on the tiny model and task of
 tests/test_rl_e2e.py with ``rollout.prompts_per_shard=2`` (4 prompts: two rollout shards, so
-DP=2 runs one shard on each replica). Every 2-rank run happens in ONE torchrun launch
+DP=2 runs one shard on each replica), a KL term to a frozen reference and two optimizer steps
+per rollout. Every 2-rank run happens in ONE torchrun launch
 (tests/dist/rl_worker.py): per layout an uninterrupted run and a resume from its step-2
 checkpoint. Two more launches check failures (a rank that raises; a user error through
 ``ferrule train --nproc 2``).
@@ -53,7 +54,10 @@ def work(tmp_path_factory):
             f.write(json.dumps({"prompt": f"{e2e.WORDS[i % 8]} {e2e.WORDS[(i // 8) % 8]} {i}", "answer": "7"}) + "\n")
     (root / "tiny.yaml").write_text(e2e.CONFIG)
     overrides = [f"model.hf_dir={root / 'model'}", f"data.jsonl_path={root / 'task.jsonl'}",
-                 "rollout.prompts_per_shard=2"]
+                 "rollout.prompts_per_shard=2",
+                 # a frozen reference (rank 0 only; its logprobs are broadcast) and two optimizer steps
+                 # per rollout (old logprobs from the train engine) exercise every batch input
+                 "algorithm.kl_coef=0.05", "train.optim_steps_per_rollout=2"]
     (root / "overrides.json").write_text(json.dumps(overrides))
     return root
 
@@ -91,13 +95,24 @@ def _assert_close(mine, ref, where):
                 assert a[k] == b[k], (where, a["step"], k, a[k], b[k])
 
 
-@pytest.mark.timeout(600)
-def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
+def _launch_worker(work: Path, layouts: str | None = None) -> dict:
+    env = _env()
+    if layouts:
+        env[w.LAYOUTS_ENV] = layouts
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "rl_worker.py"), str(work)],
-                          capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+                          capture_output=True, text=True, timeout=560, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    results = json.loads((work / "results.json").read_text())
+    return json.loads((work / "results.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the gloo layouts test is the CPU test; on CUDA test_dp2_on_two_gpus runs instead")
+    results = _launch_worker(work)
 
     # the referee: one process, same config
     base = json.loads((work / "overrides.json").read_text())
@@ -223,3 +238,21 @@ def test_shards_and_their_seeds_do_not_depend_on_the_replica_count():
     # default (0): one shard per replica, the last one shorter
     assert [(s.start, s.stop) for s in plan_shards(5, 0, 2, 0, 1)] == [(0, 3), (3, 5)]
     assert [(s.start, s.stop) for s in plan_shards(4, 0, 1, 0, 1)] == [(0, 4)]
+
+
+@pytest.mark.timeout(600)
+def test_dp2_on_two_gpus_matches_one_gpu(work, tmp_path):
+    """The same check at DP=2 over NCCL (2 GPUs): same responses, metrics within METRIC_RTOL, resume exact."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (NCCL DP=2); CPU machines run the gloo layouts test")
+    results = _launch_worker(work, "dp2")
+    base = json.loads((work / "overrides.json").read_text())
+    common = base + [f"train.steps={w.STEPS}", f"checkpoint.interval={w.CKPT_EVERY}", "checkpoint.keep=0"]
+    ref_metrics, ref_responses, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'one'}"])
+    full_m, full_r, full_w = results["dp2"]["full"]
+    res_m, res_r, res_w = results["dp2"]["resumed"]
+    assert _comparable(res_m) == _comparable(full_m) and res_r == full_r and res_w == full_w
+    assert full_r == ref_responses
+    _assert_close(full_m, ref_metrics, "dp2 (NCCL)")

@@ -251,7 +251,8 @@ def fan_out_rollout_weights(roles: RankRoles, rollout: Any, version: int, *,
         for name in sorted(state):
             t = state[name]
             key = t.data_ptr()
-            if key in seen and t.shape == state[seen[key]].shape:  # tied alias (lm_head -> embed_tokens)
+            other = state[seen[key]] if key in seen else None
+            if other is not None and other.shape == t.shape and other.stride() == t.stride():  # tied alias
                 continue
             seen[key] = name
             meta.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))

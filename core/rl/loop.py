@@ -416,6 +416,8 @@ class GRPOTrainer:
             ref = [response_slice(lp, s) for lp, s in zip(
                 self.reference.logprobs([s.prompt_ids + s.response_ids for s in samples],
                                         cfg.train.micro_batch_tokens), samples)]
+        if self.roles.distributed and a.kl_coef > 0:  # the reference policy lives on rank 0
+            ref = rl_dist.broadcast_object(ref)
         loss_name, loss_cfg = loss_fn_config(a)
         sums, grad_norms, lrs, skipped, ppo_kl_num, ppo_kl_den = [], [], [], 0, 0.0, 0
         for k, groups in enumerate(split_groups(len(prompt_ids), cfg.train.optim_steps_per_rollout)):

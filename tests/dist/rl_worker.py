@@ -29,6 +29,8 @@ warnings.filterwarnings("ignore")
 STEPS = 3
 CKPT_EVERY = 2
 LAYOUTS = {"dp2": {}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}}
+#: comma-separated subset of LAYOUTS to run (default all); the 2-GPU test runs dp2 only
+LAYOUTS_ENV = "FERRULE_RL_WORKER_LAYOUTS"
 
 
 def weights_digest(engine) -> str:
@@ -65,7 +67,10 @@ def main() -> None:
     config = work / "tiny.yaml"
     base = json.loads((work / "overrides.json").read_text())
     results: dict = {}
-    for name, extra in LAYOUTS.items():
+    import os
+
+    chosen = os.environ.get(LAYOUTS_ENV, ",".join(LAYOUTS)).split(",")
+    for name, extra in ((n, LAYOUTS[n]) for n in chosen):
         common = base + [f"{k}={v}" for k, v in extra.items()] + [
             f"train.steps={STEPS}", f"checkpoint.interval={CKPT_EVERY}", "checkpoint.keep=0"]
         full_dir, resumed_dir = work / name / "full", work / name / "resumed"
