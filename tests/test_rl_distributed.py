@@ -73,18 +73,26 @@ def _comparable(entries):
     return [{k: v for k, v in e.items() if k != "time" and not TIMING.match(k)} for e in entries]
 
 
-def _max_rel_diff(mine, ref) -> tuple[float, str]:
-    """Largest relative difference over the non-timing float metrics, and its key (reported with -s)."""
-    worst = (0.0, "")
+def _diff_report(mine, ref) -> str:
+    """Which float metrics differ, the largest relative difference among those with |value| >= 1e-3
+    and the largest absolute one among the smaller ones (printed with pytest -s)."""
+    rel, small, n, same = (0.0, ""), (0.0, ""), 0, 0
     for a, b in zip(_comparable(mine), _comparable(ref)):
         for k, v in a.items():
-            if isinstance(v, float) and isinstance(b.get(k), float) and v != b[k]:
-                worst = max(worst, (abs(v - b[k]) / max(abs(b[k]), 1e-30), f"step {a['step']} {k}"))
-    return worst
+            if not (isinstance(v, float) and isinstance(b.get(k), float)):
+                continue
+            n += 1
+            same += v == b[k]
+            if abs(b[k]) >= 1e-3:
+                rel = max(rel, (abs(v - b[k]) / abs(b[k]), f"step {a['step']} {k}"))
+            else:
+                small = max(small, (abs(v - b[k]), f"step {a['step']} {k}"))
+    return (f"{same}/{n} float metrics bit-identical; max rel diff (|x| >= 1e-3) {rel[0]:.2e} ({rel[1]}); "
+            f"max abs diff (|x| < 1e-3) {small[0]:.2e} ({small[1]})")
 
 
 def _assert_close(mine, ref, where):
-    print(f"{where}: max relative metric difference vs one process {_max_rel_diff(mine, ref)}")
+    print(f"{where} vs one process: {_diff_report(mine, ref)}")
     assert [e["step"] for e in mine] == [e["step"] for e in ref], where
     for a, b in zip(_comparable(mine), _comparable(ref)):
         assert a.keys() == b.keys(), (where, a.keys() ^ b.keys())
