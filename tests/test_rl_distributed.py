@@ -13,7 +13,9 @@ from one process by fp32 rounding only, because the layouts sum in another order
 ranks' gradients (all-reduce) instead of accumulating all data in one buffer, TP=2 splits the
 matmul reductions and the vocabulary softmax over two ranks, PP=2 adds the tied embedding's two
 gradient halves across stages and the grad norm per stage. Those differences are ~1e-7 relative
-per op and grow through a few Adam steps at lr 1e-2, hence ``METRIC_RTOL``. A resume at the same
+per op and grow through a few Adam steps at lr 1e-2 (measured: at most 3.2e-6 relative), hence
+``METRIC_RTOL`` = 3e-5 (``METRIC_ATOL`` = 1e-6 for metrics that are themselves ~1e-8, such as
+the train/rollout logprob difference). A resume at the same
 layout repeats the same operations, so it must be bit-identical (metrics, samples, weights).
 """
 
@@ -37,8 +39,9 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 import rl_worker as w  # noqa: E402
 import test_rl_e2e as e2e  # noqa: E402
 
-#: relative tolerance of a layout's per-step metrics vs one process (module docstring)
-METRIC_RTOL = 1e-4
+#: relative tolerance of a layout's per-step metrics vs one process (module docstring); measured on
+#: the CI CPU: at most 3.2e-6 (ppo_kl at TP=2), about 2/3 of the float metrics bit-identical
+METRIC_RTOL = 3e-5
 METRIC_ATOL = 1e-6
 TIMING = re.compile(r"^(time.*|.*_per_s)$")
 #: collective timeout of the failure runs (seconds); the job must end well within it
