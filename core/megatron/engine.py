@@ -169,6 +169,11 @@ class TrainEngine:
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                               disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         self.config = config
+        if layout.pp > 1:
+            # micro-batches differ in [batch, seq] shape (planned per call): the pipeline stages exchange
+            # each activation's shape before it (megatron's p2p `_communicate_shapes`) instead of
+            # assuming the fixed seq_length x micro_batch_size of the schedule call
+            config.variable_seq_lengths = True
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = None
         self.optimizer = build_optimizer(self.model, self.settings, params_dtype)
