@@ -33,6 +33,8 @@ from tinker import types  # noqa: E402
 def test_supervised_loop_loss_decreases_and_logprobs_match_hf(server, base):
     sc = server.client()
     tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    info = tc.get_info()
+    assert info.is_lora and info.lora_rank == 4   # a LoRA engine: the forward below checks the merged adapters
     data = sdk_data(seed=11)
     losses = []
     for _ in range(4):
@@ -75,14 +77,17 @@ def test_chunked_forward_backward_is_bit_identical_to_one_engine_call(server, ba
                                                 futures.c.op == "forward_backward")).mappings().all()
     assert sorted(r["seq_id"] for r in rows) == [1, 2, 3]   # the SDK sent three chunks (3 + 3 + 2 data)
 
-    ref = TrainEngine.from_hf(base, optimizer=OptimizerSettings(clip_grad=0.0))  # SDK: grad_clip_norm 0 = off
+    from ferrule.serve.backend import merged_hf_state
+
+    lora = server.app.state.backend.lora_settings({"rank": 4})       # what create_lora_training_client(rank=4) gets
+    ref = TrainEngine.from_hf(base, optimizer=OptimizerSettings(clip_grad=0.0), lora=lora)  # SDK: grad_clip_norm 0 = off
     ref_out = ref.forward_backward(w.make_batch(seed=21, lengths=LENGTHS), "cross_entropy")
     ref.optim_step(adam_params={"learning_rate": LR, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
                                 "weight_decay": 0.0})
     for o, r in zip(out.loss_fn_outputs, ref_out.loss_fn_outputs):
         assert torch.equal(torch.tensor(o["logprobs"].tolist()), r["logprobs"])
     assert out.metrics["loss:sum"] == pytest.approx(ref_out.metrics["loss:sum"], rel=1e-12)
-    exported = dict(ref.export_hf_state())
+    exported = merged_hf_state(ref)    # adapters merged, as in the server's sampler weights
     assert served.keys() <= exported.keys()
     assert all(torch.equal(served[k], exported[k]) for k in served)
 

@@ -5,8 +5,10 @@ embedded rollout engine, checkpoints on disk.
 training client** (model id), each built from the served base checkpoint. Clients therefore
 never share gradients, Adam moments, step counters or LR-scheduler state: two clients whose
 requests interleave get exactly what each gets alone (tests/test_serve.py checks it bit for bit).
-Training is full-parameter until LoRA (issue 13) lands; ``lora_config.rank`` is recorded and
-reported by ``get_info`` but does not restrict which parameters train.
+A Tinker ``lora_config`` makes the engine a LoRA engine (``TrainEngine(lora=...)``,
+:meth:`EngineBackend.lora_settings`): the base is frozen, the adapters and their Adam state are
+the client's trained state. Sampler weights are the base with the adapters merged
+(:func:`merged_hf_state`), so the embedded rollout engine serves them like any full model.
 
 Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`. Before a request it
 holds the weights the sampling session names (the base model, or a ``save_weights_for_sampler``
@@ -31,6 +33,9 @@ __all__ = ["EngineBackend", "SampleSpec"]
 
 #: default ``max_tokens`` when a sample request leaves it unset
 DEFAULT_MAX_TOKENS = 128
+#: LoRA alpha of Tinker training clients (Tinker's lora_config has no alpha; the tinker-cookbook's
+#: ``hyperparam_utils`` assumes ``lora_alpha=32`` when it scales learning rates for LoRA)
+TINKER_LORA_ALPHA = 32.0
 #: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory
 MAX_SNAPSHOTS = 4
 
@@ -83,17 +88,45 @@ class EngineBackend:
         _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
 
     # ---------------------------------------------------------------- training clients
-    def _new_engine(self) -> Any:
+    def _new_engine(self, lora: Any = None) -> Any:
         from ferrule.megatron.engine import TrainEngine
 
         if self.kind == "hf":
-            return TrainEngine.from_hf(self.base_dir, optimizer=self.optimizer)
-        return TrainEngine.from_torch_dist(self.base_dir, optimizer=self.optimizer, load_optimizer=False)
+            return TrainEngine.from_hf(self.base_dir, optimizer=self.optimizer, lora=lora)
+        return TrainEngine.from_torch_dist(self.base_dir, optimizer=self.optimizer, load_optimizer=False, lora=lora)
 
-    def create(self, model_id: str, lora_rank: int | None = None) -> None:
-        """Build the training client's engine from the base weights."""
-        self.engines[model_id] = self._new_engine()
-        self.lora_ranks[model_id] = lora_rank
+    def lora_settings(self, lora_config: Mapping[str, Any] | None) -> Any:
+        """Tinker ``lora_config`` -> :class:`ferrule.lora.LoraSettings` (None: full-parameter training).
+
+        ``rank`` -> ``rank``; ``alpha`` = :data:`TINKER_LORA_ALPHA`; ``seed`` -> ``init_seed``;
+        ``train_attn`` -> ``linear_qkv``/``linear_proj``, ``train_mlp`` -> ``linear_fc1``/``linear_fc2``,
+        ``train_unembed`` -> ``output_layer`` (not with tied embeddings: the sampler gets merged
+        weights, and a merged lm_head delta would also change the tied input embeddings).
+
+        Raises:
+            ValueError: no module to train, or a bad rank.
+        """
+        if not lora_config:
+            return None
+        from ferrule.lora import LoraSettings
+
+        targets = []
+        if lora_config.get("train_attn", True):
+            targets += ["linear_qkv", "linear_proj"]
+        if lora_config.get("train_mlp", True):
+            targets += ["linear_fc1", "linear_fc2"]
+        if lora_config.get("train_unembed", True) and not self.hf_config.get("tie_word_embeddings", False):
+            targets.append("output_layer")
+        if not targets:
+            raise ValueError("lora_config trains nothing (train_attn, train_mlp and train_unembed all false).")
+        return LoraSettings(rank=int(lora_config["rank"]), alpha=TINKER_LORA_ALPHA, target_modules=tuple(targets),
+                            init_seed=int(lora_config.get("seed") or 0))
+
+    def create(self, model_id: str, lora: Any = None) -> None:
+        """Build the training client's engine: the base weights plus, with ``lora``
+        (:meth:`lora_settings`), fresh adapters on the frozen base."""
+        self.engines[model_id] = self._new_engine(lora)
+        self.lora_ranks[model_id] = None if lora is None else lora.rank
 
     def drop(self, model_id: str) -> None:
         self.engines.pop(model_id, None)
@@ -154,9 +187,24 @@ class EngineBackend:
         with ``optimizer`` also Adam's moments and step, the scheduler and RNG (an exact
         continuation); without it the weights only, the optimizer starting from zero (Tinker's
         ``load_state``). A failed load leaves the client's previous engine in place."""
-        fresh = self._new_engine()
+        from ferrule.megatron.checkpoint import ENGINE_STATE_FILE
+
+        saved = json.loads((directory / ENGINE_STATE_FILE).read_text()).get("lora") \
+            if (directory / ENGINE_STATE_FILE).is_file() else None
+        lora = None
+        if saved:
+            from ferrule.lora import LoraSettings
+
+            tm = saved.get("target_modules")
+            lora = LoraSettings(**dict(saved, target_modules=tuple(tm) if isinstance(tm, list) else tm))
+        fresh = self._new_engine(lora)
         fresh.load(directory, load_optimizer=optimizer)
         self.engines[model_id] = fresh
+        self.lora_ranks[model_id] = None if lora is None else lora.rank
+
+    def sampler_tensors(self, model_id: str) -> dict:
+        """The client's full model under HF names, adapters merged (:func:`merged_hf_state`)."""
+        return merged_hf_state(self.engine(model_id))
 
     def save_sampler_weights(self, model_id: str, directory: Path) -> int:
         """The full model as HF-named safetensors (``model.safetensors``) for sampling; returns bytes."""
@@ -165,8 +213,7 @@ class EngineBackend:
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.engine(model_id).export_hf_state()}
-        save_file(tensors, str(tmp / "model.safetensors"))
+        save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
         return _du(directory)
@@ -199,8 +246,7 @@ class EngineBackend:
         The :data:`MAX_SNAPSHOTS` most recent snapshots are kept; older ones are dropped."""
         self._snap_counter += 1
         key = f"ephemeral:{model_id}:{self._snap_counter}"
-        self._snapshots[key] = {k: v.detach().to("cpu").contiguous().clone()
-                                for k, v in self.engine(model_id).export_hf_state()}
+        self._snapshots[key] = self.sampler_tensors(model_id)
         while len(self._snapshots) > MAX_SNAPSHOTS:
             self._snapshots.popitem(last=False)
         return key
@@ -304,6 +350,35 @@ class EngineBackend:
                 prompt_lp = [math.nan] + lp.cpu().tolist()
             out.append((seqs, prompt_lp))
         return out
+
+
+def merged_hf_state(engine: Any) -> dict:
+    """The engine's full model under HF names (CPU copies): :meth:`TrainEngine.export_hf_state`,
+    with LoRA adapters merged as PEFT merges them, ``W + scaling * B @ A``
+    (``peft/tuners/lora/layer.py``; ``scaling = lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA),
+    computed in float64 and cast back to the weight's dtype.
+
+    Raises:
+        KeyError: an adapter whose base tensor the export does not hold.
+    """
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in engine.export_hf_state()}
+    if getattr(engine, "lora", None) is None:
+        return tensors
+    from ferrule.lora import hf_adapter_state_dict, peft_config
+
+    cfg = peft_config(engine)
+    scaling = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+    adapters = {k: v.detach().to("cpu") for k, v in hf_adapter_state_dict(engine).items()}
+    for key, a in adapters.items():
+        if ".lora_A." not in key:
+            continue
+        b = adapters[key.replace(".lora_A.", ".lora_B.")]
+        target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        if target not in tensors:
+            raise KeyError(f"LoRA adapter {key} has no base tensor {target} to merge into.")
+        w = tensors[target]
+        tensors[target] = (w.double() + scaling * (b.double() @ a.double())).to(w.dtype)
+    return tensors
 
 
 def _du(path: Path) -> int:

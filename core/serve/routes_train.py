@@ -31,6 +31,10 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         rank = lora.get("rank")
         if rank is not None and (not isinstance(rank, int) or rank < 1):
             raise HTTPError(400, f"lora_config.rank = {rank!r}; expected an int >= 1.")
+        try:
+            lora = svc.backend.lora_settings(body.get("lora_config"))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise HTTPError(400, f"lora_config: {exc}") from None
         model_id = f"{session_id}:train:{mseq}"
         if (hit := svc.dedupe(request, model_id, 0)) is not None:
             return hit
@@ -38,7 +42,7 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         svc.scheduler.open_model(model_id, next_seq=0)
 
         def run():
-            svc.backend.create(model_id, rank)
+            svc.backend.create(model_id, lora)
             return json_body({"model_id": model_id, "type": "create_model"})
         return svc.enqueue(request, "create_model", run, model_id, 0)
 
@@ -49,7 +53,8 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         return {"model_id": row["model_id"], "type": "get_info", "model_name": svc.backend.model_name,
                 "model_data": {"arch": svc.backend.hf_config.get("model_type"), "model_name": svc.backend.model_name,
                                "tokenizer_id": svc.backend.model_name},
-                "is_lora": False, "lora_rank": row["lora_rank"]}
+                "is_lora": svc.backend.lora_ranks.get(row["model_id"]) is not None,
+                "lora_rank": svc.backend.lora_ranks.get(row["model_id"])}
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
