@@ -66,8 +66,6 @@ def check_supported(cfg: RLConfig) -> None:
                  "(entropy is still reported)")
     if cfg.rollout.engine != "embedded":
         p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop yet; use embedded")
-    for key in ("tp", "pp", "ep"):
-        if getattr(cfg.parallel, key) != 1:
-            p.append(f"parallel.{key}: the loop runs in one process; multi-rank training is not implemented, set 1")
+    # parallel.*: checked against the world size and the model by ferrule.rl.distributed.check_layout
     if p:
         raise ConfigError(p)

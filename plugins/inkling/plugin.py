@@ -86,6 +86,18 @@ def register_chat_templates():
 
 
 @hookimpl
+def register_lora_appliers():
+    from ferrule.specs import LoRAApplierSpec
+
+    peft = "ferrule.lora.peft_format"
+    return [LoRAApplierSpec(kind="attention", family="inkling_text", apply="ferrule.plugins.inkling.lora:apply_attention",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+            LoRAApplierSpec(kind="shared_experts", family="inkling_text",
+                            apply="ferrule.plugins.inkling.lora:apply_shared_experts",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear")]
+
+
+@hookimpl
 def register_towers():
     from ferrule.specs import TowerSpec
 
