@@ -59,7 +59,7 @@ import numpy as np
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError, RLConfig
-from ferrule.rl.run_checks import check_supported, preflight
+from ferrule.rl.run_checks import check_supported, lora_settings, preflight
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
@@ -136,6 +136,7 @@ class GRPOTrainer:
         self._stop_requested = False
         self._setup_done = False
         self._reward_failures_shown = 0
+        self.last_sync: Any = None  # SyncStats of the latest weight sync
 
     # ------------------------------------------------------------------ setup
     def _log(self, text: str) -> None:
@@ -209,6 +210,9 @@ class GRPOTrainer:
             lr_decay_style=o.lr_decay_style, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad)
         kwargs = dict(optimizer=settings, params_dtype=dtype, seed=t.seed, max_tokens_per_microbatch=t.micro_batch_tokens)
+        lora = lora_settings(cfg)
+        if lora is not None:  # adapters on the frozen base; the sync then sends only the adapter
+            kwargs["lora"] = lora
         if cfg.model.torch_dist_dir:
             self.engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, load_optimizer=False, **kwargs)
         else:
@@ -281,10 +285,15 @@ class GRPOTrainer:
                   + (f" ({errors} reward errors)" if errors else ""))
 
     def _sync(self) -> float:
-        from ferrule.sync import sync_weights
+        from ferrule.sync import sync_lora_adapter, sync_weights
 
-        stats = sync_weights(self.engine, self.rollout, version=self.engine.step,
-                             check_equal=self.check_equal)
+        if getattr(self.engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
+            stats = sync_lora_adapter(self.engine, self.rollout, version=self.engine.step,
+                                      check_equal=self.check_equal)
+        else:
+            stats = sync_weights(self.engine, self.rollout, version=self.engine.step,
+                                 check_equal=self.check_equal)
+        self.last_sync = stats
         return stats.seconds
 
     # ------------------------------------------------------------------ one step
@@ -390,7 +399,11 @@ class GRPOTrainer:
         metrics.update({"time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": t_sync,
                         "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
                         "train_tokens_per_s": seq_tokens / max(t_train, 1e-9),
-                        "weights_version": self.engine.step, "epoch": self.sampler.epoch})
+                        "weights_version": self.engine.step, "epoch": self.sampler.epoch,
+                        "sync_bytes": self.last_sync.bytes})
+        if self.last_sync.device_memory_after is not None:  # a leaking export shows up here first
+            metrics["sync_device_memory_delta_bytes"] = (self.last_sync.device_memory_after
+                                                         - self.last_sync.device_memory_before)
         if self.eval_source is not None and step % cfg.eval.interval == 0:
             t_eval = time.perf_counter()
             metrics.update(self._evaluate(step))
