@@ -207,10 +207,10 @@ class ServedLoraAdapter:
     def load_(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """:meth:`check`, then copy every tensor into its adapter parameter in place (cast to its dtype)."""
         self.check(tensors)
-        for n, t in tensors.items():
-            dst = self.targets[n]
-            dst.copy_(t.to(device=dst.device, dtype=dst.dtype, non_blocking=dst.device.type == "cuda"
-                           and t.device.type == "cpu"))
+        dsts = [self.targets[n] for n in tensors]
+        srcs = [t.to(device=d.device, dtype=d.dtype, non_blocking=d.device.type == "cuda" and t.device.type == "cpu")
+                for t, d in zip(tensors.values(), dsts)]
+        torch._foreach_copy_(dsts, srcs)  # one multi-tensor launch per device/dtype group instead of one per tensor
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """PEFT saved name -> the served adapter tensor (detached aliases)."""
