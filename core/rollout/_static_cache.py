@@ -42,18 +42,30 @@ class StaticKVCache:
         self.max_len = max_len
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self.write_index: torch.Tensor | None = None  # [q_len] int64 slots for the next forward
+        self.write_index: torch.Tensor | None = None  # [q_len] int64 slots for the next prefill forward
+        self.row_slots: torch.Tensor | None = None  # [batch] int64 slot per row for the next decode forward
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``[batch, kv_heads, q_len, head_dim]`` states at ``write_index``; return full buffers."""
+        """Write ``[batch, kv_heads, q_len, head_dim]`` states; return the full buffers.
+
+        With ``row_slots`` set (decode, ``q_len == 1``) row ``b`` writes at slot ``row_slots[b]``
+        (each row has its own slot: continuous batching refills rows at different times);
+        otherwise every row writes at the slots ``write_index`` (prefill).
+        """
         if layer_idx not in self.keys:
             b, h, _, d = key_states.shape
             self.keys[layer_idx] = key_states.new_zeros((b, h, self.max_len, d))
             self.values[layer_idx] = value_states.new_zeros((b, h, self.max_len, value_states.shape[-1]))
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k.index_copy_(2, self.write_index, key_states)
-        v.index_copy_(2, self.write_index, value_states)
+        if self.row_slots is not None:
+            b, h, _, d = key_states.shape
+            idx = self.row_slots.view(b, 1, 1, 1)
+            k.scatter_(2, idx.expand(b, h, 1, d), key_states)
+            v.scatter_(2, idx.expand(b, h, 1, value_states.shape[-1]), value_states)
+        else:
+            k.index_copy_(2, self.write_index, key_states)
+            v.index_copy_(2, self.write_index, value_states)
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # only used by HF when position_ids is None
@@ -131,18 +143,27 @@ def _to_mask(m: torch.Tensor, additive_dtype: torch.dtype | None) -> torch.Tenso
 
 
 class DecodeState:
-    """Buffers for decoding one ``(batch, max_len)`` bucket; optionally a captured CUDA graph.
+    """Buffers for decoding one ``(batch, max_len)`` bucket; optionally compiled and/or a CUDA graph.
 
-    Per step the caller writes the sampled tokens, their position ids and the slot into the
-    static buffers (``set_step``) and calls :meth:`step`, which runs the model on
-    ``[batch, 1]`` inputs (eagerly, or by replaying the CUDA graph) and returns
-    ``[batch, vocab]`` float32 logits (a static buffer under a graph: read it before the next
-    step).
+    Per step the caller stages the sampled tokens, their position ids and each row's key slot
+    (:meth:`set_step`) and calls :meth:`step`, which runs the model on ``[batch, 1]`` inputs
+    (eagerly, or by replaying the CUDA graph) and returns ``[batch, vocab]`` logits in the
+    model's dtype (a static buffer under a graph: read it before the next step).
+
+    Every row has its own slot (``slots [batch]``): the static path passes the same slot for all
+    rows; continuous batching (:mod:`ferrule.rollout._continuous`) refills single rows with new
+    prompts through :meth:`prefill_rows` while the other rows keep decoding.
+
+    Args:
+        compile_model: run the decode forward through ``torch.compile`` (inductor fuses the
+            norms, RoPE, SwiGLU and cache writes that the eager HF model runs as ~25 small
+            kernels per layer); the graph is then captured from the compiled code. CUDA only:
+            the CPU path stays the exact eager one.
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, windows: dict[str, int | None],
                  device: torch.device, additive_dtype: torch.dtype | None, use_cuda_graph: bool,
-                 graph_pool: Any = None):
+                 graph_pool: Any = None, compile_model: bool = False):
         self.model = model
         self.batch, self.max_len = batch, max_len
         self.windows = windows
@@ -151,7 +172,8 @@ class DecodeState:
         self.cache_kw = cache_kwarg_name(model)
         self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        self.slot = torch.zeros((1,), dtype=torch.long, device=device)
+        self.slots = torch.zeros((batch,), dtype=torch.long, device=device)
+        self._key_index = torch.arange(max_len, device=device)
         self.allowed = torch.zeros((batch, max_len), dtype=torch.bool, device=device)  # key slots visible
         mask_dtype = torch.bool if additive_dtype is None else additive_dtype
         self.masks = {t: torch.zeros((batch, 1, 1, max_len), dtype=mask_dtype, device=device) for t in windows}
@@ -159,6 +181,7 @@ class DecodeState:
         self.graph_pool = graph_pool  # shared memory pool of all captured graphs (torch.cuda.graph_pool_handle)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_logits: torch.Tensor | None = None
+        self._forward = _compiled_decode_forward() if compile_model else _decode_forward
 
     # -- prompt ---------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -167,37 +190,66 @@ class DecodeState:
         self.allowed.copy_(prompt_mask)
         masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
         self.cache.write_index = torch.arange(p, device=input_ids.device)
+        self.cache.row_slots = None
         out = self.model(input_ids=input_ids, attention_mask=mask_argument(masks), position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
-        self.cache.write_index = self.slot
+        self.cache.row_slots = self.slots
+        return out.logits[:, -1, :].float()
+
+    def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Prefill new prompts into some rows of a live batch (continuous batching).
+
+        The prompts ``[k, P]`` (left-padded among themselves) run through the model with a
+        temporary cache of ``P`` slots, whose keys/values are then copied into slots ``[0, P)``
+        of ``rows``; those rows see only their own prompt slots afterwards. Rows not in ``rows``
+        are untouched. The decode buffers must exist (after one :meth:`prefill`).
+
+        Args:
+            rows: ``[k]`` int64 row indices. input_ids / position_ids: ``[k, P]`` int64.
+            prompt_mask: ``[k, P]`` bool, True on prompt tokens.
+
+        Returns:
+            ``[k, vocab]`` float32 next-token logits of the new rows.
+        """
+        p = input_ids.shape[1]
+        tmp = StaticKVCache(p)
+        tmp.write_index = torch.arange(p, device=input_ids.device)
+        masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
+        out = self.model(input_ids=input_ids, attention_mask=mask_argument(masks), position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self.cache_kw: tmp})
+        for layer, k in tmp.keys.items():
+            self.cache.keys[layer][rows, :, :p] = k
+            self.cache.values[layer][rows, :, :p] = tmp.values[layer]
+        allowed = torch.zeros((len(rows), self.max_len), dtype=torch.bool, device=self.allowed.device)
+        allowed[:, :p] = prompt_mask
+        self.allowed[rows] = allowed
         return out.logits[:, -1, :].float()
 
     # -- decode ---------------------------------------------------------------------------
-    def set_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> None:
-        """Stage a decode step: ``tokens``/``positions`` ``[batch]`` int64 go to key slot ``slot``."""
+    def set_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: int | torch.Tensor) -> None:
+        """Stage a decode step: ``tokens``/``positions`` ``[batch]`` int64 go to key slot ``slots``
+        (one int for every row, or ``[batch]`` int64, one slot per row)."""
         self.ids.copy_(tokens[:, None])
         self.pos.copy_(positions[:, None])
-        self.slot.fill_(slot)
-        self.allowed[:, slot] = True
+        if isinstance(slots, int):
+            self.slots.fill_(slots)
+        else:
+            self.slots.copy_(slots)
+        self.allowed.scatter_(1, self.slots[:, None], True)
         for t, w in self.windows.items():
+            vis = self.allowed
+            if w is not None:  # HF sliding_window_overlay: query slot s sees key slot j iff s - j < w
+                vis = vis & (self._key_index[None, :] > (self.slots[:, None] - w))
             m = self.masks[t]
-            if self.additive_dtype is None:
-                m[:, 0, 0, :] = self.allowed
-                if w is not None and slot - w >= 0:
-                    m[:, 0, 0, : slot - w + 1] = False
-            else:
-                vis = self.allowed.clone()
-                if w is not None and slot - w >= 0:
-                    vis[:, : slot - w + 1] = False
-                m[:, 0, 0, :] = _to_mask(vis, self.additive_dtype)
+            m[:, 0, 0, :] = vis if self.additive_dtype is None else _to_mask(vis, self.additive_dtype)
 
     def _eager_step(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, attention_mask=mask_argument(self.masks), position_ids=self.pos,
-                         use_cache=True, **{self.cache_kw: self.cache})
-        return out.logits[:, -1, :].float()
+        return self._forward(self.model, self.ids, mask_argument(self.masks), self.pos, self.cache, self.cache_kw)
 
     def step(self) -> torch.Tensor:
-        """Run one decode step; returns ``[batch, vocab]`` float32 logits."""
+        """Run one decode step; returns ``[batch, vocab]`` logits in the model's dtype."""
+        self.cache.row_slots = self.slots
         if not self.use_cuda_graph:
             return self._eager_step()
         if self.graph is None:
@@ -206,8 +258,9 @@ class DecodeState:
         return self.static_logits
 
     def _capture(self) -> None:
-        # Warm up on a side stream (cuBLAS/SDPA workspace allocation), then capture. The warm-up
-        # writes K/V into the staged slot, which the first real step overwrites before reading.
+        # Warm up on a side stream (cuBLAS/SDPA workspace allocation, compilation), then capture.
+        # The warm-up writes K/V into the staged slots, which the first real step overwrites
+        # before reading.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -219,3 +272,21 @@ class DecodeState:
             self.static_logits = self._eager_step()
         self.graph = graph
 
+
+def _decode_forward(model: torch.nn.Module, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: StaticKVCache,
+                    cache_kw: str) -> torch.Tensor:
+    """One decode forward ``[batch, 1]`` -> last-position logits ``[batch, vocab]`` (model dtype)."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
+    return out.logits[:, -1, :]
+
+
+_COMPILED: Any = None
+
+
+def _compiled_decode_forward() -> Any:
+    """:func:`_decode_forward` through ``torch.compile`` (one wrapper per process; inductor
+    specialises it per model and bucket shape)."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_decode_forward, dynamic=False)
+    return _COMPILED

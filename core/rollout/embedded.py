@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ferrule.rollout._checkpoint_names import CheckpointTensor, checkpoint_tensors
+from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
 from ferrule.rollout._static_cache import DecodeState, layer_windows
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
@@ -99,6 +100,14 @@ class EmbeddedEngine:
             files.
         cuda_graph: capture the decode step as a CUDA graph; default True on CUDA. Ignored
             (False) on CPU.
+        compile_decode: run the decode forward through ``torch.compile`` and sample with the
+            fused sampler of :mod:`ferrule.rollout._fast_sampling` when no top-k/top-p/min-p is
+            asked; default True on CUDA unless ``FERRULE_COMPILE_DECODE=0``. Ignored (False) on
+            CPU, which keeps the exact eager path. The first call per bucket compiles (tens of
+            seconds for a 0.5B model).
+        max_batch: rows decoded at once (continuous batching). With more rows than this
+            (``len(requests) * n``), finished rows free their slot for waiting prompts
+            (:mod:`ferrule.rollout._continuous`); None (default): all rows in one batch.
         model_class: override the transformers class used for ``hf_dir`` / ``hf_config``.
 
     Raises:
@@ -116,7 +125,8 @@ class EmbeddedEngine:
     def __init__(self, model: torch.nn.Module | None = None, *, hf_dir: str | os.PathLike | None = None,
                  hf_config: Any = None, state_dict: dict[str, torch.Tensor] | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 tokenizer: Any = None, cuda_graph: bool | None = None, model_class: Any = None):
+                 tokenizer: Any = None, cuda_graph: bool | None = None, model_class: Any = None,
+                 compile_decode: bool | None = None, max_batch: int | None = None):
         sources = [x is not None for x in (model, hf_dir, hf_config)]
         if sum(sources) != 1:
             raise ValueError("EmbeddedEngine needs exactly one of model=, hf_dir=, hf_config= "
@@ -154,6 +164,12 @@ class EmbeddedEngine:
             self._windows = None
         self.cuda_graph = bool(self.device.type == "cuda" and (cuda_graph is None or cuda_graph)
                                and self._windows is not None)
+        if compile_decode is None:
+            compile_decode = os.environ.get("FERRULE_COMPILE_DECODE", "1") != "0"
+        self.compile_decode = bool(compile_decode and self.device.type == "cuda" and self._windows is not None)
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"EmbeddedEngine(max_batch={max_batch!r}): expected a positive int or None.")
+        self.max_batch = max_batch
         self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.weights_version = 0
@@ -245,6 +261,10 @@ class EmbeddedEngine:
                 ks = groups[length]
                 for k, row in zip(ks, self._run([prompts[k] for k in ks], params, sorted(stop_ids), matcher)):
                     rows[k] = row
+        elif self.max_batch is not None and len(prompts) > self.max_batch:
+            from ferrule.rollout._continuous import run_continuous
+
+            rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, self.max_batch)
         else:
             rows = self._run(prompts, params, sorted(stop_ids), matcher)
         out = []
@@ -268,20 +288,37 @@ class EmbeddedEngine:
         while len(self._states) >= _MAX_GRAPH_STATES:
             self._states.popitem(last=False)
         state = DecodeState(self.model, batch, max_len, self._windows, self.device, self._additive_dtype,
-                            self.cuda_graph, graph_pool=self._graph_pool)
+                            self.cuda_graph, graph_pool=self._graph_pool, compile_model=self.compile_decode)
         self._states[key] = state
         return state
+
+    def _bucket(self, rows: int, need: int) -> tuple[int, int]:
+        """``(batch, max_len)`` of the decode state for ``rows`` rows of ``need`` slots."""
+        if self.cuda_graph:
+            return _round_up(rows, _BATCH_BUCKET), _round_up(need, _LEN_BUCKET)
+        return rows, need
+
+    def _sampler(self, params: SamplingParams, batch: int) -> Callable:
+        """``sampler(logits, generator) -> (tokens, logprobs, raw_logprobs)`` for ``[batch, vocab]`` logits."""
+        if self.compile_decode and fused_applies(params):
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            return FusedSampler(params, batch, vocab, self.device)
+        return lambda logits, gen: sample_next(logits.float(), params, gen)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        gen = torch.Generator(device=self.device)
+        # unseeded: fresh OS entropy; torch.seed() would reseed (and so change) the global generator
+        gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        return gen
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
              matcher: StopStringMatcher | None):
         dev = self.device
         real = len(prompts)
         p = max(len(x) for x in prompts)
-        need = p + params.max_new_tokens
-        if self.cuda_graph:
-            batch, max_len = _round_up(real, _BATCH_BUCKET), _round_up(need, _LEN_BUCKET)
-        else:
-            batch, max_len = real, need
+        batch, max_len = self._bucket(real, p + params.max_new_tokens)
         rows = prompts + [[self._pad_id]] * (batch - real)  # bucket filler rows: 1 pad token, discarded
         input_ids = torch.full((batch, p), self._pad_id, dtype=torch.long)
         prompt_mask = torch.zeros((batch, max_len), dtype=torch.bool)
@@ -292,11 +329,7 @@ class EmbeddedEngine:
         position_ids = (torch.cumsum(prompt_mask[:, :p].long(), -1) - 1).clamp_(min=0)
         input_ids, prompt_mask, position_ids, prompt_len = (t.to(dev) for t in
                                                             (input_ids, prompt_mask, position_ids, prompt_len))
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device=dev)
-            # unseeded: fresh OS entropy; torch.seed() would reseed (and so change) the global generator
-            gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        gen = self._generator(params)
         stop_t = torch.tensor(stop_ids, dtype=torch.long, device=dev)
         n_new = params.max_new_tokens
         tokens_out = torch.zeros((batch, n_new), dtype=torch.long, device=dev)
@@ -308,11 +341,12 @@ class EmbeddedEngine:
         lengths = torch.zeros(batch, dtype=torch.long, device=dev)
 
         state = self._state(batch, max_len)
+        sampler = self._sampler(params, batch)
         logits = state.prefill(input_ids, position_ids, prompt_mask)
         host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
         sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
         for t in range(n_new):
-            tok, lp, raw = sample_next(logits, params, gen)
+            tok, lp, raw = sampler(logits, gen)
             tokens_out[:, t] = tok
             lp_out[:, t] = lp
             if raw_out is not None:
@@ -553,6 +587,8 @@ class EmbeddedEngine:
             "model_type": getattr(self.model.config, "model_type", None),
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "cuda_graph": self.cuda_graph,
+            "compile_decode": self.compile_decode,
+            "max_batch": self.max_batch,
             "captured_buckets": [list(k) for k in self._states if self._states[k].graph is not None],
             "lora": None if self._lora is None else {"name": self._lora_name, "r": self._lora.config.get("r"),
                                                      "lora_alpha": self._lora.config.get("lora_alpha"),

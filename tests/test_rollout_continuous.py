@@ -1,0 +1,94 @@
+"""Continuous batching in the embedded engine against independent HF references (tiny fp32 models).
+
+Reference: one full-sequence HF forward of ``prompt + generated`` per sample (no padding, no
+cache), as in ``tests/test_rollout_embedded.py``. Rows are refilled at different steps, so these
+tests catch a row that sees another prompt's keys, a stale slot or position, or a refilled row
+that decodes one step from its predecessor's token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from ferrule.rollout import SamplingParams
+from ferrule.rollout.embedded import EmbeddedEngine
+from tests.test_rollout_embedded import (CharTokenizer, INIT_STD, MAX_POS, TOL, reference_logprobs, tiny_qwen3,
+                                         tiny_qwen3_moe)
+
+# prompts of different lengths; more rows than max_batch so that rows are refilled
+PROMPTS = [[3, 14, 15, 92, 65, 35], [8, 9], [27, 18, 28], [5], [61, 2, 71, 82, 81, 82, 84], [45, 90, 4, 52]]
+STOPS = (7, 11, 13, 17, 19, 23, 29, 31, 37, 41)  # ~10% of the vocabulary: responses end at varied lengths
+
+
+def check_against_hf(model, results, prompts, params, stop_ids=()):
+    assert len(results) == len(prompts) * params.n
+    lengths = set()
+    for k, r in enumerate(results):
+        assert (r.prompt_index, r.sample_index) == divmod(k, params.n)
+        toks = list(r.token_ids)
+        lengths.add(len(toks))
+        ref, ref_raw = reference_logprobs(model, prompts[r.prompt_index], toks, params.temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=TOL, rtol=0)
+        if params.greedy:
+            assert toks == ref_raw.argmax(-1).tolist()
+        if r.finish_reason == "stop":
+            assert not stop_ids or (toks[-1] in stop_ids and not set(toks[:-1]) & set(stop_ids))
+        else:
+            assert len(toks) == params.max_new_tokens and not set(toks) & set(stop_ids)
+    return lengths
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=STOPS),
+    SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=4, stop_token_ids=STOPS),
+    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=9, n=2, seed=2, stop_token_ids=STOPS),
+], ids=["greedy", "t1-n3", "top-p-n2"])
+def test_refilled_rows_match_hf_forward(params):
+    model = tiny_qwen3(seed=3)
+    engine = EmbeddedEngine(model=model, max_batch=3)
+    results = engine.generate(PROMPTS, params)
+    lengths = check_against_hf(model, results, PROMPTS, params, STOPS)
+    assert len(lengths) > 1  # responses of different lengths: rows were freed and refilled at different steps
+
+
+def test_continuous_equals_static_greedy_and_is_seed_reproducible():
+    model = tiny_qwen3(seed=5)
+    static = EmbeddedEngine(model=model)
+    cont = EmbeddedEngine(model=model, max_batch=2)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=STOPS)
+    assert [r.token_ids for r in cont.generate(PROMPTS, greedy)] == [r.token_ids for r in static.generate(PROMPTS, greedy)]
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=9, stop_token_ids=STOPS)
+    first = cont.generate(PROMPTS, sampled)
+    assert [r.token_ids for r in cont.generate(PROMPTS, sampled)] == [r.token_ids for r in first]
+
+
+def test_sliding_window_moe_and_stop_strings():
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=MAX_POS, initializer_range=INIT_STD,
+                      use_sliding_window=True, sliding_window=4, max_window_layers=1, eos_token_id=None,
+                      pad_token_id=None, attn_implementation="sdpa")
+    sliding = Qwen2ForCausalLM(cfg).eval()
+    assert "sliding_attention" in sliding.config.layer_types
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=1, stop_token_ids=STOPS)
+    check_against_hf(sliding, EmbeddedEngine(model=sliding, max_batch=3).generate(PROMPTS, params), PROMPTS, params,
+                     STOPS)
+    moe = tiny_qwen3_moe(seed=2)
+    check_against_hf(moe, EmbeddedEngine(model=moe, max_batch=4).generate(PROMPTS, params), PROMPTS, params, STOPS)
+    # stop strings: one host check per step; a sample stops at the token that completes "e"
+    model = tiny_qwen3(seed=3)
+    stop_params = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=3, stop=("e",))
+    results = EmbeddedEngine(model=model, max_batch=3, tokenizer=CharTokenizer()).generate(PROMPTS, stop_params)
+    check_against_hf(model, results, PROMPTS, stop_params)
+    for r in results:
+        text = CharTokenizer.decode(r.token_ids)
+        assert ("e" in text) == (r.finish_reason == "stop")
+        if r.finish_reason == "stop":
+            assert "e" not in CharTokenizer.decode(r.token_ids[:-1])
+
+
+def test_max_batch_validation():
+    with pytest.raises(ValueError, match="max_batch"):
+        EmbeddedEngine(model=tiny_qwen3(), max_batch=0)
