@@ -261,3 +261,46 @@ def test_cuda_graph_decode_with_adapter_updates_in_place():
     for r in results:
         want = reference_logprobs(ref2, PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
         torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
+
+
+def tiny_qwen3_moe(seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=16,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=MAX_POS, tie_word_embeddings=False, initializer_range=INIT_STD,
+                         eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def test_qwen3_moe_attention_adapter_matches_hf_peft():
+    """MoE model, adapter on the attention linears (routed experts are fused 3-D parameters in
+    transformers, adapted by PEFT only through target_parameters, which the engine does not serve)."""
+    base = tiny_qwen3_moe()
+    engine = EmbeddedEngine(model=copy.deepcopy(base))
+    for version, seed in ((1, 1), (2, 2)):
+        ref, tensors, cfg = peft_reference(base, seed=seed, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+        engine.update_lora_adapter(tensors, cfg, version=version)
+        assert_matches(engine, ref)
+
+
+def test_inkling_adapter_through_the_hf_cache_path_matches_hf_peft(tmp_path):
+    """Inkling decodes through transformers' own cache (ShortConv states); attention (incl. r_proj)
+    and the dense MLP of layer 0 carry the adapter."""
+    from inkling_fixtures import tiny_inkling_dir
+    from transformers import InklingForCausalLM
+
+    path = tiny_inkling_dir(tmp_path / "m")
+    base = InklingForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = EmbeddedEngine(hf_dir=path)
+    assert engine._windows is None
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3, ignore_eos=True)
+    targets = ("q_proj", "k_proj", "v_proj", "r_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for version, seed in ((1, 1), (2, 2)):
+        ref, tensors, cfg = peft_reference(base, seed=seed, targets=targets)
+        engine.update_lora_adapter(tensors, cfg, version=version)
+        for r in engine.generate(PROMPTS, params):
+            want = reference_logprobs(ref, PROMPTS[r.prompt_index], r.token_ids, params.temperature)
+            torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=TOL, rtol=0)

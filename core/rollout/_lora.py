@@ -52,10 +52,15 @@ _UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lor
                 "use_qalora": False}
 
 
+def _unset(value: Any) -> bool:
+    """None or an empty container (PEFT writes ``target_parameters: set()`` for some models)."""
+    return value is None or (isinstance(value, (list, tuple, set, frozenset, dict)) and not value)
+
+
 def _normalise(key: str, value: Any) -> Any:
     if key == "target_modules" and isinstance(value, (list, tuple, set, frozenset)):
         return sorted(value)
-    if value in (None, {}, [], ()):
+    if _unset(value):
         return None
     return value
 
@@ -90,7 +95,7 @@ def lora_config_from_dict(peft_config: Mapping[str, Any]) -> Any:
         raise ValueError(f"peft_config lacks {missing}; pass LoraConfig(...).to_dict() or the adapter_config.json "
                          "that PeftModel.save_pretrained writes.")
     bad = {k: peft_config[k] for k, ok in _UNSUPPORTED.items()
-           if peft_config.get(k) not in (ok, None) and not (ok is None and peft_config.get(k) in ({}, [], ()))}
+           if not _unset(peft_config.get(k)) and peft_config.get(k) != ok}
     if bad:
         raise ValueError(f"peft_config uses PEFT features the embedded engine does not serve: {bad}; expected "
                          f"{ {k: _UNSUPPORTED[k] for k in bad} } (plain LoRA: lora_A / lora_B only).")
