@@ -209,3 +209,28 @@ def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path):
     sync_lora_adapter(engine, rollout, version=4, check_equal=True)
     tokens, synced = _continuation(rollout)
     torch.testing.assert_close(synced, _train_logprobs(engine, tokens), atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device memory after an adapter sync)")
+def test_adapter_sync_leaves_device_memory_at_baseline(tmp_path):
+    lora = pytest.importorskip("ferrule.lora", reason="ferrule.lora (the LoRA train side, branch issue13a) is not "
+                                                      "in this tree yet")
+    from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+    from ferrule.plugins.qwen import qwen3
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(AutoConfig.for_model(**qwen3.TINY_HF_CONFIG)).to(torch.bfloat16).save_pretrained(hf_dir)
+    engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.bfloat16, optimizer=OptimizerSettings(lr=1e-2),
+                                 lora=lora.LoraSettings(rank=RANK, alpha=ALPHA))
+    rollout = EmbeddedEngine(hf_dir=hf_dir, dtype=torch.bfloat16, device="cuda")
+    sync_lora_adapter(engine, rollout, version=0, check_equal=True)  # first call injects the adapter
+    rollout.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    for version in (1, 2, 3):
+        engine.forward_backward(_batch(qwen3.TINY_HF_CONFIG["vocab_size"], seed=version), "cross_entropy")
+        engine.optim_step()
+        stats = sync_lora_adapter(engine, rollout, version=version)
+        assert stats.device_memory_before is not None
+        assert stats.device_memory_after == stats.device_memory_before, (version, stats)
+    check_lora_adapter_equal(lora.hf_adapter_state_dict(engine), rollout)
