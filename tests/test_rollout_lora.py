@@ -54,11 +54,11 @@ def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
 
 
 def peft_reference(base, seed: int, *, rank: int = RANK, alpha: float = ALPHA, targets=TARGETS,
-                   use_rslora: bool = False):
+                   use_rslora: bool = False, target_parameters=None):
     """HF + PEFT model with random non-zero A and B; returns ``(peft_model, saved tensors, config dict)``."""
     torch.manual_seed(seed)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
-                     init_lora_weights=False)
+                     init_lora_weights=False, target_parameters=target_parameters)
     ref = get_peft_model(copy.deepcopy(base), cfg).eval()
     with torch.no_grad():  # lora_B of PEFT's init_lora_weights=False is small; make the adapter matter
         for name, p in ref.named_parameters():
@@ -275,15 +275,25 @@ def tiny_qwen3_moe(seed: int = 0):
     return Qwen3MoeForCausalLM(cfg).eval()
 
 
-def test_qwen3_moe_attention_adapter_matches_hf_peft():
-    """MoE model, adapter on the attention linears (routed experts are fused 3-D parameters in
-    transformers, adapted by PEFT only through target_parameters, which the engine does not serve)."""
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "attention+routed-experts"])
+def test_qwen3_moe_adapter_matches_hf_peft(experts):
+    """MoE model: attention linears, and optionally the routed experts, which transformers keeps as
+    fused 3-D parameters and PEFT adapts through ``target_parameters`` (nested ``ParamWrapper`` s)."""
     base = tiny_qwen3_moe()
     engine = EmbeddedEngine(model=copy.deepcopy(base))
+    original = base_snapshot(engine.model)
+    params = {n: id(p) for n, p in engine.model.named_parameters()}
+    tp = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
     for version, seed in ((1, 1), (2, 2)):
-        ref, tensors, cfg = peft_reference(base, seed=seed, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+        ref, tensors, cfg = peft_reference(base, seed=seed, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+                                           target_parameters=tp)
+        assert any("experts" in k for k in tensors) == experts
         engine.update_lora_adapter(tensors, cfg, version=version)
         assert_matches(engine, ref)
+    engine.unload_lora_adapter()
+    assert {n: id(p) for n, p in engine.model.named_parameters()} == params
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, original[n]), n
 
 
 def test_inkling_adapter_through_the_hf_cache_path_matches_hf_peft(tmp_path):

@@ -43,13 +43,12 @@ PEFT_PREFIX = "base_model.model."
 
 #: Config keys that change which tensors exist or how they are applied; they must not change between
 #: two updates of a served adapter (unload it first).
-STRUCTURAL_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern",
-                   "layers_to_transform", "layers_pattern", "exclude_modules", "fan_in_fan_out")
+STRUCTURAL_KEYS = ("r", "lora_alpha", "target_modules", "target_parameters", "use_rslora", "rank_pattern",
+                   "alpha_pattern", "layers_to_transform", "layers_pattern", "exclude_modules", "fan_in_fan_out")
 
 #: PEFT features that add tensors other than lora_A / lora_B (or change the forward); refused.
 _UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
-                "target_parameters": None, "layer_replication": None, "trainable_token_indices": None,
-                "use_qalora": False}
+                "layer_replication": None, "trainable_token_indices": None, "use_qalora": False}
 
 
 def _unset(value: Any) -> bool:
@@ -58,7 +57,7 @@ def _unset(value: Any) -> bool:
 
 
 def _normalise(key: str, value: Any) -> Any:
-    if key == "target_modules" and isinstance(value, (list, tuple, set, frozenset)):
+    if key in ("target_modules", "target_parameters") and isinstance(value, (list, tuple, set, frozenset)):
         return sorted(value)
     if _unset(value):
         return None
@@ -163,7 +162,7 @@ class ServedLoraAdapter:
                 raise ValueError(f"peft_config targets modules that are not nn.Linear ({not_linear[:5]}); the embedded "
                                  "engine serves LoRA on linear layers only (no embedding / conv adapters).")
             for name, m in wrapped.items():
-                base = m.get_base_layer().weight
+                base = next(m.get_base_layer().parameters())  # nn.Linear weight, or a fused expert tensor
                 for part in ("lora_A", "lora_B"):
                     lin = getattr(m, part)[ADAPTER_NAME]
                     lin.to(device=base.device, dtype=base.dtype)
@@ -178,6 +177,8 @@ class ServedLoraAdapter:
     def remove(self) -> None:
         """Put every original ``nn.Linear`` (the very same module and parameters) back in place."""
         for name, m in self._wrapped.items():
+            if any(name.startswith(other + ".") for other in self._wrapped):
+                continue  # nested wrapper (PEFT stacks one ParamWrapper per target parameter): the outer one goes
             parent_name, _, child = name.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             setattr(parent, child, m.get_base_layer())
