@@ -158,23 +158,26 @@ def _train_logprobs(engine, tokens):
     return lp[-len(tokens):].double()
 
 
-@pytest.mark.timeout(180)
-def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path):
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path, family):
     lora = pytest.importorskip("ferrule.lora", reason="ferrule.lora (the LoRA train side, branch issue13a) is not "
                                                       "in this tree yet")
     from peft import PeftModel
+    from transformers import Qwen3MoeForCausalLM
 
     from ferrule.megatron.engine import OptimizerSettings, TrainEngine
-    from ferrule.plugins.qwen import qwen3
+    from ferrule.plugins.qwen import qwen3, qwen3_moe
 
+    mod, cls = (qwen3, Qwen3ForCausalLM) if family == "qwen3" else (qwen3_moe, Qwen3MoeForCausalLM)
     hf_dir = tmp_path / "hf"
     torch.manual_seed(0)
-    Qwen3ForCausalLM(AutoConfig.for_model(**qwen3.TINY_HF_CONFIG)).float().save_pretrained(hf_dir)
+    cls(AutoConfig.for_model(**mod.TINY_HF_CONFIG)).float().save_pretrained(hf_dir)
     engine = TrainEngine.from_hf(hf_dir, optimizer=OptimizerSettings(lr=5e-2, clip_grad=0.0),
                                  lora=lora.LoraSettings(rank=RANK, alpha=ALPHA, target_modules="all"))
     rollout = EmbeddedEngine(hf_dir=hf_dir)
     base_before = {k: v.clone() for k, v in rollout.get_hf_state_dict().items()}
-    vocab = qwen3.TINY_HF_CONFIG["vocab_size"]
+    vocab = mod.TINY_HF_CONFIG["vocab_size"]
     for step in range(3):
         engine.forward_backward(_batch(vocab, seed=step), "cross_entropy")
         assert engine.optim_step()["success"]
@@ -195,7 +198,7 @@ def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path):
     from ferrule.rollout.sglang import write_peft_adapter_dir
 
     write_peft_adapter_dir(str(ref_dir), adapter, cfg)
-    ref = PeftModel.from_pretrained(Qwen3ForCausalLM.from_pretrained(hf_dir).float(), str(ref_dir)).eval()
+    ref = PeftModel.from_pretrained(cls.from_pretrained(hf_dir).float(), str(ref_dir)).eval()
     with torch.no_grad():
         lp = torch.log_softmax(ref(input_ids=torch.tensor([PROMPT + tokens])).logits[0].double(), -1)
     want = lp[len(PROMPT) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
