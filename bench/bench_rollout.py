@@ -76,11 +76,12 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> floa
     return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
 
 
-def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bool) -> tuple[float, bool]:
+def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bool,
+                   compile_decode: bool | None = None) -> tuple[float, bool]:
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(model=model, cuda_graph=cuda_graph)
+    engine = EmbeddedEngine(model=model, cuda_graph=cuda_graph, compile_decode=compile_decode)
     reqs = prompts.tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     engine.generate(reqs, params)  # warm-up: same bucket, captures the CUDA graph
@@ -92,6 +93,39 @@ def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bo
     produced = sum(len(r.token_ids) for r in res)
     assert produced == len(reqs) * new_tokens, produced
     return produced / dt, engine.cuda_graph
+
+
+def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
+    """RL-shaped decode: ``--rl-prompts`` prompts x ``--rl-n`` samples, prompt lengths uniform in
+    [32, 256], EOS on, response lengths varying (a random-weight model has no EOS habit, so every
+    ``--rl-stop-every``-th token id stops a sample: lengths are roughly geometric, capped at
+    ``--new-tokens``). Static batching (all rows in one batch) vs continuous batching at
+    ``--rl-max-batch``; returns ``(mode, real new tok/s, mean length, seconds)`` per mode."""
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    lens = torch.randint(32, 257, (args.rl_prompts,), generator=g).tolist()
+    reqs = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+    stops = tuple(range(args.rl_stop_every, vocab, args.rl_stop_every))
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.rl_n, seed=0,
+                            stop_token_ids=stops)
+    out = []
+    for mode, mb in [("static", None)] + [(f"continuous max_batch={m}", m) for m in args.rl_max_batch]:
+        engine = EmbeddedEngine(model=model, max_batch=mb)
+        engine.generate(reqs, params)  # warm-up: compile + capture this bucket
+        sync(str(engine.device))
+        t0 = time.perf_counter()
+        res = engine.generate(reqs, params)
+        sync(str(engine.device))
+        dt = time.perf_counter() - t0
+        produced = sum(len(r.token_ids) for r in res)
+        out.append((mode, produced / dt, produced / len(res), dt))
+        print(f"RL-shaped {mode:28s}: {produced / dt:10.1f} real new tok/s, mean length {produced / len(res):6.1f}, "
+              f"{dt:6.2f} s", flush=True)
+        engine.shutdown()
+    return out
 
 
 def append_row(path: str, row: str) -> None:
@@ -128,13 +162,28 @@ def main(argv=None) -> int:
     ap.add_argument("--machine", default=platform.node(), help="machine name for the table row")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md"))
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to --out")
+    ap.add_argument("--compare-compile", action="store_true",
+                    help="also time the embedded engine with compile_decode=False (the pre-compile path)")
+    ap.add_argument("--rl-shaped", action="store_true", help="run the RL-shaped static vs continuous comparison")
+    ap.add_argument("--rl-prompts", type=int, default=64)
+    ap.add_argument("--rl-n", type=int, default=8)
+    ap.add_argument("--rl-stop-every", type=int, default=300)
+    ap.add_argument("--rl-max-batch", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--skip-fixed", action="store_true", help="skip the fixed-length HF vs embedded comparison")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
 
     model, name = build_model(args)
+    if args.rl_shaped:
+        bench_rl_shaped(model, args)
+        if args.skip_fixed:
+            return 0
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
     hf = bench_hf(model, prompts, args.new_tokens, args.device)
+    if args.compare_compile:
+        plain, _ = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph, compile_decode=False)
+        print(f"embedded, compile_decode=False: {plain:10.1f} new tok/s ({plain / hf:.2f}x HF)")
     ours, graph = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph)
     ratio = ours / hf
     print(f"model={name} device={args.device} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "

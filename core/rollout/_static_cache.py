@@ -282,6 +282,88 @@ def _decode_forward(model: torch.nn.Module, ids: torch.Tensor, mask: Any, pos: t
 
 _COMPILED: Any = None
 
+#: ``attn_implementation`` name under which the engine registers its decode attention: SDPA as a
+#: ``torch.library`` custom op (:func:`opaque_sdpa`), which ``torch.compile`` keeps as one opaque
+#: call instead of tracing it. Traced by inductor, SDPA with the boolean ``[batch, 1, 1, max_len]``
+#: mask and GQA got its inputs copied into a new layout and ran a slower cuDNN kernel (H200,
+#: Qwen2-0.5B shape, batch 256: 74 us + 2 x 20 us of copies per layer vs 16 us eager); a graph
+#: break around it instead split the model into one compiled frame per layer, past dynamo's
+#: recompile limit. As a custom op the whole decode forward stays one graph.
+OPAQUE_SDPA = "ferrule_sdpa_opaque"
+
+
+def _sdpa_with_repeat_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                         scale: float | None) -> torch.Tensor:
+    b, hq, s, d = query.shape
+    hkv = key.shape[1]
+    n_rep = hq // hkv
+    if n_rep > 1 and s == 1 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
+        # one query token (decode): kv head h serves query heads [h * n_rep, (h + 1) * n_rep) (HF's
+        # repeat_kv grouping); run those as n_rep queries on the kv head instead of copying the cache
+        # n_rep times (transformers' pack_gqa for this case)
+        out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, hkv, n_rep, d), key, value,
+                                                               attn_mask=attn_mask, scale=scale)
+        return out.reshape(b, hq, 1, -1).transpose(1, 2).contiguous()
+    if n_rep > 1:  # HF's repeat_kv
+        key = key.repeat_interleave(n_rep, dim=1)
+        value = value.repeat_interleave(n_rep, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("ferrule::decode_sdpa", mutates_args=())
+def _decode_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                 scale: float | None) -> torch.Tensor:
+    return _sdpa_with_repeat_kv(query, key, value, attn_mask, scale)
+
+
+@_decode_sdpa.register_fake
+def _(query, key, value, attn_mask, scale):
+    b, h, s, _ = query.shape
+    return query.new_empty((b, s, h, value.shape[-1]))
+
+
+def opaque_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """An HF attention function (``AttentionInterface``): query ``[batch, heads, q_len, head_dim]``,
+    key/value ``[batch, kv_heads, kv_len, head_dim]``, a boolean or additive 4-D mask (the engine
+    always passes one) -> ``([batch, q_len, heads, head_dim], None)``, computed as transformers'
+    ``sdpa_attention_forward`` computes it with a mask (``repeat_kv``, then SDPA; no dropout at
+    inference, ``is_causal`` False because the mask is explicit).
+
+    Raises:
+        ValueError: no mask, or dropout > 0 (training), which this decode-only function does not do.
+    """
+    if attention_mask is None or dropout > 0.0:
+        raise ValueError("opaque_sdpa is the embedded engine's decode attention; it needs an explicit mask and "
+                         "no dropout.")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _sdpa_with_repeat_kv(query, key, value, attention_mask, scaling), None  # autograd: not through the op
+    return torch.ops.ferrule.decode_sdpa(query, key, value, attention_mask, scaling), None
+
+
+def use_opaque_sdpa(model: torch.nn.Module) -> bool:
+    """Switch ``model`` (an ``"sdpa"`` HF model) to :data:`OPAQUE_SDPA` (:func:`opaque_sdpa`).
+
+    Returns:
+        True if the model now uses it (or already did); False for other attention
+        implementations or composite configs, which the engine then does not compile.
+    """
+    from transformers import AttentionInterface
+
+    config = model.config
+    if hasattr(config, "get_text_config") and config.get_text_config(decoder=True) is not config:
+        return False
+    attn = getattr(config, "_attn_implementation", None)
+    if attn == OPAQUE_SDPA:
+        return True
+    if attn != "sdpa":
+        return False
+    AttentionInterface.register(OPAQUE_SDPA, opaque_sdpa)
+    config._attn_implementation = OPAQUE_SDPA
+    return True
+
 
 def _compiled_decode_forward() -> Any:
     """:func:`_decode_forward` through ``torch.compile`` (one wrapper per process; inductor
