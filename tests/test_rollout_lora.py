@@ -240,16 +240,22 @@ def test_global_rng_untouched_by_injection():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA-graph decode with an adapter)")
-def test_cuda_graph_decode_with_adapter_updates_in_place():
-    base = tiny_qwen3()
-    engine = EmbeddedEngine(model=copy.deepcopy(base), device="cuda")
-    assert engine.cuda_graph
-    ref1, tensors1, cfg = peft_reference(base, seed=1)
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graph", "compiled+graph"])
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe-experts"])
+def test_cuda_graph_decode_with_adapter_updates_in_place(compile_decode, experts):
+    base = tiny_qwen3_moe() if experts else tiny_qwen3()
+    engine = EmbeddedEngine(model=copy.deepcopy(base), device="cuda", compile_decode=compile_decode)
+    assert engine.cuda_graph and engine.compile_decode == compile_decode
+    kw = dict(targets=("q_proj", "v_proj", "o_proj"),
+              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if experts else {}
+    ref1, tensors1, cfg = peft_reference(base, seed=1, **kw)
     engine.update_lora_adapter(tensors1, cfg, version=1)
-    results = engine.generate(PROMPTS, PARAMS)
+    for r in engine.generate(PROMPTS, PARAMS):  # captures the graphs (and compiles) with the adapter
+        want = reference_logprobs(ref1, PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
     buckets = engine.health()["captured_buckets"]
     assert buckets
-    ref2, tensors2, cfg2 = peft_reference(base, seed=2)
+    ref2, tensors2, cfg2 = peft_reference(base, seed=2, **kw)
     sent = {k: v.cuda() for k, v in tensors2.items()}
     torch.cuda.synchronize()
     mem = torch.cuda.memory_allocated()
