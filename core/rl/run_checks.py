@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from ferrule.rl.config import ConfigError, RLConfig
-
-from typing import Any
 
 __all__ = ["check_supported", "lora_settings", "preflight"]
 
