@@ -30,6 +30,7 @@ console = Console()
 _SUBAPPS: tuple[tuple[str, str, str], ...] = (
     ("convert", "ferrule.converters.cli:app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
     ("chat-template", "ferrule.cli_chat:chat_template_app", "List and render chat templates (text and token ids)."),
+    ("lora", "ferrule.lora.cli:app", "Export a LoRA checkpoint's adapter as HF PEFT, or import a PEFT adapter."),
 )
 #: (command name, "module:attr" of a plain function) registered as single commands.
 _COMMANDS: tuple[tuple[str, str], ...] = (

@@ -320,8 +320,14 @@ class LoRAApplierSpec:
     Attributes:
         kind: one of :data:`LORA_KINDS`.
         family: the family name, or ``"*"`` for an applier that serves every family.
-        apply / export / load: lazy references; ``apply(model, config) -> n_wrapped``,
-            ``export(model) -> dict[str, Tensor]`` (HF PEFT names), ``load(model, state_dict)``.
+        apply / export / load: lazy references (the contract is :mod:`ferrule.lora.appliers`):
+            ``apply(chunk, settings, ctx) -> list[str]`` attaches adapters to one model chunk and
+            returns the adapted modules' global mcore names; ``export(entries, ctx)`` yields
+            ``(PEFT key, full tensor)`` (collective); ``load(entries, tensors, ctx, *, dry_run)
+            -> (used keys, problems)`` copies full PEFT tensors into this rank's shards.
+            The core serves ``attention``, ``dense_mlp``, ``shared_experts`` and ``lm_head``
+            for megatron's column/row-parallel linears; a spec registered for a kind replaces
+            the core's (the family's own first, then a ``"*"`` one).
     """
 
     kind: str

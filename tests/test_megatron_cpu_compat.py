@@ -39,6 +39,8 @@ EXPECTED_UPSTREAM = {
                                  "schedules.py:forward_backward_no_pipelining"),
     "causal_mask_device_literal": ("AssertionError", "Torch not compiled with CUDA enabled",
                                    "transformer/utils.py:get_default_causal_mask"),
+    "embedding_group_cuda": ("AssertionError", "Torch not compiled with CUDA enabled",
+                             "language_module.py:setup_embeddings_and_output_layer"),
 }
 
 

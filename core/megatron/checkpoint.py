@@ -8,6 +8,8 @@ Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpo
       ferrule_checkpoint.json                              family, dtype, saved layout
       engine_state.json                                    step counters, Adam step, settings
       rng/rank_<R>.pt                                      each rank's RNG states
+      lora/rank_<R>.pt                                     LoRA runs: each rank's adapter shards + optimizer
+      lora/adapter_model.safetensors, adapter_config.json  LoRA runs: the full adapter in HF PEFT format
       hf/config.json                                       the HF config the model was built from
       hf/generation_config.json, hf/tokenizer*             copied from the source HF folder (those present)
 
@@ -212,8 +214,15 @@ def _broadcast_str(value: str | None) -> str:
 
 def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
                         engine_state: dict, checkpoint_meta: dict, hf_config: dict,
-                        overwrite: bool = True, hf_files_dir: str | os.PathLike | None = None) -> Path:
+                        overwrite: bool = True, hf_files_dir: str | os.PathLike | None = None,
+                        lora_state: dict | None = None, lora_files: dict[str, Any] | None = None) -> Path:
     """Write model + optimizer + scheduler + RNG + counters to ``path`` atomically (all ranks call).
+
+    LoRA (``lora_state`` given): the torch_dist part holds the frozen base model and the
+    scheduler only; every global rank writes its ``lora_state`` (adapter shards and the
+    optimizer's plain ``state_dict``, which holds adapter parameters only) to
+    ``lora/rank_<R>.pt``, one shard per global rank (ranks of one TP/PP position hold different
+    experts under EP), and rank 0 writes ``lora_files`` (``{file name: bytes}``) under ``lora/``.
 
     ``hf/config.json`` is ``hf_config``; the other HF side files
     (:data:`HF_SIDE_FILES`: generation config, tokenizer files, chat
@@ -238,14 +247,21 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         model_sd = state["model"] if len(model_chunks) == 1 else {}
         for i in range(len(model_chunks) if len(model_chunks) > 1 else 0):
             model_sd.update(state[f"model{i}"])
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=DISTOPT_SHARDING)
+        if lora_state is None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=DISTOPT_SHARDING)
         state["scheduler"] = scheduler.state_dict()
         engine_state = dict(engine_state, adam_step=adam_step_count(optimizer))
         save_sharded(state, tmp, validate_access_integrity=True)
         if _rank() == 0:
             (tmp / "rng").mkdir(exist_ok=True)
+            if lora_state is not None:
+                (tmp / "lora").mkdir(exist_ok=True)
+                for name, data in (lora_files or {}).items():
+                    (tmp / "lora" / name).write_bytes(data)
         _barrier()
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        if lora_state is not None:
+            torch.save(lora_state, tmp / "lora" / f"rank_{_rank()}.pt")
         if _rank() == 0:
             (tmp / "hf").mkdir(exist_ok=True)
             if hf_files_dir is not None:
@@ -274,7 +290,7 @@ def _param_groups(optimizer) -> list[dict]:
 
 
 def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
-                        load_optimizer: bool = True) -> dict:
+                        load_optimizer: bool = True, lora_load: Any = None) -> dict:
     """Load a :func:`save_training_state` checkpoint (or a converter checkpoint, weights only).
 
     Model tensors load at any layout. With ``load_optimizer`` the optimizer state (Adam
@@ -283,6 +299,10 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     steps and style), weight decay, betas and eps stay those ``optimizer`` / ``scheduler`` were
     built with, applied at the restored step (a resume may re-plan the schedule, e.g. decay
     over more steps). Returns the saved ``engine_state`` (empty for a weights-only checkpoint).
+
+    LoRA: ``lora_load(path, load_optimizer) -> optimizer state dict or None`` loads the adapter
+    (after the base model) and returns this rank's saved plain optimizer state, which is then
+    restored like the sharded one. Without ``lora_load`` a LoRA checkpoint loads weights only.
 
     Raises:
         FileNotFoundError: ``path`` is not a torch_dist checkpoint.
@@ -301,8 +321,15 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     if load_optimizer and not engine_state:
         raise ValueError(f"{path} holds weights only (no {ENGINE_STATE_FILE}); load it with load_optimizer=False "
                          f"(TrainEngine.from_torch_dist does).")
+    is_lora_ckpt = (path / "lora").is_dir()
+    if load_optimizer and is_lora_ckpt and lora_load is None:
+        raise ValueError(f"{path} is a LoRA checkpoint (its optimizer state covers adapters only): build the engine "
+                         f"with lora=LoraSettings(...) to resume it, or load its base weights with load_optimizer=False.")
+    if load_optimizer and lora_load is not None and not is_lora_ckpt:
+        raise ValueError(f"{path} holds no LoRA adapter (lora/ is missing): load it with load_optimizer=False to "
+                         f"start LoRA training from its weights.")
     template = model_sharded_state_dict(model_chunks)
-    if load_optimizer:
+    if load_optimizer and lora_load is None:
         init_adam_state(optimizer)
         model_sd: dict = {}
         for key in template:
@@ -312,6 +339,9 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    opt_state = loaded.get("optimizer")
+    if lora_load is not None and is_lora_ckpt:
+        opt_state = lora_load(path, load_optimizer)
     if not load_optimizer:
         for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
             sub.reload_model_params()
@@ -320,7 +350,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     # max_lr / min_lr, betas, eps, weight_decay) with the saved ones: keep this engine's settings.
     configured = [{k: v for k, v in g.items() if k != "params"} for g in _param_groups(optimizer)]
     with torch.no_grad():
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(opt_state)
     for group, hyper in zip(_param_groups(optimizer), configured, strict=True):
         group.update(hyper)
     set_adam_step(optimizer, int(engine_state.get("adam_step", 0)))

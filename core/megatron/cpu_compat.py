@@ -403,6 +403,46 @@ def patch_optimizer_type_checks(record: list) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# Tied embeddings at PP > 1: ``weight.data.cuda()`` before the embedding-group all-reduce
+# ----------------------------------------------------------------------------------------
+
+class _CudaIsIdentityMode(TorchFunctionMode):
+    """Inside this mode ``Tensor.cuda()`` returns the CPU tensor itself (only entered by
+    ``LanguageModule.setup_embeddings_and_output_layer``, see :func:`patch_embedding_group_cuda`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def patch_embedding_group_cuda(record: list) -> None:
+    """Tied word embeddings at pipeline size > 1: the first/last-stage all-reduce runs on CPU.
+
+    Upstream: ``models/common/language_module/language_module.py``
+    ``LanguageModule.setup_embeddings_and_output_layer`` moves the shared embedding weight with
+    ``weight.data = weight.data.cuda()`` before ``all_reduce(weight.data, group=embd_group)``
+    (the last stage's zeroed copy receives the first stage's values). Without the patch:
+    ``AssertionError: Torch not compiled with CUDA enabled`` when a model with
+    ``share_embeddings_and_output_weights`` is built at PP > 1. The method runs inside a
+    scoped mode where ``Tensor.cuda()`` is the identity; the gloo all-reduce then runs on the
+    CPU tensor. The gradient all-reduce of the tied weights
+    (``distributed/finalize_model_grads.py`` ``_allreduce_embedding_grad``) has no device literal.
+    """
+    module = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    owner = module.LanguageModule
+    raw = owner.__dict__["setup_embeddings_and_output_layer"]
+
+    @functools.wraps(raw)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _CudaIsIdentityMode():
+            return raw(*args, **kwargs)
+
+    wrapper.__ferrule_cpu_compat__ = True  # type: ignore[attr-defined]
+    _set(record, owner, "setup_embeddings_and_output_layer", wrapper)
+
+
+# ----------------------------------------------------------------------------------------
 # Table, apply, revert
 # ----------------------------------------------------------------------------------------
 
@@ -432,6 +472,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("optimizer_type_checks", patch_optimizer_type_checks, "megatron/core/optimizer/{distrib_optimizer,optimizer,clip_grads}.py"),
     Patch("schedules_device_literal", patch_schedules_device_literal, "megatron/core/pipeline_parallel/schedules.py"),
     Patch("causal_mask_device_literal", patch_causal_mask_device_literal, "megatron/core/transformer/utils.py:get_default_causal_mask"),
+    Patch("embedding_group_cuda", patch_embedding_group_cuda,
+          "megatron/core/models/common/language_module/language_module.py:setup_embeddings_and_output_layer"),
 )
 
 PATCH_NAMES = tuple(p.name for p in PATCHES)

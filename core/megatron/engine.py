@@ -33,7 +33,12 @@ Semantics (DESIGN.md §5; issue 4):
 
 Deferred / not supported here: virtual pipeline stages (vpp), ``overlap_grad_reduce`` (an
 asynchronous reduce launched inside one fb call would see only part of the window), entropy
-metrics under TP, LoRA.
+metrics under TP.
+
+LoRA (``lora=LoraSettings(...)``, :mod:`ferrule.lora`, docs/lora.md): adapters are attached through
+the family's appliers before DDP wraps the model, the base is frozen, so DDP's grad buffers and
+the optimizer hold adapter factors only; fb/step semantics are unchanged. Checkpoints keep the
+base in torch_dist and the adapters per global rank (``lora/``), plus the full PEFT adapter.
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ class TrainEngine:
     def __init__(self, model_chunks: Sequence[Any], *, hf_config: Mapping[str, Any], family: str,
                  mapping_table: Any, layout: ParallelLayout, optimizer: OptimizerSettings | None = None,
                  params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None,
-                 update_groups: Any = None) -> None:
+                 update_groups: Any = None, lora: Any = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.utils import get_model_config
@@ -141,6 +146,19 @@ class TrainEngine:
         self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         chunks = list(model_chunks)
+        #: the :class:`~ferrule.lora.LoraSettings` of this engine's adapters, or None (full-parameter training)
+        self.lora = lora
+        if lora is not None:
+            from ferrule.lora import LoraSettings, apply_lora
+
+            if not isinstance(lora, LoraSettings):
+                raise TypeError(f"lora={lora!r}; expected ferrule.lora.LoraSettings or None.")
+            if self.settings.use_distributed_optimizer:
+                raise ValueError("LoRA uses the non-distributed optimizer (adapter state is small and is saved per "
+                                 "rank); set OptimizerSettings(use_distributed_optimizer=False).")
+            from .weights import unwrap
+
+            apply_lora([unwrap(c) for c in chunks], lora, family=family, table=mapping_table, hf_config=self.hf_config)
         config = get_model_config(chunks[0])
         if not config.calculate_per_token_loss:
             raise ValueError("the model config needs calculate_per_token_loss=True (sum-reduced DP gradients); "
@@ -151,6 +169,11 @@ class TrainEngine:
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                               disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         self.config = config
+        if layout.pp > 1:
+            # micro-batches differ in [batch, seq] shape (planned per call): the pipeline stages exchange
+            # each activation's shape before it (megatron's p2p `_communicate_shapes`) instead of
+            # assuming the fixed seq_length x micro_batch_size of the schedule call
+            config.variable_seq_lengths = True
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = None
         self.optimizer = build_optimizer(self.model, self.settings, params_dtype)
@@ -166,6 +189,9 @@ class TrainEngine:
         env = os.environ.get("FERRULE_FUSED_LOGPROBS")
         on_cuda = next(chunks[0].parameters()).device.type == "cuda"
         self.fused_logprobs = (env == "1") if env in ("0", "1") else on_cuda
+        if self.fused_logprobs and lora is not None and any(
+                hasattr(getattr(_unwrap_gpt(c), "output_layer", None), "lora") for c in self.model):
+            self.fused_logprobs = False  # the fused path reads output_layer.weight and would skip its adapter
         #: megatron's fused SwiGLU / RoPE paths switched on for CUDA (:mod:`.gpu_fusions`)
         self.cuda_fusions = enable_cuda_fusions(config) if on_cuda else []
         #: with a micro-batch budget, data are concatenated into one row (megatron's ``thd``
@@ -230,12 +256,13 @@ class TrainEngine:
     def from_hf(cls, hf_dir: str | Path, layout: ParallelLayout | None = None, *,
                 optimizer: OptimizerSettings | None = None, params_dtype: torch.dtype = torch.float32,
                 seed: int = 1234, max_tokens_per_microbatch: int | None = None,
-                provider_options: Mapping[str, Any] | None = None) -> "TrainEngine":
+                provider_options: Mapping[str, Any] | None = None, lora: Any = None) -> "TrainEngine":
         """Build the family's model at ``layout`` and load an HF safetensors checkpoint into it.
 
         Initializes the process group and megatron's parallel state if needed
         (:func:`ferrule.megatron.parallel.init_distributed`). ``provider_options`` go to the
-        family provider (e.g. ``core_attention='local'``).
+        family provider (e.g. ``core_attention='local'``). ``lora``: a
+        :class:`~ferrule.lora.LoraSettings` to train adapters on the frozen checkpoint.
 
         Raises:
             ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
@@ -248,7 +275,8 @@ class TrainEngine:
         family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
         load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config)
         engine = cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
-                     optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch)
+                     optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                     lora=lora)
         engine.hf_files_dir = Path(hf_dir).absolute()
         return engine
 
@@ -257,10 +285,14 @@ class TrainEngine:
                         optimizer: OptimizerSettings | None = None, params_dtype: torch.dtype = torch.float32,
                         seed: int = 1234, max_tokens_per_microbatch: int | None = None,
                         load_optimizer: bool | None = None,
-                        provider_options: Mapping[str, Any] | None = None) -> "TrainEngine":
+                        provider_options: Mapping[str, Any] | None = None, lora: Any = None) -> "TrainEngine":
         """Build from a torch_dist checkpoint: a converter output (``ferrule convert``, weights
         only) or a :meth:`save` directory (with ``load_optimizer`` None/True also optimizer,
-        scheduler, counters and RNG). Reads the HF config from ``ckpt_dir/hf/config.json``."""
+        scheduler, counters and RNG). Reads the HF config from ``ckpt_dir/hf/config.json``.
+
+        ``lora``: adapters on the checkpoint's base weights. A LoRA checkpoint (``lora/``) resumes
+        adapters and optimizer (``load_optimizer`` None/True); a full-parameter checkpoint gives
+        the base weights only (``load_optimizer`` None means False then)."""
         from .checkpoint import ENGINE_STATE_FILE
 
         ckpt_dir = Path(ckpt_dir)
@@ -271,9 +303,10 @@ class TrainEngine:
         layout = layout or ParallelLayout()
         family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
         engine = cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
-                     optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch)
+                     optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                     lora=lora)
         if load_optimizer is None:
-            load_optimizer = (ckpt_dir / ENGINE_STATE_FILE).is_file()
+            load_optimizer = (ckpt_dir / ENGINE_STATE_FILE).is_file() and (lora is None or (ckpt_dir / "lora").is_dir())
         engine.load(ckpt_dir, load_optimizer=load_optimizer)
         engine.hf_files_dir = cfg_file.parent.absolute()
         return engine
@@ -599,9 +632,18 @@ class TrainEngine:
         meta = {"format": "ferrule-torch_dist-v1", "family": self.family, "model_type": self.hf_config.get("model_type"),
                 "dtype": str(self.params_dtype).removeprefix("torch."), "saved_layout": asdict(self.layout),
                 "contents": "engine (model, optimizer, scheduler, rng)"}
+        lora_state = lora_files = None
+        engine_state = self._engine_state()
+        if self.lora is not None:
+            from ferrule.lora.checkpoint import lora_save_payload
+
+            lora_state, lora_files = lora_save_payload(self)
+            meta["contents"] = "engine (frozen base model, scheduler, rng) + LoRA adapter and optimizer (lora/)"
+            meta["lora"] = engine_state["lora"] = asdict(self.lora)
         return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                   engine_state=self._engine_state(), checkpoint_meta=meta, hf_config=self.hf_config,
-                                   overwrite=overwrite, hf_files_dir=self.hf_files_dir)
+                                   engine_state=engine_state, checkpoint_meta=meta, hf_config=self.hf_config,
+                                   overwrite=overwrite, hf_files_dir=self.hf_files_dir, lora_state=lora_state,
+                                   lora_files=lora_files)
 
     def load(self, path: str | Path, *, load_optimizer: bool = True) -> dict:
         """Load a :meth:`save` checkpoint (any TP/PP/DP for the weights; the distributed
@@ -622,14 +664,30 @@ class TrainEngine:
         from .checkpoint import load_training_state
 
         self.zero_grad()
+        lora_load = None
+        if self.lora is not None:
+            from ferrule.lora.checkpoint import lora_load_payload
+
+            def lora_load(ckpt: Path, with_optimizer: bool) -> dict | None:
+                return lora_load_payload(self, ckpt, with_optimizer)
         state = load_training_state(path, model_chunks=self.model, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, load_optimizer=load_optimizer)
+                                    scheduler=self.scheduler, load_optimizer=load_optimizer, lora_load=lora_load)
         changed: dict[str, list] = {}
         if load_optimizer:
             self.step = int(state.get("step", 0))
             saved = state.get("optimizer") or {}
             changed = {k: [saved[k], v] for k, v in asdict(self.settings).items() if k in saved and saved[k] != v}
         return dict(state, settings_changed=changed)
+
+    def refresh_optimizer_params(self) -> None:
+        """Copy the live parameters into the optimizer's fp32 master copies (mixed precision;
+        a no-op for fp32 parameters, which are their own masters). Called after parameters were
+        overwritten outside the optimizer (e.g. :func:`ferrule.lora.load_hf_adapter`), so the next
+        step starts from the new values rather than the old masters."""
+        from .optim import inner_optimizers
+
+        for sub in inner_optimizers(self.optimizer):
+            sub.reload_model_params()
 
     def adam_step(self) -> int:
         """torch Adam's shared ``step`` count (equals :attr:`step` unless state was loaded from elsewhere)."""

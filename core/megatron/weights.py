@@ -213,7 +213,8 @@ class BoundParam:
 
 
 def bind_params(chunks: Any, table: MappingTable) -> list[BoundParam]:
-    """Bind every parameter of this rank's model chunks (in ``named_parameters`` order) to ``table``.
+    """Bind every base parameter of this rank's model chunks (in ``named_parameters`` order) to ``table``
+    (LoRA factors, marked ``is_lora_adapter``, are left out: :mod:`ferrule.lora` exports them).
 
     Args:
         chunks: a GPTModel (possibly DDP/Float16-wrapped) or a list of them (virtual stages).
@@ -225,7 +226,8 @@ def bind_params(chunks: Any, table: MappingTable) -> list[BoundParam]:
     named = []
     for chunk in model_chunks(chunks):
         gmap = global_param_names(chunk)
-        named += [(gmap[local], p) for local, p in chunk.named_parameters()]
+        # LoRA factors (ferrule.lora.layers) are not base weights: they have no mapping-table row
+        named += [(gmap[local], p) for local, p in chunk.named_parameters() if not getattr(p, "is_lora_adapter", False)]
     table.check_mcore_names([n for n, _ in named])
     return [BoundParam(n, p, *table.resolve(n)) for n, p in named]
 

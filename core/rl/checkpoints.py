@@ -16,7 +16,9 @@ from ferrule.fsutil import apply_default_mode
 
 LOOP_STATE_FILE = "loop_state.json"
 #: Keys that may change between a run and its resume (everything else must match).
-RESUME_MUTABLE = ("train.steps", "checkpoint.", "logging.", "eval.")
+#: ``parallel.*`` may change: the train engine's torch_dist checkpoint reshards (or its load
+#: names what cannot be), and the rollout depends on ``rollout.prompts_per_shard``, not the layout.
+RESUME_MUTABLE = ("train.steps", "checkpoint.", "logging.", "eval.", "parallel.")
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -2,6 +2,11 @@
 
 Mounted by ``ferrule.cli`` with ``app.command("train")(train_command)``.
 
+Several ranks: ``ferrule train --nproc N CONFIG`` checks the config and the layout, then runs
+``python -m torch.distributed.run --standalone --nproc-per-node N -m ferrule train CONFIG ...``
+(the same arguments without ``--nproc``) and exits with the first failing rank's code (2 for a
+user error, whose message it repeats last). ``torchrun ... -m ferrule train`` works directly too.
+
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
 the run; a bad path or checkpoint; a reward function that raised on every sample of a step:
 :data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C (after saving a checkpoint when
@@ -10,6 +15,9 @@ the run; a bad path or checkpoint; a reward function that raised on every sample
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -59,6 +67,9 @@ def train_command(
         help="After every weight sync verify that the rollout engine holds exactly the trained weights.")] = False,
     stop_after: Annotated[int | None, typer.Option(
         "--stop-after", help="Stop (with a checkpoint) once this many steps are complete, as Ctrl-C would.")] = None,
+    nproc: Annotated[int, typer.Option(
+        "--nproc", help="Ranks to launch on this machine through torchrun (one per GPU on CUDA); the config's "
+                        "parallel: section sets tp/pp/ep and DP = nproc / (tp*pp).")] = 1,
 ) -> None:
     """Run GRPO-style RL: prompts -> rollout -> verifier rewards -> advantages -> policy loss -> optimizer step ->
     weight sync, with checkpoints, resume, metrics.jsonl and a reward-curve PNG in the run folder."""
@@ -75,9 +86,28 @@ def train_command(
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
         raise typer.Exit(2)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if nproc < 1 or (nproc > 1 and under_torchrun):
+        print_user_error(f"--nproc {nproc}: " + ("expected >= 1" if nproc < 1 else "this process is already a "
+                                                 "torchrun rank; drop --nproc (torchrun's --nproc-per-node sets it)"))
+        raise typer.Exit(2)
     try:
         cfg = resolve_config(config if config is not None else config_opt, [*(overrides or []), *(set_ or [])],
                              resume=resume, run_dir=run_dir)
+        if nproc > 1:
+            from ferrule.rl.distributed import check_layout
+
+            check_layout(cfg, json.loads((Path(cfg.model.hf_dir) / "config.json").read_text()), nproc)
+    except BaseException as exc:  # noqa: BLE001
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        print_user_error(message)
+        _record_exit(2, message)
+        raise typer.Exit(2) from None
+    if nproc > 1:
+        raise typer.Exit(launch_torchrun(nproc))
+    try:
         from ferrule.rl.loop import GRPOTrainer
 
         from ferrule.rl.checkpoints import list_checkpoints
@@ -96,7 +126,10 @@ def train_command(
         if message is None:
             raise
         print_user_error(message)
+        _record_exit(2, message)
         raise typer.Exit(2) from None
+    if int(os.environ.get("RANK", "0") or 0) != 0:  # the run summary comes from rank 0
+        return
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
 
     summary = (f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}; "
@@ -106,3 +139,59 @@ def train_command(
     console.print(summary, highlight=False, markup=False)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)
+
+
+#: set by :func:`launch_torchrun` for its ranks: a rank that stops on a user error writes
+#: ``rank<R>.json`` (``{"rank", "code", "message"}``) there, so the launcher can exit with its code
+EXIT_DIR_ENV = "FERRULE_TRAIN_EXIT_DIR"
+
+
+def _record_exit(code: int, message: str) -> None:
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if folder:
+        rank = int(os.environ.get("RANK", "0") or 0)
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": message}))
+
+
+def _argv_without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def launch_torchrun(nproc: int, argv: list[str] | None = None) -> int:
+    """Run ``ferrule train`` on ``nproc`` local ranks through torchrun; returns the exit code.
+
+    ``argv``: the CLI arguments after the program name (default ``sys.argv[1:]``), ``--nproc``
+    removed. 0 when every rank finished; a rank's recorded user-error code (2, its message
+    printed last) when one stopped on a user error; torchrun's own code otherwise (1: a rank
+    raised, its traceback is in the output above; 130: Ctrl-C).
+    """
+    import subprocess
+    import tempfile
+
+    from ferrule.cli_errors import print_user_error
+
+    args = _argv_without_nproc(list(sys.argv[1:] if argv is None else argv))
+    with tempfile.TemporaryDirectory(prefix="ferrule-train-exit-") as exit_dir:
+        env = dict(os.environ, **{EXIT_DIR_ENV: exit_dir})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "ferrule", *args]
+        try:
+            code = subprocess.run(cmd, env=env).returncode
+        except KeyboardInterrupt:
+            return 130
+        if code == 0:
+            return 0
+        records = sorted((json.loads(p.read_text()) for p in Path(exit_dir).glob("rank*.json")),
+                         key=lambda r: r["rank"])
+        if records:
+            print_user_error(f"rank {records[0]['rank']}: {records[0]['message']}")
+            return int(records[0]["code"])
+        return code

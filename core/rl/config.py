@@ -70,6 +70,11 @@ class ParallelConfig:
     pp: int = _f(1, "Pipeline-model-parallel size (Megatron pipeline_model_parallel_size).", "ranks")
     ep: int = _f(1, "Expert-model-parallel size for MoE families (Megatron expert_model_parallel_size).",
                  "ranks")
+    vpp: int = _f(1, "Virtual pipeline stages per pipeline rank (Megatron "
+                     "virtual_pipeline_model_parallel_size); only 1 (no interleaving) is supported.", "stages")
+    timeout_s: float = _f(600.0, "Collective timeout: a rank that waits this long in a collective (another "
+                                 "rank hung or died) raises and the job stops; covers the longest rank-0-only "
+                                 "phase (evaluation, checkpoint pruning).", "seconds")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +89,10 @@ class RolloutConfig:
     max_new_tokens: int = _f(256, "Response length cap; longer responses are truncated.", "tokens")
     n_samples_per_prompt: int = _f(8, "Group size: responses sampled per prompt (GRPO group).", "samples")
     extra_stop_tokens: list[str] = _f([], "Stop tokens added to the chat template's own stop tokens.")
+    prompts_per_shard: int = _f(0, "Prompts per rollout shard: one generate call with its own sampling seed, "
+                                   "run by one data-parallel replica; the same value gives the same samples at "
+                                   "any world size. 0: ceil(prompts_per_step / data-parallel replicas).",
+                                "prompts")
     sglang_url: str = _f("", "URL of a running SGLang server (engine=sglang); empty: launch one.", "URL")
     sglang_args: dict[str, Any] = _f({}, "Extra SGLang server arguments, e.g. {mem_fraction_static: 0.7}.")
 

@@ -47,9 +47,14 @@ def validate_config(cfg: RLConfig) -> list[str]:
     if not m.hf_dir:
         p.append("model.hf_dir: required; set it to an HF checkpoint folder "
                  "(e.g. assets/smollm2/hf from `ferrule assets smollm2 assets/smollm2`)")
-    for key in ("tp", "pp", "ep"):
+    for key in ("tp", "pp", "ep", "vpp"):
         if getattr(cfg.parallel, key) < 1:
             p.append(f"parallel.{key}: must be >= 1, got {getattr(cfg.parallel, key)}")
+    if not cfg.parallel.timeout_s > 0:
+        p.append(f"parallel.timeout_s: must be > 0 seconds, got {cfg.parallel.timeout_s}")
+    if cfg.rollout.prompts_per_shard < 0:
+        p.append(f"rollout.prompts_per_shard: must be >= 0 (0: prompts_per_step / replicas), got "
+                 f"{cfg.rollout.prompts_per_shard}")
 
     # rollout
     if ro.temperature < 0:

@@ -39,14 +39,20 @@ a folder without it is incomplete and ignored). Resume loads both, re-syncs the 
 and continues with the same prompts and rollout seeds, so its metrics equal an uninterrupted
 run's (tests/test_rl_e2e.py).
 
-Single process only (world size 1; ``parallel.tp/pp/ep`` must be 1): multi-rank launch of the
-loop is not implemented yet.
+Several ranks (``torchrun --nproc-per-node N -m ferrule train CONFIG``, ``parallel.tp/pp/ep``):
+global rank 0 drives (prompts, rewards, advantages, metrics, checkpoint loop state, evaluation),
+every data-parallel replica's first rank generates its rollout shards, and every rank trains on
+the same batch (:mod:`ferrule.rl.distributed`). Rollouts are cut into shards of
+``rollout.prompts_per_shard`` prompts with one seed each, so a run samples the same responses at
+any world size for the same ``prompts_per_shard``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import signal
 import time
@@ -60,6 +66,7 @@ from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_writ
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import check_supported, lora_settings, preflight
+from ferrule.rl import distributed as rl_dist
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
@@ -128,7 +135,12 @@ class GRPOTrainer:
         check_supported(cfg)
         cfg.check_paths()
         preflight(cfg)
+        hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
+        rl_dist.check_layout(cfg, hf_config, rl_dist.launch_world_size())
         self.cfg = cfg
+        #: only global rank 0 prints (the others' errors still reach stderr through the CLI)
+        self._quiet = int(os.environ.get("RANK", "0") or 0) != 0
+        self.roles = rl_dist.RankRoles(0, 1, (0,))
         self.check_equal = check_weight_update_equal
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.run_dir = Path(cfg.logging.run_dir)
@@ -140,7 +152,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ setup
     def _log(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
+        if not self._quiet:
+            self.console.print(text, markup=False, highlight=False)
 
     def setup(self) -> None:
         """Build prompt sources, reward function, rollout engine, template, train engine (idempotent)."""
@@ -169,38 +182,15 @@ class GRPOTrainer:
         hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
         self.family = cfg.model.family or registry.family_for_hf_config(hf_config).name
         from ferrule.megatron.device import get_backend
-
-        # the embedded engine runs where training runs: the GPU when there is one, else the CPU
-        self.rollout = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype,
-                                          device=get_backend().device)
-        self.tokenizer = self.rollout.tokenizer
-        if self.tokenizer is None:
-            raise ConfigError([f"model.hf_dir: {cfg.model.hf_dir!r} has no tokenizer files (tokenizer.json / "
-                               "tokenizer_config.json); the loop renders prompts with the checkpoint's tokenizer"])
-        if cfg.data.chat_template:
-            self.template = registry.get_chat_template(cfg.data.chat_template)
-        else:
-            templates = registry.chat_templates_for(self.family)
-            if not templates:
-                raise ConfigError([f"data.chat_template: family {self.family!r} registers no chat template; name "
-                                   "one with data.chat_template (see `ferrule chat-template list`)"])
-            self.template = templates[0]
-        stop_ids = list(stop_token_ids(self.template, self.tokenizer))
-        stop_strings = []
-        for tok in cfg.rollout.extra_stop_tokens:
-            ids = self.tokenizer.encode(tok, add_special_tokens=False)
-            (stop_ids.extend(ids) if len(ids) == 1 else stop_strings.append(tok))
-        self.stop_ids, self.stop_strings = tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
-        self._prompt_cache: dict[tuple[str, int], tuple[int, ...]] = {}
-
-        self.reference = None
-        if cfg.algorithm.kl_coef > 0:
-            from ferrule.rl.reference import ReferencePolicy
-
-            self.reference = ReferencePolicy(cfg.model.hf_dir, dtype=dtype)
-
         from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+        from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
+        # the rollout model's modeling module is imported before megatron's CPU patches (get_backend)
+        # replace torch.cuda.Stream, as when the rollout engine was built first
+        registry.hf_model_class(hf_config)
+        # the process group first (torchrun env or one local process), with the config's timeout
+        layout = ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep)
+        init_distributed(layout, seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s)
         o, t = cfg.optimizer, cfg.train
         total_optim_steps = t.steps * t.optim_steps_per_rollout
         settings = OptimizerSettings(
@@ -214,12 +204,58 @@ class GRPOTrainer:
         if lora is not None:  # adapters on the frozen base; the sync then sends only the adapter
             kwargs["lora"] = lora
         if cfg.model.torch_dist_dir:
-            self.engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, load_optimizer=False, **kwargs)
+            self.engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, layout, load_optimizer=False, **kwargs)
         else:
-            self.engine = TrainEngine.from_hf(cfg.model.hf_dir, **kwargs)
+            self.engine = TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
+        self.roles = rl_dist.rank_roles()
+        if lora is not None and self.roles.distributed:
+            raise ConfigError([f"lora.rank: LoRA RL under torchrun (world size {self.roles.world_size}) is not wired "
+                               "yet: the adapter is sent to the driver's rollout engine only, not fanned out to the "
+                               "other replicas; run LoRA in one process, or set lora.rank=0"])
+
+        # the embedded engine runs where training runs: the GPU when there is one, else the CPU; one
+        # per data-parallel replica, on its first rank
+        self.rollout = self.tokenizer = None
+        self.template, self.stop_ids, self.stop_strings = None, (), ()
+        if self.roles.replica is not None:
+            self.rollout = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype,
+                                              device=get_backend().device)
+            self.tokenizer = self.rollout.tokenizer
+        if self.roles.is_driver:
+            if self.tokenizer is None:
+                raise ConfigError([f"model.hf_dir: {cfg.model.hf_dir!r} has no tokenizer files (tokenizer.json / "
+                                   "tokenizer_config.json); the loop renders prompts with the checkpoint's tokenizer"])
+            if cfg.data.chat_template:
+                self.template = registry.get_chat_template(cfg.data.chat_template)
+            else:
+                templates = registry.chat_templates_for(self.family)
+                if not templates:
+                    raise ConfigError([f"data.chat_template: family {self.family!r} registers no chat template; "
+                                       "name one with data.chat_template (see `ferrule chat-template list`)"])
+                self.template = templates[0]
+            stop_ids = list(stop_token_ids(self.template, self.tokenizer))
+            stop_strings = []
+            for tok in cfg.rollout.extra_stop_tokens:
+                ids = self.tokenizer.encode(tok, add_special_tokens=False)
+                (stop_ids.extend(ids) if len(ids) == 1 else stop_strings.append(tok))
+            self.stop_ids, self.stop_strings = tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
+        self._prompt_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0 and self.roles.is_driver:
+            from ferrule.rl.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(cfg.model.hf_dir, dtype=dtype)
+
         self._total_optim_steps = total_optim_steps
-        self._log(f"ferrule train: family {self.family}, template {self.template.name}, "
-                  f"{len(self.source)} prompts ({self.source.name}), setup {time.perf_counter() - t0:.1f} s")
+        r = self.roles
+        layout_note = (f", {r.world_size} ranks (tp {cfg.parallel.tp}, pp {cfg.parallel.pp}, ep {cfg.parallel.ep}, "
+                       f"dp {r.world_size // (cfg.parallel.tp * cfg.parallel.pp)}; rollout on ranks "
+                       f"{list(r.rollout_ranks)})" if r.distributed else "")
+        if self.roles.is_driver:
+            self._log(f"ferrule train: family {self.family}, template {self.template.name}, "
+                      f"{len(self.source)} prompts ({self.source.name}){layout_note}, "
+                      f"setup {time.perf_counter() - t0:.1f} s")
         self._setup_done = True
 
     # ------------------------------------------------------------------ pieces
@@ -234,19 +270,63 @@ class GRPOTrainer:
             self._prompt_cache[key] = ids
         return self._prompt_cache[key]
 
-    def _generate(self, prompts: list[Any], prompt_ids: list[tuple[int, ...]], *, n: int, temperature: float,
-                  max_new_tokens: int, seed: int) -> tuple[list[Any], list[str]]:
-        from ferrule.rollout import GenerateRequest, SamplingParams
+    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int) -> Any:
+        from ferrule.rollout import SamplingParams
 
         ro = self.cfg.rollout
-        params = SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
-                                top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
-                                stop_token_ids=self.stop_ids, stop=self.stop_strings, n=n, seed=seed,
-                                return_raw_logprobs=temperature > 0)
+        return SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
+                              top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
+                              stop_token_ids=self.stop_ids, stop=self.stop_strings, n=n, seed=seed,
+                              return_raw_logprobs=temperature > 0)
+
+    def _decode(self, results: list[Any]) -> list[str]:
+        return [self.tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
+
+    def _generate(self, prompts: list[Any], prompt_ids: list[tuple[int, ...]], *, n: int, temperature: float,
+                  max_new_tokens: int, seed: int) -> tuple[list[Any], list[str]]:
+        """One generate call on this rank's engine (evaluation; the driver only)."""
+        from ferrule.rollout import GenerateRequest
+
+        params = self._sampling_params(n=n, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
         results = self.rollout.generate([GenerateRequest(ids, request_id=p.id) for p, ids in zip(prompts, prompt_ids)],
                                         params)
-        texts = [self.tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
-        return results, texts
+        return results, self._decode(results)
+
+    def _rollout(self, step: int, prompts: list[Any] | None = None,
+                 prompt_ids: list[tuple[int, ...]] | None = None) -> list[Any] | None:
+        """The step's rollout in shards (:func:`ferrule.rl.distributed.plan_shards`); collective.
+
+        The driver passes the prompts and gets every shard's results, prompt-major in prompt
+        order (``prompt_index`` = position in ``prompts``); each rollout rank runs its shards;
+        other ranks only take part in the two object collectives. Returns None off the driver.
+        """
+        from ferrule.rollout import GenerateRequest
+
+        roles, ro = self.roles, self.cfg.rollout
+        plan = None
+        if roles.is_driver:
+            shards = rl_dist.plan_shards(len(prompts), ro.prompts_per_shard, len(roles.rollout_ranks),
+                                         self.cfg.train.seed, step)
+            params = self._sampling_params(n=ro.n_samples_per_prompt, temperature=ro.temperature,
+                                           max_new_tokens=ro.max_new_tokens, seed=None)
+            plan = (params, [(sh, [(prompt_ids[i], prompts[i].id) for i in range(sh.start, sh.stop)])
+                             for sh in shards])
+        if roles.distributed:
+            plan = rl_dist.broadcast_object(plan)
+        params, work = plan
+        mine = []
+        if roles.replica is not None:
+            for sh, reqs in work:
+                if sh.replica != roles.replica:
+                    continue
+                out = self.rollout.generate([GenerateRequest(ids, request_id=rid) for ids, rid in reqs],
+                                            dataclasses.replace(params, seed=sh.seed))
+                mine.append((sh.index, [dataclasses.replace(r, prompt_index=r.prompt_index + sh.start) for r in out]))
+        gathered = rl_dist.gather_objects(mine) if roles.distributed else [mine]
+        if not roles.is_driver:
+            return None
+        return [r for _, res in sorted((x for per_rank in gathered for x in per_rank), key=lambda x: x[0])
+                for r in res]
 
     def _evaluate(self, step: int) -> dict[str, float]:
         from ferrule.rl.rewards import reward_error_metrics
@@ -284,17 +364,30 @@ class GRPOTrainer:
                   f"{metrics['eval_reward_mean']:.3f} on {len(self.eval_source)} held-out prompts"
                   + (f" ({errors} reward errors)" if errors else ""))
 
+    def _train_mfu(self, samples: list, seconds: float, forward_only_too: bool) -> float | None:
+        """Model FLOPs utilisation of the train phase (:func:`ferrule.megatron.flops.training_mfu`):
+        forward_backward over every sample, plus forward_logprobs when it ran; None on CPU or where
+        the count or the device's peak is unknown."""
+        from ferrule.megatron.flops import training_mfu
+
+        device = next(self.engine.model[0].parameters()).device
+        lens = [s.num_tokens for s in samples]
+        return training_mfu(self.engine.hf_config, lens, seconds, device,
+                            forward_only_seq_lens=lens if forward_only_too else ())
+
     def _sync(self) -> float:
         from ferrule.sync import sync_lora_adapter, sync_weights
 
+        t0 = time.perf_counter()
         if getattr(self.engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
             stats = sync_lora_adapter(self.engine, self.rollout, version=self.engine.step,
                                       check_equal=self.check_equal)
         else:
-            stats = sync_weights(self.engine, self.rollout, version=self.engine.step,
-                                 check_equal=self.check_equal)
+            stats = sync_weights(self.engine, self.rollout, version=self.engine.step, check_equal=self.check_equal)
+            # the other replicas' rollout engines get the driver engine's tensors (gathered once)
+            rl_dist.fan_out_rollout_weights(self.roles, self.rollout, self.engine.step)
         self.last_sync = stats
-        return stats.seconds
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -311,12 +404,19 @@ class GRPOTrainer:
         cfg, ro, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         n = ro.n_samples_per_prompt
         t_step = time.perf_counter()
-        prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
-        prompt_ids = [self._prompt_ids(p, "train") for p in prompts]
-        results, texts = self._generate(prompts, prompt_ids, n=n, temperature=ro.temperature,
-                                        max_new_tokens=ro.max_new_tokens, seed=rollout_seed(cfg.train.seed, step))
+        driver = self.roles.is_driver
+        if driver:
+            prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
+            prompt_ids = [self._prompt_ids(p, "train") for p in prompts]
+            results = self._rollout(step, prompts, prompt_ids)
+            texts = self._decode(results)
+        else:
+            self._rollout(step)
         t_rollout = time.perf_counter() - t_step
-        rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
+        if driver:
+            rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
+        if self.roles.distributed:  # every rank builds the same train batch from the driver's rollout
+            prompt_ids, results, rewards = rl_dist.broadcast_object((prompt_ids, results, rewards) if driver else None)
         samples = [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
                           rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
                           truncated=r.finish_reason == "length") for r in results]
@@ -340,9 +440,11 @@ class GRPOTrainer:
             ref = [response_slice(lp, s) for lp, s in zip(
                 self.reference.logprobs([s.prompt_ids + s.response_ids for s in samples],
                                         cfg.train.micro_batch_tokens), samples)]
+        if self.roles.distributed and a.kl_coef > 0:  # the reference policy lives on rank 0
+            ref = rl_dist.broadcast_object(ref)
         loss_name, loss_cfg = loss_fn_config(a)
         sums, grad_norms, lrs, skipped, ppo_kl_num, ppo_kl_den = [], [], [], 0, 0.0, 0
-        for k, groups in enumerate(split_groups(len(prompts), cfg.train.optim_steps_per_rollout)):
+        for k, groups in enumerate(split_groups(len(prompt_ids), cfg.train.optim_steps_per_rollout)):
             idx = [i for i, s in enumerate(samples) if s.group in groups]
             w = token_weights([len(samples[i].response_ids) for i in idx], mode=a.loss_aggregation,
                               max_new_tokens=ro.max_new_tokens)
@@ -399,18 +501,27 @@ class GRPOTrainer:
         metrics.update({"time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": t_sync,
                         "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
                         "train_tokens_per_s": seq_tokens / max(t_train, 1e-9),
+                        "mfu": self._train_mfu(samples, t_train, need_old),
                         "weights_version": self.engine.step, "epoch": self.sampler.epoch,
                         "sync_bytes": self.last_sync.bytes})
         if self.last_sync.device_memory_after is not None:  # a leaking export shows up here first
             metrics["sync_device_memory_delta_bytes"] = (self.last_sync.device_memory_after
                                                          - self.last_sync.device_memory_before)
-        if self.eval_source is not None and step % cfg.eval.interval == 0:
+        if self.roles.distributed:  # per-rank timings: the slowest and fastest rank of each phase
+            times = rl_dist.all_gather_objects((t_rollout, t_train, t_sync, self._stop_requested))
+            for j, key in enumerate(("time_rollout_s", "time_train_s", "time_sync_s")):
+                metrics[key + "_max"] = max(x[j] for x in times)
+                metrics[key + "_min"] = min(x[j] for x in times)
+            self._stop_requested = any(x[3] for x in times)  # Ctrl-C on any rank stops all at this step
+        if driver and self.eval_source is not None and step % cfg.eval.interval == 0:
             t_eval = time.perf_counter()
             metrics.update(self._evaluate(step))
             metrics["time_eval_s"] = time.perf_counter() - t_eval
         t_total = time.perf_counter() - t_step
         metrics["time_step_s"] = t_total
         metrics["tokens_per_s"] = gen_tokens / max(t_total, 1e-9)
+        if not driver:
+            return metrics, []
         logged = [{"step": step, "prompt_id": prompts[r.prompt_index].id, "sample": r.sample_index,
                    "response": texts[i], "answer": prompts[r.prompt_index].answer, "extracted": rewards[i].extracted,
                    "reward": rewards[i].reward, "score": rewards[i].score, "correct": rewards[i].correct,
@@ -423,11 +534,18 @@ class GRPOTrainer:
     def save_checkpoint(self, step: int) -> Path:
         """Write ``CKPT_DIR/step_NNNNNN`` (engine + loop state) and prune to ``checkpoint.keep``."""
         path = self.ckpt_dir / f"step_{step:06d}"
-        path.mkdir(parents=True, exist_ok=True)
-        (path / LOOP_STATE_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
-        self.engine.save(path / "engine")
+        if self.roles.is_driver:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / LOOP_STATE_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
+        if self.roles.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        self.engine.save(path / "engine")  # collective: every rank writes its shards
+        if not self.roles.is_driver:
+            return path
         state = {"step": step, "sampler": self.sampler.state_dict(), "engine_step": self.engine.step,
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "world_size": self.roles.world_size}
         atomic_write(path / LOOP_STATE_FILE, json.dumps(state, indent=2) + "\n")
         keep = self.cfg.checkpoint.keep
         if keep:
@@ -497,14 +615,18 @@ class GRPOTrainer:
         self.setup()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start = self._resume_point() if cfg.checkpoint.resume else 0
-        try:
-            logger = MetricsLogger(self.run_dir, resume_step=start if cfg.checkpoint.resume else None,
-                                   tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                                   wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
-        except FileExistsError as exc:
-            raise ConfigError([f"logging.run_dir: {exc}"]) from None
-        self._truncate_samples(start)
-        cfg.dump(self.run_dir)
+        driver = self.roles.is_driver
+        if driver:  # metrics, samples and the resolved config come from global rank 0 only
+            try:
+                logger = MetricsLogger(self.run_dir, resume_step=start if cfg.checkpoint.resume else None,
+                                       tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                       wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+            except FileExistsError as exc:
+                raise ConfigError([f"logging.run_dir: {exc}"]) from None
+            self._truncate_samples(start)
+            cfg.dump(self.run_dir)
+        else:
+            logger = _NoLogger()
         t_sync = self._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
         self._log(f"initial weight sync {t_sync:.2f} s{' (verified equal)' if self.check_equal else ''}; "
                   f"steps {start + 1}..{cfg.train.steps}, run dir {self.run_dir}")
@@ -516,9 +638,9 @@ class GRPOTrainer:
         step = start
         interrupted = False
         try:
-            with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress,
+            with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
                                       console=self.console) as bar:
-                if start == 0 and self.eval_source is not None:
+                if start == 0 and self.eval_source is not None and driver:
                     logged.append(logger.log(0, self._evaluate(0)))
                     self._log_eval(0, logged[-1])
                     bar.restart_clock()
@@ -528,7 +650,7 @@ class GRPOTrainer:
                     logged.append(logger.log(step, metrics))
                     if "eval_accuracy" in metrics:
                         self._log_eval(step, metrics)
-                    if samples:
+                    if samples and driver:
                         with open(self.run_dir / SAMPLES_FILE, "a") as f:
                             f.writelines(json.dumps(s) + "\n" for s in samples)
                     bar.update(step, metrics)
@@ -544,7 +666,7 @@ class GRPOTrainer:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         plot = None
-        if cfg.logging.plot_at_end and step > 0:
+        if cfg.logging.plot_at_end and step > 0 and driver:
             from ferrule.rl.plot import plot_run
 
             plot = plot_run(self.run_dir)
@@ -552,6 +674,19 @@ class GRPOTrainer:
             self._log(f"stopped after step {step}" + (f"; resume with --resume (checkpoint {ckpt})" if ckpt else ""))
         return RunResult(run_dir=self.run_dir, start_step=start, last_step=step, interrupted=interrupted,
                          checkpoint=ckpt, plot=plot, metrics=logged)
+
+
+class _NoLogger:
+    """The metrics logger of ranks other than 0: returns the entry, writes nothing."""
+
+    def __enter__(self) -> "_NoLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {"step": step, **metrics}
 
 
 def train(cfg: RLConfig, *, check_weight_update_equal: bool = False, stop_after: int | None = None,

@@ -58,6 +58,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "time_step_s": ("s", "wall time of the whole step"),
     "rollout_tokens_per_s": ("tokens/s", "generated tokens per second of rollout time"),
     "train_tokens_per_s": ("tokens/s", "prompt+response tokens per second of train time"),
+    "mfu": ("fraction", "model FLOPs utilisation of the train time (PaLM model FLOPs / peak bf16; null on CPU)"),
     "tokens_per_s": ("tokens/s", "generated tokens per second of step wall time"),
     "eval_accuracy": ("fraction", "accuracy on the held-out prompts (eval steps only)"),
     "eval_reward_mean": ("reward", "mean reward on the held-out prompts (eval steps only)"),

@@ -97,8 +97,6 @@ def check_supported(cfg: RLConfig) -> None:
             lora_settings(cfg)
         except ConfigError as exc:
             p.extend(exc.problems)
-    for key in ("tp", "pp", "ep"):
-        if getattr(cfg.parallel, key) != 1:
-            p.append(f"parallel.{key}: the loop runs in one process; multi-rank training is not implemented, set 1")
+    # parallel.*: checked against the world size and the model by ferrule.rl.distributed.check_layout
     if p:
         raise ConfigError(p)

@@ -82,3 +82,15 @@ def register_chat_templates():
             description="TMLv0 (tml-renderers v0): effort line, thinking, tool calls, image/audio placeholders",
         ),
     ]
+
+
+@hookimpl
+def register_lora_appliers():
+    from ferrule.specs import LoRAApplierSpec
+
+    peft = "ferrule.lora.peft_format"
+    return [LoRAApplierSpec(kind="attention", family="inkling_text", apply="ferrule.plugins.inkling.lora:apply_attention",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+            LoRAApplierSpec(kind="shared_experts", family="inkling_text",
+                            apply="ferrule.plugins.inkling.lora:apply_shared_experts",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear")]

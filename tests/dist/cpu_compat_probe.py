@@ -147,6 +147,20 @@ def repro_causal_mask_device_literal():
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]], mask
 
 
+def repro_embedding_group_cuda():
+    # a tied-embedding model's setup at PP > 1 (the pipeline size is raised on the config so the
+    # first/last-stage all-reduce runs; at world size 1 the embedding group is this rank alone)
+    model = _tiny_model()
+    model.share_embeddings_and_output_weights = True
+    model.config.pipeline_model_parallel_size = 2
+    try:
+        before = model.shared_embedding_or_output_weight().detach().clone()
+        model.setup_embeddings_and_output_layer()
+        assert torch.equal(model.shared_embedding_or_output_weight(), before)
+    finally:
+        model.config.pipeline_model_parallel_size = 1
+
+
 def _run(fn) -> str:
     try:
         fn()

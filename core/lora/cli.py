@@ -1,0 +1,162 @@
+"""``ferrule lora export CKPT OUT`` / ``ferrule lora import ADAPTER BASE OUT``: HF PEFT in and out.
+
+- export: a LoRA train checkpoint (``TrainEngine.save`` with ``lora=``; its ``lora/`` holds the
+  full adapter in PEFT format, written at save time at any layout) -> a PEFT folder
+  (``adapter_model.safetensors`` + ``adapter_config.json``) that
+  ``peft.PeftModel.from_pretrained(hf_model, OUT)`` loads.
+- import: a PEFT adapter folder + its base (an HF folder or a torch_dist checkpoint) -> a LoRA
+  train checkpoint at world size 1 (step 0, fresh optimizer) that ``TrainEngine.from_torch_dist(
+  OUT, lora=...)`` resumes, with ``LoraSettings`` read from ``adapter_config.json``.
+
+Both write ``OUT`` atomically; user errors print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["app", "export_adapter", "import_adapter", "settings_from_peft_config"]
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Export a LoRA checkpoint's adapter as HF PEFT, or import a PEFT adapter for training.")
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite or choose another path.")
+
+
+def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None = None,
+                   overwrite: bool = False) -> Path:
+    """Copy the PEFT adapter of LoRA checkpoint ``ckpt`` to ``out`` (atomic); returns ``out``.
+
+    Raises:
+        FileNotFoundError: ``ckpt`` is not a LoRA train checkpoint (the message says what is missing).
+        FileExistsError: ``out`` exists and not ``overwrite``.
+    """
+    from safetensors import safe_open
+
+    from ferrule.fsutil import commit_dir
+
+    from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
+
+    ckpt, out = Path(ckpt), Path(out)
+    src = ckpt / "lora"
+    if not (src / PEFT_WEIGHTS).is_file() or not (src / PEFT_CONFIG).is_file():
+        raise FileNotFoundError(f"{src / PEFT_WEIGHTS} is missing: {ckpt} is not a LoRA train checkpoint "
+                                f"(TrainEngine.save of an engine built with lora=LoraSettings(...)).")
+    _check_out(out, overwrite)
+    with safe_open(str(src / PEFT_WEIGHTS), framework="pt") as f:  # readable and PEFT-named
+        bad = [k for k in f.keys() if not k.startswith("base_model.model.") or ".lora_" not in k]
+    if bad:
+        raise FileNotFoundError(f"{src / PEFT_WEIGHTS} holds non-PEFT keys {bad[:4]}; the checkpoint is damaged.")
+    config = json.loads((src / PEFT_CONFIG).read_text())
+    if base_model is not None:
+        config["base_model_name_or_path"] = base_model
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        shutil.copy2(src / PEFT_WEIGHTS, tmp / PEFT_WEIGHTS)
+        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        return commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def settings_from_peft_config(config: dict):
+    """:class:`~ferrule.lora.LoraSettings` of an ``adapter_config.json`` dict (r, lora_alpha,
+    lora_dropout, use_rslora, target_modules as HF names).
+
+    Raises:
+        AdapterFormatError: not a LoRA adapter, or options ferrule does not train
+            (per-module ranks, DoRA, bias, modules_to_save).
+    """
+    from .peft_format import AdapterFormatError
+    from .settings import LoraSettings
+
+    bad = []
+    if config.get("peft_type", "LORA") != "LORA":
+        bad.append(f"peft_type={config.get('peft_type')!r}")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform"):
+        if config.get(key):
+            bad.append(f"{key}={config[key]!r}")
+    if config.get("bias", "none") != "none":
+        bad.append(f"bias={config['bias']!r}")
+    targets = list(config.get("target_modules") or [])
+    for param in config.get("target_parameters") or []:  # routed experts (PEFT ParamWrapper)
+        targets += {"gate_up_proj": ["gate_proj", "up_proj"], "down_proj": ["down_proj"]}.get(param.rsplit(".", 1)[-1],
+                                                                                          [param])
+    if not targets or isinstance(config.get("target_modules"), str):
+        bad.append(f"target_modules={targets!r} (a list of module names is needed)")
+    if bad:
+        raise AdapterFormatError("this PEFT adapter uses options ferrule's LoRA does not train: " + ", ".join(bad))
+    return LoraSettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                        dropout=float(config.get("lora_dropout") or 0.0), target_modules=tuple(sorted(targets)),
+                        use_rslora=bool(config.get("use_rslora", False)))
+
+
+def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Build a LoRA engine on ``base`` (HF folder or torch_dist checkpoint), load the PEFT
+    ``adapter`` into it and save it as a train checkpoint at ``out``; returns ``out``.
+
+    Raises:
+        FileNotFoundError: a missing folder / file; FileExistsError: ``out`` exists.
+        AdapterFormatError: the adapter does not fit the base model (every offender listed).
+    """
+    from ferrule.megatron.engine import TrainEngine
+
+    from .peft_format import load_hf_adapter, read_peft_dir
+
+    adapter, base, out = Path(adapter), Path(base), Path(out)
+    _check_out(out, overwrite)
+    tensors, config = read_peft_dir(adapter)
+    settings = settings_from_peft_config(config)
+    if (base / "hf" / "config.json").is_file():
+        engine = TrainEngine.from_torch_dist(base, load_optimizer=False, lora=settings)
+    elif (base / "config.json").is_file():
+        engine = TrainEngine.from_hf(base, lora=settings)
+    else:
+        raise FileNotFoundError(f"{base} is neither an HF folder (config.json) nor a ferrule torch_dist checkpoint "
+                                f"(hf/config.json).")
+    load_hf_adapter(engine, tensors, config)
+    return engine.save(out, overwrite=overwrite)
+
+
+@app.command("export")
+def export_command(
+    ckpt: Annotated[Path, typer.Argument(help="LoRA train checkpoint (TrainEngine.save with lora=).", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="Output PEFT folder.", show_default=False)],
+    base_model: Annotated[str | None, typer.Option("--base-model", help="base_model_name_or_path to record; default: "
+                                                   "the folder the engine was built from.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+) -> None:
+    """Write a LoRA checkpoint's adapter as HF PEFT (adapter_model.safetensors + adapter_config.json)."""
+    from ferrule.cli_errors import exit_on_user_errors
+
+    with exit_on_user_errors():
+        path = export_adapter(ckpt, out, base_model=base_model, overwrite=overwrite)
+    typer.echo(f"exported the adapter of {ckpt} to {path}")
+
+
+@app.command("import")
+def import_command(
+    adapter: Annotated[Path, typer.Argument(help="PEFT adapter folder.", show_default=False)],
+    base: Annotated[Path, typer.Argument(help="Base model: HF folder or ferrule torch_dist checkpoint.",
+                                         show_default=False)],
+    out: Annotated[Path, typer.Argument(help="Output LoRA train checkpoint.", show_default=False)],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+) -> None:
+    """Load a PEFT adapter onto its base model and save a LoRA train checkpoint (resumable with lora=)."""
+    from ferrule.cli_errors import exit_on_user_errors
+
+    with exit_on_user_errors():
+        path = import_adapter(adapter, base, out, overwrite=overwrite)
+    typer.echo(f"imported {adapter} onto {base}: {path}")

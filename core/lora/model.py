@@ -1,0 +1,130 @@
+"""Apply LoRA to a Megatron model (all chunks of this rank) and list its adapters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["AdapterEntry", "apply_lora", "adapter_entries", "adapter_params"]
+
+
+@dataclass
+class AdapterEntry:
+    """One adapted module on this rank.
+
+    Attributes:
+        global_name: global mcore module name (``decoder.layers.3.self_attention.linear_qkv``).
+        local_name: its name inside ``chunk`` (layer index local to the pipeline stage).
+        chunk: index of the model chunk (virtual pipeline stage) that holds it.
+        adapter: the :class:`~ferrule.lora.layers.LoraAdapter` (or a family module with
+            ``lora_A`` / ``lora_B`` and ``kind``).
+    """
+
+    global_name: str
+    local_name: str
+    chunk: int
+    adapter: Any
+
+    @property
+    def kind(self) -> str:
+        return self.adapter.kind
+
+
+def _global_module_names(chunk: Any) -> dict[str, str]:
+    from ferrule.megatron.weights import global_param_names
+
+    out = {}
+    for local, glob in global_param_names(chunk).items():
+        if local.endswith(".weight"):
+            out[local.removesuffix(".weight")] = glob.removesuffix(".weight")
+    return out
+
+
+def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
+               hf_config: Mapping[str, Any]) -> list[str]:
+    """Freeze every base parameter and attach adapters through the family's appliers.
+
+    Call before the model is wrapped in megatron's DDP (which allocates grad buffers for the
+    parameters that require grad only) and before the optimizer is built (megatron's
+    ``get_megatron_optimizer`` skips parameters without ``requires_grad``): only the adapter
+    factors get gradients and optimizer state.
+
+    Args:
+        chunks: this rank's unwrapped ``GPTModel`` chunks.
+        settings: :class:`~ferrule.lora.LoraSettings`.
+        family / table / hf_config: the family name, its mapping table and the HF config.
+
+    Returns:
+        Global mcore names of the adapted modules on this rank.
+
+    Raises:
+        ferrule.lora.appliers.LoraTargetError: a target name matches no module of any applier
+            (the message lists the names that exist), only part of a fused module is named, or
+            ``lm_head`` is named on a tied model. Checked across ranks and raised on every rank; the chunks
+            may then hold some adapters already and must be discarded (``TrainEngine`` builds them
+            afresh for every engine).
+    """
+    from megatron.core import parallel_state as ps
+
+    from ferrule.mapping import MappingContext
+    from ferrule.megatron.weights import agreed_errors, all_gather_objects
+    from ferrule.specs import resolve_ref
+
+    from .appliers import ApplyContext, LoraTargetError, appliers_for
+
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    mctx = MappingContext.from_hf_config(hf_config)
+    specs = appliers_for(family)
+    done: list[str] = []
+    matched: set[str] = set()
+    errors: list[str] = []
+    for chunk in chunks:
+        ctx = ApplyContext(table=table, mapping=mctx, global_names=_global_module_names(chunk), tp_rank=tp_rank,
+                           tp_size=tp_size, settings=settings)
+        for spec in specs:
+            try:
+                done += resolve_ref(spec.apply)(chunk, settings, ctx)
+            except LoraTargetError as exc:
+                errors.append(str(exc))
+        matched |= ctx.matched
+    if settings.target_modules != "all":
+        everywhere = set().union(*all_gather_objects(sorted(matched)))
+        unknown = [t for t in settings.target_modules if t not in everywhere]
+        if unknown:
+            errors.append(f"target_modules {unknown} match no module that a LoRA applier of family {family!r} adapts; "
+                          f"use Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2, output_layer) or the "
+                          f"HF names they map to (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+                          f"lm_head), or 'all'.")
+    errors = agreed_errors(errors)
+    if errors:
+        raise LoraTargetError("\n".join(errors))
+    if not set().union(*all_gather_objects(done)):
+        raise LoraTargetError(f"LoRA adapted no module of family {family!r}; check target_modules.")
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if not getattr(p, "is_lora_adapter", False):
+                p.requires_grad_(False)
+    return done
+
+
+def adapter_entries(chunks: Sequence[Any]) -> list[AdapterEntry]:
+    """Every adapted module of this rank's (possibly DDP-wrapped) chunks, in chunk and module order."""
+    from ferrule.megatron.weights import model_chunks
+
+    from .layers import adapters_of
+
+    out = []
+    for i, chunk in enumerate(model_chunks(list(chunks))):
+        names = _global_module_names(chunk)
+        out += [AdapterEntry(names.get(local, local), local, i, ad) for local, ad in adapters_of(chunk)]
+    return out
+
+
+def adapter_params(chunks: Sequence[Any]) -> dict[str, Any]:
+    """``{global module name + '.lora_A' / '.lora_B': parameter}`` of this rank (local shards)."""
+    out = {}
+    for e in adapter_entries(chunks):
+        out[f"{e.global_name}.lora_A"] = e.adapter.lora_A
+        out[f"{e.global_name}.lora_B"] = e.adapter.lora_B
+    return out

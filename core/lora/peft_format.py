@@ -1,0 +1,320 @@
+"""Adapters <-> HF PEFT tensors (``adapter_model.safetensors``) and ``adapter_config.json``.
+
+PEFT's saved key of a module's factors is ``base_model.model.<HF module path>.lora_A.weight``
+``[r, in]`` / ``...lora_B.weight`` ``[out, r]`` (``peft.utils.save_and_load.get_peft_model_state_dict``
+drops the adapter name). The HF module paths come from the family's mapping table: a Megatron
+module ``M`` maps to the HF modules of ``M.weight``'s row, e.g. ``linear_qkv`` ->
+``q_proj, k_proj, v_proj`` (:class:`~ferrule.mapping.FuseQKV`), ``linear_fc1`` -> ``gate_proj,
+up_proj`` (:class:`~ferrule.mapping.FuseGateUp`).
+
+- Fused column-parallel modules: ``y_fused = W_fused x + s B_fused A x`` and the HF parts are
+  row blocks of ``y_fused``, so each part's ``lora_B`` is the same row block of ``B_fused`` that
+  its weight is of ``W_fused`` (the row's :meth:`~ferrule.mapping.ParamMapping.to_hf` applied
+  to ``B`` ``[out, r]`` as to a ``[out, in]`` weight) and every part shares ``A``.
+- Row-parallel modules (``linear_proj``, ``linear_fc2``) map one to one (``A`` on the input
+  dim, ``B`` on the output dim, both in HF layout already).
+- The output layer's ``B`` drops megatron's padded vocabulary rows (``to_hf``), and gets zero
+  rows on import.
+
+Import needs the parts of a fused module to share ``A`` (an adapter exported by ferrule does;
+one trained by PEFT on separate ``q_proj`` / ``k_proj`` / ``v_proj`` generally does not and is
+refused, naming the module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ferrule.mapping import MappingError, TPSplit
+
+__all__ = ["PEFT_PREFIX", "export_linear", "load_linear", "hf_adapter_state_dict", "peft_config", "load_hf_adapter",
+           "AdapterFormatError", "ExportContext"]
+
+#: PEFT's prefix of saved adapter keys for a ``*ForCausalLM`` base model
+PEFT_PREFIX = "base_model.model."
+
+
+class AdapterFormatError(ValueError):
+    """PEFT adapter tensors do not fit this model's adapters (keys, shapes, fused parts); all listed."""
+
+
+@dataclasses.dataclass
+class ExportContext:
+    """Shared by the export / load functions of every applier.
+
+    Attributes:
+        table: the family's mapping table; mapping: its context with the padded vocabulary.
+        ranks: :class:`ferrule.megatron.weights.ParallelRanks` of this rank.
+    """
+
+    table: Any
+    mapping: Any
+    ranks: Any
+
+
+def _hf_modules(entry: Any, ctx: ExportContext) -> tuple[Any, tuple[str, ...], list[str]]:
+    """(base mapping row, its wildcards, HF module paths) of one adapted module."""
+    weight = entry.global_name + ".weight"
+    mapping, wild = ctx.table.resolve(weight)
+    return mapping, wild, [k.removesuffix(".weight") for k in mapping.hf_keys(weight, ctx.mapping)]
+
+
+def _factor_mappings(entry: Any, mapping: Any) -> tuple[Any, Any]:
+    """Mapping rows that gather ``A`` and ``B`` like megatron splits them (see :mod:`ferrule.lora.layers`)."""
+    rep = dataclasses.replace(mapping, tp=TPSplit.REPLICATED)
+    if entry.adapter.parallel == "column":
+        return rep, mapping
+    return mapping, rep
+
+
+def export_linear(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[str, Any]]:
+    """Full PEFT tensors of column/row-parallel linear adapters (collective over TP and PP).
+
+    Yields ``(peft key, tensor)`` on every rank in the same order; tensors are detached, on the
+    adapter's device, in its dtype (they may alias live parameters when nothing is split).
+    """
+    from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
+
+    params: dict[str, BoundParam] = {}
+    meta: dict[str, tuple[Any, tuple[str, ...], list[str], str]] = {}
+    for e in entries:
+        mapping, wild, hf = _hf_modules(e, ctx)
+        ma, mb = _factor_mappings(e, mapping)
+        params[e.global_name + ".lora_A"] = BoundParam(e.global_name + ".lora_A", e.adapter.lora_A, ma, wild)
+        params[e.global_name + ".lora_B"] = BoundParam(e.global_name + ".lora_B", e.adapter.lora_B, mb, wild)
+        meta[e.global_name] = (mapping, wild, hf, e.adapter.parallel)
+    steps = plan_gather(params, [(e.global_name, [e.global_name + ".lora_A", e.global_name + ".lora_B"])
+                                 for e in entries], ctx.ranks, with_experts=False)
+    # other pipeline stages' modules arrive through iter_full; their mapping rows come from the table
+    for key, _, (a, b) in iter_full(steps, params, ctx.ranks):
+        if key in meta:
+            mapping, wild, hf, parallel = meta[key]
+        else:
+            mapping, wild = ctx.table.resolve(key + ".weight")
+            hf = [k.removesuffix(".weight") for k in mapping.hf_keys(key + ".weight", ctx.mapping)]
+            parallel = "row" if mapping.tp is TPSplit.ROW else "column"
+        bs = mapping.to_hf(b, ctx.mapping, wild)
+        if parallel == "row" and len(hf) != 1:
+            raise MappingError(f"{key}: a row-parallel adapter maps to one HF module, the table gives {hf}.")
+        for module, b_part in zip(hf, bs):
+            yield f"{PEFT_PREFIX}{module}.lora_A.weight", a
+            yield f"{PEFT_PREFIX}{module}.lora_B.weight", b_part
+
+
+def load_linear(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportContext, *,
+                dry_run: bool = False) -> tuple[set[str], list[str]]:
+    """Copy full PEFT tensors into this rank's column/row-parallel adapter shards (not collective).
+
+    Nothing is copied unless every entry fits (checked first, on all entries), nor with ``dry_run``.
+
+    Returns:
+        ``(PEFT keys used, problems)``; with problems nothing was copied.
+    """
+    import torch
+
+    used: set[str] = set()
+    problems: list[str] = []
+    plans = []
+    rank, size = ctx.ranks.tp_rank, ctx.ranks.tp
+    for e in entries:
+        mapping, wild, hf = _hf_modules(e, ctx)
+        keys_a = [f"{PEFT_PREFIX}{m}.lora_A.weight" for m in hf]
+        keys_b = [f"{PEFT_PREFIX}{m}.lora_B.weight" for m in hf]
+        missing = [k for k in keys_a + keys_b if k not in tensors]
+        if missing:
+            problems.append(f"{e.global_name}: missing {missing}")
+            continue
+        used.update(keys_a + keys_b)
+        a_parts = [tensors[k] for k in keys_a]
+        if any(not torch.equal(a_parts[0], a) for a in a_parts[1:]):
+            problems.append(f"{e.global_name}: Megatron fuses {hf} into one module with one shared lora_A, but the "
+                            f"adapter's lora_A differ between them (an adapter trained on separate modules cannot be "
+                            f"imported exactly; retrain it with ferrule or merge it into the base weights).")
+            continue
+        try:
+            b_full = mapping.to_mcore([tensors[k] for k in keys_b], ctx.mapping, wild)
+            ma, mb = _factor_mappings(e, mapping)
+            a_local = ma.shard(a_parts[0], rank, size)
+            b_local = mb.shard(b_full, rank, size)
+        except MappingError as exc:
+            problems.append(f"{e.global_name}: {exc}")
+            continue
+        for name, have, want in (("lora_A", a_local, e.adapter.lora_A), ("lora_B", b_local, e.adapter.lora_B)):
+            if tuple(have.shape) != tuple(want.shape):
+                problems.append(f"{e.global_name}.{name}: the adapter gives a local shard of shape "
+                                f"{tuple(have.shape)}, this model's adapter has {tuple(want.shape)} (rank or "
+                                f"model size differ).")
+        plans.append((e, a_local, b_local))
+    if problems or dry_run:
+        return used, problems
+    with torch.no_grad():
+        for e, a, b in plans:
+            e.adapter.lora_A.copy_(a)
+            e.adapter.lora_B.copy_(b)
+    return used, []
+
+
+# ---------------------------------------------------------------------------------------
+# Engine-level API
+# ---------------------------------------------------------------------------------------
+
+
+def _export_context(engine: Any) -> ExportContext:
+    from ferrule.megatron.weights import ParallelRanks, agree_padded_vocab, bind_params, mapping_context
+
+    ranks = ParallelRanks.current()
+    params = bind_params(engine.model, engine.mapping_table)
+    mctx = agree_padded_vocab(mapping_context(params, ranks, hf_config=engine.hf_config), ranks)
+    return ExportContext(engine.mapping_table, mctx, ranks)
+
+
+def _by_kind(engine: Any) -> list[tuple[Any, list]]:
+    from ferrule.specs import LORA_KINDS
+
+    from .appliers import appliers_for
+    from .model import adapter_entries
+
+    entries = adapter_entries(engine.model)
+    specs = {s.kind: s for s in appliers_for(engine.family)}
+    return [(specs[k], [e for e in entries if e.kind == k]) for k in LORA_KINDS if k in specs]
+
+
+def _require_lora(engine: Any) -> None:
+    if getattr(engine, "lora", None) is None:
+        raise ValueError("this TrainEngine has no LoRA adapters; build it with lora=LoraSettings(...).")
+
+
+def hf_adapter_state_dict(engine: Any) -> dict[str, Any]:
+    """``{PEFT key: full tensor}`` of the engine's adapters (HF PEFT saved names, TP/PP gathered).
+
+    Collective: every rank calls it and gets the whole dict. Tensors are detached copies on the
+    adapters' device, in their dtype. Save with ``safetensors.torch.save_file`` next to
+    :func:`peft_config` and ``peft.PeftModel.from_pretrained`` loads them on the HF model.
+
+    Raises:
+        ValueError: the engine has no LoRA.
+    """
+    from ferrule.specs import resolve_ref
+
+    _require_lora(engine)
+    ctx = _export_context(engine)
+    out: dict[str, Any] = {}
+    for spec, entries in _by_kind(engine):
+        for key, t in resolve_ref(spec.export)(entries, ctx):
+            out[key] = t.detach().clone()
+    return out
+
+
+def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict[str, Any]:
+    """The ``adapter_config.json`` dict (``peft.LoraConfig(...).to_dict()`` keys PEFT needs to load it).
+
+    ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks).
+    ``base_model_name_or_path`` defaults to the engine's source folder (``engine.hf_files_dir``).
+    """
+    from ferrule.megatron.weights import all_gather_objects
+
+    from .model import adapter_entries
+    from .peft_experts import EXPERT_PARAMS
+
+    _require_lora(engine)
+    ctx = _export_context(engine)
+    leaves, expert_leaves = set(), set()
+    for e in adapter_entries(engine.model):
+        if e.kind == "routed_experts":
+            expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
+        else:
+            leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, ctx)[2])
+    leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
+    expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
+    s = engine.lora
+    base = base_model_name_or_path if base_model_name_or_path is not None else (
+        str(engine.hf_files_dir) if getattr(engine, "hf_files_dir", None) else None)
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": s.rank,
+            "lora_alpha": s.alpha, "lora_dropout": s.dropout, "use_rslora": s.use_rslora, "target_modules": leaves,
+            "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True,
+            "inference_mode": True, "revision": None,
+            # routed experts: transformers' fused 3-D expert parameters, in PEFT's nesting order
+            "target_parameters": [f"mlp.experts.{EXPERT_PARAMS[k]}" for k in EXPERT_PARAMS if k in expert_leaves]
+            or None}
+
+
+def check_peft_config(engine: Any, config: Mapping[str, Any]) -> None:
+    """Raise :class:`AdapterFormatError` when an ``adapter_config.json`` dict disagrees with the
+    engine's :class:`~ferrule.lora.LoraSettings` (r, alpha, rsLoRA) or is not a LoRA adapter."""
+    s = engine.lora
+    bad = []
+    if config.get("peft_type", "LORA") != "LORA":
+        bad.append(f"peft_type={config.get('peft_type')!r} (expected 'LORA')")
+    for key, want in (("r", s.rank), ("lora_alpha", s.alpha), ("use_rslora", s.use_rslora)):
+        if key in config and config[key] != want and not (key == "lora_alpha" and float(config[key]) == float(want)):
+            bad.append(f"{key}={config[key]!r} (engine: {want!r})")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            bad.append(f"{key}={config[key]!r} (per-module ranks/alphas are not supported)")
+    if config.get("bias", "none") != "none":
+        bad.append(f"bias={config['bias']!r} (only 'none' is supported)")
+    if bad:
+        raise AdapterFormatError("adapter_config.json does not fit this engine's LoRA settings: " + "; ".join(bad)
+                                 + ". Build the engine with matching LoraSettings.")
+
+
+def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> None:
+    """Load full PEFT adapter tensors (:func:`hf_adapter_state_dict`'s format) into the engine.
+
+    Every rank calls it with the same tensors. The optimizer's fp32 master copies (mixed
+    precision) are refreshed from the loaded values, so the next ``optim_step`` starts from them;
+    Adam moments and step counters are left as they are.
+
+    Raises:
+        ValueError: the engine has no LoRA.
+        AdapterFormatError: missing / unknown keys, shapes that do not fit, fused parts with
+            different ``lora_A``, or a ``config`` that disagrees with the engine's settings;
+            every offender listed, checked on all ranks before anything is copied.
+    """
+    from ferrule.megatron.weights import agreed_errors, all_gather_objects
+    from ferrule.specs import resolve_ref
+
+    _require_lora(engine)
+    if config is not None:
+        check_peft_config(engine, config)
+    ctx = _export_context(engine)
+    problems: list[str] = []
+    used: set[str] = set()
+    for spec, entries in _by_kind(engine):
+        u, p = resolve_ref(spec.load)(entries, tensors, ctx, dry_run=True)
+        used |= u
+        problems += p
+    everywhere = set().union(*all_gather_objects(sorted(used)))
+    unknown = sorted(k for k in tensors if k not in everywhere)
+    if unknown:
+        problems.append(f"adapter keys that match no adapted module ({len(unknown)}): {unknown[:8]}"
+                        + (" ..." if len(unknown) > 8 else "") + " (the adapter targets modules this engine does not "
+                        "adapt: build it with matching target_modules)")
+    problems = agreed_errors(problems)
+    if problems:
+        raise AdapterFormatError("cannot load the PEFT adapter:\n" + "\n".join(f"  - {p}" for p in problems))
+    for spec, entries in _by_kind(engine):
+        resolve_ref(spec.load)(entries, tensors, ctx)
+    engine.refresh_optimizer_params()
+
+
+def read_peft_dir(path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, adapter_config)`` of a PEFT adapter folder (``adapter_model.safetensors`` + json).
+
+    Raises:
+        FileNotFoundError: a file is missing (named).
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    st, cfg = path / "adapter_model.safetensors", path / "adapter_config.json"
+    for f in (st, cfg):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing; {path} is not a PEFT adapter folder "
+                                    f"(adapter_model.safetensors + adapter_config.json).")
+    return load_file(str(st)), json.loads(cfg.read_text())

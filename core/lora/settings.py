@@ -1,0 +1,97 @@
+"""``LoraSettings``: what to adapt and how (rank, alpha, dropout, targets, rsLoRA, init seed).
+
+Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["LoraSettings", "ALL_TARGETS"]
+
+#: The ``target_modules`` sentinel: every linear module a registered applier handles, except the
+#: output layer (PEFT's ``"all-linear"`` also leaves ``lm_head`` out); name ``output_layer`` /
+#: ``lm_head`` explicitly to adapt it.
+ALL_TARGETS = "all"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA hyper-parameters (Hu et al. 2021, "LoRA"; rsLoRA: Kalajdzievski 2023).
+
+    The adapted layer computes ``y = W x + scaling * B (A dropout(x))`` with ``A`` ``[rank, in]``
+    and ``B`` ``[out, rank]`` (HF PEFT's ``lora_A`` / ``lora_B`` layout, ``peft/tuners/lora/layer.py``).
+
+    Attributes:
+        rank: ``r`` > 0.
+        alpha: ``lora_alpha`` > 0; ``scaling = alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA
+            (PEFT's definition).
+        dropout: dropout probability on the adapter's input, in [0, 1); active in training mode only
+            (it draws random numbers, so with dropout > 0 results depend on the micro-batch split).
+        target_modules: ``"all"`` (:data:`ALL_TARGETS`), or module names: Megatron names
+            (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``output_layer``) or HF
+            names (``q_proj``, ..., ``lm_head``). An HF name that is part of a fused Megatron module
+            (``q_proj`` of ``linear_qkv``, ``gate_proj`` of ``linear_fc1``) must come with its siblings.
+        use_rslora: rank-stabilized scaling.
+        init_seed: seed of the ``A`` initialisation (PEFT's: kaiming-uniform with ``a = sqrt(5)``,
+            i.e. ``U(-1/sqrt(in), 1/sqrt(in))``; ``B`` starts at zero so the adapted model equals
+            the base model). Each module draws from its own generator seeded by ``init_seed`` and its
+            global name, so the values do not depend on the parallel layout.
+
+    Raises:
+        ValueError: a field out of range (the message names it).
+    """
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = ALL_TARGETS
+    use_rslora: bool = False
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoraSettings.rank={self.rank!r}; expected a positive integer (e.g. 8).")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+                math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoraSettings.alpha={self.alpha!r}; expected a positive number (e.g. 16).")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSettings.dropout={self.dropout!r}; expected 0 <= dropout < 1.")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            if targets != ALL_TARGETS:
+                raise ValueError(f"LoraSettings.target_modules={targets!r}; expected {ALL_TARGETS!r} or a tuple of "
+                                 f"module names such as ('linear_qkv', 'linear_proj').")
+        else:
+            targets = tuple(targets)
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"LoraSettings.target_modules={self.target_modules!r}; expected {ALL_TARGETS!r} or a "
+                                 f"non-empty tuple of module names.")
+            object.__setattr__(self, "target_modules", tuple(dict.fromkeys(targets)))
+        if not isinstance(self.use_rslora, bool):
+            raise ValueError(f"LoraSettings.use_rslora={self.use_rslora!r}; expected True or False.")
+        if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int):
+            raise ValueError(f"LoraSettings.init_seed={self.init_seed!r}; expected an integer.")
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / rank`` (``alpha / sqrt(rank)`` with rsLoRA), PEFT ``LoraLayer.update_layer``."""
+        return float(self.alpha) / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "LoraSettings":
+        """From a config mapping (``ferrule train``'s ``lora:`` section); ``target_modules`` may be a list.
+
+        Raises:
+            ValueError: unknown keys (listed) or bad values.
+        """
+        known = {"rank", "alpha", "dropout", "target_modules", "use_rslora", "init_seed"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown LoRA settings {unknown}; known: {sorted(known)}.")
+        kw = dict(raw)
+        if isinstance(kw.get("target_modules"), list):
+            kw["target_modules"] = tuple(kw["target_modules"])
+        return cls(**kw)

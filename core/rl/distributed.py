@@ -1,0 +1,281 @@
+"""``ferrule train`` on several ranks: layout checks, rollout shards, fan-out of rollout weights.
+
+Launch: ``torchrun --nproc-per-node N -m ferrule train CONFIG`` (or ``ferrule train --nproc N
+CONFIG``, which runs that). Every rank runs :class:`ferrule.rl.loop.GRPOTrainer`; the ranks
+differ only in these roles:
+
+- **driver** (global rank 0): samples the prompts, plans the rollout shards, scores rewards,
+  computes advantages, writes metrics / samples / loop state, runs evaluation. It sends the
+  scored rollout (prompt ids, responses, rewards) to every rank, so every rank builds the same
+  train batch and calls the train engine with it (the engine plans each rank's share itself).
+- **rollout ranks**: the first rank of every data-parallel replica (``tp_rank == pp_rank ==
+  0``), listed by DP rank; each holds an embedded rollout engine. The driver is the first.
+- the other ranks only train.
+
+Rollout shards (:func:`plan_shards`): the step's prompts, in sampler order, are cut into shards
+of ``rollout.prompts_per_shard`` consecutive prompts (0: ``ceil(prompts_per_step / replicas)``).
+Shard ``k`` is one ``generate`` call with sampling seed :func:`shard_seed` and runs on rollout
+rank ``k % replicas``. A shard's samples depend only on its prompts, its seed and the weights,
+so the same ``prompts_per_shard`` gives the same rollout at any world size (bit-identical while
+the weights are; the CPU tests compare DP=2, TP=2, PP=2 with one process).
+
+Weights: :func:`ferrule.sync.sync_weights` updates the driver's rollout engine (gathered once
+over the driver's replica: TP all-gather, PP broadcast), then :func:`fan_out_rollout_weights`
+broadcasts the driver engine's tensors to the other rollout ranks over a group of the rollout
+ranks only (one broadcast per tensor, received in byte-bounded ``update_weights`` buckets).
+
+Failures: a rank that raises exits non-zero and ``torchrun`` stops the other ranks at once (its
+monitor polls every 0.1 s); under a launcher that does not, a rank left waiting in a collective
+raises after ``parallel.timeout_s`` seconds (the process-group timeout).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ferrule.rl.config import ConfigError, RLConfig
+
+__all__ = ["RankRoles", "Shard", "check_layout", "launch_world_size", "plan_shards", "shard_seed",
+           "fan_out_rollout_weights", "rank_roles", "broadcast_object", "gather_objects", "all_gather_objects"]
+
+#: bytes of received tensors per ``update_weights`` call on a rollout rank (fan-out)
+FAN_OUT_BUCKET_BYTES = 256 * 2**20
+
+
+def launch_world_size() -> int:
+    """World size of this launch: ``WORLD_SIZE`` under torchrun, else 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    text = hf_config.get("text_config")
+    return text if isinstance(text, Mapping) and "num_hidden_layers" not in hf_config else hf_config
+
+
+def check_layout(cfg: RLConfig, hf_config: Mapping[str, Any], world_size: int) -> None:
+    """Check ``parallel.*`` against the world size and the model before anything is built.
+
+    Rules (megatron-core 0.16.1): ``tp * pp`` divides the world size (DP = world / (tp*pp));
+    ``ep`` divides ``world / pp`` and the number of routed experts; ``tp`` divides the attention
+    heads, the KV heads and the FFN width; ``pp`` divides the layer count (even split);
+    ``vpp`` must be 1 (see the message).
+
+    Raises:
+        ConfigError: every problem at once, each naming the valid sizes.
+    """
+    par = cfg.parallel
+    p: list[str] = []
+    if par.vpp != 1:
+        p.append(f"parallel.vpp: {par.vpp} virtual pipeline stages are not supported: the train engine runs "
+                 "megatron's non-interleaved pipeline schedule with one model chunk per rank (interleaving "
+                 "needs the model built as vpp chunks and the interleaved 1F1B schedule, not implemented); "
+                 "set parallel.vpp=1")
+    tp, pp, ep = par.tp, par.pp, par.ep
+    if world_size % (tp * pp):
+        options = ", ".join(f"tp={t} pp={q}" for t in _divisors(world_size) for q in _divisors(world_size // t))
+        p.append(f"parallel: tp*pp = {tp}*{pp} = {tp * pp} does not divide the world size {world_size} (launched "
+                 f"ranks); valid for {world_size} ranks: {options} (DP = world / (tp*pp)), or launch a multiple "
+                 f"of {tp * pp} ranks")
+    elif (world_size // pp) % ep:
+        p.append(f"parallel.ep: {ep} does not divide world / pp = {world_size // pp}; valid: "
+                 f"{_divisors(world_size // pp)}")
+    m = _text_config(hf_config)
+    heads = m.get("num_attention_heads")
+    kv = m.get("num_key_value_heads") or heads
+    ffn = m.get("intermediate_size")
+    if isinstance(heads, int) and isinstance(kv, int):
+        g = math.gcd(heads, kv) if not isinstance(ffn, int) else math.gcd(math.gcd(heads, kv), ffn)
+        if g % tp:
+            p.append(f"parallel.tp: {tp} does not divide the model's attention heads {heads}, KV heads {kv}"
+                     + (f" and FFN width {ffn}" if isinstance(ffn, int) else "") + f"; valid tp: {_divisors(g)}")
+    layers = m.get("num_hidden_layers")
+    if isinstance(layers, int) and layers % pp:
+        p.append(f"parallel.pp: {pp} does not divide the model's {layers} layers (stages hold equal layer "
+                 f"counts); valid pp: {_divisors(layers)}")
+    experts = next((m[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if isinstance(m.get(k), int)),
+                   None)
+    if ep > 1 and experts is None:
+        p.append(f"parallel.ep: {ep} > 1 but the model has no routed experts; set parallel.ep=1")
+    elif experts is not None and experts % ep:
+        p.append(f"parallel.ep: {ep} does not divide the model's {experts} routed experts; valid ep: "
+                 f"{_divisors(experts)}")
+    if world_size > 1 and cfg.rollout.engine != "embedded":
+        p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop; multi-rank runs use the "
+                 "embedded engine on each data-parallel replica's first rank")
+    if p:
+        raise ConfigError(p)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rollout call: prompts ``[start, stop)`` of the step, sampling ``seed``, on ``replica``."""
+
+    index: int
+    start: int
+    stop: int
+    seed: int
+    replica: int
+
+
+def shard_seed(train_seed: int, step: int, index: int) -> int:
+    """Sampling seed of rollout shard ``index`` at ``step``.
+
+    Shard 0: ``rollout_seed(train_seed, step)`` = ``sha256("ferrule-rollout:{seed}:{step}")``
+    (the one-shard seed of earlier single-process runs); shard k > 0:
+    ``sha256("ferrule-rollout.{k}:{seed}:{step}")``. First 8 bytes, mod 2**63.
+    """
+    from ferrule.rl.loop import rollout_seed
+
+    return rollout_seed(train_seed, step, "rollout" if index == 0 else f"rollout.{index}")
+
+
+def plan_shards(n_prompts: int, prompts_per_shard: int, replicas: int, train_seed: int, step: int) -> list[Shard]:
+    """Cut ``n_prompts`` into shards of ``prompts_per_shard`` (0: ``ceil(n_prompts / replicas)``),
+    shard ``k`` on replica ``k % replicas`` (module docstring)."""
+    size = prompts_per_shard or max(1, -(-n_prompts // replicas))
+    return [Shard(k, a, min(a + size, n_prompts), shard_seed(train_seed, step, k), k % replicas)
+            for k, a in enumerate(range(0, n_prompts, size))]
+
+
+# ---------------------------------------------------------------------------------------
+# roles and object collectives
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankRoles:
+    """This rank's part in the loop (module docstring).
+
+    Attributes:
+        rank / world_size: global rank and size (0 / 1 without a process group).
+        rollout_ranks: the first rank of every DP replica, by DP rank (``(0,)`` at DP=1).
+        rollout_group: process group of ``rollout_ranks`` (None with one replica).
+    """
+
+    rank: int
+    world_size: int
+    rollout_ranks: tuple[int, ...]
+    rollout_group: Any = None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def replica(self) -> int | None:
+        """This rank's index in :attr:`rollout_ranks` (None: no rollout engine here)."""
+        return self.rollout_ranks.index(self.rank) if self.rank in self.rollout_ranks else None
+
+
+def rank_roles() -> RankRoles:
+    """Roles from megatron's parallel state (collective: call on every rank after the engine is built)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return RankRoles(0, 1, (0,))
+    coords = all_gather_objects((dist.get_rank(), ps.get_tensor_model_parallel_rank(),
+                                 ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()))
+    firsts = tuple(r for r, _, _, _ in sorted((c for c in coords if c[1] == 0 and c[2] == 0), key=lambda c: c[3]))
+    group = dist.new_group(list(firsts)) if len(firsts) > 1 else None  # collective: every rank creates it
+    return RankRoles(dist.get_rank(), dist.get_world_size(), firsts, group)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (pickled; CPU tensors inside are fine)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_objects(obj: Any, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` on global rank ``dst`` (rank order), None elsewhere."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def all_gather_objects(obj: Any) -> list:
+    """Every rank's ``obj`` on every rank (rank order)."""
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# weights: driver's rollout engine -> the other rollout ranks
+# ---------------------------------------------------------------------------------------
+
+def fan_out_rollout_weights(roles: RankRoles, rollout: Any, version: int, *,
+                            bucket_bytes: int = FAN_OUT_BUCKET_BYTES) -> int:
+    """Copy the driver's rollout-engine weights into every other rollout rank's engine.
+
+    Collective over :attr:`RankRoles.rollout_group` (call on the rollout ranks after
+    :func:`ferrule.sync.sync_weights`; other ranks return at once). The driver broadcasts the
+    name/shape/dtype list, then each tensor of ``rollout.get_hf_state_dict()`` (HF checkpoint
+    names; tied aliases sent once); receivers apply them with ``update_weights(bucket, version)``
+    in buckets of at most ``bucket_bytes``. Tensors travel on the engine's device (NCCL: GPU).
+
+    Returns:
+        Bytes sent (driver) or received (other rollout ranks); 0 elsewhere.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if roles.rollout_group is None or roles.replica is None:
+        return 0
+    src = roles.rollout_ranks[0]
+    if roles.is_driver:
+        state = rollout.get_hf_state_dict()
+        seen: dict[int, str] = {}
+        meta = []
+        for name in sorted(state):
+            t = state[name]
+            key = t.data_ptr()
+            other = state[seen[key]] if key in seen else None
+            if other is not None and other.shape == t.shape and other.stride() == t.stride():  # tied alias
+                continue
+            seen[key] = name
+            meta.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+    else:
+        state, meta = None, None
+    meta = broadcast_object(meta, src=src, group=roles.rollout_group)
+    device = rollout.device if hasattr(rollout, "device") else torch.device("cpu")
+    total, bucket, used = 0, [], 0
+    for name, shape, dtype in meta:
+        if roles.is_driver:
+            t = state[name].detach().contiguous()
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(t, src=src, group=roles.rollout_group)
+        size = t.numel() * t.element_size()
+        total += size
+        if not roles.is_driver:
+            bucket.append((name, t))
+            used += size
+            if used >= bucket_bytes:
+                rollout.update_weights(bucket, version)
+                bucket, used = [], 0
+    if bucket:
+        rollout.update_weights(bucket, version)
+    return total
+
