@@ -38,6 +38,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("plot", "ferrule.rl.cli_plot:plot_command"),
     ("check", "ferrule.converters.cli_check:check_command"),
     ("export", "ferrule.converters.export:export_command"),
+    ("serve", "ferrule.serve.cli:serve_command"),
 )
 
 

@@ -533,7 +533,7 @@ class TrainEngine:
             metrics_all += mets
         if any(o is None for o in outputs):
             raise RuntimeError("internal error: some data produced no output (batch plan mismatch across ranks).")
-        metrics = {} if forward_only else finalize_metrics(sum_metrics(metrics_all))
+        metrics = finalize_metrics(sum_metrics(metrics_all)) if metrics_all else {}
         return FBOutput(loss_fn_outputs=outputs, metrics=metrics)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public training API
@@ -560,6 +560,20 @@ class TrainEngine:
         """
         data, cfg = self._prepare(batch, loss_fn, loss_fn_config)
         return self._run(data, loss_fn, cfg, forward_only=False)
+
+    def forward(self, batch: Sequence[Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float] | None = None) -> FBOutput:
+        """:meth:`forward_backward` without the backward: same outputs and metrics, no gradient
+        touched (Tinker's ``forward``). Raises as :meth:`forward_backward`."""
+        data, cfg = self._prepare(batch, loss_fn, loss_fn_config)
+        return self._run(data, loss_fn, cfg, forward_only=True)
+
+    def check_batch(self, batch: Sequence[Datum], loss_fn: str | None,
+                    loss_fn_config: Mapping[str, float] | None = None) -> None:
+        """Run :meth:`forward_backward`'s input checks only (no compute, no state touched), so a
+        service can refuse a bad request when it arrives. ``loss_fn`` None checks what
+        :meth:`forward_logprobs` needs. Raises as :meth:`forward_backward`."""
+        self._prepare(batch, loss_fn, loss_fn_config)
 
     def forward_logprobs(self, batch: Sequence[Datum]) -> list[torch.Tensor]:
         """Per-token logprobs ``[N]`` float32 of each datum's ``target_tokens`` (no grad), caller's order."""

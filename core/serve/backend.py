@@ -1,0 +1,385 @@
+"""The model seam of ``ferrule serve``: training clients on the train engine, sampling on the
+embedded rollout engine, checkpoints on disk.
+
+:class:`EngineBackend` keeps **one** :class:`~ferrule.megatron.engine.TrainEngine` **per
+training client** (model id), each built from the served base checkpoint. Clients therefore
+never share gradients, Adam moments, step counters or LR-scheduler state: two clients whose
+requests interleave get exactly what each gets alone (tests/test_serve.py checks it bit for bit).
+A Tinker ``lora_config`` makes the engine a LoRA engine (``TrainEngine(lora=...)``,
+:meth:`EngineBackend.lora_settings`): the base is frozen, the adapters and their Adam state are
+the client's trained state. Sampler weights are the base with the adapters merged
+(:func:`merged_hf_state`), so the embedded rollout engine serves them like any full model.
+
+Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`. Before a request it
+holds the weights the sampling session names (the base model, or a ``save_weights_for_sampler``
+snapshot, written as HF-named safetensors) and swaps them in place when another session
+samples (``update_weights``; the last-loaded snapshot is remembered so consecutive requests of
+one session swap nothing).
+
+Every method is called from the service's single worker thread (:mod:`ferrule.serve.scheduler`),
+except :meth:`check_forward_backward`, a pure input check the HTTP handlers run on submission.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["EngineBackend", "SampleSpec"]
+
+#: default ``max_tokens`` when a sample request leaves it unset
+DEFAULT_MAX_TOKENS = 128
+#: LoRA alpha of Tinker training clients (Tinker's lora_config has no alpha; the tinker-cookbook's
+#: ``hyperparam_utils`` assumes ``lora_alpha=32`` when it scales learning rates for LoRA)
+TINKER_LORA_ALPHA = 32.0
+#: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory
+MAX_SNAPSHOTS = 4
+
+
+class SampleSpec:
+    """One ``asample`` request, validated: prompt token ids, n, ferrule ``SamplingParams``,
+    and whether prompt logprobs are wanted."""
+
+    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool):
+        self.prompt, self.n, self.params, self.prompt_logprobs = prompt, n, params, prompt_logprobs
+
+
+class EngineBackend:
+    """Train engines per model id + one embedded rollout engine, for one served base model.
+
+    Args:
+        base_model: an HF checkpoint directory (``config.json`` + safetensors) or a ferrule
+            torch_dist checkpoint (``hf/config.json`` inside).
+        model_name: the name clients pass as ``base_model`` (default: the directory name).
+        optimizer: :class:`~ferrule.megatron.optim.OptimizerSettings` for every client's engine
+            (the per-step Adam hyper-parameters come from each ``optim_step`` request).
+
+    Raises:
+        FileNotFoundError: ``base_model`` is neither kind of checkpoint.
+    """
+
+    def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None):
+        self.base_dir = Path(base_model).absolute()
+        if (self.base_dir / "config.json").is_file():
+            self.kind = "hf"
+            self.hf_config = json.loads((self.base_dir / "config.json").read_text())
+        elif (self.base_dir / "hf" / "config.json").is_file():
+            self.kind = "torch_dist"
+            self.hf_config = json.loads((self.base_dir / "hf" / "config.json").read_text())
+        else:
+            raise FileNotFoundError(f"--base-model {base_model}: neither an HF checkpoint (config.json) nor a ferrule "
+                                    "torch_dist checkpoint (hf/config.json); pass one of those directories.")
+        self.model_name = model_name or self.base_dir.name
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
+        self.optimizer = optimizer
+        self.engines: dict[str, Any] = {}
+        self.lora_ranks: dict[str, int | None] = {}
+        self._rollout = None
+        self._base_state: dict | None = None
+        self._loaded: str | None = None  # which weights the rollout engine holds: None = base
+        self._snapshots: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._snap_counter = 0
+        self._version = 0
+        _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
+
+    # ---------------------------------------------------------------- training clients
+    def _new_engine(self, lora: Any = None) -> Any:
+        from ferrule.megatron.engine import TrainEngine
+
+        if self.kind == "hf":
+            return TrainEngine.from_hf(self.base_dir, optimizer=self.optimizer, lora=lora)
+        return TrainEngine.from_torch_dist(self.base_dir, optimizer=self.optimizer, load_optimizer=False, lora=lora)
+
+    def lora_settings(self, lora_config: Mapping[str, Any] | None) -> Any:
+        """Tinker ``lora_config`` -> :class:`ferrule.lora.LoraSettings` (None: full-parameter training).
+
+        ``rank`` -> ``rank``; ``alpha`` = :data:`TINKER_LORA_ALPHA`; ``seed`` -> ``init_seed``;
+        ``train_attn`` -> ``linear_qkv``/``linear_proj``, ``train_mlp`` -> ``linear_fc1``/``linear_fc2``,
+        ``train_unembed`` -> ``output_layer`` (not with tied embeddings: the sampler gets merged
+        weights, and a merged lm_head delta would also change the tied input embeddings).
+
+        Raises:
+            ValueError: no module to train, or a bad rank.
+        """
+        if not lora_config:
+            return None
+        from ferrule.lora import LoraSettings
+
+        targets = []
+        if lora_config.get("train_attn", True):
+            targets += ["linear_qkv", "linear_proj"]
+        if lora_config.get("train_mlp", True):
+            targets += ["linear_fc1", "linear_fc2"]
+        if lora_config.get("train_unembed", True) and not self.hf_config.get("tie_word_embeddings", False):
+            targets.append("output_layer")
+        if not targets:
+            raise ValueError("lora_config trains nothing (train_attn, train_mlp and train_unembed all false).")
+        return LoraSettings(rank=int(lora_config["rank"]), alpha=TINKER_LORA_ALPHA, target_modules=tuple(targets),
+                            init_seed=int(lora_config.get("seed") or 0))
+
+    def create(self, model_id: str, lora: Any = None) -> None:
+        """Build the training client's engine: the base weights plus, with ``lora``
+        (:meth:`lora_settings`), fresh adapters on the frozen base."""
+        self.engines[model_id] = self._new_engine(lora)
+        self.lora_ranks[model_id] = None if lora is None else lora.rank
+
+    def drop(self, model_id: str) -> None:
+        self.engines.pop(model_id, None)
+        self.lora_ranks.pop(model_id, None)
+
+    def engine(self, model_id: str) -> Any:
+        try:
+            return self.engines[model_id]
+        except KeyError:
+            raise LookupError(f"model {model_id!r} has no engine in this server process (it was created before a "
+                              "restart or its session finished); create a training client from a saved state.") from None
+
+    def check_forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
+                               loss_fn_config: Mapping[str, Any] | None) -> None:
+        """The engine's own input checks (loss name and config, token ids within the vocabulary,
+        token-aligned lengths, finite inputs, known keys), without touching any state.
+
+        Raises:
+            ValueError / TypeError: the first problem, naming the datum and key.
+            LookupError: no engine for ``model_id``.
+        """
+        self.engine(model_id).check_batch(data, loss_fn, loss_fn_config)
+
+    def forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
+                         loss_fn_config: Mapping[str, Any] | None, forward_only: bool):
+        """:meth:`TrainEngine.forward_backward`, or a gradient-free forward for ``forward_only``
+        (same outputs and metrics, no accumulation). Returns an ``FBOutput``."""
+        engine = self.engine(model_id)
+        if forward_only:
+            return engine.forward(data, loss_fn, loss_fn_config)
+        return engine.forward_backward(data, loss_fn, loss_fn_config)
+
+    def optim_step(self, model_id: str, adam_params: Mapping[str, float]) -> dict:
+        """One step with the request's Tinker ``AdamParams``; ``grad_clip_norm`` 0 = no clipping."""
+        params = dict(adam_params)
+        clip = params.pop("grad_clip_norm", None)
+        engine = self.engine(model_id)
+        saved = engine.settings.clip_grad
+        if clip is not None:
+            import dataclasses
+
+            engine.settings = dataclasses.replace(engine.settings, clip_grad=float(clip))
+        try:
+            return engine.optim_step(adam_params=params)
+        finally:
+            import dataclasses
+
+            engine.settings = dataclasses.replace(engine.settings, clip_grad=saved)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_state(self, model_id: str, directory: Path) -> int:
+        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes."""
+        self.engine(model_id).save(directory, overwrite=True)
+        return _du(directory)
+
+    def load_state(self, model_id: str, directory: Path, optimizer: bool) -> None:
+        """Replace the client's engine by a fresh one holding a :meth:`save_state` checkpoint:
+        with ``optimizer`` also Adam's moments and step, the scheduler and RNG (an exact
+        continuation); without it the weights only, the optimizer starting from zero (Tinker's
+        ``load_state``). A failed load leaves the client's previous engine in place."""
+        from ferrule.megatron.checkpoint import ENGINE_STATE_FILE
+
+        saved = json.loads((directory / ENGINE_STATE_FILE).read_text()).get("lora") \
+            if (directory / ENGINE_STATE_FILE).is_file() else None
+        lora = None
+        if saved:
+            from ferrule.lora import LoraSettings
+
+            tm = saved.get("target_modules")
+            lora = LoraSettings(**dict(saved, target_modules=tuple(tm) if isinstance(tm, list) else tm))
+        fresh = self._new_engine(lora)
+        fresh.load(directory, load_optimizer=optimizer)
+        self.engines[model_id] = fresh
+        self.lora_ranks[model_id] = None if lora is None else lora.rank
+
+    def sampler_tensors(self, model_id: str) -> dict:
+        """The client's full model under HF names, adapters merged (:func:`merged_hf_state`)."""
+        return merged_hf_state(self.engine(model_id))
+
+    def save_sampler_weights(self, model_id: str, directory: Path) -> int:
+        """The full model as HF-named safetensors (``model.safetensors``) for sampling; returns bytes."""
+        from safetensors.torch import save_file
+
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        return _du(directory)
+
+    # ---------------------------------------------------------------- sampling
+    @property
+    def rollout(self) -> Any:
+        if self._rollout is None:
+            import torch
+
+            from ferrule.rollout.embedded import EmbeddedEngine
+
+            if self.kind == "hf":
+                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, dtype=torch.float32)
+            else:
+                from transformers import AutoConfig, AutoTokenizer
+
+                cfg = AutoConfig.from_pretrained(self.base_dir / "hf")
+                state = dict(self._new_engine().export_hf_state())
+                tok = None
+                if (self.base_dir / "hf" / "tokenizer_config.json").is_file():
+                    tok = AutoTokenizer.from_pretrained(self.base_dir / "hf")
+                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok)
+            self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
+        return self._rollout
+
+    def snapshot(self, model_id: str) -> str:
+        """Keep the client's current weights in memory for sampling (``save_weights_and_get_sampling_client``:
+        Tinker's ephemeral sampler weights, never written to disk); returns the snapshot key.
+        The :data:`MAX_SNAPSHOTS` most recent snapshots are kept; older ones are dropped."""
+        self._snap_counter += 1
+        key = f"ephemeral:{model_id}:{self._snap_counter}"
+        self._snapshots[key] = self.sampler_tensors(model_id)
+        while len(self._snapshots) > MAX_SNAPSHOTS:
+            self._snapshots.popitem(last=False)
+        return key
+
+    def _hold(self, source: Path | str | None) -> Any:
+        """The rollout engine holding ``source``'s weights: None = base, a sampler-weights
+        directory, or a :meth:`snapshot` key (swapped in place when it differs from the last)."""
+        engine = self.rollout
+        key = None if source is None else str(source)
+        if key != self._loaded:
+            if source is None:
+                tensors = self._base_state
+            elif isinstance(source, str):
+                if source not in self._snapshots:
+                    raise LookupError(f"the weights of this sampling client ({source}) are gone: the server keeps the "
+                                      f"{MAX_SNAPSHOTS} latest unnamed snapshots in memory and none across restarts; "
+                                      "call save_weights_and_get_sampling_client again, or save_weights_for_sampler(name).")
+                tensors = self._snapshots[source]
+            else:
+                from safetensors.torch import load_file
+
+                tensors = load_file(str(source / "model.safetensors"))
+            targets = engine.get_hf_state_dict()
+            self._version += 1
+            engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
+            self._loaded = key
+        return engine
+
+    def sampling_params(self, body: Mapping[str, Any], prompt_len: int, n: int) -> Any:
+        """Tinker ``SamplingParams`` JSON -> ferrule :class:`~ferrule.rollout.base.SamplingParams`.
+
+        ``stop``: None keeps EOS stopping; a list of strings / token ids adds stops and turns EOS
+        off (Tinker: ``[]`` disables every stop, EOS included).
+
+        Raises:
+            ValueError: a field out of range, or prompt + ``max_tokens`` beyond the context.
+        """
+        from ferrule.rollout.base import SamplingParams
+
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS if self.max_positions is None else \
+                max(1, min(DEFAULT_MAX_TOKENS, self.max_positions - prompt_len))
+        stop = body.get("stop")
+        stop_strs: tuple = ()
+        stop_ids: tuple = ()
+        ignore_eos = False
+        if stop is not None:
+            ignore_eos = True
+            stop = [stop] if isinstance(stop, str) else list(stop)
+            if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+                stop_ids = tuple(stop)
+            elif all(isinstance(s, str) for s in stop):
+                stop_strs = tuple(stop)
+            else:
+                raise ValueError(f"sampling_params.stop = {stop!r}: expected a string, a list of strings or a list "
+                                 "of token ids.")
+        if self.max_positions is not None and prompt_len + int(max_tokens) > self.max_positions:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                             f"context of {self.max_positions} tokens; shorten the prompt or max_tokens.")
+        top_k = body.get("top_k", -1)
+        return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                              top_k=-1 if top_k in (None, 0) else int(top_k), max_new_tokens=int(max_tokens),
+                              stop=stop_strs, stop_token_ids=stop_ids, n=n, seed=body.get("seed"),
+                              ignore_eos=ignore_eos)
+
+    def check_prompt(self, tokens: Sequence[int]) -> None:
+        if not tokens:
+            raise ValueError("prompt is empty; send at least one token.")
+        bad = [t for t in tokens if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token ids {bad[:5]} outside [0, {self.vocab_size}); the tokens do not "
+                             "belong to this model's tokenizer.")
+
+    def sample(self, source: Path | str | None, specs: Sequence[SampleSpec]) -> list[tuple[list, list | None]]:
+        """Sample ``spec.n`` continuations of each prompt with the weights of ``source`` (see
+        :meth:`_hold`), all prompts in one ``generate`` call (they must share ``params``).
+
+        Returns:
+            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
+            ``prompt_logprobs[0]`` is NaN (no context), ``[i]`` = log p(prompt[i] | prompt[:i])
+            from float32 ``log_softmax`` of the untempered logits.
+        """
+        import torch
+
+        params = specs[0].params
+        if any(s.params != params for s in specs):
+            raise ValueError("internal: one sample batch needs one SamplingParams.")
+        engine = self._hold(source)
+        results = engine.generate([s.prompt for s in specs], params)
+        out = []
+        for i, spec in enumerate(specs):
+            rows = results[i * params.n:(i + 1) * params.n]
+            seqs = [(list(r.token_ids), list(r.logprobs), r.finish_reason) for r in rows]
+            prompt_lp = None
+            if spec.prompt_logprobs:
+                with torch.inference_mode():
+                    ids = torch.tensor([spec.prompt], device=engine.device)
+                    logits = engine.model(input_ids=ids).logits[0].float()
+                    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+                prompt_lp = [math.nan] + lp.cpu().tolist()
+            out.append((seqs, prompt_lp))
+        return out
+
+
+def merged_hf_state(engine: Any) -> dict:
+    """The engine's full model under HF names (CPU copies): :meth:`TrainEngine.export_hf_state`,
+    with LoRA adapters merged as PEFT merges them, ``W + scaling * B @ A``
+    (``peft/tuners/lora/layer.py``; ``scaling = lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA),
+    computed in float64 and cast back to the weight's dtype.
+
+    Raises:
+        KeyError: an adapter whose base tensor the export does not hold.
+    """
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in engine.export_hf_state()}
+    if getattr(engine, "lora", None) is None:
+        return tensors
+    from ferrule.lora import hf_adapter_state_dict, peft_config
+
+    cfg = peft_config(engine)
+    scaling = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+    adapters = {k: v.detach().to("cpu") for k, v in hf_adapter_state_dict(engine).items()}
+    for key, a in adapters.items():
+        if ".lora_A." not in key:
+            continue
+        b = adapters[key.replace(".lora_A.", ".lora_B.")]
+        target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        if target not in tensors:
+            raise KeyError(f"LoRA adapter {key} has no base tensor {target} to merge into.")
+        w = tensors[target]
+        tensors[target] = (w.double() + scaling * (b.double() @ a.double())).to(w.dtype)
+    return tensors
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

@@ -1,0 +1,58 @@
+"""``ferrule serve --base-model DIR``: run the Tinker-compatible service (FastAPI + uvicorn).
+
+Mounted by ``ferrule.cli`` as ``app.command("serve")(serve_command)``. User errors (a bad
+base-model directory, a missing or malformed key file, no keys at all) print one line and exit
+with code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def build_app(base_model: Path, storage: Path, api_keys: Path | None = None, model_name: str | None = None,
+              long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024):
+    """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread).
+
+    Raises:
+        FileNotFoundError: ``base_model`` or ``api_keys`` does not exist.
+        ValueError: no API keys, or a key without the ``tml-`` prefix.
+    """
+    from .app import create_app
+    from .backend import EngineBackend
+    from .paths import load_api_keys
+
+    keys = load_api_keys(api_keys)
+    backend = EngineBackend(base_model, model_name=model_name)
+    return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len)
+
+
+def serve_command(
+    base_model: Annotated[Path, typer.Option("--base-model", help="HF checkpoint dir (config.json + safetensors) or "
+                                             "a ferrule torch_dist checkpoint to train and sample.")],
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    storage: Annotated[Path, typer.Option(help="Root for the database and every checkpoint.")] = Path("ferrule-serve"),
+    api_keys: Annotated[Path | None, typer.Option("--api-keys", help="File of 'tml-KEY [tenant]' lines (also: "
+                                                  "$FERRULE_SERVE_API_KEYS=tml-KEY[=tenant],...).")] = None,
+    model_name: Annotated[str | None, typer.Option(help="Name clients pass as base_model (default: the directory "
+                                                   "name).")] = None,
+    fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="Data per forward_backward request the SDK may send "
+                                                      "(it chunks larger batches).")] = 1024,
+) -> None:
+    """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
+    import uvicorn
+
+    from ferrule.cli_errors import print_user_error
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len)
+    except (FileNotFoundError, ValueError) as exc:
+        print_user_error(str(exc))
+        raise typer.Exit(2) from None
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,130 @@
+"""Shared request plumbing of the service's routes: JSON bodies, tenancy checks, retries,
+``seq_id`` bookkeeping and the hand-off of a job to the scheduler (:class:`Service`)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import IntegrityError
+
+from .backend import EngineBackend
+from .paths import CheckpointPath, PathError, parse_tinker_path
+from .scheduler import Job, Scheduler
+from .store import Store
+from .telemetry import Telemetry
+
+__all__ = ["HTTPError", "Service"]
+
+
+class HTTPError(Exception):
+    """An error answered as ``{"detail": message}`` with ``status`` (never an empty body: the SDK
+    would retry a bare 400 as a proxy rejection)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class Service:
+    """What every route needs: the store, the scheduler, the model backend, metrics, the storage root.
+
+    The ``own_*`` checks answer 404 for rows of another tenant (as for rows that do not exist),
+    so one tenant learns nothing about another's sessions, models or checkpoints."""
+
+    store: Store
+    scheduler: Scheduler
+    backend: EngineBackend
+    telemetry: Telemetry
+    storage: Path
+
+    @staticmethod
+    async def body_json(request: Request) -> dict:
+        try:
+            data = json.loads(await request.body() or b"{}")
+        except ValueError as exc:
+            raise HTTPError(400, f"request body is not JSON ({exc}).") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "request body must be a JSON object.")
+        return data
+
+    @staticmethod
+    def need(body: dict, key: str, typ: type | tuple = str) -> Any:
+        if key not in body or not isinstance(body[key], typ) or isinstance(body[key], bool) and typ is int:
+            raise HTTPError(400, f"field {key!r} is missing or not a {getattr(typ, '__name__', typ)}.")
+        return body[key]
+
+    def own_session(self, request: Request, session_id: str) -> dict:
+        row = self.store.session(session_id)
+        if row is None or row["tenant"] != request.state.tenant:
+            raise HTTPError(404, f"session {session_id!r} does not exist for this API key; create a session first.")
+        return row
+
+    def own_model(self, request: Request, model_id: str) -> dict:
+        row = self.store.model(model_id)
+        if row is None or row["tenant"] != request.state.tenant:
+            raise HTTPError(404, f"model {model_id!r} does not exist for this API key.")
+        if self.scheduler.expected_seq(model_id) is None:
+            raise HTTPError(410, f"model {model_id!r} is gone from this server process (created before a restart or "
+                                 "its session finished); create a training client from a saved state.")
+        return row
+
+    def own_checkpoint(self, request: Request, uri: str, kind: str) -> tuple[CheckpointPath, Path]:
+        try:
+            cp = parse_tinker_path(uri)
+            directory = cp.directory(self.storage)
+        except PathError as exc:
+            raise HTTPError(400, str(exc)) from None
+        row = self.store.checkpoint(cp.uri)
+        if row is None or row["tenant"] != request.state.tenant or not directory.is_dir():
+            raise HTTPError(404, f"checkpoint {uri!r} does not exist for this API key.")
+        if cp.kind != kind:
+            raise HTTPError(400, f"checkpoint {uri!r} is a {cp.kind} checkpoint; this call needs {kind} "
+                                 f"({'save_state' if kind == 'weights' else 'save_weights_for_sampler'} makes those).")
+        return cp, directory
+
+    def dedupe(self, request: Request, model_id: str | None, seq_id: int | None) -> JSONResponse | None:
+        """The first request's id for a retry (same idempotency key, or same model + seq_id)."""
+        key = request.headers.get("x-idempotency-key")
+        row = self.store.future_by_key(request.state.tenant, key) if key else None
+        if row is None and model_id is not None and seq_id is not None:
+            row = self.store.future_by_seq(model_id, seq_id)
+        if row is not None:
+            self.telemetry.deduplicated.inc()
+            return JSONResponse({"request_id": row["request_id"], "model_id": row["model_id"]})
+        return None
+
+    def check_seq(self, model_id: str, seq_id: int) -> None:
+        expected = self.scheduler.expected_seq(model_id)
+        if expected is not None and seq_id < expected:
+            raise HTTPError(400, f"seq_id {seq_id} of model {model_id!r} was already used (next is {expected}); "
+                                 "seq_ids increase by one per training-client request.")
+
+    def enqueue(self, request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
+                num_data: int = 0, num_tokens: int = 0, extra: dict | None = None,
+                batch: tuple | None = None) -> JSONResponse:
+        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``."""
+        rid = f"req-{uuid.uuid4().hex}"
+        try:
+            self.store.add_future(rid, request.state.tenant, op, model_id, seq_id, request.headers.get("x-idempotency-key"))
+        except IntegrityError:  # a concurrent retry of the same (model_id, seq_id) won the race
+            hit = self.dedupe(request, model_id, seq_id)
+            if hit is None:
+                raise
+            return hit
+        key, batch_run, payload = batch or (None, None, None)
+        self.scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens,
+                                  batch_key=key, batch_run=batch_run, payload=payload))
+        return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
+
+    def refuse(self, model_id: str, seq_id: int, status: int, message: str) -> HTTPError:
+        self.scheduler.skip(model_id, seq_id)
+        self.telemetry.refused.inc()
+        return HTTPError(status, message)
+

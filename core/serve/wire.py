@@ -1,0 +1,187 @@
+"""Tinker wire formats: the protobuf ``forward_backward`` request, the protobuf results.
+
+Schema: ``tinker_public.proto`` as shipped in the ``tinker`` 0.38.0 SDK
+(``tinker.proto.tinker_public_pb2``; dump in ``shared/reference/tinker_public_proto_schema.txt``).
+The SDK sends ``ForwardBackwardRequest`` as protobuf (optionally zstd-compressed) and accepts
+``ForwardBackwardOutput`` / ``SampleResponse`` results only as protobuf; everything else is
+JSON (reference/tinker_protocol.md §1, §6).
+
+Layouts (little-endian bytes):
+
+- ``EncodedTextChunk.tokens``: int32 token ids; a datum's ``model_input`` is its chunks
+  concatenated (image / dmel chunks are refused: no tower on this service).
+- ``Tensor``: ``dense`` bytes of ``dtype`` (FLOAT32 or INT64), or ``sparse_csr`` (values,
+  int64 ``crow_indices`` / ``col_indices``); ``shape`` gives the dense shape.
+- ``BatchedTensor``: per-datum bytes concatenated in ``data``; ``offsets`` = ``num_datums + 1``
+  int64 **byte** offsets; ``trailing_shape`` empty for ``[N]`` per-token outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["WireError", "FBRequest", "decode_forward_backward", "encode_forward_backward_output",
+           "encode_sample_response", "pb"]
+
+
+class WireError(ValueError):
+    """A request body that does not decode (message names the field and what was expected)."""
+
+
+def pb():
+    """The SDK's generated protobuf module (``tinker.proto.tinker_public_pb2``)."""
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
+@dataclass
+class FBRequest:
+    """A decoded ``ForwardBackwardRequest``: ``data`` are :class:`ferrule.megatron.batching.Datum`."""
+
+    model_id: str
+    seq_id: int
+    data: list
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(d.model_input) for d in self.data)
+
+
+_NP = {1: np.dtype("<f4"), 2: np.dtype("<i8")}
+
+
+def _tensor(msg: Any, where: str) -> np.ndarray:
+    dtype = _NP.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"{where}: dtype enum {msg.dtype} is not FLOAT32 (1) or INT64 (2).")
+    shape = [int(s) for s in msg.shape]
+    which = msg.WhichOneof("encoding")
+    if which == "sparse_csr":
+        csr = msg.sparse_csr
+        values = _frombuffer(csr.values, dtype, f"{where}.sparse_csr.values")
+        crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), f"{where}.sparse_csr.crow_indices")
+        col = _frombuffer(csr.col_indices, np.dtype("<i8"), f"{where}.sparse_csr.col_indices")
+        if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or (len(crow) and crow[-1] != len(values)):
+            raise WireError(f"{where}: inconsistent sparse CSR tensor (shape {shape}, {len(crow)} crow indices, "
+                            f"{len(col)} col indices, {len(values)} values).")
+        dense = np.zeros(shape, dtype=dtype)
+        for r in range(shape[0]):
+            cols = col[crow[r]:crow[r + 1]]
+            if len(cols) and (cols.min() < 0 or cols.max() >= shape[1]):
+                raise WireError(f"{where}: sparse column index outside [0, {shape[1]}).")
+            dense[r, cols] = values[crow[r]:crow[r + 1]]
+        return dense
+    arr = _frombuffer(msg.dense, dtype, f"{where}.dense")
+    if shape:
+        if int(np.prod(shape)) != arr.size:
+            raise WireError(f"{where}: shape {shape} needs {int(np.prod(shape))} elements, the bytes hold {arr.size}.")
+        arr = arr.reshape(shape)
+    return arr
+
+
+def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise WireError(f"{where}: {len(raw)} bytes is not a multiple of {dtype.itemsize} ({dtype}).")
+    return np.frombuffer(raw, dtype=dtype).copy()
+
+
+def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> FBRequest:
+    """Decode a (possibly zstd-compressed) protobuf ``ForwardBackwardRequest``.
+
+    Returns:
+        :class:`FBRequest` whose data hold ``model_input`` as a list of int and
+        ``loss_fn_inputs`` as torch tensors (int64 ``target_tokens``, float32 others).
+
+    Raises:
+        WireError: undecodable bytes, a non-text chunk, a bad tensor encoding.
+    """
+    import torch
+
+    from ferrule.megatron.batching import Datum
+
+    if content_encoding and content_encoding.strip().lower() == "zstd":
+        try:
+            import zstandard
+
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+        except Exception as exc:  # zstandard raises its own ZstdError
+            raise WireError(f"forward_backward body is not valid zstd ({exc}).") from exc
+    elif content_encoding and content_encoding.strip().lower() not in ("identity", ""):
+        raise WireError(f"Content-Encoding {content_encoding!r} is not supported; send zstd or none.")
+    msg = pb().ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # google.protobuf.message.DecodeError
+        raise WireError(f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf ({exc}).") from exc
+    data = []
+    for i, d in enumerate(msg.data):
+        tokens: list[int] = []
+        for j, chunk in enumerate(d.model_input):
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise WireError(f"datum {i}: model_input chunk {j} is {kind!r}; this server takes encoded_text "
+                                "chunks only (no image / audio towers are served).")
+            tokens += _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"datum {i} chunk {j}").tolist()
+        inputs = {}
+        for key, t in d.loss_fn_inputs.items():
+            arr = _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]")
+            inputs[key] = torch.from_numpy(np.ascontiguousarray(arr))
+        data.append(Datum(tokens, inputs))
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():  # v2 wins (SDK writes floats to both maps)
+        which = v.WhichOneof("value")
+        config[k] = v.text if which == "text" else float(v.number)
+    return FBRequest(msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only))
+
+
+def _batched(arrays: Sequence[np.ndarray], dtype_enum: int, np_dtype: str) -> Any:
+    bt = pb().BatchedTensor()
+    parts = [np.ascontiguousarray(a, dtype=np_dtype).tobytes() for a in arrays]
+    offsets = np.cumsum([0] + [len(p) for p in parts]).astype("<i8")
+    bt.data = b"".join(parts)
+    bt.offsets = offsets.tobytes()
+    bt.dtype = dtype_enum
+    return bt
+
+
+def encode_forward_backward_output(outputs: Sequence[Mapping[str, Any]], metrics: Mapping[str, float],
+                                   loss_fn_output_type: str = "ArrayRecord") -> bytes:
+    """One ``ArrayRecord`` holding each output field (``[N]`` float32 per datum) for every datum,
+    in the request's datum order, and the metrics (``name:reduction`` keys)."""
+    msg = pb().ForwardBackwardOutput()
+    msg.loss_fn_output_type = loss_fn_output_type
+    record = msg.loss_fn_outputs.add()
+    record.type_tag = loss_fn_output_type
+    record.num_datums = len(outputs)
+    for name in (outputs[0].keys() if outputs else ()):
+        arrays = [np.asarray(o[name].detach().cpu().float().numpy() if hasattr(o[name], "detach") else o[name])
+                  for o in outputs]
+        record.fields[name].CopyFrom(_batched(arrays, pb().DTYPE_FLOAT32, "<f4"))
+    for k, v in metrics.items():
+        if k.count(":") != 1:
+            raise ValueError(f"metric key {k!r} is not 'name:reduction' (the SDK's combine step needs one colon).")
+        msg.metrics[k] = float(v)
+    return msg.SerializeToString()
+
+
+def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[float], str]],
+                           prompt_logprobs: Sequence[float] | None = None) -> bytes:
+    """``SampleResponse``: each sequence is ``(tokens, logprobs, "stop"|"length")``;
+    ``prompt_logprobs`` (float32, NaN at position 0, which the SDK turns into None) if asked."""
+    msg = pb().SampleResponse()
+    for tokens, logprobs, reason in sequences:
+        seq = msg.sequences.add()
+        seq.stop_reason = pb().STOP_REASON_STOP if reason == "stop" else pb().STOP_REASON_LENGTH
+        seq.tokens = np.asarray(tokens, dtype="<i4").tobytes()
+        seq.logprobs = np.asarray(logprobs, dtype="<f4").tobytes()
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([math.nan if x is None else x for x in prompt_logprobs], dtype="<f4").tobytes()
+    return msg.SerializeToString()

@@ -1,0 +1,114 @@
+"""Start ``ferrule serve``'s app on a loopback port in this process (uvicorn in a thread), plus
+the fixtures and helpers of tests/test_serve.py and tests/test_serve_protocol.py. The client
+under test is the unmodified ``tinker`` 0.38.0 SDK. Import it after putting ``tests`` and
+``tests/dist`` on ``sys.path``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+KEYS = {"tml-alice-0001": "alice", "tml-bob-00002": "bob"}
+MODEL_NAME = "tiny-qwen2"
+
+
+class RunningServer:
+    """A served app: ``url``, ``storage``, ``app``; :meth:`stop` shuts uvicorn and the worker."""
+
+    def __init__(self, base: Path, storage: Path, *, chunk_len: int = 3, long_poll_s: float = 5.0):
+        import uvicorn
+
+        from ferrule.serve.app import create_app
+        from ferrule.serve.backend import EngineBackend
+
+        self.storage = storage
+        backend = EngineBackend(base, model_name=MODEL_NAME)
+        self.app = create_app(backend, storage, dict(KEYS), long_poll_s=long_poll_s, fwdbwd_max_chunk_len=chunk_len)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+
+    def client(self, key: str = "tml-alice-0001"):
+        import tinker
+
+        os.environ["TINKER_TELEMETRY"] = "0"
+        return tinker.ServiceClient(base_url=self.url, api_key=key)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.app.state.scheduler.shutdown()
+        self.app.state.store.engine.dispose()
+
+
+ALICE, BOB = "tml-alice-0001", "tml-bob-00002"
+LR = 1e-2
+LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Qwen2 HF checkpoint (tests/dist/train_engine_worker.make_hf_dir)."""
+    import train_engine_worker as w
+
+    return w.make_hf_dir(tmp_path_factory.mktemp("serve_base") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def server(base, tmp_path_factory):
+    srv = RunningServer(base, tmp_path_factory.mktemp("serve_storage"))
+    yield srv
+    srv.stop()
+
+
+def sdk_data(seed: int = 1, loss: str = "cross_entropy", lengths=LENGTHS) -> list:
+    """``train_engine_worker.make_batch`` data as ``tinker.types.Datum`` (what the SDK sends)."""
+    import train_engine_worker as w
+    from tinker import types
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(list(d.model_input)),
+                        loss_fn_inputs={k: v.tolist() for k, v in d.loss_fn_inputs.items()})
+            for d in w.make_batch(seed=seed, lengths=lengths, loss=loss)]
+
+
+def sampler_weights(srv: RunningServer, uri: str) -> dict:
+    """The tensors the server wrote for a ``sampler_weights`` tinker path."""
+    from safetensors.torch import load_file
+
+    model_id, kind, name = uri.removeprefix("tinker://").split("/")
+    return load_file(str(srv.storage / "checkpoints" / model_id / kind / name / "model.safetensors"))
+
+
+def adam():
+    from tinker import types
+
+    return types.AdamParams(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def raw(srv: RunningServer, path: str, key: str | None = ALICE, **kw):
+    """A POST with ``X-API-Key: key`` (None: no key), outside the SDK."""
+    import httpx
+
+    headers = kw.pop("headers", {})
+    if key is not None:
+        headers["X-API-Key"] = key
+    return httpx.post(srv.url + path, headers=headers, timeout=30, **kw)
+
+
+def poll(srv: RunningServer, request_id: str, key: str = ALICE):
+    return raw(srv, "/api/v1/retrieve_future", key, json={"request_id": request_id, "allow_metadata_only": False})
