@@ -249,6 +249,16 @@ def test_cuda_graph_decode_with_adapter_updates_in_place(compile_decode, experts
     kw = dict(targets=("q_proj", "v_proj", "o_proj"),
               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if experts else {}
     ref1, tensors1, cfg = peft_reference(base, seed=1, **kw)
+    if experts:
+        # this case failed on the H200 (2026-12-01) and is refused until diagnosed; serving it needs cuda_graph=False
+        with pytest.raises(NotImplementedError, match="cuda_graph=False"):
+            engine.update_lora_adapter(tensors1, cfg, version=1)
+        engine = EmbeddedEngine(model=copy.deepcopy(base), device="cuda", cuda_graph=False)
+        engine.update_lora_adapter(tensors1, cfg, version=1)
+        for r in engine.generate(PROMPTS, PARAMS):
+            want = reference_logprobs(ref1, PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
+            torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
+        return
     engine.update_lora_adapter(tensors1, cfg, version=1)
     for r in engine.generate(PROMPTS, PARAMS):  # captures the graphs (and compiles) with the adapter
         want = reference_logprobs(ref1, PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
