@@ -228,7 +228,7 @@ def test_build_from_hf_dir_and_from_config(tmp_path):
         out = eng.generate(PROMPTS, params)
         assert [r.token_ids for r in out] == [r.token_ids for r in ref]
         assert eng.health()["status"] == "ok" and eng.health()["model_type"] == "qwen3"
-    with pytest.raises(NotImplementedError, match="LoRA"):
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):  # LoRA serving: tests/test_rollout_lora.py
         from_dir.load_lora_adapter("a", "/nonexistent")
     from_dir.shutdown()
     with pytest.raises(RuntimeError, match="shutdown"):

@@ -28,8 +28,10 @@ from ferrule.rollout.sglang import (
     build_generate_payload,
     build_init_weights_update_group_payload,
     build_update_from_disk_payload,
+    build_load_lora_payload,
     build_update_from_distributed_payload,
     parse_generate_response,
+    write_peft_adapter_dir,
 )
 
 # Field names copied from SGLang's dataclasses (see module docstring) -- the contract we build against.
@@ -37,6 +39,9 @@ GENERATE_REQ_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logpro
 SGLANG_SAMPLING_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "ignore_eos",
                           "skip_special_tokens", "no_stop_trim", "n", "sampling_seed"}
 REQS = [GenerateRequest((1, 2, 3), request_id="a"), GenerateRequest((4, 5), request_id="b")]
+# LoadLoRAAdapterReqInput / UnloadLoRAAdapterReqInput (io_struct.py); lora_id is filled in by the TokenizerManager.
+LOAD_LORA_FIELDS = {"lora_name", "lora_path", "pinned"}
+UNLOAD_LORA_FIELDS = {"lora_name"}
 
 
 def test_generate_payload_uses_sglang_field_names_and_prompt_major_rows():
@@ -95,6 +100,99 @@ def test_weight_update_payloads():
                     "group_name": "weight_update_group", "flush_cache": True, "weight_version": "5"}
     with pytest.raises(ValueError, match="lengths differ"):
         build_update_from_distributed_payload(["a", "b"], ["float32"], [[1]], 1)
+
+
+def test_load_lora_payload():
+    assert build_load_lora_payload("policy-v3-1", "/adapters/policy-v3-1") == {
+        "lora_name": "policy-v3-1", "lora_path": "/adapters/policy-v3-1", "pinned": False}
+    assert set(build_load_lora_payload("a", "/p", pinned=True)) == LOAD_LORA_FIELDS
+    with pytest.raises(ValueError, match="lora_name"):
+        build_load_lora_payload("", "/p")
+
+
+def test_adapter_folder_loads_in_peft(tmp_path):
+    """The folder SGLang is pointed at is a valid PEFT adapter: PeftModel.from_pretrained reads it back."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)).eval()
+    ref = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=5, target_modules=["q_proj", "down_proj"],
+                                                         init_lora_weights=False)).eval()
+    tensors = get_peft_model_state_dict(ref)
+    path = write_peft_adapter_dir(str(tmp_path / "a"), tensors, ref.peft_config["default"].to_dict())
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".partial")]
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref(input_ids=ids).logits, atol=0, rtol=0)
+    with pytest.raises(FileExistsError):
+        write_peft_adapter_dir(path, tensors, {})
+    with pytest.raises(ValueError, match="lora_A / lora_B"):
+        write_peft_adapter_dir(str(tmp_path / "b"), {"model.embed_tokens.weight": torch.zeros(1)}, {})
+
+
+class _RecordingHandler(http.server.BaseHTTPRequestHandler):
+    """Records POST bodies; answers like SGLang's LoRA routes (LoRAUpdateOutput) unless told to refuse."""
+
+    calls: list = []
+    refuse_load = False
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"null")
+        type(self).calls.append((self.path, body))
+        ok = not (self.path == "/load_lora_adapter" and type(self).refuse_load)
+        data = json.dumps({"success": ok, "error_message": None if ok else "rank too large"}).encode()
+        self.send_response(200 if ok else 400)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_update_lora_adapter_loads_new_then_unloads_old(tmp_path):
+    """Our client's call sequence (a recording stub, not SGLang): load vN under a fresh name, unload vN-1."""
+    import torch
+
+    _RecordingHandler.calls, _RecordingHandler.refuse_load = [], False
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RecordingHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        eng = SGLangEngine(url=f"http://127.0.0.1:{srv.server_address[1]}", lora_dir=str(tmp_path))
+        tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4),
+                   "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2)}
+        cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+        eng.update_lora_adapter(tensors, cfg, version=1)
+        first = eng.served_lora
+        eng.update_lora_adapter(tensors, cfg, version=2)
+        second = eng.served_lora
+        assert [c[0] for c in _RecordingHandler.calls] == ["/load_lora_adapter", "/load_lora_adapter",
+                                                           "/unload_lora_adapter"]
+        loads = [b for p, b in _RecordingHandler.calls if p == "/load_lora_adapter"]
+        assert all(set(b) == LOAD_LORA_FIELDS for b in loads)
+        assert [b["lora_name"] for b in loads] == [first[0], second[0]] and first[0] != second[0]
+        assert loads[1]["lora_path"] == second[1] and os.path.isfile(os.path.join(second[1], "adapter_config.json"))
+        assert _RecordingHandler.calls[2][1] == {"lora_name": first[0]} and not os.path.exists(first[1])
+        assert eng.weights_version == 2
+        _RecordingHandler.refuse_load = True
+        with pytest.raises(SGLangHTTPError, match="rank too large"):
+            eng.update_lora_adapter(tensors, cfg, version=3)
+        assert eng.served_lora == second and eng.weights_version == 2 and os.listdir(tmp_path) == [
+            os.path.basename(second[1])]
+        with pytest.raises(ValueError, match="older"):
+            eng.update_lora_adapter(tensors, cfg, version=1)
+        eng.shutdown()
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 class _FixedHandler(http.server.BaseHTTPRequestHandler):
@@ -206,3 +304,36 @@ def test_requests_with_media_are_refused_not_dropped(fixed_server):
     reqs = [GenerateRequest((1, 2)), GenerateRequest((3, 4), media={"vision": [torch.zeros(2, 3)]})]
     with pytest.raises(NotImplementedError, match=r"requests \[1\] carry media"):
         eng.generate(reqs, SamplingParams(max_new_tokens=1))
+@pytest.mark.sglang
+def test_live_lora_adapter_logprobs_match_hf_peft(tmp_path):
+    """Needs sglang, a GPU and FERRULE_SGLANG_MODEL; launches its own server with --enable-lora."""
+    pytest.importorskip("sglang", reason="sglang is not installed here; live SGLang tests need it (GPU hosts)")
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("live SGLang tests need a CUDA GPU")
+    model_dir = os.environ.get("FERRULE_SGLANG_MODEL")
+    if not model_dir:
+        pytest.skip("set FERRULE_SGLANG_MODEL to an HF checkpoint dir to run live SGLang tests")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    ref = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False)).eval()
+    eng = SGLangEngine(model_path=model_dir, lora_dir=str(tmp_path), startup_timeout=900, launch_args=(
+        "--dtype", "float32", "--mem-fraction-static", "0.3", "--enable-lora", "--max-lora-rank", "8",
+        "--lora-target-modules", "q_proj", "v_proj"))
+    try:
+        eng.update_lora_adapter(get_peft_model_state_dict(ref), ref.peft_config["default"].to_dict(), version=1)
+        prompts = [[1, 2, 3, 4], [5, 6]]
+        for r in eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)):
+            ids = torch.tensor([prompts[r.prompt_index] + list(r.token_ids)])
+            with torch.no_grad():
+                lp = torch.log_softmax(ref(input_ids=ids).logits[0].double(), -1)[len(prompts[r.prompt_index]) - 1:-1]
+            want = lp.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=2e-3, rtol=0)
+    finally:
+        eng.shutdown()

@@ -190,6 +190,21 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA: train an HF PEFT-compatible adapter on the frozen base; only the adapter is synced (docs/lora.md)."""
+
+    rank: int = _f(0, "LoRA rank r; 0: full-parameter training (no adapter). > 0 trains lora_A [r, in] / "
+                      "lora_B [out, r] on the frozen base and syncs only the adapter to the rollout engine.")
+    alpha: float = _f(32.0, "lora_alpha; the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) "
+                            "with use_rslora).")
+    dropout: float = _f(0.0, "Dropout on the adapter's input during training, in [0, 1); rollout never drops.")
+    target_modules: Any = _f("all", "'all' (every linear a registered applier handles, lm_head excepted) or a "
+                                    "list of module names, Megatron (linear_qkv, linear_proj, linear_fc1, "
+                                    "linear_fc2, output_layer) or HF (q_proj, ..., down_proj, lm_head).")
+    use_rslora: bool = _f(False, "Rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023).")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Loop size and batching."""
 
@@ -252,6 +267,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -441,7 +457,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
 from ferrule.rl.config_checks import config_reference_markdown, validate_config  # noqa: E402
 
 __all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig",
+    "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "OptimizerConfig", "ParallelConfig", "RLConfig", "RewardConfig", "RolloutConfig",
     "TrainConfig", "all_keys", "config_from_dict", "config_reference_markdown", "load_config",
     "read_config_file", "validate_config", "LOSS_NAMES", "BUILTIN_REWARDS", "CONFIG_FILE_NAME",

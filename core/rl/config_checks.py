@@ -159,6 +159,8 @@ def validate_config(cfg: RLConfig) -> list[str]:
                  f"{decay_steps} (lr_decay_steps or train.steps); set optimizer.lr_warmup_steps<={decay_steps} "
                  f"or raise train.steps")
 
+    p += _lora_problems(cfg)
+
     # train
     if t.steps < 1:
         p.append(f"train.steps: must be >= 1, got {t.steps}")
@@ -208,6 +210,37 @@ def validate_config(cfg: RLConfig) -> list[str]:
         p.append("logging.run_dir: required")
     if lg.log_samples < 0:
         p.append(f"logging.log_samples: must be >= 0, got {lg.log_samples}")
+    return p
+
+
+def _lora_problems(cfg: RLConfig) -> list[str]:
+    """Range and consistency of the ``lora`` section (``rank == 0``: LoRA off, other keys must stay default)."""
+    from ferrule.rl.config import LoraConfig
+
+    lo, p = cfg.lora, []
+    if isinstance(lo.rank, bool) or lo.rank < 0:
+        return [f"lora.rank: must be >= 0 (0: full-parameter training), got {lo.rank}"]
+    if lo.rank == 0:
+        changed = [f.name for f in dataclasses.fields(LoraConfig)
+                   if f.name != "rank" and getattr(lo, f.name) != getattr(LoraConfig(), f.name)]
+        if changed:
+            p.append(f"lora.{', lora.'.join(changed)}: set but lora.rank=0 (LoRA off), so they would be ignored; "
+                     "set lora.rank > 0 (e.g. 16) to train an adapter, or remove them")
+        return p
+    if not (math.isfinite(lo.alpha) and lo.alpha > 0):
+        p.append(f"lora.alpha: must be > 0, got {lo.alpha}")
+    if not 0 <= lo.dropout < 1:
+        p.append(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
+    tm = lo.target_modules
+    if isinstance(tm, str):
+        if tm != "all":
+            p.append(f"lora.target_modules: {tm!r} is neither 'all' nor a list; write a list of module names, "
+                     f"e.g. [{tm}]")
+    elif not isinstance(tm, list) or not tm or not all(isinstance(x, str) and x and x != "all" for x in tm):
+        p.append(f"lora.target_modules: expected 'all' or a non-empty list of module names (e.g. [q_proj, v_proj] "
+                 f"or [linear_qkv, linear_proj]), got {tm!r}")
+    elif len(set(tm)) != len(tm):
+        p.append(f"lora.target_modules: {tm!r} names a module twice")
     return p
 
 

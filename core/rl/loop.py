@@ -65,7 +65,7 @@ import numpy as np
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError, RLConfig
-from ferrule.rl.run_checks import check_supported, preflight
+from ferrule.rl.run_checks import check_supported, lora_settings, preflight
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl.tasks import has_media
 
@@ -149,6 +149,7 @@ class GRPOTrainer:
         self._stop_requested = False
         self._setup_done = False
         self._reward_failures_shown = 0
+        self.last_sync: Any = None  # SyncStats of the latest weight sync
 
     # ------------------------------------------------------------------ setup
     def _log(self, text: str) -> None:
@@ -200,11 +201,18 @@ class GRPOTrainer:
             lr_decay_style=o.lr_decay_style, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad)
         kwargs = dict(optimizer=settings, params_dtype=dtype, seed=t.seed, max_tokens_per_microbatch=t.micro_batch_tokens)
+        lora = lora_settings(cfg)
+        if lora is not None:  # adapters on the frozen base; the sync then sends only the adapter
+            kwargs["lora"] = lora
         if cfg.model.torch_dist_dir:
             self.engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, layout, load_optimizer=False, **kwargs)
         else:
             self.engine = TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
         self.roles = rl_dist.rank_roles()
+        if lora is not None and self.roles.distributed:
+            raise ConfigError([f"lora.rank: LoRA RL under torchrun (world size {self.roles.world_size}) is not wired "
+                               "yet: the adapter is sent to the driver's rollout engine only, not fanned out to the "
+                               "other replicas; run LoRA in one process, or set lora.rank=0"])
 
         # the embedded engine runs where training runs: the GPU when there is one, else the CPU; one
         # per data-parallel replica, on its first rank
@@ -399,12 +407,17 @@ class GRPOTrainer:
                             forward_only_seq_lens=lens if forward_only_too else ())
 
     def _sync(self) -> float:
-        from ferrule.sync import sync_weights
+        from ferrule.sync import sync_lora_adapter, sync_weights
 
         t0 = time.perf_counter()
-        sync_weights(self.engine, self.rollout, version=self.engine.step, check_equal=self.check_equal)
-        # the other replicas' rollout engines get the driver engine's tensors (gathered once)
-        rl_dist.fan_out_rollout_weights(self.roles, self.rollout, self.engine.step)
+        if getattr(self.engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
+            stats = sync_lora_adapter(self.engine, self.rollout, version=self.engine.step,
+                                      check_equal=self.check_equal)
+        else:
+            stats = sync_weights(self.engine, self.rollout, version=self.engine.step, check_equal=self.check_equal)
+            # the other replicas' rollout engines get the driver engine's tensors (gathered once)
+            rl_dist.fan_out_rollout_weights(self.roles, self.rollout, self.engine.step)
+        self.last_sync = stats
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
@@ -530,7 +543,11 @@ class GRPOTrainer:
                         "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
                         "train_tokens_per_s": seq_tokens / max(t_train, 1e-9),
                         "mfu": self._train_mfu(samples, t_train, need_old),
-                        "weights_version": self.engine.step, "epoch": self.sampler.epoch})
+                        "weights_version": self.engine.step, "epoch": self.sampler.epoch,
+                        "sync_bytes": self.last_sync.bytes})
+        if self.last_sync.device_memory_after is not None:  # a leaking export shows up here first
+            metrics["sync_device_memory_delta_bytes"] = (self.last_sync.device_memory_after
+                                                         - self.last_sync.device_memory_before)
         if self.roles.distributed:  # per-rank timings: the slowest and fastest rank of each phase
             times = rl_dist.all_gather_objects((t_rollout, t_train, t_sync, self._stop_requested))
             for j, key in enumerate(("time_rollout_s", "time_train_s", "time_sync_s")):

@@ -52,6 +52,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "time_rollout_s": ("s", "generation time"),
     "time_train_s": ("s", "forward_backward + optim_step time"),
     "time_sync_s": ("s", "weight-sync time to the rollout engine"),
+    "sync_bytes": ("bytes", "bytes sent to the rollout engine by the step's sync (the adapter only with lora.rank > 0)"),
+    "sync_device_memory_delta_bytes": ("bytes", "CUDA bytes allocated after the sync minus before it (GPU only; 0 "
+                                                "when the export leaves nothing behind)"),
     "time_step_s": ("s", "wall time of the whole step"),
     "rollout_tokens_per_s": ("tokens/s", "generated tokens per second of rollout time"),
     "train_tokens_per_s": ("tokens/s", "prompt+response tokens per second of train time"),

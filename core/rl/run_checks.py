@@ -2,17 +2,43 @@
 before anything is loaded, so these errors come in a second rather than after model loading.
 
 - :func:`check_supported`: settings the loop does not implement (yet);
-- :func:`preflight`: the run folder, the model family, the chat template.
+- :func:`preflight`: the run folder, the model family, the chat template;
+- :func:`lora_settings`: the ``lora`` section as :class:`ferrule.lora.LoraSettings` (or None).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from ferrule.rl.config import ConfigError, RLConfig
 
-__all__ = ["check_supported", "preflight"]
+__all__ = ["check_supported", "lora_settings", "preflight"]
+
+
+def lora_settings(cfg: RLConfig) -> Any:
+    """The ``lora`` section as :class:`ferrule.lora.LoraSettings` (``init_seed = train.seed``), or None
+    when ``lora.rank == 0`` (full-parameter training).
+
+    Raises:
+        ConfigError: LoRA requested but :mod:`ferrule.lora` (the LoRA train side) is not installed, or
+            the settings are refused by ``LoraSettings`` (the message names the key).
+    """
+    lo = cfg.lora
+    if lo.rank == 0:
+        return None
+    try:
+        from ferrule.lora import LoraSettings
+    except ImportError:
+        raise ConfigError([f"lora.rank: {lo.rank} asks for LoRA training, but this ferrule has no ferrule.lora "
+                           "(the LoRA train engine); update ferrule or set lora.rank=0"]) from None
+    targets = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
+    try:
+        return LoraSettings(rank=lo.rank, alpha=float(lo.alpha), dropout=float(lo.dropout), target_modules=targets,
+                            use_rslora=lo.use_rslora, init_seed=cfg.train.seed)
+    except ValueError as exc:
+        raise ConfigError([f"lora: {exc}"]) from None
 
 
 def preflight(cfg: RLConfig) -> None:
@@ -66,6 +92,11 @@ def check_supported(cfg: RLConfig) -> None:
                  "(entropy is still reported)")
     if cfg.rollout.engine != "embedded":
         p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop yet; use embedded")
+    if cfg.lora.rank > 0:
+        try:
+            lora_settings(cfg)
+        except ConfigError as exc:
+            p.extend(exc.problems)
     # parallel.*: checked against the world size and the model by ferrule.rl.distributed.check_layout
     if p:
         raise ConfigError(p)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported lazily by the engines
     import torch
@@ -206,6 +206,12 @@ class RolloutEngine(Protocol):
     names of ``AutoModelForCausalLM.state_dict()``) and may be called several times with the
     same ``version`` (one call per bucket); ``weights_version`` is the last version loaded
     (``0`` for the boot weights).
+
+    ``update_lora_adapter(tensors, peft_config, version)`` serves the base weights plus one HF
+    PEFT LoRA adapter (full, TP-gathered tensors under PEFT's saved names,
+    ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` / ``lora_B.weight`` ``[out, r]``, and the
+    ``LoraConfig.to_dict()`` dict); every call sends the whole adapter and sets
+    ``weights_version``. The adapter is applied unmerged (never merged into the base *and* applied).
     """
 
     weights_version: int
@@ -216,6 +222,9 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> None: ...
 
     def load_lora_adapter(self, name: str, path: str, **kwargs: Any) -> None: ...
+
+    def update_lora_adapter(self, tensors: Mapping[str, "torch.Tensor"], peft_config: Mapping[str, Any],
+                            version: int) -> None: ...
 
     def health(self) -> dict[str, Any]: ...
 

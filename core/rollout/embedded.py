@@ -19,6 +19,9 @@ existing parameters, so captured graphs stay valid. On CPU the same code runs ea
 Weights go in and out under HF *checkpoint* names (``update_weights``, ``get_hf_state_dict``),
 translated to transformers' in-memory layout (e.g. Qwen3-MoE's stacked experts) by
 :mod:`ferrule.rollout._checkpoint_names`.
+
+LoRA: ``update_lora_adapter`` serves the base plus one HF PEFT adapter, unmerged, through PEFT's
+own LoRA layers (:mod:`ferrule.rollout._lora`); later updates copy the adapter in place.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from ferrule.rollout._checkpoint_names import CheckpointTensor, checkpoint_tensors
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
+from ferrule.rollout._lora import EmbeddedLoraServing
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
 from ferrule.rollout._static_cache import OPAQUE_SDPA, DecodeState, layer_windows, use_opaque_sdpa
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
@@ -75,7 +79,7 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
         return unregistered
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EmbeddedLoraServing):
     """Rollout engine running a transformers CausalLM in-process.
 
     Build it from exactly one of:
@@ -186,6 +190,8 @@ class EmbeddedEngine:
         self._pad_id = 0 if self._pad_id is None else int(self._pad_id)
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._ck_tensors: dict[str, CheckpointTensor] | None = None
+        self._lora = None  # ferrule.rollout._lora.ServedLoraAdapter while an adapter is served
+        self._lora_name: str | None = None
         self._closed = False
         if state_dict is not None:  # checkpoint names
             self._load_checkpoint_named(state_dict)
@@ -506,12 +512,6 @@ class EmbeddedEngine:
         """
         return {k: e.read() for k, e in self._checkpoint_tensors().items()}
 
-    def load_lora_adapter(self, name: str, path: str, **kwargs: Any) -> None:
-        """Not implemented until the LoRA issue lands."""
-        raise NotImplementedError("EmbeddedEngine.load_lora_adapter: LoRA serving is not implemented yet "
-                                  "(tracked by the LoRA issue); merge the adapter into the base weights and "
-                                  "call update_weights instead.")
-
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> dict[str, Any]:
         """``{"status", "kind", "device", "dtype", "weights_version", "model_type", "cuda_graph", ...}``."""
@@ -527,6 +527,9 @@ class EmbeddedEngine:
             "compile_decode": self.compile_decode,
             "max_batch": self.max_batch,
             "captured_buckets": [list(k) for k in self._states if self._states[k].graph is not None],
+            "lora": None if self._lora is None else {"name": self._lora_name, "r": self._lora.config.get("r"),
+                                                     "lora_alpha": self._lora.config.get("lora_alpha"),
+                                                     "tensors": len(self._lora.targets), "bytes": self._lora.nbytes()},
         }
 
     def shutdown(self) -> None:

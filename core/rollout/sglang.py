@@ -163,6 +163,55 @@ def build_update_from_distributed_payload(names: Sequence[str], dtypes: Sequence
             "flush_cache": flush_cache, "weight_version": str(version)}
 
 
+def build_load_lora_payload(lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+    """Body of ``POST /load_lora_adapter`` (``LoadLoRAAdapterReqInput``: ``lora_name``, ``lora_path``, ``pinned``).
+
+    ``lora_path`` is a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+    that the *server* can read; requests then pick the adapter by ``lora_path=[lora_name, ...]`` in
+    ``/generate`` (:func:`build_generate_payload`).
+    """
+    if not lora_name or not isinstance(lora_name, str):
+        raise ValueError(f"lora_name={lora_name!r}; expected a non-empty string.")
+    return {"lora_name": lora_name, "lora_path": os.fspath(lora_path), "pinned": bool(pinned)}
+
+
+def write_peft_adapter_dir(path: str, tensors: dict[str, Any], peft_config: dict[str, Any]) -> str:
+    """Write ``tensors`` + ``peft_config`` as a PEFT adapter folder, atomically (temp folder, then rename).
+
+    Files: ``adapter_model.safetensors`` (contiguous CPU copies, the given dtypes) and
+    ``adapter_config.json`` (what ``PeftModel.from_pretrained`` and SGLang's ``LoRAConfig`` read).
+
+    Raises:
+        FileExistsError: ``path`` exists. ValueError: no tensors, or names that are not PEFT
+            ``lora_A`` / ``lora_B`` weights.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = [n for n in tensors if not (n.endswith(".lora_A.weight") or n.endswith(".lora_B.weight"))]
+    if not tensors or bad:
+        raise ValueError(f"write_peft_adapter_dir: expected PEFT lora_A / lora_B weights, got "
+                         f"{len(tensors)} tensors, offending names {bad[:5]}.")
+    if os.path.exists(path):
+        raise FileExistsError(f"{path} exists; adapter folders are written once per version.")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)
+    try:
+        save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
+                  os.path.join(tmp, "adapter_model.safetensors"))
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump({k: (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in peft_config.items()},
+                      f, indent=2, default=str)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,6 +232,9 @@ class SGLangEngine:
             needs ``sglang`` importable here and the server on this host) or ``"disk"``
             (each call writes a safetensors file and calls ``/update_weights_from_disk``).
         startup_timeout / request_timeout: seconds.
+        lora_dir: where :meth:`update_lora_adapter` writes adapter folders (a path the server can
+            read; default a temp folder). lora_name_prefix: served adapters are named
+            ``<prefix>-v<version>-<n>``.
 
     Raises:
         ValueError: neither or both of url / model_path; unknown transport.
@@ -195,7 +247,8 @@ class SGLangEngine:
     def __init__(self, url: str | None = None, *, model_path: str | None = None, launch_args: Sequence[str] = (),
                  host: str = "127.0.0.1", port: int | None = None, python: str = sys.executable,
                  weight_transport: str = "tensor", startup_timeout: float = 900.0, request_timeout: float = 1800.0,
-                 log_path: str | None = None, env: dict[str, str] | None = None, disk_dir: str | None = None):
+                 log_path: str | None = None, env: dict[str, str] | None = None, disk_dir: str | None = None,
+                 lora_dir: str | None = None, lora_name_prefix: str = "ferrule-policy"):
         import httpx
 
         if (url is None) == (model_path is None):
@@ -207,6 +260,10 @@ class SGLangEngine:
         self.process: subprocess.Popen | None = None
         self.log_path = log_path
         self.disk_dir = disk_dir
+        self.lora_dir = lora_dir
+        self.lora_name_prefix = lora_name_prefix
+        self.served_lora: tuple[str, str] | None = None  # (lora_name, folder) of update_lora_adapter's adapter
+        self._lora_loads = 0
         if model_path is not None:
             port = port or free_port()
             url = f"http://{host}:{port}"
@@ -266,12 +323,17 @@ class SGLangEngine:
     # -------------------------------------------------------------- protocol
     def generate(self, requests: Sequence[GenerateRequest | Sequence[int]], sampling_params: SamplingParams,
                  lora_name: str | None = None) -> list[GenerateResult]:
-        """``POST /generate``; results prompt-major (see :class:`ferrule.rollout.base.RolloutEngine`)."""
+        """``POST /generate``; results prompt-major (see :class:`ferrule.rollout.base.RolloutEngine`).
+
+        ``lora_name``: the adapter to apply (default: the one :meth:`update_lora_adapter` serves, if any).
+        """
         reqs = as_requests(requests)
         with_media = [i for i, r in enumerate(reqs) if r.media]
         if with_media:  # never drop media silently
             raise NotImplementedError(f"requests {with_media[:5]} carry media; the SGLang client does not send media "
                                       f"yet; use the embedded engine for multimodal prompts.")
+        if lora_name is None and self.served_lora is not None:
+            lora_name = self.served_lora[0]
         body = self._request("POST", "/generate", build_generate_payload(reqs, sampling_params, lora_name))
         return parse_generate_response(body, reqs, sampling_params, self.weights_version)
 
@@ -348,11 +410,52 @@ class SGLangEngine:
 
     def load_lora_adapter(self, name: str, path: str, pinned: bool = False, **kwargs: Any) -> None:
         """``POST /load_lora_adapter`` (server needs ``--enable-lora``); use with ``generate(lora_name=name)``."""
-        self._request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": pinned})
+        if kwargs:
+            raise TypeError(f"SGLangEngine.load_lora_adapter got unsupported arguments {sorted(kwargs)}.")
+        self._request("POST", "/load_lora_adapter", build_load_lora_payload(name, path, pinned))
 
     def unload_lora_adapter(self, name: str) -> None:
         """``POST /unload_lora_adapter``."""
         self._request("POST", "/unload_lora_adapter", {"lora_name": name})
+
+    def update_lora_adapter(self, tensors: dict[str, Any], peft_config: dict[str, Any], version: int) -> None:
+        """Serve a new version of the policy adapter: write it, load it under a new name, drop the old one.
+
+        SGLang loads adapters from a path the server reads (``/load_lora_adapter``), so the adapter
+        goes to ``<lora_dir>/<name>`` (:func:`write_peft_adapter_dir`; the server must see the same
+        filesystem) and is loaded as ``<name> = <lora_name_prefix>-v<version>-<n>`` (``n`` counts
+        loads, so names never repeat); then
+        the previous version is unloaded and its folder removed. A load that fails leaves the previous
+        adapter served. ``generate`` without ``lora_name`` uses the current adapter.
+
+        The server must be launched with ``--enable-lora`` and room for the adapter
+        (``--max-lora-rank``, ``--lora-target-modules``, ``--max-loaded-loras`` >= 2 while the old and
+        new versions overlap).
+
+        Raises:
+            ValueError: a version going backwards. SGLangHTTPError: the server refused the load.
+        """
+        import shutil
+
+        if version < self.weights_version:
+            raise ValueError(f"update_lora_adapter(version={version}) is older than weights_version="
+                             f"{self.weights_version}.")
+        root = self.lora_dir or tempfile.mkdtemp(prefix="ferrule-sglang-lora-")
+        self.lora_dir = root
+        self._lora_loads += 1  # names stay unique when one version is sent twice (a re-sync after resume)
+        name = f"{self.lora_name_prefix}-v{version}-{self._lora_loads}"
+        path = os.path.join(root, name)
+        write_peft_adapter_dir(path, tensors, peft_config)
+        try:
+            self.load_lora_adapter(name, path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        previous, self.served_lora = self.served_lora, (name, path)
+        self.weights_version = version
+        if previous is not None:
+            self.unload_lora_adapter(previous[0])
+            shutil.rmtree(previous[1], ignore_errors=True)
 
     def model_info(self) -> dict[str, Any]:
         """``GET /get_model_info``."""

@@ -7,6 +7,9 @@
   :mod:`ferrule.megatron.weights`'s and the HF assembly :class:`ferrule.mapping.HFAssembler`'s.
 - :mod:`ferrule.sync.weight_sync`: :func:`sync_weights` and the verification mode
   :func:`check_weight_update_equal`.
+- :mod:`ferrule.sync.lora_sync`: adapter-only sync of a LoRA train engine,
+  :func:`sync_lora_adapter` (HF PEFT tensors -> ``update_lora_adapter``) and
+  :func:`check_lora_adapter_equal`.
 
 Importing this package imports no torch (the functions import it when called).
 """
@@ -19,6 +22,7 @@ from ferrule.sync.groups import (
     is_routed_expert_param,
     match_group,
 )
+from ferrule.sync.lora_sync import check_lora_adapter_equal, send_lora_adapter, sync_lora_adapter
 from ferrule.sync.weight_sync import (
     DEFAULT_CHECK_SKIP,
     SENDER_RANK,
@@ -39,10 +43,13 @@ __all__ = [
     "WeightCheckReport",
     "WeightSyncError",
     "build_update_units",
+    "check_lora_adapter_equal",
     "check_weight_update_equal",
     "is_routed_expert_param",
     "match_group",
     "pack_buckets",
+    "send_lora_adapter",
+    "sync_lora_adapter",
     "sync_weights",
     "tensor_checksum",
 ]

@@ -85,6 +85,9 @@ class SyncStats:
         seconds: wall-clock seconds of the whole call on this rank (verification included).
         sender: True on the rank that called the rollout engine.
         checked: True if :func:`check_weight_update_equal` ran and passed.
+        device_memory_before / device_memory_after: CUDA bytes allocated at the start and at the
+            end of the call (:func:`ferrule.sync.sync_lora_adapter` records them; equal when the
+            export left nothing behind); None on CPU or where not measured.
     """
 
     version: int
@@ -94,6 +97,8 @@ class SyncStats:
     seconds: float
     sender: bool
     checked: bool = False
+    device_memory_before: int | None = None
+    device_memory_after: int | None = None
 
 
 @dataclass(frozen=True)
