@@ -123,16 +123,7 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
         count += alive.long()
         hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
         if matcher is not None:
-            tok_host, alive_host = tok.tolist(), alive.tolist()
-            extra = []
-            for r in range(batch):
-                if alive_host[r] and owner[r] >= 0:
-                    host_tokens[r].append(tok_host[r])
-                    if matcher.matches(host_tokens[r]):
-                        extra.append(r)
-            if extra:
-                hit = hit.clone()
-                hit[torch.tensor(extra, device=dev)] = True
+            hit = matcher.mark_hits(tok, alive, host_tokens, [r for r in range(batch) if owner[r] >= 0], hit)
         stopped |= hit
         finished |= hit | (alive & (count >= n_new))
         step += 1

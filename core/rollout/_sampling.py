@@ -126,3 +126,29 @@ class StopStringMatcher:
         """True when ``decode(generated[-window:])`` contains a stop string."""
         text = self.decode(list(generated[-self.window:]))
         return any(s in text for s in self.stops)
+
+    def mark_hits(self, tokens: torch.Tensor, alive: torch.Tensor, history, rows, hit: torch.Tensor) -> torch.Tensor:
+        """One decode step on the host: append each alive row's new token to ``history[r]`` and
+        mark the rows whose history now :meth:`matches`.
+
+        Args:
+            tokens / alive: ``[batch]`` int64 sampled tokens / bool rows still generating.
+            history: ``history[r]`` is row ``r``'s generated token list (list or dict of lists).
+            rows: the rows to consider (rows holding a request).
+            hit: ``[batch]`` bool rows already stopping this step (a stop token).
+
+        Returns:
+            ``hit``, or a copy of it with the stop-string rows set.
+        """
+        tok_host, alive_host = tokens.tolist(), alive.tolist()
+        extra = []
+        for r in rows:
+            if alive_host[r]:
+                history[r].append(tok_host[r])
+                if self.matches(history[r]):
+                    extra.append(r)
+        if not extra:
+            return hit
+        hit = hit.clone()
+        hit[torch.tensor(extra, device=hit.device)] = True
+        return hit

@@ -395,16 +395,7 @@ class EmbeddedEngine(EmbeddedLoraServing):
             lengths += alive.long()
             hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
             if matcher is not None:
-                tok_host, alive_host = tok.tolist(), alive.tolist()
-                extra = []
-                for r in range(real):
-                    if alive_host[r]:
-                        host_tokens[r].append(tok_host[r])
-                        if matcher.matches(host_tokens[r]):
-                            extra.append(r)
-                if extra:
-                    hit = hit.clone()
-                    hit[torch.tensor(extra, device=dev)] = True
+                hit = matcher.mark_hits(tok, alive, host_tokens, range(real), hit)
             stopped |= hit
             finished |= hit
             if t == n_new - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ferrule.sync.buckets import WeightSyncError, _agree_errors, tensor_bytes
-from ferrule.sync.weight_sync import SENDER_RANK, SyncStats, WeightCheckReport, _max_abs_diff, _rank, tensor_checksum
+from ferrule.sync.weight_sync import SENDER_RANK, SyncStats, WeightCheckReport, _rank, compare_served_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -166,29 +166,15 @@ def check_lora_adapter_equal(sent: Mapping[str, "torch.Tensor"], rollout_engine:
             tensor the engine holds that was not sent (it would stay stale), every sent tensor the
             engine lacks, or an engine that cannot be read.
     """
-    import torch
-
     mode, engine = _engine_adapter(rollout_engine)
     mismatched, missing_in_engine = [], []
     for name, t in sent.items():
         if name not in engine:
             missing_in_engine.append(name)
             continue
-        ref = engine[name]
-        if mode == "exact":
-            ref = ref.detach()
-            if tuple(ref.shape) != tuple(t.shape):
-                mismatched.append(f"{name}: engine shape {tuple(ref.shape)} != sent {tuple(t.shape)}")
-                continue
-            mine = t.detach().to(device=ref.device, dtype=ref.dtype)
-            if not torch.equal(mine, ref):
-                mismatched.append(f"{name}: {_max_abs_diff(mine, ref)}")
-        else:
-            target = getattr(torch, str(ref).split(":", 1)[0], None)
-            if not isinstance(target, torch.dtype):
-                mismatched.append(f"{name}: engine checksum {ref!r} does not name a torch dtype")
-            elif tensor_checksum(t.detach().to(target)) != ref:
-                mismatched.append(f"{name}: sha256 differs (engine {ref})")
+        problem = compare_served_tensor(name, t, engine[name], mode, "sent")
+        if problem:
+            mismatched.append(problem)
     never_sent = sorted(n for n in engine if n not in sent)
     problems = []
     if mismatched:

@@ -349,7 +349,6 @@ def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine:
             every engine tensor the export never produces, and every exported tensor the
             engine lacks; the engine offers no way to read its weights.
     """
-    import torch
 
     if old_form or isinstance(rollout_engine, str):
         raise TypeError(_OLD_FORM)
@@ -379,26 +378,9 @@ def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine:
             if name not in engine:
                 missing_in_engine.append(name)
                 continue
-            ref = engine[name]
-            if mode == "exact":
-                ref = ref.detach()
-                if tuple(ref.shape) != tuple(t.shape):
-                    mismatched.append(f"{name}: engine shape {tuple(ref.shape)} != train {tuple(t.shape)}")
-                    continue
-                mine = t.detach().to(device=ref.device, dtype=ref.dtype)
-                if not torch.equal(mine, ref):
-                    mismatched.append(f"{name}: {_max_abs_diff(mine, ref)}")
-            else:
-                dtype_name = str(ref).split(":", 1)[0]
-                target = getattr(torch, dtype_name, None)
-                if not isinstance(target, torch.dtype):
-                    mismatched.append(f"{name}: engine checksum {ref!r} does not name a torch dtype")
-                    continue
-                mine = tensor_checksum(t.detach().to(target))
-                if mine != ref:
-                    mismatched.append(f"{name}: checksum {mine.split(':', 2)[2][:12]}... != engine "
-                                      f"{str(ref).split(':')[-1][:12]}... (train shape/dtype {mine.rsplit(':', 1)[0]}, "
-                                      f"engine {str(ref).rsplit(':', 1)[0]})")
+            problem = compare_served_tensor(name, t, engine[name], mode, "train")
+            if problem:
+                mismatched.append(problem)
     skipped = sorted(n for n in engine if any(fnmatch.fnmatchcase(n, p) for p in patterns))
     never_sent = sorted(n for n in engine if n not in seen and n not in skipped)
     problems = []
@@ -415,3 +397,29 @@ def check_weight_update_equal(train_engine_or_model_chunks: Any, rollout_engine:
     _agree_errors([f"check_weight_update_equal failed ({mode} compare, family {family!r}):\n" + "\n".join(problems)]
                   if problems else [])
     return WeightCheckReport(compared=len(seen), skipped=tuple(skipped), mode=mode)
+
+
+def compare_served_tensor(name: str, sent: "torch.Tensor", served: Any, mode: str, side: str) -> str | None:
+    """Compare one tensor with what the rollout engine serves; None if equal, else a one-line reason.
+
+    Args:
+        sent: the tensor on the sending side. served: the engine's tensor (``mode == "exact"``)
+            or its :func:`tensor_checksum` string (``mode == "checksum"``).
+        side: word for the sending side in messages (``"train"``, ``"sent"``).
+    """
+    import torch
+
+    if mode == "exact":
+        ref = served.detach()
+        if tuple(ref.shape) != tuple(sent.shape):
+            return f"{name}: engine shape {tuple(ref.shape)} != {side} {tuple(sent.shape)}"
+        mine = sent.detach().to(device=ref.device, dtype=ref.dtype)
+        return None if torch.equal(mine, ref) else f"{name}: {_max_abs_diff(mine, ref)}"
+    target = getattr(torch, str(served).split(":", 1)[0], None)
+    if not isinstance(target, torch.dtype):
+        return f"{name}: engine checksum {served!r} does not name a torch dtype"
+    mine = tensor_checksum(sent.detach().to(target))
+    if mine == served:
+        return None
+    return (f"{name}: checksum {mine.split(':', 2)[2][:12]}... != engine {str(served).split(':')[-1][:12]}... "
+            f"({side} shape/dtype {mine.rsplit(':', 1)[0]}, engine {str(served).rsplit(':', 1)[0]})")
