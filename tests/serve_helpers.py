@@ -28,6 +28,7 @@ class RunningServer:
 
         self.storage = storage
         backend = EngineBackend(base, model_name=MODEL_NAME)
+        self.backend = backend
         self.app = create_app(backend, storage, dict(KEYS), long_poll_s=long_poll_s, fwdbwd_max_chunk_len=chunk_len)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -159,6 +159,13 @@ def test_two_tenants_interleaved_equal_each_alone(server):
     got = {ALICE: [], BOB: []}
     for key, f in futs:
         got[key].append(f.result().metrics["loss:sum"])
+    # the two LoRA clients hold one copy of the frozen base (issue 16 item 3), their adapters apart
+    frozen, trained = ({}, {}), ({}, {})
+    for k, tc in enumerate((ta, tb)):
+        for name, p in server.backend.engine(tc.model_id).model[0].named_parameters():
+            (trained if p.requires_grad else frozen)[k][name] = p.data_ptr()
+    assert frozen[0] and frozen[0] == frozen[1]
+    assert trained[0] and all(trained[0][n] != trained[1][n] for n in trained[0])
     for key, tc in ((ALICE, ta), (BOB, tb)):
         assert got[key] == alone[key][0]
         mixed = sampler_weights(server, tc.save_weights_for_sampler("mixed").result().path)

@@ -7,7 +7,9 @@ never share gradients, Adam moments, step counters or LR-scheduler state: two cl
 requests interleave get exactly what each gets alone (tests/test_serve.py checks it bit for bit).
 A Tinker ``lora_config`` makes the engine a LoRA engine (``TrainEngine(lora=...)``,
 :meth:`EngineBackend.lora_settings`): the base is frozen, the adapters and their Adam state are
-the client's trained state. Sampler weights are the base with the adapters merged
+the client's trained state, and the frozen base tensors of all LoRA clients are one copy in
+memory (:meth:`EngineBackend._share_frozen_base`: each new LoRA engine's frozen parameters are
+pointed at the storage of an existing LoRA engine's identical ones). Sampler weights are the base with the adapters merged
 (:func:`merged_hf_state`), so the embedded rollout engine serves them like any full model.
 
 Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`. Before a request it
@@ -125,8 +127,38 @@ class EngineBackend:
     def create(self, model_id: str, lora: Any = None) -> None:
         """Build the training client's engine: the base weights plus, with ``lora``
         (:meth:`lora_settings`), fresh adapters on the frozen base."""
-        self.engines[model_id] = self._new_engine(lora)
+        engine = self._new_engine(lora)
+        self._share_frozen_base(engine, exclude=model_id)
+        self.engines[model_id] = engine
         self.lora_ranks[model_id] = None if lora is None else lora.rank
+
+    def _share_frozen_base(self, engine: Any, exclude: str | None = None) -> int:
+        """Point ``engine``'s frozen (``requires_grad=False``) parameters at the storage of another
+        LoRA client's engine where name, shape, dtype and values are identical, so N LoRA clients
+        hold one base copy. Nothing writes a frozen parameter (no gradient, no optimizer state;
+        ``load`` of a checkpoint with the same base writes equal values), and a tensor that
+        differs (a checkpoint of another base) keeps its own storage. Full-parameter engines are
+        never shared. Returns the number of shared tensors.
+        """
+        import torch
+
+        if getattr(engine, "lora", None) is None:
+            return 0
+        donor = next((e for mid, e in self.engines.items() if mid != exclude and getattr(e, "lora", None) is not None
+                      and e is not engine), None)
+        if donor is None:
+            return 0
+        theirs = {n: p for n, p in donor.model[0].named_parameters() if not p.requires_grad}
+        shared = 0
+        with torch.no_grad():
+            for name, p in engine.model[0].named_parameters():
+                q = theirs.get(name)
+                if (p.requires_grad or q is None or q.shape != p.shape or q.dtype != p.dtype or q.device != p.device
+                        or p.data_ptr() == q.data_ptr() or not torch.equal(p, q)):
+                    continue
+                p.data = q.data
+                shared += 1
+        return shared
 
     def drop(self, model_id: str) -> None:
         self.engines.pop(model_id, None)
@@ -199,6 +231,7 @@ class EngineBackend:
             lora = LoraSettings(**dict(saved, target_modules=tuple(tm) if isinstance(tm, list) else tm))
         fresh = self._new_engine(lora)
         fresh.load(directory, load_optimizer=optimizer)
+        self._share_frozen_base(fresh, exclude=model_id)  # after the load: only values equal to a live base are shared
         self.engines[model_id] = fresh
         self.lora_ranks[model_id] = None if lora is None else lora.rank
 
