@@ -63,10 +63,9 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
             req = decode_forward_backward(raw, request.headers.get("content-encoding"))
         except WireError as exc:
             raise HTTPError(400, str(exc)) from None
-        svc.own_model(request, req.model_id)
-        if (hit := svc.dedupe(request, req.model_id, req.seq_id)) is not None:
+        _, hit = svc.admit(request, req.model_id, req.seq_id)
+        if hit is not None:
             return hit
-        svc.check_seq(req.model_id, req.seq_id)
         op = "forward" if req.forward_only else "forward_backward"
         try:
             if not req.loss_fn:
@@ -88,10 +87,9 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
 
         body = await svc.body_json(request)
         model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
-        svc.own_model(request, model_id)
-        if (hit := svc.dedupe(request, model_id, seq_id)) is not None:
+        _, hit = svc.admit(request, model_id, seq_id)
+        if hit is not None:
             return hit
-        svc.check_seq(model_id, seq_id)
         adam = dict(body.get("adam_params") or {})
         try:
             if body.get("optimizer_params"):
@@ -111,10 +109,9 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
     async def save_weights(request: Request):
         body = await svc.body_json(request)
         model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
-        svc.own_model(request, model_id)
-        if (hit := svc.dedupe(request, model_id, seq_id)) is not None:
+        _, hit = svc.admit(request, model_id, seq_id)
+        if hit is not None:
             return hit
-        svc.check_seq(model_id, seq_id)
         try:
             cp = CheckpointPath(model_id, "weights", check_name(svc.need(body, "path")))
             directory = cp.directory(svc.storage)
@@ -134,10 +131,9 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
     async def save_weights_for_sampler(request: Request):
         body = await svc.body_json(request)
         model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
-        row = svc.own_model(request, model_id)
-        if (hit := svc.dedupe(request, model_id, seq_id)) is not None:
+        row, hit = svc.admit(request, model_id, seq_id)
+        if hit is not None:
             return hit
-        svc.check_seq(model_id, seq_id)
         sseq = body.get("sampling_session_seq_id")
         named = body.get("path") is not None
         try:
@@ -170,10 +166,9 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         optimizer = bool(body.get("optimizer", False))
         if "model_id" in body:  # legacy load_state on an existing client
             model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
-            row = svc.own_model(request, model_id)
-            if (hit := svc.dedupe(request, model_id, seq_id)) is not None:
+            row, hit = svc.admit(request, model_id, seq_id)
+            if hit is not None:
                 return hit
-            svc.check_seq(model_id, seq_id)
             try:
                 cp, directory = svc.own_checkpoint(request, svc.need(body, "path"), "weights")
             except HTTPError as exc:

@@ -100,6 +100,20 @@ class Service:
             return JSONResponse({"request_id": row["request_id"], "model_id": row["model_id"]})
         return None
 
+    def admit(self, request: Request, model_id: str, seq_id: int) -> tuple[dict, JSONResponse | None]:
+        """The prelude of every request in a model's ``seq_id`` sequence, in its required order:
+        the caller owns the model (404 otherwise), a retry gets the first request's answer
+        (:meth:`dedupe`), and only a new request has its ``seq_id`` checked (:meth:`check_seq`).
+
+        Returns:
+            ``(model row, retry answer or None)``.
+        """
+        row = self.own_model(request, model_id)
+        hit = self.dedupe(request, model_id, seq_id)
+        if hit is None:
+            self.check_seq(model_id, seq_id)
+        return row, hit
+
     def check_seq(self, model_id: str, seq_id: int) -> None:
         expected = self.scheduler.expected_seq(model_id)
         if expected is not None and seq_id < expected:
