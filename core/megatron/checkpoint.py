@@ -289,6 +289,29 @@ def _param_groups(optimizer) -> list[dict]:
             for g in o.optimizer.param_groups]
 
 
+def _check_expert_optimizer_layout(model_chunks: list, engine_state: dict, path: Path) -> None:
+    """Refuse optimizer state written on the other side of the ep=1 / ep>1 line (MoE models only).
+
+    megatron-core's ``get_megatron_optimizer`` puts routed-expert parameters in a second optimizer
+    (a ``ChainedOptimizer``, tensor keys prefixed ``chained_1.``) only when they are expert-parallel
+    (``expert_model_parallel_size > 1``, ``allreduce=False`` on the expert weights); at ep=1 one
+    optimizer holds every parameter under unprefixed keys. The two layouts' Adam state therefore
+    has other keys and param groups and does not reshard between them (ep 2 <-> 4 keeps the form).
+    """
+    from megatron.core import parallel_state as ps
+
+    if not getattr(_unwrap(model_chunks[0]).config, "num_moe_experts", None):
+        return
+    saved = (engine_state.get("layout") or {}).get("ep")
+    now = ps.get_expert_model_parallel_world_size()
+    if isinstance(saved, int) and (saved > 1) != (now > 1):
+        raise CheckpointMismatchError(
+            f"{path}: its optimizer state was written at expert-parallel size ep={saved}, this engine runs ep={now}; "
+            "megatron-core keeps the Adam state of routed experts in a separate chained optimizer only when ep > 1, "
+            "so that state does not reshard between ep=1 and ep>1. Resume with "
+            f"{'ep > 1' if saved > 1 else 'ep=1'} (the weights load at any ep: load_optimizer=False).")
+
+
 def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
                         load_optimizer: bool = True, lora_load: Any = None) -> dict:
     """Load a :func:`save_training_state` checkpoint (or a converter checkpoint, weights only).
@@ -307,7 +330,8 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     Raises:
         FileNotFoundError: ``path`` is not a torch_dist checkpoint.
         ValueError: ``load_optimizer`` on a checkpoint without optimizer state.
-        CheckpointMismatchError: the checkpoint's tensors do not fit this model.
+        CheckpointMismatchError: the checkpoint's tensors do not fit this model, or a MoE
+            model's optimizer state crosses the ep=1 / ep>1 line (:func:`_check_expert_optimizer_layout`).
     """
     import torch.distributed as dist
 
@@ -330,6 +354,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
                          f"start LoRA training from its weights.")
     template = model_sharded_state_dict(model_chunks)
     if load_optimizer and lora_load is None:
+        _check_expert_optimizer_layout(model_chunks, engine_state, path)
         init_adam_state(optimizer)
         model_sd: dict = {}
         for key in template:

@@ -23,6 +23,10 @@ Weights: :func:`ferrule.sync.sync_weights` updates the driver's rollout engine (
 over the driver's replica: TP all-gather, PP broadcast), then :func:`fan_out_rollout_weights`
 broadcasts the driver engine's tensors to the other rollout ranks over a group of the rollout
 ranks only (one broadcast per tensor, received in byte-bounded ``update_weights`` buckets).
+With LoRA (``lora.rank > 0``) only the adapter travels: :func:`ferrule.sync.sync_lora_adapter`
+serves it on the driver's engine, then :func:`fan_out_lora_adapter` broadcasts the adapter the
+driver's engine serves (PEFT tensors + ``adapter_config``) over the same group, and each other
+rollout rank serves it with ``update_lora_adapter`` (base untouched, never merged).
 
 Failures: a rank that raises exits non-zero and ``torchrun`` stops the other ranks at once (its
 monitor polls every 0.1 s); under a launcher that does not, a rank left waiting in a collective
@@ -39,7 +43,7 @@ from typing import Any, Mapping, Sequence
 from ferrule.rl.config import ConfigError, RLConfig
 
 __all__ = ["RankRoles", "Shard", "check_layout", "launch_world_size", "plan_shards", "shard_seed",
-           "fan_out_rollout_weights", "rank_roles", "broadcast_object", "gather_objects", "all_gather_objects"]
+           "fan_out_rollout_weights", "fan_out_lora_adapter", "rank_roles", "broadcast_object", "gather_objects", "all_gather_objects"]
 
 #: bytes of received tensors per ``update_weights`` call on a rollout rank (fan-out)
 FAN_OUT_BUCKET_BYTES = 256 * 2**20
@@ -279,3 +283,77 @@ def fan_out_rollout_weights(roles: RankRoles, rollout: Any, version: int, *,
         rollout.update_weights(bucket, version)
     return total
 
+
+
+def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_equal: bool = False) -> int:
+    """Serve the driver's LoRA adapter on every other rollout rank's engine (adapter only, unmerged).
+
+    Collective over :attr:`RankRoles.rollout_group`, like :func:`fan_out_rollout_weights` (call on
+    the rollout ranks after :func:`ferrule.sync.sync_lora_adapter` put the adapter on the driver's
+    engine; other ranks, and runs with one replica, return 0 at once). The driver broadcasts its
+    engine's ``lora_config`` (the ``adapter_config.json`` dict) and the name/shape/dtype list, then
+    each tensor of ``rollout.get_lora_state_dict()`` (PEFT saved names, ``lora_A`` ``[r, in]``,
+    ``lora_B`` ``[out, r]``, in the dtype the driver serves them), so every replica serves the
+    driver's adapter bit for bit. Each receiver calls ``update_lora_adapter(tensors, config,
+    version)`` once with the whole adapter (the embedded engine refuses a partial one). Tensors
+    travel on the engine's device (NCCL: GPU). The base weights never travel and are never merged.
+
+    Args:
+        roles: this rank's :class:`RankRoles`.
+        rollout: this rank's rollout engine (``get_lora_state_dict`` / ``lora_config`` on the
+            driver, ``update_lora_adapter`` on the others); None off the rollout ranks.
+        version: the weight version (the train engine's optimizer step).
+        check_equal: receivers then verify their engine's adapter against the received tensors
+            (:func:`ferrule.sync.check_lora_adapter_equal`, exact).
+
+    Returns:
+        Bytes sent (driver) or received (other rollout ranks); 0 elsewhere.
+
+    Raises:
+        WeightSyncError: on every rollout rank when the driver's engine serves no adapter (the
+            sync did not run, or the engine cannot report its adapter), and on a receiver whose
+            check fails. The receiving engine's own errors pass through. As with the weight
+            fan-out, a rank that raises stops the job through torchrun (``parallel.timeout_s``
+            bounds the wait of ranks left in a collective).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ferrule.sync import WeightSyncError, check_lora_adapter_equal
+
+    if roles.rollout_group is None or roles.replica is None:
+        return 0
+    src = roles.rollout_ranks[0]
+    state: dict = {}
+    if roles.is_driver:
+        getter = getattr(rollout, "get_lora_state_dict", None)
+        state = dict(getter()) if callable(getter) else {}
+        config = getattr(rollout, "lora_config", None)
+        if not state or not config:
+            meta: Any = (f"fan_out_lora_adapter: the driver's rollout engine ({type(rollout).__name__}) serves no LoRA "
+                         "adapter to fan out (get_lora_state_dict() / lora_config empty or missing); run "
+                         "ferrule.sync.sync_lora_adapter on every rank first, with an engine that serves adapters")
+        else:
+            meta = (dict(config), [(n, tuple(state[n].shape), str(state[n].dtype).removeprefix("torch."))
+                                   for n in sorted(state)])
+    else:
+        meta = None
+    meta = broadcast_object(meta, src=src, group=roles.rollout_group)
+    if isinstance(meta, str):
+        raise WeightSyncError(meta)
+    config, entries = meta
+    device = rollout.device if hasattr(rollout, "device") else torch.device("cpu")
+    received, total = {}, 0
+    for name, shape, dtype in entries:
+        if roles.is_driver:
+            t = state[name].detach().contiguous()
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(t, src=src, group=roles.rollout_group)
+        total += t.numel() * t.element_size()
+        received[name] = t
+    if not roles.is_driver:
+        rollout.update_lora_adapter(received, config, version)
+        if check_equal:
+            check_lora_adapter_equal(received, rollout)
+    return total

@@ -30,7 +30,9 @@ One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` s
    optimizer step the mean over all response tokens of its mini-batch (``token_mean``), so the
    micro-batch split does not change the update.
 7. **Weight sync** through the family's update groups (:func:`ferrule.sync.sync_weights`);
-   ``check_weight_update_equal`` verifies every tensor after each sync.
+   ``check_weight_update_equal`` verifies every tensor after each sync. With LoRA only the
+   adapter travels (:func:`ferrule.sync.sync_lora_adapter`, then
+   :func:`ferrule.rl.distributed.fan_out_lora_adapter` to the other replicas).
 8. **Eval / checkpoint** every ``eval.interval`` / ``checkpoint.interval`` steps (and at the end).
 
 Checkpoint ``CKPT_DIR/step_NNNNNN/`` = ``engine/`` (:meth:`TrainEngine.save`: model, optimizer,
@@ -209,10 +211,6 @@ class GRPOTrainer:
         else:
             self.engine = TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
         self.roles = rl_dist.rank_roles()
-        if lora is not None and self.roles.distributed:
-            raise ConfigError([f"lora.rank: LoRA RL under torchrun (world size {self.roles.world_size}) is not wired "
-                               "yet: the adapter is sent to the driver's rollout engine only, not fanned out to the "
-                               "other replicas; run LoRA in one process, or set lora.rank=0"])
 
         # the embedded engine runs where training runs: the GPU when there is one, else the CPU; one
         # per data-parallel replica, on its first rank
@@ -413,6 +411,8 @@ class GRPOTrainer:
         if getattr(self.engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
             stats = sync_lora_adapter(self.engine, self.rollout, version=self.engine.step,
                                       check_equal=self.check_equal)
+            # the other replicas' rollout engines get the adapter the driver's engine now serves
+            rl_dist.fan_out_lora_adapter(self.roles, self.rollout, self.engine.step, check_equal=self.check_equal)
         else:
             stats = sync_weights(self.engine, self.rollout, version=self.engine.step, check_equal=self.check_equal)
             # the other replicas' rollout engines get the driver engine's tensors (gathered once)
@@ -612,7 +612,20 @@ class GRPOTrainer:
         except ValueError as exc:
             raise ConfigError([f"{exc} (the training data changed since the checkpoint: restore it, or start a "
                                "new logging.run_dir)"], origin=str(path)) from None
-        engine_state = self.engine.load(path / "engine")
+        from ferrule.megatron.checkpoint import CheckpointMismatchError
+
+        try:
+            engine_state = self.engine.load(path / "engine")
+        except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
+            raise ConfigError([f"parallel: {exc}"], origin=str(path)) from None
+        except ValueError as exc:
+            if getattr(self.engine, "lora", None) is None:
+                raise
+            # LoRA keeps the adapter's Adam state per rank (lora/rank_<R>.pt): resumable at the saved layout only
+            saved = state.get("world_size")
+            raise ConfigError([f"parallel: {exc} For ferrule train: resume this LoRA run with the checkpoint's "
+                               f"parallel.* and {saved} ranks (the adapter's Adam state is kept per rank), or start a "
+                               "new run"], origin=str(path)) from None
         self._log(f"resumed from {path} (step {step}, optimizer step {self.engine.step})")
         changed = engine_state.get("settings_changed") or {}
         if changed:  # e.g. train.steps grew: the decay horizon is re-planned, never silently kept
