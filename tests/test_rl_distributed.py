@@ -1,12 +1,27 @@
-"""``ferrule train`` on 2 ranks (CPU, gloo): DP=2, TP=2 and PP=2 (tied embeddings) against one process.
+"""``ferrule train`` on 2 ranks (CPU, gloo): DP=2, TP=2, PP=2 (tied embeddings), LoRA at DP=2 and
+TP=2, and a Qwen3-MoE at EP=2, each against one process.
 
 Referee: the same GRPO run in one process (this pytest process), on the tiny model and task of
 tests/test_rl_e2e.py with ``rollout.prompts_per_shard=2`` (4 prompts: two rollout shards, so
 DP=2 runs one shard on each replica), a KL term to a frozen reference and two optimizer steps
-per rollout. Every 2-rank run happens in ONE torchrun launch
-(tests/dist/rl_worker.py): per layout an uninterrupted run and a resume from its step-2
-checkpoint. Two more launches check failures (a rank that raises; a user error through
-``ferrule train --nproc 2``).
+per rollout; the LoRA layouts against the same run with the same ``lora`` section, EP=2 against
+the same run on a tiny Qwen3-MoE (same width and tokenizer, 4 experts, top 2). Every 2-rank run
+happens in ONE torchrun launch (tests/dist/rl_worker.py): per layout an uninterrupted run and a
+resume from its step-2 checkpoint. Two more launches check failures (a rank that raises; a user
+error through ``ferrule train --nproc 2``).
+
+LoRA under torchrun: every rollout rank must serve the same adapter after each sync
+(``served``: the other replica's engine gets the driver's adapter through
+``fan_out_lora_adapter``), every sync is verified (``check_weight_update_equal``), and the
+sampled responses equal one process's, so the second replica's shard (sampled on its own
+engine) saw the trained adapter.
+
+EP=2 (DP=2, each rank holds 2 of the 4 experts): tokens of both ranks meet in the experts'
+matmuls (all-to-all dispatch) and the dense gradients are all-reduced, so sums run in another
+order than in one process: the same fp32-rounding tolerance holds. The MoE model has
+``router_aux_loss_coef=0``: megatron's ``aux_loss`` load-balancing loss is computed per
+micro-batch over the tokens of one DP rank (reduced over the TP/CP group only), so with it the
+router gradient depends on how the batch is split across ranks, which is not a rounding effect.
 
 Tolerances: the rollouts (tokens) must be identical; the per-step metrics of a layout may differ
 from one process by fp32 rounding only, because the layouts sum in another order: DP=2 sums two
@@ -56,6 +71,7 @@ def work(tmp_path_factory):
         for i in range(64):
             f.write(json.dumps({"prompt": f"{e2e.WORDS[i % 8]} {e2e.WORDS[(i // 8) % 8]} {i}", "answer": "7"}) + "\n")
     (root / "tiny.yaml").write_text(e2e.CONFIG)
+    _build_moe_model(root / "model_moe")
     overrides = [f"model.hf_dir={root / 'model'}", f"data.jsonl_path={root / 'task.jsonl'}",
                  "rollout.prompts_per_shard=2",
                  # a frozen reference (rank 0 only; its logprobs are broadcast) and two optimizer steps
@@ -63,6 +79,29 @@ def work(tmp_path_factory):
                  "algorithm.kl_coef=0.05", "train.optim_steps_per_rollout=2"]
     (root / "overrides.json").write_text(json.dumps(overrides))
     return root
+
+
+#: the EP layout's model: test_rl_e2e's width and tokenizer, 4 routed experts (top 2) in every layer; no
+#: load-balancing loss (module docstring)
+MOE = dict(e2e.TINY, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+
+
+def _build_moe_model(out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    e2e._build_model(out)  # the character tokenizer (the dense model it also writes is replaced below)
+    dense = json.loads((out / "config.json").read_text())
+    cfg = AutoConfig.for_model(model_type="qwen3_moe", vocab_size=dense["vocab_size"], eos_token_id=dense["eos_token_id"],
+                               pad_token_id=dense["pad_token_id"], bos_token_id=None, **MOE)
+    torch.manual_seed(e2e.SEED)
+    Qwen3MoeForCausalLM(cfg).float().save_pretrained(out)
+
+
+def _layout_overrides(name: str, work: Path) -> list[str]:
+    """The overrides a layout shares with its one-process referee (model, LoRA; not ``parallel.*``)."""
+    return [f"{k}={str(v).format(work=work)}" for k, v in w.LAYOUTS[name].items() if not k.startswith("parallel.")]
 
 
 def _env():
@@ -124,31 +163,60 @@ def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the gloo layouts test is the CPU test; on CUDA test_dp2_on_two_gpus runs instead")
     results = _launch_worker(work)
+    print({name: round(runs["seconds"], 1) for name, runs in results.items()}, "seconds per layout (2 ranks)")
 
-    # the referee: one process, same config
+    # the referees: one process, same config (and the same model / lora section as the layout)
     base = json.loads((work / "overrides.json").read_text())
     common = base + [f"train.steps={w.STEPS}", f"checkpoint.interval={w.CKPT_EVERY}", "checkpoint.keep=0"]
-    ref_metrics, ref_responses, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'one'}"])
-    assert len({e["reward_mean"] for e in ref_metrics}) > 1 or len(set(ref_responses)) > 8  # not trivially constant
+    refs: dict = {}
+    for name in results:
+        key = tuple(_layout_overrides(name, work))
+        if key not in refs:
+            refs[key] = w.run(work / "tiny.yaml", common + list(key) + [f"logging.run_dir={tmp_path / f'one_{name}'}"])
+            ref_metrics, ref_responses, _ = refs[key]
+            assert len({e["reward_mean"] for e in ref_metrics}) > 1 or len(set(ref_responses)) > 8  # not constant
 
     for name, runs in results.items():
+        ref_metrics, ref_responses, _ = refs[tuple(_layout_overrides(name, work))]
         full_m, full_r, full_w = runs["full"]
         res_m, res_r, res_w = runs["resumed"]
-        # resume at this layout: bit-identical metrics, samples and final weights
+        # resume at this layout: bit-identical metrics, samples and final weights (and adapter)
         assert _comparable(res_m) == _comparable(full_m), name
         assert res_r == full_r and res_w == full_w, name
         # the layout vs one process: the same rollouts, metrics within fp32 rounding
         assert full_r == ref_responses, name
         _assert_close(full_m, ref_metrics, name)
         assert {"time_train_s_max", "time_rollout_s_min"} <= full_m[0].keys(), name
+        if name.startswith("lora"):
+            # both replicas' rollout engines serve the driver's adapter, which trained (sync_bytes: adapter only)
+            ranks = [r for r, _ in runs["served"]]
+            assert ranks == [0, 1] if name == "lora_dp2" else ranks == [0], (name, runs["served"])
+            assert len({d for _, d in runs["served"]}) == 1, (name, runs["served"])
+            assert all(0 < e["sync_bytes"] < 100_000 for e in full_m), name
 
-    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the
-    # torch_dist weights and Adam state reshard); step 3 then matches the one-process run
+    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the torch_dist
+    # weights and Adam state reshard); step 3 then matches the one-process run
+    from ferrule.rl.config import ConfigError
+
     for name in results:
+        key = _layout_overrides(name, work)
+        ref_metrics, ref_responses, _ = refs[tuple(key)]
         cross = tmp_path / f"{name}_to_1"
         shutil.copytree(work / name / "full", cross)
         shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
-        cross_m, cross_r, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={cross}", "checkpoint.resume=true"])
+        args = common + key + [f"logging.run_dir={cross}", "checkpoint.resume=true"]
+        if name.startswith("lora"):  # the adapter's Adam state is saved per rank: same layout only, said clearly
+            with pytest.raises(ConfigError, match=r"(?s)LoRA optimizer state per rank .* at world size 2; this engine runs .* "
+                                                       r"at world size 1\..* resume this LoRA run with the checkpoint's "
+                                                       r"parallel\.\* and 2 ranks"):
+                w.run(work / "tiny.yaml", args)
+            continue
+        if name == "ep2":  # megatron chains a separate expert optimizer only at ep > 1: refused, with the reason
+            with pytest.raises(ConfigError, match=r"written at expert-parallel size ep=2, this engine runs ep=1; "
+                                                  r"megatron-core keeps the Adam state of routed experts in a separate"):
+                w.run(work / "tiny.yaml", args)
+            continue
+        cross_m, cross_r, _ = w.run(work / "tiny.yaml", args)
         assert cross_r == ref_responses, name
         _assert_close(cross_m, ref_metrics, f"{name} -> 1 resume")
 
