@@ -6,7 +6,8 @@ WORK_DIR holds ``tiny.yaml`` and ``overrides.json`` (the tiny GRPO example of
 tests/test_rl_e2e.py: its model, task and config) and ``model_moe`` (the same task on a tiny
 Qwen3-MoE). For each layout (``dp2``: DP=2, ``tp2``: TP=2, ``pp2``: PP=2 with tied embeddings,
 ``lora_dp2`` / ``lora_tp2``: a LoRA adapter on the frozen base at DP=2 / TP=2, ``ep2``: the
-Qwen3-MoE at EP=2) the worker runs, in this one launch:
+Qwen3-MoE at EP=2, ``lora_ep2``: LoRA on it at EP=2, routed experts included) the worker runs,
+in this one launch:
 
 - ``full``: ``STEPS`` steps uninterrupted, a checkpoint every ``CKPT_EVERY`` steps (all kept);
 - ``resumed``: a copy of that run folder without its last checkpoint, resumed to ``STEPS``.
@@ -38,7 +39,7 @@ LORA = {"lora.rank": 4, "lora.alpha": 8}
 MOE_MODEL = {"model.hf_dir": "{work}/model_moe"}
 LAYOUTS = {"dp2": {}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2},
            "lora_dp2": LORA, "lora_tp2": {**LORA, "parallel.tp": 2},
-           "ep2": {**MOE_MODEL, "parallel.ep": 2}}
+           "ep2": {**MOE_MODEL, "parallel.ep": 2}, "lora_ep2": {**MOE_MODEL, **LORA, "parallel.ep": 2}}
 #: comma-separated subset of LAYOUTS to run (default all); the 2-GPU test runs dp2 only
 LAYOUTS_ENV = "FERRULE_RL_WORKER_LAYOUTS"
 
