@@ -101,6 +101,10 @@ def _build_moe_model(out: Path) -> None:
     Qwen3MoeForCausalLM(cfg).float().save_pretrained(out)
 
 
+#: the layouts the 2-GPU test runs over NCCL
+GPU_LAYOUTS = ("dp2", "lora_dp2", "ep2")
+
+
 def _layout_overrides(name: str, work: Path) -> list[str]:
     """The overrides a layout shares with its one-process referee (model, LoRA; not ``parallel.*``)."""
     return [f"{k}={str(v).format(work=work)}" for k, v in w.LAYOUTS[name].items() if not k.startswith("parallel.")]
@@ -324,17 +328,22 @@ def test_shards_and_their_seeds_do_not_depend_on_the_replica_count():
 
 @pytest.mark.timeout(600)
 def test_dp2_on_two_gpus_matches_one_gpu(work, tmp_path):
-    """The same check at DP=2 over NCCL (2 GPUs): same responses, metrics within METRIC_RTOL, resume exact."""
+    """The same checks over NCCL (2 GPUs) at DP=2, LoRA DP=2 (the adapter fan-out between GPUs) and
+    Qwen3-MoE EP=2: same responses as one GPU, metrics within METRIC_RTOL, resume exact."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (NCCL DP=2); CPU machines run the gloo layouts test")
-    results = _launch_worker(work, "dp2")
+    results = _launch_worker(work, ",".join(GPU_LAYOUTS))
     base = json.loads((work / "overrides.json").read_text())
     common = base + [f"train.steps={w.STEPS}", f"checkpoint.interval={w.CKPT_EVERY}", "checkpoint.keep=0"]
-    ref_metrics, ref_responses, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'one'}"])
-    full_m, full_r, full_w = results["dp2"]["full"]
-    res_m, res_r, res_w = results["dp2"]["resumed"]
-    assert _comparable(res_m) == _comparable(full_m) and res_r == full_r and res_w == full_w
-    assert full_r == ref_responses
-    _assert_close(full_m, ref_metrics, "dp2 (NCCL)")
+    for name in GPU_LAYOUTS:
+        ref_metrics, ref_responses, _ = w.run(work / "tiny.yaml", common + _layout_overrides(name, work)
+                                              + [f"logging.run_dir={tmp_path / f'one_{name}'}"])
+        full_m, full_r, full_w = results[name]["full"]
+        res_m, res_r, res_w = results[name]["resumed"]
+        assert _comparable(res_m) == _comparable(full_m) and res_r == full_r and res_w == full_w, name
+        assert full_r == ref_responses, name
+        _assert_close(full_m, ref_metrics, f"{name} (NCCL)")
+        if "served" in results[name]:  # both GPUs' rollout engines serve the same adapter
+            assert len({d for _, d in results[name]["served"]}) == 1 and len(results[name]["served"]) == 2, name
