@@ -18,12 +18,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["lora_save_payload", "lora_load_payload", "LORA_FORMAT", "PEFT_WEIGHTS", "PEFT_CONFIG"]
+__all__ = ["lora_save_payload", "lora_load_payload", "LoraLayoutError", "LORA_FORMAT", "PEFT_WEIGHTS", "PEFT_CONFIG",
+           "RANKS_FILE"]
 
 LORA_FORMAT = "ferrule-lora-v1"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 RANKS_FILE = "ranks.json"
+
+
+class LoraLayoutError(ValueError):
+    """The adapter's per-rank optimizer state cannot be loaded at this layout / world size."""
 
 
 def _rank_world() -> tuple[int, int]:
@@ -102,7 +107,8 @@ def lora_load_payload(engine: Any, ckpt: Path, with_optimizer: bool) -> dict | N
     :func:`~ferrule.lora.load_hf_adapter`).
 
     Raises:
-        ValueError: other LoRA settings; optimizer state requested at another layout.
+        ValueError: other LoRA settings. LoraLayoutError (a ValueError): optimizer state requested
+            at a layout it does not reshard to.
         FileNotFoundError: a rank file is missing.
     """
     import torch
@@ -120,7 +126,7 @@ def lora_load_payload(engine: Any, ckpt: Path, with_optimizer: bool) -> dict | N
         src = _dp_replica_rank(Path(ckpt), saved_state, engine) if with_optimizer else None
         if src is None:
             if with_optimizer:
-                raise ValueError(f"{ckpt} holds LoRA optimizer state per rank for layout {saved_state.get('layout')} at "
+                raise LoraLayoutError(f"{ckpt} holds LoRA optimizer state per rank for layout {saved_state.get('layout')} at "
                                  f"world size {saved_state.get('world_size')}; this engine runs {asdict(engine.layout)} "
                                  f"at world size {world}. Only the data-parallel size may change (same tp/pp, ep=1, "
                                  f"a checkpoint with lora/{RANKS_FILE}); resume at the saved layout, or load the adapter "

@@ -630,20 +630,17 @@ class GRPOTrainer:
         except ValueError as exc:
             raise ConfigError([f"{exc} (the training data changed since the checkpoint: restore it, or start a "
                                "new logging.run_dir)"], origin=str(path)) from None
+        from ferrule.lora.checkpoint import LoraLayoutError
         from ferrule.megatron.checkpoint import CheckpointMismatchError
 
         try:
             engine_state = self.engine.load(path / "engine")
-        except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
-            raise ConfigError([f"parallel: {exc}"], origin=str(path)) from None
-        except ValueError as exc:
-            if getattr(self.engine, "lora", None) is None:
-                raise
-            # LoRA keeps the adapter's Adam state per rank (lora/rank_<R>.pt): resumable at the saved layout only
-            saved = state.get("world_size")
+        except LoraLayoutError as exc:  # the adapter's Adam state is per rank: only the DP size may change
             raise ConfigError([f"parallel: {exc} For ferrule train: resume this LoRA run with the checkpoint's "
-                               f"parallel.* and {saved} ranks (the adapter's Adam state is kept per rank), or start a "
-                               "new run"], origin=str(path)) from None
+                               f"parallel.* and {state.get('world_size')} ranks, or start a new run"],
+                              origin=str(path)) from None
+        except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
+            raise ConfigError([f"checkpoint.resume: {exc}"], origin=str(path)) from None
         self._log(f"resumed from {path} (step {step}, optimizer step {self.engine.step})")
         changed = engine_state.get("settings_changed") or {}
         if changed:  # e.g. train.steps grew: the decay horizon is re-planned, never silently kept
