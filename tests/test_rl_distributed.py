@@ -1,6 +1,6 @@
 """``ferrule train`` on 2 ranks (CPU, gloo): DP=2, TP=2 and PP=2 (tied embeddings) against one process.
 
-Referee: the same GRPO run in one process (this pytest process), on the tiny model and task of
+Referee: the same GRPO run in one process (tests/dist/rl_referee.py, on the CPU), on the tiny model and task of
 tests/test_rl_e2e.py with ``rollout.prompts_per_shard=2`` (4 prompts: two rollout shards, so
 DP=2 runs one shard on each replica), a KL term to a frozen reference and two optimizer steps
 per rollout. Every 2-rank run happens in ONE torchrun launch
@@ -106,8 +106,24 @@ def _assert_close(mine, ref, where):
                 assert a[k] == b[k], (where, a["step"], k, a[k], b[k])
 
 
-def _launch_worker(work: Path, layouts: str | None = None) -> dict:
-    env = _env()
+def _cpu_env():
+    """``_env()`` with the GPUs hidden: the gloo test and its referee train on the CPU on any machine
+    (ferrule's CPU backend is for CUDA-less processes: ``ferrule.megatron.device.get_backend``)."""
+    return dict(_env(), CUDA_VISIBLE_DEVICES="")
+
+
+def _one_process(work: Path, jobs: list[list[str]]) -> list:
+    """The referee runs (one process, CPU): ``(metrics, responses, weights digest)`` per job, in order."""
+    spec, out = work / "referee_jobs.json", work / "referee_results.json"
+    spec.write_text(json.dumps({"config": str(work / "tiny.yaml"), "jobs": jobs}))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "rl_referee.py"), str(spec), str(out)],
+                          capture_output=True, text=True, timeout=400, env=_cpu_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+def _launch_worker(work: Path, layouts: str | None = None, *, cpu: bool = False) -> dict:
+    env = _cpu_env() if cpu else _env()
     if layouts:
         env[w.LAYOUTS_ENV] = layouts
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -119,16 +135,21 @@ def _launch_worker(work: Path, layouts: str | None = None) -> dict:
 
 @pytest.mark.timeout(600)
 def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
-    import torch
+    # gloo on the CPU on any machine (GPUs hidden from the workers and the referee); NCCL: test_dp2_on_two_gpus
+    results = _launch_worker(work, cpu=True)
 
-    if torch.cuda.is_available():
-        pytest.skip("the gloo layouts test is the CPU test; on CUDA test_dp2_on_two_gpus runs instead")
-    results = _launch_worker(work)
-
-    # the referee: one process, same config
+    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the
+    # torch_dist weights and Adam state reshard); step 3 then matches the one-process run
+    for name in results:
+        cross = tmp_path / f"{name}_to_1"
+        shutil.copytree(work / name / "full", cross)
+        shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
+    # the referee: one process, same config; then the cross-layout resumes (one launch, on the CPU)
     base = json.loads((work / "overrides.json").read_text())
     common = base + [f"train.steps={w.STEPS}", f"checkpoint.interval={w.CKPT_EVERY}", "checkpoint.keep=0"]
-    ref_metrics, ref_responses, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'one'}"])
+    ref, *crossed = _one_process(work, [common + [f"logging.run_dir={tmp_path / 'one'}"]] + [
+        common + [f"logging.run_dir={tmp_path / f'{name}_to_1'}", "checkpoint.resume=true"] for name in results])
+    ref_metrics, ref_responses, _ = ref
     assert len({e["reward_mean"] for e in ref_metrics}) > 1 or len(set(ref_responses)) > 8  # not trivially constant
 
     for name, runs in results.items():
@@ -142,13 +163,7 @@ def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
         _assert_close(full_m, ref_metrics, name)
         assert {"time_train_s_max", "time_rollout_s_min"} <= full_m[0].keys(), name
 
-    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the
-    # torch_dist weights and Adam state reshard); step 3 then matches the one-process run
-    for name in results:
-        cross = tmp_path / f"{name}_to_1"
-        shutil.copytree(work / name / "full", cross)
-        shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
-        cross_m, cross_r, _ = w.run(work / "tiny.yaml", common + [f"logging.run_dir={cross}", "checkpoint.resume=true"])
+    for name, (cross_m, cross_r, _) in zip(results, crossed):
         assert cross_r == ref_responses, name
         _assert_close(cross_m, ref_metrics, f"{name} -> 1 resume")
 
