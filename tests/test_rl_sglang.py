@@ -6,7 +6,9 @@ into launch flags (parsed back by an argparse parser declared like SGLang's flag
 refusals, the driver-only rollout roles and shard routing (the loop's ``_rollout`` with a
 recording engine object), the engine arguments the driver builds, a launch that fails because
 sglang is missing (a real subprocess; the error carries the server log), the stop of a launched
-server process, and the disk transport's clean-up.
+server process (at the end and on SIGTERM), the disk transport's clean-up, and the loop's wiring
+end to end with the *embedded* engine put behind the client's interface (same metrics and
+samples as the embedded run: this checks ferrule's side of the path, not SGLang).
 """
 
 from __future__ import annotations
@@ -322,3 +324,97 @@ def test_disk_transport_writes_the_bucket_then_removes_it(tmp_path):
         engine.update_weights(bucket, 4)
     assert os.listdir(tmp_path / "w") == [] and engine.weights_version == 3
     engine.shutdown()
+
+
+def test_sigterm_stops_the_launched_server_then_the_process_dies_of_it(tmp_path):
+    """torchrun stops ranks with SIGTERM: the driver's handler stops the server first."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "from ferrule.rl.sglang_rollout import _stop_on_sigterm\n"
+        "from ferrule.rollout.sglang import SGLangEngine\n"
+        "engine = SGLangEngine(url='http://127.0.0.1:9')\n"
+        "engine.process = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+        "                                  start_new_session=True)\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(engine.process.pid))\n"
+        "_stop_on_sigterm(engine)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by engine.shutdown()
+        os.kill(pid, 0)
+
+
+# ------------------------------------------------------------------------------- the loop's wiring
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_rl_e2e as e2e  # noqa: E402
+
+
+class _EmbeddedBehindTheClientInterface:
+    """NOT SGLang: the embedded engine behind ``SGLangEngine``'s constructor and methods, so that the
+    loop's ``rollout.engine: sglang`` wiring (driver-only build, tokenizer from model.hf_dir, no raw
+    logprobs, sync to the client, close) can be compared with the embedded path on one model."""
+
+    kind = "sglang"
+    built: list = []
+
+    def __init__(self, url=None, **kwargs):
+        import torch
+
+        from ferrule.rollout.embedded import EmbeddedEngine
+
+        self.kwargs, self.process, self.closed, self.updates = dict(kwargs, url=url), None, False, 0
+        self.inner = EmbeddedEngine(hf_dir=kwargs["model_path"], dtype=torch.float32, device=torch.device("cpu"))
+        type(self).built.append(self)
+
+    @property
+    def weights_version(self):
+        return self.inner.weights_version
+
+    def generate(self, requests, params):
+        assert not params.return_raw_logprobs, "SGLangEngine refuses return_raw_logprobs"
+        return self.inner.generate(requests, params)
+
+    def update_weights(self, named_tensors, version):
+        self.updates += 1
+        self.inner.update_weights(named_tensors, version)
+
+    def shutdown(self):
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl_sglang")
+    e2e._build_model(root / "model")
+    with open(root / "task.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"{e2e.WORDS[i % 8]} {i}", "answer": "7"}) + "\n")
+    (root / "tiny.yaml").write_text(e2e.CONFIG)
+    return root
+
+
+@pytest.mark.timeout(240)
+def test_the_sglang_wiring_gives_the_embedded_runs_metrics_with_the_embedded_engine_behind_it(tiny, tmp_path,
+                                                                                              monkeypatch):
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+    from ferrule.rl.metrics import read_metrics
+
+    steps = 3
+    common = [f"model.hf_dir={tiny / 'model'}", f"data.jsonl_path={tiny / 'task.jsonl'}", f"train.steps={steps}",
+              "rollout.prompts_per_shard=2"]
+    train(load_config(tiny / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'embedded'}"]))
+    monkeypatch.setattr("ferrule.rollout.sglang.SGLangEngine", _EmbeddedBehindTheClientInterface)
+    _EmbeddedBehindTheClientInterface.built = []
+    train(load_config(tiny / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'sglang'}", "rollout.engine=sglang",
+                                                    "rollout.sglang_weight_transport=disk"]))
+    (engine,) = _EmbeddedBehindTheClientInterface.built  # one engine, on the driver, and no embedded one
+    assert engine.kwargs["model_path"] == str(tiny / "model") and engine.kwargs["url"] is None
+    assert engine.kwargs["launch_args"] == ("--dtype", "float32") and engine.kwargs["weight_transport"] == "disk"
+    assert engine.closed and engine.updates >= steps + 1 and engine.weights_version == steps
+    a, b = read_metrics(tmp_path / "embedded" / "metrics.jsonl"), read_metrics(tmp_path / "sglang" / "metrics.jsonl")
+    assert e2e._comparable(a) == e2e._comparable(b) and len({e["loss"] for e in a}) == steps  # not constant
+    assert (tmp_path / "embedded" / "samples.jsonl").read_text() == (tmp_path / "sglang" / "samples.jsonl").read_text()
