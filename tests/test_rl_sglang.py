@@ -349,40 +349,10 @@ def test_sigterm_stops_the_launched_server_then_the_process_dies_of_it(tmp_path)
 
 # ------------------------------------------------------------------------------- the loop's wiring
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+import test_rl_distributed as td  # noqa: E402
 import test_rl_e2e as e2e  # noqa: E402
-
-
-class _EmbeddedBehindTheClientInterface:
-    """NOT SGLang: the embedded engine behind ``SGLangEngine``'s constructor and methods, so that the
-    loop's ``rollout.engine: sglang`` wiring (driver-only build, tokenizer from model.hf_dir, no raw
-    logprobs, sync to the client, close) can be compared with the embedded path on one model."""
-
-    kind = "sglang"
-    built: list = []
-
-    def __init__(self, url=None, **kwargs):
-        import torch
-
-        from ferrule.rollout.embedded import EmbeddedEngine
-
-        self.kwargs, self.process, self.closed, self.updates = dict(kwargs, url=url), None, False, 0
-        self.inner = EmbeddedEngine(hf_dir=kwargs["model_path"], dtype=torch.float32, device=torch.device("cpu"))
-        type(self).built.append(self)
-
-    @property
-    def weights_version(self):
-        return self.inner.weights_version
-
-    def generate(self, requests, params):
-        assert not params.return_raw_logprobs, "SGLangEngine refuses return_raw_logprobs"
-        return self.inner.generate(requests, params)
-
-    def update_weights(self, named_tensors, version):
-        self.updates += 1
-        self.inner.update_weights(named_tensors, version)
-
-    def shutdown(self):
-        self.closed = True
+from rl_sglang_worker import EmbeddedBehindTheClientInterface as _EmbeddedBehindTheClientInterface  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -393,6 +363,9 @@ def tiny(tmp_path_factory):
         for i in range(16):
             f.write(json.dumps({"prompt": f"{e2e.WORDS[i % 8]} {i}", "answer": "7"}) + "\n")
     (root / "tiny.yaml").write_text(e2e.CONFIG)
+    (root / "overrides.json").write_text(json.dumps([f"model.hf_dir={root / 'model'}",
+                                                     f"data.jsonl_path={root / 'task.jsonl'}",
+                                                     "rollout.prompts_per_shard=2"]))
     return root
 
 
@@ -404,8 +377,7 @@ def test_the_sglang_wiring_gives_the_embedded_runs_metrics_with_the_embedded_eng
     from ferrule.rl.metrics import read_metrics
 
     steps = 3
-    common = [f"model.hf_dir={tiny / 'model'}", f"data.jsonl_path={tiny / 'task.jsonl'}", f"train.steps={steps}",
-              "rollout.prompts_per_shard=2"]
+    common = json.loads((tiny / "overrides.json").read_text()) + [f"train.steps={steps}"]
     train(load_config(tiny / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'embedded'}"]))
     monkeypatch.setattr("ferrule.rollout.sglang.SGLangEngine", _EmbeddedBehindTheClientInterface)
     _EmbeddedBehindTheClientInterface.built = []
@@ -418,3 +390,24 @@ def test_the_sglang_wiring_gives_the_embedded_runs_metrics_with_the_embedded_eng
     a, b = read_metrics(tmp_path / "embedded" / "metrics.jsonl"), read_metrics(tmp_path / "sglang" / "metrics.jsonl")
     assert e2e._comparable(a) == e2e._comparable(b) and len({e["loss"] for e in a}) == steps  # not constant
     assert (tmp_path / "embedded" / "samples.jsonl").read_text() == (tmp_path / "sglang" / "samples.jsonl").read_text()
+
+
+@pytest.mark.timeout(420)
+def test_two_ranks_roll_out_on_the_driver_only_and_match_one_embedded_process(tiny, tmp_path):
+    """DP=2 (gloo, CPU) with the embedded engine behind the client interface: rank 0 builds the only
+    engine and gets every sync, rank 1 builds none; responses equal one embedded process's, metrics
+    within tests/test_rl_distributed.py's DP tolerance (gradients summed over two ranks)."""
+    steps = 3
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).resolve().parent / "dist" / "rl_sglang_worker.py"), str(tiny),
+                           str(tmp_path / "dp2"), f"train.steps={steps}"],
+                          capture_output=True, text=True, timeout=400, env=td._cpu_env(), cwd=td.REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    out = json.loads((tiny / "sglang_results.json").read_text())
+    (rank0,), rank1 = out["engines"]
+    assert rank1 == [] and rank0[2] is True and rank0[1] >= steps + 1  # closed; initial sync + one per step
+    metrics, responses, _ = out["run"]
+    common = json.loads((tiny / "overrides.json").read_text()) + [f"train.steps={steps}"]
+    (ref_metrics, ref_responses, _), = td._one_process(tiny, [common + [f"logging.run_dir={tmp_path / 'one'}"]])
+    assert responses == ref_responses and len(set(responses)) > 8
+    td._assert_close(metrics, ref_metrics, "sglang wiring at DP=2")
