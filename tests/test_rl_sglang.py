@@ -411,3 +411,16 @@ def test_two_ranks_roll_out_on_the_driver_only_and_match_one_embedded_process(ti
     (ref_metrics, ref_responses, _), = td._one_process(tiny, [common + [f"logging.run_dir={tmp_path / 'one'}"]])
     assert responses == ref_responses and len(set(responses)) > 8
     td._assert_close(metrics, ref_metrics, "sglang wiring at DP=2")
+
+
+def test_an_attached_url_without_a_server_fails_before_training(tmp_path):
+    import torch
+
+    from ferrule.rl.sglang_rollout import build_rollout_engine
+    from ferrule.rollout.sglang import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # a port that was free a moment ago: nobody listens
+    cfg = _cfg(f"logging.run_dir={tmp_path / 'run'}", f"rollout.sglang_url={url}",
+               "rollout.sglang_weight_transport=disk", f"model.hf_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=rf"rollout.sglang_url: {url} does not answer GET /health \(ConnectError"):
+        build_rollout_engine(cfg, dtype=torch.float32, device=torch.device("cpu"))

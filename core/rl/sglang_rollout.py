@@ -60,6 +60,8 @@ SERVER_LOG = "sglang_server.log"
 WEIGHTS_DIR = "sglang_weights"
 #: LoRA adapter folders written for ``/load_lora_adapter`` (the previous version is removed)
 LORA_DIR = "sglang_lora"
+#: seconds an attached server has to answer its first ``GET /health``
+ATTACH_HEALTH_TIMEOUT_S = 60.0
 #: flags the loop sets itself: key -> why
 RESERVED = {
     "model_path": "the server loads model.hf_dir",
@@ -281,7 +283,9 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
         ``(engine, tokenizer)``; the tokenizer is None when ``model.hf_dir`` has no tokenizer files.
 
     Raises:
-        ConfigError: ``sglang_weight_transport: tensor`` that cannot work here.
+        ConfigError: ``sglang_weight_transport: tensor`` that cannot work here; an attached server
+            (``rollout.sglang_url``) that does not answer ``GET /health`` within
+            :data:`ATTACH_HEALTH_TIMEOUT_S` seconds.
         RolloutError: a launched SGLang server exits or stays unhealthy (with its log tail).
     """
     from ferrule.rollout import get_rollout_engine
@@ -297,7 +301,22 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
     engine = get_rollout_engine("sglang", **kwargs)
     if engine.process is not None:
         _stop_on_sigterm(engine)
+    else:
+        _check_attached(engine, cfg.rollout.sglang_url)
     return engine, tokenizer
+
+
+def _check_attached(engine: Any, url: str, timeout_s: float = ATTACH_HEALTH_TIMEOUT_S) -> None:
+    """``GET /health`` once, so that a wrong ``rollout.sglang_url`` fails before training starts."""
+    try:
+        resp = engine._http.get("/health", timeout=timeout_s)
+        why = None if resp.status_code == 200 else f"HTTP {resp.status_code}: {resp.text[:200]}"
+    except Exception as exc:  # connection refused, DNS, timeout: all mean the same to the user
+        why = f"{type(exc).__name__}: {exc}"
+    if why is not None:
+        engine.shutdown()
+        raise ConfigError([f"rollout.sglang_url: {url} does not answer GET /health ({why}); start the server "
+                           "there, fix the URL, or clear it to let the loop launch one"])
 
 
 def release_rollout_engine(engine: Any) -> None:
