@@ -230,17 +230,26 @@ def _sglang_engine_kwargs(cfg: RLConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _check_transport(cfg: RLConfig, device: Any) -> None:
-    if cfg.rollout.sglang_weight_transport != "tensor":
-        return
+def _sglang_importable() -> bool:
     import importlib.util
 
+    return importlib.util.find_spec("sglang") is not None
+
+
+def _check_transport(cfg: RLConfig, device: Any) -> None:
+    """sglang importable for a launch; the tensor transport's needs (a GPU, sglang in this process)."""
     problems = []
+    if not cfg.rollout.sglang_url and not _sglang_importable():
+        raise ConfigError(["rollout.engine: sglang with no rollout.sglang_url launches `python -m "
+                           f"sglang.launch_server` with this Python ({sys.executable}), which cannot import sglang; "
+                           "install sglang here, or start a server yourself and set rollout.sglang_url"])
+    if cfg.rollout.sglang_weight_transport != "tensor":
+        return
     if getattr(device, "type", str(device)) != "cuda":
         problems.append("rollout.sglang_weight_transport: tensor hands the server CUDA IPC handles of the train "
                         "engine's tensors, but training runs on the CPU here; set "
                         "rollout.sglang_weight_transport=disk")
-    if importlib.util.find_spec("sglang") is None:
+    if not _sglang_importable():
         problems.append("rollout.sglang_weight_transport: tensor serializes the buckets with sglang's own "
                         "serializer, and sglang is not importable in this process; install sglang here or set "
                         "rollout.sglang_weight_transport=disk")
@@ -283,7 +292,8 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
         ``(engine, tokenizer)``; the tokenizer is None when ``model.hf_dir`` has no tokenizer files.
 
     Raises:
-        ConfigError: ``sglang_weight_transport: tensor`` that cannot work here; an attached server
+        ConfigError: a launch where ``sglang`` is not importable; ``sglang_weight_transport: tensor``
+            that cannot work here; an attached server
             (``rollout.sglang_url``) that does not answer ``GET /health`` within
             :data:`ATTACH_HEALTH_TIMEOUT_S` seconds.
         RolloutError: a launched SGLang server exits or stays unhealthy (with its log tail).
@@ -299,10 +309,10 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
     if "model_path" in kwargs:
         Path(cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
     engine = get_rollout_engine("sglang", **kwargs)
-    if engine.process is not None:
-        _stop_on_sigterm(engine)
-    else:
+    if cfg.rollout.sglang_url:
         _check_attached(engine, cfg.rollout.sglang_url)
+    elif engine.process is not None:
+        _stop_on_sigterm(engine)
     return engine, tokenizer
 
 
