@@ -31,7 +31,8 @@ other than 1 (the loop needs temperature-1 logprobs, see the message), launch fl
 with ``sglang_url``, flags that the loop sets itself, LoRA without the server's LoRA flags.
 Refused when the trainer is built (:func:`check_rollout_engine`): ``--check-weight-update-equal``
 (the server's weights cannot be read back). Refused in setup: prompts with media (the client
-sends none), ``sglang_weight_transport: tensor`` without a GPU or without ``sglang`` importable.
+sends none), a launch where ``sglang`` is not importable, ``sglang_weight_transport: tensor``
+without a GPU or without ``sglang`` importable, an attached URL that does not answer ``/health``.
 
 Not run against a live SGLang server (none can run on the machines this was written on).
 """
