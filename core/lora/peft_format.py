@@ -212,6 +212,10 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     """The ``adapter_config.json`` dict (``peft.LoraConfig(...).to_dict()`` keys PEFT needs to load it).
 
     ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks).
+    ``target_parameters`` are the HF parameters PEFT adapts with ``ParamWrapper``: the routed
+    experts' fused 3-D parameters, plus those a family adapter lists in its ``peft_parameters``
+    attribute (parameter paths below the decoder layer, e.g. Inkling's
+    ``mlp.shared_experts.gate_proj``); such adapters add nothing to ``target_modules``.
     ``base_model_name_or_path`` defaults to the engine's source folder (``engine.hf_files_dir``).
     """
     from ferrule.megatron.weights import all_gather_objects
@@ -221,14 +225,17 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
 
     _require_lora(engine)
     ctx = _export_context(engine)
-    leaves, expert_leaves = set(), set()
+    leaves, expert_leaves, param_targets = set(), set(), set()
     for e in adapter_entries(engine.model):
         if e.kind == "routed_experts":
             expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
+        elif getattr(e.adapter, "peft_parameters", None):
+            param_targets.update(e.adapter.peft_parameters)
         else:
             leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, ctx)[2])
     leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
     expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
+    param_targets = sorted(set().union(*all_gather_objects(sorted(param_targets))))
     s = engine.lora
     base = base_model_name_or_path if base_model_name_or_path is not None else (
         str(engine.hf_files_dir) if getattr(engine, "hf_files_dir", None) else None)
@@ -238,7 +245,7 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
             "inference_mode": True, "revision": None,
             # routed experts: transformers' fused 3-D expert parameters, in PEFT's nesting order
             "target_parameters": [f"mlp.experts.{EXPERT_PARAMS[k]}" for k in EXPERT_PARAMS if k in expert_leaves]
-            or None}
+            + param_targets or None}
 
 
 def check_peft_config(engine: Any, config: Mapping[str, Any]) -> None:

@@ -94,7 +94,8 @@ def register_lora_appliers():
                             export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
             LoRAApplierSpec(kind="shared_experts", family="inkling_text",
                             apply="ferrule.plugins.inkling.lora:apply_shared_experts",
-                            export=f"{peft}:export_linear", load=f"{peft}:load_linear")]
+                            export="ferrule.plugins.inkling.lora:export_shared_experts",
+                            load="ferrule.plugins.inkling.lora:load_shared_experts")]
 
 
 @hookimpl
