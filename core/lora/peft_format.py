@@ -162,13 +162,19 @@ def load_linear(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
 # ---------------------------------------------------------------------------------------
 
 
+def peft_naming_table(table: Any) -> Any:
+    """The table that names adapters for PEFT: ``table.peft_table`` (transformers' in-memory module
+    names, :class:`~ferrule.mapping.MappingTable`) when the family gives one, else ``table``."""
+    return getattr(table, "peft_table", None) or table
+
+
 def _export_context(engine: Any) -> ExportContext:
     from ferrule.megatron.weights import ParallelRanks, agree_padded_vocab, bind_params, mapping_context
 
     ranks = ParallelRanks.current()
     params = bind_params(engine.model, engine.mapping_table)
     mctx = agree_padded_vocab(mapping_context(params, ranks, hf_config=engine.hf_config), ranks)
-    return ExportContext(engine.mapping_table, mctx, ranks)
+    return ExportContext(peft_naming_table(engine.mapping_table), mctx, ranks)
 
 
 def _by_kind(engine: Any) -> list[tuple[Any, list]]:
