@@ -358,6 +358,14 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     moe_out = moe.forward_backward(tw.make_batch(seed=3), "cross_entropy")
     moe_norm = moe.optim_step()["grad_norm"]
     moe_after = {k: v.cpu() for k, v in hf_adapter_state_dict(moe).items()}
+    # Inkling text (attention + dense + routed + shared experts) for the TP=2 logprobs / round trip
+    sys.path.insert(0, str(REPO / "tests"))
+    import inkling_fixtures as inf
+
+    ink_dir = inf.tiny_inkling_dir(work / "inkling")
+    ink = lw.lora_engine(ink_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
+    lw.write_peft_dir(work / "adapter_inkling", lw.randomize_adapter(ink, seed=12), peft_config(ink))
+    ink_ws1 = ink.forward_logprobs(tw.make_batch(seed=3))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
                           capture_output=True, text=True, timeout=280, cwd=REPO)
@@ -375,6 +383,9 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert max(float((torch.tensor(res["ep2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
     r = res["ep2_resume"]
     assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+    assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
+    assert res["inkling_tp2_roundtrip"]
+    assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5
 
 
 def test_cli_export_and_import(dirs, tmp_path):

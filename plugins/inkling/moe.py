@@ -186,7 +186,8 @@ class InklingMoELayer(MoELayer):
         self.mlp_sconv = InklingShortConv(config, config.hidden_size, conv_kernel_size)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if self.training and self.tp_group.size() > 1 and not self.config.sequence_parallel:
+        if (self.training and torch.is_grad_enabled() and self.tp_group.size() > 1
+                and not self.config.sequence_parallel):  # forward_logprobs runs without grad: exact, allowed
             # megatron's MoELayer.forward refuses this too: without sequence parallelism every TP rank holds
             # the same tokens, the dispatcher gathers them over TP, and the routed experts' gradients come
             # out tp times too large (measured: exactly 2x at TP=2). Forward / logprobs are exact.
