@@ -110,3 +110,9 @@ def test_multimodal_inkling_lora_matches_hf_peft_with_and_without_media(tmp_path
     fresh.forward_backward(batch, "cross_entropy")
     assert fresh.optim_step()["success"] and lw.same(base0, lw.base_snapshot(fresh))
     assert all(not torch.equal(ad0[k], v) for k, v in lw.adapter_snapshot(fresh).items() if k.endswith("lora_B"))
+    # adapter-only sync into the embedded rollout engine (InklingForConditionalGeneration + PEFT), verified
+    from ferrule.rollout.embedded import EmbeddedEngine
+    from ferrule.sync import sync_lora_adapter
+
+    stats = sync_lora_adapter(fresh, EmbeddedEngine(hf_dir=path), version=1, check_equal=True)
+    assert stats.bytes == sum(v.numel() * v.element_size() for v in tensors.values())
