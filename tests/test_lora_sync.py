@@ -206,10 +206,15 @@ def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path, family):
     # the base the rollout engine holds never changed (no merge)
     for k, v in rollout.get_hf_state_dict().items():
         assert torch.equal(v, base_before[k]), k
-    # a second step and sync update the adapter in place
+    # a second step and sync update the adapter in place (the export plan memoised on the engine
+    # by the first export must read the new values)
     engine.forward_backward(_batch(vocab, seed=9), "cross_entropy")
     engine.optim_step()
+    after = lora.hf_adapter_state_dict(engine)
+    assert any(not torch.equal(adapter[k], after[k]) for k in after)  # copy=True kept the old values
     sync_lora_adapter(engine, rollout, version=4, check_equal=True)
+    for k, v in rollout.get_lora_state_dict().items():
+        assert torch.equal(v, after[k].to(v.dtype)), k
     tokens, synced = _continuation(rollout)
     torch.testing.assert_close(synced, _train_logprobs(engine, tokens), atol=TOL, rtol=0)
 

@@ -53,6 +53,9 @@ class ExportContext:
     table: Any
     mapping: Any
     ranks: Any
+    #: per-engine memo of export plans (an applier's gather plan for its entries is the same on every
+    #: call: the adapters' structure is fixed once the engine is built); keys are the applier's own
+    cache: dict = dataclasses.field(default_factory=dict)
 
 
 def _hf_modules(entry: Any, ctx: ExportContext) -> tuple[Any, tuple[str, ...], list[str]]:
@@ -70,14 +73,14 @@ def _factor_mappings(entry: Any, mapping: Any) -> tuple[Any, Any]:
     return mapping, rep
 
 
-def export_linear(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[str, Any]]:
-    """Full PEFT tensors of column/row-parallel linear adapters (collective over TP and PP).
+def _linear_plan(entries: Sequence[Any], ctx: ExportContext) -> tuple[dict, dict, list]:
+    """``(bound factors, per-module mapping meta, gather steps)`` of :func:`export_linear`, memoised in
+    ``ctx.cache`` (collective the first time: :func:`~ferrule.megatron.weights.plan_gather`)."""
+    from ferrule.megatron.weights import BoundParam, plan_gather
 
-    Yields ``(peft key, tensor)`` on every rank in the same order; tensors are detached, on the
-    adapter's device, in its dtype (they may alias live parameters when nothing is split).
-    """
-    from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
-
+    key = ("linear", tuple((e.global_name, id(e.adapter.lora_A), id(e.adapter.lora_B)) for e in entries))
+    if key in ctx.cache:
+        return ctx.cache[key]
     params: dict[str, BoundParam] = {}
     meta: dict[str, tuple[Any, tuple[str, ...], list[str], str]] = {}
     for e in entries:
@@ -88,6 +91,19 @@ def export_linear(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[
         meta[e.global_name] = (mapping, wild, hf, e.adapter.parallel)
     steps = plan_gather(params, [(e.global_name, [e.global_name + ".lora_A", e.global_name + ".lora_B"])
                                  for e in entries], ctx.ranks, with_experts=False)
+    ctx.cache[key] = (params, meta, steps)
+    return params, meta, steps
+
+
+def export_linear(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[str, Any]]:
+    """Full PEFT tensors of column/row-parallel linear adapters (collective over TP and PP).
+
+    Yields ``(peft key, tensor)`` on every rank in the same order; tensors are detached, on the
+    adapter's device, in its dtype (they may alias live parameters when nothing is split).
+    """
+    from ferrule.megatron.weights import iter_full
+
+    params, meta, steps = _linear_plan(entries, ctx)
     # other pipeline stages' modules arrive through iter_full; their mapping rows come from the table
     for key, _, (a, b) in iter_full(steps, params, ctx.ranks):
         if key in meta:
@@ -96,6 +112,7 @@ def export_linear(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[
             mapping, wild = ctx.table.resolve(key + ".weight")
             hf = [k.removesuffix(".weight") for k in mapping.hf_keys(key + ".weight", ctx.mapping)]
             parallel = "row" if mapping.tp is TPSplit.ROW else "column"
+            meta[key] = (mapping, wild, hf, parallel)
         bs = mapping.to_hf(b, ctx.mapping, wild)
         if parallel == "row" and len(hf) != 1:
             raise MappingError(f"{key}: a row-parallel adapter maps to one HF module, the table gives {hf}.")
@@ -188,16 +205,48 @@ def _by_kind(engine: Any) -> list[tuple[Any, list]]:
     return [(specs[k], [e for e in entries if e.kind == k]) for k in LORA_KINDS if k in specs]
 
 
+@dataclasses.dataclass
+class _EnginePlan:
+    """What every export / load of one engine's adapters starts from, built once per engine.
+
+    Walking the model (``bind_params``, ``adapter_entries``, mapping-table lookups) costs about
+    30 ms per call for a 24-layer model, more than the adapter's own gather and copy; the
+    adapters' structure is fixed once the engine is built (checkpoint loads copy in place).
+    """
+
+    key: tuple
+    ctx: ExportContext
+    by_kind: list
+    config: dict | None = None  # peft_config without base_model_name_or_path, once computed
+
+
+def _engine_plan(engine: Any) -> _EnginePlan:
+    """The engine's :class:`_EnginePlan`, rebuilt when its chunks or the parallel layout changed.
+
+    Collective the first time (every rank builds it in the same call, so caches stay in step).
+    """
+    from ferrule.megatron.weights import ParallelRanks, model_chunks
+
+    key = (tuple(id(c) for c in model_chunks(engine.model)), dataclasses.astuple(ParallelRanks.current()))
+    plan = getattr(engine, "_lora_export_plan", None)
+    if plan is None or plan.key != key:
+        plan = _EnginePlan(key, _export_context(engine), _by_kind(engine))
+        engine._lora_export_plan = plan
+    return plan
+
+
 def _require_lora(engine: Any) -> None:
     if getattr(engine, "lora", None) is None:
         raise ValueError("this TrainEngine has no LoRA adapters; build it with lora=LoraSettings(...).")
 
 
-def hf_adapter_state_dict(engine: Any) -> dict[str, Any]:
+def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
     """``{PEFT key: full tensor}`` of the engine's adapters (HF PEFT saved names, TP/PP gathered).
 
     Collective: every rank calls it and gets the whole dict. Tensors are detached copies on the
-    adapters' device, in their dtype. Save with ``safetensors.torch.save_file`` next to
+    adapters' device, in their dtype; with ``copy=False`` they may alias the live adapter
+    parameters (no per-tensor copy: for a consumer that copies them at once, such as
+    :func:`ferrule.sync.sync_lora_adapter`; they change with the next ``optim_step``). Save with ``safetensors.torch.save_file`` next to
     :func:`peft_config` and ``peft.PeftModel.from_pretrained`` loads them on the HF model.
 
     Raises:
@@ -206,11 +255,11 @@ def hf_adapter_state_dict(engine: Any) -> dict[str, Any]:
     from ferrule.specs import resolve_ref
 
     _require_lora(engine)
-    ctx = _export_context(engine)
+    plan = _engine_plan(engine)
     out: dict[str, Any] = {}
-    for spec, entries in _by_kind(engine):
-        for key, t in resolve_ref(spec.export)(entries, ctx):
-            out[key] = t.detach().clone()
+    for spec, entries in plan.by_kind:
+        for key, t in resolve_ref(spec.export)(entries, plan.ctx):
+            out[key] = t.detach().clone() if copy else t.detach()
     return out
 
 
@@ -226,32 +275,37 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     """
     from ferrule.megatron.weights import all_gather_objects
 
-    from .model import adapter_entries
     from .peft_experts import EXPERT_PARAMS
 
     _require_lora(engine)
-    ctx = _export_context(engine)
-    leaves, expert_leaves, param_targets = set(), set(), set()
-    for e in adapter_entries(engine.model):
-        if e.kind == "routed_experts":
-            expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
-        elif getattr(e.adapter, "peft_parameters", None):
-            param_targets.update(e.adapter.peft_parameters)
-        else:
-            leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, ctx)[2])
-    leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
-    expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
-    param_targets = sorted(set().union(*all_gather_objects(sorted(param_targets))))
-    s = engine.lora
-    base = base_model_name_or_path if base_model_name_or_path is not None else (
-        str(engine.hf_files_dir) if getattr(engine, "hf_files_dir", None) else None)
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": s.rank,
+    plan = _engine_plan(engine)
+    if plan.config is None:
+        leaves, expert_leaves, param_targets = set(), set(), set()
+        for _, entries in plan.by_kind:
+            for e in entries:
+                if e.kind == "routed_experts":
+                    expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
+                elif getattr(e.adapter, "peft_parameters", None):
+                    param_targets.update(e.adapter.peft_parameters)
+                else:
+                    leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, plan.ctx)[2])
+        leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
+        expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
+        param_targets = sorted(set().union(*all_gather_objects(sorted(param_targets))))
+        s = engine.lora
+        plan.config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "r": s.rank,
             "lora_alpha": s.alpha, "lora_dropout": s.dropout, "use_rslora": s.use_rslora, "target_modules": leaves,
             "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True,
             "inference_mode": True, "revision": None,
             # routed experts: transformers' fused 3-D expert parameters, in PEFT's nesting order
             "target_parameters": [f"mlp.experts.{EXPERT_PARAMS[k]}" for k in EXPERT_PARAMS if k in expert_leaves]
             + param_targets or None}
+    base = base_model_name_or_path if base_model_name_or_path is not None else (
+        str(engine.hf_files_dir) if getattr(engine, "hf_files_dir", None) else None)
+    out = {k: (list(v) if isinstance(v, list) else v) for k, v in plan.config.items()}
+    out["base_model_name_or_path"] = base
+    return out
 
 
 def check_peft_config(engine: Any, config: Mapping[str, Any]) -> None:
@@ -293,10 +347,11 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
     _require_lora(engine)
     if config is not None:
         check_peft_config(engine, config)
-    ctx = _export_context(engine)
+    plan = _engine_plan(engine)
+    ctx = plan.ctx
     problems: list[str] = []
     used: set[str] = set()
-    for spec, entries in _by_kind(engine):
+    for spec, entries in plan.by_kind:
         u, p = resolve_ref(spec.load)(entries, tensors, ctx, dry_run=True)
         used |= u
         problems += p
@@ -309,7 +364,7 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
     problems = agreed_errors(problems)
     if problems:
         raise AdapterFormatError("cannot load the PEFT adapter:\n" + "\n".join(f"  - {p}" for p in problems))
-    for spec, entries in _by_kind(engine):
+    for spec, entries in plan.by_kind:
         resolve_ref(spec.load)(entries, tensors, ctx)
     engine.refresh_optimizer_params()
 

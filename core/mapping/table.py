@@ -91,7 +91,7 @@ class MappingTable:
         return m.hf_keys(mcore_name, ctx)
 
     def is_ignored(self, hf_key: str) -> bool:
-        """True for HF keys Megatron does not load: :class:`Ignore`\ d and :class:`Passthrough` keys."""
+        """True for HF keys Megatron does not load: keys of :class:`Ignore` and :class:`Passthrough` rows."""
         return any(i.match(hf_key) for i in self.ignores) or self.is_passthrough(hf_key)
 
     def is_passthrough(self, hf_key: str) -> bool:

@@ -116,6 +116,22 @@ class RunResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _reset_peak_memory() -> None:
+    from ferrule.megatron.device import get_backend
+
+    get_backend().reset_peak_memory()
+
+
+def _memory_metrics() -> dict[str, int]:
+    """This rank's memory after the step: CUDA allocated / step peak, or the host RSS / process peak."""
+    from ferrule.megatron.device import get_backend
+
+    stats = get_backend().memory_stats()
+    if "allocated" in stats:
+        return {"memory_allocated_bytes": stats["allocated"], "memory_peak_bytes": stats["peak_allocated"]}
+    return {"memory_allocated_bytes": stats["rss"], "memory_peak_bytes": stats["peak_rss"]}
+
+
 class GRPOTrainer:
     """Builds the engines for an :class:`RLConfig` and runs the loop (module docstring).
 
@@ -435,6 +451,7 @@ class GRPOTrainer:
         cfg, ro, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         n = ro.n_samples_per_prompt
         t_step = time.perf_counter()
+        _reset_peak_memory()  # the step's peak (CUDA); CPU reports the process peak RSS
         driver = self.roles.is_driver
         if driver:
             prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
@@ -545,6 +562,7 @@ class GRPOTrainer:
                         "mfu": self._train_mfu(samples, t_train, need_old),
                         "weights_version": self.engine.step, "epoch": self.sampler.epoch,
                         "sync_bytes": self.last_sync.bytes})
+        metrics.update(_memory_metrics())
         if self.last_sync.device_memory_after is not None:  # a leaking export shows up here first
             metrics["sync_device_memory_delta_bytes"] = (self.last_sync.device_memory_after
                                                          - self.last_sync.device_memory_before)

@@ -56,6 +56,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "sync_device_memory_delta_bytes": ("bytes", "CUDA bytes allocated after the sync minus before it (GPU only; 0 "
                                                 "when the export leaves nothing behind)"),
     "time_step_s": ("s", "wall time of the whole step"),
+    "memory_allocated_bytes": ("bytes", "rank 0's memory after the step: CUDA bytes allocated by tensors on a GPU, the "
+                                        "process RSS on CPU"),
+    "memory_peak_bytes": ("bytes", "rank 0's peak: CUDA bytes allocated at most during the step (counter reset at "
+                                   "each step start), the process's peak RSS since it started on CPU"),
     "rollout_tokens_per_s": ("tokens/s", "generated tokens per second of rollout time"),
     "train_tokens_per_s": ("tokens/s", "prompt+response tokens per second of train time"),
     "mfu": ("fraction", "model FLOPs utilisation of the train time (PaLM model FLOPs / peak bf16; null on CPU)"),

@@ -47,7 +47,8 @@ def _train_adapter(train_engine: Any) -> tuple[dict[str, "torch.Tensor"], dict[s
     if getattr(train_engine, "lora", None) is None:
         raise WeightSyncError(f"sync_lora_adapter: {type(train_engine).__name__} trains no LoRA adapter (.lora is "
                               "None); build it with lora=LoraSettings(...) or use ferrule.sync.sync_weights.")
-    return hf_adapter_state_dict(train_engine), peft_config(train_engine)
+    # no per-tensor copy: update_lora_adapter copies into the served adapter before we return
+    return hf_adapter_state_dict(train_engine, copy=False), peft_config(train_engine)
 
 
 def _allocated_bytes() -> int | None:
