@@ -481,3 +481,54 @@ def test_plot_run_writes_a_decodable_png(tmp_path):
     assert plt.imread(tmp_path / "x.png").shape == image.shape
     result = CliRunner().invoke(app, ["plot", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "metrics.jsonl does not exist" in result.output
+
+
+def test_plot_comparison_draws_each_run_on_shared_panels(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import typer
+    from typer.testing import CliRunner
+
+    from ferrule.rl.cli_plot import plot_command
+    from ferrule.rl.plot import COMPARE_PANELS, SMOOTH_STEPS, build_comparison_figure, plot_comparison
+
+    rewards = {"a": [0.1 * (s % 5) for s in range(1, 13)], "b": [1.0 - 0.05 * s for s in range(1, 13)]}
+    runs = {}
+    for name, rs in rewards.items():
+        with MetricsLogger(tmp_path / name) as log:
+            log.log(0, {"eval_accuracy": 0.25})
+            for step, r in enumerate(rs, 1):
+                log.log(step, {"reward_mean": r, "accuracy": r / 2, "response_length_mean": 30 - step,
+                               "time_step_s": 1.0 + step, "memory_peak_bytes": 3 * 2**30 if name == "a" else 2**30})
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")
+    fig = build_comparison_figure(runs, "t")
+    try:
+        axes = {key: ax for ax, (key, *_) in zip(fig.axes, COMPARE_PANELS)}
+        for name, rs in rewards.items():
+            line = next(l for l in axes["reward_mean"].lines if l.get_label() == name)
+            # trailing mean, computed independently: mean of the last SMOOTH_STEPS values (fewer at the start)
+            want = [np.mean(rs[max(0, i - SMOOTH_STEPS + 1): i + 1]) for i in range(len(rs))]
+            np.testing.assert_allclose(line.get_ydata(), want, rtol=1e-12)
+            np.testing.assert_array_equal(line.get_xdata(), range(1, 13))
+        mem = {l.get_label(): l.get_ydata() for l in axes["memory_peak_bytes"].lines}
+        assert list(mem["a"]) == [3.0] * 12 and list(mem["b"]) == [1.0] * 12  # GiB
+        assert axes["time_step_s"].get_yscale() == "log"
+        assert any(l.get_label() == "a: eval_accuracy" for l in axes["accuracy"].lines)
+    finally:
+        plt.close(fig)
+    out = plot_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.png", labels=["full", "lora"])
+    assert plt.imread(out)[..., :3].std() > 0.05
+    with pytest.raises(ValueError, match="two or more"):
+        plot_comparison([tmp_path / "a"], tmp_path / "x.png")
+    with pytest.raises(ValueError, match="labels must differ"):
+        plot_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "x.png", labels=["x", "x"])
+    app = typer.Typer()
+    app.command("plot")(plot_command)
+    app.command("other")(lambda: None)
+    ok = CliRunner().invoke(app, ["plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "c.png"),
+                                  "-l", "full", "-l", "lora"])
+    assert ok.exit_code == 0 and (tmp_path / "c.png").is_file(), ok.output
+    bad = CliRunner().invoke(app, ["plot", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "needs --out" in bad.output

@@ -15,6 +15,9 @@ and draws five panels against the step:
 The title counts training steps (the step-0 entry is the evaluation before training). A metric
 that was never logged leaves its panel with a "not logged" note. ``null`` values (non-finite at
 logging time) are gaps.
+
+:func:`plot_comparison` draws several runs on shared axes (e.g. LoRA vs full-parameter):
+smoothed reward and accuracy with evaluation points, response length, step time and peak memory.
 """
 
 from __future__ import annotations
@@ -109,28 +112,58 @@ def build_figure(entries: list[dict[str, Any]], title: str) -> Any:
     return fig
 
 
-def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
-             title: str | None = None) -> Path:
-    """Write the reward-curve PNG of a run; return its path (default ``RUN_DIR/reward_curve.png``).
+#: Panels of :func:`build_comparison_figure`: (metric, y label, trailing mean drawn, eval metric).
+COMPARE_PANELS = (
+    ("reward_mean", "reward\n(5-step mean)", True, "eval_reward_mean"),
+    ("accuracy", "accuracy\n(5-step mean)", True, "eval_accuracy"),
+    ("response_length_mean", "response length\n(tokens)", False, None),
+    ("time_step_s", "step time (s, log)", False, None),
+    ("memory_peak_bytes", "peak memory\n(GiB)", False, None),
+)
 
-    Raises:
-        FileNotFoundError: no metrics.jsonl in ``run_dir``.
-        ValueError: the file has no entries.
+
+def build_comparison_figure(runs: dict[str, list[dict[str, Any]]], title: str) -> Any:
+    """Several runs on shared axes (:data:`COMPARE_PANELS`), one colour per run; the caller closes it.
+
+    Reward and accuracy are drawn as their :data:`SMOOTH_STEPS`-step trailing means (raw values
+    are too noisy to tell runs apart), evaluation points as markers in the run's colour; memory
+    is in GiB (2**30 bytes). A metric no run logged leaves its panel with a note.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a ferrule run folder?")
-    entries = read_metrics(path)
-    if not entries:
-        raise ValueError(f"{path} has no metrics entries yet")
-    out_path = Path(out) if out is not None else run_dir / PLOT_FILE
-    fig = build_figure(entries, title or f"ferrule run: {run_dir.name}")
+    fig, axes = plt.subplots(len(COMPARE_PANELS), 1, figsize=(8, 2.6 * len(COMPARE_PANELS)), sharex=True)
+    fig.suptitle(title)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, label, smooth, eval_key) in zip(axes, COMPARE_PANELS):
+        drawn = False
+        for i, (name, entries) in enumerate(runs.items()):
+            color = colors[i % len(colors)]
+            xs, ys = _series([e for e in entries if e.get("step", 0) > 0], key)
+            if key == "memory_peak_bytes":
+                ys = [y / 2**30 for y in ys]
+            if xs:
+                ax.plot(xs, trailing_mean(ys) if smooth else ys, color=color, lw=1.8, label=name)
+                drawn = True
+            if eval_key:
+                ex, ey = _series(entries, eval_key)
+                if ex:
+                    ax.plot(ex, ey, "o", color=color, ms=4, label=f"{name}: {eval_key}")
+                    drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        else:
+            ax.legend(loc="best", fontsize=7)
+        if key == "time_step_s" and drawn:
+            ax.set_yscale("log")  # the first steps (CUDA-graph capture, compilation) dwarf the rest
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
+def _save(fig: Any, out_path: Path) -> Path:
+    import matplotlib.pyplot as plt
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=".plot.", suffix=".png")
@@ -144,3 +177,63 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out_path
+
+
+def _run_entries(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a ferrule run folder?")
+    entries = read_metrics(path)
+    if not entries:
+        raise ValueError(f"{path} has no metrics entries yet")
+    return entries
+
+
+def plot_comparison(run_dirs: list[str | os.PathLike[str]], out: str | os.PathLike[str],
+                    labels: list[str] | None = None, title: str | None = None) -> Path:
+    """Write one PNG comparing several runs (:func:`build_comparison_figure`); return its path.
+
+    Args:
+        run_dirs: two or more run folders (each with ``metrics.jsonl``).
+        out: the PNG path.
+        labels: legend names, one per run (default: the folder names).
+
+    Raises:
+        FileNotFoundError: a folder has no metrics.jsonl.
+        ValueError: a file has no entries, fewer than two runs, labels of the wrong length, or
+            two runs with the same label.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+
+    dirs = [Path(d) for d in run_dirs]
+    if len(dirs) < 2:
+        raise ValueError(f"a comparison needs two or more run folders, got {len(dirs)}; use plot_run for one")
+    names = list(labels) if labels is not None else [d.name for d in dirs]
+    if len(names) != len(dirs):
+        raise ValueError(f"{len(names)} labels for {len(dirs)} runs; give one label per run")
+    if len(set(names)) != len(names):
+        raise ValueError(f"run labels must differ, got {names}; pass labels=[...] (--label in the CLI)")
+    runs = {name: _run_entries(d) for name, d in zip(names, dirs)}
+    fig = build_comparison_figure(runs, title or "ferrule runs: " + " vs ".join(names))
+    return _save(fig, Path(out))
+
+
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+             title: str | None = None) -> Path:
+    """Write the reward-curve PNG of a run; return its path (default ``RUN_DIR/reward_curve.png``).
+
+    Raises:
+        FileNotFoundError: no metrics.jsonl in ``run_dir``.
+        ValueError: the file has no entries.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+
+    run_dir = Path(run_dir)
+    entries = _run_entries(run_dir)
+    out_path = Path(out) if out is not None else run_dir / PLOT_FILE
+    fig = build_figure(entries, title or f"ferrule run: {run_dir.name}")
+    return _save(fig, out_path)
