@@ -124,30 +124,130 @@ def test_qwen3_moe_routed_experts_match_hf_peft(dirs, tmp_path):
 
 def test_inkling_dense_moe_and_attention_match_hf_peft(tmp_path):
     """Inkling text (dense + MoE layers, local/global attention with q/k/v/r/o projections): its own
-    attention applier, the core dense-MLP and routed-expert appliers; shared experts stay frozen."""
+    attention and shared-expert appliers, the core dense-MLP and routed-expert appliers. The stacked
+    shared experts (``[S, ...]`` bmm weights) load in PEFT through ``target_parameters``."""
     from transformers import InklingForCausalLM
 
     sys.path.insert(0, str(REPO / "tests"))
     import inkling_fixtures as inf
 
     hf_dir = inf.tiny_inkling_dir(tmp_path / "inkling")
-    engine = lw.lora_engine(hf_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
-    adapted = {n for n, p in engine.model[0].module.named_parameters() if p.requires_grad}
-    assert not any("shared_experts" in n for n in adapted)
+    settings = LoraSettings(rank=2, alpha=5, use_rslora=True)
+    engine = lw.lora_engine(hf_dir, settings=settings)
+    adapted = {n: p for n, p in engine.model[0].module.named_parameters() if p.requires_grad}
+    shared = {n: p for n, p in adapted.items() if "shared_experts" in n}
+    assert sorted(shared) == sorted(f"decoder.layers.{i}.mlp.shared_experts.linear_fc{j}.lora.lora_{f}"
+                                    for i in (1, 2) for j in (1, 2) for f in "AB")
+    # per shared expert (S = 2) one A / B pair, replicated over TP (no TP attribute), dense (not expert-parallel)
+    assert tuple(shared["decoder.layers.1.mlp.shared_experts.linear_fc1.lora.lora_A"].shape) == (2, 2, 32)
+    assert tuple(shared["decoder.layers.1.mlp.shared_experts.linear_fc1.lora.lora_B"].shape) == (2, 32, 2)
+    assert not any(getattr(p, "tensor_model_parallel", False) or getattr(p, "allreduce", True) is False
+                   for p in shared.values())
     assert any("linear_r.lora" in n for n in adapted) and any("local_experts" in n for n in adapted)
     tensors = lw.randomize_adapter(engine, seed=4)
     config = peft_config(engine)
-    assert "r_proj" in config["target_modules"] and config["target_parameters"]
+    assert "r_proj" in config["target_modules"]
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                           "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj",
+                                           "mlp.shared_experts.up_proj"]
     adapter = lw.write_peft_dir(tmp_path / "adapter", tensors, config)
     batch = tw.make_batch(seed=3)
     ours = engine.forward_logprobs(batch)
     base = InklingForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     base_lp = hf_logprobs(base, batch)
-    ref = hf_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), batch)
+    model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    # PEFT's own saved names and shapes (nested ParamWrapper: gate innermost, down outermost)
+    from peft.utils import get_peft_model_state_dict
+
+    peft_sd = get_peft_model_state_dict(model)
+    assert {k: tuple(v.shape) for k, v in peft_sd.items()} == {k: tuple(v.shape) for k, v in tensors.items()}
+    assert tuple(tensors["base_model.model.model.layers.1.mlp.shared_experts.base_layer.base_layer.lora_A.weight"]
+                 .shape) == (2 * 2, 32)  # gate_proj: [S * r, hidden]
+    ref = hf_logprobs(model, batch)
     assert max_diff(ours, ref) <= PEFT_ATOL and max_diff(ref, base_lp) > 1e-2
-    fresh = lw.lora_engine(hf_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
+    # the shared experts' adapters alone change the model, and PEFT agrees on that part too
+    only_shared = {k: (v if "shared_experts" in k or ".lora_A." in k else torch.zeros_like(v)) for k, v in tensors.items()}
+    load_hf_adapter(engine, only_shared)
+    ref_shared = hf_logprobs(peft.PeftModel.from_pretrained(
+        InklingForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(),
+        lw.write_peft_dir(tmp_path / "only_shared", only_shared, config)).eval(), batch)
+    assert max_diff(engine.forward_logprobs(batch), ref_shared) <= PEFT_ATOL and max_diff(ref_shared, base_lp) > 1e-3
+    fresh = lw.lora_engine(hf_dir, settings=settings)
     load_hf_adapter(fresh, tensors, config)
     assert lw.same({k: v.cpu() for k, v in hf_adapter_state_dict(fresh).items()}, tensors)
+    # one step changes only adapter factors, shared-expert ones included
+    base0, ad0 = lw.base_snapshot(fresh), lw.adapter_snapshot(fresh)
+    fresh.forward_backward(batch, "cross_entropy")
+    assert fresh.optim_step()["success"] and lw.same(base0, lw.base_snapshot(fresh))
+    ad1 = lw.adapter_snapshot(fresh)
+    assert all(not torch.equal(ad0[k], ad1[k]) for k in ad0 if "shared_experts" in k)
+    with pytest.raises(LoraTargetError, match="shared experts.*dropout"):
+        lw.lora_engine(hf_dir, settings=LoraSettings(rank=2, alpha=5, dropout=0.1, target_modules=("down_proj",)))
+
+
+def test_inkling_shared_experts_split_invariance_resume_and_peft_import(tmp_path):
+    """Shared experts only (named by their HF parameters): split invariance, exact resume, and an
+    adapter trained by PEFT itself on ``shared_experts.down_proj`` imports exactly; PEFT's separate
+    gate / up adapters (different ``lora_A``) are refused."""
+    from transformers import InklingForCausalLM
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import inkling_fixtures as inf
+    from peft.utils import get_peft_model_state_dict
+
+    hf_dir = inf.tiny_inkling_dir(tmp_path / "inkling")
+    settings = LoraSettings(rank=lw.RANK, alpha=lw.ALPHA, target_modules=("gate_proj", "up_proj", "down_proj"))
+    engine = lw.lora_engine(hf_dir, settings=settings)
+    kinds = {e.kind for e in __import__("ferrule.lora", fromlist=["x"]).adapter_entries(engine.model)}
+    assert kinds == {"dense_mlp", "routed_experts", "shared_experts"}  # down_proj also names the routed experts' fc2
+    tensors = lw.randomize_adapter(engine, seed=8)
+    runs = []
+    for splits in ((8,), (3, 5)):
+        e = lw.lora_engine(hf_dir, settings=settings)
+        load_hf_adapter(e, tensors)
+        start, batch = 0, tw.make_batch()
+        for n in splits:
+            e.forward_backward(batch[start:start + n], "cross_entropy")
+            start += n
+        runs.append((e.optim_step()["grad_norm"], lw.adapter_snapshot(e)))
+    assert runs[0][0] == runs[1][0] and lw.same(runs[0][1], runs[1][1])
+    # exact resume: 2 steps, save, 2 more vs a fresh engine from the checkpoint
+    from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+
+    a = lw.lora_engine(hf_dir, settings=settings)
+    load_hf_adapter(a, tensors)
+    tw.train_steps(a, 2, seed0=10)
+    a.save(tmp_path / "ckpt")
+    cont_a = tw.train_steps(a, 2, seed0=20)
+    b = TrainEngine.from_torch_dist(tmp_path / "ckpt", optimizer=OptimizerSettings(lr=tw.LR), lora=settings)
+    assert tw.train_steps(b, 2, seed0=20) == cont_a and lw.same(lw.adapter_snapshot(a), lw.adapter_snapshot(b))
+    # the base checkpoint holds no adapter tensors (the base loads into a plain engine)
+    assert not any("lora" in k for k in a.model[0].module.sharded_state_dict())
+    plain = TrainEngine.from_torch_dist(tmp_path / "ckpt", load_optimizer=False)
+    assert not any("lora" in n for n, _ in plain.model[0].module.named_parameters())
+    # an adapter made by PEFT on the shared experts' down_proj only (random B, per-expert A)
+    pm = peft.get_peft_model(InklingForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                             peft.LoraConfig(r=2, lora_alpha=3, target_modules=[],
+                                             target_parameters=["mlp.shared_experts.down_proj"],
+                                             init_lora_weights=False)).eval()
+    down = lw.lora_engine(hf_dir, settings=LoraSettings(rank=2, alpha=3, target_modules=("linear_fc2",)))
+    sd = {k: v for k, v in get_peft_model_state_dict(pm).items()}
+    # linear_fc2 also adapts the dense and routed fc2, left at B = 0 (their exported zero adapters)
+    load_hf_adapter(down, {**sd, **{k: v for k, v in hf_adapter_state_dict(down).items() if "shared_experts" not in k}})
+    batch = tw.make_batch(seed=5)
+    assert max_diff(down.forward_logprobs(batch), hf_logprobs(pm, batch)) <= PEFT_ATOL
+    # gate / up trained separately by PEFT: different lora_A, refused, nothing loaded
+    gu = peft.get_peft_model(InklingForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                             peft.LoraConfig(r=lw.RANK, lora_alpha=lw.ALPHA, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                             target_parameters=["mlp.shared_experts.gate_proj",
+                                                                "mlp.shared_experts.up_proj",
+                                                                "mlp.shared_experts.down_proj"],
+                                             init_lora_weights=False))
+    eng = lw.lora_engine(hf_dir, settings=settings)
+    before = lw.adapter_snapshot(eng)
+    with pytest.raises(AdapterFormatError, match="shared_experts.linear_fc1.*lora_A differ"):
+        load_hf_adapter(eng, get_peft_model_state_dict(gu))
+    assert lw.same(before, lw.adapter_snapshot(eng))
 
 
 def test_target_names_are_checked(dirs):
@@ -258,6 +358,14 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     moe_out = moe.forward_backward(tw.make_batch(seed=3), "cross_entropy")
     moe_norm = moe.optim_step()["grad_norm"]
     moe_after = {k: v.cpu() for k, v in hf_adapter_state_dict(moe).items()}
+    # Inkling text (attention + dense + routed + shared experts) for the TP=2 logprobs / round trip
+    sys.path.insert(0, str(REPO / "tests"))
+    import inkling_fixtures as inf
+
+    ink_dir = inf.tiny_inkling_dir(work / "inkling")
+    ink = lw.lora_engine(ink_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
+    lw.write_peft_dir(work / "adapter_inkling", lw.randomize_adapter(ink, seed=12), peft_config(ink))
+    ink_ws1 = ink.forward_logprobs(tw.make_batch(seed=3))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
                           capture_output=True, text=True, timeout=280, cwd=REPO)
@@ -275,6 +383,9 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert max(float((torch.tensor(res["ep2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
     r = res["ep2_resume"]
     assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+    assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
+    assert res["inkling_tp2_roundtrip"]
+    assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5
 
 
 def test_cli_export_and_import(dirs, tmp_path):

@@ -1,7 +1,7 @@
 """``ferrule train`` on 2 ranks (CPU, gloo): DP=2, TP=2, PP=2 (tied embeddings), LoRA at DP=2 and
 TP=2, and a Qwen3-MoE at EP=2 (full-parameter and LoRA), each against one process.
 
-Referee: the same GRPO run in one process (this pytest process), on the tiny model and task of
+Referee: the same GRPO run in one process (tests/dist/rl_referee.py, on the CPU), on the tiny model and task of
 tests/test_rl_e2e.py with ``rollout.prompts_per_shard=2`` (4 prompts: two rollout shards, so
 DP=2 runs one shard on each replica), a KL term to a frozen reference and two optimizer steps
 per rollout; the LoRA layouts against the same run with the same ``lora`` section, EP=2 against
@@ -151,8 +151,24 @@ def _assert_close(mine, ref, where):
                 assert a[k] == b[k], (where, a["step"], k, a[k], b[k])
 
 
-def _launch_worker(work: Path, layouts: str | None = None) -> dict:
-    env = _env()
+def _cpu_env():
+    """``_env()`` with the GPUs hidden: the gloo test and its referee train on the CPU on any machine
+    (ferrule's CPU backend is for CUDA-less processes: ``ferrule.megatron.device.get_backend``)."""
+    return dict(_env(), CUDA_VISIBLE_DEVICES="")
+
+
+def _one_process(work: Path, jobs: list[list[str]]) -> list:
+    """The referee runs (one process, CPU): ``(metrics, responses, weights digest)`` per job, in order."""
+    spec, out = work / "referee_jobs.json", work / "referee_results.json"
+    spec.write_text(json.dumps({"config": str(work / "tiny.yaml"), "jobs": jobs}))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "rl_referee.py"), str(spec), str(out)],
+                          capture_output=True, text=True, timeout=400, env=_cpu_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+def _launch_worker(work: Path, layouts: str | None = None, *, cpu: bool = False) -> dict:
+    env = _cpu_env() if cpu else _env()
     if layouts:
         env[w.LAYOUTS_ENV] = layouts
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -164,23 +180,28 @@ def _launch_worker(work: Path, layouts: str | None = None) -> dict:
 
 @pytest.mark.timeout(600)
 def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the gloo layouts test is the CPU test; on CUDA test_dp2_on_two_gpus runs instead")
-    results = _launch_worker(work)
+    # gloo on the CPU on any machine (GPUs hidden from the workers and the referee); NCCL: test_dp2_on_two_gpus
+    results = _launch_worker(work, cpu=True)
     print({name: round(runs["seconds"], 1) for name, runs in results.items()}, "seconds per layout (2 ranks)")
 
-    # the referees: one process, same config (and the same model / lora section as the layout)
+    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the torch_dist
+    # weights and Adam state reshard; LoRA DP 2 -> 1: DP replica 0's adapter shard and Adam state); step 3 then
+    # matches the one-process run
+    for name in results:
+        cross = tmp_path / f"{name}_to_1"
+        shutil.copytree(work / name / "full", cross)
+        shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
+    # the referees (one process, same config, and the same model / lora section as the layout), then the
+    # cross-layout resumes: one launch, on the CPU
     base = json.loads((work / "overrides.json").read_text())
     common = base + [f"train.steps={w.STEPS}", f"checkpoint.interval={w.CKPT_EVERY}", "checkpoint.keep=0"]
-    refs: dict = {}
-    for name in results:
-        key = tuple(_layout_overrides(name, work))
-        if key not in refs:
-            refs[key] = w.run(work / "tiny.yaml", common + list(key) + [f"logging.run_dir={tmp_path / f'one_{name}'}"])
-            ref_metrics, ref_responses, _ = refs[key]
-            assert len({e["reward_mean"] for e in ref_metrics}) > 1 or len(set(ref_responses)) > 8  # not constant
+    keys = list(dict.fromkeys(tuple(_layout_overrides(name, work)) for name in results))  # dense, LoRA, MoE, ...
+    out = _one_process(work, [common + list(k) + [f"logging.run_dir={tmp_path / f'one_{i}'}"] for i, k in enumerate(keys)]
+                       + [common + _layout_overrides(name, work) + [f"logging.run_dir={tmp_path / f'{name}_to_1'}",
+                                                                    "checkpoint.resume=true"] for name in results])
+    refs, crossed = dict(zip(keys, out[:len(keys)])), dict(zip(results, out[len(keys):]))
+    for ref_metrics, ref_responses, _ in refs.values():
+        assert len({e["reward_mean"] for e in ref_metrics}) > 1 or len(set(ref_responses)) > 8  # not trivially constant
 
     for name, runs in results.items():
         ref_metrics, ref_responses, _ = refs[tuple(_layout_overrides(name, work))]
@@ -200,32 +221,26 @@ def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
             assert len({d for _, d in runs["served"]}) == 1, (name, runs["served"])
             assert all(0 < e["sync_bytes"] < 100_000 for e in full_m), name
 
-    # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the torch_dist
-    # weights and Adam state reshard; LoRA DP 2 -> 1: DP replica 0's adapter shard and Adam state); step 3 then
-    # matches the one-process run
-    from ferrule.rl.config import ConfigError
-
-    for name in results:
-        key = _layout_overrides(name, work)
-        ref_metrics, ref_responses, _ = refs[tuple(key)]
-        cross = tmp_path / f"{name}_to_1"
-        shutil.copytree(work / name / "full", cross)
-        shutil.rmtree(cross / "checkpoints" / f"step_{w.STEPS:06d}")
-        args = common + key + [f"logging.run_dir={cross}", "checkpoint.resume=true"]
-        if name in ("lora_tp2", "lora_ep2"):  # the adapter's Adam state is saved per rank: only DP may change
-            with pytest.raises(ConfigError, match=r"(?s)LoRA optimizer state per rank .* at world size 2; this engine runs .* "
-                                                  r"at world size 1\. Only the data-parallel size may change .* resume "
-                                                  r"this LoRA run with the checkpoint's parallel\.\* and 2 ranks"):
-                w.run(work / "tiny.yaml", args)
+    for name, got in crossed.items():
+        if name in REFUSED_CROSS_RESUME:  # refused before training, with the reason (a ConfigError)
+            assert isinstance(got, dict) and re.search(REFUSED_CROSS_RESUME[name], got["config_error"]), (name, got)
             continue
-        if name == "ep2":  # megatron chains a separate expert optimizer only at ep > 1: refused, with the reason
-            with pytest.raises(ConfigError, match=r"written at expert-parallel size ep=2, this engine runs ep=1; "
-                                                  r"megatron-core keeps the Adam state of routed experts in a separate"):
-                w.run(work / "tiny.yaml", args)
-            continue
-        cross_m, cross_r, _ = w.run(work / "tiny.yaml", args)
+        ref_metrics, ref_responses, _ = refs[tuple(_layout_overrides(name, work))]
+        cross_m, cross_r, _ = got
         assert cross_r == ref_responses, name
         _assert_close(cross_m, ref_metrics, f"{name} -> 1 resume")
+
+
+#: checkpoints that do not resume in one process: the LoRA adapter's Adam state is saved per rank (only
+#: the DP size may change); megatron chains a separate expert optimizer only at ep > 1
+_LORA_REFUSAL = (r"(?s)LoRA optimizer state per rank .* at world size 2; this engine runs .* at world size 1\. "
+                 r"Only the data-parallel size may change .* resume this LoRA run with the checkpoint's "
+                 r"parallel\.\* and 2 ranks")
+REFUSED_CROSS_RESUME = {
+    "lora_tp2": _LORA_REFUSAL, "lora_ep2": _LORA_REFUSAL,
+    "ep2": r"written at expert-parallel size ep=2, this engine runs ep=1; megatron-core keeps the Adam state of "
+           r"routed experts in a separate",
+}
 
 
 @pytest.mark.timeout(240)

@@ -179,13 +179,15 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
                                   f"megatron's SequentialMLP (moe_grouped_gemm=False) only.")
         # the global layer-level name (layer index with the pipeline offset)
         layer = ctx.global_names.get(f"{local}.local_experts.0.linear_fc1", local).split(".local_experts.")[0]
-        etp = getattr(experts[0].linear_fc1, "tp_size", 1)
+        etp = _tp_size(experts[0].linear_fc1)
         for leaf in ("linear_fc1", "linear_fc2"):
             first = ctx.global_names.get(f"{local}.local_experts.0.{leaf}", f"{local}.local_experts.0.{leaf}")
             if not ctx.selects(first, "routed_experts"):
                 continue
             if etp != 1:
-                raise LoraTargetError(f"{layer}: LoRA on routed experts needs expert tensor parallelism 1 (etp=1).")
+                raise LoraTargetError(f"{layer}: LoRA on routed experts needs expert tensor parallelism 1, this model "
+                                      f"splits them over etp={etp} (megatron's default etp is tp); build with "
+                                      f"ParallelLayout(etp=1), or leave the routed experts out of target_modules.")
             if settings.dropout > 0:
                 raise LoraTargetError(f"{layer}: LoRA dropout on routed experts is refused (PEFT's expert-parameter "
                                       f"LoRA has none, so the adapter could not be loaded there); use dropout=0.")
@@ -198,6 +200,14 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
                 shared = ad.lora_A
                 done.append(name)
     return done
+
+
+def _tp_size(linear: Any) -> int:
+    """Size of the TP group a megatron linear is split over (the expert-TP group for experts)."""
+    from megatron.core.utils import get_pg_size
+
+    group = getattr(linear, "tp_group", None)
+    return get_pg_size(group) if group is not None else 1
 
 
 def appliers_for(family: str) -> list[LoRAApplierSpec]:

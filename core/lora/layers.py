@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LoraAdapter", "LORA_PARAM_ATTR", "attach_adapter", "adapters_of", "is_adapter_param"]
+__all__ = ["LoraAdapter", "LORA_PARAM_ATTR", "attach_adapter", "adapters_of", "is_adapter_param", "is_adapter_module"]
 
 #: attribute set (True) on every adapter parameter; :func:`ferrule.megatron.weights.bind_params` skips them
 LORA_PARAM_ATTR = "is_lora_adapter"
@@ -177,6 +177,17 @@ def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, t
     return adapter
 
 
-def adapters_of(chunk: Any) -> list[tuple[str, LoraAdapter]]:
-    """``(local module name, adapter)`` of every adapted module of one model chunk, in module order."""
-    return [(name, mod.lora) for name, mod in chunk.named_modules() if isinstance(getattr(mod, "lora", None), LoraAdapter)]
+def is_adapter_module(obj: Any) -> bool:
+    """True for a :class:`LoraAdapter`, or a family's own adapter module (a ``torch.nn.Module`` with
+    ``lora_A`` / ``lora_B`` parameters marked by :data:`LORA_PARAM_ATTR` and a ``kind``, e.g. Inkling's
+    stacked shared-expert adapter) attached to its base module as ``base.lora``."""
+    if isinstance(obj, LoraAdapter):
+        return True
+    return (isinstance(obj, torch.nn.Module) and isinstance(getattr(obj, "kind", None), str)
+            and is_adapter_param(getattr(obj, "lora_A", None)) and is_adapter_param(getattr(obj, "lora_B", None)))
+
+
+def adapters_of(chunk: Any) -> list[tuple[str, Any]]:
+    """``(local module name, adapter)`` of every adapted module of one model chunk, in module order
+    (:class:`LoraAdapter` or a family adapter module, see :func:`is_adapter_module`)."""
+    return [(name, mod.lora) for name, mod in chunk.named_modules() if is_adapter_module(getattr(mod, "lora", None))]

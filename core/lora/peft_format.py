@@ -179,13 +179,19 @@ def load_linear(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
 # ---------------------------------------------------------------------------------------
 
 
+def peft_naming_table(table: Any) -> Any:
+    """The table that names adapters for PEFT: ``table.peft_table`` (transformers' in-memory module
+    names, :class:`~ferrule.mapping.MappingTable`) when the family gives one, else ``table``."""
+    return getattr(table, "peft_table", None) or table
+
+
 def _export_context(engine: Any) -> ExportContext:
     from ferrule.megatron.weights import ParallelRanks, agree_padded_vocab, bind_params, mapping_context
 
     ranks = ParallelRanks.current()
     params = bind_params(engine.model, engine.mapping_table)
     mctx = agree_padded_vocab(mapping_context(params, ranks, hf_config=engine.hf_config), ranks)
-    return ExportContext(engine.mapping_table, mctx, ranks)
+    return ExportContext(peft_naming_table(engine.mapping_table), mctx, ranks)
 
 
 def _by_kind(engine: Any) -> list[tuple[Any, list]]:
@@ -261,6 +267,10 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     """The ``adapter_config.json`` dict (``peft.LoraConfig(...).to_dict()`` keys PEFT needs to load it).
 
     ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks).
+    ``target_parameters`` are the HF parameters PEFT adapts with ``ParamWrapper``: the routed
+    experts' fused 3-D parameters, plus those a family adapter lists in its ``peft_parameters``
+    attribute (parameter paths below the decoder layer, e.g. Inkling's
+    ``mlp.shared_experts.gate_proj``); such adapters add nothing to ``target_modules``.
     ``base_model_name_or_path`` defaults to the engine's source folder (``engine.hf_files_dir``).
     """
     from ferrule.megatron.weights import all_gather_objects
@@ -270,15 +280,18 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     _require_lora(engine)
     plan = _engine_plan(engine)
     if plan.config is None:
-        leaves, expert_leaves = set(), set()
+        leaves, expert_leaves, param_targets = set(), set(), set()
         for _, entries in plan.by_kind:
             for e in entries:
                 if e.kind == "routed_experts":
                     expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
+                elif getattr(e.adapter, "peft_parameters", None):
+                    param_targets.update(e.adapter.peft_parameters)
                 else:
                     leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, plan.ctx)[2])
         leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
         expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
+        param_targets = sorted(set().union(*all_gather_objects(sorted(param_targets))))
         s = engine.lora
         plan.config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "r": s.rank,
@@ -287,7 +300,7 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
             "inference_mode": True, "revision": None,
             # routed experts: transformers' fused 3-D expert parameters, in PEFT's nesting order
             "target_parameters": [f"mlp.experts.{EXPERT_PARAMS[k]}" for k in EXPERT_PARAMS if k in expert_leaves]
-            or None}
+            + param_targets or None}
     base = base_model_name_or_path if base_model_name_or_path is not None else (
         str(engine.hf_files_dir) if getattr(engine, "hf_files_dir", None) else None)
     out = {k: (list(v) if isinstance(v, list) else v) for k, v in plan.config.items()}

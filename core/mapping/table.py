@@ -34,6 +34,11 @@ class MappingTable:
         mappings: one entry per mcore parameter pattern (patterns must be unique).
         ignores: HF key patterns that are deliberately dropped.
         passthrough: HF key prefixes kept verbatim beside the Megatron checkpoint (not loaded).
+        peft_table: the same mcore parameters named and laid out as the *transformers model in
+            memory* (its module names, which HF PEFT adapter keys use), for a family whose
+            checkpoint keys differ from them (transformers' ``conversion_mapping`` renames or
+            splits them on load, e.g. Inkling's released ``model.llm.*`` -> ``model.language_model.*``);
+            None: the checkpoint names are the module names. Read by :mod:`ferrule.lora` only.
 
     Names given to the table are *global* mcore names: layer index counted over the whole
     model (PP offset added) and expert index global (EP offset added); see
@@ -44,6 +49,7 @@ class MappingTable:
     mappings: tuple[ParamMapping, ...]
     ignores: tuple[Ignore, ...] = ()
     passthrough: tuple[Passthrough, ...] = ()
+    peft_table: "MappingTable | None" = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mappings, tuple) or not isinstance(self.ignores, tuple):
@@ -53,6 +59,8 @@ class MappingTable:
         if not isinstance(self.passthrough, tuple):
             raise MappingError(f"MappingTable({self.family}): passthrough must be a tuple (tables are immutable).")
         bad += [p for p in self.passthrough if not isinstance(p, Passthrough)]
+        if self.peft_table is not None and not isinstance(self.peft_table, MappingTable):
+            bad.append(self.peft_table)
         if bad:
             raise MappingError(f"MappingTable({self.family}) holds non-mapping entries {bad!r}.")
         pats = [m.mcore for m in self.mappings]

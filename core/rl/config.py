@@ -94,7 +94,15 @@ class RolloutConfig:
                                    "any world size. 0: ceil(prompts_per_step / data-parallel replicas).",
                                 "prompts")
     sglang_url: str = _f("", "URL of a running SGLang server (engine=sglang); empty: launch one.", "URL")
-    sglang_args: dict[str, Any] = _f({}, "Extra SGLang server arguments, e.g. {mem_fraction_static: 0.7}.")
+    sglang_args: dict[str, Any] = _f({}, "Extra flags of a server the loop launches (engine=sglang, no sglang_url): "
+                                         "key -> --key-with-dashes value; true: a bare switch, false: left out, a "
+                                         "list: several values, a dict: JSON; e.g. {mem_fraction_static: 0.7, "
+                                         "tp_size: 2}. model_path / host / port are the loop's.")
+    sglang_weight_transport: Literal["tensor", "disk"] = _f(
+        "tensor", "How the weight sync reaches the SGLang server: tensor (/update_weights_from_tensor with CUDA IPC "
+                  "handles: the server on the driver's host, sglang importable in the trainer, the train engine on "
+                  "a GPU) or disk (each bucket written as safetensors under RUN_DIR/sglang_weights and loaded with "
+                  "/update_weights_from_disk; the server must read that folder).")
 
 
 @dataclass(frozen=True, kw_only=True)

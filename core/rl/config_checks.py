@@ -40,6 +40,7 @@ def _near(value: str, choices: list[str]) -> str:
 def validate_config(cfg: RLConfig) -> list[str]:
     """Every range error and contradiction in ``cfg`` (empty list: valid). No file access."""
     from ferrule.rl.config import BUILTIN_REWARDS, LOSS_NAMES
+    from ferrule.rl.sglang_rollout import sglang_config_problems
 
     p: list[str] = []
     m, ro, d, rw, a, o, t, c, e, lg = (cfg.model, cfg.rollout, cfg.data, cfg.reward, cfg.algorithm,
@@ -74,9 +75,10 @@ def validate_config(cfg: RLConfig) -> list[str]:
         p.append(f"rollout.n_samples_per_prompt: GRPO needs >= 2 samples per prompt (a group of 1 has "
                  f"advantage 0{' and no std' if a.grpo_std_normalization else ''}), got "
                  f"{ro.n_samples_per_prompt}; use e.g. 8")
-    if ro.engine != "sglang" and (ro.sglang_url or ro.sglang_args):
-        p.append("rollout.sglang_url/sglang_args: only used with rollout.engine=sglang; set "
+    if ro.engine != "sglang" and (ro.sglang_url or ro.sglang_args or ro.sglang_weight_transport != "tensor"):
+        p.append("rollout.sglang_url/sglang_args/sglang_weight_transport: only used with rollout.engine=sglang; set "
                  "rollout.engine=sglang or remove them")
+    p += sglang_config_problems(cfg)
 
     # data
     if bool(d.task) == bool(d.jsonl_path):

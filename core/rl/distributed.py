@@ -10,6 +10,8 @@ differ only in these roles:
   train batch and calls the train engine with it (the engine plans each rank's share itself).
 - **rollout ranks**: the first rank of every data-parallel replica (``tp_rank == pp_rank ==
   0``), listed by DP rank; each holds an embedded rollout engine. The driver is the first.
+  With ``rollout.engine: sglang`` the driver is the only rollout rank (it drives the server;
+  :mod:`ferrule.rl.sglang_rollout`), so every shard runs there and nothing is fanned out.
 - the other ranks only train.
 
 Rollout shards (:func:`plan_shards`): the step's prompts, in sampler order, are cut into shards
@@ -113,9 +115,6 @@ def check_layout(cfg: RLConfig, hf_config: Mapping[str, Any], world_size: int) -
     elif experts is not None and experts % ep:
         p.append(f"parallel.ep: {ep} does not divide the model's {experts} routed experts; valid ep: "
                  f"{_divisors(experts)}")
-    if world_size > 1 and cfg.rollout.engine != "embedded":
-        p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop; multi-rank runs use the "
-                 "embedded engine on each data-parallel replica's first rank")
     if p:
         raise ConfigError(p)
 
@@ -184,8 +183,12 @@ class RankRoles:
         return self.rollout_ranks.index(self.rank) if self.rank in self.rollout_ranks else None
 
 
-def rank_roles() -> RankRoles:
-    """Roles from megatron's parallel state (collective: call on every rank after the engine is built)."""
+def rank_roles(*, driver_only_rollout: bool = False) -> RankRoles:
+    """Roles from megatron's parallel state (collective: call on every rank after the engine is built).
+
+    ``driver_only_rollout`` (``rollout.engine: sglang``): the driver is the only rollout rank and
+    no rollout group is created (pass the same value on every rank).
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -194,6 +197,8 @@ def rank_roles() -> RankRoles:
     coords = all_gather_objects((dist.get_rank(), ps.get_tensor_model_parallel_rank(),
                                  ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()))
     firsts = tuple(r for r, _, _, _ in sorted((c for c in coords if c[1] == 0 and c[2] == 0), key=lambda c: c[3]))
+    if driver_only_rollout:
+        firsts = firsts[:1]
     group = dist.new_group(list(firsts)) if len(firsts) > 1 else None  # collective: every rank creates it
     return RankRoles(dist.get_rank(), dist.get_world_size(), firsts, group)
 

@@ -46,7 +46,8 @@ global rank 0 drives (prompts, rewards, advantages, metrics, checkpoint loop sta
 every data-parallel replica's first rank generates its rollout shards, and every rank trains on
 the same batch (:mod:`ferrule.rl.distributed`). Rollouts are cut into shards of
 ``rollout.prompts_per_shard`` prompts with one seed each, so a run samples the same responses at
-any world size for the same ``prompts_per_shard``.
+any world size for the same ``prompts_per_shard``. With ``rollout.engine: sglang`` the driver alone
+drives an SGLang server and runs every shard (:mod:`ferrule.rl.sglang_rollout`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_writ
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import check_supported, lora_settings, preflight
 from ferrule.rl import distributed as rl_dist
+from ferrule.rl import sglang_rollout
 from ferrule.rl.tasks import has_media
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
@@ -152,6 +154,7 @@ class GRPOTrainer:
         from rich.console import Console
 
         check_supported(cfg)
+        sglang_rollout.check_rollout_engine(cfg, check_weight_update_equal=check_weight_update_equal)
         cfg.check_paths()
         preflight(cfg)
         hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
@@ -186,7 +189,6 @@ class GRPOTrainer:
         from ferrule.chat import stop_token_ids
         from ferrule.rl.rewards import build_reward_fn_from_config
         from ferrule.rl.tasks import PromptSampler, build_prompt_source
-        from ferrule.rollout import get_rollout_engine
 
         cfg = self.cfg
         dtype = getattr(torch, cfg.model.dtype)
@@ -226,16 +228,15 @@ class GRPOTrainer:
             self.engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, layout, load_optimizer=False, **kwargs)
         else:
             self.engine = TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
-        self.roles = rl_dist.rank_roles()
+        self.roles = rl_dist.rank_roles(driver_only_rollout=cfg.rollout.engine == "sglang")
 
         # the embedded engine runs where training runs: the GPU when there is one, else the CPU; one
-        # per data-parallel replica, on its first rank
+        # per data-parallel replica, on its first rank (sglang: the driver's client of the server)
         self.rollout = self.tokenizer = None
         self.template, self.stop_ids, self.stop_strings = None, (), ()
         if self.roles.replica is not None:
-            self.rollout = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype,
-                                              device=get_backend().device)
-            self.tokenizer = self.rollout.tokenizer
+            self.rollout, self.tokenizer = sglang_rollout.build_rollout_engine(cfg, dtype=dtype,
+                                                                               device=get_backend().device)
         if self.roles.is_driver:
             if self.tokenizer is None:
                 raise ConfigError([f"model.hf_dir: {cfg.model.hf_dir!r} has no tokenizer files (tokenizer.json / "
@@ -267,6 +268,9 @@ class GRPOTrainer:
         self._total_optim_steps = total_optim_steps
         if self.roles.is_driver:
             self._check_all_media()
+            if self._media_cache and cfg.rollout.engine == "sglang":
+                raise ConfigError(["rollout.engine: sglang cannot take the prompts' images or audio (the SGLang "
+                                   "client sends no media yet); use rollout.engine=embedded for multimodal prompts"])
             if self._media_cache and self.reference is not None:
                 raise ConfigError(["algorithm.kl_coef: the reference policy does not take media yet; use kl_coef 0 "
                                    "with prompts that carry images or audio"])
@@ -321,7 +325,7 @@ class GRPOTrainer:
         return SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
                               top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
                               stop_token_ids=self.stop_ids, stop=self.stop_strings, n=n, seed=seed,
-                              return_raw_logprobs=temperature > 0)
+                              return_raw_logprobs=sglang_rollout.wants_raw_logprobs(self.cfg, temperature))
 
     def _decode(self, results: list[Any]) -> list[str]:
         return [self.tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
@@ -667,7 +671,7 @@ class GRPOTrainer:
                   "(press Ctrl-C again to abort without saving)")
 
     def run(self, *, stop_after: int | None = None) -> RunResult:
-        """Run (or resume) the loop up to ``train.steps``.
+        """Run (or resume) the loop up to ``train.steps``; then :meth:`close` (also on an error).
 
         Args:
             stop_after: stop once this many steps are complete, as if Ctrl-C had been pressed
@@ -676,6 +680,16 @@ class GRPOTrainer:
         Returns:
             :class:`RunResult`.
         """
+        try:
+            return self._run(stop_after)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``); idempotent."""
+        sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+
+    def _run(self, stop_after: int | None) -> RunResult:
         import threading
 
         from ferrule.rl.metrics import MetricsLogger, StepProgress

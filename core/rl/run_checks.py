@@ -90,8 +90,6 @@ def check_supported(cfg: RLConfig) -> None:
     if a.entropy_coef > 0:
         p.append("algorithm.entropy_coef: an entropy bonus is not implemented by the train engine; set it to 0 "
                  "(entropy is still reported)")
-    if cfg.rollout.engine != "embedded":
-        p.append(f"rollout.engine: {cfg.rollout.engine!r} is not wired into the loop yet; use embedded")
     if cfg.lora.rank > 0:
         try:
             lora_settings(cfg)

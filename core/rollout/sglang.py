@@ -377,14 +377,24 @@ class SGLangEngine:
                 "flush_cache": True, "weight_version": str(version)})
 
     def update_weights_via_disk(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
-        """Write the tensors to ``<disk_dir>/v<version>-<n>/model.safetensors``; ``POST /update_weights_from_disk``."""
+        """Write the tensors to ``<disk_dir>/v<version>-<n>/model.safetensors``; ``POST /update_weights_from_disk``.
+
+        The folder is removed once the call returns (the server has read it by then, or refused
+        it), so a run does not keep one copy of the weights per sync on disk.
+        """
+        import shutil
+
         from safetensors.torch import save_file
 
         root = self.disk_dir or tempfile.mkdtemp(prefix="ferrule-sglang-weights-")
         os.makedirs(root, exist_ok=True)
         path = tempfile.mkdtemp(prefix=f"v{version}-", dir=root)
-        save_file({n: t.detach().contiguous().cpu() for n, t in named_tensors}, os.path.join(path, "model.safetensors"))
-        self._request("POST", "/update_weights_from_disk", build_update_from_disk_payload(path, version))
+        try:
+            save_file({n: t.detach().contiguous().cpu() for n, t in named_tensors},
+                      os.path.join(path, "model.safetensors"))
+            self._request("POST", "/update_weights_from_disk", build_update_from_disk_payload(path, version))
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> None:

@@ -33,6 +33,7 @@ from ferrule.mapping import ParamMapping
 from ferrule.mapping import MappingTable, Rename, StackExperts, TPSplit
 from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
 from ferrule.plugins.inkling.inkling_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
+from ferrule.plugins.inkling.inkling_text import text_model_mappings
 from ferrule.specs import UpdateGroup
 
 #: HF ``inkling_mm_model`` config (its ``text_config``) <-> megatron.
@@ -140,6 +141,14 @@ TOWER_ROWS = (
     ("towers.audio.final_norm.weight", "model.audio.final_norm.weight"),
 )
 
+#: The text model as ``InklingForConditionalGeneration`` holds it in memory after loading (transformers'
+#: ``conversion_mapping`` entry ``inkling_mm_model``: ``model.llm.layers`` -> ``model.language_model.layers``,
+#: ``attn.wq_du`` -> ``self_attn.q_proj``, ``w13`` de-interleaved and split into ``gate_proj`` / ``up_proj``,
+#: ``model.llm.unembed`` -> ``lm_head``): the names and layouts of :mod:`ferrule.plugins.inkling.inkling_text`
+#: under ``model.language_model.``. HF PEFT adapter keys use these module names, so LoRA names its adapters
+#: through this table (``MappingTable.peft_table``); the towers are never adapted.
+PEFT_MAPPING = MappingTable(family="inkling", mappings=text_model_mappings("model.language_model."))
+
 #: Released-layout mapping table (text model + towers).
 MAPPING = MappingTable(
     family="inkling",
@@ -163,6 +172,7 @@ MAPPING = MappingTable(
         Rename(_L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_experts.shared_w2_weight"),
         *(Rename(m, h) for m, h in TOWER_ROWS),
     ),
+    peft_table=PEFT_MAPPING,
 )
 
 #: The text variant's groups plus the towers' (first pipeline stage only, hence optional; a

@@ -65,7 +65,6 @@ class StackSharedGateUp(ParamMapping):
 
 
 _L = "decoder.layers.*."
-_H = "model.layers.*."
 
 #: mcore <-> HF rows shared by every Inkling layer (attention, norms, ShortConvs), as (mcore suffix, HF suffix, TP split).
 ATTENTION_ROWS = (
@@ -85,33 +84,42 @@ ATTENTION_ROWS = (
     ("mlp.mlp_sconv.weight", "mlp_sconv.conv1d.weight", TPSplit.REPLICATED),
 )
 
-#: Inkling text mapping table (``inkling_text`` HF layout).
-MAPPING = MappingTable(
-    family="inkling_text",
-    mappings=(
-        Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp=TPSplit.VOCAB),
-        Rename("embedding.embed_norm.weight", "model.embed_tokens.embed_norm.weight"),
-        Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+
+def text_model_mappings(hf_text_model: str = "model.") -> tuple[ParamMapping, ...]:
+    """The text model's rows with transformers' ``InklingTextModel`` under ``hf_text_model``.
+
+    ``"model."`` for ``InklingForCausalLM`` (:data:`MAPPING`); ``"model.language_model."`` for the
+    text model inside ``InklingForConditionalGeneration`` (its in-memory module names, used for
+    PEFT keys: :data:`ferrule.plugins.inkling.inkling_mm.PEFT_MAPPING`). ``lm_head`` sits at the
+    top level of both.
+    """
+    h = hf_text_model + "layers.*."
+    return (
+        Rename("embedding.word_embeddings.weight", hf_text_model + "embed_tokens.weight", tp=TPSplit.VOCAB),
+        Rename("embedding.embed_norm.weight", hf_text_model + "embed_tokens.embed_norm.weight"),
+        Rename("decoder.final_layernorm.weight", hf_text_model + "norm.weight"),
         Rename("output_layer.weight", "lm_head.weight", tp=TPSplit.VOCAB),
-        *(Rename(_L + m, _H + h, tp=tp) for m, h, tp in ATTENTION_ROWS),
+        *(Rename(_L + m, h + hf, tp=tp) for m, hf, tp in ATTENTION_ROWS),
         # dense MLP layers
-        FuseGateUp(_L + "mlp.linear_fc1.weight", gate=_H + "mlp.gate_proj.weight", up=_H + "mlp.up_proj.weight"),
-        Rename(_L + "mlp.linear_fc2.weight", _H + "mlp.down_proj.weight", tp=TPSplit.ROW),
-        Rename(_L + "mlp.global_scale", _H + "mlp.global_scale"),
+        FuseGateUp(_L + "mlp.linear_fc1.weight", gate=h + "mlp.gate_proj.weight", up=h + "mlp.up_proj.weight"),
+        Rename(_L + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight", tp=TPSplit.ROW),
+        Rename(_L + "mlp.global_scale", h + "mlp.global_scale"),
         # MoE layers: router, routed experts (global expert index), shared experts
-        Rename(_L + "mlp.router.weight", _H + "mlp.gate.weight"),
-        Rename(_L + "mlp.router.expert_bias", _H + "mlp.gate.e_score_correction_bias"),
-        Rename(_L + "mlp.router.global_scale", _H + "mlp.gate.global_scale"),
-        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc1.weight", hf=_H + "mlp.experts.gate_up_proj",
+        Rename(_L + "mlp.router.weight", h + "mlp.gate.weight"),
+        Rename(_L + "mlp.router.expert_bias", h + "mlp.gate.e_score_correction_bias"),
+        Rename(_L + "mlp.router.global_scale", h + "mlp.gate.global_scale"),
+        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc1.weight", hf=h + "mlp.experts.gate_up_proj",
                      tp=TPSplit.GATE_UP),
-        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc2.weight", hf=_H + "mlp.experts.down_proj",
+        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc2.weight", hf=h + "mlp.experts.down_proj",
                      tp=TPSplit.ROW),
-        StackSharedGateUp(_L + "mlp.shared_experts.linear_fc1.weight", gate=_H + "mlp.shared_experts.gate_proj",
-                          up=_H + "mlp.shared_experts.up_proj"),
-        Rename(_L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_experts.down_proj"),
-    ),
-    ignores=(),
-)
+        StackSharedGateUp(_L + "mlp.shared_experts.linear_fc1.weight", gate=h + "mlp.shared_experts.gate_proj",
+                          up=h + "mlp.shared_experts.up_proj"),
+        Rename(_L + "mlp.shared_experts.linear_fc2.weight", h + "mlp.shared_experts.down_proj"),
+    )
+
+
+#: Inkling text mapping table (``inkling_text`` HF layout).
+MAPPING = MappingTable(family="inkling_text", mappings=text_model_mappings("model."), ignores=())
 
 #: Weight-sync groups, per layer: attention (norm, projections, ShortConvs, q/k norms, relative
 #: bias, output ShortConv); the MLP input norm + output ShortConv every layer has; the dense MLP;

@@ -114,6 +114,10 @@ class InklingSharedExperts(MegatronModule):
     ``[gate; up]``) and ``linear_fc2.weight`` ``[S, hidden, ffn]``. Replicated over TP (every rank
     computes the full shared output from the full input, so gradients agree without a reduction)
     and over EP: these are never expert-parallel parameters.
+
+    LoRA: a ``lora`` adapter on ``linear_fc1`` / ``linear_fc2``
+    (:class:`ferrule.plugins.inkling.lora.StackedLoraAdapter`, attached by the ``shared_experts``
+    applier) adds its per-expert low-rank term to that ``bmm`` (``[gate; up]`` halves for fc1).
     """
 
     def __init__(self, config, n_shared_experts: int, ffn_hidden_size: int):
@@ -132,17 +136,33 @@ class InklingSharedExperts(MegatronModule):
         w1 = self.linear_fc1.weight
         gate = torch.bmm(x, w1[:, : self.ffn].transpose(1, 2))
         up = torch.bmm(x, w1[:, self.ffn:].transpose(1, 2))
+        lora1, lora2 = getattr(self.linear_fc1, "lora", None), getattr(self.linear_fc2, "lora", None)
+        if lora1 is not None:
+            delta = lora1(x)  # [S, T, 2*ffn]
+            gate, up = gate + delta[..., : self.ffn], up + delta[..., self.ffn:]
         act = F.silu(gate) * up * gammas.reshape(-1, self.n, 1).transpose(0, 1)
         down = torch.bmm(act, self.linear_fc2.weight.transpose(1, 2))  # [S, T, H]
+        if lora2 is not None:
+            down = down + lora2(act)
         return down.float().sum(dim=0).to(dtype).view(shape)
 
 
 class _Holder(MegatronModule):
-    """Holds one replicated ``weight`` (so parameter names read ``linear_fc1.weight``)."""
+    """Holds one replicated ``weight`` (so parameter names read ``linear_fc1.weight``).
+
+    A LoRA adapter attached as ``lora`` stays out of the base model's (sharded) state dict: the
+    adapter is saved per rank by :mod:`ferrule.lora.checkpoint`.
+    """
 
     def __init__(self, tensor: torch.Tensor):
         super().__init__(config=None)
         self.weight = torch.nn.Parameter(tensor)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for key in [k for k in state if k.startswith(prefix + "lora.")]:
+            del state[key]
+        return state
 
 
 class InklingMoELayer(MoELayer):
@@ -166,7 +186,8 @@ class InklingMoELayer(MoELayer):
         self.mlp_sconv = InklingShortConv(config, config.hidden_size, conv_kernel_size)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if self.training and self.tp_group.size() > 1 and not self.config.sequence_parallel:
+        if (self.training and torch.is_grad_enabled() and self.tp_group.size() > 1
+                and not self.config.sequence_parallel):  # forward_logprobs runs without grad: exact, allowed
             # megatron's MoELayer.forward refuses this too: without sequence parallelism every TP rank holds
             # the same tokens, the dispatcher gathers them over TP, and the routed experts' gradients come
             # out tp times too large (measured: exactly 2x at TP=2). Forward / logprobs are exact.

@@ -24,7 +24,8 @@ def register_model_families():
             reason=(
                 "text model + vision/audio towers convert, train, sync and serve (logits == "
                 "InklingForConditionalGeneration on image+audio prompts, tests/test_inkling_towers.py); "
-                "LoRA appliers are not implemented yet (issue 13)"
+                "LoRA on the language model (towers frozen) == InklingForConditionalGeneration + PEFT "
+                "(tests/test_lora_inkling_mm.py)"
             ),
             hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
@@ -89,12 +90,14 @@ def register_chat_templates():
 def register_lora_appliers():
     from ferrule.specs import LoRAApplierSpec
 
-    peft = "ferrule.lora.peft_format"
-    return [LoRAApplierSpec(kind="attention", family="inkling_text", apply="ferrule.plugins.inkling.lora:apply_attention",
-                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
-            LoRAApplierSpec(kind="shared_experts", family="inkling_text",
-                            apply="ferrule.plugins.inkling.lora:apply_shared_experts",
-                            export=f"{peft}:export_linear", load=f"{peft}:load_linear")]
+    # the multimodal family adapts its language model with the same appliers (towers stay frozen); its PEFT
+    # names come from inkling_mm.PEFT_MAPPING (MAPPING.peft_table): model.language_model.layers.L...
+    peft, ink = "ferrule.lora.peft_format", "ferrule.plugins.inkling.lora"
+    return [spec for family in _VARIANTS for spec in (
+        LoRAApplierSpec(kind="attention", family=family, apply=f"{ink}:apply_attention",
+                        export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+        LoRAApplierSpec(kind="shared_experts", family=family, apply=f"{ink}:apply_shared_experts",
+                        export=f"{ink}:export_shared_experts", load=f"{ink}:load_shared_experts"))]
 
 
 @hookimpl

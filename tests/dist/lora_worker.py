@@ -15,6 +15,9 @@ test wrote at world size 1), plus ``qwen3_moe`` / ``adapter_moe`` for EP=2; rank
 - ``ep2_*``: Qwen3-MoE (``qwen3_moe``, adapter ``adapter_moe``) at EP=2: round trip, fb logprobs,
   grad norm and the exported adapter after one step (the test compares them with world size 1),
   and exact resume.
+- ``inkling_tp2_*``: Inkling text (``inkling``, adapter ``adapter_inkling`` incl. shared experts) at
+  TP=2, expert TP 1: round trip and logprobs (MoE Inkling does not train at TP>1, so no step);
+  ``inkling_etp2_refused``: the message of the refused build at megatron's default etp = tp = 2.
 """
 
 from __future__ import annotations
@@ -172,6 +175,25 @@ def main(work: Path) -> None:
     results["ep2_grad_norm"] = engine.optim_step()["grad_norm"]
     results["ep2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     results["ep2_resume"] = resume_check(moe_dir, ep2, moe_tensors, work / "ckpt_ep2")
+    # Inkling text at TP=2 (attention adapters split like their base, shared-expert adapters replicated)
+    if (work / "adapter_inkling").is_dir():
+        from ferrule.lora import LoraSettings
+
+        del engine
+        destroy_distributed(keep_process_group=True)
+        ink_tensors, ink_cfg = read_peft_dir(work / "adapter_inkling")
+        ink_settings = LoraSettings(rank=ink_cfg["r"], alpha=ink_cfg["lora_alpha"], use_rslora=ink_cfg["use_rslora"])
+        try:  # megatron's default etp = tp splits the routed experts: refused, not silently mis-sized
+            lora_engine(work / "inkling", tp2, settings=ink_settings)
+            results["inkling_etp2_refused"] = ""
+        except ValueError as exc:
+            results["inkling_etp2_refused"] = str(exc)
+        destroy_distributed(keep_process_group=True)
+        engine = lora_engine(work / "inkling", ParallelLayout(tp=2, etp=1), settings=ink_settings)
+        load_hf_adapter(engine, ink_tensors, ink_cfg)
+        results["inkling_tp2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()},
+                                                ink_tensors)
+        results["inkling_tp2_logprobs"] = [t.tolist() for t in engine.forward_logprobs(tw.make_batch(seed=3))]
     if dist.get_rank() == 0:
         (work / "results.json").write_text(json.dumps(results))
     dist.barrier()
