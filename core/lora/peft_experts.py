@@ -17,7 +17,7 @@ from typing import Any
 
 from ferrule.mapping import MappingError, TPSplit
 
-from .peft_format import PEFT_PREFIX, ExportContext
+from .peft_format import PEFT_PREFIX, ExportContext, copy_factor_plans
 
 __all__ = ["EXPERT_PARAMS", "export_routed", "load_routed"]
 
@@ -180,10 +180,4 @@ def load_routed(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
                                 f"{tuple(ad.lora_A.shape)}, {tuple(ad.lora_B.shape)}.")
                 continue
             plans.append((ad, a_e, b_e))
-    if problems or dry_run:
-        return used, problems
-    with torch.no_grad():
-        for ad, a, b in plans:
-            ad.lora_A.copy_(a)
-            ad.lora_B.copy_(b)
-    return used, []
+    return copy_factor_plans(plans, used, problems, dry_run=dry_run)

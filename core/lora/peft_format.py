@@ -31,7 +31,7 @@ from typing import Any
 from ferrule.mapping import MappingError, TPSplit
 
 __all__ = ["PEFT_PREFIX", "export_linear", "load_linear", "hf_adapter_state_dict", "peft_config", "load_hf_adapter",
-           "AdapterFormatError", "ExportContext"]
+           "AdapterFormatError", "ExportContext", "copy_factor_plans"]
 
 #: PEFT's prefix of saved adapter keys for a ``*ForCausalLM`` base model
 PEFT_PREFIX = "base_model.model."
@@ -164,13 +164,22 @@ def load_linear(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
                 problems.append(f"{e.global_name}.{name}: the adapter gives a local shard of shape "
                                 f"{tuple(have.shape)}, this model's adapter has {tuple(want.shape)} (rank or "
                                 f"model size differ).")
-        plans.append((e, a_local, b_local))
+        plans.append((e.adapter, a_local, b_local))
+    return copy_factor_plans(plans, used, problems, dry_run=dry_run)
+
+
+def copy_factor_plans(plans: Sequence[tuple[Any, Any, Any]], used: set[str], problems: list[str], *,
+                      dry_run: bool) -> tuple[set[str], list[str]]:
+    """The end of every applier's ``load``: copy each ``(adapter, lora_A, lora_B)`` of ``plans`` in
+    place, only when there are no ``problems`` and not ``dry_run``; return ``(used, problems)``."""
+    import torch
+
     if problems or dry_run:
         return used, problems
     with torch.no_grad():
-        for e, a, b in plans:
-            e.adapter.lora_A.copy_(a)
-            e.adapter.lora_B.copy_(b)
+        for adapter, a, b in plans:
+            adapter.lora_A.copy_(a)
+            adapter.lora_B.copy_(b)
     return used, []
 
 

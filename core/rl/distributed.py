@@ -247,9 +247,6 @@ def fan_out_rollout_weights(roles: RankRoles, rollout: Any, version: int, *,
     Returns:
         Bytes sent (driver) or received (other rollout ranks); 0 elsewhere.
     """
-    import torch
-    import torch.distributed as dist
-
     if roles.rollout_group is None or roles.replica is None:
         return 0
     src = roles.rollout_ranks[0]
@@ -268,14 +265,8 @@ def fan_out_rollout_weights(roles: RankRoles, rollout: Any, version: int, *,
     else:
         state, meta = None, None
     meta = broadcast_object(meta, src=src, group=roles.rollout_group)
-    device = rollout.device if hasattr(rollout, "device") else torch.device("cpu")
     total, bucket, used = 0, [], 0
-    for name, shape, dtype in meta:
-        if roles.is_driver:
-            t = state[name].detach().contiguous()
-        else:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.broadcast(t, src=src, group=roles.rollout_group)
+    for name, t in _broadcast_entries(roles, rollout, state, meta, src):
         size = t.numel() * t.element_size()
         total += size
         if not roles.is_driver:
@@ -288,6 +279,24 @@ def fan_out_rollout_weights(roles: RankRoles, rollout: Any, version: int, *,
         rollout.update_weights(bucket, version)
     return total
 
+
+
+def _broadcast_entries(roles: RankRoles, rollout: Any, state: Any, entries: Sequence[tuple[str, tuple, str]],
+                       src: int) -> Any:
+    """Yield ``(name, tensor)`` for each ``(name, shape, dtype name)`` entry, broadcast from ``src``
+    over the rollout group: the driver sends ``state[name]``, the others receive into fresh
+    tensors on their engine's device (collective: iterate to the end on every rollout rank)."""
+    import torch
+    import torch.distributed as dist
+
+    device = rollout.device if hasattr(rollout, "device") else torch.device("cpu")
+    for name, shape, dtype in entries:
+        if roles.is_driver:
+            t = state[name].detach().contiguous()
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(t, src=src, group=roles.rollout_group)
+        yield name, t
 
 
 def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_equal: bool = False) -> int:
@@ -321,9 +330,6 @@ def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_
             fan-out, a rank that raises stops the job through torchrun (``parallel.timeout_s``
             bounds the wait of ranks left in a collective).
     """
-    import torch
-    import torch.distributed as dist
-
     from ferrule.sync import WeightSyncError, check_lora_adapter_equal
 
     if roles.rollout_group is None or roles.replica is None:
@@ -347,14 +353,8 @@ def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_
     if isinstance(meta, str):
         raise WeightSyncError(meta)
     config, entries = meta
-    device = rollout.device if hasattr(rollout, "device") else torch.device("cpu")
     received, total = {}, 0
-    for name, shape, dtype in entries:
-        if roles.is_driver:
-            t = state[name].detach().contiguous()
-        else:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.broadcast(t, src=src, group=roles.rollout_group)
+    for name, t in _broadcast_entries(roles, rollout, state, entries, src):
         total += t.numel() * t.element_size()
         received[name] = t
     if not roles.is_driver:

@@ -231,6 +231,8 @@ def load_shared_experts(entries: Sequence[Any], tensors: Mapping[str, Any], ctx:
     has one); an adapter trained by PEFT on them separately is refused, naming the module.
     Nothing is copied unless every entry fits, nor with ``dry_run``.
     """
+    from ferrule.lora.peft_format import copy_factor_plans
+
     used: set[str] = set()
     problems: list[str] = []
     plans = []
@@ -269,10 +271,4 @@ def load_shared_experts(entries: Sequence[Any], tensors: Mapping[str, Any], ctx:
                             f"{tuple(e.adapter.lora_B.shape)} (rank or model size differ).")
             continue
         plans.append((e.adapter, a, b))
-    if problems or dry_run:
-        return used, problems
-    with torch.no_grad():
-        for ad, a, b in plans:
-            ad.lora_A.copy_(a)
-            ad.lora_B.copy_(b)
-    return used, []
+    return copy_factor_plans(plans, used, problems, dry_run=dry_run)
