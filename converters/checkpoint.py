@@ -464,12 +464,12 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     Returns:
         ``out_dir`` as an absolute path.
 
-    Tensors of the source HF checkpoint that the mapping table ``Ignore``\ d are not in the
+    Tensors of the source HF checkpoint that the mapping table ignores (``Ignore`` rows) are not in the
     export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
 
     Raises:
         CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint; or the source had
-            tensors the table ``Ignore``\ d without ``unused_by_hf=True`` (the export would lack
+            tensors the table ignores (``Ignore`` rows) without ``unused_by_hf=True`` (the export would lack
             tensors transformers loads; all are named, nothing is written).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.

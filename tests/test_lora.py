@@ -410,5 +410,5 @@ def test_cli_export_and_import(dirs, tmp_path):
     ferrule = Path(sys.executable).parent / "ferrule"
     proc = subprocess.run([str(ferrule), "lora", "export", str(dirs["qwen2"]), str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "not a LoRA train checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "not a LoRA checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x").exists()

@@ -115,6 +115,48 @@ def test_lora_grpo_run_syncs_only_the_adapter_and_resumes_exactly(tmp_path):
     adapter_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
     assert [m["sync_bytes"] for m in metrics] == [adapter_bytes] * 4
 
+    # `ferrule export` of a LoRA run is the merged policy: the HF model it writes (PEFT's
+    # merge_and_unload) gives the train engine's LoRA logprobs, not the base's
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ferrule.converters.export import export_run
+    from ferrule.megatron.batching import Datum
+
+    step, merged_dir = export_run(full, tmp_path / "merged")
+    assert step == 4
+    g = torch.Generator().manual_seed(0)
+    n_vocab = AutoModelForCausalLM.from_pretrained(root / "model").config.vocab_size
+    data = [Datum(t[:-1].tolist(), {"target_tokens": t[1:].clone()})
+            for t in (torch.randint(0, n_vocab, (n,), generator=g) for n in (7, 12, 5))]
+    ours = trainer.engine.forward_logprobs(data)
+
+    def hf_lp(model):
+        with torch.no_grad():
+            return [torch.log_softmax(model(torch.tensor([d.model_input])).logits[0].double(), -1)
+                    .gather(-1, d.loss_fn_inputs["target_tokens"][:, None])[:, 0] for d in data]
+
+    merged = hf_lp(AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32))
+    base_lp = hf_lp(AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32))
+    assert max(float((a.double() - b).abs().max()) for a, b in zip(ours, merged)) <= 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(merged, base_lp)) > 1e-4  # the adapter is in it
+    assert (merged_dir / "tokenizer_config.json").is_file() and not list(tmp_path.glob(".merged.merge-*"))
+    # `ferrule lora export` takes the run folder, a step folder or the engine folder alike
+    from safetensors.torch import load_file as load_st
+
+    from ferrule.lora.cli import export_adapter
+
+    step_dir = full / "checkpoints" / "step_000004"
+    outs = [export_adapter(src, tmp_path / f"adapter{i}") for i, src in enumerate((full, step_dir, step_dir / "engine"))]
+    first_tensors = load_st(str(outs[0] / "adapter_model.safetensors"))
+    assert all(lora_key in first_tensors for lora_key in (f"base_model.model.{k.removeprefix('base_model.model.')}"
+                                                          for k in adapter))
+    for o in outs[1:]:
+        other = load_st(str(o / "adapter_model.safetensors"))
+        assert other.keys() == first_tensors.keys() and all(torch.equal(other[k], first_tensors[k]) for k in other)
+    with pytest.raises(FileNotFoundError, match="not a LoRA checkpoint"):
+        export_adapter(tmp_path, tmp_path / "x")
+
     first = train(load_config(root / "tiny.yaml", overrides(split, 4)), stop_after=2)
     assert first.interrupted and first.last_step == 2
     train(load_config(root / "tiny.yaml", overrides(split, 4) + ["checkpoint.resume=true"]))

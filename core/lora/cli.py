@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["app", "export_adapter", "import_adapter", "settings_from_peft_config"]
+__all__ = ["app", "export_adapter", "import_adapter", "resolve_lora_checkpoint", "settings_from_peft_config"]
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Export a LoRA checkpoint's adapter as HF PEFT, or import a PEFT adapter for training.")
@@ -32,9 +32,44 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out} exists; pass --overwrite or choose another path.")
 
 
+def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
+    """The ``TrainEngine.save`` folder of a LoRA checkpoint given as that folder, a ``ferrule train``
+    checkpoint ``step_NNNNNN/`` (its ``engine/``) or a run folder (its latest complete checkpoint,
+    or ``step``'s).
+
+    Raises:
+        FileNotFoundError: none of these, or not a LoRA checkpoint (the message says what exists).
+        ferrule.converters.export.ExportError: a run folder without (that) checkpoint.
+    """
+    from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
+
+    path = Path(path)
+    if step is None:
+        for cand in (path, path / "engine"):
+            if (cand / "lora" / PEFT_WEIGHTS).is_file() and (cand / "lora" / PEFT_CONFIG).is_file():
+                return cand
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
+    if (path / "engine").is_dir() or (path / "ferrule_checkpoint.json").is_file():
+        if step is not None:
+            raise FileNotFoundError(f"--step is for a run folder; {path} is one checkpoint")
+        raise FileNotFoundError(f"{path} holds no LoRA adapter (lora/{PEFT_WEIGHTS}): it is a checkpoint of a "
+                                "full-parameter run; `ferrule export RUN_DIR OUT` exports its weights")
+    if (path / "config.yaml").is_file() or (path / "checkpoints").is_dir():
+        from ferrule.converters.export import find_run_checkpoint
+
+        _, ckpt = find_run_checkpoint(path, step)
+        return resolve_lora_checkpoint(ckpt)
+    raise FileNotFoundError(f"{path} is not a LoRA checkpoint: give a run folder (logging.run_dir), one of its "
+                            f"checkpoints/step_NNNNNN folders, or a TrainEngine.save folder with lora/{PEFT_WEIGHTS}")
+
+
 def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None = None,
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, step: int | None = None) -> Path:
     """Copy the PEFT adapter of LoRA checkpoint ``ckpt`` to ``out`` (atomic); returns ``out``.
+
+    ``ckpt``: a run folder (latest checkpoint, or ``step``'s), a ``step_NNNNNN/`` checkpoint or a
+    ``TrainEngine.save`` folder (:func:`resolve_lora_checkpoint`).
 
     Raises:
         FileNotFoundError: ``ckpt`` is not a LoRA train checkpoint (the message says what is missing).
@@ -46,11 +81,8 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
 
     from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
 
-    ckpt, out = Path(ckpt), Path(out)
+    ckpt, out = resolve_lora_checkpoint(ckpt, step), Path(out)
     src = ckpt / "lora"
-    if not (src / PEFT_WEIGHTS).is_file() or not (src / PEFT_CONFIG).is_file():
-        raise FileNotFoundError(f"{src / PEFT_WEIGHTS} is missing: {ckpt} is not a LoRA train checkpoint "
-                                f"(TrainEngine.save of an engine built with lora=LoraSettings(...)).")
     _check_out(out, overwrite)
     with safe_open(str(src / PEFT_WEIGHTS), framework="pt") as f:  # readable and PEFT-named
         bad = [k for k in f.keys() if not k.startswith("base_model.model.") or ".lora_" not in k]
@@ -132,17 +164,21 @@ def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, ov
 
 @app.command("export")
 def export_command(
-    ckpt: Annotated[Path, typer.Argument(help="LoRA train checkpoint (TrainEngine.save with lora=).", show_default=False)],
+    ckpt: Annotated[Path, typer.Argument(help="A LoRA run folder (its latest checkpoint), one of its "
+                                              "checkpoints/step_NNNNNN folders, or a TrainEngine.save folder.",
+                                         show_default=False)],
     out: Annotated[Path, typer.Argument(help="Output PEFT folder.", show_default=False)],
     base_model: Annotated[str | None, typer.Option("--base-model", help="base_model_name_or_path to record; default: "
                                                    "the folder the engine was built from.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    step: Annotated[int | None, typer.Option("--step", help="With a run folder: this step's checkpoint "
+                                                            "(default: the latest).")] = None,
 ) -> None:
     """Write a LoRA checkpoint's adapter as HF PEFT (adapter_model.safetensors + adapter_config.json)."""
     from ferrule.cli_errors import exit_on_user_errors
 
     with exit_on_user_errors():
-        path = export_adapter(ckpt, out, base_model=base_model, overwrite=overwrite)
+        path = export_adapter(ckpt, out, base_model=base_model, overwrite=overwrite, step=step)
     typer.echo(f"exported the adapter of {ckpt} to {path}")
 
 

@@ -312,7 +312,10 @@ class RLConfig:
                     ("data.jsonl_path", self.data.jsonl_path), ("eval.jsonl_path", self.eval.jsonl_path)]
         for key, value in required:
             if value and not Path(value).expanduser().exists():
-                problems.append(f"{key}: {value!r} does not exist")
+                rel = "" if Path(value).expanduser().is_absolute() else f" (relative to the current folder {os.getcwd()})"
+                hint = ("; build it first, e.g. `ferrule assets smollm2 assets/smollm2` for the examples' model, or "
+                        "set model.hf_dir" if key == "model.hf_dir" else "")
+                problems.append(f"{key}: {value!r} does not exist{rel}{hint}")
         hf = Path(self.model.hf_dir).expanduser()
         if self.model.hf_dir and hf.exists() and not (hf / "config.json").is_file():
             problems.append(f"model.hf_dir: {self.model.hf_dir!r} has no config.json; point it at an HF "

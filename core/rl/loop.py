@@ -627,8 +627,8 @@ class GRPOTrainer:
         diffs = config_differences(state.get("config", {}), self.cfg.to_dict())
         if diffs:
             raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
-                                       "checkpointed run (only train.steps, checkpoint.*, eval.* and logging.* may "
-                                       "change); or start a new logging.run_dir"], origin=str(path))
+                                       "checkpointed run (only train.steps, checkpoint.*, eval.*, logging.* and "
+                                       "parallel.* may change); or start a new logging.run_dir"], origin=str(path))
         try:  # before the engine loads: a data set that changed size or order cannot resume
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as exc:
