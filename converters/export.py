@@ -29,50 +29,13 @@ from typing import Annotated
 
 import typer
 
+from ferrule.rl.checkpoints import RunCheckpointError, find_run_checkpoint
+
 __all__ = ["ExportError", "find_run_checkpoint", "export_run", "export_command", "merge_peft_adapter"]
 
 
-class ExportError(ValueError):
-    """The run folder has no (matching) complete checkpoint; the message says what exists."""
-
-
-def _checkpoint_dir(run_dir: Path) -> Path:
-    import yaml
-
-    from ferrule.rl.config import CONFIG_FILE_NAME
-
-    cfg_file = run_dir / CONFIG_FILE_NAME
-    if cfg_file.is_file():
-        configured = ((yaml.safe_load(cfg_file.read_text()) or {}).get("checkpoint") or {}).get("dir") or ""
-        if configured:
-            return Path(configured)
-    return run_dir / "checkpoints"
-
-
-def find_run_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> tuple[int, Path]:
-    """``(step, CKPT_DIR/step_NNNNNN)`` of a run: the latest complete checkpoint, or ``step``'s.
-
-    Raises:
-        ExportError: ``run_dir`` does not exist, has no complete checkpoint, or none at ``step``
-            (the message lists the steps that exist).
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"run folder {str(run_dir)!r} does not exist")
-    from ferrule.rl.checkpoints import list_checkpoints
-
-    ckpt_dir = _checkpoint_dir(run_dir)
-    found = list_checkpoints(ckpt_dir)
-    if not found:
-        raise ExportError(f"{ckpt_dir} holds no complete checkpoint (step_NNNNNN/ with loop_state.json); "
-                          "train with checkpoint.enabled=true, or wait for the first checkpoint.interval")
-    if step is None:
-        return found[-1]
-    for s, path in found:
-        if s == step:
-            return s, path
-    raise ExportError(f"no checkpoint of step {step} in {ckpt_dir}; complete checkpoints: steps "
-                      f"{[s for s, _ in found]} (checkpoint.keep prunes older ones)")
+#: raised by :func:`find_run_checkpoint` (kept under this name for callers of the export)
+ExportError = RunCheckpointError
 
 
 def merge_peft_adapter(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike, *,

@@ -39,7 +39,7 @@ def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
 
     Raises:
         FileNotFoundError: none of these, or not a LoRA checkpoint (the message says what exists).
-        ferrule.converters.export.ExportError: a run folder without (that) checkpoint.
+        ferrule.rl.checkpoints.RunCheckpointError: a run folder without (that) checkpoint.
     """
     from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
 
@@ -56,7 +56,7 @@ def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
         raise FileNotFoundError(f"{path} holds no LoRA adapter (lora/{PEFT_WEIGHTS}): it is a checkpoint of a "
                                 "full-parameter run; `ferrule export RUN_DIR OUT` exports its weights")
     if (path / "config.yaml").is_file() or (path / "checkpoints").is_dir():
-        from ferrule.converters.export import find_run_checkpoint
+        from ferrule.rl.checkpoints import find_run_checkpoint
 
         _, ckpt = find_run_checkpoint(path, step)
         return resolve_lora_checkpoint(ckpt)

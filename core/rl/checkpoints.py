@@ -67,3 +67,44 @@ def config_differences(old: dict[str, dict[str, Any]], new: dict[str, dict[str, 
             if a != b:
                 diffs.append(f"{dotted}: checkpointed run has {a!r}, this config has {b!r}")
     return diffs
+
+
+class RunCheckpointError(ValueError):
+    """The run folder has no (matching) complete checkpoint; the message says what exists."""
+
+
+def _checkpoint_dir(run_dir: Path) -> Path:
+    import yaml
+
+    from ferrule.rl.config import CONFIG_FILE_NAME
+
+    cfg_file = run_dir / CONFIG_FILE_NAME
+    if cfg_file.is_file():
+        configured = ((yaml.safe_load(cfg_file.read_text()) or {}).get("checkpoint") or {}).get("dir") or ""
+        if configured:
+            return Path(configured)
+    return run_dir / "checkpoints"
+
+
+def find_run_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> tuple[int, Path]:
+    """``(step, CKPT_DIR/step_NNNNNN)`` of a run: the latest complete checkpoint, or ``step``'s.
+
+    Raises:
+        RunCheckpointError: ``run_dir`` does not exist, has no complete checkpoint, or none at ``step``
+            (the message lists the steps that exist).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunCheckpointError(f"run folder {str(run_dir)!r} does not exist")
+    ckpt_dir = _checkpoint_dir(run_dir)
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        raise RunCheckpointError(f"{ckpt_dir} holds no complete checkpoint (step_NNNNNN/ with loop_state.json); "
+                          "train with checkpoint.enabled=true, or wait for the first checkpoint.interval")
+    if step is None:
+        return found[-1]
+    for s, path in found:
+        if s == step:
+            return s, path
+    raise RunCheckpointError(f"no checkpoint of step {step} in {ckpt_dir}; complete checkpoints: steps "
+                      f"{[s for s, _ in found]} (checkpoint.keep prunes older ones)")
