@@ -148,8 +148,12 @@ class RewardConfig:
                       "else 0. Both the score and accuracy are logged either way.")
     failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
                                     "that cannot parse a junk answer); the run goes on, counting "
-                                    "reward_errors. A function raising on every sample of a step stops "
-                                    "the run.", "reward")
+                                    "reward_errors, with a warning for each step where half the samples "
+                                    "or more failed.", "reward")
+    check_reference: bool = _f(True, "Before training, score the first prompts' reference answers (and a few "
+                                     "malformed strings): a function that raises on or does not give full "
+                                     "score to a reference answer, or gives it to junk, is refused. false: for "
+                                     "functions that do not score against the prompt's answer.")
 
 
 @dataclass(frozen=True, kw_only=True)
