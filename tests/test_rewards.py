@@ -145,3 +145,20 @@ def test_setup_check_refuses_a_function_that_raises_on_or_mis_scores_the_referen
     with pytest.raises(RewardError, match=r"data.answer_extraction='last_number' extracted"):
         check_reward_fn(fn, src, extraction="last_number")
     assert src.dataset.score_answer(bad.answer.split(" ")[-1], bad.entry) < 1.0  # the verifier agrees
+
+
+def test_setup_check_does_not_count_junk_that_extracts_to_the_reference():
+    """last_number takes "7" out of the malformed "7i.s": on prompts whose answer is 7 that scores 1 rightly."""
+    from ferrule.rl.tasks import JsonlSource
+
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n" for i in range(4)))
+        src = JsonlSource(path)
+        fn = build_reward_fn("task", source=src, extraction="last_number")
+        assert fn("7i.s", src[0]).correct  # the junk really scores correct here
+        assert check_reward_fn(fn, src, extraction="last_number").checked == tuple(src[i].id for i in range(4))

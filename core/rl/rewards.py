@@ -340,7 +340,9 @@ def check_reward_fn(reward_fn: RewardFn, source: PromptSource, *, extraction: st
                               f"data.answer_extraction={extraction!r} extracted {result.extracted!r}): {fix}")
     raised: dict[str, str] = {}
     for junk in MALFORMED_ANSWERS:
-        others = [p for p in prompts if junk.strip() != str(p.answer).strip()]
+        # junk that extracts to the reference answer (last_number of "7i.s" is "7") is no junk for that prompt
+        got = extract_answer(reference_response(junk, extraction), extraction)
+        others = [p for p in prompts if got != extract_answer(reference_response(p.answer, extraction), extraction)]
         correct_on = 0
         for p in others:
             try:
