@@ -389,6 +389,29 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 # ---------------------------------------------------------------------------------------
 
 
+def write_config_dtype(config_path: Path, dtype: str) -> None:
+    """Make ``config.json`` state ``dtype`` (``"float32"`` ...) as the dtype of its weights.
+
+    Sets ``dtype`` (transformers >= 4.56's key; ``from_pretrained`` loads in it by default) and
+    ``torch_dtype`` where the file has it, at the top level and in each nested sub-config that
+    names one (``text_config``, ``vision_config`` ...), so every part loads as written.
+    """
+    original = json.loads(config_path.read_text())
+    config = json.loads(config_path.read_text())
+
+    def fix(d: dict) -> None:
+        d["dtype"] = dtype
+        if "torch_dtype" in d:
+            d["torch_dtype"] = dtype
+        for v in d.values():
+            if isinstance(v, dict) and ("dtype" in v or "torch_dtype" in v):
+                fix(v)
+
+    fix(config)
+    if config != original:  # a file that already states it stays byte for byte
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def dropped_hf_tensors(meta: dict, table: Any) -> list[tuple[str, Any]]:
     """``(hf_key, Ignore row)`` for each source tensor the export will not contain.
 
@@ -415,7 +438,7 @@ def _check_dropped(dropped: list[tuple[str, Any]], table: Any) -> None:
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              max_shard_bytes: int, progress: Callable[[int], None] | None,
-                             hf_dtypes: dict | None = None) -> None:
+                             hf_dtypes: dict | None = None, out_dtype: str | None = None) -> None:
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -432,7 +455,7 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
     # is the main dtype except for the tensors listed in hf_dtypes
     hf_dtypes = hf_dtypes or {}
     for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config):
-        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, dtype)))
+        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, out_dtype or dtype)))
         if writer is not None:
             writer.add(name, tensor.cpu())
             if progress is not None:
@@ -449,7 +472,7 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
 
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
-                     progress: Callable[[int], None] | None = None) -> Path:
+                     progress: Callable[[int], None] | None = None, dtype: str | None = None) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
@@ -490,12 +513,16 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     layout_kw = {"tp": tp, "pp": 1, "ep": ep}
     world = tp * ep
     ParallelLayout(**layout_kw).validate(world)
+    if dtype is not None and dtype not in _FLOAT_NAMES.values():
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
+    out_dtype = dtype or meta["dtype"]
     tmp = _prepare_out(out_dir, overwrite)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
                                                max_shard_bytes, progress if world == 1 else None,
-                                               meta.get("hf_dtypes", {})), tmp)
+                                               meta.get("hf_dtypes", {}), out_dtype), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
+        write_config_dtype(tmp / "config.json", out_dtype)
         commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
