@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -144,15 +143,12 @@ def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_DIST_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "FERRULE_DIST_INIT_METHOD")
 
 
-def _spawn_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, err_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _spawn_entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, err_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      FERRULE_DIST_INIT_METHOD=f"file://{init_file}")
     try:
         fn(rank, *args)
     except BaseException as exc:  # report the worker's error text to the parent
@@ -162,14 +158,15 @@ def _spawn_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, er
 
 
 def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
-    """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller."""
+    """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
+
+    No TCP port is taken: one rank runs in this process (an in-process store,
+    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in ``tmp``.
+    """
     import torch.distributed as dist
 
     if world == 1 and not dist.is_initialized():
-        keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-        saved = {k: os.environ.get(k) for k in keys}
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        saved = {k: os.environ.pop(k, None) for k in _DIST_KEYS}  # the single-process branch, whatever the env
         try:
             fn(0, *args)
         finally:
@@ -187,8 +184,8 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     err_dir = tmp / ".errors"
     err_dir.mkdir(exist_ok=True)
     try:
-        mp.start_processes(_spawn_entry, args=(world, _free_port(), fn, args, str(err_dir)), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(_spawn_entry, args=(world, str(err_dir / "rendezvous"), fn, args, str(err_dir)),
+                           nprocs=world, join=True, start_method="spawn")
     except Exception as exc:
         reports = sorted(err_dir.glob("error-rank*.txt"))
         if not reports:
