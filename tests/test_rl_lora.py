@@ -86,6 +86,7 @@ def test_resume_refuses_a_changed_lora_section():
 
 
 # ------------------------------------------------------------------ a LoRA run (needs ferrule.lora)
+@pytest.mark.gpu  # also on CPU; on a CUDA machine it trains and syncs on the GPU
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not HAVE_LORA, reason="ferrule.lora (the LoRA train side, branch issue13a) is not in this tree")
 def test_lora_grpo_run_syncs_only_the_adapter_and_resumes_exactly(tmp_path):
