@@ -132,6 +132,7 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     from transformers import AutoModelForCausalLM
 
     from ferrule import registry
+    from ferrule.megatron.provider import provider_build
     from ferrule.conformance_numeric import single_rank
     from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
     from ferrule.converters.checkpoint import load_torch_dist_into_mcore
@@ -179,7 +180,7 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
         with torch.no_grad():
             ref = hf(input_ids=ids).logits
         with single_rank():
-            build = registry.provider_build(spec.name)
+            build = provider_build(spec.name)
             (model,) = build(hf_config, ParallelLayout(), params_dtype=torch.float32,
                              config_overrides={"perform_initialization": False})
             load_torch_dist_into_mcore([model], tmp / "td")

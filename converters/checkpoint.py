@@ -131,12 +131,13 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
 
 
 def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
-    """(family spec, provider build callable, mapping table) from the registry."""
+    """(family spec, provider build callable with towers, mapping table) from the registry."""
     from ferrule import registry
+    from ferrule.megatron.provider import provider_build
 
     family = registry.family_for_hf_config(hf_config)
     converter = registry.get_converter(family.name)
-    return family, registry.provider_build(family.name), converter.resolved_mapping()
+    return family, provider_build(family.name), converter.resolved_mapping()
 
 
 # ---------------------------------------------------------------------------------------

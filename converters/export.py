@@ -29,7 +29,7 @@ from typing import Annotated
 
 import typer
 
-from ferrule.rl.checkpoints import RunCheckpointError, find_run_checkpoint
+from ferrule.run_layout import RunCheckpointError, find_run_checkpoint
 
 __all__ = ["ExportError", "find_run_checkpoint", "export_run", "export_command", "merge_peft_adapter"]
 

@@ -157,16 +157,15 @@ class TrainEngine:
         #: the :class:`~ferrule.lora.LoraSettings` of this engine's adapters, or None (full-parameter training)
         self.lora = lora
         if lora is not None:
-            from ferrule.lora import LoraSettings, apply_lora
-
-            if not isinstance(lora, LoraSettings):
+            # the adapters come in through the settings object (ferrule.lora sits above this layer)
+            if not all(callable(getattr(lora, m, None)) for m in ("apply_to", "save_payload", "load_payload")):
                 raise TypeError(f"lora={lora!r}; expected ferrule.lora.LoraSettings or None.")
             if self.settings.use_distributed_optimizer:
                 raise ValueError("LoRA uses the non-distributed optimizer (adapter state is small and is saved per "
                                  "rank); set OptimizerSettings(use_distributed_optimizer=False).")
             from .weights import unwrap
 
-            apply_lora([unwrap(c) for c in chunks], lora, family=family, table=mapping_table, hf_config=self.hf_config)
+            lora.apply_to([unwrap(c) for c in chunks], family=family, table=mapping_table, hf_config=self.hf_config)
         config = get_model_config(chunks[0])
         if not config.calculate_per_token_loss:
             raise ValueError("the model config needs calculate_per_token_loss=True (sum-reduced DP gradients); "
@@ -255,7 +254,8 @@ class TrainEngine:
 
     @staticmethod
     def _family_parts(hf_config: Mapping[str, Any]):
-        from ..registry import family_for_hf_config, get_converter, provider_build
+        from ..registry import family_for_hf_config, get_converter
+        from .provider import provider_build
 
         family = family_for_hf_config(hf_config)
         return family.name, provider_build(family.name), get_converter(family.name).resolved_mapping()
@@ -675,9 +675,7 @@ class TrainEngine:
         lora_state = lora_files = None
         engine_state = self._engine_state()
         if self.lora is not None:
-            from ferrule.lora.checkpoint import lora_save_payload
-
-            lora_state, lora_files = lora_save_payload(self)
+            lora_state, lora_files = self.lora.save_payload(self)
             meta["contents"] = "engine (frozen base model, scheduler, rng) + LoRA adapter and optimizer (lora/)"
             meta["lora"] = engine_state["lora"] = asdict(self.lora)
         return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -706,10 +704,8 @@ class TrainEngine:
         self.zero_grad()
         lora_load = None
         if self.lora is not None:
-            from ferrule.lora.checkpoint import lora_load_payload
-
             def lora_load(ckpt: Path, with_optimizer: bool) -> dict | None:
-                return lora_load_payload(self, ckpt, with_optimizer)
+                return self.lora.load_payload(self, ckpt, with_optimizer)
         state = load_training_state(path, model_chunks=self.model, optimizer=self.optimizer,
                                     scheduler=self.scheduler, load_optimizer=load_optimizer, lora_load=lora_load)
         changed: dict[str, list] = {}
