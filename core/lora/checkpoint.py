@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["lora_save_payload", "lora_load_payload", "checkpoint_settings", "LoraLayoutError", "LORA_FORMAT", "PEFT_WEIGHTS", "PEFT_CONFIG",
+__all__ = ["lora_save_payload", "lora_load_payload", "LoraLayoutError", "LORA_FORMAT", "PEFT_WEIGHTS", "PEFT_CONFIG",
            "RANKS_FILE"]
 
 LORA_FORMAT = "ferrule-lora-v1"
@@ -68,28 +68,6 @@ def lora_save_payload(engine: Any) -> tuple[dict, dict[str, bytes]]:
              PEFT_CONFIG: (json.dumps(config, indent=2) + "\n").encode(),
              RANKS_FILE: (json.dumps({str(r): c for r, c in enumerate(coords)}) + "\n").encode()} if rank == 0 else {}
     return state, files
-
-
-def checkpoint_settings(path: str | Path) -> Any:
-    """The :class:`~ferrule.lora.LoraSettings` a LoRA checkpoint (a ``TrainEngine.save`` folder, e.g.
-    ``ferrule lora import``'s ``OUT``) was saved with, from its ``engine_state.json``; pass them as
-    ``TrainEngine.from_torch_dist(path, lora=...)`` to resume it (same targets, ``target_parameters``
-    included, and the same ``init_seed``).
-
-    Raises:
-        FileNotFoundError: no ``engine_state.json``, or it records no LoRA (a full-parameter checkpoint).
-    """
-    from ferrule.megatron.checkpoint import ENGINE_STATE_FILE
-
-    from .settings import LoraSettings
-
-    state = Path(path) / ENGINE_STATE_FILE
-    if not state.is_file():
-        raise FileNotFoundError(f"{state} is missing; {path} is not a TrainEngine.save folder.")
-    saved = json.loads(state.read_text()).get("lora")
-    if not saved:
-        raise FileNotFoundError(f"{path} is a full-parameter checkpoint ({ENGINE_STATE_FILE} records no LoRA).")
-    return LoraSettings.from_dict(saved)
 
 
 def _check_settings(engine: Any, saved: dict, where: Path) -> None:

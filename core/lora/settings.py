@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["LoraSettings", "ALL_TARGETS"]
+__all__ = ["LoraSettings", "ALL_TARGETS", "checkpoint_settings"]
 
 #: The ``target_modules`` sentinel: every linear module a registered applier handles, except the
 #: output layer (PEFT's ``"all-linear"`` also leaves ``lm_head`` out); name ``output_layer`` /
@@ -140,3 +140,26 @@ class LoraSettings:
         from .checkpoint import lora_load_payload
 
         return lora_load_payload(engine, ckpt, with_optimizer)
+
+
+def checkpoint_settings(path: Any) -> LoraSettings:
+    """The :class:`~ferrule.lora.LoraSettings` a LoRA checkpoint (a ``TrainEngine.save`` folder, e.g.
+    ``ferrule lora import``'s ``OUT``) was saved with, from its ``engine_state.json``; pass them as
+    ``TrainEngine.from_torch_dist(path, lora=...)`` to resume it (same targets, ``target_parameters``
+    included, and the same ``init_seed``).
+
+    Raises:
+        FileNotFoundError: no ``engine_state.json``, or it records no LoRA (a full-parameter checkpoint).
+    """
+    import json
+    from pathlib import Path
+
+    from ferrule.megatron.checkpoint import ENGINE_STATE_FILE
+
+    state = Path(path) / ENGINE_STATE_FILE
+    if not state.is_file():
+        raise FileNotFoundError(f"{state} is missing; {path} is not a TrainEngine.save folder.")
+    saved = json.loads(state.read_text()).get("lora")
+    if not saved:
+        raise FileNotFoundError(f"{path} is a full-parameter checkpoint ({ENGINE_STATE_FILE} records no LoRA).")
+    return LoraSettings.from_dict(saved)
