@@ -191,7 +191,11 @@ class LoraConfig:
     dropout: float = _f(0.0, "Dropout on the adapter's input during training, in [0, 1); rollout never drops.")
     target_modules: Any = _f("all", "'all' (every linear a registered applier handles, lm_head excepted) or a "
                                     "list of module names, Megatron (linear_qkv, linear_proj, linear_fc1, "
-                                    "linear_fc2, output_layer) or HF (q_proj, ..., down_proj, lm_head).")
+                                    "linear_fc2, output_layer: experts included) or HF modules as PEFT names them "
+                                    "(q_proj, ..., down_proj, lm_head: not the experts' 3-D parameters).")
+    target_parameters: Any = _f([], "HF parameter paths, PEFT's target_parameters: the routed experts "
+                                    "(mlp.experts.gate_up_proj, mlp.experts.down_proj) and Inkling's shared experts "
+                                    "(mlp.shared_experts.gate_proj + up_proj, down_proj); empty with 'all'.")
     use_rslora: bool = _f(False, "Rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023).")
 
 
