@@ -32,3 +32,21 @@ def _fresh_registry():
     registry.reset_registry()
     yield
     registry.reset_registry()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that skips for want of CUDA carries the ``gpu`` marker, so that ``pytest -m gpu``
+    on a GPU machine runs all of them (README "Tests"). Checked where such a skip fires (CPU
+    machines, CI): a ``skipif`` whose condition holds and whose reason names CUDA or a GPU."""
+    unmarked = []
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            continue
+        for mark in item.iter_markers("skipif"):
+            reason = str(mark.kwargs.get("reason", "")).lower()
+            condition = mark.args[0] if mark.args else mark.kwargs.get("condition", False)
+            if condition is True and ("cuda" in reason or "gpu" in reason):
+                unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError("tests that need CUDA lack @pytest.mark.gpu (add it, so `pytest -m gpu` runs them): "
+                                + ", ".join(unmarked[:10]))

@@ -86,8 +86,8 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     """One rank of the logits step (module docs); ``ids`` is the ``[b, s]`` test batch as lists."""
     import torch
 
-    from ferrule import registry
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
+    from ferrule.megatron.provider import provider_build
 
     from .check_points import _max_diff, capture, compare
     from .checkpoint import load_torch_dist_into_mcore
@@ -96,7 +96,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     init_distributed(layout)
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
     ids_t = torch.tensor(ids, dtype=torch.long)
-    (model,) = registry.provider_build(family)(hf_config, layout, params_dtype=torch.float32, parallel_output=False,
+    (model,) = provider_build(family)(hf_config, layout, params_dtype=torch.float32, parallel_output=False,
                                                config_overrides={"perform_initialization": False})
     load_torch_dist_into_mcore([model], td_dir)
     model.eval()

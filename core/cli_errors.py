@@ -33,7 +33,7 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
     "ferrule.rl.rewards:RewardError",                     # a reward function raised on every sample of a step
     "ferrule.converters.checkpoint:ConversionError",
-    "ferrule.rl.checkpoints:RunCheckpointError",          # a run folder without (that) checkpoint
+    "ferrule.run_layout:RunCheckpointError",              # a run folder without (that) checkpoint
     "ferrule.lora.peft_format:AdapterFormatError",         # a PEFT adapter that does not fit the model
     "ferrule.lora.appliers:LoraTargetError",              # LoRA target_modules that name nothing / part of a fused module
     # dist_checkpointing errors that reach the CLI without going through load_sharded

@@ -148,10 +148,10 @@ def single_rank() -> Iterator[None]:
 
 
 def _build(family: str, hf_config: dict, **options) -> list:
-    from ferrule import registry
     from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.megatron.provider import provider_build
 
-    return registry.provider_build(family)(hf_config, ParallelLayout(), **options)
+    return provider_build(family)(hf_config, ParallelLayout(), **options)
 
 
 def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:

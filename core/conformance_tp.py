@@ -55,6 +55,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.gpt_builder import check_layout_fits
     from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.megatron.provider import provider_build
 
     rank = dist.get_rank()
     src = work / family / "hf"
@@ -70,7 +71,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
         raise ValueError(f"TINY_HF_CONFIG cannot be split at TP={TP} ({exc}); set TINY_TP2_OVERRIDES in the "
                          f"provider module (e.g. more KV heads) so the kit can check the TP split.") from None
     table = converter.resolved_mapping()
-    build = registry.provider_build(family)
+    build = provider_build(family)
     (model,) = build(hf_config, ParallelLayout(tp=TP), parallel_output=False)
     load_hf_into_mcore([model], src, table, hf_config=hf_config)
     exported = {name: t.cpu() for name, t in export_mcore_to_hf([model], table, hf_config=hf_config)}

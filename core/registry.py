@@ -380,15 +380,12 @@ class Registry:
         return table
 
     def provider_build(self, family: str) -> Any:
-        """The callable that builds the family's Megatron model: ``build(hf_config, layout, **options)``.
+        """The family's provider: ``build(hf_config, layout, **options)`` building its Megatron model.
 
         ``ProviderSpec.build`` when given; else :data:`ferrule.specs.DEFAULT_PROVIDER_BUILD`
-        with the family's config-translation rows (``ConverterSpec.config_translation``). A family
-        with towers (``register_towers``) gets them attached to the first stage's chunk
-        (:func:`ferrule.megatron.towers.attach_towers`).
-
-        Raises:
-            IncompleteFamilyError: a tower's ``update_group`` is not in the family's table.
+        with the family's config-translation rows (``ConverterSpec.config_translation``). Towers
+        are not attached here (the registry imports no engine):
+        :func:`ferrule.megatron.provider.provider_build` composes the two.
         """
         import functools
 
@@ -396,20 +393,9 @@ class Registry:
 
         spec = self.get_provider(family)
         if spec.build is not None:
-            build = resolve_ref(spec.build)
-        else:
-            translation = self.get_converter(spec.family).resolved_config_translation()
-            build = functools.partial(_default_build, resolve_ref(DEFAULT_PROVIDER_BUILD), translation)
-        towers = self.get_towers(spec.family)
-        if not towers:
-            return build
-        groups = {g.key for g in self.get_update_groups(spec.family).groups}
-        lost = [f"{t.name} -> {t.update_group!r}" for t in towers if t.update_group not in groups]
-        if lost:
-            raise IncompleteFamilyError(
-                f"family {spec.family!r}: tower update group(s) {lost} missing from its update-group table "
-                f"{sorted(groups)}; add them so that every weight sync carries the towers.")
-        return functools.partial(_build_with_towers, build, tuple(towers))
+            return resolve_ref(spec.build)
+        translation = self.get_converter(spec.family).resolved_config_translation()
+        return functools.partial(_default_build, resolve_ref(DEFAULT_PROVIDER_BUILD), translation)
 
     def get_chat_template(self, name: str) -> ChatTemplateSpec:
         if name in self.chat_templates:
@@ -463,21 +449,6 @@ class Registry:
             raise IncompleteFamilyError("incomplete plugin registrations: " + "; ".join(problems) +
                                         ". A family marked VALIDATED or UNSTABLE must register every part; "
                                         "mark it STRUCTURAL with a reason until it does.")
-
-
-def _build_with_towers(build: Any, towers: tuple, hf_config: Any, layout: Any, **options: Any) -> Any:
-    """The family's provider, then its towers attached (:func:`ferrule.megatron.towers.attach_towers`)."""
-    from ferrule.megatron.towers import attach_towers
-
-    chunks = build(hf_config, layout, **options)
-    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    return attach_towers(chunks, towers, hf_config, options.get("params_dtype") or _torch_float32())
-
-
-def _torch_float32() -> Any:
-    import torch
-
-    return torch.float32
 
 
 def _default_build(builder: Any, translation: Any, hf_config: Any, layout: Any, **options: Any) -> Any:
@@ -584,7 +555,8 @@ def get_provider(family: str) -> ProviderSpec:
 
 
 def provider_build(family: str) -> Any:
-    """The callable building a family's Megatron model (see :meth:`Registry.provider_build`).
+    """The family's provider alone, towers not attached (see :meth:`Registry.provider_build`;
+    :func:`ferrule.megatron.provider.provider_build` attaches them).
 
     Raises:
         IncompleteFamilyError / UnknownModelError: no provider (or, for the default build, no converter).

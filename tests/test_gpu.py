@@ -29,19 +29,25 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _hf_dir(root: Path, family: str) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     common = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, rms_norm_eps=1e-6)
-    model = (Qwen2ForCausalLM(Qwen2Config(**common)) if family == "qwen2"
-             else Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common)))
+    if family == "qwen3_moe":  # 8 routed experts, top-2, the layout of Qwen3-30B-A3B
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=64, moe_intermediate_size=256, num_experts=8,
+                                                   num_experts_per_tok=2, norm_topk_prob=True,
+                                                   router_aux_loss_coef=0.0, **common))
+    else:
+        model = (Qwen2ForCausalLM(Qwen2Config(**common)) if family == "qwen2"
+                 else Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common)))
     model.float().save_pretrained(root / family)
     return root / family
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_bf16_parity_vs_hf(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -110,6 +116,44 @@ def test_cuda_fast_paths_equal_plain_path_fp32(tmp_path, monkeypatch, family):
                     for n, g0 in res[False][1].items())
     print(f"\n{family}: max|logprob diff| = {lp_diff:.3g}, max relative grad diff = {grad_diff:.3g}")
     assert lp_diff <= 1e-4 and grad_diff <= 1e-4, (lp_diff, grad_diff)
+
+
+def test_qwen3_moe_trains_on_cuda_without_transformer_engine(tmp_path):
+    """Regression (issue 24): megatron's MoE router raised ``NameError: te_general_gemm`` on a CUDA
+    machine without TransformerEngine, because the patch defining it was applied on CPU only.
+    bf16 fb + step on the GPU: finite positive grad norm, and the loss on the batch goes down."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+
+    assert not moe_utils.HAVE_TE  # the premise: no TransformerEngine here
+    hf_dir = _hf_dir(tmp_path, "qwen3_moe")
+    batch = _nll_batch(4096)
+    engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.bfloat16, optimizer=OptimizerSettings(lr=1e-3))
+    assert next(engine.model[0].parameters()).is_cuda
+    before = _mean_nll(engine, batch)
+    engine.forward_backward(batch, "cross_entropy")
+    step = engine.optim_step()
+    after = _mean_nll(engine, batch)
+    print(f"\nqwen3_moe bf16: grad_norm {step['grad_norm']:.4g}, nll {before:.4f} -> {after:.4f}")
+    assert step["success"] and 0 < step["grad_norm"] < float("inf")
+    assert after < before
+
+
+def _nll_batch(vocab: int):
+    from ferrule.megatron.batching import Datum
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, vocab, (n + 1,), generator=g) for n in (64, 128, 31, 96)]
+    total = sum(len(s) - 1 for s in seqs)
+    return [Datum(model_input=s[:-1].tolist(), loss_fn_inputs={"target_tokens": s[1:],
+                                                               "weights": torch.full((len(s) - 1,), 1 / total)})
+            for s in seqs]
+
+
+def _mean_nll(engine, batch) -> float:
+    lps = engine.forward_logprobs(batch)
+    return -float(torch.cat([lp.double().cpu() for lp in lps]).mean())
 
 
 def test_split_invariance_nccl_bf16(tmp_path):

@@ -98,6 +98,7 @@ def test_released_layout_logits_match_multimodal_model_on_text(tmp_path):
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule import registry
+    from ferrule.megatron.provider import provider_build
     from ferrule.plugins.inkling import inkling_mm
 
     src = _tiny_mm(tmp_path / "mm")
@@ -107,7 +108,7 @@ def test_released_layout_logits_match_multimodal_model_on_text(tmp_path):
         ref = hf(input_ids=ids).logits
     hf_config = json.loads((src / "config.json").read_text())
     with single_rank():
-        (model,) = registry.provider_build("inkling")(hf_config, ParallelLayout())  # text model + towers
+        (model,) = provider_build("inkling")(hf_config, ParallelLayout())  # text model + towers
         load_hf_into_mcore([model], src, inkling_mm.MAPPING, hf_config=hf_config)
         model.eval()
         with torch.no_grad():

@@ -34,11 +34,12 @@ def _hf(path):
 
 def _mcore(path):
     from ferrule import registry
+    from ferrule.megatron.provider import provider_build
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
 
     hf_config = json.loads((path / "config.json").read_text())
-    (model,) = registry.provider_build("inkling")(hf_config, ParallelLayout())
+    (model,) = provider_build("inkling")(hf_config, ParallelLayout())
     load_hf_into_mcore([model], path, registry.get_converter("inkling").resolved_mapping(), hf_config=hf_config)
     return model
 

@@ -155,9 +155,11 @@ def _train_logprobs(engine, tokens):
 
     seq = PROMPT + tokens
     (lp,) = engine.forward_logprobs([Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])})])
-    return lp[-len(tokens):].double()
+    # on CUDA the train engine's logprobs live on the GPU; the rollout engine here is on the CPU
+    return lp[-len(tokens):].double().cpu()
 
 
+@pytest.mark.gpu  # also on CPU; on a CUDA machine the train engine is on the GPU
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path, family):
@@ -219,6 +221,7 @@ def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path, family):
     torch.testing.assert_close(synced, _train_logprobs(engine, tokens), atol=TOL, rtol=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device memory after an adapter sync)")
 def test_adapter_sync_leaves_device_memory_at_baseline(tmp_path):

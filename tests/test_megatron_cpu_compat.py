@@ -57,10 +57,17 @@ def probe(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def test_table_covers_every_patch():
-    from ferrule.megatron import cpu_compat
+def _patch(name):
+    from ferrule.megatron import cpu_compat, te_compat
 
-    assert set(cpu_compat.PATCH_NAMES) == set(EXPECTED_UPSTREAM)
+    return {p.name: p for p in cpu_compat.PATCHES + te_compat.PATCHES}[name]
+
+
+def test_table_covers_every_patch():
+    from ferrule.megatron import cpu_compat, te_compat
+
+    assert set(cpu_compat.PATCH_NAMES) | set(te_compat.PATCH_NAMES) == set(EXPECTED_UPSTREAM)
+    assert not set(cpu_compat.PATCH_NAMES) & set(te_compat.PATCH_NAMES)
     assert cpu_compat.MEGATRON_CORE_VERSION == "0.16.1"
     import megatron.core
 
@@ -86,9 +93,7 @@ def test_patch_makes_it_work(probe, name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_UPSTREAM))
 def test_docstring_documents_the_upstream_error(name):
-    from ferrule.megatron import cpu_compat
-
-    patch = {p.name: p for p in cpu_compat.PATCHES}[name]
+    patch = _patch(name)
     exc_type, message, _ = EXPECTED_UPSTREAM[name]
     reason = " ".join(patch.reason.split())
     assert "Upstream" in reason and patch.upstream_site

@@ -341,6 +341,7 @@ def test_shards_and_their_seeds_do_not_depend_on_the_replica_count():
     assert [(s.start, s.stop) for s in plan_shards(4, 0, 1, 0, 1)] == [(0, 4)]
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_dp2_on_two_gpus_matches_one_gpu(work, tmp_path):
     """The same checks over NCCL (2 GPUs) at DP=2, LoRA DP=2 (the adapter fan-out between GPUs) and

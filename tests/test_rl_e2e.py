@@ -143,6 +143,7 @@ def test_grpo_reward_rises_on_tiny_model(assets, config_file, tmp_path):
     assert len(list((run_dir / "checkpoints").iterdir())) == 1  # keep: 1
 
 
+@pytest.mark.gpu  # also on CPU; on a CUDA machine it resumes a CUDA run
 @pytest.mark.timeout(240)
 def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
     from ferrule.rl.config import ConfigError, load_config

@@ -239,6 +239,7 @@ def test_global_rng_untouched_by_injection():
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA-graph decode with an adapter)")
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graph", "compiled+graph"])
 @pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe-experts"])

@@ -21,6 +21,8 @@ from typing import Annotated
 
 import typer
 
+from ferrule.run_layout import find_run_checkpoint, is_run_folder
+
 __all__ = ["app", "export_adapter", "import_adapter", "resolve_lora_checkpoint", "settings_from_peft_config"]
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -39,7 +41,7 @@ def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
 
     Raises:
         FileNotFoundError: none of these, or not a LoRA checkpoint (the message says what exists).
-        ferrule.rl.checkpoints.RunCheckpointError: a run folder without (that) checkpoint.
+        ferrule.run_layout.RunCheckpointError: a run folder without (that) checkpoint.
     """
     from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
 
@@ -55,8 +57,7 @@ def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
             raise FileNotFoundError(f"--step is for a run folder; {path} is one checkpoint")
         raise FileNotFoundError(f"{path} holds no LoRA adapter (lora/{PEFT_WEIGHTS}): it is a checkpoint of a "
                                 "full-parameter run; `ferrule export RUN_DIR OUT` exports its weights")
-    if (path / "config.yaml").is_file() or (path / "checkpoints").is_dir():
-        from ferrule.rl.checkpoints import find_run_checkpoint
+    if is_run_folder(path):
 
         _, ckpt = find_run_checkpoint(path, step)
         return resolve_lora_checkpoint(ckpt)

@@ -54,7 +54,7 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
         settings: :class:`~ferrule.lora.LoraSettings`.
         family / table / hf_config: the family name, its mapping table and the HF config. Target
             names and PEFT names come from ``table.peft_table`` when the table has one
-            (:func:`~ferrule.lora.peft_format.peft_naming_table`).
+            (:func:`~ferrule.lora.peft_base.peft_naming_table`).
 
     Returns:
         Global mcore names of the adapted modules on this rank.
@@ -73,7 +73,7 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
     from ferrule.specs import resolve_ref
 
     from .appliers import ApplyContext, LoraTargetError, appliers_for
-    from .peft_format import peft_naming_table
+    from .peft_base import peft_naming_table
 
     tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
     tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from ferrule.mapping import MappingError, TPSplit
 
-from .peft_format import PEFT_PREFIX, ExportContext, copy_factor_plans
+from .peft_base import PEFT_PREFIX, ExportContext, copy_factor_plans
 
 __all__ = ["EXPERT_PARAMS", "export_routed", "load_routed"]
 

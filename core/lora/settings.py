@@ -95,3 +95,25 @@ class LoraSettings:
         if isinstance(kw.get("target_modules"), list):
             kw["target_modules"] = tuple(kw["target_modules"])
         return cls(**kw)
+
+    # -- what the train engine calls: it receives the adapters through these settings and imports no
+    # ferrule.lora itself (docs/architecture.md: the engine layer sits below lora)
+
+    def apply_to(self, chunks: Any, *, family: str, table: Any, hf_config: Mapping[str, Any]) -> list[str]:
+        """Attach these adapters to unwrapped model ``chunks`` and freeze the base
+        (:func:`ferrule.lora.model.apply_lora`); returns the adapted modules' global names."""
+        from .model import apply_lora
+
+        return apply_lora(chunks, self, family=family, table=table, hf_config=hf_config)
+
+    def save_payload(self, engine: Any) -> tuple[dict, dict[str, bytes]]:
+        """The adapter part of ``engine.save`` (:func:`ferrule.lora.checkpoint.lora_save_payload`)."""
+        from .checkpoint import lora_save_payload
+
+        return lora_save_payload(engine)
+
+    def load_payload(self, engine: Any, ckpt: Any, with_optimizer: bool) -> dict | None:
+        """The adapter part of ``engine.load`` (:func:`ferrule.lora.checkpoint.lora_load_payload`)."""
+        from .checkpoint import lora_load_payload
+
+        return lora_load_payload(engine, ckpt, with_optimizer)

@@ -1,7 +1,8 @@
 """Runtime patches that let megatron-core 0.16.1 train on CPU with gloo.
 
 Imported and applied only by :func:`ferrule.megatron.device.get_backend` when CUDA is absent
-(never on a GPU machine). Every patch is a named function with the upstream site it works
+(never on a GPU machine). Fixes for TransformerEngine / Apex being absent, on any device, are
+not here: they are in :mod:`ferrule.megatron.te_compat`, applied on CUDA machines too. Every patch is a named function with the upstream site it works
 around and the error upstream raises without it; :data:`PATCHES` lists them in the order
 :func:`apply` installs them. ``tests/test_megatron_cpu_compat.py`` checks, for each patch, that
 upstream 0.16.1 *still* fails the documented way without it (so the test fails, and the patch
@@ -169,19 +170,6 @@ def patch_streams(record: list) -> None:
 # ----------------------------------------------------------------------------------------
 # MoE
 # ----------------------------------------------------------------------------------------
-
-def patch_moe_te_general_gemm(record: list) -> None:
-    """Define the missing ``te_general_gemm = None`` in ``transformer/moe/moe_utils.py``.
-
-    Upstream bug in 0.16.1: the TransformerEngine import block defines ``te_general_gemm`` only
-    when TE is installed, but ``RouterGatingLinearFunction.forward`` tests ``te_general_gemm is
-    not None``. Without TE the router raises ``NameError: name 'te_general_gemm' is not
-    defined``. (Not CPU-specific: any machine without TE hits it.)
-    """
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        _set(record, moe_utils, "te_general_gemm", None)
-
 
 def patch_moe_split_sizes(record: list) -> None:
     """``maybe_move_tensor_to_cpu(t, as_numpy=True)`` returns a numpy array for CPU tensors too.
@@ -465,7 +453,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch("current_device", patch_current_device, "megatron/core/utils.py:GlobalMemoryBuffer.get_tensor"),
     Patch("synchronize", patch_synchronize, "megatron/core/dist_checkpointing/strategies/filesystem_async.py"),
     Patch("streams", patch_streams, "megatron/core/transformer/moe/token_dispatcher.py:MoEAlltoAllTokenDispatcher"),
-    Patch("moe_te_general_gemm", patch_moe_te_general_gemm, "megatron/core/transformer/moe/moe_utils.py:RouterGatingLinearFunction"),
     Patch("moe_split_sizes", patch_moe_split_sizes, "megatron/core/transformer/moe/moe_utils.py:maybe_move_tensor_to_cpu"),
     Patch("gloo_scatter_contiguous", patch_gloo_scatter_contiguous, "torch/distributed/distributed_c10d.py:scatter (gloo)"),
     Patch("optimizer_device_literals", patch_optimizer_device_literals, "megatron/core/optimizer/{optimizer,clip_grads,grad_scaler}.py"),

@@ -1,9 +1,10 @@
 """The one device abstraction of the train engine: CUDA + NCCL or CPU + gloo.
 
-This module is the only place in ferrule allowed to call ``torch.cuda.*``. On a machine
-without CUDA, :func:`get_backend` imports :mod:`ferrule.megatron.cpu_compat` and applies its
-patches (megatron-core 0.16.1 hard-codes CUDA in places); on a CUDA machine that module is never
-imported.
+This module is the only place in ferrule allowed to call ``torch.cuda.*``. Two patch tables,
+each on its own condition: :mod:`ferrule.megatron.te_compat` (upstream paths broken because
+TransformerEngine / Apex are absent) on every machine where a patch's condition holds, CUDA or
+not; :mod:`ferrule.megatron.cpu_compat` (megatron-core 0.16.1 hard-codes CUDA in places) only on a
+machine without CUDA: on a CUDA machine that module is never imported.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ _LOCK = threading.Lock()
 def get_backend(kind: str | None = None) -> DeviceBackend:
     """The process's backend: CUDA+NCCL when CUDA is available, otherwise CPU+gloo.
 
-    The first call fixes the backend for the process; on CPU it applies
-    :func:`ferrule.megatron.cpu_compat.apply` (idempotent).
+    The first call fixes the backend for the process. It applies
+    :func:`ferrule.megatron.te_compat.apply` on every device (each patch only where its
+    condition holds) and, on CPU only, :func:`ferrule.megatron.cpu_compat.apply` (both idempotent).
 
     Args:
         kind: ``'cuda'`` or ``'cpu'`` to insist on one; None picks automatically. The
@@ -132,6 +134,9 @@ def get_backend(kind: str | None = None) -> DeviceBackend:
                 "device 'cpu' requested on a CUDA machine; ferrule's CPU patches are for CUDA-less "
                 "machines only (hide the GPUs with CUDA_VISIBLE_DEVICES='' to train on CPU)."
             )
+        from . import te_compat
+
+        te_compat.apply()
         if has_cuda:
             _BACKEND = DeviceBackend(kind="cuda", dist_backend="nccl")
         else:

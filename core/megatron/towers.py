@@ -3,7 +3,7 @@
 A family declares its towers with ``register_towers`` (:class:`ferrule.specs.TowerSpec`). The
 core owns the wiring:
 
-1. :func:`attach_towers` (called by :func:`ferrule.registry.provider_build`'s result, so the
+1. :func:`attach_towers` (called by :func:`ferrule.megatron.provider.provider_build`'s result, so the
    train engine, the converters and the conformance kit all get them) builds each tower and
    attaches it to the first pipeline stage's ``GPTModel`` as ``towers.<name>``: a plain PyTorch
    module, **replicated on every TP rank** (no tensor parallelism inside a tower; its input and

@@ -12,6 +12,11 @@ from typing import Any, Literal
 
 import yaml
 
+#: the choices of ``algorithm.loss`` (:mod:`ferrule.losses` names)
+LOSS_NAMES = ("ppo", "cispo", "importance_sampling", "dro")
+#: the built-in choices of ``reward.fn``
+BUILTIN_REWARDS = ("task", "exact_match")
+
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.seeds import rollout_seed
 
 __all__ = ["RankRoles", "Shard", "check_layout", "launch_world_size", "plan_shards", "shard_seed",
            "fan_out_rollout_weights", "fan_out_lora_adapter", "rank_roles", "broadcast_object", "gather_objects", "all_gather_objects"]
@@ -137,8 +138,6 @@ def shard_seed(train_seed: int, step: int, index: int) -> int:
     (the one-shard seed of earlier single-process runs); shard k > 0:
     ``sha256("ferrule-rollout.{k}:{seed}:{step}")``. First 8 bytes, mod 2**63.
     """
-    from ferrule.rl.loop import rollout_seed
-
     return rollout_seed(train_seed, step, "rollout" if index == 0 else f"rollout.{index}")
 
 

@@ -53,7 +53,6 @@ drives an SGLang server and runs every shard (:mod:`ferrule.rl.sglang_rollout`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -71,6 +70,7 @@ from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import check_supported, lora_settings, preflight
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import sglang_rollout
+from ferrule.rl.seeds import rollout_seed
 from ferrule.rl.tasks import has_media
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
@@ -79,12 +79,6 @@ __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported
 SAMPLES_FILE = "samples.jsonl"
 #: Reward-function failures printed per run (every one is counted in the metrics).
 MAX_SHOWN_REWARD_FAILURES = 5
-
-
-def rollout_seed(seed: int, step: int, salt: str = "rollout") -> int:
-    """Sampling seed of ``step``: ``sha256("ferrule-{salt}:{seed}:{step}")`` (first 8 bytes, < 2**63)."""
-    digest = hashlib.sha256(f"ferrule-{salt}:{seed}:{step}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % (2**63)
 
 
 def prompt_token_ids(template: Any, tokenizer: Any, messages: Any,

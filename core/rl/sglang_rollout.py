@@ -47,9 +47,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.config_types import ConfigError
+
+if TYPE_CHECKING:
+    from ferrule.rl.config import RLConfig
 
 __all__ = ["SERVER_LOG", "WEIGHTS_DIR", "LORA_DIR", "build_rollout_engine", "check_rollout_engine",
            "load_tokenizer", "release_rollout_engine", "sglang_config_problems", "sglang_launch_args",

@@ -14,8 +14,8 @@ from ferrule.rollout.base import (
     RolloutError,
     SamplingParams,
     as_requests,
-    get_rollout_engine,
 )
+from ferrule.rollout.factory import get_rollout_engine
 
 __all__ = [
     "ENGINE_KINDS",

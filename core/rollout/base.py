@@ -229,25 +229,3 @@ class RolloutEngine(Protocol):
     def health(self) -> dict[str, Any]: ...
 
     def shutdown(self) -> None: ...
-
-
-def get_rollout_engine(kind: str = "embedded", **kwargs: Any) -> RolloutEngine:
-    """Build a rollout engine.
-
-    Args:
-        kind: ``"embedded"`` (default; :class:`ferrule.rollout.embedded.EmbeddedEngine`) or
-            ``"sglang"`` (:class:`ferrule.rollout.sglang.SGLangEngine`).
-        **kwargs: passed to the engine's constructor.
-
-    Raises:
-        ValueError: unknown kind (lists the known kinds).
-    """
-    if kind == "embedded":
-        from ferrule.rollout.embedded import EmbeddedEngine
-
-        return EmbeddedEngine(**kwargs)
-    if kind == "sglang":
-        from ferrule.rollout.sglang import SGLangEngine
-
-        return SGLangEngine(**kwargs)
-    raise ValueError(f"Unknown rollout engine kind {kind!r}; known kinds: {', '.join(ENGINE_KINDS)}.")

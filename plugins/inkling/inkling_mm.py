@@ -176,7 +176,7 @@ MAPPING = MappingTable(
 )
 
 #: The text variant's groups plus the towers' (first pipeline stage only, hence optional; a
-#: missing tower group is refused when the model is built, see ``ferrule.registry.provider_build``).
+#: missing tower group is refused when the model is built, see ``ferrule.megatron.provider.provider_build``).
 #: Every base weight sync sends every group, so the towers always travel with the text model.
 UPDATE_GROUPS = TEXT_UPDATE_GROUPS + (
     UpdateGroup(key="vision_tower", suffixes=("vision.final_norm.weight",), optional=True),

@@ -2,7 +2,8 @@
 
 Usage: python tests/dist/cpu_compat_probe.py OUT_JSON
 
-One process, gloo world size 1. For every patch of ``ferrule.megatron.cpu_compat.PATCHES``:
+One process, gloo world size 1. For every patch of ``ferrule.megatron.cpu_compat.PATCHES`` and
+``ferrule.megatron.te_compat.PATCHES``:
 revert that one patch, run its reproduction against upstream code (recording the exception
 type and message, or "ok"), re-apply it and run the reproduction again. Writes
 ``{patch: {"upstream": ..., "patched": ...}}`` to OUT_JSON.
@@ -174,18 +175,19 @@ def _run(fn) -> str:
 
 
 def main() -> None:
-    from ferrule.megatron import cpu_compat
+    from ferrule.megatron import cpu_compat, te_compat
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
     init_distributed(ParallelLayout(), seed=SEED)
     results = {}
-    for patch in cpu_compat.PATCHES:
-        repro = globals()[f"repro_{patch.name}"]
-        cpu_compat.revert([patch.name])
-        upstream = _run(repro)
-        cpu_compat.apply()
-        results[patch.name] = {"upstream": upstream, "patched": _run(repro)}
-    results["_applied"] = list(cpu_compat.applied())
+    for table in (cpu_compat, te_compat):
+        for patch in table.PATCHES:
+            repro = globals()[f"repro_{patch.name}"]
+            table.revert([patch.name])
+            upstream = _run(repro)
+            table.apply()
+            results[patch.name] = {"upstream": upstream, "patched": _run(repro)}
+    results["_applied"] = list(cpu_compat.applied()) + list(te_compat.applied())
     with open(sys.argv[1], "w") as f:
         json.dump(results, f, indent=1)
 

@@ -26,6 +26,7 @@ def main(work: Path) -> None:
     from transformers import InklingForConditionalGeneration
 
     from ferrule import registry
+    from ferrule.megatron.provider import provider_build
     from ferrule.converters import SafetensorsReader, export_mcore_to_hf, load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
     from ferrule.megatron.towers import embed_with_media
@@ -39,7 +40,7 @@ def main(work: Path) -> None:
     hf_config = json.loads((work / "mm" / "config.json").read_text())
     layout = ParallelLayout(tp=2)
     init_distributed(layout)
-    chunks = registry.provider_build("inkling")(hf_config, layout, parallel_output=False)
+    chunks = provider_build("inkling")(hf_config, layout, parallel_output=False)
     table = registry.get_converter("inkling").resolved_mapping()
     load_hf_into_mcore(chunks, work / "mm", table, hf_config=hf_config)
     expected = SafetensorsReader(work / "mm")

@@ -1,0 +1,307 @@
+"""The sections of the ``ferrule train`` config as frozen dataclasses (:class:`RLConfig`), each key
+with its default, unit and description in its field metadata.
+
+Loading, overrides and validation are in :mod:`ferrule.rl.config` (which re-exports every name
+here) and :mod:`ferrule.rl.config_checks`; both import this module downward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ferrule.fsutil import apply_default_mode
+from ferrule.rl.config_types import ConfigError
+from ferrule.run_layout import CONFIG_FILE_NAME
+
+def _f(default: Any, doc: str, unit: str = "") -> Any:
+    md = {"doc": doc, "unit": unit}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=md)
+    return field(default=default, metadata=md)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy checkpoint."""
+
+    hf_dir: str = _f("", "HF checkpoint folder (config.json, safetensors, tokenizer). Required.", "path")
+    torch_dist_dir: str = _f("", "Megatron torch_dist checkpoint with the same weights (weights only "
+                                 "are loaded); empty: the train engine loads hf_dir directly.", "path")
+    family: str = _f("", "Model family override; empty: resolved from config.json model_type by the "
+                         "plugin registry.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "Parameter dtype of the train and rollout engines (bfloat16 recommended on GPU).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Megatron parallel layout of the train engine."""
+
+    tp: int = _f(1, "Tensor-model-parallel size (Megatron tensor_model_parallel_size).", "ranks")
+    pp: int = _f(1, "Pipeline-model-parallel size (Megatron pipeline_model_parallel_size).", "ranks")
+    ep: int = _f(1, "Expert-model-parallel size for MoE families (Megatron expert_model_parallel_size).",
+                 "ranks")
+    vpp: int = _f(1, "Virtual pipeline stages per pipeline rank (Megatron "
+                     "virtual_pipeline_model_parallel_size); only 1 (no interleaving) is supported.", "stages")
+    timeout_s: float = _f(600.0, "Collective timeout: a rank that waits this long in a collective (another "
+                                 "rank hung or died) raises and the job stops; covers the longest rank-0-only "
+                                 "phase (evaluation, checkpoint pruning).", "seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Sampling of responses by the rollout engine."""
+
+    engine: Literal["embedded", "sglang"] = _f(
+        "embedded", "Rollout engine: in-process transformers model, or an SGLang server.")
+    temperature: float = _f(1.0, "Sampling temperature; GRPO needs > 0 so that a group's samples differ.")
+    top_p: float = _f(1.0, "Nucleus sampling mass, in (0, 1]; 1 disables.")
+    top_k: int = _f(-1, "Top-k sampling; -1 disables.", "tokens")
+    max_new_tokens: int = _f(256, "Response length cap; longer responses are truncated.", "tokens")
+    n_samples_per_prompt: int = _f(8, "Group size: responses sampled per prompt (GRPO group).", "samples")
+    extra_stop_tokens: list[str] = _f([], "Stop tokens added to the chat template's own stop tokens.")
+    prompts_per_shard: int = _f(0, "Prompts per rollout shard: one generate call with its own sampling seed, "
+                                   "run by one data-parallel replica; the same value gives the same samples at "
+                                   "any world size. 0: ceil(prompts_per_step / data-parallel replicas).",
+                                "prompts")
+    sglang_url: str = _f("", "URL of a running SGLang server (engine=sglang); empty: launch one.", "URL")
+    sglang_args: dict[str, Any] = _f({}, "Extra flags of a server the loop launches (engine=sglang, no sglang_url): "
+                                         "key -> --key-with-dashes value; true: a bare switch, false: left out, a "
+                                         "list: several values, a dict: JSON; e.g. {mem_fraction_static: 0.7, "
+                                         "tp_size: 2}. model_path / host / port are the loop's.")
+    sglang_weight_transport: Literal["tensor", "disk"] = _f(
+        "tensor", "How the weight sync reaches the SGLang server: tensor (/update_weights_from_tensor with CUDA IPC "
+                  "handles: the server on the driver's host, sglang importable in the trainer, the train engine on "
+                  "a GPU) or disk (each bucket written as safetensors under RUN_DIR/sglang_weights and loaded with "
+                  "/update_weights_from_disk; the server must read that folder).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompt source and prompt rendering (see ferrule.rl.tasks)."""
+
+    task: str = _f("", "reasoning-gym dataset name (e.g. basic_arithmetic, countdown). Set exactly one "
+                       "of task / jsonl_path.")
+    task_kwargs: dict[str, Any] = _f({}, "Keyword arguments of the reasoning-gym dataset config "
+                                         "(e.g. {max_terms: 2, max_digits: 1}).")
+    size: int = _f(10000, "Number of generated reasoning-gym items (one epoch).", "prompts")
+    seed: int = _f(1, "reasoning-gym generation seed (which items exist).")
+    jsonl_path: str = _f("", "JSONL prompt file (one {prompt|messages, answer, id?, metadata?} object "
+                             "per line).", "path")
+    shuffle: bool = _f(True, "Shuffle prompt order every epoch (permutation from train.seed and epoch).")
+    system_prompt_preset: str = _f("direct", "reasoning-gym system prompt name (default, direct, simple, "
+                                             "DeepSeekZero, chain_of_draft) or none.")
+    system_prompt: str = _f("", "Literal system prompt; when non-empty it replaces the preset.")
+    prompt_template: str = _f("{question}", "Python format string for the user message; the only "
+                                            "field is {question}.")
+    chat_template: str = _f("", "Chat template name from the plugin registry; empty: the family's default.")
+    chat_template_kwargs: dict[str, Any] = _f({}, "Extra chat-template variables, passed as "
+                                                  "tokenizer.apply_chat_template(**kwargs) would (e.g. "
+                                                  "{enable_thinking: false} turns Qwen3 thinking off).")
+    answer_extraction: Literal["answer_tag", "last_number", "last_line", "full"] = _f(
+        "answer_tag", "How the answer is taken from a response: last <answer>...</answer> block, last "
+                      "number, last non-empty line, or the whole stripped text.")
+    max_prompt_tokens: int = _f(512, "Longest rendered prompt accepted; longer prompts are errors.", "tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """Reward function (see ferrule.rl.rewards)."""
+
+    function: str = _f("task", "Builtin 'task' (the task's own verifier), 'exact_match', or a custom "
+                               "'module:attr' callable(response, prompt, **kwargs).")
+    kwargs: dict[str, Any] = _f({}, "Keyword arguments passed to a custom reward function.")
+    format_reward: float = _f(0.0, "Added to the reward when the answer could be extracted "
+                                   "(e.g. an <answer> block is present).", "reward")
+    mode: Literal["task_score", "exact"] = _f(
+        "task_score", "task_score: the reward is the task's own score, which may give partial credit "
+                      "(basic_arithmetic scores a sign error 0.5); exact: 1 only when that score is 1, "
+                      "else 0. Both the score and accuracy are logged either way.")
+    failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
+                                    "that cannot parse a junk answer); the run goes on, counting "
+                                    "reward_errors. A function raising on every sample of a step stops "
+                                    "the run.", "reward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """Advantage estimator and policy loss (see ferrule.rl.advantages and ferrule.losses)."""
+
+    advantage_estimator: Literal["grpo"] = _f("grpo", "Group-relative advantages (Shao et al. 2024, "
+                                                      "arXiv 2402.03300).")
+    grpo_std_normalization: bool = _f(True, "Divide by the group's reward std (GRPO); false: mean only "
+                                            "(Dr. GRPO, arXiv 2503.20783).")
+    advantage_eps: float = _f(1e-6, "Added to the group std before dividing.", "reward")
+    loss_aggregation: Literal["token_mean", "sample_mean", "constant"] = _f(
+        "token_mean", "Per-token weights: mean over all response tokens of the batch; mean of per-sample "
+                      "token means; or 1/(samples*max_new_tokens) (Dr. GRPO).")
+    loss: str = _f("ppo", "Policy loss name in ferrule.losses: ppo, cispo, importance_sampling, dro.")
+    eps_clip: float = _f(0.2, "PPO ratio clip below: ratio >= 1 - eps_clip.")
+    eps_clip_high: float = _f(0.28, "PPO ratio clip above: ratio <= 1 + eps_clip_high (DAPO clip-higher, "
+                                    "arXiv 2503.14476).")
+    use_tis: bool = _f(True, "Truncated importance sampling against the rollout engine's logprobs "
+                             "(train/rollout mismatch correction).")
+    tis_cap: float = _f(2.0, "Upper clamp of exp(old_logprob - rollout_logprob) when use_tis.")
+    kl_coef: float = _f(0.0, "Weight of the KL penalty to the frozen reference policy; 0 loads no "
+                             "reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f(
+        "k3", "KL estimator (Schulman 2020, 'Approximating KL divergence'): k1 = log r, "
+              "k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p. The loss implements k3 only.")
+    entropy_coef: float = _f(0.0, "Weight of the entropy bonus; not implemented by the train engine yet, "
+                                  "must be 0 (entropy is always reported).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam optimizer and learning-rate schedule (Megatron names)."""
+
+    optimizer: Literal["adam"] = _f("adam", "Optimizer (Megatron's Adam with decoupled weight decay).")
+    lr: float = _f(1e-6, "Peak learning rate.", "1/step")
+    min_lr: float = _f(0.0, "Final learning rate of a decaying schedule.", "1/step")
+    lr_warmup_steps: int = _f(0, "Linear warmup from 0 to lr.", "steps")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "Schedule after warmup.")
+    lr_decay_steps: int = _f(0, "Steps over which lr decays to min_lr; 0: train.steps.", "steps")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.98, "Adam beta2.")
+    adam_eps: float = _f(1e-8, "Adam epsilon.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    clip_grad: float = _f(1.0, "Global gradient-norm clip; 0 disables.", "L2 norm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA: train an HF PEFT-compatible adapter on the frozen base; only the adapter is synced (docs/lora.md)."""
+
+    rank: int = _f(0, "LoRA rank r; 0: full-parameter training (no adapter). > 0 trains lora_A [r, in] / "
+                      "lora_B [out, r] on the frozen base and syncs only the adapter to the rollout engine.")
+    alpha: float = _f(32.0, "lora_alpha; the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) "
+                            "with use_rslora).")
+    dropout: float = _f(0.0, "Dropout on the adapter's input during training, in [0, 1); rollout never drops.")
+    target_modules: Any = _f("all", "'all' (every linear a registered applier handles, lm_head excepted) or a "
+                                    "list of module names, Megatron (linear_qkv, linear_proj, linear_fc1, "
+                                    "linear_fc2, output_layer) or HF (q_proj, ..., down_proj, lm_head).")
+    use_rslora: bool = _f(False, "Rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Loop size and batching."""
+
+    steps: int = _f(100, "RL steps (one rollout batch each).", "steps")
+    prompts_per_step: int = _f(8, "Prompts per step; the rollout batch is prompts_per_step * "
+                                  "n_samples_per_prompt sequences.", "prompts")
+    optim_steps_per_rollout: int = _f(1, "Optimizer steps per rollout batch (the batch is split into this "
+                                         "many mini-batches of whole groups).", "steps")
+    micro_batch_tokens: int = _f(4096, "Token budget of one forward_backward micro-batch (prompt + "
+                                       "response tokens).", "tokens")
+    seed: int = _f(42, "Seed of data order, sampling and initialization.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Periodic checkpoints and resume."""
+
+    enabled: bool = _f(True, "Save checkpoints.")
+    dir: str = _f("", "Checkpoint folder; empty: RUN_DIR/checkpoints.", "path")
+    interval: int = _f(50, "Save every this many steps (and at the last step).", "steps")
+    keep: int = _f(2, "Checkpoints kept (oldest deleted first); 0 keeps all.", "checkpoints")
+    save_on_interrupt: bool = _f(True, "Ctrl-C saves a checkpoint before exiting.")
+    resume: bool = _f(False, "Continue from the latest checkpoint in dir (data order and RNG included).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Periodic evaluation on held-out prompts."""
+
+    interval: int = _f(0, "Evaluate every this many steps; 0 disables.", "steps")
+    n_prompts: int = _f(64, "Held-out prompts per evaluation.", "prompts")
+    seed: int = _f(1000003, "reasoning-gym generation seed of the held-out set; must differ from data.seed.")
+    jsonl_path: str = _f("", "Held-out JSONL prompts (required with data.jsonl_path).", "path")
+    temperature: float = _f(0.0, "Evaluation sampling temperature; 0 is greedy.")
+    max_new_tokens: int = _f(0, "Response length cap; 0: rollout.max_new_tokens.", "tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Run folder, metrics and progress display (see ferrule.rl.metrics)."""
+
+    run_dir: str = _f("runs/ferrule", "Run folder: config.yaml, metrics.jsonl, samples.jsonl, "
+                                      "reward_curve.png, checkpoints/.", "path")
+    progress: bool = _f(True, "Show a rich progress bar with ETA.")
+    log_samples: int = _f(2, "Responses per step written to samples.jsonl; 0 disables.", "samples")
+    tensorboard: bool = _f(False, "Also write TensorBoard events (needs the tensorboard package).")
+    wandb: bool = _f(False, "Also log to Weights & Biases (needs the wandb package).")
+    wandb_project: str = _f("ferrule", "W&B project name.")
+    plot_at_end: bool = _f(True, "Write RUN_DIR/reward_curve.png when the run ends.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """The whole ``ferrule train`` config; one attribute per section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict (sections -> keys -> values), reloadable with :func:`config_from_dict`."""
+        return dataclasses.asdict(self)
+
+    def get(self, dotted: str) -> Any:
+        """Value of ``"section.key"``."""
+        section, _, key = dotted.partition(".")
+        return getattr(getattr(self, section), key)
+
+    def dump(self, run_dir: str | os.PathLike[str]) -> Path:
+        """Write the resolved config to ``run_dir/config.yaml`` atomically; return the path."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = ("# Resolved ferrule train config (defaults + file + overrides). Reload with\n"
+                "# `ferrule train --config THIS_FILE`.\n"
+                + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False))
+        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".config.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        path = run_dir / CONFIG_FILE_NAME
+        apply_default_mode(tmp)
+        os.replace(tmp, path)
+        return path
+
+    def check_paths(self) -> None:
+        """Raise :class:`ConfigError` listing every configured input path that does not exist."""
+        problems = []
+        required = [("model.hf_dir", self.model.hf_dir), ("model.torch_dist_dir", self.model.torch_dist_dir),
+                    ("data.jsonl_path", self.data.jsonl_path), ("eval.jsonl_path", self.eval.jsonl_path)]
+        for key, value in required:
+            if value and not Path(value).expanduser().exists():
+                rel = "" if Path(value).expanduser().is_absolute() else f" (relative to the current folder {os.getcwd()})"
+                hint = ("; build it first, e.g. `ferrule assets smollm2 assets/smollm2` for the examples' model, or "
+                        "set model.hf_dir" if key == "model.hf_dir" else "")
+                problems.append(f"{key}: {value!r} does not exist{rel}{hint}")
+        hf = Path(self.model.hf_dir).expanduser()
+        if self.model.hf_dir and hf.exists() and not (hf / "config.json").is_file():
+            problems.append(f"model.hf_dir: {self.model.hf_dir!r} has no config.json; point it at an HF "
+                            "checkpoint folder (e.g. `ferrule assets smollm2 assets/smollm2` -> assets/smollm2/hf)")
+        if problems:
+            raise ConfigError(problems)
+
+
+#: Section name -> section dataclass, in declaration order.
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(RLConfig)[f.name] for f in dataclasses.fields(RLConfig)}

@@ -1,0 +1,207 @@
+"""Imports go one way: each layer of docs/architecture.md imports only the layers below it, and
+no two modules import each other (directly or around a circle).
+
+The imports are read from the source with :mod:`ast` (every ``import`` / ``from ... import``,
+including those inside functions; ``if TYPE_CHECKING:`` blocks are annotations only and not
+counted), with the package-dir mapping of pyproject.toml applied (``core`` -> ``ferrule``,
+``converters`` -> ``ferrule.converters``, ``plugins`` -> ``ferrule.plugins``). Plugin tests
+and the tests folder are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"core": "ferrule", "converters": "ferrule.converters", "plugins": "ferrule.plugins"}
+
+#: bottom first; a unit is a top-level module or package of ``ferrule`` (``ferrule.plugins`` and
+#: ``ferrule.converters`` count as one unit each). A unit may import its own layer and the layers
+#: below; the cycle test keeps same-layer imports one way.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundation", {"ferrule", "ferrule.specs", "ferrule.fsutil", "ferrule.cli_errors", "ferrule.safetensors_io",
+                    "ferrule.run_layout", "ferrule.config_translation", "ferrule.losses", "ferrule.offload"}),
+    ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
+    ("registry", {"ferrule.registry"}),
+    ("mapping", {"ferrule.mapping", "ferrule.mapping_table", "ferrule.media", "ferrule.chat"}),
+    ("engines", {"ferrule.megatron", "ferrule.rollout"}),
+    ("lora", {"ferrule.lora"}),
+    ("sync", {"ferrule.sync"}),
+    ("assembly", {"ferrule.plugins", "ferrule.conformance_numeric", "ferrule.conformance_tp", "ferrule.testing"}),
+    ("converters", {"ferrule.converters"}),
+    ("launchers", {"ferrule.rl", "ferrule.serve"}),
+    ("cli", {"ferrule.cli", "ferrule.cli_chat", "ferrule.__main__"}),
+]
+
+
+def _module_files(root: Path) -> dict[str, Path]:
+    mods = {}
+    for folder, package in PACKAGE_DIRS.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root / folder)
+            if "tests" in rel.parts:
+                continue
+            parts = list(rel.with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([package, *parts])] = path
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_names(module: str, path: Path) -> list[tuple[str, int]]:
+    """``(dotted name, line)`` of every ferrule name imported by ``module`` at run time."""
+    is_package = path.name == "__init__.py"
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((target, node.lineno))
+            out.extend((f"{target}.{alias.name}", node.lineno) for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return [(name, line) for name, line in out if name == "ferrule" or name.startswith("ferrule.")]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """``{module: {imported ferrule module: first line}}`` (a name resolves to its longest module prefix)."""
+    mods = _module_files(root)
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in mods.items():
+        edges = graph.setdefault(module, {})
+        for name, line in _imported_names(module, path):
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                edges.setdefault(name, line)
+    return graph
+
+
+def unit_of(module: str) -> str:
+    """``ferrule.X`` of ``ferrule.X.Y...`` (the root ``ferrule`` is its own unit)."""
+    return ".".join(module.split(".")[:2])
+
+
+def layer_of(unit: str) -> int:
+    for i, (_, units) in enumerate(LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"{unit} is in no layer of tests/test_layering.py LAYERS; add it (and to docs/architecture.md)")
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    bad = []
+    for module, edges in sorted(graph.items()):
+        here = layer_of(unit_of(module))
+        for target, line in sorted(edges.items()):
+            if target == "ferrule":  # the package root: the pluggy markers, imported by every layer
+                continue
+            there = layer_of(unit_of(target))
+            if there > here:
+                bad.append(f"{module} (layer {LAYERS[here][0]}) imports {target} (layer {LAYERS[there][0]}) "
+                           f"at line {line}")
+    return bad
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w == "ferrule":
+                continue
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(cycles)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, dict[str, int]]:
+    return import_graph()
+
+
+def test_every_module_has_a_layer(graph):
+    assert sorted({unit_of(m) for m in graph if not any(unit_of(m) in u for _, u in LAYERS)}) == []
+
+
+def test_no_layer_imports_one_above_it(graph):
+    assert upward_imports(graph) == []
+
+
+def test_no_import_cycles(graph):
+    assert import_cycles(graph) == []
+
+
+def test_the_graph_sees_function_level_and_relative_imports(graph):
+    # a function-local import hid the old cycles; the graph must see such imports, or the two tests
+    # above pass for the wrong reason (ferrule.registry resolves providers inside functions)
+    assert "ferrule.specs" in graph["ferrule.registry"]
+    assert "ferrule.megatron.checkpoint" in graph["ferrule.megatron.engine"]  # `from .checkpoint import` in a method
+    assert "ferrule.megatron.towers" in graph["ferrule.megatron.provider"]  # relative, inside a function
+
+
+@pytest.mark.parametrize("module, source, reintroduced", [
+    # the cycles that issue 23 removed, put back one at a time into an otherwise clean graph
+    ("ferrule.megatron.engine", "from ferrule.lora import apply_lora\n", "engine -> lora"),
+    ("ferrule.registry", "def f():\n    from ferrule.megatron.towers import attach_towers\n", "registry -> engine"),
+    ("ferrule.lora.peft_experts", "from .peft_format import PEFT_PREFIX\n", "lora three-file circle"),
+    ("ferrule.lora.cli", "from ferrule.rl.checkpoints import find_run_checkpoint\n", "lora cli -> launcher"),
+    ("ferrule.converters.export", "from ferrule.rl.checkpoints import find_run_checkpoint\n", "export -> launcher"),
+])
+def test_each_removed_cycle_would_fail(tmp_path, module, source, reintroduced):
+    """The checks above fail on each cycle of the old layout (an import added to a copy of the tree)."""
+    import shutil
+
+    for folder in PACKAGE_DIRS:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("tests", "__pycache__"))
+    path = _module_files(tmp_path)[module]
+    path.write_text(path.read_text() + "\n\n" + source)
+    graph = import_graph(tmp_path)
+    problems = upward_imports(graph) + [" <-> ".join(c) for c in import_cycles(graph)]
+    assert problems, f"{reintroduced} went unnoticed"
