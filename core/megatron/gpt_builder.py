@@ -220,6 +220,7 @@ def build_gpt_model(
 
     from .attention import core_attention_class
     from .device import get_backend
+    from .layer_options import rope_scaling_kwargs as _rope_kwargs
 
     attention_cls = core_attention_class(core_attention)
     final_norm = None
@@ -277,7 +278,7 @@ def build_gpt_model(
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
         rotary_percent=rotary_percent,
-        **rope_scaling_kwargs(rope_scaling),
+        **_rope_kwargs(rope_scaling),
         vp_stage=vp_stage,
     )
     from .extensions import install_output_hooks
@@ -290,18 +291,6 @@ def build_gpt_model(
     mark_tensor_parallel_params([model])
     norm_weights_to_params_dtype(model, config.params_dtype)
     return model
-
-
-def rope_scaling_kwargs(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``GPTModel`` keywords for the ``rope_scaling`` model option (see :func:`build_gpt_model`)."""
-    if not rope_scaling:
-        return {}
-    kind, factor = rope_scaling.get("type"), float(rope_scaling.get("factor", 0.0))
-    if kind == "linear":
-        return {"seq_len_interpolation_factor": factor}
-    if kind == "llama3":
-        return {"rope_scaling": True, "rope_scaling_factor": factor}
-    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear' or 'llama3'.")
 
 
 def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:

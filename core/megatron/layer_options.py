@@ -34,7 +34,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 __all__ = ["LayerRoPESelfAttention", "FullProjectionRMSNorm", "PRE_NORMS", "QK_NORM_SCOPES",
-           "pre_norms_kept", "check_layer_rope"]
+           "pre_norms_kept", "check_layer_rope", "rope_scaling_kwargs"]
 
 #: Names accepted in a ``pre_norms`` tuple.
 PRE_NORMS = ("attention", "mlp")
@@ -78,6 +78,18 @@ def check_layer_rope(layer_rope: Any, num_layers: int) -> tuple[dict, ...]:
     return tuple(out)
 
 
+def rope_scaling_kwargs(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``GPTModel`` keywords for the ``rope_scaling`` model option (see :func:`build_gpt_model`)."""
+    if not rope_scaling:
+        return {}
+    kind, factor = rope_scaling.get("type"), float(rope_scaling.get("factor", 0.0))
+    if kind == "linear":
+        return {"seq_len_interpolation_factor": factor}
+    if kind == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": factor}
+    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear' or 'llama3'.")
+
+
 class LayerRoPESelfAttention(SelfAttention):
     """Megatron ``SelfAttention`` that rotates q/k with its own layer's RoPE (``layer_rope`` option).
 
@@ -92,8 +104,6 @@ class LayerRoPESelfAttention(SelfAttention):
     def __init__(self, *args: Any, layer_rope: tuple = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-        from .gpt_builder import rope_scaling_kwargs
 
         if self.config.context_parallel_size > 1:
             raise NotImplementedError("layer_rope (per-layer RoPE) does not support context parallelism.")
