@@ -11,8 +11,8 @@ One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` s
    ``max_new_tokens``. The engine also returns the temperature-1 logprobs of the sampled tokens.
 3. **Rewards**: decoded responses -> answer extraction -> the task's verifier -> ``reward.mode``
    (+ format reward). A sample whose reward function raises gets ``reward.failure_reward`` and
-   is counted (``reward_errors``); a step where every sample raised stops the run
-   (:mod:`ferrule.rl.rewards`).
+   is counted (``reward_errors``), with a warning for a step where many raised; a broken function
+   is refused at set-up, where it scores the task's reference answers (:mod:`ferrule.rl.rewards`).
 4. **Advantages**: group-normalized (:func:`~ferrule.rl.advantages.grpo_advantages`), one per
    sample, broadcast over its response tokens.
 5. **Old / reference logprobs**: with ``algorithm.use_tis`` or several optimizer steps per
@@ -193,6 +193,8 @@ class GRPOTrainer:
         self.eval_source = build_prompt_source(cfg.data, eval_cfg=cfg.eval) if cfg.eval.interval > 0 else None
         self.eval_reward_fn = (build_reward_fn_from_config(cfg, self.eval_source)
                                if self.eval_source is not None else None)
+        if cfg.reward.check_reference:  # a broken reward function is refused here, not at step 1
+            self._check_reward_fn()
 
         hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
         self.family = cfg.model.family or registry.family_for_hf_config(hf_config).name
@@ -277,6 +279,20 @@ class GRPOTrainer:
                       f"{len(self.source)} prompts ({self.source.name}){layout_note}, "
                       f"setup {time.perf_counter() - t0:.1f} s")
         self._setup_done = True
+
+    def _check_reward_fn(self) -> None:
+        """:func:`ferrule.rl.rewards.check_reward_fn` on the train (and eval) prompts; prints what it found."""
+        from ferrule.rl.rewards import check_reward_fn
+
+        cfg = self.cfg
+        for fn, source in ((self.reward_fn, self.source), (self.eval_reward_fn, self.eval_source)):
+            if fn is None:
+                continue
+            found = check_reward_fn(fn, source, extraction=cfg.data.answer_extraction, function=cfg.reward.function)
+            if source is self.source and found.checked:
+                self._log(f"reward check: the reference answers of {len(found.checked)} prompts score correct"
+                          + "".join(f"; raises on the malformed answer {junk!r} ({err}), such samples score "
+                                    f"{cfg.reward.failure_reward}" for junk, err in found.raises_on_malformed[:2]))
 
     # ------------------------------------------------------------------ pieces
     def _prompt_ids(self, prompt: Any, kind: str) -> tuple[int, ...]:
@@ -387,12 +403,14 @@ class GRPOTrainer:
         return out
 
     def _score(self, reward_fn: Any, texts: list[str], prompts: list[Any], where: str) -> list[Any]:
-        """Rewards with failures scored as ``reward.failure_reward``; the first few are printed; a step
-        whose every sample failed raises :class:`~ferrule.rl.rewards.RewardError`."""
-        from ferrule.rl.rewards import check_reward_failures, describe_failure, score_responses
+        """Rewards with failures scored as ``reward.failure_reward``; the first few are printed, and a
+        warning for a step where many failed (:func:`~ferrule.rl.rewards.reward_failure_warning`)."""
+        from ferrule.rl.rewards import describe_failure, reward_failure_warning, score_responses
 
         rewards = score_responses(reward_fn, texts, prompts, failure_reward=self.cfg.reward.failure_reward)
-        check_reward_failures(rewards, texts, prompts, where)
+        warning = reward_failure_warning(rewards, texts, prompts, where)
+        if warning:
+            self._log(warning)
         for r, text, prompt in zip(rewards, texts, prompts):
             if r.error_type is not None and self._reward_failures_shown < MAX_SHOWN_REWARD_FAILURES:
                 self._reward_failures_shown += 1
