@@ -62,10 +62,22 @@ def wandb_records(path: Path):
             yield record
 
 
+def _finished_wandb_files(run_dir: Path, timeout_s: float = 60.0) -> list[Path]:
+    """The runs' ``.wandb`` files once each ends with its ``exit`` record: W&B's writer (the
+    wandb-core process) may still be flushing when ``wandb.finish()`` returns."""
+    deadline = time.time() + timeout_s
+    while True:
+        files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+        done = [any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)) for f in files]
+        if (files and all(done)) or time.time() > deadline:
+            return files
+        time.sleep(0.2)
+
+
 def wandb_history(run_dir: Path) -> tuple[dict[int, dict], dict]:
     """``({step: {metric: value}}, run config)`` of the W&B offline runs under ``RUN_DIR/wandb``."""
     history, config = {}, {}
-    for f in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+    for f in _finished_wandb_files(run_dir):
         for r in wandb_records(f):
             kind = r.WhichOneof("record_type")
             if kind == "history":
