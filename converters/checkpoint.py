@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -145,15 +144,12 @@ def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_DIST_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "FERRULE_DIST_INIT_METHOD")
 
 
-def _spawn_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, err_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _spawn_entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, err_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      FERRULE_DIST_INIT_METHOD=f"file://{init_file}")
     try:
         fn(rank, *args)
     except BaseException as exc:  # report the worker's error text to the parent
@@ -163,14 +159,15 @@ def _spawn_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, er
 
 
 def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
-    """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller."""
+    """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
+
+    No TCP port is taken: one rank runs in this process (an in-process store,
+    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in ``tmp``.
+    """
     import torch.distributed as dist
 
     if world == 1 and not dist.is_initialized():
-        keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-        saved = {k: os.environ.get(k) for k in keys}
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        saved = {k: os.environ.pop(k, None) for k in _DIST_KEYS}  # the single-process branch, whatever the env
         try:
             fn(0, *args)
         finally:
@@ -188,8 +185,8 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     err_dir = tmp / ".errors"
     err_dir.mkdir(exist_ok=True)
     try:
-        mp.start_processes(_spawn_entry, args=(world, _free_port(), fn, args, str(err_dir)), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(_spawn_entry, args=(world, str(err_dir / "rendezvous"), fn, args, str(err_dir)),
+                           nprocs=world, join=True, start_method="spawn")
     except Exception as exc:
         reports = sorted(err_dir.glob("error-rank*.txt"))
         if not reports:
@@ -390,6 +387,29 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 # ---------------------------------------------------------------------------------------
 
 
+def write_config_dtype(config_path: Path, dtype: str) -> None:
+    """Make ``config.json`` state ``dtype`` (``"float32"`` ...) as the dtype of its weights.
+
+    Sets ``dtype`` (transformers >= 4.56's key; ``from_pretrained`` loads in it by default) and
+    ``torch_dtype`` where the file has it, at the top level and in each nested sub-config that
+    names one (``text_config``, ``vision_config`` ...), so every part loads as written.
+    """
+    original = json.loads(config_path.read_text())
+    config = json.loads(config_path.read_text())
+
+    def fix(d: dict) -> None:
+        d["dtype"] = dtype
+        if "torch_dtype" in d:
+            d["torch_dtype"] = dtype
+        for v in d.values():
+            if isinstance(v, dict) and ("dtype" in v or "torch_dtype" in v):
+                fix(v)
+
+    fix(config)
+    if config != original:  # a file that already states it stays byte for byte
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def dropped_hf_tensors(meta: dict, table: Any) -> list[tuple[str, Any]]:
     """``(hf_key, Ignore row)`` for each source tensor the export will not contain.
 
@@ -416,7 +436,7 @@ def _check_dropped(dropped: list[tuple[str, Any]], table: Any) -> None:
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              max_shard_bytes: int, progress: Callable[[int], None] | None,
-                             hf_dtypes: dict | None = None) -> None:
+                             hf_dtypes: dict | None = None, out_dtype: str | None = None) -> None:
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -433,7 +453,7 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
     # is the main dtype except for the tensors listed in hf_dtypes
     hf_dtypes = hf_dtypes or {}
     for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config):
-        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, dtype)))
+        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, out_dtype or dtype)))
         if writer is not None:
             writer.add(name, tensor.cpu())
             if progress is not None:
@@ -450,7 +470,7 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
 
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
-                     progress: Callable[[int], None] | None = None) -> Path:
+                     progress: Callable[[int], None] | None = None, dtype: str | None = None) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
@@ -491,12 +511,16 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     layout_kw = {"tp": tp, "pp": 1, "ep": ep}
     world = tp * ep
     ParallelLayout(**layout_kw).validate(world)
+    if dtype is not None and dtype not in _FLOAT_NAMES.values():
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
+    out_dtype = dtype or meta["dtype"]
     tmp = _prepare_out(out_dir, overwrite)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
                                                max_shard_bytes, progress if world == 1 else None,
-                                               meta.get("hf_dtypes", {})), tmp)
+                                               meta.get("hf_dtypes", {}), out_dtype), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
+        write_config_dtype(tmp / "config.json", out_dtype)
         commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -225,3 +225,24 @@ def test_ignored_source_tensors_are_reported_on_export(qwen2_dir, tmp_path, monk
     with pytest.raises(CheckpointError, match=r"lack them.*model\.layers\.1\.self_attn\.rotary_emb\.inv_freq"):
         torch_dist_to_hf(ckpt, tmp_path / "back2")
     _assert_nothing_written(tmp_path / "back2")
+
+
+def test_single_process_conversion_takes_no_tcp_port(qwen2_dir, tmp_path, monkeypatch):
+    """Issue 30.3: a one-rank conversion (and so ``ferrule export``) used a "free" TCP port for its
+    process group, and lost the race for it on a busy machine (``DistNetworkError ... EADDRINUSE``).
+    Here every port ferrule might pick is one that is already taken: the conversion must not care."""
+    import socket
+
+    import ferrule.converters.checkpoint as conv
+    import ferrule.megatron.parallel as parallel
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for module in (conv, parallel):
+            monkeypatch.setattr(module, "_free_port", lambda: port, raising=False)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        ckpt = hf_to_torch_dist(qwen2_dir, tmp_path / "td")
+        _assert_same_files(qwen2_dir, torch_dist_to_hf(ckpt, tmp_path / "back"))

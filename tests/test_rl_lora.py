@@ -124,7 +124,7 @@ def test_lora_grpo_run_syncs_only_the_adapter_and_resumes_exactly(tmp_path):
     from ferrule.converters.export import export_run
     from ferrule.megatron.batching import Datum
 
-    step, merged_dir = export_run(full, tmp_path / "merged")
+    step, merged_dir, _ = export_run(full, tmp_path / "merged")
     assert step == 4
     g = torch.Generator().manual_seed(0)
     n_vocab = AutoModelForCausalLM.from_pretrained(root / "model").config.vocab_size

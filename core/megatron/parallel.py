@@ -9,7 +9,6 @@ changed silently: a world size it does not divide is an error.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -110,18 +109,19 @@ class ParallelLayout:
             )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: a rendezvous other than ``env://`` for launcher-set ranks (``RANK`` / ``WORLD_SIZE`` in the
+#: environment): e.g. ``file:///tmp/x/rendezvous``, which needs no TCP port
+#: (``ferrule convert``'s spawned ranks use it)
+INIT_METHOD_ENV = "FERRULE_DIST_INIT_METHOD"
 
 
 def init_distributed(layout: ParallelLayout, seed: int = 1234, *, timeout_s: float = 600.0) -> None:
     """Create the process group, megatron's model-parallel groups, and seed every RNG.
 
     Under ``torchrun`` the rank/world size come from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and
-    ``MASTER_ADDR``/``MASTER_PORT``; otherwise a single process (rank 0 of 1) on a free local
-    port. The backend (nccl+cuda or gloo+cpu) comes from :func:`ferrule.megatron.device.get_backend`.
+    ``MASTER_ADDR``/``MASTER_PORT`` (or the rendezvous in ``$FERRULE_DIST_INIT_METHOD``);
+    otherwise a single process (rank 0 of 1) with an in-process ``HashStore``: no TCP port, so no
+    race for one (``EADDRINUSE`` on a busy machine). The backend (nccl+cuda or gloo+cpu) comes from :func:`ferrule.megatron.device.get_backend`.
 
     Args:
         layout: the requested parallel layout (validated against the world size).
@@ -142,16 +142,20 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, *, timeout_s: flo
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:  # torchrun (or another launcher that sets the env protocol)
-            layout.validate(int(os.environ["WORLD_SIZE"]))
+            world = int(os.environ["WORLD_SIZE"])
+            layout.validate(world)
             backend.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend=backend.dist_backend, timeout=timeout)
-        else:  # a single local process; os.environ is left untouched (children must not inherit a port)
+            method = os.environ.get(INIT_METHOD_ENV)
+            if method:
+                dist.init_process_group(backend=backend.dist_backend, init_method=method,
+                                        rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+            else:
+                dist.init_process_group(backend=backend.dist_backend, timeout=timeout)
+        else:  # a single local process: an in-process store, no TCP port (nothing to race for)
             layout.validate(1)
             backend.set_device(0)
-            dist.init_process_group(
-                backend=backend.dist_backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                rank=0, world_size=1, timeout=timeout,
-            )
+            dist.init_process_group(backend=backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     world = dist.get_world_size()
     layout.validate(world)
     if parallel_state.model_parallel_is_initialized():
