@@ -303,10 +303,58 @@ def test_reward_function_failures_are_scored_counted_and_a_broken_function_stops
         assert all(s["reward"] == -1.0 and s["reward_error"].startswith("ValueError: cannot parse") for s in failed)
         assert all("reward_error" not in s for s in step if s not in failed)
 
-    with pytest.raises(RewardError, match="step 1: the reward function raised on all 32 samples.*TypeError"):
+    # a function that raises on the task's reference answer is refused at set-up, before any engine is built
+    with pytest.raises(RewardError, match="'e2e_rewards:broken' raised TypeError: this reward function is broken on "
+                                          "the reference answer '7' of prompt"):
         train(load_config(config_file, _overrides(assets, tmp_path / "broken", 2) + common +
                           ["reward.function=e2e_rewards:broken"]))
-    assert not (tmp_path / "broken" / "samples.jsonl").exists()
+    assert not (tmp_path / "broken").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_verifier_raising_on_every_junk_sample_of_a_fresh_policy_does_not_stop_the_run(assets, config_file,
+                                                                                           tmp_path):
+    """reasoning-gym's prime_factorization verifier calls int() on every factor: a fresh policy's junk makes
+    every sample raise at step 1 (train.seed 4). The set-up check passes (the references score 1), the run goes on,
+    every failure is counted and a step where half or more failed prints a warning."""
+    import io
+
+    from rich.console import Console
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+    from ferrule.rl.metrics import read_metrics
+    from ferrule.rl.tasks import ReasoningGymSource
+
+    run_dir = tmp_path / "primes"
+    out = io.StringIO()
+    overrides = [f"model.hf_dir={assets / 'model'}", "data.task=prime_factorization", "data.size=16",
+                 "data.answer_extraction=full", "data.max_prompt_tokens=256", "train.micro_batch_tokens=4096",
+                 f"logging.run_dir={run_dir}", "train.steps=2", "checkpoint.enabled=false",
+                 "logging.plot_at_end=false", "reward.failure_reward=-1",
+                 "train.seed=4", "rollout.max_new_tokens=8"]  # measured: every sample of step 1 raises
+    result = train(load_config(config_file, overrides), console=Console(file=out, width=400))
+    assert result.last_step == 2
+    src = ReasoningGymSource("prime_factorization", 16, 1)
+    entries = {p.id: p.entry for p in (src[i] for i in range(16))}
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 64
+    log = out.getvalue()
+    assert "reward check: the reference answers of 8 prompts score correct" in log
+    for e in read_metrics(run_dir / "metrics.jsonl"):
+        step = [s for s in samples if s["step"] == e["step"]]
+        failed = []
+        for s in step:  # independent of ferrule: the real verifier on the stripped response
+            try:
+                src.dataset.score_answer(s["response"].strip() or None, entries[s["prompt_id"]])
+            except ValueError:
+                failed.append(s)
+        assert len(failed) >= len(step) // 2, "the fixture should make most samples raise"
+        if e["step"] == 1:
+            assert len(failed) == len(step) == 32, "the fixture should make every sample of step 1 raise"
+        assert e["reward_errors"] == len(failed) and e["reward_error_types"] == {"ValueError": len(failed)}
+        assert all(s["reward"] == -1.0 for s in failed)
+        assert f"WARNING step {e['step']}: the reward function raised on {len(failed)} of 32 samples" in log
 
 
 @pytest.mark.timeout(300)

@@ -233,14 +233,22 @@ def _lora_problems(cfg: RLConfig) -> list[str]:
         p.append(f"lora.alpha: must be > 0, got {lo.alpha}")
     if not 0 <= lo.dropout < 1:
         p.append(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
-    tm = lo.target_modules
+    tm, tp = lo.target_modules, lo.target_parameters
+    if not isinstance(tp, list) or not all(isinstance(x, str) and x for x in tp):
+        p.append(f"lora.target_parameters: expected a list of HF parameter paths (e.g. [mlp.experts.gate_up_proj, "
+                 f"mlp.experts.down_proj]), got {tp!r}")
+    elif len(set(tp)) != len(tp):
+        p.append(f"lora.target_parameters: {tp!r} names a parameter twice")
+    elif tp and tm == "all":
+        p.append("lora.target_parameters: set with lora.target_modules 'all', which already adapts every expert "
+                 "parameter; remove one of them")
     if isinstance(tm, str):
         if tm != "all":
             p.append(f"lora.target_modules: {tm!r} is neither 'all' nor a list; write a list of module names, "
                      f"e.g. [{tm}]")
-    elif not isinstance(tm, list) or not tm or not all(isinstance(x, str) and x and x != "all" for x in tm):
-        p.append(f"lora.target_modules: expected 'all' or a non-empty list of module names (e.g. [q_proj, v_proj] "
-                 f"or [linear_qkv, linear_proj]), got {tm!r}")
+    elif not isinstance(tm, list) or not (tm or tp) or not all(isinstance(x, str) and x and x != "all" for x in tm):
+        p.append(f"lora.target_modules: expected 'all' or a list of module names (e.g. [q_proj, v_proj] or "
+                 f"[linear_qkv, linear_proj]; empty only with lora.target_parameters), got {tm!r}")
     elif len(set(tm)) != len(tm):
         p.append(f"lora.target_modules: {tm!r} names a module twice")
     return p

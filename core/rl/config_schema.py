@@ -127,8 +127,12 @@ class RewardConfig:
                       "else 0. Both the score and accuracy are logged either way.")
     failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
                                     "that cannot parse a junk answer); the run goes on, counting "
-                                    "reward_errors. A function raising on every sample of a step stops "
-                                    "the run.", "reward")
+                                    "reward_errors, with a warning for each step where half the samples "
+                                    "or more failed.", "reward")
+    check_reference: bool = _f(True, "Before training, score the first prompts' reference answers (and a few "
+                                     "malformed strings): a function that raises on or does not give full "
+                                     "score to a reference answer, or gives it to junk, is refused. false: for "
+                                     "functions that do not score against the prompt's answer.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +191,11 @@ class LoraConfig:
     dropout: float = _f(0.0, "Dropout on the adapter's input during training, in [0, 1); rollout never drops.")
     target_modules: Any = _f("all", "'all' (every linear a registered applier handles, lm_head excepted) or a "
                                     "list of module names, Megatron (linear_qkv, linear_proj, linear_fc1, "
-                                    "linear_fc2, output_layer) or HF (q_proj, ..., down_proj, lm_head).")
+                                    "linear_fc2, output_layer: experts included) or HF modules as PEFT names them "
+                                    "(q_proj, ..., down_proj, lm_head: not the experts' 3-D parameters).")
+    target_parameters: Any = _f([], "HF parameter paths, PEFT's target_parameters: the routed experts "
+                                    "(mlp.experts.gate_up_proj, mlp.experts.down_proj) and Inkling's shared experts "
+                                    "(mlp.shared_experts.gate_proj + up_proj, down_proj); empty with 'all'.")
     use_rslora: bool = _f(False, "Rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023).")
 
 

@@ -11,8 +11,8 @@ One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` s
    ``max_new_tokens``. The engine also returns the temperature-1 logprobs of the sampled tokens.
 3. **Rewards**: decoded responses -> answer extraction -> the task's verifier -> ``reward.mode``
    (+ format reward). A sample whose reward function raises gets ``reward.failure_reward`` and
-   is counted (``reward_errors``); a step where every sample raised stops the run
-   (:mod:`ferrule.rl.rewards`).
+   is counted (``reward_errors``), with a warning for a step where many raised; a broken function
+   is refused at set-up, where it scores the task's reference answers (:mod:`ferrule.rl.rewards`).
 4. **Advantages**: group-normalized (:func:`~ferrule.rl.advantages.grpo_advantages`), one per
    sample, broadcast over its response tokens.
 5. **Old / reference logprobs**: with ``algorithm.use_tis`` or several optimizer steps per
@@ -76,7 +76,7 @@ from ferrule.rl.stages import advantages, checkpoint, record, rollout
 from ferrule.rl.stages import train as train_stage
 from ferrule.rl.stages.record import SAMPLES_FILE
 from ferrule.rl.stages.rollout import prompt_token_ids
-from ferrule.rl.stages.score import MAX_SHOWN_REWARD_FAILURES, Scorer  # noqa: F401  (re-exported)
+from ferrule.rl.stages.score import MAX_SHOWN_REWARD_FAILURES, Scorer, check_reward_functions  # noqa: F401
 from ferrule.rl.stages.sync import sync_policy
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
@@ -208,6 +208,9 @@ class GRPOTrainer:
         self.eval_source = build_prompt_source(cfg.data, eval_cfg=cfg.eval) if cfg.eval.interval > 0 else None
         self.eval_reward_fn = (build_reward_fn_from_config(cfg, self.eval_source)
                                if self.eval_source is not None else None)
+        if cfg.reward.check_reference:  # a broken reward function is refused here, not at step 1
+            check_reward_functions(cfg, ((self.reward_fn, self.source), (self.eval_reward_fn, self.eval_source)),
+                                   self._log)
 
     # ------------------------------------------------------------------ stages bound to this run
     def _media_of(self, prompt: Any) -> dict | None:
