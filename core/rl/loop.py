@@ -179,6 +179,7 @@ class GRPOTrainer:
         if self.roles.is_driver:
             self.template = build.chat_template(cfg, self.family, self.tokenizer)
             self.stop_ids, self.stop_strings = build.stop_tokens(cfg, self.template, self.tokenizer)
+        self._setup_colocation()
         self.towers = registry.get_towers(self.family)
         self.prompts = rollout.PromptRenderer(self.template, self.tokenizer, self.towers, self.engine.hf_config,
                                               cfg.data)
@@ -212,7 +213,31 @@ class GRPOTrainer:
             check_reward_functions(cfg, ((self.reward_fn, self.source), (self.eval_reward_fn, self.eval_source)),
                                    self._log)
 
+    def _setup_colocation(self) -> None:
+        """``train.colocate`` (:mod:`ferrule.rl.colocate`): decide, and keep the phase meter."""
+        from ferrule.rl.colocate import Colocation, PhaseMeter, resolve_colocate
+
+        self.meter = PhaseMeter()
+        try:
+            on, why = resolve_colocate(self.cfg.train.colocate, self.engine, self.rollout, self.cfg,
+                                       distributed=self.roles.distributed)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
+        self.colocation = Colocation(self.engine, self.rollout, self.meter) if on else None
+        if self.cfg.train.colocate is not False:
+            self._log(why)
+
     # ------------------------------------------------------------------ stages bound to this run
+    def _rollout_phase(self) -> None:
+        """Colocated: the train engine offloaded, the rollout engine awake (no-op otherwise)."""
+        if self.colocation is not None:
+            self.colocation.rollout_phase()
+
+    def _train_phase(self) -> None:
+        """Colocated: the rollout engine asleep, the train engine onloaded (no-op otherwise)."""
+        if self.colocation is not None:
+            self.colocation.train_phase()
+
     def _media_of(self, prompt: Any) -> dict | None:
         return rollout.media_of(self._media_cache, prompt)
 
@@ -268,6 +293,10 @@ class GRPOTrainer:
         t_step = time.perf_counter()
         record.reset_peak_memory()
         prompts = prompt_ids = media = results = texts = rewards = None
+        self._rollout_phase()
+        self.meter.record_now("memory_offloaded_bytes")
+        self.meter.start()
+        t_roll0 = time.perf_counter()
         # 1. rollout: the driver takes the next prompts; every rollout rank generates its shards
         if driver:
             prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
@@ -276,7 +305,10 @@ class GRPOTrainer:
         results = self._rollout(step, prompts, prompt_ids)
         if driver:
             texts = rollout.decode(self.tokenizer, results)
-        t_rollout = time.perf_counter() - t_step
+        t_rollout = time.perf_counter() - t_roll0
+        self.meter.stop("rollout")
+        self._train_phase()
+        self.meter.start()
         # 2. score (the driver), then every rank builds the same batch from the driver's rollout
         if driver:
             rewards = self.score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
@@ -290,8 +322,13 @@ class GRPOTrainer:
         # 4. train: old / reference logprobs, forward_backward + optim_step per mini-batch of groups
         outcome = train_stage.train_policy(self.engine, samples, adv.values, rollout_lp, cfg=cfg,
                                            reference=self.reference, roles=self.roles, num_groups=len(prompt_ids))
-        # 5. sync: the new policy to every rollout engine
+        self.meter.stop("train")
+        # 5. sync: the new policy to every rollout engine (colocated: into its host copies)
+        self.meter.start()
         t_sync = self._sync()
+        self.meter.stop("sync")
+        if self.colocation is not None:
+            self.colocation.offload_train()
         # 6. record: metrics (evaluation on its interval) and the logged samples
         metrics = self._step_metrics(step, samples, rewards, adv, rollout_lp, outcome, media,
                                      t_rollout=t_rollout, t_sync=t_sync)
@@ -317,6 +354,7 @@ class GRPOTrainer:
                         "weights_version": self.engine.step, "epoch": self.sampler.epoch,
                         "sync_bytes": self.last_sync.bytes})
         metrics.update(record.memory_metrics())
+        metrics.update(self.meter.pop())
         metrics.update(record.sync_memory_metrics(self.last_sync))
         if self.roles.distributed:  # per-rank timings: the slowest and fastest rank of each phase
             times = rl_dist.all_gather_objects((t_rollout, t_train, t_sync, self._stop_requested))
@@ -325,6 +363,7 @@ class GRPOTrainer:
                 metrics[key + "_min"] = min(x[j] for x in times)
             self._stop_requested = any(x[3] for x in times)  # Ctrl-C on any rank stops all at this step
         if self.roles.is_driver and self.eval_source is not None and step % self.cfg.eval.interval == 0:
+            self._rollout_phase()
             t_eval = time.perf_counter()
             metrics.update(self._evaluate(step))
             metrics["time_eval_s"] = time.perf_counter() - t_eval
@@ -428,6 +467,7 @@ class GRPOTrainer:
         with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
                                   console=self.console) as bar:
             if start == 0 and self.eval_source is not None and driver:
+                self._rollout_phase()
                 logged.append(logger.log(0, self._evaluate(0)))
                 self._log_eval(0, logged[-1])
                 bar.restart_clock()

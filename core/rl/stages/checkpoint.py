@@ -62,8 +62,9 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
     diffs = config_differences(state.get("config", {}), cfg.to_dict())
     if diffs:
         raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
-                                   "checkpointed run (only train.steps, checkpoint.*, eval.*, logging.* and "
-                                   "parallel.* may change); or start a new logging.run_dir"], origin=str(path))
+                                   "checkpointed run (only train.steps, train.colocate, checkpoint.*, eval.*, "
+                                   "logging.* and parallel.* may change); or start a new logging.run_dir"],
+                          origin=str(path))
     try:  # before the engine loads: a data set that changed size or order cannot resume
         sampler.load_state_dict(state["sampler"])
     except ValueError as exc:
