@@ -457,7 +457,7 @@ class GRPOTrainer:
         """Run step ``step`` (1-based); return ``(metrics, logged samples)``."""
         import torch
 
-        from ferrule.losses import finalize_metrics, sum_metrics
+        from ferrule.losses import SEQUENCE_LEVEL, finalize_metrics, sum_metrics
         from ferrule.rl.advantages import grpo_advantages, token_weights, zero_std_group_fraction
         from ferrule.rl.batch import (Sample, build_datums, loss_fn_config, response_slice, sequence_datum,
                                       split_groups)
@@ -517,7 +517,8 @@ class GRPOTrainer:
                               max_new_tokens=ro.max_new_tokens)
             datums = build_datums([samples[i] for i in idx], weights=w, advantages=[adv[i] for i in idx],
                                   behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
-                                  ref_logprobs=[ref[i] for i in idx] if ref is not None else None)
+                                  ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
+                                  sequence_ratio=loss_name in SEQUENCE_LEVEL)
             out = self.engine.forward_backward(datums, loss_name, loss_cfg)
             sums.append({key: v for key, v in out.metrics.items() if key.endswith(":sum")})
             for j, i in enumerate(idx):
