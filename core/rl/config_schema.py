@@ -211,6 +211,10 @@ class TrainConfig:
     micro_batch_tokens: int = _f(4096, "Token budget of one forward_backward micro-batch (prompt + "
                                        "response tokens).", "tokens")
     seed: int = _f(42, "Seed of data order, sampling and initialization.")
+    colocate: Any = _f("auto", "Train and rollout take turns on the device (docs/train.md \"Colocation\"): each "
+                               "step wakes the rollout engine, generates, puts it to sleep, onloads the train "
+                               "engine, trains, syncs and offloads it. true, false, or auto: on with CUDA when "
+                               "both engines would not fit at once, off on CPU. Bit-identical to false.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -251,6 +251,7 @@ class GRPOTrainer:
                 ids = self.tokenizer.encode(tok, add_special_tokens=False)
                 (stop_ids.extend(ids) if len(ids) == 1 else stop_strings.append(tok))
             self.stop_ids, self.stop_strings = tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
+        self._setup_colocation()
         self._prompt_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self._media_cache: dict[tuple[str, int], dict] = {}
         self.towers = registry.get_towers(self.family)
@@ -452,6 +453,24 @@ class GRPOTrainer:
         self.last_sync = stats
         return time.perf_counter() - t0
 
+    def _setup_colocation(self) -> None:
+        """``train.colocate`` (:mod:`ferrule.rl.colocate`): decide, and keep the phase meter."""
+        from ferrule.rl.colocate import Colocation, PhaseMeter, resolve_colocate
+
+        self.meter = PhaseMeter()
+        try:
+            on, why = resolve_colocate(self.cfg.train.colocate, self.engine, self.rollout, self.cfg,
+                                       distributed=self.roles.distributed)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
+        self.colocation = Colocation(self.engine, self.rollout, self.meter) if on else None
+        if self.cfg.train.colocate is not False:
+            self._log(why)
+
+    def _rollout_phase(self) -> None:
+        if self.colocation is not None:
+            self.colocation.rollout_phase()
+
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Run step ``step`` (1-based); return ``(metrics, logged samples)``."""
@@ -469,6 +488,10 @@ class GRPOTrainer:
         t_step = time.perf_counter()
         _reset_peak_memory()  # the step's peak (CUDA); CPU reports the process peak RSS
         driver = self.roles.is_driver
+        self._rollout_phase()  # colocated: train offloaded, rollout awake
+        self.meter.record_now("memory_offloaded_bytes")
+        self.meter.start()
+        t_roll0 = time.perf_counter()
         if driver:
             prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
             prompt_ids = [self._prompt_ids(p, "train") for p in prompts]
@@ -477,7 +500,11 @@ class GRPOTrainer:
             texts = self._decode(results)
         else:
             self._rollout(step)
-        t_rollout = time.perf_counter() - t_step
+        t_rollout = time.perf_counter() - t_roll0
+        self.meter.stop("rollout")
+        if self.colocation is not None:
+            self.colocation.train_phase()  # rollout asleep, train onloaded
+        self.meter.start()
         if driver:
             rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
         if self.roles.distributed:  # every rank builds the same train batch from the driver's rollout
@@ -533,7 +560,12 @@ class GRPOTrainer:
             lrs.append(res["learning_rate"])
             skipped += not res["success"]
         t_train = time.perf_counter() - t_train0
-        t_sync = self._sync()
+        self.meter.stop("train")
+        self.meter.start()
+        t_sync = self._sync()  # colocated: into the sleeping rollout engine's host copies
+        self.meter.stop("sync")
+        if self.colocation is not None:
+            self.colocation.offload_train()
 
         lm = finalize_metrics(sum_metrics(sums))
         lengths = [len(s.response_ids) for s in samples]
@@ -580,6 +612,7 @@ class GRPOTrainer:
                         "weights_version": self.engine.step, "epoch": self.sampler.epoch,
                         "sync_bytes": self.last_sync.bytes})
         metrics.update(_memory_metrics())
+        metrics.update(self.meter.pop())
         if self.last_sync.device_memory_after is not None:  # a leaking export shows up here first
             metrics["sync_device_memory_delta_bytes"] = (self.last_sync.device_memory_after
                                                          - self.last_sync.device_memory_before)
@@ -590,6 +623,7 @@ class GRPOTrainer:
                 metrics[key + "_min"] = min(x[j] for x in times)
             self._stop_requested = any(x[3] for x in times)  # Ctrl-C on any rank stops all at this step
         if driver and self.eval_source is not None and step % cfg.eval.interval == 0:
+            self._rollout_phase()
             t_eval = time.perf_counter()
             metrics.update(self._evaluate(step))
             metrics["time_eval_s"] = time.perf_counter() - t_eval
@@ -640,7 +674,7 @@ class GRPOTrainer:
         diffs = config_differences(state.get("config", {}), self.cfg.to_dict())
         if diffs:
             raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
-                                       "checkpointed run (only train.steps, checkpoint.*, eval.*, logging.* and "
+                                       "checkpointed run (only train.steps, train.colocate, checkpoint.*, eval.*, logging.* and "
                                        "parallel.* may change); or start a new logging.run_dir"], origin=str(path))
         try:  # before the engine loads: a data set that changed size or order cannot resume
             self.sampler.load_state_dict(state["sampler"])
@@ -737,6 +771,7 @@ class GRPOTrainer:
             with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
                                       console=self.console) as bar:
                 if start == 0 and self.eval_source is not None and driver:
+                    self._rollout_phase()
                     logged.append(logger.log(0, self._evaluate(0)))
                     self._log_eval(0, logged[-1])
                     bar.restart_clock()
