@@ -31,7 +31,7 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.megatron.checkpoint:CheckpointMismatchError",
     "ferrule.rl.tasks:PromptFileError",
     "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
-    "ferrule.rl.rewards:RewardError",                     # a reward function raised on every sample of a step
+    "ferrule.rl.rewards:RewardError",                     # a reward function refused at set-up (raises on a reference answer)
     "ferrule.converters.checkpoint:ConversionError",
     "ferrule.run_layout:RunCheckpointError",              # a run folder without (that) checkpoint
     "ferrule.lora.peft_format:AdapterFormatError",         # a PEFT adapter that does not fit the model

@@ -30,14 +30,19 @@ Writes go to a sibling temporary directory that rank 0 renames into place after 
 finished (``os.replace``); an existing checkpoint is replaced only then, so a crash never
 leaves a half-written checkpoint under the final name.
 
-No ``if __name__ == "__main__":`` guard is needed in the caller (:func:`save_sharded`):
-megatron's torch_dist writer collects its per-rank write results through a queue that it
-creates once per process with ``multiprocessing.get_context("spawn").Manager()``
-(``dist_checkpointing/strategies/filesystem_async.py``, ``_get_write_results_queue``). Starting
+No ``if __name__ == "__main__":`` guard is needed in the caller (:func:`save_sharded`), and no
+process outlives a killed save. megatron's torch_dist writer collects its per-rank write results
+through a queue that it creates once per process with
+``multiprocessing.get_context("spawn").Manager()``
+(``dist_checkpointing/strategies/filesystem_async.py``, ``_get_write_results_queue``); starting
 a spawn Manager re-imports the caller's ``__main__`` script, which fails in a plain script with
-multiprocessing's "bootstrapping phase" ``RuntimeError``. Our saves are synchronous (the writer
-runs in this process and reads its own results back), so an in-process ``queue.Queue`` serves
-the same purpose without a helper process.
+multiprocessing's "bootstrapping phase" ``RuntimeError``. It then writes each bucket of a rank's
+tensors (``thread_count``, 2 by default) in a *forked* process
+(``FileSystemWriterAsync.write_preloaded_data_multiproc``); when the trainer is killed during a
+save, those children (each holding a copy of the parent's memory) wait forever on a queue whose
+reader died, reparented to PID 1. Our saves are synchronous, so :func:`save_sharded` runs the
+same per-bucket writer (``write_preloaded_data``, unchanged) in threads of this process and
+collects the results in an in-process ``queue.Queue``: a killed process takes its writers with it.
 """
 
 from __future__ import annotations
@@ -145,38 +150,87 @@ def set_rng_state(state: dict) -> None:
             pass
 
 
-@contextlib.contextmanager
-def _in_process_write_results() -> Iterator[None]:
-    """Give megatron's torch_dist writer an in-process results queue for one synchronous save.
+def _write_buckets_in_threads(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
+                              global_results_queue: Any) -> None:
+    """In-process stand-in for ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (megatron-core 0.16.1).
 
-    The writer would otherwise start a spawn-method ``multiprocessing.Manager`` (see the module
-    docstring); the previous queue, if any, is put back afterwards.
+    Same arguments and the same result on ``global_results_queue`` (``{bucket index: [WriteResult]}``
+    or the first bucket's exception), but each bucket is written by megatron's own
+    ``write_preloaded_data`` in a thread of this process instead of a forked child, so nothing
+    survives this process (module docstring).
     """
+    import inspect
+    import queue
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    local_results: queue.Queue = queue.Queue()
+    count_queue: queue.Queue = queue.Queue()
+    extra = {}
+    if use_msc and len(inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters) > 6:
+        extra["use_msc"] = use_msc
+    threads = []
+    for i, bucket in enumerate(write_buckets):
+        count_queue.put(i)
+        threads.append(threading.Thread(
+            target=FileSystemWriterAsync.write_preloaded_data, args=(transform_list,),
+            kwargs=dict(local_proc_idx=i, write_bucket=bucket, results_queue=local_results,
+                        count_queue=count_queue, use_fsync=True, **extra),
+            name=f"ferrule-ckpt-writer-{rank}-{i}", daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results: dict | BaseException = {}
+    while not local_results.empty():
+        idx, out = local_results.get()
+        if isinstance(out, BaseException):
+            results = out
+            break
+        results[idx] = out
+    if isinstance(results, dict) and len(results) != len(write_buckets):
+        results = RuntimeError(f"checkpoint writer: {len(results)} of {len(write_buckets)} buckets reported")
+    global_results_queue.put(results)
+
+
+@contextlib.contextmanager
+def _in_process_writer() -> Iterator[None]:
+    """Give megatron's torch_dist writer an in-process results queue and in-process bucket writers
+    for one synchronous save (module docstring); the previous queue and writer are put back afterwards."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not hasattr(filesystem_async, "_results_queue"):  # checked against megatron-core 0.16.1
-        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue; "
-                           "this megatron-core version collects write results differently: update save_sharded.")
-    previous = filesystem_async._results_queue
+    writer_cls = filesystem_async.FileSystemWriterAsync
+    if (not hasattr(filesystem_async, "_results_queue")  # checked against megatron-core 0.16.1
+            or not hasattr(writer_cls, "write_preloaded_data_multiproc")
+            or not hasattr(writer_cls, "write_preloaded_data")):
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue or "
+                           "FileSystemWriterAsync.write_preloaded_data(_multiproc); this megatron-core version "
+                           "writes checkpoints differently: update save_sharded.")
+    previous_queue = filesystem_async._results_queue
+    previous_writer = writer_cls.__dict__["write_preloaded_data_multiproc"]
     filesystem_async._results_queue = queue.Queue()
+    writer_cls.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_threads)
     try:
         yield
     finally:
-        filesystem_async._results_queue = previous
+        filesystem_async._results_queue = previous_queue
+        writer_cls.write_preloaded_data_multiproc = previous_writer
 
 
 def save_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> None:
     """``megatron.core.dist_checkpointing.save`` (synchronous torch_dist) that works from a plain
-    script without an ``if __name__ == "__main__":`` guard and from a notebook cell.
+    script without an ``if __name__ == "__main__":`` guard and from a notebook cell, and writes in
+    threads of this process (no forked writer outlives a killed save; module docstring).
 
     ``kwargs`` go to ``dist_checkpointing.save`` unchanged (e.g. ``validate_access_integrity``).
     Collective: every rank calls it.
     """
     from megatron.core import dist_checkpointing
 
-    with _in_process_write_results():
+    with _in_process_writer():
         dist_checkpointing.save(sharded_state_dict, str(directory), **kwargs)
 
 

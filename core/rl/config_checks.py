@@ -51,6 +51,11 @@ def validate_config(cfg: RLConfig) -> list[str]:
     for key in ("tp", "pp", "ep", "vpp"):
         if getattr(cfg.parallel, key) < 1:
             p.append(f"parallel.{key}: must be >= 1, got {getattr(cfg.parallel, key)}")
+    if not (t.colocate is True or t.colocate is False or t.colocate == "auto"):
+        p.append(f"train.colocate: expected true, false or auto, got {t.colocate!r}")
+    elif t.colocate is True and ro.engine != "embedded":
+        p.append("train.colocate: true needs rollout.engine: embedded (an SGLang server holds its own device); "
+                 "set train.colocate: false or auto")
     if not cfg.parallel.timeout_s > 0:
         p.append(f"parallel.timeout_s: must be > 0 seconds, got {cfg.parallel.timeout_s}")
     if cfg.rollout.prompts_per_shard < 0:

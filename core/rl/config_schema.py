@@ -127,8 +127,12 @@ class RewardConfig:
                       "else 0. Both the score and accuracy are logged either way.")
     failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
                                     "that cannot parse a junk answer); the run goes on, counting "
-                                    "reward_errors. A function raising on every sample of a step stops "
-                                    "the run.", "reward")
+                                    "reward_errors, with a warning for each step where half the samples "
+                                    "or more failed.", "reward")
+    check_reference: bool = _f(True, "Before training, score the first prompts' reference answers (and a few "
+                                     "malformed strings): a function that raises on or does not give full "
+                                     "score to a reference answer, or gives it to junk, is refused. false: for "
+                                     "functions that do not score against the prompt's answer.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +211,10 @@ class TrainConfig:
     micro_batch_tokens: int = _f(4096, "Token budget of one forward_backward micro-batch (prompt + "
                                        "response tokens).", "tokens")
     seed: int = _f(42, "Seed of data order, sampling and initialization.")
+    colocate: Any = _f("auto", "Train and rollout take turns on the device (docs/train.md \"Colocation\"): each "
+                               "step wakes the rollout engine, generates, puts it to sleep, onloads the train "
+                               "engine, trains, syncs and offloads it. true, false, or auto: on with CUDA when "
+                               "both engines would not fit at once, off on CPU. Bit-identical to false.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,10 +67,12 @@ class SavedWeights:
 
 class SampleSpec:
     """One ``asample`` request, validated: prompt token ids, n, ferrule ``SamplingParams``,
-    and whether prompt logprobs are wanted."""
+    whether prompt logprobs are wanted, and the top-k / target / alternative-token extras
+    (:class:`ferrule.serve.logprobs.Extras`, or None)."""
 
-    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool):
+    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool, extras: Any = None):
         self.prompt, self.n, self.params, self.prompt_logprobs = prompt, n, params, prompt_logprobs
+        self.extras = extras
 
 
 class EngineBackend:
@@ -444,9 +446,10 @@ class EngineBackend:
         :meth:`_hold`), all prompts in one ``generate`` call (they must share ``params``).
 
         Returns:
-            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
+            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None, extras)``;
             ``prompt_logprobs[0]`` is NaN (no context), ``[i]`` = log p(prompt[i] | prompt[:i])
-            from float32 ``log_softmax`` of the untempered logits.
+            from float32 ``log_softmax`` of the untempered logits; ``extras`` is
+            :func:`ferrule.serve.logprobs.compute_extras`' dict (empty when none were asked).
         """
         import torch
 
@@ -466,7 +469,13 @@ class EngineBackend:
                     logits = engine.model(input_ids=ids).logits[0].float()
                     lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
                 prompt_lp = [math.nan] + lp.cpu().tolist()
-            out.append((seqs, prompt_lp))
+            extras = {}
+            if spec.extras is not None and spec.extras.any:
+                from .logprobs import compute_extras
+
+                extras = compute_extras(engine.model, engine.device, spec.prompt, seqs, spec.extras,
+                                        params.temperature, params.seed)
+            out.append((seqs, prompt_lp, extras))
         return out
 
 

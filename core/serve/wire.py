@@ -230,9 +230,12 @@ def encode_forward_backward_output(outputs: Sequence[Mapping[str, Any]], metrics
 
 
 def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[float], str]],
-                           prompt_logprobs: Sequence[float] | None = None) -> bytes:
+                           prompt_logprobs: Sequence[float] | None = None, extras: Any = None,
+                           extras_out: Mapping[str, Any] | None = None) -> bytes:
     """``SampleResponse``: each sequence is ``(tokens, logprobs, "stop"|"length")``;
-    ``prompt_logprobs`` (float32, NaN at position 0, which the SDK turns into None) if asked."""
+    ``prompt_logprobs`` (float32, NaN at position 0, which the SDK turns into None) if asked;
+    top-k / target / alternative-token fields from ``extras_out``
+    (:func:`ferrule.serve.logprobs.fill_response`)."""
     msg = pb().SampleResponse()
     for tokens, logprobs, reason in sequences:
         seq = msg.sequences.add()
@@ -241,4 +244,8 @@ def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[flo
         seq.logprobs = np.asarray(logprobs, dtype="<f4").tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if x is None else x for x in prompt_logprobs], dtype="<f4").tobytes()
+    if extras_out:
+        from .logprobs import fill_response
+
+        fill_response(msg, pb(), extras, extras_out)
     return msg.SerializeToString()
