@@ -77,6 +77,7 @@ def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float
                  cfg: Any, reference: Any, roles: Any, num_groups: int) -> TrainOutcome:
     """Old and reference logprobs, then one ``forward_backward`` + ``optim_step`` per mini-batch
     (module docstring). Collective: every rank calls it with the same samples."""
+    from ferrule.losses import SEQUENCE_LEVEL
     from ferrule.rl.advantages import token_weights
     from ferrule.rl.batch import build_datums, loss_fn_config, response_slice, split_groups
 
@@ -92,7 +93,8 @@ def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float
                           max_new_tokens=cfg.rollout.max_new_tokens)
         datums = build_datums([samples[i] for i in idx], weights=w, advantages=[advantages[i] for i in idx],
                               behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
-                              ref_logprobs=[ref[i] for i in idx] if ref is not None else None)
+                              ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
+                              sequence_ratio=loss_name in SEQUENCE_LEVEL)
         out = engine.forward_backward(datums, loss_name, loss_cfg)
         sums.append({key: v for key, v in out.metrics.items() if key.endswith(":sum")})
         for j, i in enumerate(idx):
