@@ -147,7 +147,7 @@ class AlgorithmConfig:
     loss_aggregation: Literal["token_mean", "sample_mean", "constant"] = _f(
         "token_mean", "Per-token weights: mean over all response tokens of the batch; mean of per-sample "
                       "token means; or 1/(samples*max_new_tokens) (Dr. GRPO).")
-    loss: str = _f("ppo", "Policy loss name in ferrule.losses: ppo, cispo, importance_sampling, dro.")
+    loss: str = _f("ppo", "Policy loss name in ferrule.losses: ppo, cispo, importance_sampling, dro, gspo.")
     eps_clip: float = _f(0.2, "PPO ratio clip below: ratio >= 1 - eps_clip.")
     eps_clip_high: float = _f(0.28, "PPO ratio clip above: ratio <= 1 + eps_clip_high (DAPO clip-higher, "
                                     "arXiv 2503.14476).")
