@@ -67,7 +67,7 @@ import numpy as np
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RESUME_MUTABLE, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError, RLConfig
-from ferrule.rl.run_checks import check_supported, lora_settings, preflight
+from ferrule.rl.run_checks import check_supported, lock_run_dir, lora_settings, preflight, unlock_run_dir
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import sglang_rollout
 from ferrule.rl.seeds import rollout_seed
@@ -150,9 +150,14 @@ class GRPOTrainer:
         check_supported(cfg)
         sglang_rollout.check_rollout_engine(cfg, check_weight_update_equal=check_weight_update_equal)
         cfg.check_paths()
-        preflight(cfg)
-        hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
-        rl_dist.check_layout(cfg, hf_config, rl_dist.launch_world_size())
+        self._run_lock = lock_run_dir(cfg)  # a second trainer on this run folder stops here, naming this one
+        try:
+            preflight(cfg)
+            hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
+            rl_dist.check_layout(cfg, hf_config, rl_dist.launch_world_size())
+        except BaseException:
+            unlock_run_dir(self._run_lock)
+            raise
         self.cfg = cfg
         #: only global rank 0 prints (the others' errors still reach stderr through the CLI)
         self._quiet = int(os.environ.get("RANK", "0") or 0) != 0
@@ -613,8 +618,12 @@ class GRPOTrainer:
 
     def _resume_point(self) -> int:
         found = list_checkpoints(self.ckpt_dir)
-        if not found:
-            self._log(f"checkpoint.resume: no complete checkpoint in {self.ckpt_dir}; starting at step 0")
+        if not found:  # it died before its first checkpoint: the same run again from the start
+            from ferrule.rl.metrics import METRICS_FILE, read_metrics
+
+            logged = read_metrics(self.run_dir / METRICS_FILE)
+            self._log(f"checkpoint.resume: no complete checkpoint in {self.ckpt_dir} yet; restarting the run at step "
+                      f"0" + (f" (its {len(logged)} logged steps are replaced)" if logged else ""))
             return 0
         step, path = found[-1]
         state = json.loads((path / LOOP_STATE_FILE).read_text())
@@ -647,10 +656,12 @@ class GRPOTrainer:
         return int(step)
 
     def _truncate_samples(self, step: int) -> None:
+        from ferrule.rl.metrics import read_run_log
+
         path = self.run_dir / SAMPLES_FILE
-        if path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            atomic_write(path, "".join(ln + "\n" for ln in keep))
+        if path.exists():  # a torn last line is dropped; a damaged one elsewhere is refused (RunLogError)
+            keep = [e for e in read_run_log(path, order="nondecreasing") if e["step"] <= step]
+            atomic_write(path, "".join(json.dumps(e) + "\n" for e in keep))
 
     # ------------------------------------------------------------------ the run
     def request_stop(self) -> None:
@@ -680,8 +691,11 @@ class GRPOTrainer:
             self.close()
 
     def close(self) -> None:
-        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``); idempotent."""
+        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
+        run folder's lock; idempotent."""
         sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+        unlock_run_dir(getattr(self, "_run_lock", None))
+        self._run_lock = None
 
     def _run(self, stop_after: int | None) -> RunResult:
         import threading
