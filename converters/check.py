@@ -3,18 +3,33 @@
 For a plugin author or a user with a real checkpoint. :func:`run_check` runs, in order:
 
 1. **config**: the family's config translation of ``config.json`` (as transformers parses it;
-   untranslated keys are refused by name);
-2. **convert**: ``hf_to_torch_dist`` at ``tp`` (``tp`` processes);
-3. **round trip**: ``torch_dist_to_hf`` at ``tp`` and a bit-exact comparison with the source
+   untranslated keys are refused by name), and whether the tensor-parallel size fits the model;
+2. **reach**: a warning row when a declared feature cannot bind at the test length (a
+   ``sliding_window`` >= the sequence length; a soft-cap that changes HF's logits by no more than
+   ``atol`` on the test tokens, measured in step 4): such a plugin could pass with the feature
+   mistranslated, so the row names the ``--seq-len`` that reaches the window;
+3. **convert**: ``hf_to_torch_dist`` at ``tp`` (``tp`` processes);
+4. **round trip**: ``torch_dist_to_hf`` at ``tp`` and a bit-exact comparison with the source
    safetensors (every key, dtype and value);
-4. **logits**: HF transformers (fp32) vs the megatron model loaded from the converted
-   checkpoint (fp32, TP=1) on a few sequences: random token ids (fixed seed) or the user's text
-   tokenized by the checkpoint's tokenizer; max abs difference vs ``atol``;
-5. **divergence** (only when the logits differ): forward hooks capture, per decoder layer, the
-   input-norm output, the attention output and the layer output on both sides; the report names
-   the first layer and op whose max abs difference exceeds ``atol``.
+5. **logits** at ``tp``: HF transformers (fp32) vs the megatron model built at
+   ``ParallelLayout(tp=tp)`` on ``tp`` processes and loaded from the converted checkpoint (fp32,
+   gathered logits), on random token ids (fixed seed) or the user's text tokenized by the
+   checkpoint's tokenizer; max abs difference vs ``atol``;
+6. **divergence** (only when the logits differ): the per-layer capture points of
+   :mod:`ferrule.converters.check_points` (embedding, input norm, attention, pre-MLP norm, MLP,
+   layer output, final norm), captured during the same forward passes; the report names the
+   first layer and op whose max abs difference exceeds ``atol`` (a point one side lacks is not
+   compared and never chosen).
 
 Each step gives a :class:`CheckRow`; later steps are skipped after a failure they depend on.
+Row statuses: ``ok``, ``FAIL`` (the plugin computes something else), ``CRASH`` (plugin code
+raised), ``WARN`` (passes, but a declared feature was not exercised), ``skipped``.
+
+Exit codes of ``ferrule check`` (:attr:`CheckReport.exit_code`): :data:`EXIT_OK` 0,
+:data:`EXIT_MISMATCH` 1 (a step failed: the plugin is wrong), :data:`EXIT_BAD_INPUT` 2 (no HF
+directory, no family for it, the family refuses the config, a TP size the model cannot split;
+raised by :func:`run_check`), :data:`EXIT_PLUGIN_CRASH` 3 (plugin code raised an unexpected
+exception, e.g. an ``AttributeError`` in a provider).
 """
 
 from __future__ import annotations
@@ -26,12 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckRow", "CheckReport", "run_check", "layer_divergence"]
+__all__ = ["CheckRow", "CheckReport", "run_check", "EXIT_OK", "EXIT_MISMATCH", "EXIT_BAD_INPUT",
+           "EXIT_PLUGIN_CRASH"]
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_PLUGIN_CRASH = 0, 1, 2, 3
 
 
 @dataclass
 class CheckRow:
-    """One step of the check: ``status`` is ``"ok"``, ``"FAIL"`` or ``"skipped"``."""
+    """One step of the check: ``status`` is ``ok``, ``FAIL``, ``CRASH``, ``WARN`` or ``skipped``."""
 
     step: str
     status: str
@@ -41,68 +59,23 @@ class CheckRow:
 
 @dataclass
 class CheckReport:
+    """The rows of one check and, when the logits differ, the per-point divergence
+    ``(layer, op, max abs diff or None, note)`` in forward order."""
+
     family: str
     rows: list[CheckRow] = field(default_factory=list)
-    divergence: list[tuple[int | str, str, float]] = field(default_factory=list)
+    divergence: list[tuple[Any, str, float | None, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.status != "FAIL" for r in self.rows)
+        return all(r.status not in ("FAIL", "CRASH") for r in self.rows)
 
-
-def _capture(module, store: dict, key, *, layout: str):
-    """Forward hook storing the first output tensor as ``[batch, seq, hidden]`` fp64."""
-
-    def hook(_m, _inputs, output):
-        out = output[0] if isinstance(output, tuple) else output
-        out = out.detach().double()
-        store[key] = out.transpose(0, 1) if layout == "sbh" else out
-
-    return module.register_forward_hook(hook)
-
-
-def layer_divergence(hf_model, mcore_model, ids, *, atol: float) -> list[tuple[int | str, str, float]]:
-    """``(layer, op, max abs diff)`` for every captured point, in forward order.
-
-    Points: ``embedding``; per layer ``input_norm``, ``attention`` (attention block output before
-    the residual add), ``output`` (hidden states after the layer); ``final_norm``. HF modules:
-    ``model.embed_tokens``, ``model.layers[i].{input_layernorm, self_attn}``, ``model.layers[i]``,
-    ``model.norm``; megatron: ``embedding``, ``decoder.layers[i].{input_layernorm,
-    self_attention}``, ``decoder.layers[i]``, ``decoder.final_layernorm``. Families that
-    normalise inside the attention block (post-attention norms) differ at ``attention`` by
-    design; read their ``output`` rows.
-    """
-    import torch
-
-    hf_store: dict = {}
-    mc_store: dict = {}
-    handles = [_capture(hf_model.model.embed_tokens, hf_store, ("embedding", ""), layout="bsh"),
-               _capture(hf_model.model.norm, hf_store, ("final_norm", ""), layout="bsh"),
-               _capture(mcore_model.embedding, mc_store, ("embedding", ""), layout="sbh"),
-               _capture(mcore_model.decoder.final_layernorm, mc_store, ("final_norm", ""), layout="sbh")]
-    for i, (hl, ml) in enumerate(zip(hf_model.model.layers, mcore_model.decoder.layers)):
-        handles += [_capture(hl.input_layernorm, hf_store, (i, "input_norm"), layout="bsh"),
-                    _capture(hl.self_attn, hf_store, (i, "attention"), layout="bsh"),
-                    _capture(hl, hf_store, (i, "output"), layout="bsh"),
-                    _capture(ml.input_layernorm, mc_store, (i, "input_norm"), layout="sbh"),
-                    _capture(ml.self_attention, mc_store, (i, "attention"), layout="sbh"),
-                    _capture(ml, mc_store, (i, "output"), layout="sbh")]
-    try:
-        with torch.no_grad():
-            hf_model(input_ids=ids)
-            mcore_model(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), attention_mask=None)
-    finally:
-        for h in handles:
-            h.remove()
-    order = [("embedding", "")] + [(i, op) for i in range(len(hf_model.model.layers))
-                                   for op in ("input_norm", "attention", "output")] + [("final_norm", "")]
-    rows = []
-    for key in order:
-        if key in hf_store and key in mc_store and hf_store[key].shape == mc_store[key].shape:
-            rows.append((key[0], key[1], (hf_store[key] - mc_store[key]).abs().max().item()))
-        else:
-            rows.append((key[0], key[1], float("nan")))
-    return rows
+    @property
+    def exit_code(self) -> int:
+        """:data:`EXIT_PLUGIN_CRASH` if a step crashed, else :data:`EXIT_MISMATCH` if one failed, else 0."""
+        if any(r.status == "CRASH" for r in self.rows):
+            return EXIT_PLUGIN_CRASH
+        return EXIT_OK if self.ok else EXIT_MISMATCH
 
 
 def _token_ids(hf_dir: Path, vocab: int, seqs: int, seq_len: int, text: str | None):
@@ -118,84 +91,152 @@ def _token_ids(hf_dir: Path, vocab: int, seqs: int, seq_len: int, text: str | No
     return cn.test_token_ids(vocab, len(ids), ids=[ids])
 
 
+def _failure_status(exc: BaseException) -> str:
+    """``FAIL`` for the errors ferrule raises about a plugin's tables or a checkpoint, ``CRASH`` otherwise."""
+    from ferrule.converters.checkpoint import CheckpointError
+    from ferrule.mapping import MappingError
+
+    return "FAIL" if isinstance(exc, (MappingError, CheckpointError, ValueError)) else "CRASH"
+
+
+def _step(report: CheckReport, name: str, fn) -> Any:
+    """Run ``fn()``; on an exception add a FAIL / CRASH row for ``name`` and return None."""
+    t0 = time.time()
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        report.rows.append(CheckRow(name, _failure_status(exc), f"{type(exc).__name__}: {exc}", time.time() - t0))
+        return None
+
+
+def _window_reach(values: dict, seq_len: int) -> str | None:
+    """Why the test sequence cannot reach the config's sliding window, or None."""
+    window = values.get("sliding_window")
+    layer_types = values.get("layer_types")
+    slides = layer_types is None or "sliding_attention" in layer_types
+    if isinstance(window, int) and slides and seq_len <= window:
+        return (f"sliding_window={window} >= the {seq_len}-token test sequence: the window never binds, so a "
+                f"mistranslated window would pass; rerun with --seq-len {window + 1} or longer")
+    return None
+
+
+def _round_trip(hf_dir: Path, back: Path) -> tuple[bool, str]:
+    import torch
+
+    from ferrule.converters import SafetensorsReader
+
+    a, b = SafetensorsReader(hf_dir), SafetensorsReader(back)
+    missing = sorted(set(a.keys()) - set(b.keys()))
+    changed = [k for k in sorted(set(a.keys()) & set(b.keys()))
+               if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
+    ok = not missing and not changed
+    return ok, (f"{len(a.keys())} tensors bit-exact" if ok else f"missing {missing[:5]}, changed {changed[:5]}")
+
+
+def _config_step(hf_dir: Path, family: str | None, tp: int):
+    """Family, translation and layout check; raises for bad input (exit 2)."""
+    from ferrule import registry
+    from ferrule.config_translation import parse_hf_config
+    from ferrule.megatron.gpt_builder import check_layout_fits
+    from ferrule.megatron.parallel import ParallelLayout
+
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json; pass an HF checkpoint directory.")
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    spec = registry.get_family(family) if family else registry.family_for_hf_config(hf_config)
+    tc_kwargs, opts = registry.get_converter(spec.name).resolved_config_translation().to_mcore(hf_config)
+    check_layout_fits(tc_kwargs, ParallelLayout(tp=tp))
+    values, _ = parse_hf_config(hf_config, spec.name)
+    return spec, hf_config, values, tc_kwargs, opts
+
+
 def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seqs: int = 2, seq_len: int = 32,
               text: str | None = None, atol: float = 1e-5, work_dir: str | Path | None = None) -> CheckReport:
     """Run the check steps (module docs) on ``hf_dir``; returns the report (never raises for a
-    numeric mismatch; raises for unusable input).
+    numeric mismatch or a crashing plugin: those are rows).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``hf_dir``.
         ferrule.registry.UnknownModelError: no family for the config (or ``family``).
         ferrule.config_translation.ConfigTranslationError: the family cannot translate the config.
+        ValueError: ``tp`` cannot split the model (heads / KV groups).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ferrule import registry
-    from ferrule.megatron.provider import provider_build
-    from ferrule.conformance_numeric import single_rank
-    from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
-    from ferrule.converters.checkpoint import load_torch_dist_into_mcore
-    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.config_translation import ConfigTranslationError
 
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json; pass an HF checkpoint directory.")
-    hf_config = json.loads((hf_dir / "config.json").read_text())
-    spec = registry.get_family(family) if family else registry.family_for_hf_config(hf_config)
-    report = CheckReport(spec.name)
-    translation = registry.get_converter(spec.name).resolved_config_translation()
     t0 = time.time()
-    tc_kwargs, opts = translation.to_mcore(hf_config)
+    try:
+        spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, tp)
+    except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - plugin code raised while translating: a crash, not bad input
+        report = CheckReport(family or "?")
+        report.rows.append(CheckRow("config", "CRASH", f"{type(exc).__name__}: {exc}", time.time() - t0))
+        return report
+    report = CheckReport(spec.name)
     report.rows.append(CheckRow("config", "ok", f"{len(tc_kwargs)} TransformerConfig fields, {len(opts)} model options",
                                 time.time() - t0))
+    vocab = int(hf_config.get("vocab_size") or opts["vocab_size"])
+    ids = _token_ids(hf_dir, vocab, seqs, seq_len, text)
+    reach = [w for w in (_window_reach(values, int(ids.shape[1])),) if w]
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         tmp = Path(tmp)
-        t0 = time.time()
-        try:
-            hf_to_torch_dist(hf_dir, tmp / "td", tp=tp)
-            report.rows.append(CheckRow(f"convert (tp={tp})", "ok", "hf -> torch_dist", time.time() - t0))
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            report.rows.append(CheckRow(f"convert (tp={tp})", "FAIL", f"{type(exc).__name__}: {exc}", time.time() - t0))
-            return report
-        t0 = time.time()
-        try:
-            torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp)
-            a, b = SafetensorsReader(hf_dir), SafetensorsReader(tmp / "back")
-            missing = sorted(set(a.keys()) - set(b.keys()))
-            changed = [k for k in sorted(set(a.keys()) & set(b.keys()))
-                       if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
-            ok = not missing and not changed
-            detail = (f"{len(a.keys())} tensors bit-exact" if ok else
-                      f"missing {missing[:5]}, changed {changed[:5]}")
-            report.rows.append(CheckRow(f"round trip (tp={tp})", "ok" if ok else "FAIL", detail, time.time() - t0))
-        except Exception as exc:  # noqa: BLE001
-            report.rows.append(CheckRow(f"round trip (tp={tp})", "FAIL", f"{type(exc).__name__}: {exc}",
-                                        time.time() - t0))
-        t0 = time.time()
-        vocab = int(hf_config.get("vocab_size") or opts["vocab_size"])
-        ids = _token_ids(hf_dir, vocab, seqs, seq_len, text)
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                  attn_implementation=spec.attn_implementation).eval()
-        with torch.no_grad():
-            ref = hf(input_ids=ids).logits
-        with single_rank():
-            build = provider_build(spec.name)
-            (model,) = build(hf_config, ParallelLayout(), params_dtype=torch.float32,
-                             config_overrides={"perform_initialization": False})
-            load_torch_dist_into_mcore([model], tmp / "td")
-            model.eval()
-            with torch.no_grad():
-                out = model(ids, torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids), attention_mask=None)
-            diff = (out[..., :vocab].double() - ref.double()).abs().max().item()
-            ok = diff <= atol
-            report.rows.append(CheckRow("logits (tp=1, fp32)", "ok" if ok else "FAIL",
-                                        f"max |megatron - HF| = {diff:.3g} over {tuple(ids.shape)} tokens "
-                                        f"(atol {atol:g})", time.time() - t0))
-            if not ok:
-                report.divergence = layer_divergence(hf, model, ids, atol=atol)
-                first = next(((layer, op, d) for layer, op, d in report.divergence if not d <= atol), None)
-                detail = (f"first departure: layer {first[0]} {first[1]} (max diff {first[2]:.3g})".replace(" ()", "")
-                          if first else "no captured point departs; suspect the output layer / logits")
-                report.rows.append(CheckRow("divergence", "FAIL", detail))
+        _convert_and_compare(report, hf_dir, tmp, spec, tp, ids, atol, reach)
+    if reach:
+        report.rows.insert(1, CheckRow("reach", "WARN", "; ".join(reach)))
     return report
+
+
+def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, tp: int, ids, atol: float,
+                         reach: list[str]) -> None:
+    from ferrule.converters import hf_to_torch_dist, torch_dist_to_hf
+    from ferrule.converters.checkpoint import _run
+
+    from .check_logits import logits_worker
+
+    t0 = time.time()
+    if _step(report, f"convert (tp={tp})", lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp)) is None:
+        return
+    report.rows.append(CheckRow(f"convert (tp={tp})", "ok", "hf -> torch_dist", time.time() - t0))
+    t0 = time.time()
+    back = _step(report, f"round trip (tp={tp})", lambda: (torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp),
+                                                          _round_trip(hf_dir, tmp / "back"))[1])
+    if back is not None:
+        report.rows.append(CheckRow(f"round trip (tp={tp})", "ok" if back[0] else "FAIL", back[1], time.time() - t0))
+    t0 = time.time()
+    step = f"logits (tp={tp}, fp32)"
+    out = tmp / "logits.json"
+    done = _step(report, step, lambda: _run(tp, logits_worker, (str(hf_dir), str(tmp / "td"), str(out), spec.name, tp,
+                                                                ids.tolist(), spec.attn_implementation), tmp) or True)
+    if done is None:
+        return
+    result = json.loads(out.read_text())
+    diff = result["logits_diff"]
+    ok = diff <= atol
+    report.rows.append(CheckRow(step, "ok" if ok else "FAIL", f"max |megatron - HF| = {diff:.3g} over "
+                                f"{tuple(result['shape'])} tokens (atol {atol:g})", time.time() - t0))
+    for key, effect in result.get("feature_effects", {}).items():
+        if effect <= atol:
+            reach.append(f"{key} changes HF's logits by only {effect:.2g} on the test tokens: the cap never binds, so "
+                         f"a mistranslated cap would pass; test with longer or real text (--text)")
+    if ok:
+        return
+    _divergence_row(report, result, atol)
+
+
+def _divergence_row(report: CheckReport, result: dict, atol: float) -> None:
+    from .check_points import first_departure
+
+    if result.get("diagnostic_error"):
+        report.rows.append(CheckRow("divergence", "FAIL", f"the per-layer report could not be made "
+                                    f"({result['diagnostic_error']}); the logits differ all the same"))
+        return
+    report.divergence = [tuple(r) for r in result["divergence"]]
+    first = first_departure(report.divergence, atol)
+    if first is None:
+        detail = ("no captured point departs; suspect the output layer / logits (output_layer mapping, tied "
+                  "embeddings, final soft-cap)")
+    else:
+        where = f"layer {first[0]} {first[1]}" if first[1] else str(first[0])
+        detail = f"first departure: {where} (max diff {first[2]:.3g})"
+    report.rows.append(CheckRow("divergence", "FAIL", detail))

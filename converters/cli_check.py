@@ -12,7 +12,7 @@ __all__ = ["check_command"]
 
 def check_command(
     hf_dir: Annotated[Path, typer.Argument(help="HF checkpoint directory (config.json + safetensors).")],
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size for the conversion and round trip.")] = 1,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size (processes) for the conversion, the round trip and the logits.")] = 1,
     family: Annotated[Optional[str], typer.Option("--family", help="Family name (default: from config.json).")] = None,
     seqs: Annotated[int, typer.Option("--seqs", help="Random test sequences.")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per random test sequence.")] = 32,
@@ -20,9 +20,11 @@ def check_command(
     atol: Annotated[float, typer.Option("--atol", help="Logits tolerance (fp32, max abs difference).")] = 1e-5,
 ) -> None:
     """Check that ferrule reproduces an HF checkpoint: config translation, HF -> torch_dist at --tp,
-    a bit-exact round trip, Megatron vs HF logits, and the first layer/op that departs when they differ.
+    a bit-exact round trip, Megatron (at --tp) vs HF logits, and the first layer/op that departs when they differ.
 
-    Exit code 0 when every step passes, 1 when a step fails, 2 for unusable input.
+    Exit code 0 when every step passes, 1 when a step fails (the plugin is wrong), 2 for unusable
+    input (no HF directory, no family, a config the family refuses, a --tp the model cannot split),
+    3 when plugin code crashed.
     """
     from rich.console import Console
     from rich.table import Table
@@ -30,7 +32,7 @@ def check_command(
     import os
     import warnings
 
-    from ferrule.converters.check import run_check
+    from ferrule.converters.check import EXIT_BAD_INPUT, run_check
 
     warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers
@@ -39,20 +41,20 @@ def check_command(
         report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
     except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2
         err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
+        raise typer.Exit(code=EXIT_BAD_INPUT) from None
     console = Console()
     table = Table(title=f"ferrule check {hf_dir} (family {report.family})", title_justify="left")
     for col in ("step", "status", "detail", "seconds"):
         table.add_column(col, overflow="fold")
-    colour = {"ok": "green", "FAIL": "red", "skipped": "yellow"}
+    colour = {"ok": "green", "FAIL": "red", "CRASH": "red", "WARN": "yellow", "skipped": "yellow"}
     for row in report.rows:
         table.add_row(row.step, f"[{colour[row.status]}]{row.status}[/]", row.detail, f"{row.seconds:.1f}")
     console.print(table)
     if report.divergence:
         div = Table(title="per-layer divergence (max |megatron - HF|)", title_justify="left")
-        for col in ("layer", "op", "max abs diff"):
+        for col in ("layer", "op", "max abs diff", "note"):
             div.add_column(col)
-        for layer, op, diff in report.divergence:
-            div.add_row(str(layer), op or "-", f"{diff:.3g}")
+        for layer, op, diff, note in report.divergence:
+            div.add_row(str(layer), op or "-", "-" if diff is None else f"{diff:.3g}", note or "")
         console.print(div)
-    raise typer.Exit(code=0 if report.ok else 1)
+    raise typer.Exit(code=report.exit_code)

@@ -31,7 +31,7 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.megatron.checkpoint:CheckpointMismatchError",
     "ferrule.rl.tasks:PromptFileError",
     "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
-    "ferrule.rl.rewards:RewardError",                     # a reward function raised on every sample of a step
+    "ferrule.rl.rewards:RewardError",                     # a reward function refused at set-up (raises on a reference answer)
     "ferrule.rl.metrics:RunLogError",                     # a damaged metrics.jsonl / samples.jsonl line
     "ferrule.locks:LockedError",                          # a run folder / output another process holds
     "ferrule.converters.checkpoint:ConversionError",

@@ -140,16 +140,21 @@ def test_core_attention_class_by_reference(mcore, tmp_path, options):
 
 
 def test_custom_layer_spec(mcore, tmp_path):
-    """``layer_spec="module:attr"`` replaces the local spec; same weights give HF's logits."""
+    """``layer_spec="module:attr"`` replaces the local spec and gets ferrule's SDPA core attention unless
+    ``core_attention='local'`` (before: megatron's slow local attention, silently); same weights give HF's logits."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from ferrule.megatron.attention import SDPAttention
     from ferrule.megatron.gpt_builder import build_gpt_model
 
     model, diff = _qwen2_pair(tmp_path)
     assert diff < 1e-5
+    local = build_gpt_model(model.config, vocab_size=96, max_sequence_length=64, rotary_base=10000.0,
+                            layer_spec="test_builder_extensions:local_layer_spec", core_attention="local")
+    assert type(local.decoder.layers[0].self_attention.core_attention) is DotProductAttention
     custom = build_gpt_model(model.config, vocab_size=96, max_sequence_length=64, rotary_base=10000.0,
                              layer_spec="test_builder_extensions:local_layer_spec")
-    assert type(custom.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+    assert type(custom.decoder.layers[0].self_attention.core_attention) is SDPAttention
     custom.load_state_dict(model.state_dict(), strict=True)
     ids = cn.test_token_ids(96, 12)
     pos = torch.arange(12).expand_as(ids)
@@ -191,3 +196,31 @@ def test_packed_thd_sequences_respect_the_window(mcore):
     assert (out.double() - torch.cat(ref)).abs().max() < 1e-5
     with pytest.raises(NotImplementedError, match="soft-capping with packed"):
         _attention(softcap=1.0)(q, k, v, None, packed_seq_params=params)
+
+
+def test_layer_spec_refuses_the_options_it_would_drop(mcore, tmp_path):
+    """A layer_spec with zero_centered_norms / extra_norms / a soft-cap: refused naming each option
+    (before: built without them, silently)."""
+    from ferrule.megatron.gpt_builder import build_gpt_model
+
+    model, _ = _qwen2_pair(tmp_path)
+    with pytest.raises(ValueError, match=r"\['attn_logit_softcapping', 'extra_norms', 'zero_centered_norms'\]"):
+        build_gpt_model(model.config, vocab_size=96, max_sequence_length=64,
+                        layer_spec="test_builder_extensions:local_layer_spec", zero_centered_norms=True,
+                        extra_norms=("post_attention",), attn_logit_softcapping=50.0)
+
+
+def test_unknown_model_option_names_the_option(mcore):
+    """A translation producing ``zero_centred_norms`` (a typo) fails naming it and the known spelling
+    (before: dropped, a plain-norm model was built)."""
+    from ferrule.config_translation import ConfigTranslation, Constant
+    from ferrule.config_translation import ConfigTranslationError
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION
+
+    typo = ConfigTranslation("qwen2-typo", CONFIG_TRANSLATION.entries + (Constant("zero_centred_norms", True,
+                                                                                    target="option"),))
+    hf_config = dict(cn.tiny_hf_config("qwen2"))
+    with pytest.raises(ConfigTranslationError, match=r"\['zero_centred_norms'\].*did you mean 'zero_centered_norms'"):
+        build_from_hf_config(hf_config, ParallelLayout(), typo)

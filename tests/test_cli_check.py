@@ -6,6 +6,7 @@ safetensors files (round trip).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,100 @@ def test_check_locates_a_dropped_sliding_window(tmp_path):
     assert re.search(r"logits \(tp=1, fp32\)\s*│ FAIL", out), out
     assert "first departure: layer 0 attention" in out, out
     assert "per-layer divergence" in out
+
+
+def _olmo2_dir(tmp_path):
+    env = plugin_env(tmp_path, ("ferrule-olmo2-fixture",))
+    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
+                           "cn.tiny_hf_dir('olmo2', sys.argv[1])", str(tmp_path / "hf")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert make.returncode == 0, make.stderr[-2000:]
+    return env, tmp_path / "hf"
+
+
+def _check(env, hf, *args, bug=""):
+    env = dict(env, COLUMNS="200", FERRULE_OLMO2_FIXTURE_BUG=bug)
+    return subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(hf), "--seq-len", "16", *args],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=580)
+
+
+#: planted OLMo-2 plugin mistake -> the layer and op `ferrule check` must name first.
+PLANTED = {"gate_up": "layer 0 mlp", "qkv": "layer 0 attention", "o_proj_t": "layer 0 attention"}
+
+
+@pytest.mark.timeout(600)
+def test_post_norm_family_mistakes_are_localised_at_tp1(tmp_path):
+    """OLMo-2 layers have no input_layernorm: each planted mistake still gets exit 1 and the right layer/op
+    (before: AttributeError, exit 2, no table)."""
+    env, hf = _olmo2_dir(tmp_path)
+    good = _check(env, hf)
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
+    for bug, where in PLANTED.items():
+        proc = _check(env, hf, bug=bug)
+        assert proc.returncode == 1, (bug, proc.stdout[-3000:] + proc.stderr[-3000:])
+        assert re.search(r"round trip \(tp=1\)\s*│ ok", proc.stdout), (bug, proc.stdout)
+        assert f"first departure: {where} " in proc.stdout, (bug, proc.stdout)
+        assert "nan" not in proc.stdout.lower(), (bug, proc.stdout)
+
+
+@pytest.mark.timeout(1500)
+def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(tmp_path):
+    """--tp 2: the logits row is computed at TP=2 (the full-projection q/k norm all-reduces there), a
+    correct plugin passes, and every planted mistake (plus a gate/up split on the wrong TP axis,
+    which only TP > 1 shows) names its layer and op."""
+    env, hf = _olmo2_dir(tmp_path)
+    good = _check(env, hf, "--tp", "2")
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
+    assert re.search(r"logits \(tp=2, fp32\)\s*│ ok", good.stdout), good.stdout
+    for bug, where in {**PLANTED, "tp_axis": "layer 0 mlp"}.items():
+        proc = _check(env, hf, "--tp", "2", bug=bug)
+        assert proc.returncode == 1, (bug, proc.stdout[-3000:] + proc.stderr[-3000:])
+        assert re.search(r"logits \(tp=2, fp32\)\s*│ FAIL", proc.stdout), (bug, proc.stdout)
+        assert f"first departure: {where} " in proc.stdout, (bug, proc.stdout)
+
+
+@pytest.mark.timeout(600)
+def test_exit_codes_separate_bad_input_from_a_crashing_plugin(tmp_path):
+    """No HF directory: exit 2; plugin code raising (the provider): exit 3 and a CRASH row, not 'unusable input'."""
+    env, hf = _olmo2_dir(tmp_path)
+    missing = _check(env, tmp_path / "nowhere")
+    assert missing.returncode == 2 and "has no config.json" in missing.stderr, missing.stderr
+    crash = _check(env, hf, bug="crash")
+    assert crash.returncode == 3, crash.stdout[-3000:] + crash.stderr[-3000:]
+    assert "CRASH" in crash.stdout and "planted_bug" in crash.stdout, crash.stdout
+
+
+@pytest.mark.timeout(600)
+def test_check_warns_when_the_test_sequence_cannot_reach_the_window(tmp_path):
+    """A window as long as the test sequence never binds: a plugin that ignores it passes, with a WARN row
+    naming the --seq-len that reaches it."""
+    env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
+    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
+                           "cn.tiny_hf_dir('mistral', sys.argv[1])", str(tmp_path / "hf")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert make.returncode == 0, make.stderr[-2000:]
+    env = dict(env, FERRULE_SWA_FIXTURE_BAD_WINDOW="1", COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(tmp_path / "hf"), "--seq-len", "4"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"reach\s*│ WARN", proc.stdout), proc.stdout
+    assert "sliding_window=4 >= the 4-token test sequence" in proc.stdout and "--seq-len 5" in proc.stdout
+
+
+def test_divergence_never_picks_a_missing_point_or_nan():
+    """A point one side lacks is 'not compared'; a non-finite megatron value is an infinite (not NaN) departure."""
+    import math
+
+    import torch
+
+    from ferrule.converters.check_points import compare, first_departure
+
+    x = torch.ones(1, 2, 4, dtype=torch.float64)
+    bad = x.clone()
+    bad[0, 0, 0] = float("nan")
+    order = [("embedding", ""), (0, "input_norm"), (0, "attention"), (0, "mlp"), (0, "output")]
+    rows = compare(order, {("embedding", ""): x, (0, "attention"): x, (0, "mlp"): x, (0, "output"): x},
+                   {("embedding", ""): x, (0, "input_norm"): x, (0, "attention"): x, (0, "mlp"): bad, (0, "output"): x})
+    assert rows[1] == (0, "input_norm", None, "not compared: no HF module")
+    assert rows[3][2] == math.inf and not any(r[2] is not None and math.isnan(r[2]) for r in rows)
+    assert first_departure(rows, 1e-5)[:2] == (0, "mlp")

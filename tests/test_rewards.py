@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from ferrule.rl.rewards import (RewardError, build_reward_fn, check_reward_failures, reward_error_metrics,
-                                score_responses)
+from ferrule.rl.rewards import (HIGH_ERROR_RATE, RewardError, build_reward_fn, check_reward_fn, reward_error_metrics,
+                                reward_failure_warning, score_responses)
 from ferrule.rl.tasks import ReasoningGymSource
 
 ARITH_KW = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
@@ -36,9 +36,12 @@ def test_a_verifier_that_raises_scores_the_failure_reward_and_is_counted(task, j
     assert results[0].reward == -0.5 and not results[0].correct and results[0].score is None
     assert results[1].reward == pytest.approx(src.dataset.score_answer(good, src[1].entry))
     assert reward_error_metrics(results) == {"reward_errors": 2, "reward_error_types": {exc.__name__: 2}}
-    check_reward_failures(results, [junk, good, junk], prompts, "step 1")  # one sample scored: no stop
-    with pytest.raises(RewardError, match=rf"step 4: the reward function raised on all 2 samples.*{exc.__name__}"):
-        check_reward_failures(score_responses(fn, [junk, junk], prompts[:2]), [junk, junk], prompts[:2], "step 4")
+    # 2 of 3 failed: a warning (the run goes on); every sample failing is a warning too, never an error
+    assert reward_failure_warning(results, [junk, good, junk], prompts, "step 1").startswith(
+        f"WARNING step 1: the reward function raised on 2 of 3 samples (67%)")
+    assert reward_failure_warning(results[1:2], [good], prompts[1:2], "step 2") is None
+    every = score_responses(fn, [junk, junk], prompts[:2])
+    assert exc.__name__ in reward_failure_warning(every, [junk, junk], prompts[:2], "step 4")
 
 
 def test_failure_reward_defaults_to_zero_and_keyboard_interrupt_propagates():
@@ -99,3 +102,63 @@ def test_reward_config_keys():
         load_config(None, base + ["reward.mode=binary"])
     with pytest.raises(ConfigError, match="reward.failure_reward: must be finite"):
         load_config(None, base + ["reward.failure_reward=inf"])
+
+
+REWARD_CHECK_MODULE = textwrap.dedent("""
+    def broken(response, prompt):
+        raise TypeError("this reward function is broken")
+    def never(response, prompt):
+        return 0.0
+    def always(response, prompt):
+        return 1.0
+""")
+
+
+def test_setup_check_passes_a_verifier_that_only_raises_on_junk_and_names_what_it_raises():
+    """prime_factorization's real verifier scores its reference answers 1 and raises on junk (allowed)."""
+    src = ReasoningGymSource("prime_factorization", 16, 1)
+    for extraction in ("answer_tag", "full", "last_line"):
+        fn = build_reward_fn("task", source=src, extraction=extraction)
+        found = check_reward_fn(fn, src, extraction=extraction)
+        assert found.checked == tuple(src[i].id for i in range(8))
+        assert dict(found.raises_on_malformed)["7i.s"].startswith("ValueError: invalid literal for int()")
+    for i in range(8):  # independent: the verifier itself gives the references full score
+        assert src.dataset.score_answer(src[i].answer, src[i].entry) == 1.0
+
+
+def test_setup_check_refuses_a_function_that_raises_on_or_mis_scores_the_reference(tmp_path, monkeypatch):
+    (tmp_path / "rw_check.py").write_text(REWARD_CHECK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    src = ReasoningGymSource("prime_factorization", 16, 1)
+    p0 = src[0]
+    with pytest.raises(RewardError, match=rf"'rw_check:broken' raised TypeError: this reward function is broken on "
+                                          rf"the reference answer '{p0.answer}' of prompt {p0.id}"):
+        check_reward_fn(build_reward_fn("rw_check:broken"), src, extraction="full", function="rw_check:broken")
+    with pytest.raises(RewardError, match=rf"scores the reference answer '{p0.answer}' of prompt {p0.id} .*0.0, not "
+                                          "correct.*reward.check_reference=false"):
+        check_reward_fn(build_reward_fn("rw_check:never"), src, extraction="full", function="rw_check:never")
+    with pytest.raises(RewardError, match="scores the malformed answer '' as correct on all 8 checked prompts"):
+        check_reward_fn(build_reward_fn("rw_check:always"), src, extraction="full", function="rw_check:always")
+    # the task's verifier under an extraction that cannot give the answer back (last_number of "2 × 3")
+    fn = build_reward_fn("task", source=src, extraction="last_number")
+    bad = next(src[i] for i in range(8) if "×" in src[i].answer)
+    with pytest.raises(RewardError, match=r"data.answer_extraction='last_number' extracted"):
+        check_reward_fn(fn, src, extraction="last_number")
+    assert src.dataset.score_answer(bad.answer.split(" ")[-1], bad.entry) < 1.0  # the verifier agrees
+
+
+def test_setup_check_does_not_count_junk_that_extracts_to_the_reference():
+    """last_number takes "7" out of the malformed "7i.s": on prompts whose answer is 7 that scores 1 rightly."""
+    from ferrule.rl.tasks import JsonlSource
+
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n" for i in range(4)))
+        src = JsonlSource(path)
+        fn = build_reward_fn("task", source=src, extraction="last_number")
+        assert fn("7i.s", src[0]).correct  # the junk really scores correct here
+        assert check_reward_fn(fn, src, extraction="last_number").checked == tuple(src[i].id for i in range(4))

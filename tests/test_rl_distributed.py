@@ -271,7 +271,7 @@ def test_cli_nproc_checks_the_layout_first_and_passes_a_user_error_through(work,
     assert "parallel.tp: 3 does not divide the model's attention heads 4, KV heads 2" in bad.stderr
     assert "valid tp: [1, 2]" in bad.stderr and "Traceback" not in bad.stderr
     assert "tp=1 pp=2" in bad.stderr  # tp*pp=3 does not divide 2 ranks: the valid pairs are listed
-    # a reward function that raises on every sample: rank 0 stops with exit code 2 and its message
+    # a reward function that raises on the reference answers: refused at set-up, exit code 2 and its message
     (tmp_path / "dist_rewards.py").write_text(e2e.REWARD_MODULE)
     t0 = time.time()
     res = subprocess.run(cli + ["reward.function=dist_rewards:broken", "train.steps=2",
@@ -280,7 +280,7 @@ def test_cli_nproc_checks_the_layout_first_and_passes_a_user_error_through(work,
                          env=dict(_env(), PYTHONPATH=str(tmp_path)))
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-4000:]
     last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
-    assert last.startswith("error: rank 0: step 1: the reward function raised on all 32 samples"), last
+    assert last.startswith("error: rank 0: reward function 'dist_rewards:broken' raised TypeError"), last
     assert time.time() - t0 < 180
 
 

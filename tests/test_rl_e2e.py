@@ -146,13 +146,21 @@ def test_grpo_reward_rises_on_tiny_model(assets, config_file, tmp_path):
 @pytest.mark.gpu  # also on CPU; on a CUDA machine it resumes a CUDA run
 @pytest.mark.timeout(240)
 def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
+    """Also colocation (issue 24): the split run is colocated (train offloaded while the rollout
+    engine generates, rollout asleep while training; its checkpoints are taken while offloaded),
+    the full run is not; metrics, samples and final weights agree bit for bit."""
+    import torch
+
     from ferrule.rl.config import ConfigError, load_config
     from ferrule.rl.loop import GRPOTrainer, train
     from ferrule.rl.metrics import read_metrics
 
     full, split = tmp_path / "full", tmp_path / "split"
-    train(load_config(config_file, _overrides(assets, full, RESUME_STEPS)))
-    first = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS)), stop_after=STOP_AT)
+    colocate = ["train.colocate=true"]
+    plain = GRPOTrainer(load_config(config_file, _overrides(assets, full, RESUME_STEPS) + ["train.colocate=false"]))
+    plain.run()
+    assert plain.colocation is None
+    first = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + colocate), stop_after=STOP_AT)
     assert first.interrupted and first.last_step == STOP_AT
     assert first.checkpoint == split / "checkpoints" / f"step_{STOP_AT:06d}"
     assert len(read_metrics(split / "metrics.jsonl")) == STOP_AT
@@ -161,11 +169,20 @@ def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
     with pytest.raises(ConfigError, match="algorithm.eps_clip"):
         GRPOTrainer(load_config(config_file, _overrides(assets, split, RESUME_STEPS) +
                                 ["checkpoint.resume=true", "algorithm.eps_clip=0.1"])).run()
-    second = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + ["checkpoint.resume=true"]))
+    resumed = GRPOTrainer(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + colocate
+                                      + ["checkpoint.resume=true"]))
+    second = resumed.run()
     assert second.start_step == STOP_AT and second.last_step == RESUME_STEPS and not second.interrupted
+    assert resumed.colocation is not None and resumed.engine.offloaded and resumed.rollout.asleep  # step ended
 
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     assert _comparable(a) == _comparable(b)  # bit-identical: rewards, losses, grad norms, logprob diffs
+    assert all(e["time_offload_s"] > 0 and e["time_onload_s"] > 0 and e["time_sleep_s"] > 0 for e in b)
+    assert all("memory_train_peak_bytes" in e and "memory_rollout_peak_bytes" in e for e in a + b)
+    resumed.engine.onload()
+    ref = dict(plain.engine.export_hf_state())
+    got = dict(resumed.engine.export_hf_state())
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)  # final weights
     assert (full / "samples.jsonl").read_text() == (split / "samples.jsonl").read_text()
     assert len({e["reward_mean"] for e in a}) > 1  # the compared runs are not trivially constant
 
@@ -303,10 +320,58 @@ def test_reward_function_failures_are_scored_counted_and_a_broken_function_stops
         assert all(s["reward"] == -1.0 and s["reward_error"].startswith("ValueError: cannot parse") for s in failed)
         assert all("reward_error" not in s for s in step if s not in failed)
 
-    with pytest.raises(RewardError, match="step 1: the reward function raised on all 32 samples.*TypeError"):
+    # a function that raises on the task's reference answer is refused at set-up, before any engine is built
+    with pytest.raises(RewardError, match="'e2e_rewards:broken' raised TypeError: this reward function is broken on "
+                                          "the reference answer '7' of prompt"):
         train(load_config(config_file, _overrides(assets, tmp_path / "broken", 2) + common +
                           ["reward.function=e2e_rewards:broken"]))
-    assert not (tmp_path / "broken" / "samples.jsonl").exists()
+    assert not (tmp_path / "broken").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_verifier_raising_on_every_junk_sample_of_a_fresh_policy_does_not_stop_the_run(assets, config_file,
+                                                                                           tmp_path):
+    """reasoning-gym's prime_factorization verifier calls int() on every factor: a fresh policy's junk makes
+    every sample raise at step 1 (train.seed 4). The set-up check passes (the references score 1), the run goes on,
+    every failure is counted and a step where half or more failed prints a warning."""
+    import io
+
+    from rich.console import Console
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+    from ferrule.rl.metrics import read_metrics
+    from ferrule.rl.tasks import ReasoningGymSource
+
+    run_dir = tmp_path / "primes"
+    out = io.StringIO()
+    overrides = [f"model.hf_dir={assets / 'model'}", "data.task=prime_factorization", "data.size=16",
+                 "data.answer_extraction=full", "data.max_prompt_tokens=256", "train.micro_batch_tokens=4096",
+                 f"logging.run_dir={run_dir}", "train.steps=2", "checkpoint.enabled=false",
+                 "logging.plot_at_end=false", "reward.failure_reward=-1",
+                 "train.seed=4", "rollout.max_new_tokens=8"]  # measured: every sample of step 1 raises
+    result = train(load_config(config_file, overrides), console=Console(file=out, width=400))
+    assert result.last_step == 2
+    src = ReasoningGymSource("prime_factorization", 16, 1)
+    entries = {p.id: p.entry for p in (src[i] for i in range(16))}
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 64
+    log = out.getvalue()
+    assert "reward check: the reference answers of 8 prompts score correct" in log
+    for e in read_metrics(run_dir / "metrics.jsonl"):
+        step = [s for s in samples if s["step"] == e["step"]]
+        failed = []
+        for s in step:  # independent of ferrule: the real verifier on the stripped response
+            try:
+                src.dataset.score_answer(s["response"].strip() or None, entries[s["prompt_id"]])
+            except ValueError:
+                failed.append(s)
+        assert len(failed) >= len(step) // 2, "the fixture should make most samples raise"
+        if e["step"] == 1:
+            assert len(failed) == len(step) == 32, "the fixture should make every sample of step 1 raise"
+        assert e["reward_errors"] == len(failed) and e["reward_error_types"] == {"ValueError": len(failed)}
+        assert all(s["reward"] == -1.0 for s in failed)
+        assert f"WARNING step {e['step']}: the reward function raised on {len(failed)} of 32 samples" in log
 
 
 @pytest.mark.timeout(300)

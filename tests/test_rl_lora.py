@@ -49,7 +49,11 @@ def test_lora_config_errors_name_the_key():
     assert "lora.target_modules: 'q_proj' is neither 'all' nor a list; write a list of module names, e.g. [q_proj]" \
         in text
     assert "names a module twice" in _problems({**MINIMAL, "lora": {"rank": 8, "target_modules": ["q_proj", "q_proj"]}})
-    assert "non-empty list" in _problems({**MINIMAL, "lora": {"rank": 8, "target_modules": []}})
+    assert "empty only with lora.target_parameters" in _problems({**MINIMAL, "lora": {"rank": 8, "target_modules": []}})
+    assert "lora.target_parameters: set with lora.target_modules 'all'" in _problems(
+        {**MINIMAL, "lora": {"rank": 8, "target_parameters": ["mlp.experts.down_proj"]}})
+    assert "names a parameter twice" in _problems(
+        {**MINIMAL, "lora": {"rank": 8, "target_modules": [], "target_parameters": ["a.b", "a.b"]}})
     assert "lora.rank: expected int" in _problems({**MINIMAL, "lora": {"rank": 1.5}})
     ok = config_from_dict({**MINIMAL, "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
                           ["lora.dropout=0.05"])
@@ -68,6 +72,9 @@ def test_lora_settings_from_the_config():
 
     assert lora_settings(cfg) == LoraSettings(rank=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"),
                                               use_rslora=True, init_seed=7)
+    cfg = config_from_dict({**MINIMAL, "lora": {"rank": 8, "target_modules": ["o_proj"],
+                                                "target_parameters": ["mlp.experts.down_proj"]}})
+    assert lora_settings(cfg).target_parameters == ("mlp.experts.down_proj",)
 
 
 def test_resume_refuses_a_changed_lora_section():

@@ -18,13 +18,15 @@ from typing import Any
 from .settings import ALL_TARGETS, LoraSettings
 
 __all__ = ["ALL_TARGETS", "LoraSettings", "apply_lora", "adapter_entries", "hf_adapter_state_dict", "peft_config",
-           "load_hf_adapter", "AdapterFormatError", "LoraTargetError", "read_peft_dir"]
+           "load_hf_adapter", "AdapterFormatError", "LoraTargetError", "read_peft_dir", "settings_from_peft_config",
+           "checkpoint_settings"]
 
 _LAZY = {
     "apply_lora": "ferrule.lora.model", "adapter_entries": "ferrule.lora.model",
     "hf_adapter_state_dict": "ferrule.lora.peft_format", "peft_config": "ferrule.lora.peft_format",
     "load_hf_adapter": "ferrule.lora.peft_format", "AdapterFormatError": "ferrule.lora.peft_format",
     "read_peft_dir": "ferrule.lora.peft_format", "LoraTargetError": "ferrule.lora.appliers",
+    "settings_from_peft_config": "ferrule.lora.cli", "checkpoint_settings": "ferrule.lora.settings",
 }
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from ferrule.specs import LORA_KINDS, LoRAApplierSpec
 
 __all__ = ["CORE_APPLIERS", "ApplyContext", "appliers_for", "apply_attention", "apply_dense_mlp",
-           "apply_shared_experts", "apply_lm_head", "LoraTargetError"]
+           "apply_shared_experts", "apply_lm_head", "LoraTargetError", "peft_name_matches"]
 
 _PEFT = "ferrule.lora.peft_format"
 #: The core's applier per kind (used when no plugin registers one for the family or ``"*"``).
@@ -81,34 +81,70 @@ class ApplyContext:
     settings: Any
     matched: set[str] = field(default_factory=set)
 
+    #: HF module paths / HF parameter paths offered to :meth:`selects` (for the "matches nothing" hints)
+    seen_modules: set[str] = field(default_factory=set)
+    seen_params: set[str] = field(default_factory=set)
+    matched_params: set[str] = field(default_factory=set)
+    #: the target names that made the last :meth:`selects` call pick its module
+    last_named: tuple[str, ...] = ()
+
+    def hf_modules(self, global_module: str) -> tuple[str, ...]:
+        """HF module paths of a module (``model.layers.0.self_attn.q_proj``, ... for ``linear_qkv``)."""
+        mapping, _ = self.table.resolve(global_module + ".weight")
+        return tuple(k.removesuffix(".weight") for k in mapping.hf_keys(global_module + ".weight", self.mapping))
+
     def hf_leaves(self, global_module: str) -> tuple[str, ...]:
         """HF module leaf names of a module (``('q_proj', 'k_proj', 'v_proj')`` for ``linear_qkv``)."""
-        mapping, _ = self.table.resolve(global_module + ".weight")
-        keys = mapping.hf_keys(global_module + ".weight", self.mapping)
-        return tuple(k.removesuffix(".weight").rsplit(".", 1)[-1] for k in keys)
+        return tuple(k.rsplit(".", 1)[-1] for k in self.hf_modules(global_module))
 
-    def selects(self, global_module: str, kind: str) -> bool:
-        """Whether ``settings.target_modules`` picks this module (mcore leaf or all its HF leaves).
+    def selects(self, global_module: str, kind: str, *, hf_params: tuple[str, ...] | None = None) -> bool:
+        """Whether the settings pick this module (the one rule of docs/lora.md "Target names").
+
+        - ``"all"``: every module but the output layer.
+        - a Megatron leaf in ``target_modules`` (``linear_fc2``) picks every module with that leaf.
+        - otherwise, as PEFT matches (``peft.tuners.tuners_utils.check_target_module_exists``): a
+          module that transformers keeps as ``nn.Linear`` (``hf_params`` None; its HF module paths
+          come from the table) is picked by ``target_modules`` entries equal to its path or a
+          dotted suffix of it; one that transformers keeps as 3-D parameters (routed or stacked
+          shared experts: the applier passes their full HF parameter paths as ``hf_params``) is
+          picked by ``target_parameters`` entries, matched the same way.
 
         Raises:
             LoraTargetError: only some HF parts of a fused module are named.
         """
-        targets = self.settings.target_modules
+        s = self.settings
         leaf = global_module.rsplit(".", 1)[-1]
-        hf = self.hf_leaves(global_module)
-        if targets == "all":
+        if s.target_modules == "all":
             return kind != "lm_head"
-        named = [t for t in targets if t in hf or t == leaf]
-        if leaf == "output_layer" and "lm_head" in targets:
-            named.append("lm_head")
+        paths = tuple(hf_params) if hf_params is not None else self.hf_modules(global_module)
+        (self.seen_params if hf_params is not None else self.seen_modules).update(paths)
+        if leaf in s.target_modules:
+            self.matched.add(leaf)
+            self.last_named = (leaf,)
+            return True
+        names = s.target_parameters if hf_params is not None else s.target_modules
+        if leaf == "output_layer" and "lm_head" in names:  # HF's name of it, also where the table ties it
+            paths = ("lm_head",)
+        hit = {p: [t for t in names if peft_name_matches(p, t)] for p in paths}
+        named = {t for ts in hit.values() for t in ts}
         if not named:
             return False
-        if leaf not in named and 0 < len(set(named) & set(hf)) < len(hf):
+        if not all(hit.values()):
+            parts = [p.rsplit(".", 1)[-1] for p in paths]
+            missing = sorted(p.rsplit(".", 1)[-1] for p, ts in hit.items() if not ts)
+            field_name = "target_parameters" if hf_params is not None else "target_modules"
             raise LoraTargetError(
-                f"target_modules names {sorted(set(named) & set(hf))} but not {sorted(set(hf) - set(named))}: Megatron "
-                f"fuses {', '.join(hf)} into one {leaf} whose adapter is shared; name all of them or {leaf!r}.")
-        self.matched.update(named)
+                f"{field_name} names {sorted(named)} but not {missing}: Megatron fuses {', '.join(parts)} of "
+                f"{global_module} into one {leaf} whose adapter is shared; name all of them or {leaf!r}.")
+        (self.matched_params if hf_params is not None else self.matched).update(named)
+        self.last_named = tuple(sorted(named))
         return True
+
+
+def peft_name_matches(path: str, name: str) -> bool:
+    """PEFT's list rule for ``target_modules`` / ``target_parameters``: ``path == name`` or
+    ``path.endswith("." + name)`` (``peft.tuners.tuners_utils.check_target_module_exists``)."""
+    return path == name or path.endswith("." + name)
 
 
 def _apply_kind(chunk: Any, settings: Any, ctx: ApplyContext, kind: str) -> list[str]:
@@ -123,6 +159,12 @@ def _apply_kind(chunk: Any, settings: Any, ctx: ApplyContext, kind: str) -> list
             continue
         if kind == "lm_head" and (getattr(chunk, "share_embeddings_and_output_weights", False)
                                   or ctx.mapping.tie_word_embeddings):
+            other = [t for t in ctx.last_named if t not in _LM_HEAD]
+            if other:
+                raise LoraTargetError(f"target_modules names {other}: on this model the input embedding "
+                                      f"(embed_tokens) is tied to the output layer, and ferrule's LoRA adapts no "
+                                      f"embedding (no applier serves nn.Embedding); drop {other[0]!r}, or merge the "
+                                      f"adapter into the base weights (PEFT merge_and_unload) and train from that.")
             raise LoraTargetError("target_modules names the output layer (lm_head), but this model ties it to the "
                                   "input embedding (tie_word_embeddings=True): an lm_head adapter would also change "
                                   "the embedding and PEFT cannot load it; drop 'lm_head' / 'output_layer'.")
@@ -168,6 +210,7 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
             dropout, so the adapter could not be loaded there), or grouped-GEMM experts.
     """
     from .layers import attach_adapter
+    from .peft_experts import EXPERT_PARAMS, expert_module
 
     done = []
     for local, module in chunk.named_modules():
@@ -182,7 +225,8 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
         etp = _tp_size(experts[0].linear_fc1)
         for leaf in ("linear_fc1", "linear_fc2"):
             first = ctx.global_names.get(f"{local}.local_experts.0.{leaf}", f"{local}.local_experts.0.{leaf}")
-            if not ctx.selects(first, "routed_experts"):
+            hf_param = f"{expert_module(ctx.table, ctx.mapping, layer, leaf)}.{EXPERT_PARAMS[leaf]}"
+            if not ctx.selects(first, "routed_experts", hf_params=(hf_param,)):
                 continue
             if etp != 1:
                 raise LoraTargetError(f"{layer}: LoRA on routed experts needs expert tensor parallelism 1, this model "

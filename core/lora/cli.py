@@ -104,36 +104,54 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
         raise
 
 
-def settings_from_peft_config(config: dict):
-    """:class:`~ferrule.lora.LoraSettings` of an ``adapter_config.json`` dict (r, lora_alpha,
-    lora_dropout, use_rslora, target_modules as HF names).
+def _peft_module_of(key: str) -> str:
+    """HF module path of a PEFT tensor key (``base_model.model.M[.base_layer...].lora_A.weight`` -> ``M``)."""
+    from .peft_format import PEFT_PREFIX
+
+    path = key.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0]
+    while path.endswith(".base_layer"):
+        path = path.removesuffix(".base_layer")
+    return path
+
+
+def settings_from_peft_config(config: dict, tensors: dict | None = None):
+    """:class:`~ferrule.lora.LoraSettings` of an ``adapter_config.json`` dict: ``r``, ``lora_alpha``,
+    ``lora_dropout``, ``use_rslora``, ``target_modules`` (HF module names) and ``target_parameters``
+    (HF parameter paths), which keep PEFT's meaning in ferrule (docs/lora.md "Target names").
+
+    With the adapter's ``tensors``, entries that matched nothing in PEFT (no saved factor under a
+    module they name: PEFT adapts what matches and keeps the list as given, e.g. ``gate_proj`` on a
+    model whose MLPs are all experts) are dropped, since they adapt nothing there either.
 
     Raises:
-        AdapterFormatError: not a LoRA adapter, or options ferrule does not train
-            (per-module ranks, DoRA, bias, modules_to_save).
+        AdapterFormatError: not a LoRA adapter, a regular-expression ``target_modules``, or an
+            option ferrule does not train (each named with its value: ``lora_bias``,
+            ``exclude_modules``, ``use_dora``, ``rank_pattern``, ``modules_to_save``, ``bias``, ...).
     """
-    from .peft_format import AdapterFormatError
+    from .appliers import peft_name_matches
+    from .peft_format import AdapterFormatError, unsupported_peft_options
     from .settings import LoraSettings
 
-    bad = []
-    if config.get("peft_type", "LORA") != "LORA":
-        bad.append(f"peft_type={config.get('peft_type')!r}")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora", "layers_to_transform"):
-        if config.get(key):
-            bad.append(f"{key}={config[key]!r}")
-    if config.get("bias", "none") != "none":
-        bad.append(f"bias={config['bias']!r}")
-    targets = list(config.get("target_modules") or [])
-    for param in config.get("target_parameters") or []:  # routed experts (PEFT ParamWrapper)
-        targets += {"gate_up_proj": ["gate_proj", "up_proj"], "down_proj": ["down_proj"]}.get(param.rsplit(".", 1)[-1],
-                                                                                          [param])
-    if not targets or isinstance(config.get("target_modules"), str):
-        bad.append(f"target_modules={targets!r} (a list of module names is needed)")
+    bad = unsupported_peft_options(config)
+    modules, params = config.get("target_modules"), config.get("target_parameters")
+    for key, value in (("target_modules", modules), ("target_parameters", params)):
+        if isinstance(value, str):
+            bad.append(f"{key}={value!r} is a regular expression (PEFT's re.fullmatch form); ferrule needs a list of "
+                       f"names: re-save the adapter with {key} as the list of names the expression matched")
+    modules = [] if isinstance(modules, str) else list(modules or [])
+    params = [] if isinstance(params, str) else list(params or [])
+    if tensors is not None:
+        adapted = {_peft_module_of(k) for k in tensors if ".lora_" in k}
+        modules = [t for t in modules if any(peft_name_matches(m, t) for m in adapted)]
+        params = [t for t in params if "." not in t or any(peft_name_matches(m, t.rpartition(".")[0]) for m in adapted)]
+    if not modules and not params and not bad:
+        bad.append(f"target_modules={config.get('target_modules')!r}, target_parameters="
+                   f"{config.get('target_parameters')!r} (nothing to adapt)")
     if bad:
-        raise AdapterFormatError("this PEFT adapter uses options ferrule's LoRA does not train: " + ", ".join(bad))
+        raise AdapterFormatError("this PEFT adapter uses options ferrule's LoRA does not train: " + "; ".join(bad))
     return LoraSettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                        dropout=float(config.get("lora_dropout") or 0.0), target_modules=tuple(sorted(targets)),
-                        use_rslora=bool(config.get("use_rslora", False)))
+                        dropout=float(config.get("lora_dropout") or 0.0), target_modules=tuple(sorted(modules)),
+                        target_parameters=tuple(params), use_rslora=bool(config.get("use_rslora", False)))
 
 
 def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -151,7 +169,7 @@ def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, ov
     adapter, base, out = Path(adapter), Path(base), Path(out)
     _check_out(out, overwrite)
     tensors, config = read_peft_dir(adapter)
-    settings = settings_from_peft_config(config)
+    settings = settings_from_peft_config(config, tensors)
     if (base / "hf" / "config.json").is_file():
         engine = TrainEngine.from_torch_dist(base, load_optimizer=False, lora=settings)
     elif (base / "config.json").is_file():

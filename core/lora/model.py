@@ -81,7 +81,7 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
     table = peft_naming_table(table)
     specs = appliers_for(family)
     done: list[str] = []
-    matched: set[str] = set()
+    seen = {"matched": set(), "matched_params": set(), "seen_modules": set(), "seen_params": set()}
     errors: list[str] = []
     for chunk in chunks:
         ctx = ApplyContext(table=table, mapping=mctx, global_names=_global_module_names(chunk), tp_rank=tp_rank,
@@ -91,15 +91,11 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
                 done += resolve_ref(spec.apply)(chunk, settings, ctx)
             except LoraTargetError as exc:
                 errors.append(str(exc))
-        matched |= ctx.matched
+        for key, have in seen.items():
+            have |= getattr(ctx, key)
     if settings.target_modules != "all":
-        everywhere = set().union(*all_gather_objects(sorted(matched)))
-        unknown = [t for t in settings.target_modules if t not in everywhere]
-        if unknown:
-            errors.append(f"target_modules {unknown} match no module that a LoRA applier of family {family!r} adapts; "
-                          f"use Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2, output_layer) or the "
-                          f"HF names they map to (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
-                          f"lm_head), or 'all'.")
+        everywhere = {k: set().union(*all_gather_objects(sorted(v))) for k, v in seen.items()}
+        errors += _unmatched_targets(settings, everywhere, family)
     errors = agreed_errors(errors)
     if errors:
         raise LoraTargetError("\n".join(errors))
@@ -110,6 +106,45 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
             if not getattr(p, "is_lora_adapter", False):
                 p.requires_grad_(False)
     return done
+
+
+#: HF leaf names of input embeddings (PEFT ``EMBEDDING_LAYER_NAMES`` and the usual module names)
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embeddings")
+
+
+def _unmatched_targets(settings: Any, seen: dict[str, set[str]], family: str) -> list[str]:
+    """One error per ``target_modules`` / ``target_parameters`` entry that picked nothing, with the
+    hint that fits (an HF name listed in the wrong field, e.g. ``gate_up_proj`` as a module)."""
+    from .appliers import peft_name_matches
+
+    errors = []
+    for t in settings.target_modules:
+        if t in seen["matched"]:
+            continue
+        params = sorted(p for p in seen["seen_params"] if peft_name_matches(p, t))
+        if t.rsplit(".", 1)[-1] in _EMBEDDINGS:
+            errors.append(f"target_modules entry {t!r} is the input embedding: ferrule's LoRA adapts no embedding "
+                          f"(no applier serves nn.Embedding); drop it, or merge the adapter into the base weights "
+                          f"(PEFT merge_and_unload) and train from that.")
+        elif params:
+            errors.append(f"target_modules entry {t!r} names HF parameters, not modules ({params[0]}, ...: transformers "
+                          f"keeps these experts as 3-D parameters, which PEFT adapts through target_parameters); move it "
+                          f"to target_parameters, e.g. {params[0].split('.layers.', 1)[-1].split('.', 1)[-1]!r}.")
+        else:
+            errors.append(f"target_modules entry {t!r} matches no module that a LoRA applier of family {family!r} "
+                          f"adapts; use Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2, output_layer), "
+                          f"the HF module names they map to (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                          f"down_proj, lm_head), target_parameters for expert parameters, or 'all'.")
+    for t in settings.target_parameters:
+        if t in seen["matched_params"]:
+            continue
+        known = sorted({p.split(".layers.", 1)[-1].split(".", 1)[-1] for p in seen["seen_params"]})
+        hint = (f"this model's expert parameters are {known}" if known else "this model has no expert parameters")
+        if any(peft_name_matches(m, t) for m in seen["seen_modules"]):
+            hint = "it names a module: list it in target_modules"
+        errors.append(f"target_parameters entry {t!r} matches no HF parameter that a LoRA applier of family {family!r} "
+                      f"adapts ({hint}).")
+    return errors
 
 
 def adapter_entries(chunks: Sequence[Any]) -> list[AdapterEntry]:

@@ -19,7 +19,7 @@ from ferrule.mapping import MappingError, TPSplit
 
 from .peft_base import PEFT_PREFIX, ExportContext, copy_factor_plans
 
-__all__ = ["EXPERT_PARAMS", "export_routed", "load_routed"]
+__all__ = ["EXPERT_PARAMS", "export_routed", "load_routed", "expert_module"]
 
 #: transformers' fused expert parameters (``Qwen3MoeExperts``: ``gate_up_proj`` ``[E, 2I, H]``,
 #: ``down_proj`` ``[E, H, I]``) per megatron expert linear; PEFT targets them with
@@ -28,7 +28,7 @@ EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 _LOCAL_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])$")
 
 
-def _expert_module(table: Any, mctx: Any, layer: str, leaf: str) -> str:
+def expert_module(table: Any, mctx: Any, layer: str, leaf: str) -> str:
     """HF module path of a layer's experts (``model.layers.3.mlp.experts``), from the table row of
     expert 0's weight: a per-expert checkpoint key (``...experts.0.gate_proj.weight``, Qwen3-MoE) or
     a stacked 3-D one (``...experts.gate_up_proj``, Inkling)."""
@@ -128,7 +128,7 @@ def export_routed(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[
         full_b = torch.stack([_b_to_hf(ctx.table, ctx.mapping, layer, leaf, e, full_b[e]) for e in range(len(full_b))])
         a = pending_a.pop(layer_leaf)
         n_exp, out, r = full_b.shape
-        key_a, key_b = _expert_keys(_expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, adapted[layer])
+        key_a, key_b = _expert_keys(expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, adapted[layer])
         yield key_a, a.unsqueeze(0).expand(n_exp, *a.shape).reshape(n_exp * r, a.shape[1]).contiguous()
         yield key_b, full_b.permute(1, 2, 0).reshape(out, r * n_exp).contiguous()
 
@@ -147,7 +147,7 @@ def load_routed(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
     for layer, leaf in groups:
         leaves_by_layer.setdefault(layer, set()).add(leaf)
     for (layer, leaf), experts in groups.items():
-        key_a, key_b = _expert_keys(_expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, leaves_by_layer[layer])
+        key_a, key_b = _expert_keys(expert_module(ctx.table, ctx.mapping, layer, leaf), leaf, leaves_by_layer[layer])
         missing = [k for k in (key_a, key_b) if k not in tensors]
         if missing:
             problems.append(f"{layer}.{leaf}: missing {missing}")

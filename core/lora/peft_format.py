@@ -259,24 +259,99 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     return out
 
 
+#: ``adapter_config.json`` options that change what the adapter computes and that ferrule's LoRA does
+#: not train, each with the reason the refusal gives (PEFT ``LoraConfig`` field names).
+_UNSUPPORTED = {
+    "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
+    "modules_to_save": "fully trained extra modules", "use_dora": "DoRA", "lora_bias": "a bias on lora_B",
+    "exclude_modules": "modules excluded from target_modules", "layers_to_transform": "a subset of layers",
+    "layers_pattern": "a subset of layers", "layer_replication": "replicated layers",
+    "trainable_token_indices": "trainable embedding rows", "use_qalora": "QA-LoRA",
+    "alora_invocation_tokens": "activated LoRA", "megatron_config": "PEFT's own Megatron layers",
+}
+#: ``init_lora_weights`` values that rewrite the base weights (the adapter is a residual of a
+#: modified base, so it cannot be loaded onto the original one)
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+def unsupported_peft_options(config: Mapping[str, Any]) -> list[str]:
+    """``"key=value (what it is)"`` for every option of an ``adapter_config.json`` dict that ferrule's
+    LoRA does not compute (not a LoRA, :data:`_UNSUPPORTED`, a bias, a base-rewriting init)."""
+    bad = []
+    if config.get("peft_type", "LORA") != "LORA":
+        bad.append(f"peft_type={config.get('peft_type')!r} (only LORA)")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            bad.append(f"{key}={config[key]!r} ({what})")
+    if config.get("bias", "none") != "none":
+        bad.append(f"bias={config['bias']!r} (biases; only 'none')")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        bad.append(f"init_lora_weights={init!r} (it rewrites the base weights; convert the adapter to a plain LoRA "
+                   f"with PEFT's path_initial_model_for_weight_conversion first)")
+    return bad
+
+
 def check_peft_config(engine: Any, config: Mapping[str, Any]) -> None:
     """Raise :class:`AdapterFormatError` when an ``adapter_config.json`` dict disagrees with the
     engine's :class:`~ferrule.lora.LoraSettings` (r, alpha, rsLoRA) or is not a LoRA adapter."""
     s = engine.lora
-    bad = []
-    if config.get("peft_type", "LORA") != "LORA":
-        bad.append(f"peft_type={config.get('peft_type')!r} (expected 'LORA')")
+    bad = unsupported_peft_options(config)
     for key, want in (("r", s.rank), ("lora_alpha", s.alpha), ("use_rslora", s.use_rslora)):
         if key in config and config[key] != want and not (key == "lora_alpha" and float(config[key]) == float(want)):
             bad.append(f"{key}={config[key]!r} (engine: {want!r})")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            bad.append(f"{key}={config[key]!r} (per-module ranks/alphas are not supported)")
-    if config.get("bias", "none") != "none":
-        bad.append(f"bias={config['bias']!r} (only 'none' is supported)")
     if bad:
         raise AdapterFormatError("adapter_config.json does not fit this engine's LoRA settings: " + "; ".join(bad)
                                  + ". Build the engine with matching LoraSettings.")
+
+
+#: PEFT's key suffix of a base weight it saves next to the factors (``save_embedding_layers``)
+_SAVED_BASE = ".base_layer.weight"
+
+
+def _check_saved_base_weights(engine: Any, saved: Mapping[str, Any], plan: "_EnginePlan") -> tuple[set[str], list[str]]:
+    """Verify the base weights PEFT saved beside the factors against this rank's base (not collective).
+
+    ``PeftModel.save_pretrained`` (``save_embedding_layers="auto"``, peft 0.21) also writes
+    ``base_model.model.lm_head.base_layer.weight`` ``[vocab, hidden]`` when ``lm_head`` is
+    targeted. It is accepted when it equals this model's output layer (the rows of this rank's
+    vocabulary shard, padding excluded, compared after casting to the parameter's dtype); keys of
+    modules this rank does not hold are left to the other ranks (unknown if none uses them).
+
+    Returns:
+        ``(keys verified, problems)``.
+    """
+    import torch
+
+    from ferrule.megatron.weights import model_chunks
+
+    used: set[str] = set()
+    problems: list[str] = []
+    ctx = plan.ctx
+    heads = [e for _, entries in plan.by_kind for e in entries if e.kind == "lm_head"]
+    for key, t in saved.items():
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(_SAVED_BASE)
+        entry = next((e for e in heads if module in _hf_modules(e, ctx)[2]), None)
+        if entry is None:
+            continue
+        used.add(key)
+        weight = model_chunks(engine.model)[entry.chunk].get_submodule(entry.local_name).weight.detach()
+        row, wild = ctx.table.resolve(entry.global_name + ".weight")
+        try:
+            local = row.shard(row.to_mcore([t], ctx.mapping, wild), ctx.ranks.tp_rank, ctx.ranks.tp)
+        except MappingError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
+        rows = max(0, min(local.shape[0], ctx.mapping.vocab_size - ctx.ranks.tp_rank * local.shape[0]))
+        want = local[:rows].to(weight.device, weight.dtype)
+        if tuple(want.shape) != tuple(weight[:rows].shape) or not torch.equal(want, weight[:rows]):
+            diff = (f"max abs diff {float((want.double() - weight[:rows].double()).abs().max()):.3g}"
+                    if want.shape == weight[:rows].shape else f"shape {tuple(t.shape)}")
+            problems.append(f"{key}: PEFT saved {module}'s base weight (save_embedding_layers, its default when lm_head "
+                            f"is targeted) and it differs from this base model's ({diff}): the adapter belongs to "
+                            f"another base (or a resized / trained lm_head); import it onto that base, or drop the "
+                            f"key if this base is right (PeftModel.save_pretrained(..., save_embedding_layers=False)).")
+    return used, problems
 
 
 def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> None:
@@ -289,8 +364,10 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
     Raises:
         ValueError: the engine has no LoRA.
         AdapterFormatError: missing / unknown keys, shapes that do not fit, fused parts with
-            different ``lora_A``, or a ``config`` that disagrees with the engine's settings;
-            every offender listed, checked on all ranks before anything is copied.
+            different ``lora_A``, a saved ``lm_head.base_layer.weight`` that is not this base's
+            (:func:`_check_saved_base_weights`; an equal one is accepted), or a ``config`` that
+            disagrees with the engine's settings or uses an option ferrule does not train; every
+            offender listed, checked on all ranks before anything is copied.
     """
     from ferrule.megatron.weights import agreed_errors, all_gather_objects
     from ferrule.specs import resolve_ref
@@ -300,8 +377,8 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
         check_peft_config(engine, config)
     plan = _engine_plan(engine)
     ctx = plan.ctx
-    problems: list[str] = []
-    used: set[str] = set()
+    saved_base = {k: t for k, t in tensors.items() if k.endswith(_SAVED_BASE) and ".lora_" not in k}
+    used, problems = _check_saved_base_weights(engine, saved_base, plan)
     for spec, entries in plan.by_kind:
         u, p = resolve_ref(spec.load)(entries, tensors, ctx, dry_run=True)
         used |= u
@@ -311,7 +388,9 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
     if unknown:
         problems.append(f"adapter keys that match no adapted module ({len(unknown)}): {unknown[:8]}"
                         + (" ..." if len(unknown) > 8 else "") + " (the adapter targets modules this engine does not "
-                        "adapt: build it with matching target_modules)")
+                        "adapt: build it with matching target_modules / target_parameters"
+                        + ("; a *.base_layer.weight is a base weight PEFT saved, which ferrule checks for an adapted "
+                           "lm_head only" if any(k.endswith(_SAVED_BASE) for k in unknown) else "") + ")")
     problems = agreed_errors(problems)
     if problems:
         raise AdapterFormatError("cannot load the PEFT adapter:\n" + "\n".join(f"  - {p}" for p in problems))

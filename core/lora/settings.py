@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["LoraSettings", "ALL_TARGETS"]
+__all__ = ["LoraSettings", "ALL_TARGETS", "checkpoint_settings"]
 
 #: The ``target_modules`` sentinel: every linear module a registered applier handles, except the
 #: output layer (PEFT's ``"all-linear"`` also leaves ``lm_head`` out); name ``output_layer`` /
@@ -30,10 +30,20 @@ class LoraSettings:
             (PEFT's definition).
         dropout: dropout probability on the adapter's input, in [0, 1); active in training mode only
             (it draws random numbers, so with dropout > 0 results depend on the micro-batch split).
-        target_modules: ``"all"`` (:data:`ALL_TARGETS`), or module names: Megatron names
-            (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``output_layer``) or HF
-            names (``q_proj``, ..., ``lm_head``). An HF name that is part of a fused Megatron module
-            (``q_proj`` of ``linear_qkv``, ``gate_proj`` of ``linear_fc1``) must come with its siblings.
+        target_modules: ``"all"`` (:data:`ALL_TARGETS`), or module names: Megatron leaves
+            (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, ``output_layer``) select
+            every module with that leaf, experts included; HF names (``q_proj``, ``mlp.down_proj``,
+            ..., ``lm_head``) select transformers *modules* by PEFT's rule (the module path equals the
+            name or ends with ``"." + name``), so ``down_proj`` is the dense MLP's ``nn.Linear`` and not
+            the experts' 3-D parameter of the same leaf. May be empty when ``target_parameters`` is not.
+            An HF name that is part of a fused Megatron module (``q_proj`` of ``linear_qkv``,
+            ``gate_proj`` of ``linear_fc1``) must come with its siblings.
+        target_parameters: HF parameter paths, PEFT's ``target_parameters`` (matched the same way on
+            ``<module path>.<parameter>``): the 3-D expert parameters transformers keeps instead of
+            linears, i.e. the routed experts of every MoE family (``mlp.experts.gate_up_proj``,
+            ``mlp.experts.down_proj``) and Inkling's shared experts (``mlp.shared_experts.gate_proj``
+            + ``mlp.shared_experts.up_proj``, ``mlp.shared_experts.down_proj``). Empty with ``"all"``
+            (which includes them).
         use_rslora: rank-stabilized scaling.
         init_seed: seed of the ``A`` initialisation (PEFT's: kaiming-uniform with ``a = sqrt(5)``,
             i.e. ``U(-1/sqrt(in), 1/sqrt(in))``; ``B`` starts at zero so the adapted model equals
@@ -50,6 +60,7 @@ class LoraSettings:
     target_modules: tuple[str, ...] | str = ALL_TARGETS
     use_rslora: bool = False
     init_seed: int = 0
+    target_parameters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -64,11 +75,21 @@ class LoraSettings:
             if targets != ALL_TARGETS:
                 raise ValueError(f"LoraSettings.target_modules={targets!r}; expected {ALL_TARGETS!r} or a tuple of "
                                  f"module names such as ('linear_qkv', 'linear_proj').")
+        params = self.target_parameters
+        if isinstance(params, str) or not all(isinstance(t, str) and t for t in params):
+            raise ValueError(f"LoraSettings.target_parameters={params!r}; expected a tuple of HF parameter paths "
+                             f"such as ('mlp.experts.gate_up_proj', 'mlp.experts.down_proj').")
+        object.__setattr__(self, "target_parameters", tuple(dict.fromkeys(params)))
+        if isinstance(targets, str):
+            if self.target_parameters:
+                raise ValueError(f"LoraSettings.target_parameters={self.target_parameters!r} with target_modules="
+                                 f"{ALL_TARGETS!r}: 'all' already adapts every expert parameter; drop "
+                                 f"target_parameters or list target_modules.")
         else:
             targets = tuple(targets)
-            if not targets or not all(isinstance(t, str) and t for t in targets):
+            if not all(isinstance(t, str) and t for t in targets) or not (targets or self.target_parameters):
                 raise ValueError(f"LoraSettings.target_modules={self.target_modules!r}; expected {ALL_TARGETS!r} or a "
-                                 f"non-empty tuple of module names.")
+                                 f"tuple of module names (empty only with target_parameters).")
             object.__setattr__(self, "target_modules", tuple(dict.fromkeys(targets)))
         if not isinstance(self.use_rslora, bool):
             raise ValueError(f"LoraSettings.use_rslora={self.use_rslora!r}; expected True or False.")
@@ -82,18 +103,20 @@ class LoraSettings:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "LoraSettings":
-        """From a config mapping (``ferrule train``'s ``lora:`` section); ``target_modules`` may be a list.
+        """From a config mapping (``ferrule train``'s ``lora:`` section, ``engine_state.json``'s ``lora``);
+        ``target_modules`` / ``target_parameters`` may be lists.
 
         Raises:
             ValueError: unknown keys (listed) or bad values.
         """
-        known = {"rank", "alpha", "dropout", "target_modules", "use_rslora", "init_seed"}
+        known = {"rank", "alpha", "dropout", "target_modules", "target_parameters", "use_rslora", "init_seed"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown LoRA settings {unknown}; known: {sorted(known)}.")
         kw = dict(raw)
-        if isinstance(kw.get("target_modules"), list):
-            kw["target_modules"] = tuple(kw["target_modules"])
+        for key in ("target_modules", "target_parameters"):
+            if isinstance(kw.get(key), list):
+                kw[key] = tuple(kw[key])
         return cls(**kw)
 
     # -- what the train engine calls: it receives the adapters through these settings and imports no
@@ -117,3 +140,26 @@ class LoraSettings:
         from .checkpoint import lora_load_payload
 
         return lora_load_payload(engine, ckpt, with_optimizer)
+
+
+def checkpoint_settings(path: Any) -> LoraSettings:
+    """The :class:`~ferrule.lora.LoraSettings` a LoRA checkpoint (a ``TrainEngine.save`` folder, e.g.
+    ``ferrule lora import``'s ``OUT``) was saved with, from its ``engine_state.json``; pass them as
+    ``TrainEngine.from_torch_dist(path, lora=...)`` to resume it (same targets, ``target_parameters``
+    included, and the same ``init_seed``).
+
+    Raises:
+        FileNotFoundError: no ``engine_state.json``, or it records no LoRA (a full-parameter checkpoint).
+    """
+    import json
+    from pathlib import Path
+
+    from ferrule.megatron.checkpoint import ENGINE_STATE_FILE
+
+    state = Path(path) / ENGINE_STATE_FILE
+    if not state.is_file():
+        raise FileNotFoundError(f"{state} is missing; {path} is not a TrainEngine.save folder.")
+    saved = json.loads(state.read_text()).get("lora")
+    if not saved:
+        raise FileNotFoundError(f"{path} is a full-parameter checkpoint ({ENGINE_STATE_FILE} records no LoRA).")
+    return LoraSettings.from_dict(saved)

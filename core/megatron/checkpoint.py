@@ -11,7 +11,7 @@ Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpo
       lora/rank_<R>.pt                                     LoRA runs: each rank's adapter shards + optimizer
       lora/adapter_model.safetensors, adapter_config.json  LoRA runs: the full adapter in HF PEFT format
       hf/config.json                                       the HF config the model was built from
-      hf/generation_config.json, hf/tokenizer*             copied from the source HF folder (those present)
+      hf/generation_config.json, hf/tokenizer*, ...        the source HF folder's side files (hf_side_files)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict(), "optimizer":
 MegatronOptimizer.sharded_state_dict(...), "scheduler": OptimizerParamScheduler.state_dict()}``
@@ -30,14 +30,19 @@ Writes go to a sibling temporary directory that rank 0 renames into place after 
 finished (``os.replace``); an existing checkpoint is replaced only then, so a crash never
 leaves a half-written checkpoint under the final name.
 
-No ``if __name__ == "__main__":`` guard is needed in the caller (:func:`save_sharded`):
-megatron's torch_dist writer collects its per-rank write results through a queue that it
-creates once per process with ``multiprocessing.get_context("spawn").Manager()``
-(``dist_checkpointing/strategies/filesystem_async.py``, ``_get_write_results_queue``). Starting
+No ``if __name__ == "__main__":`` guard is needed in the caller (:func:`save_sharded`), and no
+process outlives a killed save. megatron's torch_dist writer collects its per-rank write results
+through a queue that it creates once per process with
+``multiprocessing.get_context("spawn").Manager()``
+(``dist_checkpointing/strategies/filesystem_async.py``, ``_get_write_results_queue``); starting
 a spawn Manager re-imports the caller's ``__main__`` script, which fails in a plain script with
-multiprocessing's "bootstrapping phase" ``RuntimeError``. Our saves are synchronous (the writer
-runs in this process and reads its own results back), so an in-process ``queue.Queue`` serves
-the same purpose without a helper process.
+multiprocessing's "bootstrapping phase" ``RuntimeError``. It then writes each bucket of a rank's
+tensors (``thread_count``, 2 by default) in a *forked* process
+(``FileSystemWriterAsync.write_preloaded_data_multiproc``); when the trainer is killed during a
+save, those children (each holding a copy of the parent's memory) wait forever on a queue whose
+reader died, reparented to PID 1. Our saves are synchronous, so :func:`save_sharded` runs the
+same per-bucket writer (``write_preloaded_data``, unchanged) in threads of this process and
+collects the results in an in-process ``queue.Queue``: a killed process takes its writers with it.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import torch
 
 from ferrule.fsutil import commit_dir
 
-__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_SIDE_FILES", "save_training_state", "load_training_state",
+__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
            "CheckpointMismatchError"]
 
@@ -63,11 +68,42 @@ ENGINE_STATE_FILE = "engine_state.json"
 #: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
 #: default, fails in 0.16.1 with ``ShardedTensor.flattened_range is not supported``).
 DISTOPT_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-#: Files of an HF checkpoint directory besides its weights that a checkpoint's ``hf/`` keeps
-#: (config, generation config, tokenizer and chat template), so an export is a complete HF folder.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                 "tokenizer.model", "chat_template.jinja", "chat_template.json")
+#: Name patterns (``fnmatch``) of an HF checkpoint folder's weight files: everything else at the
+#: top of the folder is a side file (:func:`hf_side_files`).
+HF_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                      "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.tflite", "*.npz")
+#: Sub-folders of an HF checkpoint that transformers reads (``additional_chat_templates/*.jinja``,
+#: ``transformers.utils.hub``'s ``CHAT_TEMPLATE_DIR``); other sub-folders are not carried.
+HF_SIDE_DIRS = ("additional_chat_templates",)
+
+
+def hf_side_files(src: str | os.PathLike) -> list[str]:
+    """Names (relative to ``src``, sorted) of an HF checkpoint folder's side files: every regular,
+    non-hidden file at its top that no :data:`HF_WEIGHT_PATTERNS` pattern matches (``config.json``,
+    ``generation_config.json``, tokenizer files, ``chat_template.jinja``, ``processor_config.json``,
+    ``preprocessor_config.json`` (image processors and feature extractors), remote-code ``*.py``,
+    README ...), plus the files of :data:`HF_SIDE_DIRS`. ``[]`` when ``src`` is not a folder."""
+    import fnmatch
+
+    src = Path(src)
+    if not src.is_dir():
+        return []
+    out = [p.name for p in src.iterdir() if p.is_file() and not p.name.startswith(".")
+           and not any(fnmatch.fnmatch(p.name, pat) for pat in HF_WEIGHT_PATTERNS)]
+    for d in HF_SIDE_DIRS:
+        if (src / d).is_dir():
+            out += [f"{d}/{p.name}" for p in (src / d).iterdir() if p.is_file() and not p.name.startswith(".")]
+    return sorted(out)
+
+
+def copy_hf_side_files(src: str | os.PathLike, dst: str | os.PathLike, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy :func:`hf_side_files` of ``src`` (but ``skip``) into ``dst`` (created); return the names copied."""
+    src, dst = Path(src), Path(dst)
+    names = [n for n in hf_side_files(src) if n not in skip]
+    for name in names:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / name, dst / name)
+    return names
 
 
 def _unwrap(module: Any) -> Any:
@@ -114,38 +150,87 @@ def set_rng_state(state: dict) -> None:
             pass
 
 
-@contextlib.contextmanager
-def _in_process_write_results() -> Iterator[None]:
-    """Give megatron's torch_dist writer an in-process results queue for one synchronous save.
+def _write_buckets_in_threads(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
+                              global_results_queue: Any) -> None:
+    """In-process stand-in for ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (megatron-core 0.16.1).
 
-    The writer would otherwise start a spawn-method ``multiprocessing.Manager`` (see the module
-    docstring); the previous queue, if any, is put back afterwards.
+    Same arguments and the same result on ``global_results_queue`` (``{bucket index: [WriteResult]}``
+    or the first bucket's exception), but each bucket is written by megatron's own
+    ``write_preloaded_data`` in a thread of this process instead of a forked child, so nothing
+    survives this process (module docstring).
     """
+    import inspect
+    import queue
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    local_results: queue.Queue = queue.Queue()
+    count_queue: queue.Queue = queue.Queue()
+    extra = {}
+    if use_msc and len(inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters) > 6:
+        extra["use_msc"] = use_msc
+    threads = []
+    for i, bucket in enumerate(write_buckets):
+        count_queue.put(i)
+        threads.append(threading.Thread(
+            target=FileSystemWriterAsync.write_preloaded_data, args=(transform_list,),
+            kwargs=dict(local_proc_idx=i, write_bucket=bucket, results_queue=local_results,
+                        count_queue=count_queue, use_fsync=True, **extra),
+            name=f"ferrule-ckpt-writer-{rank}-{i}", daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results: dict | BaseException = {}
+    while not local_results.empty():
+        idx, out = local_results.get()
+        if isinstance(out, BaseException):
+            results = out
+            break
+        results[idx] = out
+    if isinstance(results, dict) and len(results) != len(write_buckets):
+        results = RuntimeError(f"checkpoint writer: {len(results)} of {len(write_buckets)} buckets reported")
+    global_results_queue.put(results)
+
+
+@contextlib.contextmanager
+def _in_process_writer() -> Iterator[None]:
+    """Give megatron's torch_dist writer an in-process results queue and in-process bucket writers
+    for one synchronous save (module docstring); the previous queue and writer are put back afterwards."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not hasattr(filesystem_async, "_results_queue"):  # checked against megatron-core 0.16.1
-        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue; "
-                           "this megatron-core version collects write results differently: update save_sharded.")
-    previous = filesystem_async._results_queue
+    writer_cls = filesystem_async.FileSystemWriterAsync
+    if (not hasattr(filesystem_async, "_results_queue")  # checked against megatron-core 0.16.1
+            or not hasattr(writer_cls, "write_preloaded_data_multiproc")
+            or not hasattr(writer_cls, "write_preloaded_data")):
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue or "
+                           "FileSystemWriterAsync.write_preloaded_data(_multiproc); this megatron-core version "
+                           "writes checkpoints differently: update save_sharded.")
+    previous_queue = filesystem_async._results_queue
+    previous_writer = writer_cls.__dict__["write_preloaded_data_multiproc"]
     filesystem_async._results_queue = queue.Queue()
+    writer_cls.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_threads)
     try:
         yield
     finally:
-        filesystem_async._results_queue = previous
+        filesystem_async._results_queue = previous_queue
+        writer_cls.write_preloaded_data_multiproc = previous_writer
 
 
 def save_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> None:
     """``megatron.core.dist_checkpointing.save`` (synchronous torch_dist) that works from a plain
-    script without an ``if __name__ == "__main__":`` guard and from a notebook cell.
+    script without an ``if __name__ == "__main__":`` guard and from a notebook cell, and writes in
+    threads of this process (no forked writer outlives a killed save; module docstring).
 
     ``kwargs`` go to ``dist_checkpointing.save`` unchanged (e.g. ``validate_access_integrity``).
     Collective: every rank calls it.
     """
     from megatron.core import dist_checkpointing
 
-    with _in_process_write_results():
+    with _in_process_writer():
         dist_checkpointing.save(sharded_state_dict, str(directory), **kwargs)
 
 
@@ -224,9 +309,9 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     ``lora/rank_<R>.pt``, one shard per global rank (ranks of one TP/PP position hold different
     experts under EP), and rank 0 writes ``lora_files`` (``{file name: bytes}``) under ``lora/``.
 
-    ``hf/config.json`` is ``hf_config``; the other HF side files
-    (:data:`HF_SIDE_FILES`: generation config, tokenizer files, chat
-    template) present in ``hf_files_dir`` are copied next to it.
+    ``hf/config.json`` is ``hf_config``; every other side file of ``hf_files_dir``
+    (:func:`hf_side_files`: generation config, tokenizer, chat template, processor and
+    preprocessor configs, ...; not its weights) is copied next to it.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False (raised on every rank).
@@ -265,9 +350,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         if _rank() == 0:
             (tmp / "hf").mkdir(exist_ok=True)
             if hf_files_dir is not None:
-                for name in HF_SIDE_FILES:
-                    if name != "config.json" and (Path(hf_files_dir) / name).is_file():
-                        shutil.copy2(Path(hf_files_dir) / name, tmp / "hf" / name)
+                copy_hf_side_files(hf_files_dir, tmp / "hf", skip=("config.json",))
             (tmp / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, default=str) + "\n")
             (tmp / "ferrule_checkpoint.json").write_text(json.dumps(checkpoint_meta, indent=2) + "\n")
             (tmp / ENGINE_STATE_FILE).write_text(json.dumps(engine_state, indent=2) + "\n")

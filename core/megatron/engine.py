@@ -53,7 +53,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from ..losses import finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
+from ..losses import SEQUENCE_LEVEL, finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
 from .batching import Datum, FBOutput, assign_dp_ranks, pack_microbatches
 from .gpu_fusions import enable_cuda_fusions
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
@@ -188,6 +188,7 @@ class TrainEngine:
         self.dp_size = parallel.dp_size()
         self.dp_rank = parallel.dp_rank()
         self.step = 0
+        self._offload = None  # ferrule.megatron.offload.TrainOffload once offload() was called
         self._window_loads = [0] * self.dp_size
         self._padded_vocab = None
         #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
@@ -210,6 +211,63 @@ class TrainEngine:
         self.packed_sequences = (env == "1") if env in ("0", "1") else on_cuda
         if self.packed_sequences:
             self._check_packable(chunks, forced=env == "1")
+
+    # ------------------------------------------------------------------ colocation (docs/train.md)
+
+    @property
+    def offloaded(self) -> bool:
+        """True between :meth:`offload` and :meth:`onload`."""
+        return self._offload is not None and self._offload.offloaded
+
+    def offload(self, *, weights: bool = False) -> dict[str, float]:
+        """Release this engine's device memory for another engine on the same device (colocation).
+
+        Optimizer state (Adam moments, fp32 master weights) goes to page-locked host memory, the
+        gradient buffers are freed (their bytes travel only inside an open accumulation window),
+        and with ``weights`` the model weights go too (:mod:`ferrule.megatron.offload`). Until
+        :meth:`onload`, training calls raise; :meth:`save` still works (it onloads around the save).
+
+        Returns:
+            ``{"offload_s": seconds, "offload_bytes": bytes copied}``.
+
+        Raises:
+            RuntimeError: already offloaded.
+        """
+        from .offload import TrainOffload
+
+        if self._offload is None:
+            self._offload = TrainOffload(self)
+        return self._offload.offload(weights=weights, window_open=any(self._window_loads))
+
+    def onload(self) -> dict[str, float]:
+        """Bring back everything :meth:`offload` released, bit for bit.
+
+        Returns:
+            ``{"onload_s": seconds, "onload_bytes": bytes copied}``.
+
+        Raises:
+            RuntimeError: the engine is not offloaded.
+        """
+        if self._offload is None:
+            raise RuntimeError("TrainEngine.onload(): the engine is not offloaded.")
+        return self._offload.onload()
+
+    @contextlib.contextmanager
+    def _temporarily_onloaded(self) -> Iterator[None]:
+        """Onload for the duration of a ``with`` block (a save or load while offloaded), then offload again."""
+        if not self.offloaded:
+            yield
+            return
+        weights = self._offload.weights
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload(weights=weights)
+
+    def _check_onloaded(self, what: str) -> None:
+        if self._offload is not None:
+            self._offload.check_onloaded(what)
 
     def _check_packable(self, chunks: Sequence[Any], forced: bool) -> None:
         """Packed sequences need ferrule's SDPAttention as every layer's core attention."""
@@ -431,6 +489,7 @@ class TrainEngine:
         return out
 
     def _run(self, data: list[_Prepared], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
+        self._check_onloaded("forward" if forward_only else "forward_backward")
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -504,6 +563,9 @@ class TrainEngine:
                         v = data[i].inputs[key]
                         parts.append(v.reshape(1).expand(n) if v.numel() == 1 and n != 1 else v.reshape(n))
                     inputs[key] = torch.cat(parts).to(t.device)
+                if loss_fn in SEQUENCE_LEVEL:  # the loss couples each datum's tokens: say where data start
+                    inputs["segment_ids"] = torch.repeat_interleave(
+                        torch.arange(len(mb["idx"])), torch.tensor(mb["lengths"])).to(t.device)
                 per_token, metrics = loss(t, inputs, loss_cfg)
                 pieces = per_token.detach().float().cpu().split(mb["lengths"])
                 tp = t.detach().float().cpu().split(mb["lengths"])
@@ -637,6 +699,7 @@ class TrainEngine:
 
         from .optim import _check_adam_params
 
+        self._check_onloaded("optim_step")
         checked = _check_adam_params(adam_params)
         explicit_lr = learning_rate is not None or "learning_rate" in checked
         try:
@@ -675,13 +738,15 @@ class TrainEngine:
         lora_state = lora_files = None
         engine_state = self._engine_state()
         if self.lora is not None:
-            lora_state, lora_files = self.lora.save_payload(self)
+            with self._temporarily_onloaded():
+                lora_state, lora_files = self.lora.save_payload(self)
             meta["contents"] = "engine (frozen base model, scheduler, rng) + LoRA adapter and optimizer (lora/)"
             meta["lora"] = engine_state["lora"] = asdict(self.lora)
-        return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                   engine_state=engine_state, checkpoint_meta=meta, hf_config=self.hf_config,
-                                   overwrite=overwrite, hf_files_dir=self.hf_files_dir, lora_state=lora_state,
-                                   lora_files=lora_files)
+        with self._temporarily_onloaded():  # a save while offloaded (colocation) reads the real bytes
+            return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer,
+                                       scheduler=self.scheduler, engine_state=engine_state, checkpoint_meta=meta,
+                                       hf_config=self.hf_config, overwrite=overwrite, hf_files_dir=self.hf_files_dir,
+                                       lora_state=lora_state, lora_files=lora_files)
 
     def load(self, path: str | Path, *, load_optimizer: bool = True) -> dict:
         """Load a :meth:`save` checkpoint (any TP/PP/DP for the weights; the distributed
@@ -699,6 +764,10 @@ class TrainEngine:
             :class:`OptimizerSettings` field that differs from the checkpoint (empty when none
             do, or for a weights-only load), so callers can report the change.
         """
+        with self._temporarily_onloaded():
+            return self._load(path, load_optimizer)
+
+    def _load(self, path: str | Path, load_optimizer: bool) -> dict:
         from .checkpoint import load_training_state
 
         self.zero_grad()
@@ -736,4 +805,5 @@ class TrainEngine:
         padding removed) via :func:`ferrule.megatron.weights.export_mcore_to_hf`."""
         from ferrule.megatron.weights import export_mcore_to_hf
 
+        self._check_onloaded("export_hf_state")
         return export_mcore_to_hf(self.model, self.mapping_table, hf_config=self.hf_config, dtype=dtype)

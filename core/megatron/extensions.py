@@ -24,8 +24,12 @@ names of the standard local spec unchanged and adds only the parameters named be
   (Gemma's ``sqrt(hidden_size)``, cast to the activation dtype as HF does); a forward hook on
   ``embedding``.
 - ``layer_spec``: a complete megatron ``ModuleSpec`` for ``TransformerLayer`` (or a
-  ``"module:attr"`` reference to ``f(config) -> ModuleSpec``) replacing the local spec; the
-  options above are then not applied to it (the caller owns the spec).
+  ``"module:attr"`` reference to ``f(config) -> ModuleSpec``) replacing the local spec. The
+  ``core_attention`` choice composes with it (:func:`compose_core_attention`: a spec whose
+  core attention is megatron's plain ``DotProductAttention`` gets ferrule's, SDPA by default);
+  every other option above and in :mod:`ferrule.megatron.layer_options` is refused by name
+  together with ``layer_spec`` (the builder cannot apply it to a spec it does not know; use
+  :func:`customize_local_spec` to build such a spec).
 - ``core_attention``: ``"sdpa"``, ``"local"``, a ``DotProductAttention`` subclass, or a
   ``"module:attr"`` reference to one.
 """
@@ -39,7 +43,7 @@ import torch
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 
 __all__ = ["FerruleRMSNorm", "PostNormRowParallelLinear", "EXTRA_NORMS", "customize_local_spec",
-           "install_output_hooks", "resolve_class"]
+           "compose_core_attention", "install_output_hooks", "resolve_class"]
 
 #: Values accepted by the ``extra_norms`` option.
 EXTRA_NORMS = ("post_attention", "post_mlp")
@@ -109,38 +113,63 @@ class PostNormRowParallelLinear(RowParallelLinear):
 
 
 def customize_local_spec(spec, config, *, attention_cls, attn_logit_softcapping: float | None,
-                         extra_norms: tuple[str, ...], zero_centered_norms: bool):
-    """The local layer ``spec`` with the core attention, norms and post-norms of the options.
+                         extra_norms: tuple[str, ...], zero_centered_norms: bool, pre_norms: Any = True,
+                         qk_norm: str = "per_head", layer_rope: tuple | None = None):
+    """The local layer ``spec`` with the core attention, norms, post-norms and RoPE of the options.
+
+    ``pre_norms``, ``qk_norm`` and ``layer_rope`` are described in
+    :mod:`ferrule.megatron.layer_options`; the rest in this module's docs.
 
     Returns:
         ``(layer_spec, final_norm_spec_or_None)``; the final norm spec must go to the
         ``TransformerBlock`` (megatron builds it there, not in the layer).
 
     Raises:
-        ValueError: an unknown ``extra_norms`` entry, or a post-MLP norm on an MoE layer.
+        ValueError: an unknown ``extra_norms`` / ``pre_norms`` entry or ``qk_norm`` scope,
+            ``qk_norm='full_projection'`` without ``qk_layernorm``, or a post-MLP norm on an MoE layer.
     """
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .layer_options import QK_NORM_SCOPES, FullProjectionRMSNorm, LayerRoPESelfAttention, pre_norms_kept
 
     bad = [n for n in extra_norms if n not in EXTRA_NORMS]
     if bad:
         raise ValueError(f"extra_norms has {bad}; supported: {list(EXTRA_NORMS)}.")
+    if qk_norm not in QK_NORM_SCOPES:
+        raise ValueError(f"qk_norm={qk_norm!r}; supported: {list(QK_NORM_SCOPES)}.")
+    if qk_norm == "full_projection" and not config.qk_layernorm:
+        raise ValueError("qk_norm='full_projection' needs TransformerConfig qk_layernorm=True (Constant row).")
+    kept = pre_norms_kept(pre_norms)
     custom_norms = zero_centered_norms or bool(extra_norms)
-    if custom_norms and config.normalization != "RMSNorm":
-        raise ValueError(f"zero_centered_norms / extra_norms need normalization='RMSNorm', got {config.normalization!r}.")
+    if (custom_norms or qk_norm != "per_head") and config.normalization != "RMSNorm":
+        raise ValueError(f"zero_centered_norms / extra_norms / qk_norm need normalization='RMSNorm', "
+                         f"got {config.normalization!r}.")
     sub = spec.submodules
     attn = sub.self_attention
     core = ModuleSpec(module=attention_cls, params={"softcap": attn_logit_softcapping}) \
         if attn_logit_softcapping is not None else attention_cls
     attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
     norm = _norm_spec(zero_centered_norms) if custom_norms else None
-    if norm is not None and config.qk_layernorm:
+    if qk_norm == "full_projection":
+        attn_sub = dataclasses.replace(attn_sub, **{f"{w}_layernorm": ModuleSpec(
+            module=FullProjectionRMSNorm, params={"which": w, "zero_centered": zero_centered_norms}) for w in "qk"})
+    elif norm is not None and config.qk_layernorm:
         attn_sub = dataclasses.replace(attn_sub, q_layernorm=norm, k_layernorm=norm)
     if "post_attention" in extra_norms:
         attn_sub = dataclasses.replace(attn_sub, linear_proj=ModuleSpec(
             module=PostNormRowParallelLinear, params={"zero_centered": zero_centered_norms}))
-    changes: dict[str, Any] = {"self_attention": dataclasses.replace(attn, submodules=attn_sub)}
+    attn_spec = dataclasses.replace(attn, submodules=attn_sub)
+    if layer_rope is not None:
+        attn_spec = dataclasses.replace(attn_spec, module=LayerRoPESelfAttention,
+                                        params={**attn_spec.params, "layer_rope": tuple(layer_rope)})
+    changes: dict[str, Any] = {"self_attention": attn_spec}
     if norm is not None:
         changes.update(input_layernorm=norm, pre_mlp_layernorm=norm)
+    if "attention" not in kept:
+        changes["input_layernorm"] = IdentityOp
+    if "mlp" not in kept:
+        changes["pre_mlp_layernorm"] = IdentityOp
     if "post_mlp" in extra_norms:
         if config.num_moe_experts:
             raise ValueError("extra_norms=('post_mlp',) is implemented for dense MLPs only.")
@@ -149,6 +178,20 @@ def customize_local_spec(spec, config, *, attention_cls, attn_logit_softcapping:
             mlp.submodules, linear_fc2=ModuleSpec(module=PostNormRowParallelLinear,
                                                   params={"zero_centered": zero_centered_norms})))
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes)), norm
+
+
+def compose_core_attention(spec, attention_cls):
+    """``spec`` (a ``TransformerLayer`` ``ModuleSpec``) with ``attention_cls`` as its core attention, when
+    the spec's own is megatron's plain ``DotProductAttention`` (the local spec's, 2.7x slower than
+    SDPA on an H200); any other core attention, or a spec of another shape, is returned unchanged."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    attn_sub = getattr(attn, "submodules", None)
+    if attn_sub is None or getattr(attn_sub, "core_attention", None) is not DotProductAttention:
+        return spec
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn_sub, core_attention=attention_cls))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
 
 
 def install_output_hooks(model, *, embedding_multiplier: float | None, final_logit_softcapping: float | None) -> None:

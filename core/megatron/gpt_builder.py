@@ -173,6 +173,9 @@ def build_gpt_model(
     final_logit_softcapping: float | None = None,
     extra_norms: tuple[str, ...] = (),
     zero_centered_norms: bool = False,
+    pre_norms: Any = True,
+    qk_norm: str = "per_head",
+    layer_rope: Any = None,
 ):
     """One megatron-core ``GPTModel`` with the local layer spec (no TransformerEngine).
 
@@ -200,9 +203,15 @@ def build_gpt_model(
         layer_spec, embedding_multiplier, attn_logit_softcapping, final_logit_softcapping,
             extra_norms, zero_centered_norms: extension points for non-Llama decoders
             (Gemma-2 style); see :mod:`ferrule.megatron.extensions`.
+        pre_norms, qk_norm, layer_rope: pre-norm placement, q/k norm scope and one RoPE per
+            layer (OLMo-2 / Gemma-3 style); see :mod:`ferrule.megatron.layer_options`.
 
     Returns:
         A ``GPTModel`` on the backend's device.
+
+    Raises:
+        ValueError: ``layer_spec`` together with options it would not apply (named), or an
+            invalid option value.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -211,14 +220,29 @@ def build_gpt_model(
 
     from .attention import core_attention_class
     from .device import get_backend
+    from .layer_options import rope_scaling_kwargs as _rope_kwargs
 
     attention_cls = core_attention_class(core_attention)
     final_norm = None
-    if layer_spec is not None:
-        from .extensions import resolve_class
+    if layer_rope is not None:
+        from .layer_options import check_layer_rope
 
+        layer_rope = tuple({"rotary_percent": rotary_percent, **e} for e in check_layer_rope(layer_rope, config.num_layers))
+    layer_options = {"attn_logit_softcapping": attn_logit_softcapping, "extra_norms": tuple(extra_norms) or None,
+                     "zero_centered_norms": zero_centered_norms or None, "pre_norms": None if pre_norms is True else pre_norms,
+                     "qk_norm": None if qk_norm == "per_head" else qk_norm, "layer_rope": layer_rope}
+    if layer_spec is not None:
+        from .extensions import compose_core_attention, resolve_class
+
+        ignored = sorted(k for k, v in layer_options.items() if v is not None)
+        if ignored:
+            raise ValueError(
+                f"layer_spec replaces the whole decoder layer, so the model option(s) {ignored} would not be "
+                f"applied to it; build them into the spec (ferrule.megatron.extensions.customize_local_spec does "
+                f"this for the local spec) and drop the options, or drop layer_spec.")
         spec = resolve_class(layer_spec, "layer_spec")
         spec = spec(config) if callable(spec) and not isinstance(spec, ModuleSpec) else spec
+        spec = compose_core_attention(spec, attention_cls)
     else:
         from .extensions import customize_local_spec
 
@@ -230,7 +254,8 @@ def build_gpt_model(
         )
         spec, final_norm = customize_local_spec(
             spec, config, attention_cls=attention_cls, attn_logit_softcapping=attn_logit_softcapping,
-            extra_norms=tuple(extra_norms), zero_centered_norms=zero_centered_norms)
+            extra_norms=tuple(extra_norms), zero_centered_norms=zero_centered_norms, pre_norms=pre_norms,
+            qk_norm=qk_norm, layer_rope=layer_rope)
     if final_norm is not None:  # megatron builds the final norm in the TransformerBlock
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -253,7 +278,7 @@ def build_gpt_model(
         position_embedding_type=position_embedding_type,
         rotary_base=rotary_base,
         rotary_percent=rotary_percent,
-        **_rope_scaling_kwargs(rope_scaling),
+        **_rope_kwargs(rope_scaling),
         vp_stage=vp_stage,
     )
     from .extensions import install_output_hooks
@@ -266,18 +291,6 @@ def build_gpt_model(
     mark_tensor_parallel_params([model])
     norm_weights_to_params_dtype(model, config.params_dtype)
     return model
-
-
-def _rope_scaling_kwargs(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``GPTModel`` keywords for the ``rope_scaling`` model option (see :func:`build_gpt_model`)."""
-    if not rope_scaling:
-        return {}
-    kind, factor = rope_scaling.get("type"), float(rope_scaling.get("factor", 0.0))
-    if kind == "linear":
-        return {"seq_len_interpolation_factor": factor}
-    if kind == "llama3":
-        return {"rope_scaling": True, "rope_scaling_factor": factor}
-    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear' or 'llama3'.")
 
 
 def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
@@ -306,7 +319,10 @@ _MODEL_OPTION_KEYS = (
     "vocab_size", "max_sequence_length", "share_embeddings_and_output_weights", "rotary_base",
     "position_embedding_type", "rotary_percent", "rope_scaling", "layer_spec", "embedding_multiplier",
     "attn_logit_softcapping", "final_logit_softcapping", "extra_norms", "zero_centered_norms",
+    "pre_norms", "qk_norm", "layer_rope",
 )
+#: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model`).
+_BUILDER_READ_OPTIONS = ("activation",)
 
 
 def build_from_hf_config(
@@ -338,7 +354,9 @@ def build_from_hf_config(
         ``list[GPTModel]``, one per virtual pipeline stage (length 1 without ``layout.vpp``).
 
     Raises:
-        ConfigTranslationError: the HF config is unsupported (from the translation).
+        ConfigTranslationError: the HF config is unsupported (from the translation), or the
+            translation produced a model option the builder does not know (named, with the
+            closest known name: a misspelt option would otherwise be dropped silently).
         RuntimeError: model parallel state not initialized, or initialized with another layout.
         ValueError: the layout does not fit the model (see :func:`make_transformer_config`).
     """
@@ -372,6 +390,16 @@ def build_from_hf_config(
         overrides=overrides,
     )
     model_kwargs = {k: options[k] for k in _MODEL_OPTION_KEYS if k in options}
+    unknown = sorted(set(options) - set(_MODEL_OPTION_KEYS) - set(_BUILDER_READ_OPTIONS))
+    if unknown:
+        import difflib
+
+        known = sorted(_MODEL_OPTION_KEYS + _BUILDER_READ_OPTIONS)
+        hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k in unknown
+                          if (m := difflib.get_close_matches(k, known, n=1)))
+        raise ConfigTranslationError(
+            f"translation {translation.name!r} produced model option(s) {unknown} that the builder does not know "
+            f"(they would be silently dropped){' (' + hints + ')' if hints else ''}; known options: {known}.")
     stages = layout.vpp or 1
     return [
         build_gpt_model(

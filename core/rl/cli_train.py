@@ -8,7 +8,8 @@ Several ranks: ``ferrule train --nproc N CONFIG`` checks the config and the layo
 user error, whose message it repeats last). ``torchrun ... -m ferrule train`` works directly too.
 
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
-the run; a bad path or checkpoint; a reward function that raised on every sample of a step:
+the run; a bad path or checkpoint; a reward function refused at set-up (it raises on or mis-scores
+the task's reference answers):
 :data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C (after saving a checkpoint when
 ``checkpoint.save_on_interrupt``); 1 other errors.
 """

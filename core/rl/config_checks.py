@@ -51,6 +51,11 @@ def validate_config(cfg: RLConfig) -> list[str]:
     for key in ("tp", "pp", "ep", "vpp"):
         if getattr(cfg.parallel, key) < 1:
             p.append(f"parallel.{key}: must be >= 1, got {getattr(cfg.parallel, key)}")
+    if not (t.colocate is True or t.colocate is False or t.colocate == "auto"):
+        p.append(f"train.colocate: expected true, false or auto, got {t.colocate!r}")
+    elif t.colocate is True and ro.engine != "embedded":
+        p.append("train.colocate: true needs rollout.engine: embedded (an SGLang server holds its own device); "
+                 "set train.colocate: false or auto")
     if not cfg.parallel.timeout_s > 0:
         p.append(f"parallel.timeout_s: must be > 0 seconds, got {cfg.parallel.timeout_s}")
     if cfg.rollout.prompts_per_shard < 0:
@@ -136,6 +141,9 @@ def validate_config(cfg: RLConfig) -> list[str]:
                  f"{a.tis_cap}; or set algorithm.use_tis=false")
     if a.kl_coef < 0:
         p.append(f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    if a.loss == "gspo" and (a.use_tis or a.kl_coef > 0):
+        p.append("algorithm.loss=gspo: the sequence-ratio loss takes no truncated-IS or KL term; set "
+                 "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
 
@@ -233,14 +241,22 @@ def _lora_problems(cfg: RLConfig) -> list[str]:
         p.append(f"lora.alpha: must be > 0, got {lo.alpha}")
     if not 0 <= lo.dropout < 1:
         p.append(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
-    tm = lo.target_modules
+    tm, tp = lo.target_modules, lo.target_parameters
+    if not isinstance(tp, list) or not all(isinstance(x, str) and x for x in tp):
+        p.append(f"lora.target_parameters: expected a list of HF parameter paths (e.g. [mlp.experts.gate_up_proj, "
+                 f"mlp.experts.down_proj]), got {tp!r}")
+    elif len(set(tp)) != len(tp):
+        p.append(f"lora.target_parameters: {tp!r} names a parameter twice")
+    elif tp and tm == "all":
+        p.append("lora.target_parameters: set with lora.target_modules 'all', which already adapts every expert "
+                 "parameter; remove one of them")
     if isinstance(tm, str):
         if tm != "all":
             p.append(f"lora.target_modules: {tm!r} is neither 'all' nor a list; write a list of module names, "
                      f"e.g. [{tm}]")
-    elif not isinstance(tm, list) or not tm or not all(isinstance(x, str) and x and x != "all" for x in tm):
-        p.append(f"lora.target_modules: expected 'all' or a non-empty list of module names (e.g. [q_proj, v_proj] "
-                 f"or [linear_qkv, linear_proj]), got {tm!r}")
+    elif not isinstance(tm, list) or not (tm or tp) or not all(isinstance(x, str) and x and x != "all" for x in tm):
+        p.append(f"lora.target_modules: expected 'all' or a list of module names (e.g. [q_proj, v_proj] or "
+                 f"[linear_qkv, linear_proj]; empty only with lora.target_parameters), got {tm!r}")
     elif len(set(tm)) != len(tm):
         p.append(f"lora.target_modules: {tm!r} names a module twice")
     return p

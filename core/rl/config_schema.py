@@ -127,8 +127,12 @@ class RewardConfig:
                       "else 0. Both the score and accuracy are logged either way.")
     failure_reward: float = _f(0.0, "Reward of a sample whose reward function raised (e.g. a verifier "
                                     "that cannot parse a junk answer); the run goes on, counting "
-                                    "reward_errors. A function raising on every sample of a step stops "
-                                    "the run.", "reward")
+                                    "reward_errors, with a warning for each step where half the samples "
+                                    "or more failed.", "reward")
+    check_reference: bool = _f(True, "Before training, score the first prompts' reference answers (and a few "
+                                     "malformed strings): a function that raises on or does not give full "
+                                     "score to a reference answer, or gives it to junk, is refused. false: for "
+                                     "functions that do not score against the prompt's answer.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +147,7 @@ class AlgorithmConfig:
     loss_aggregation: Literal["token_mean", "sample_mean", "constant"] = _f(
         "token_mean", "Per-token weights: mean over all response tokens of the batch; mean of per-sample "
                       "token means; or 1/(samples*max_new_tokens) (Dr. GRPO).")
-    loss: str = _f("ppo", "Policy loss name in ferrule.losses: ppo, cispo, importance_sampling, dro.")
+    loss: str = _f("ppo", "Policy loss name in ferrule.losses: ppo, cispo, importance_sampling, dro, gspo.")
     eps_clip: float = _f(0.2, "PPO ratio clip below: ratio >= 1 - eps_clip.")
     eps_clip_high: float = _f(0.28, "PPO ratio clip above: ratio <= 1 + eps_clip_high (DAPO clip-higher, "
                                     "arXiv 2503.14476).")
@@ -187,7 +191,11 @@ class LoraConfig:
     dropout: float = _f(0.0, "Dropout on the adapter's input during training, in [0, 1); rollout never drops.")
     target_modules: Any = _f("all", "'all' (every linear a registered applier handles, lm_head excepted) or a "
                                     "list of module names, Megatron (linear_qkv, linear_proj, linear_fc1, "
-                                    "linear_fc2, output_layer) or HF (q_proj, ..., down_proj, lm_head).")
+                                    "linear_fc2, output_layer: experts included) or HF modules as PEFT names them "
+                                    "(q_proj, ..., down_proj, lm_head: not the experts' 3-D parameters).")
+    target_parameters: Any = _f([], "HF parameter paths, PEFT's target_parameters: the routed experts "
+                                    "(mlp.experts.gate_up_proj, mlp.experts.down_proj) and Inkling's shared experts "
+                                    "(mlp.shared_experts.gate_proj + up_proj, down_proj); empty with 'all'.")
     use_rslora: bool = _f(False, "Rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023).")
 
 
@@ -203,6 +211,10 @@ class TrainConfig:
     micro_batch_tokens: int = _f(4096, "Token budget of one forward_backward micro-batch (prompt + "
                                        "response tokens).", "tokens")
     seed: int = _f(42, "Seed of data order, sampling and initialization.")
+    colocate: Any = _f("auto", "Train and rollout take turns on the device (docs/train.md \"Colocation\"): each "
+                               "step wakes the rollout engine, generates, puts it to sleep, onloads the train "
+                               "engine, trains, syncs and offloads it. true, false, or auto: on with CUDA when "
+                               "both engines would not fit at once, off on CPU. Bit-identical to false.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,8 +11,8 @@ One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` s
    ``max_new_tokens``. The engine also returns the temperature-1 logprobs of the sampled tokens.
 3. **Rewards**: decoded responses -> answer extraction -> the task's verifier -> ``reward.mode``
    (+ format reward). A sample whose reward function raises gets ``reward.failure_reward`` and
-   is counted (``reward_errors``); a step where every sample raised stops the run
-   (:mod:`ferrule.rl.rewards`).
+   is counted (``reward_errors``), with a warning for a step where many raised; a broken function
+   is refused at set-up, where it scores the task's reference answers (:mod:`ferrule.rl.rewards`).
 4. **Advantages**: group-normalized (:func:`~ferrule.rl.advantages.grpo_advantages`), one per
    sample, broadcast over its response tokens.
 5. **Old / reference logprobs**: with ``algorithm.use_tis`` or several optimizer steps per
@@ -198,6 +198,8 @@ class GRPOTrainer:
         self.eval_source = build_prompt_source(cfg.data, eval_cfg=cfg.eval) if cfg.eval.interval > 0 else None
         self.eval_reward_fn = (build_reward_fn_from_config(cfg, self.eval_source)
                                if self.eval_source is not None else None)
+        if cfg.reward.check_reference:  # a broken reward function is refused here, not at step 1
+            self._check_reward_fn()
 
         hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
         self.family = cfg.model.family or registry.family_for_hf_config(hf_config).name
@@ -254,6 +256,7 @@ class GRPOTrainer:
                 ids = self.tokenizer.encode(tok, add_special_tokens=False)
                 (stop_ids.extend(ids) if len(ids) == 1 else stop_strings.append(tok))
             self.stop_ids, self.stop_strings = tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
+        self._setup_colocation()
         self._prompt_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self._media_cache: dict[tuple[str, int], dict] = {}
         self.towers = registry.get_towers(self.family)
@@ -282,6 +285,20 @@ class GRPOTrainer:
                       f"{len(self.source)} prompts ({self.source.name}){layout_note}, "
                       f"setup {time.perf_counter() - t0:.1f} s")
         self._setup_done = True
+
+    def _check_reward_fn(self) -> None:
+        """:func:`ferrule.rl.rewards.check_reward_fn` on the train (and eval) prompts; prints what it found."""
+        from ferrule.rl.rewards import check_reward_fn
+
+        cfg = self.cfg
+        for fn, source in ((self.reward_fn, self.source), (self.eval_reward_fn, self.eval_source)):
+            if fn is None:
+                continue
+            found = check_reward_fn(fn, source, extraction=cfg.data.answer_extraction, function=cfg.reward.function)
+            if source is self.source and found.checked:
+                self._log(f"reward check: the reference answers of {len(found.checked)} prompts score correct"
+                          + "".join(f"; raises on the malformed answer {junk!r} ({err}), such samples score "
+                                    f"{cfg.reward.failure_reward}" for junk, err in found.raises_on_malformed[:2]))
 
     # ------------------------------------------------------------------ pieces
     def _prompt_ids(self, prompt: Any, kind: str) -> tuple[int, ...]:
@@ -392,12 +409,14 @@ class GRPOTrainer:
         return out
 
     def _score(self, reward_fn: Any, texts: list[str], prompts: list[Any], where: str) -> list[Any]:
-        """Rewards with failures scored as ``reward.failure_reward``; the first few are printed; a step
-        whose every sample failed raises :class:`~ferrule.rl.rewards.RewardError`."""
-        from ferrule.rl.rewards import check_reward_failures, describe_failure, score_responses
+        """Rewards with failures scored as ``reward.failure_reward``; the first few are printed, and a
+        warning for a step where many failed (:func:`~ferrule.rl.rewards.reward_failure_warning`)."""
+        from ferrule.rl.rewards import describe_failure, reward_failure_warning, score_responses
 
         rewards = score_responses(reward_fn, texts, prompts, failure_reward=self.cfg.reward.failure_reward)
-        check_reward_failures(rewards, texts, prompts, where)
+        warning = reward_failure_warning(rewards, texts, prompts, where)
+        if warning:
+            self._log(warning)
         for r, text, prompt in zip(rewards, texts, prompts):
             if r.error_type is not None and self._reward_failures_shown < MAX_SHOWN_REWARD_FAILURES:
                 self._reward_failures_shown += 1
@@ -439,12 +458,30 @@ class GRPOTrainer:
         self.last_sync = stats
         return time.perf_counter() - t0
 
+    def _setup_colocation(self) -> None:
+        """``train.colocate`` (:mod:`ferrule.rl.colocate`): decide, and keep the phase meter."""
+        from ferrule.rl.colocate import Colocation, PhaseMeter, resolve_colocate
+
+        self.meter = PhaseMeter()
+        try:
+            on, why = resolve_colocate(self.cfg.train.colocate, self.engine, self.rollout, self.cfg,
+                                       distributed=self.roles.distributed)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
+        self.colocation = Colocation(self.engine, self.rollout, self.meter) if on else None
+        if self.cfg.train.colocate is not False:
+            self._log(why)
+
+    def _rollout_phase(self) -> None:
+        if self.colocation is not None:
+            self.colocation.rollout_phase()
+
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Run step ``step`` (1-based); return ``(metrics, logged samples)``."""
         import torch
 
-        from ferrule.losses import finalize_metrics, sum_metrics
+        from ferrule.losses import SEQUENCE_LEVEL, finalize_metrics, sum_metrics
         from ferrule.rl.advantages import grpo_advantages, token_weights, zero_std_group_fraction
         from ferrule.rl.batch import (Sample, build_datums, loss_fn_config, response_slice, sequence_datum,
                                       split_groups)
@@ -456,6 +493,10 @@ class GRPOTrainer:
         t_step = time.perf_counter()
         _reset_peak_memory()  # the step's peak (CUDA); CPU reports the process peak RSS
         driver = self.roles.is_driver
+        self._rollout_phase()  # colocated: train offloaded, rollout awake
+        self.meter.record_now("memory_offloaded_bytes")
+        self.meter.start()
+        t_roll0 = time.perf_counter()
         if driver:
             prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
             prompt_ids = [self._prompt_ids(p, "train") for p in prompts]
@@ -464,7 +505,11 @@ class GRPOTrainer:
             texts = self._decode(results)
         else:
             self._rollout(step)
-        t_rollout = time.perf_counter() - t_step
+        t_rollout = time.perf_counter() - t_roll0
+        self.meter.stop("rollout")
+        if self.colocation is not None:
+            self.colocation.train_phase()  # rollout asleep, train onloaded
+        self.meter.start()
         if driver:
             rewards = self._score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
         if self.roles.distributed:  # every rank builds the same train batch from the driver's rollout
@@ -504,7 +549,8 @@ class GRPOTrainer:
                               max_new_tokens=ro.max_new_tokens)
             datums = build_datums([samples[i] for i in idx], weights=w, advantages=[adv[i] for i in idx],
                                   behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
-                                  ref_logprobs=[ref[i] for i in idx] if ref is not None else None)
+                                  ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
+                                  sequence_ratio=loss_name in SEQUENCE_LEVEL)
             out = self.engine.forward_backward(datums, loss_name, loss_cfg)
             sums.append({key: v for key, v in out.metrics.items() if key.endswith(":sum")})
             for j, i in enumerate(idx):
@@ -519,7 +565,12 @@ class GRPOTrainer:
             lrs.append(res["learning_rate"])
             skipped += not res["success"]
         t_train = time.perf_counter() - t_train0
-        t_sync = self._sync()
+        self.meter.stop("train")
+        self.meter.start()
+        t_sync = self._sync()  # colocated: into the sleeping rollout engine's host copies
+        self.meter.stop("sync")
+        if self.colocation is not None:
+            self.colocation.offload_train()
 
         lm = finalize_metrics(sum_metrics(sums))
         lengths = [len(s.response_ids) for s in samples]
@@ -566,6 +617,7 @@ class GRPOTrainer:
                         "weights_version": self.engine.step, "epoch": self.sampler.epoch,
                         "sync_bytes": self.last_sync.bytes})
         metrics.update(_memory_metrics())
+        metrics.update(self.meter.pop())
         if self.last_sync.device_memory_after is not None:  # a leaking export shows up here first
             metrics["sync_device_memory_delta_bytes"] = (self.last_sync.device_memory_after
                                                          - self.last_sync.device_memory_before)
@@ -576,6 +628,7 @@ class GRPOTrainer:
                 metrics[key + "_min"] = min(x[j] for x in times)
             self._stop_requested = any(x[3] for x in times)  # Ctrl-C on any rank stops all at this step
         if driver and self.eval_source is not None and step % cfg.eval.interval == 0:
+            self._rollout_phase()
             t_eval = time.perf_counter()
             metrics.update(self._evaluate(step))
             metrics["time_eval_s"] = time.perf_counter() - t_eval
@@ -630,7 +683,7 @@ class GRPOTrainer:
         diffs = config_differences(state.get("config", {}), self.cfg.to_dict())
         if diffs:
             raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
-                                       "checkpointed run (only train.steps, checkpoint.*, eval.*, logging.* and "
+                                       "checkpointed run (only train.steps, train.colocate, checkpoint.*, eval.*, logging.* and "
                                        "parallel.* may change); or start a new logging.run_dir"], origin=str(path))
         try:  # before the engine loads: a data set that changed size or order cannot resume
             self.sampler.load_state_dict(state["sampler"])
@@ -732,6 +785,7 @@ class GRPOTrainer:
             with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
                                       console=self.console) as bar:
                 if start == 0 and self.eval_source is not None and driver:
+                    self._rollout_phase()
                     logged.append(logger.log(0, self._evaluate(0)))
                     self._log_eval(0, logged[-1])
                     bar.restart_clock()

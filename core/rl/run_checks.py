@@ -40,6 +40,7 @@ def lora_settings(cfg: RLConfig) -> Any:
     targets = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
     try:
         return LoraSettings(rank=lo.rank, alpha=float(lo.alpha), dropout=float(lo.dropout), target_modules=targets,
+                            target_parameters=tuple(lo.target_parameters),
                             use_rslora=lo.use_rslora, init_seed=cfg.train.seed)
     except ValueError as exc:
         raise ConfigError([f"lora: {exc}"]) from None

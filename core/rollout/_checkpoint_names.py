@@ -48,6 +48,8 @@ class CheckpointTensor:
     #: ``shared_w13_weight`` from ``shared_experts.gate_proj`` and ``up_proj``): the parameters, and
     #: per parameter the positions in the flattened checkpoint tensor and the flat indices in it
     parts: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
+    #: the model parameter name of each entry of ``parts``
+    part_names: tuple[str, ...] = ()
 
     def read(self) -> torch.Tensor:
         """The tensor (an alias when ``view`` is set, else a gathered copy)."""
@@ -136,11 +138,13 @@ def _trace_group(model: torch.nn.Module, names: list[str], params: dict[str, tor
             # elements of several parameters (one module's): gather / scatter per parameter
             flat = idx.reshape(-1)
             owner = torch.tensor([bisect.bisect_right(bases, int(v)) - 1 for v in flat.tolist()])
-            parts = []
+            parts, part_names = [], []
             for j in owner.unique().tolist():
                 pos = (owner == j).nonzero().reshape(-1)
                 parts.append((params[names[j]], pos, flat[pos] - bases[j]))
-            entries.append(CheckpointTensor(ck_name, p_name, param, tuple(idx.shape), None, None, tuple(parts)))
+                part_names.append(names[j])
+            entries.append(CheckpointTensor(ck_name, p_name, param, tuple(idx.shape), None, None, tuple(parts),
+                                            tuple(part_names)))
             continue
         strided = _strided(local)
         if strided is None:

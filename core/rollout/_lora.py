@@ -282,6 +282,9 @@ class EmbeddedLoraServing:
                 "update_lora_adapter: serving a routed-expert adapter (peft_config target_parameters="
                 f"{peft_config.get('target_parameters')!r}) under CUDA-graph decode is not verified; build the engine "
                 "with EmbeddedEngine(..., cuda_graph=False), or adapt only attention / dense modules.")
+        if self._lora is None and getattr(self, "_asleep", False):
+            raise RuntimeError("update_lora_adapter: the first adapter cannot be injected while the engine is asleep; "
+                               "call wake() first (later updates of a served adapter work asleep).")
         if self._lora is None:
             self._checkpoint_tensors()  # base names and views, taken before PEFT renames the wrapped linears
             self._lora = ServedLoraAdapter.inject(self.model, peft_config, tensors)

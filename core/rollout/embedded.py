@@ -38,6 +38,7 @@ import torch
 from ferrule.rollout._checkpoint_names import CheckpointTensor, checkpoint_tensors
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
+from ferrule.rollout._sleep import EmbeddedSleep
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
 from ferrule.rollout._static_cache import OPAQUE_SDPA, DecodeState, layer_windows, use_opaque_sdpa
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
@@ -79,7 +80,7 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
         return unregistered
 
 
-class EmbeddedEngine(EmbeddedLoraServing):
+class EmbeddedEngine(EmbeddedLoraServing, EmbeddedSleep):
     """Rollout engine running a transformers CausalLM in-process.
 
     Build it from exactly one of:
@@ -193,6 +194,9 @@ class EmbeddedEngine(EmbeddedLoraServing):
         self._lora = None  # ferrule.rollout._lora.ServedLoraAdapter while an adapter is served
         self._lora_name: str | None = None
         self._closed = False
+        self._asleep = False
+        self._stash = None  # ferrule.offload.HostStash of the weights while asleep(weights=True)
+        self._last_stash = None  # its page-locked host buffers, reused by the next sleep
         if state_dict is not None:  # checkpoint names
             self._load_checkpoint_named(state_dict)
 
@@ -243,6 +247,8 @@ class EmbeddedEngine(EmbeddedLoraServing):
         """
         if self._closed:
             raise RuntimeError("EmbeddedEngine.generate after shutdown(); build a new engine.")
+        if self._asleep:
+            raise RuntimeError("EmbeddedEngine.generate while asleep; call wake() first.")
         reqs = as_requests(requests)
         params = sampling_params
         matcher = None
@@ -487,10 +493,11 @@ class EmbeddedEngine(EmbeddedLoraServing):
         # pageable memory returns before the data has landed, and the source bucket can be freed
         # and reused by the caching allocator meanwhile (seen on an H200: a CPU rollout engine fed
         # from a CUDA train engine received garbage weights).
-        async_ok = self.device.type == "cuda"
+        async_ok = self.device.type == "cuda" and self._stash is None
         for name, tensor in items:
-            dst = targets[name]
-            dst.write_(tensor.to(self.device, dst.param.dtype, non_blocking=async_ok and tensor.device.type == "cpu"))
+            dst = self._live(targets[name])
+            dst.write_(tensor.to(dst.param.device, dst.param.dtype,
+                                 non_blocking=async_ok and tensor.device.type == "cpu"))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.weights_version = version
@@ -501,7 +508,7 @@ class EmbeddedEngine(EmbeddedLoraServing):
         model) except for a layout that is no strided view of a parameter (none among the ferrule
         families), which comes back as a copy.
         """
-        return {k: e.read() for k, e in self._checkpoint_tensors().items()}
+        return {k: self._live(e).read() for k, e in self._checkpoint_tensors().items()}
 
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> dict[str, Any]:

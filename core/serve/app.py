@@ -21,7 +21,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .backend import EngineBackend, SampleSpec
+from .backend import EngineBackend, SampleSpec, SavedWeights
+from .limits import ServeLimits
+from .logprobs import parse_extras
 from .routes_train import add_training_routes
 from .scheduler import JSON, Job, Scheduler
 from .service import HTTPError, Service
@@ -35,8 +37,10 @@ log = logging.getLogger("ferrule.serve")
 
 
 def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, str], *,
-               long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024) -> FastAPI:
-    """Build the service. ``api_keys`` maps each ``tml-`` key to its tenant name.
+               long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
+               limits: ServeLimits | None = None) -> FastAPI:
+    """Build the service. ``api_keys`` maps each ``tml-`` key to its tenant name; ``limits``
+    bound each request and each tenant's queue (:class:`~ferrule.serve.limits.ServeLimits`).
 
     Raises:
         ValueError: no API keys (the service refuses to run open).
@@ -61,7 +65,7 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
     # ------------------------------------------------------------------ plumbing
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+        return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=exc.headers)
 
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next):
@@ -80,7 +84,8 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
                                time.monotonic() - start)
         return response
 
-    svc = Service(store, scheduler, backend, telemetry, storage)
+    limits = limits or ServeLimits()
+    svc = Service(store, scheduler, backend, telemetry, storage, limits)
     add_training_routes(app, svc)
     body_json, need, own_session, own_checkpoint, enqueue = (svc.body_json, svc.need, svc.own_session,
                                                              svc.own_checkpoint, svc.enqueue)
@@ -170,6 +175,8 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         body = await body_json(request)
         sid = need(body, "sampling_session_id")
         n = body.get("num_samples", 1)
+        if isinstance(n, int) and (over := limits.over("max_samples_per_request", n, "num_samples")):
+            raise HTTPError(400, f"asample: {over}")   # before anything is sized by n
         rid_seq = [f"{sid}:{body.get('seq_id', 0)}:{i}" for i in range(n if isinstance(n, int) else 0)]
         key = request.headers.get("x-idempotency-key")
         prev = store.future_by_key(request.state.tenant, key) if key else None
@@ -179,11 +186,11 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         row = store.sampling_session(sid)
         if row is None or row["tenant"] != request.state.tenant:
             raise HTTPError(404, f"sampling session {sid!r} does not exist for this API key.")
-        source: Path | str | None = None
+        source: SavedWeights | str | None = None
         if row["model_path"] is not None and row["model_path"].startswith("ephemeral:"):
             source = row["model_path"]
-        elif row["model_path"] is not None:
-            _, source = own_checkpoint(request, row["model_path"], "sampler_weights")
+        elif row["model_path"] is not None:  # pinned to the save the checkpoint holds now
+            source = backend.saved_weights(own_checkpoint(request, row["model_path"], "sampler_weights")[1])
         try:
             tokens: list[int] = []
             for chunk in (body.get("prompt") or {}).get("chunks") or []:
@@ -194,29 +201,37 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
                 raise ValueError(f"num_samples = {n!r}; expected an int >= 1.")
             backend.check_prompt(tokens)
             params = backend.sampling_params(body.get("sampling_params") or {}, len(tokens), n)
+            over = limits.over(
+                "max_tokens_per_request", n * (len(tokens) + params.max_new_tokens),
+                "num_samples * (prompt tokens + max_tokens)")
+            if over:
+                raise ValueError(over)
         except (ValueError, TypeError) as exc:
             raise HTTPError(400, f"asample: {exc}") from None
-        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
-                                   "target_prompt_logprobs", "record_stability_info") if body.get(k)]
-        if unsupported:
-            raise HTTPError(400, f"asample: {', '.join(unsupported)} not supported by ferrule serve; leave unset.")
+        if body.get("record_stability_info"):
+            raise HTTPError(400, "asample: record_stability_info is not supported by ferrule serve (stable_reinforce "
+                                 "is not offered); leave it unset.")
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and (not isinstance(last_n, int) or not 1 <= last_n <= len(tokens) - 1):
             raise HTTPError(400, f"asample: prompt_logprobs_last_n = {last_n!r}; expected 1..{len(tokens) - 1}.")
-        spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)))
+        try:
+            extras = parse_extras(body, len(tokens), backend.vocab_size, last_n)
+        except (ValueError, TypeError) as exc:
+            raise HTTPError(400, f"asample: {exc}") from None
+        spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)), extras)
 
-        def encode(seqs, prompt_lp, last_n):
+        def encode(seqs, prompt_lp, extras_out, last_n, extras):
             if prompt_lp is not None and last_n is not None:
                 prompt_lp = [math.nan] * (len(prompt_lp) - last_n) + prompt_lp[-last_n:]
-            return "application/x-protobuf", encode_sample_response(seqs, prompt_lp)
+            return "application/x-protobuf", encode_sample_response(seqs, prompt_lp, extras, extras_out)
 
         def run_batch(jobs):
             results = backend.sample(source, [j.payload[0] for j in jobs])
-            return [encode(seqs, lp, j.payload[1]) for j, (seqs, lp) in zip(jobs, results)]
+            return [encode(*res, j.payload[1], j.payload[0].extras) for j, res in zip(jobs, results)]
 
         def run():
-            (seqs, lp), = backend.sample(source, [spec])
-            return encode(seqs, lp, last_n)
+            (res,) = backend.sample(source, [spec])
+            return encode(*res, last_n, extras)
         # unseeded requests with the same weights and parameters may share one generate call
         key = None if params.seed is not None else f"sample|{source}|{params!r}"
         return enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),

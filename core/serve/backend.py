@@ -15,8 +15,10 @@ pointed at the storage of an existing LoRA engine's identical ones). Sampler wei
 Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`. Before a request it
 holds the weights the sampling session names (the base model, or a ``save_weights_for_sampler``
 snapshot, written as HF-named safetensors) and swaps them in place when another session
-samples (``update_weights``; the last-loaded snapshot is remembered so consecutive requests of
-one session swap nothing).
+samples (``update_weights``; the last-loaded weights are remembered so consecutive requests of
+one session swap nothing). A sampler checkpoint is identified by its directory *and* the id of
+the save that wrote it (:class:`SavedWeights`), so a checkpoint saved again under its name is
+loaded again; unnamed snapshots are kept per tenant (:meth:`EngineBackend.snapshot`).
 
 Every method is called from the service's single worker thread (:mod:`ferrule.serve.scheduler`),
 except :meth:`check_forward_backward`, a pure input check the HTTP handlers run on submission.
@@ -28,26 +30,49 @@ import collections
 import json
 import math
 import shutil
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["EngineBackend", "SampleSpec"]
+from .merge import merged_hf_state
+
+__all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
 #: default ``max_tokens`` when a sample request leaves it unset
 DEFAULT_MAX_TOKENS = 128
 #: LoRA alpha of Tinker training clients (Tinker's lora_config has no alpha; the tinker-cookbook's
 #: ``hyperparam_utils`` assumes ``lora_alpha=32`` when it scales learning rates for LoRA)
 TINKER_LORA_ALPHA = 32.0
-#: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory
+#: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory per tenant
 MAX_SNAPSHOTS = 4
+#: file in a sampler-weights directory naming the save that wrote it (a fresh id per save)
+GENERATION_FILE = "GENERATION"
+#: evicted snapshot keys remembered, so a request for one is told what evicted it
+_EVICTED_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class SavedWeights:
+    """A ``save_weights_for_sampler`` checkpoint as it was when a request was admitted: its
+    directory and the id of the save that wrote it (:data:`GENERATION_FILE`)."""
+
+    directory: Path
+    generation: str
+
+    def __str__(self) -> str:
+        return f"{self.directory}@{self.generation}"
 
 
 class SampleSpec:
     """One ``asample`` request, validated: prompt token ids, n, ferrule ``SamplingParams``,
-    and whether prompt logprobs are wanted."""
+    whether prompt logprobs are wanted, and the top-k / target / alternative-token extras
+    (:class:`ferrule.serve.logprobs.Extras`, or None)."""
 
-    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool):
+    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool, extras: Any = None):
         self.prompt, self.n, self.params, self.prompt_logprobs = prompt, n, params, prompt_logprobs
+        self.extras = extras
 
 
 class EngineBackend:
@@ -64,7 +89,8 @@ class EngineBackend:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
     """
 
-    def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None):
+    def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
+                 max_snapshots: int = MAX_SNAPSHOTS):
         self.base_dir = Path(base_model).absolute()
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
@@ -84,8 +110,12 @@ class EngineBackend:
         self._rollout = None
         self._base_state: dict | None = None
         self._loaded: str | None = None  # which weights the rollout engine holds: None = base
-        self._snapshots: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self.max_snapshots = max_snapshots
+        self._snapshots: dict[str, dict] = {}   # key -> tensors
+        self._tenant_snapshots: dict[str, collections.OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
+        self._evicted: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> what evicted it
         self._snap_counter = 0
+        self._merge_layout: tuple | None = None
         self._version = 0
         _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
 
@@ -236,8 +266,23 @@ class EngineBackend:
         self.lora_ranks[model_id] = None if lora is None else lora.rank
 
     def sampler_tensors(self, model_id: str) -> dict:
-        """The client's full model under HF names, adapters merged (:func:`merged_hf_state`)."""
-        return merged_hf_state(self.engine(model_id))
+        """The client's full model under HF names, adapters merged (:func:`merged_hf_state`, on a
+        meta-device copy of the transformers model built once).
+
+        Raises:
+            MergeError: an adapter key that cannot be merged (nothing is written then).
+        """
+        engine = self.engine(model_id)
+        if getattr(engine, "lora", None) is None:
+            return merged_hf_state(engine)
+        if self._merge_layout is None:
+            from ferrule.rollout._checkpoint_names import checkpoint_tensors
+
+            from .merge import meta_model
+
+            model = meta_model(self.hf_config)
+            self._merge_layout = (model, checkpoint_tensors(model))
+        return merged_hf_state(engine, *self._merge_layout)
 
     def save_sampler_weights(self, model_id: str, directory: Path) -> int:
         """The full model as HF-named safetensors (``model.safetensors``) for sampling; returns bytes."""
@@ -246,10 +291,25 @@ class EngineBackend:
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
+        try:
+            save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
+            (tmp / GENERATION_FILE).write_text(uuid.uuid4().hex)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
         return _du(directory)
+
+    @staticmethod
+    def saved_weights(directory: Path) -> SavedWeights:
+        """The sampler checkpoint in ``directory`` as it is now (its save's id; a checkpoint of an
+        older server without :data:`GENERATION_FILE` is named by its file's modification time)."""
+        gen = directory / GENERATION_FILE
+        if gen.is_file():
+            return SavedWeights(directory, gen.read_text().strip())
+        weights = directory / "model.safetensors"
+        return SavedWeights(directory, f"mtime-{weights.stat().st_mtime_ns if weights.is_file() else 0}")
 
     # ---------------------------------------------------------------- sampling
     @property
@@ -273,35 +333,62 @@ class EngineBackend:
             self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
         return self._rollout
 
-    def snapshot(self, model_id: str) -> str:
+    def snapshot(self, model_id: str, tenant: str = "") -> str:
         """Keep the client's current weights in memory for sampling (``save_weights_and_get_sampling_client``:
         Tinker's ephemeral sampler weights, never written to disk); returns the snapshot key.
-        The :data:`MAX_SNAPSHOTS` most recent snapshots are kept; older ones are dropped."""
+
+        Each tenant keeps its :attr:`max_snapshots` most recent snapshots (one tenant's snapshots
+        never evict another's); a request for an evicted one fails naming the snapshot that evicted it.
+        """
         self._snap_counter += 1
         key = f"ephemeral:{model_id}:{self._snap_counter}"
         self._snapshots[key] = self.sampler_tensors(model_id)
-        while len(self._snapshots) > MAX_SNAPSHOTS:
-            self._snapshots.popitem(last=False)
+        mine = self._tenant_snapshots.setdefault(tenant, collections.OrderedDict())
+        mine[key] = None
+        while len(mine) > self.max_snapshots:
+            old, _ = mine.popitem(last=False)
+            self._snapshots.pop(old, None)
+            self._evicted[old] = (f"evicted at {time.strftime('%H:%M:%S')} by {key}: the server keeps the "
+                                  f"{self.max_snapshots} latest unnamed sampler snapshots per tenant")
+            while len(self._evicted) > _EVICTED_KEPT:
+                self._evicted.popitem(last=False)
         return key
 
-    def _hold(self, source: Path | str | None) -> Any:
-        """The rollout engine holding ``source``'s weights: None = base, a sampler-weights
-        directory, or a :meth:`snapshot` key (swapped in place when it differs from the last)."""
+    def _snapshot_tensors(self, key: str) -> dict:
+        if key in self._snapshots:
+            return self._snapshots[key]
+        why = self._evicted.get(key, "not in this server process (snapshots are kept in memory only, none across "
+                                     "restarts)")
+        raise LookupError(f"the weights of this sampling client ({key}) are gone: {why}. Call "
+                          "save_weights_and_get_sampling_client again, or save_weights_for_sampler(name) for weights "
+                          "that stay.")
+
+    def _hold(self, source: SavedWeights | str | None) -> Any:
+        """The rollout engine holding ``source``'s weights: None = base, a sampler checkpoint as
+        admitted (:class:`SavedWeights`), or a :meth:`snapshot` key (swapped in place when it
+        differs from the last).
+
+        Raises:
+            LookupError: the snapshot was evicted, or the checkpoint was saved again under its
+                name after the request was admitted (the request never runs on other weights).
+        """
         engine = self.rollout
         key = None if source is None else str(source)
+        if isinstance(source, SavedWeights):
+            now = self.saved_weights(source.directory)
+            if now.generation != source.generation:
+                raise LookupError(f"sampler checkpoint {source.directory.name} was saved again (same name) after this "
+                                  "request was admitted, so the weights it was admitted for are gone; resubmit it to "
+                                  "sample the new weights.")
         if key != self._loaded:
             if source is None:
                 tensors = self._base_state
             elif isinstance(source, str):
-                if source not in self._snapshots:
-                    raise LookupError(f"the weights of this sampling client ({source}) are gone: the server keeps the "
-                                      f"{MAX_SNAPSHOTS} latest unnamed snapshots in memory and none across restarts; "
-                                      "call save_weights_and_get_sampling_client again, or save_weights_for_sampler(name).")
-                tensors = self._snapshots[source]
+                tensors = self._snapshot_tensors(source)
             else:
                 from safetensors.torch import load_file
 
-                tensors = load_file(str(source / "model.safetensors"))
+                tensors = load_file(str(source.directory / "model.safetensors"))
             targets = engine.get_hf_state_dict()
             self._version += 1
             engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
@@ -354,14 +441,15 @@ class EngineBackend:
             raise ValueError(f"prompt holds token ids {bad[:5]} outside [0, {self.vocab_size}); the tokens do not "
                              "belong to this model's tokenizer.")
 
-    def sample(self, source: Path | str | None, specs: Sequence[SampleSpec]) -> list[tuple[list, list | None]]:
+    def sample(self, source: SavedWeights | str | None, specs: Sequence[SampleSpec]) -> list[tuple[list, list | None]]:
         """Sample ``spec.n`` continuations of each prompt with the weights of ``source`` (see
         :meth:`_hold`), all prompts in one ``generate`` call (they must share ``params``).
 
         Returns:
-            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
+            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None, extras)``;
             ``prompt_logprobs[0]`` is NaN (no context), ``[i]`` = log p(prompt[i] | prompt[:i])
-            from float32 ``log_softmax`` of the untempered logits.
+            from float32 ``log_softmax`` of the untempered logits; ``extras`` is
+            :func:`ferrule.serve.logprobs.compute_extras`' dict (empty when none were asked).
         """
         import torch
 
@@ -381,37 +469,14 @@ class EngineBackend:
                     logits = engine.model(input_ids=ids).logits[0].float()
                     lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
                 prompt_lp = [math.nan] + lp.cpu().tolist()
-            out.append((seqs, prompt_lp))
+            extras = {}
+            if spec.extras is not None and spec.extras.any:
+                from .logprobs import compute_extras
+
+                extras = compute_extras(engine.model, engine.device, spec.prompt, seqs, spec.extras,
+                                        params.temperature, params.seed)
+            out.append((seqs, prompt_lp, extras))
         return out
-
-
-def merged_hf_state(engine: Any) -> dict:
-    """The engine's full model under HF names (CPU copies): :meth:`TrainEngine.export_hf_state`,
-    with LoRA adapters merged as PEFT merges them, ``W + scaling * B @ A``
-    (``peft/tuners/lora/layer.py``; ``scaling = lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA),
-    computed in float64 and cast back to the weight's dtype.
-
-    Raises:
-        KeyError: an adapter whose base tensor the export does not hold.
-    """
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in engine.export_hf_state()}
-    if getattr(engine, "lora", None) is None:
-        return tensors
-    from ferrule.lora import hf_adapter_state_dict, peft_config
-
-    cfg = peft_config(engine)
-    scaling = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
-    adapters = {k: v.detach().to("cpu") for k, v in hf_adapter_state_dict(engine).items()}
-    for key, a in adapters.items():
-        if ".lora_A." not in key:
-            continue
-        b = adapters[key.replace(".lora_A.", ".lora_B.")]
-        target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-        if target not in tensors:
-            raise KeyError(f"LoRA adapter {key} has no base tensor {target} to merge into.")
-        w = tensors[target]
-        tensors[target] = (w.double() + scaling * (b.double() @ a.double())).to(w.dtype)
-    return tensors
 
 
 def _du(path: Path) -> int:

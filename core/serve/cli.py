@@ -41,8 +41,18 @@ def _ready_server(app, host: str, port: int, line: str):
     return Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
 
+#: ``--api-keys`` help; ``\\[`` keeps rich (the CLI's markup mode) from taking ``[tenant]`` for a style tag
+API_KEYS_HELP = ("File of API keys, one per line: 'tml-KEY \\[TENANT]' (KEY: at least 4 more characters; TENANT, "
+                 "optional and separated by whitespace, names the tenant the key acts for: keys with one TENANT share "
+                 "its sessions, models and checkpoints, a key without one is a tenant of its own); '#' starts a "
+                 "comment, blank lines are skipped. Keys can also come from $FERRULE_SERVE_API_KEYS="
+                 "'tml-KEY\\[=TENANT],tml-KEY2\\[=TENANT2],...' (added to the file's). The server refuses to start "
+                 "without a key.")
+
+
 def build_app(base_model: Path, storage: Path, api_keys: Path | None = None, model_name: str | None = None,
-              long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024):
+              long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024, limits=None,
+              max_snapshots: int | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread).
 
     Raises:
@@ -50,14 +60,15 @@ def build_app(base_model: Path, storage: Path, api_keys: Path | None = None, mod
         ValueError: no API keys, or a key without the ``tml-`` prefix.
     """
     from .app import create_app
-    from .backend import EngineBackend
+    from .backend import MAX_SNAPSHOTS, EngineBackend
     from .paths import load_api_keys
 
     keys = load_api_keys(api_keys)
     if not keys:  # before the model loads (minutes for a real one)
         raise ValueError(NO_KEYS)
-    backend = EngineBackend(base_model, model_name=model_name)
-    return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len)
+    backend = EngineBackend(base_model, model_name=model_name, max_snapshots=max_snapshots or MAX_SNAPSHOTS)
+    return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
+                      limits=limits)
 
 
 def serve_command(
@@ -66,12 +77,21 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     storage: Annotated[Path, typer.Option(help="Root for the database and every checkpoint.")] = Path("ferrule-serve"),
-    api_keys: Annotated[Path | None, typer.Option("--api-keys", help="File of 'tml-KEY [tenant]' lines (also: "
-                                                  "$FERRULE_SERVE_API_KEYS=tml-KEY[=tenant],...).")] = None,
+    api_keys: Annotated[Path | None, typer.Option("--api-keys", help=API_KEYS_HELP)] = None,
     model_name: Annotated[str | None, typer.Option(help="Name clients pass as base_model (default: the directory "
                                                    "name).")] = None,
     fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="Data per forward_backward request the SDK may send "
                                                       "(it chunks larger batches).")] = 1024,
+    max_samples_per_request: Annotated[int, typer.Option(help="Most num_samples of one sample request (400 "
+                                                         "above).")] = 256,
+    max_tokens_per_request: Annotated[int, typer.Option(help="Most tokens one request may process: num_samples x "
+                                                        "(prompt + max_tokens) for sample, the data's tokens for "
+                                                        "forward_backward (400 above).")] = 1 << 20,
+    max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank of a training client (400 above).")] = 128,
+    max_queued_per_tenant: Annotated[int, typer.Option(help="Requests one tenant may have queued or running (429 "
+                                                       "above; the SDK retries).")] = 512,
+    max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (save_weights_and_get_sampling_"
+                                               "client) kept in memory per tenant.")] = 4,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
@@ -81,7 +101,13 @@ def serve_command(
     configure_logging()
     t0 = time.monotonic()
     try:
-        app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len)
+        from .limits import ServeLimits
+
+        limits = ServeLimits(max_samples_per_request, max_tokens_per_request, max_lora_rank, max_queued_per_tenant)
+        if max_snapshots < 1:
+            raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
+        app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
+                        limits=limits, max_snapshots=max_snapshots)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None

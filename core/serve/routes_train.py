@@ -31,6 +31,8 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         rank = lora.get("rank")
         if rank is not None and (not isinstance(rank, int) or rank < 1):
             raise HTTPError(400, f"lora_config.rank = {rank!r}; expected an int >= 1.")
+        if rank is not None and (over := svc.limits.over("max_lora_rank", rank, "lora_config.rank")):
+            raise HTTPError(400, f"create_model: {over}")
         try:
             lora = svc.backend.lora_settings(body.get("lora_config"))
         except (ValueError, TypeError, KeyError) as exc:
@@ -61,8 +63,13 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         raw = await request.body()
         try:
             req = decode_forward_backward(raw, request.headers.get("content-encoding"))
-        except WireError as exc:
-            raise HTTPError(400, str(exc)) from None
+        except WireError as exc:  # a refusal at any stage consumes the request's seq_id (no gap)
+            if exc.model_id is None or exc.seq_id is None:
+                raise HTTPError(400, f"{exc} The request names no training client; nothing was queued.") from None
+            _, hit = svc.admit(request, exc.model_id, exc.seq_id)
+            if hit is not None:
+                return hit
+            raise svc.refuse(exc.model_id, exc.seq_id, 400, f"forward_backward: {exc}") from None
         _, hit = svc.admit(request, req.model_id, req.seq_id)
         if hit is not None:
             return hit
@@ -70,6 +77,8 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         try:
             if not req.loss_fn:
                 raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
+            if over := svc.limits.over("max_tokens_per_request", req.num_tokens, "the data's model_input tokens"):
+                raise ValueError(over)
             if req.model_id in svc.backend.engines:
                 svc.backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
         except (ValueError, TypeError) as exc:
@@ -152,7 +161,7 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
                 svc.store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
                 out["path"] = source = cp.uri
             else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
-                source = svc.backend.snapshot(model_id)
+                source = svc.backend.snapshot(model_id, tenant)
             if isinstance(sseq, int):
                 sid = f"{row['session_id']}:sample:{sseq}"
                 svc.store.add_sampling_session(sid, tenant, row["session_id"], source, svc.backend.model_name)

@@ -10,6 +10,11 @@ Rules (reference/tinker_protocol.md §5, §6.5, §6.6):
   either gets the first request's id back and runs nothing (the app checks the store).
 - A request refused on arrival (bad input) still consumes its ``seq_id`` (:meth:`Scheduler.skip`),
   so the client's later requests are not left waiting for it.
+- Fair between tenants: of the jobs that are ready, the worker runs one of the tenant it served
+  least recently (round robin over tenants; arrival order within a tenant), so a tenant that
+  queues many jobs delays another tenant's job by at most one job per other waiting tenant.
+  :meth:`Scheduler.queued` counts each tenant's queued and running jobs (the service's
+  per-tenant queue limit).
 - Sampling jobs carry no model id and run in arrival order between training jobs. Unseeded
   sampling jobs with the same weights and sampling parameters that are waiting together run as
   one batched ``generate`` call (at most :data:`MAX_BATCH_JOBS`); a seeded request always runs
@@ -21,6 +26,7 @@ poll after a restart is answered from the database.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -78,6 +84,9 @@ class Scheduler:
         self._pending: list[Job] = []
         self._next_seq: dict[str, int] = {}
         self._done: dict[str, threading.Event] = {}
+        self._queued: collections.Counter[str] = collections.Counter()   # tenant -> queued + running jobs
+        self._served: dict[str, int] = {}                                 # tenant -> tick it was last served
+        self._tick = 0
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="ferrule-serve-worker", daemon=True)
         self._thread.start()
@@ -95,16 +104,24 @@ class Scheduler:
             self._next_seq.pop(model_id, None)
             dropped = [j for j in self._pending if j.model_id == model_id]
             self._pending = [j for j in self._pending if j.model_id != model_id]
+            for job in dropped:
+                self._queued[job.tenant] -= 1
         return dropped
 
     def expected_seq(self, model_id: str) -> int | None:
         with self._cv:
             return self._next_seq.get(model_id)
 
+    def queued(self, tenant: str) -> int:
+        """Jobs of ``tenant`` queued or running now."""
+        with self._cv:
+            return self._queued[tenant]
+
     def submit(self, job: Job) -> None:
         with self._cv:
             self._done[job.request_id] = threading.Event()
             self._pending.append(job)
+            self._queued[job.tenant] += 1
             self._cv.notify_all()
 
     def skip(self, model_id: str, seq_id: int) -> None:
@@ -123,15 +140,26 @@ class Scheduler:
 
     # ---------------------------------------------------------------- worker
     def _ready(self) -> list[Job] | None:
+        """The next jobs to run: the first ready job of the tenant served least recently (a refused
+        request's no-op ``skip`` first of all), with the jobs that may share its batch."""
+        best, best_rank = None, None
         for i, job in enumerate(self._pending):
             if job.model_id is None or job.seq_id is None or self._next_seq.get(job.model_id) == job.seq_id:
-                self._pending.pop(i)
-                if job.batch_key is None:
-                    return [job]
-                group = [job] + [j for j in self._pending if j.batch_key == job.batch_key][:MAX_BATCH_JOBS - 1]
-                self._pending = [j for j in self._pending if j not in group]
-                return group
-        return None
+                rank = -2 if job.op == "refused" else self._served.get(job.tenant, -1)
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = i, rank
+                    if rank == -2:
+                        break
+        if best is None:
+            return None
+        job = self._pending.pop(best)
+        self._tick += 1
+        self._served[job.tenant] = self._tick
+        if job.batch_key is None:
+            return [job]
+        group = [job] + [j for j in self._pending if j.batch_key == job.batch_key][:MAX_BATCH_JOBS - 1]
+        self._pending = [j for j in self._pending if j not in group]
+        return group
 
     def _loop(self) -> None:
         while True:
@@ -145,6 +173,7 @@ class Scheduler:
             self._execute(jobs)
             with self._cv:
                 for job in jobs:
+                    self._queued[job.tenant] -= 1
                     if job.model_id is not None and job.seq_id is not None and job.model_id in self._next_seq:
                         self._next_seq[job.model_id] = job.seq_id + 1
                 self._cv.notify_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import IntegrityError
 
 from .backend import EngineBackend
+from .limits import ServeLimits
 from .paths import CheckpointPath, PathError, parse_tinker_path
 from .scheduler import Job, Scheduler
 from .store import Store
@@ -26,9 +27,9 @@ class HTTPError(Exception):
     """An error answered as ``{"detail": message}`` with ``status`` (never an empty body: the SDK
     would retry a bare 400 as a proxy rejection)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Service:
     backend: EngineBackend
     telemetry: Telemetry
     storage: Path
+    limits: ServeLimits = field(default_factory=ServeLimits)
 
     @staticmethod
     async def body_json(request: Request) -> dict:
@@ -123,7 +125,19 @@ class Service:
     def enqueue(self, request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
                 num_data: int = 0, num_tokens: int = 0, extra: dict | None = None,
                 batch: tuple | None = None) -> JSONResponse:
-        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``."""
+        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``.
+
+        Raises:
+            HTTPError: 429 when the tenant has ``limits.max_queued_per_tenant`` requests queued or
+                running (the ``seq_id`` is not consumed: the SDK retries the same request).
+        """
+        queued = self.scheduler.queued(request.state.tenant)
+        if queued >= self.limits.max_queued_per_tenant:
+            self.telemetry.refused.inc()
+            raise HTTPError(429, f"{op}: this API key's tenant has {queued} requests queued or running, the server's "
+                                 f"limit max_queued_per_tenant = {self.limits.max_queued_per_tenant}; wait for results "
+                                 f"before sending more (the SDK retries this request), or start the server with a "
+                                 f"larger --max-queued-per-tenant.", {"Retry-After": "1"})
         rid = f"req-{uuid.uuid4().hex}"
         try:
             self.store.add_future(rid, request.state.tenant, op, model_id, seq_id, request.headers.get("x-idempotency-key"))

@@ -29,7 +29,53 @@ __all__ = ["WireError", "FBRequest", "decode_forward_backward", "encode_forward_
 
 
 class WireError(ValueError):
-    """A request body that does not decode (message names the field and what was expected)."""
+    """A request body that does not decode (message names the field and what was expected).
+
+    ``model_id`` / ``seq_id``: the request's training client and sequence number where the body
+    holds them (so the refusal can consume that ``seq_id``), else None."""
+
+    model_id: str | None = None
+    seq_id: int | None = None
+
+
+def peek_ids(body: bytes) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` of a ``ForwardBackwardRequest`` whose fields 1 (string) and 2 (int32)
+    are readable even when the rest of the body is not (a tolerant scan of the top-level protobuf
+    wire format: varint tags, skipping fields 3+ by their length). None when either is absent."""
+    pos, model_id, seq_id = 0, None, None
+
+    def varint() -> int:
+        nonlocal pos
+        out = shift = 0
+        while True:
+            if pos >= len(body) or shift > 63:
+                raise IndexError
+            byte = body[pos]
+            pos += 1
+            out |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return out
+    try:
+        while pos < len(body) and (model_id is None or seq_id is None):
+            tag = varint()
+            field, kind = tag >> 3, tag & 7
+            if kind == 0:
+                value = varint()
+                if field == 2:
+                    seq_id = value
+            elif kind == 2:
+                n = varint()
+                chunk, pos = body[pos:pos + n], pos + n
+                if field == 1:
+                    model_id = chunk.decode()
+            elif kind in (1, 5):
+                pos += 8 if kind == 1 else 4
+            else:
+                break
+    except (IndexError, UnicodeDecodeError):
+        pass
+    return (model_id, seq_id if seq_id < 2**31 else seq_id - 2**64) if model_id and seq_id is not None else None
 
 
 def pb():
@@ -101,12 +147,9 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
         ``loss_fn_inputs`` as torch tensors (int64 ``target_tokens``, float32 others).
 
     Raises:
-        WireError: undecodable bytes, a non-text chunk, a bad tensor encoding.
+        WireError: undecodable bytes, a non-text chunk, a bad tensor encoding; it carries the
+            request's ``model_id`` / ``seq_id`` when the body holds them.
     """
-    import torch
-
-    from ferrule.megatron.batching import Datum
-
     if content_encoding and content_encoding.strip().lower() == "zstd":
         try:
             import zstandard
@@ -120,7 +163,21 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # google.protobuf.message.DecodeError
-        raise WireError(f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf ({exc}).") from exc
+        err = WireError(f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf ({exc}).")
+        err.model_id, err.seq_id = peek_ids(body) or (None, None)
+        raise err from exc
+    try:
+        return _decode_message(msg)
+    except WireError as exc:
+        exc.model_id, exc.seq_id = msg.model_id or None, int(msg.seq_id)
+        raise
+
+
+def _decode_message(msg: Any) -> FBRequest:
+    import torch
+
+    from ferrule.megatron.batching import Datum
+
     data = []
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
@@ -173,9 +230,12 @@ def encode_forward_backward_output(outputs: Sequence[Mapping[str, Any]], metrics
 
 
 def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[float], str]],
-                           prompt_logprobs: Sequence[float] | None = None) -> bytes:
+                           prompt_logprobs: Sequence[float] | None = None, extras: Any = None,
+                           extras_out: Mapping[str, Any] | None = None) -> bytes:
     """``SampleResponse``: each sequence is ``(tokens, logprobs, "stop"|"length")``;
-    ``prompt_logprobs`` (float32, NaN at position 0, which the SDK turns into None) if asked."""
+    ``prompt_logprobs`` (float32, NaN at position 0, which the SDK turns into None) if asked;
+    top-k / target / alternative-token fields from ``extras_out``
+    (:func:`ferrule.serve.logprobs.fill_response`)."""
     msg = pb().SampleResponse()
     for tokens, logprobs, reason in sequences:
         seq = msg.sequences.add()
@@ -184,4 +244,8 @@ def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[flo
         seq.logprobs = np.asarray(logprobs, dtype="<f4").tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if x is None else x for x in prompt_logprobs], dtype="<f4").tobytes()
+    if extras_out:
+        from .logprobs import fill_response
+
+        fill_response(msg, pb(), extras, extras_out)
     return msg.SerializeToString()

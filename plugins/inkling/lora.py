@@ -103,17 +103,25 @@ def _ignore_missing_adapter_keys(module: Any, incompatible: Any) -> None:
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if ".lora.lora_" not in k]
 
 
+def _hf_param_paths(table: Any, mctx: Any, global_name: str) -> tuple[str, ...]:
+    """Full HF parameter paths of one shared-expert holder (``model.layers.1.mlp.shared_experts.gate_proj``,
+    ...; the table row's keys: these 3-D parameters have no ``.weight`` suffix)."""
+    return tuple(table.resolve(global_name + ".weight")[0].hf_keys(global_name + ".weight", mctx))
+
+
 def _peft_parameters(table: Any, mctx: Any, global_name: str) -> tuple[str, ...]:
     """HF parameter paths below the decoder layer of one shared-expert holder (from the table row)."""
-    keys = table.resolve(global_name + ".weight")[0].hf_keys(global_name + ".weight", mctx)
-    return tuple(re.sub(r"^.*\.layers\.\d+\.", "", k) for k in keys)
+    return tuple(re.sub(r"^.*\.layers\.\d+\.", "", k) for k in _hf_param_paths(table, mctx, global_name))
 
 
 def apply_shared_experts(chunk: Any, settings: Any, ctx: Any) -> list[str]:
     """Adapt Inkling's stacked shared experts (``mlp.shared_experts.linear_fc1`` / ``linear_fc2``).
 
-    Selected by ``"all"``, by the megatron leaves ``linear_fc1`` / ``linear_fc2`` or by the HF
-    parameter names ``gate_proj`` + ``up_proj`` (together: they share ``A``) / ``down_proj``.
+    Selected by ``"all"``, by the megatron leaves ``linear_fc1`` / ``linear_fc2`` or, as in PEFT, by
+    ``target_parameters`` naming the HF parameters ``mlp.shared_experts.gate_proj`` +
+    ``mlp.shared_experts.up_proj`` (together: they share ``A``) / ``mlp.shared_experts.down_proj``
+    (``target_modules`` HF names do not select them: transformers keeps them as 3-D parameters, not
+    modules).
     ``A`` is drawn as PEFT's ``ParamWrapper`` draws ``lora_A.weight`` ``[S*r, in]``
     (kaiming-uniform, ``a = sqrt(5)``) from a generator seeded by ``settings.init_seed`` and the
     module's global name, so it does not depend on the parallel layout; ``B`` is zero.
@@ -131,7 +139,7 @@ def apply_shared_experts(chunk: Any, settings: Any, ctx: Any) -> list[str]:
         for leaf in ("linear_fc1", "linear_fc2"):
             holder = getattr(module, leaf)
             name = ctx.global_names.get(f"{local}.{leaf}", f"{local}.{leaf}")
-            if not ctx.selects(name, "shared_experts"):
+            if not ctx.selects(name, "shared_experts", hf_params=_hf_param_paths(ctx.table, ctx.mapping, name)):
                 continue
             if settings.dropout > 0:
                 raise LoraTargetError(f"{name}: LoRA dropout on Inkling's shared experts is refused (PEFT adapts these "

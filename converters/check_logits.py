@@ -1,0 +1,151 @@
+"""The logits and divergence step of ``ferrule check``, run on ``tp`` ranks (one process per rank).
+
+:func:`logits_worker` is started by :func:`ferrule.converters.checkpoint._run` exactly like the
+conversion workers: in-process at TP=1, ``tp`` spawned gloo/NCCL processes otherwise. Every rank
+builds the family's provider at ``ParallelLayout(tp=tp)`` (``parallel_output=False``: gathered
+logits), loads the converted torch_dist checkpoint and runs the test batch with forward hooks on
+the capture points (:mod:`ferrule.converters.check_points`); rank 0 also runs HF transformers
+(fp32) with hooks, compares, and writes one JSON file::
+
+    {"logits_diff": float, "shape": [b, s], "divergence": [[layer, op, diff|null, note], ...],
+     "diagnostic_error": str|null, "feature_effects": {hf_key: float}}
+
+A failure of the diagnostics (hooks, capture modules) is written as ``diagnostic_error`` and never
+stops the logits comparison. ``feature_effects`` holds, for each soft-cap the config declares,
+the max change of HF's logits when that cap is switched off on the same tokens (a cap whose
+effect is within ``atol`` never binds at this test length).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["logits_worker", "SOFTCAP_KEYS"]
+
+#: HF config keys of soft-caps whose reach the check measures.
+SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _capture_overrides(family: str) -> dict | None:
+    try:
+        from ferrule.conformance_numeric import _variant_module
+
+        return dict(getattr(_variant_module(family), "CHECK_HF_CAPTURE", None) or {}) or None
+    except Exception:  # noqa: BLE001 - no variant module: the default capture choice
+        return None
+
+
+def _mcore_points(model) -> tuple[dict, list]:
+    from .check_points import mcore_layer_points
+
+    points = {("embedding", ""): model.embedding, ("final_norm", ""): model.decoder.final_layernorm}
+    order = []
+    for i, layer in enumerate(model.decoder.layers):
+        for op, module in mcore_layer_points(layer).items():
+            points[(i, op)] = module
+    return points, order
+
+
+def _hf_points(hf, family: str) -> tuple[dict, list]:
+    from .check_points import POINT_OPS, hf_layer_points
+
+    inner = hf.model
+    overrides = _capture_overrides(family)
+    points = {("embedding", ""): inner.embed_tokens, ("final_norm", ""): inner.norm}
+    order = [("embedding", "")]
+    for i, layer in enumerate(inner.layers):
+        for op, module in hf_layer_points(layer, overrides).items():
+            points[(i, op)] = module
+        order += [(i, op) for op in POINT_OPS]
+    return points, order + [("final_norm", "")]
+
+
+def _feature_effects(hf_dir: Path, ids, ref, attn_impl: str | None) -> dict[str, float]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    effects = {}
+    for key in SOFTCAP_KEYS:
+        if getattr(config, key, None) is None:
+            continue
+        off = AutoConfig.from_pretrained(hf_dir)
+        setattr(off, key, None)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, config=off, dtype=torch.float32,
+                                                     attn_implementation=attn_impl).eval()
+        with torch.no_grad():
+            effects[key] = (model(input_ids=ids).logits.double() - ref.double()).abs().max().item()
+        del model
+    return effects
+
+
+def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: str, tp: int, ids: list,
+                  attn_impl: str | None) -> None:
+    """One rank of the logits step (module docs); ``ids`` is the ``[b, s]`` test batch as lists."""
+    import torch
+
+    from ferrule.megatron.parallel import ParallelLayout, init_distributed
+    from ferrule.megatron.provider import provider_build
+
+    from .check_points import _max_diff, capture, compare
+    from .checkpoint import load_torch_dist_into_mcore
+
+    layout = ParallelLayout(tp=tp)
+    init_distributed(layout)
+    hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    (model,) = provider_build(family)(hf_config, layout, params_dtype=torch.float32, parallel_output=False,
+                                               config_overrides={"perform_initialization": False})
+    load_torch_dist_into_mcore([model], td_dir)
+    model.eval()
+    mc_store: dict = {}
+    diag_error = None
+    handles: list = []
+    try:
+        mc_points, _ = _mcore_points(model)
+        handles = capture(mc_points, mc_store, layout="sbh")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic failure never hides the logits
+        diag_error = f"megatron capture points: {type(exc).__name__}: {exc}"
+    device = next(model.parameters()).device
+    pos = torch.arange(ids_t.shape[1]).unsqueeze(0).expand_as(ids_t)
+    try:
+        with torch.no_grad():
+            out = model(ids_t.to(device), pos.to(device), attention_mask=None)
+    finally:
+        for h in handles:
+            h.remove()
+    if rank != 0:
+        return
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_impl).eval()
+    hf_store: dict = {}
+    handles, order = [], []
+    try:
+        hf_points, order = _hf_points(hf, family)
+        handles = capture(hf_points, hf_store, layout="bsh")
+    except Exception as exc:  # noqa: BLE001
+        diag_error = diag_error or f"HF capture points: {type(exc).__name__}: {exc}"
+    try:
+        with torch.no_grad():
+            ref = hf(input_ids=ids_t).logits
+    finally:
+        for h in handles:
+            h.remove()
+    vocab = ref.shape[-1]
+    result: dict[str, Any] = {"logits_diff": _max_diff(out[..., :vocab].double().cpu(), ref.double()),
+                              "shape": list(ids_t.shape), "divergence": [], "diagnostic_error": diag_error,
+                              "feature_effects": {}}
+    if diag_error is None:
+        try:
+            result["divergence"] = [list(r) for r in compare(order, hf_store, mc_store)]
+        except Exception as exc:  # noqa: BLE001
+            result["diagnostic_error"] = f"comparison: {type(exc).__name__}: {exc}"
+    del hf
+    try:
+        result["feature_effects"] = _feature_effects(Path(hf_dir), ids_t, ref, attn_impl)
+    except Exception as exc:  # noqa: BLE001
+        result["feature_error"] = f"{type(exc).__name__}: {exc}"
+    Path(out_file).write_text(json.dumps(result))
