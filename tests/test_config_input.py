@@ -74,18 +74,21 @@ def test_sizes_that_cannot_run_are_refused_before_any_model_loads(tmp_path):
     ok = load_config(tmp_path / "c.yaml", common)
     assert size_problems(ok, json.loads((hf / "config.json").read_text())) == []
 
-    long = load_config(tmp_path / "c.yaml", common + ["data.max_prompt_tokens=1000", "rollout.max_new_tokens=100"])
+    long = load_config(tmp_path / "c.yaml", common + ["rollout.max_new_tokens=10000000",
+                                                      "train.micro_batch_tokens=20000000"])
+    rows, longest = 8 * 8, 512 + 10_000_000  # defaults: prompts_per_step 8, 8 samples, max_prompt_tokens 512
+    need = rows * longest * 4 * 2 * 2 * 32 * 4  # rows x len x layers x (K, V) x kv heads x head_dim x fp32
     with pytest.raises(ConfigError) as exc:
-        preflight(long)
-    assert ("data.max_prompt_tokens + rollout.max_new_tokens: 1100 tokens exceed the model's "
-            "max_position_embeddings=1024") in "\n".join(exc.value.problems)
+        preflight(long)  # the machine's own memory: 20 TiB of KV cache fits no machine
+    assert f"of up to {longest} tokens (data.max_prompt_tokens + max_new_tokens) need {need / 2**30:.1f} GiB" \
+        in "\n".join(exc.value.problems)
 
     many = load_config(tmp_path / "c.yaml", common + ["rollout.n_samples_per_prompt=100000", "train.prompts_per_step=8"])
     rows, longest = 8 * 100_000, 512 + 256  # defaults: max_prompt_tokens 512, max_new_tokens 256
     need = rows * longest * 4 * 2 * 2 * 32 * 4  # rows x len x layers x (K, V) x kv heads x head_dim x fp32
     text = "\n".join(size_problems(many, json.loads((hf / "config.json").read_text()), memory_bytes=24 * 2**30))
     assert f"need {need / 2**30:.1f} GiB of KV cache alone, more than this machine's 24.0 GiB" in text
-    assert "rollout.n_samples_per_prompt: 800000 rows" in text
+    assert "rollout.n_samples_per_prompt, max_new_tokens: 800000 rows" in text
 
 
 def test_a_shard_the_index_does_not_name_is_named(tmp_path):

@@ -101,13 +101,14 @@ def _physical_memory_bytes() -> int | None:
 def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = None) -> list[str]:
     """Sizes this model cannot run, found from ``config.json`` alone (before any model loads).
 
-    - tokens: the longest sequence (``data.max_prompt_tokens`` + ``rollout.max_new_tokens`` or
-      ``eval.max_new_tokens``) beyond the model's ``max_position_embeddings``;
-    - samples: the embedded rollout engine decodes a replica's ``ceil(prompts_per_step / replicas) *
-      n_samples_per_prompt`` rows at once in a static KV cache of ``rows * longest * layers * 2 *
-      num_key_value_heads * head_dim`` values of ``model.dtype``
-      (:mod:`ferrule.rollout._static_cache`); more bytes than the machine's physical memory
-      (``memory_bytes``, default ``SC_PHYS_PAGES * SC_PAGE_SIZE``) cannot run.
+    The embedded rollout engine decodes a replica's ``ceil(prompts_per_step / replicas) *
+    n_samples_per_prompt`` rows at once in a static KV cache of ``rows * longest * layers * 2 *
+    num_key_value_heads * head_dim`` values of ``model.dtype`` (:mod:`ferrule.rollout._static_cache`;
+    ``longest = data.max_prompt_tokens + max(rollout.max_new_tokens, eval.max_new_tokens)``). More
+    bytes than the machine's physical memory (``memory_bytes``, default ``SC_PHYS_PAGES *
+    SC_PAGE_SIZE``) cannot run: too many samples per prompt, or too many tokens. (A sequence
+    longer than ``max_position_embeddings`` is not refused: the limits are caps, real prompts are
+    shorter, and RoPE models run past it.)
 
     Returns:
         One message per problem (naming the keys and the limit), or ``[]``.
@@ -117,11 +118,7 @@ def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = 
     text = hf_config.get("text_config") or hf_config
     ro, d, e, t = cfg.rollout, cfg.data, cfg.eval, cfg.train
     longest = d.max_prompt_tokens + max(ro.max_new_tokens, e.max_new_tokens)
-    p = []
-    limit = text.get("max_position_embeddings")
-    if isinstance(limit, int) and longest > limit:
-        p.append(f"data.max_prompt_tokens + rollout.max_new_tokens: {longest} tokens exceed the model's "
-                 f"max_position_embeddings={limit} (config.json); lower them to <= {limit} in all")
+    p: list[str] = []
     try:
         heads = int(text["num_attention_heads"])
         layers, kv = int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads)
@@ -133,10 +130,11 @@ def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = 
     need = rows * longest * layers * 2 * kv * head_dim * _DTYPE_BYTES.get(cfg.model.dtype, 4)
     have = memory_bytes if memory_bytes is not None else _physical_memory_bytes()
     if ro.engine == "embedded" and have and need > have:
-        p.append(f"rollout.n_samples_per_prompt: {rows} rows ({t.prompts_per_step} prompts x "
-                 f"{ro.n_samples_per_prompt} samples per replica) of up to {longest} tokens need "
-                 f"{need / 2**30:.1f} GiB of KV cache alone, more than this machine's {have / 2**30:.1f} GiB; "
-                 "lower rollout.n_samples_per_prompt, train.prompts_per_step or the token limits")
+        p.append(f"rollout.n_samples_per_prompt, max_new_tokens: {rows} rows ({t.prompts_per_step} prompts x "
+                 f"{ro.n_samples_per_prompt} samples per replica) of up to {longest} tokens (data.max_prompt_tokens "
+                 f"+ max_new_tokens) need {need / 2**30:.1f} GiB of KV cache alone, more than this machine's "
+                 f"{have / 2**30:.1f} GiB; lower rollout.n_samples_per_prompt, train.prompts_per_step, "
+                 "rollout.max_new_tokens or data.max_prompt_tokens")
     return p
 
 
