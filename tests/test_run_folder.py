@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -157,8 +156,8 @@ def _metrics_lines(*steps: int) -> str:
 
 
 def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
-    from ferrule.rl.loop import GRPOTrainer
     from ferrule.rl.metrics import MetricsLogger, read_metrics
+    from ferrule.rl.stages.record import truncate_samples
 
     (tmp_path / "metrics.jsonl").write_text(_metrics_lines(1, 2, 3) + '{"step": 4, "time": 1.0, "rew')
     with MetricsLogger(tmp_path, resume_step=3) as logger:
@@ -167,7 +166,7 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
 
     samples = "".join(json.dumps({"step": s, "response": "7", "reward": 1.0}) + "\n" for s in (1, 1, 2, 2))
     (tmp_path / "samples.jsonl").write_text(samples + '{"step": 3, "resp')  # a full disk tore it
-    GRPOTrainer._truncate_samples(SimpleNamespace(run_dir=tmp_path), 2)
+    truncate_samples(tmp_path, 2)
     assert (tmp_path / "samples.jsonl").read_text() == samples
 
 
@@ -183,15 +182,15 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
         "samples-order", "samples-no-step"])
 def test_a_damaged_log_is_refused_naming_the_file_and_line(tmp_path, name, text, line, says):
     from ferrule.cli_errors import user_error_message
-    from ferrule.rl.loop import GRPOTrainer
     from ferrule.rl.metrics import MetricsLogger, RunLogError
+    from ferrule.rl.stages.record import truncate_samples
 
     (tmp_path / name).write_text(text)
     with pytest.raises(RunLogError) as exc:
         if name == "metrics.jsonl":
             MetricsLogger(tmp_path, resume_step=1)
         else:
-            GRPOTrainer._truncate_samples(SimpleNamespace(run_dir=tmp_path), 1)
+            truncate_samples(tmp_path, 1)
     assert f"{tmp_path / name}:{line}: " in str(exc.value) and says in str(exc.value)
     assert user_error_message(exc.value) is not None  # the CLI prints one line, exit 2
     assert (tmp_path / name).read_text() == text  # nothing was rewritten
