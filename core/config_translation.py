@@ -49,6 +49,7 @@ __all__ = [
     "ConfigTranslationError",
     "SharedRowOverlapWarning",
     "describe_entry",
+    "register_shared_rows",
     "Field",
     "Constant",
     "Derived",
@@ -62,6 +63,7 @@ __all__ = [
     "MISSING",
     "rope_theta_from_hf",
     "rope_theta_to_hf",
+    "is_per_layer_type_rope",
     "rope_scaling_from_hf",
     "rotary_percent_from_hf",
     "window_size_from_hf",
@@ -221,6 +223,13 @@ def describe_entry(e: Any) -> str:
 
 #: id() of every row of the shared tuples -> the tuple's name (filled at the end of this module).
 _SHARED_ROWS: dict[int, str] = {}
+
+
+def register_shared_rows(name: str, rows: tuple) -> None:
+    """Mark ``rows`` as ferrule's shared rows (named ``name`` in overlap warnings); for modules that
+    define shared rows beside this one (:mod:`ferrule.config_layer_types`)."""
+    for row in rows:
+        _SHARED_ROWS.setdefault(id(row), name)
 
 
 def _resolve_overlap(name: str, key: tuple[str, str], first: Any, second: Any) -> Any:
@@ -509,6 +518,19 @@ _ROPE_FIELDS["linear"] = _ROPE_FIELDS["default"] | {"factor"}
 _ROPE_FIELDS["llama3"] = _ROPE_FIELDS["linear"] | set(MEGATRON_LLAMA3_ROPE)
 
 
+def is_per_layer_type_rope(hf: Mapping[str, Any]) -> bool:
+    """Whether ``rope_parameters`` holds one RoPE per layer type (Gemma-3:
+    ``{"sliding_attention": {...}, "full_attention": {...}}``, keyed by the ``layer_types`` values).
+
+    Such a config is translated by :data:`ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES`
+    (model option ``layer_rope``); the flat rows (:data:`ROPE_SCALING_ENTRIES`) then produce
+    their neutral values (no scaling, full rotary) for the unused model-wide table.
+    """
+    params, layer_types = hf.get("rope_parameters"), hf.get("layer_types")
+    return (isinstance(params, Mapping) and bool(params) and all(isinstance(v, Mapping) for v in params.values())
+            and isinstance(layer_types, (list, tuple)) and set(layer_types) <= set(params))
+
+
 def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
     """``rope_parameters`` (or a legacy ``rope_scaling`` + ``rope_theta``) as one dict, validated.
 
@@ -592,6 +614,8 @@ def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict | None:
     (``_compute_llama3_parameters``) is megatron's ``RotaryEmbedding(rope_scaling=True,
     rope_scaling_factor=factor)`` when the constants equal :data:`MEGATRON_LLAMA3_ROPE`.
     """
+    if is_per_layer_type_rope(hf):
+        return None
     params = _rope_params(hf)
     if params["rope_type"] == "default":
         return None
@@ -609,6 +633,8 @@ def rotary_percent_from_hf(hf: Mapping[str, Any]) -> float:
     rotary_percent)`` and passes the rest through (``apply_rotary_pos_emb_bshd``). The factor is
     read from ``rope_parameters`` (transformers 5) or the top-level key.
     """
+    if is_per_layer_type_rope(hf):
+        return 1.0
     params = _rope_params(hf)
     value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     value = 1.0 if value is None else value
@@ -828,5 +854,4 @@ DECODER_ENTRIES: tuple = (
 for _group_name, _group in (("ROPE_SCALING_ENTRIES in DECODER_ENTRIES", ROPE_SCALING_ENTRIES),
                             ("SLIDING_WINDOW_ENTRIES in DECODER_ENTRIES", SLIDING_WINDOW_ENTRIES),
                             ("COMMON_HARMLESS", COMMON_HARMLESS), ("DECODER_ENTRIES", DECODER_ENTRIES)):
-    for _row in _group:
-        _SHARED_ROWS.setdefault(id(_row), _group_name)
+    register_shared_rows(_group_name, _group)

@@ -5,7 +5,8 @@ class here keeps the local spec's megatron parameter names.
 
 - ``layer_rope``: one RoPE per decoder layer, a tuple with an entry per layer (HF order), each
   a mapping ``{"rotary_base": float, "rope_scaling": None | {"type": "linear"|"llama3",
-  "factor": f}, "rotary_percent": float (optional, default the model's)}``. HF families with
+  "factor": f}, "rotary_percent": float (optional, default the model's), "layer_type": str
+  (optional, the HF layer type it came from; reports and the kit's per-type comparison)}``. HF families with
   one RoPE per layer *type* (Gemma-3's ``rope_parameters.{sliding_attention,full_attention}``
   with ``layer_types``) produce it with
   :data:`ferrule.config_translation.LAYER_TYPE_ROPE_ENTRIES`. Implemented by
@@ -40,7 +41,7 @@ __all__ = ["LayerRoPESelfAttention", "FullProjectionRMSNorm", "PRE_NORMS", "QK_N
 PRE_NORMS = ("attention", "mlp")
 #: Values of the ``qk_norm`` option.
 QK_NORM_SCOPES = ("per_head", "full_projection")
-_LAYER_ROPE_KEYS = {"rotary_base", "rope_scaling", "rotary_percent"}
+_LAYER_ROPE_KEYS = {"layer_type", "rotary_base", "rope_scaling", "rotary_percent"}
 
 
 def pre_norms_kept(value: Any) -> tuple[str, ...]:
