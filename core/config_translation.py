@@ -30,8 +30,9 @@ Model options understood by the builder: ``vocab_size`` (unpadded HF vocab, toke
 ``rope_scaling`` (None or ``{"type": "linear"|"llama3", "factor": f}``),
 ``position_embedding_type``, ``activation`` (name, e.g. ``'silu'``), and the
 :mod:`ferrule.megatron.gpt_builder` extension options (``embedding_multiplier``,
-``attn_logit_softcapping``, ``final_logit_softcapping``, ``query_pre_attn_scalar``,
-``extra_norms``, ``zero_centered_norms``).
+``attn_logit_softcapping``, ``final_logit_softcapping``,
+``extra_norms``, ``zero_centered_norms``, and ``pre_norms``, ``qk_norm``, ``layer_rope`` of
+:mod:`ferrule.megatron.layer_options`; an option the builder does not know is an error there).
 
 Importing this module imports neither torch nor megatron (transformers is imported by
 ``to_mcore`` only).

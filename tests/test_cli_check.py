@@ -101,6 +101,17 @@ def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mista
 
 
 @pytest.mark.timeout(600)
+def test_swapped_rows_blame_the_plugin_not_the_checkpoint(tmp_path):
+    """up_proj / down_proj named in each other's rows: a shape mismatch that says 'suspect the plugin'
+    (before: 'suspect the checkpoint')."""
+    env, hf = _olmo2_dir(tmp_path)
+    proc = _check(env, hf, bug="swapped_rows")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "suspect the plugin" in out and "swapped rows" in out and "suspect the checkpoint" not in out, out
+
+
+@pytest.mark.timeout(600)
 def test_exit_codes_separate_bad_input_from_a_crashing_plugin(tmp_path):
     """No HF directory: exit 2; plugin code raising (the provider): exit 3 and a CRASH row, not 'unusable input'."""
     env, hf = _olmo2_dir(tmp_path)
