@@ -5,7 +5,8 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
     OUT_DIR/
       metadata.json, .metadata, common.pt, __R_W.distcp   megatron torch_dist files
       ferrule_checkpoint.json                              family, layout it was saved from, dtype
-      hf/config.json, hf/generation_config.json, hf/tokenizer*  copied from the HF directory
+      hf/config.json, hf/generation_config.json, hf/tokenizer*, ...  every side file of the HF directory
+                                                           (all but weights: hf_side_files)
       hf/passthrough.safetensors                           HF tensors the mapping table passes through
                                                            (MappingTable.passthrough; only if any)
 
@@ -34,15 +35,15 @@ from ferrule.fsutil import commit_dir
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
-           "HF_SIDE_FILES", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
+           "hf_side_files", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
 
 HF_SUBDIR = "hf"
 #: File in ``OUT_DIR/hf`` holding the tensors a family's mapping table passes through unchanged.
 PASSTHROUGH_FILE = "passthrough.safetensors"
 METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
-#: Non-weight files copied between HF directories and ``OUT_DIR/hf`` (those present).
-from ferrule.megatron.checkpoint import HF_SIDE_FILES  # noqa: E402  (re-exported; defined in the core)
+#: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
+from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
 
 
 class ConversionError(RuntimeError):
@@ -91,13 +92,9 @@ def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
 
 
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Every side file of ``src`` (:func:`ferrule.megatron.checkpoint.hf_side_files`: all but weights) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in HF_SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
+    return copy_hf_side_files(src, dst)
 
 
 def _read_config(hf_dir: Path) -> dict:

@@ -136,3 +136,15 @@ def test_rollout_sleep_wake_round_trip(hf_dir):
     assert [(r.token_ids, r.logprobs) for r in after] == [(r.token_ids, r.logprobs) for r in before]
     with pytest.raises(RuntimeError, match="not asleep"):
         engine.wake()
+
+
+def test_colocate_setting_is_checked():
+    from ferrule.rl.config import ConfigError, load_config
+
+    base = ["model.hf_dir=/nowhere", "data.task=basic_arithmetic"]
+    assert load_config(None, base).train.colocate == "auto"
+    assert load_config(None, base + ["train.colocate=true"]).train.colocate is True
+    with pytest.raises(ConfigError, match="train.colocate: expected true, false or auto, got 'sometimes'"):
+        load_config(None, base + ["train.colocate=sometimes"])
+    with pytest.raises(ConfigError, match="train.colocate: true needs rollout.engine: embedded"):
+        load_config(None, base + ["train.colocate=true", "rollout.engine=sglang"])

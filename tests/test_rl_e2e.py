@@ -146,13 +146,21 @@ def test_grpo_reward_rises_on_tiny_model(assets, config_file, tmp_path):
 @pytest.mark.gpu  # also on CPU; on a CUDA machine it resumes a CUDA run
 @pytest.mark.timeout(240)
 def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
+    """Also colocation (issue 24): the split run is colocated (train offloaded while the rollout
+    engine generates, rollout asleep while training; its checkpoints are taken while offloaded),
+    the full run is not; metrics, samples and final weights agree bit for bit."""
+    import torch
+
     from ferrule.rl.config import ConfigError, load_config
     from ferrule.rl.loop import GRPOTrainer, train
     from ferrule.rl.metrics import read_metrics
 
     full, split = tmp_path / "full", tmp_path / "split"
-    train(load_config(config_file, _overrides(assets, full, RESUME_STEPS)))
-    first = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS)), stop_after=STOP_AT)
+    colocate = ["train.colocate=true"]
+    plain = GRPOTrainer(load_config(config_file, _overrides(assets, full, RESUME_STEPS) + ["train.colocate=false"]))
+    plain.run()
+    assert plain.colocation is None
+    first = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + colocate), stop_after=STOP_AT)
     assert first.interrupted and first.last_step == STOP_AT
     assert first.checkpoint == split / "checkpoints" / f"step_{STOP_AT:06d}"
     assert len(read_metrics(split / "metrics.jsonl")) == STOP_AT
@@ -161,11 +169,20 @@ def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
     with pytest.raises(ConfigError, match="algorithm.eps_clip"):
         GRPOTrainer(load_config(config_file, _overrides(assets, split, RESUME_STEPS) +
                                 ["checkpoint.resume=true", "algorithm.eps_clip=0.1"])).run()
-    second = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + ["checkpoint.resume=true"]))
+    resumed = GRPOTrainer(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + colocate
+                                      + ["checkpoint.resume=true"]))
+    second = resumed.run()
     assert second.start_step == STOP_AT and second.last_step == RESUME_STEPS and not second.interrupted
+    assert resumed.colocation is not None and resumed.engine.offloaded and resumed.rollout.asleep  # step ended
 
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     assert _comparable(a) == _comparable(b)  # bit-identical: rewards, losses, grad norms, logprob diffs
+    assert all(e["time_offload_s"] > 0 and e["time_onload_s"] > 0 and e["time_sleep_s"] > 0 for e in b)
+    assert all("memory_train_peak_bytes" in e and "memory_rollout_peak_bytes" in e for e in a + b)
+    resumed.engine.onload()
+    ref = dict(plain.engine.export_hf_state())
+    got = dict(resumed.engine.export_hf_state())
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)  # final weights
     assert (full / "samples.jsonl").read_text() == (split / "samples.jsonl").read_text()
     assert len({e["reward_mean"] for e in a}) > 1  # the compared runs are not trivially constant
 

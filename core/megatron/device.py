@@ -89,6 +89,12 @@ class DeviceBackend:
             "peak_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
         }
 
+    def total_memory(self) -> int | None:
+        """Bytes of memory of this process's device (CUDA); None on CPU."""
+        if self.kind == "cuda":
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        return None
+
     def reset_peak_memory(self) -> None:
         """Reset the CUDA peak counter; a no-op on CPU (``ru_maxrss`` cannot be reset)."""
         if self.kind == "cuda":

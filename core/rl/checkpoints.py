@@ -22,7 +22,7 @@ from ferrule.run_layout import (LOOP_STATE_FILE, RunCheckpointError, find_run_ch
 #: Keys that may change between a run and its resume (everything else must match).
 #: ``parallel.*`` may change: the train engine's torch_dist checkpoint reshards (or its load
 #: names what cannot be), and the rollout depends on ``rollout.prompts_per_shard``, not the layout.
-RESUME_MUTABLE = ("train.steps", "checkpoint.", "logging.", "eval.", "parallel.")
+RESUME_MUTABLE = ("train.steps", "train.colocate", "checkpoint.", "logging.", "eval.", "parallel.")
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -51,6 +51,11 @@ def validate_config(cfg: RLConfig) -> list[str]:
     for key in ("tp", "pp", "ep", "vpp"):
         if getattr(cfg.parallel, key) < 1:
             p.append(f"parallel.{key}: must be >= 1, got {getattr(cfg.parallel, key)}")
+    if not (t.colocate is True or t.colocate is False or t.colocate == "auto"):
+        p.append(f"train.colocate: expected true, false or auto, got {t.colocate!r}")
+    elif t.colocate is True and ro.engine != "embedded":
+        p.append("train.colocate: true needs rollout.engine: embedded (an SGLang server holds its own device); "
+                 "set train.colocate: false or auto")
     if not cfg.parallel.timeout_s > 0:
         p.append(f"parallel.timeout_s: must be > 0 seconds, got {cfg.parallel.timeout_s}")
     if cfg.rollout.prompts_per_shard < 0:
@@ -136,6 +141,9 @@ def validate_config(cfg: RLConfig) -> list[str]:
                  f"{a.tis_cap}; or set algorithm.use_tis=false")
     if a.kl_coef < 0:
         p.append(f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    if a.loss == "gspo" and (a.use_tis or a.kl_coef > 0):
+        p.append("algorithm.loss=gspo: the sequence-ratio loss takes no truncated-IS or KL term; set "
+                 "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
 

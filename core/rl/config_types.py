@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 
 #: the choices of ``algorithm.loss`` (:mod:`ferrule.losses` names)
-LOSS_NAMES = ("ppo", "cispo", "importance_sampling", "dro")
+LOSS_NAMES = ("ppo", "cispo", "importance_sampling", "dro", "gspo")
 #: the built-in choices of ``reward.fn``
 BUILTIN_REWARDS = ("task", "exact_match")
 

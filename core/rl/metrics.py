@@ -15,6 +15,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ import numpy as np
 from ferrule.fsutil import apply_default_mode
 
 METRICS_FILE = "metrics.jsonl"
+#: TensorBoard event folder in the run folder (``logging.tensorboard``).
+TENSORBOARD_DIR = "tensorboard"
+#: The W&B run id of a run folder (``logging.wandb``); W&B's own files go to ``RUN_DIR/wandb/``.
+WANDB_ID_FILE = "wandb_run_id"
 
 #: Standard metric names -> (unit, description). The loop should log these names.
 METRICS: dict[str, tuple[str, str]] = {
@@ -156,8 +161,13 @@ class MetricsLogger:
             unless ``overwrite``); an int ``k`` to resume after step ``k`` (entries with
             ``step > k`` are dropped, atomically).
         overwrite: start a fresh file even if one exists.
-        tensorboard / wandb: also log there; the package must be installed
-            (``RuntimeError`` with the pip command otherwise).
+        tensorboard / wandb: also log every numeric metric there (``add_scalar(name, value, step)``
+            into ``RUN_DIR/tensorboard/``; ``wandb.log(metrics, step=step)`` into a W&B run whose
+            files go to ``RUN_DIR/wandb/`` and whose id is kept in ``RUN_DIR/wandb_run_id``, so a
+            resume continues it; ``WANDB_MODE=offline`` keeps it on disk). On resume TensorBoard
+            purges the events after ``resume_step`` (``purge_step``); W&B ignores steps it already
+            has. The packages come with the ``metrics`` extra (``RuntimeError`` with the pip
+            command when one is missing).
         wandb_project, config: W&B project name and the run config dict.
 
     Raises:
@@ -186,17 +196,29 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise RuntimeError("logging.tensorboard=true needs the tensorboard package: "
-                                   "`pip install tensorboard`, or set logging.tensorboard=false") from exc
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=(
+                                   "`pip install 'ferrule[metrics]'` (or tensorboard), or set "
+                                   "logging.tensorboard=false") from exc
+            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=(
                 resume_step + 1 if resume_step is not None else None))
         if wandb:
             try:
                 import wandb as wandb_mod
             except ImportError as exc:
-                raise RuntimeError("logging.wandb=true needs the wandb package: `pip install wandb`, "
-                                   "or set logging.wandb=false") from exc
-            self._wandb = wandb_mod.init(project=wandb_project, dir=str(self.run_dir),
-                                         config=dict(config or {}), resume="allow")
+                raise RuntimeError("logging.wandb=true needs the wandb package: `pip install 'ferrule[metrics]'` "
+                                   "(or wandb), or set logging.wandb=false") from exc
+            self._wandb = wandb_mod.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}),
+                                         id=self._wandb_run_id(resume_step is not None),
+                                         resume="allow")
+
+    def _wandb_run_id(self, resuming: bool) -> str:
+        """The W&B run id of this run folder (:data:`WANDB_ID_FILE`): kept on resume, so a resumed run
+        continues one W&B run; a fresh run gets a new one."""
+        path = self.run_dir / WANDB_ID_FILE
+        if resuming and path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]  # W&B ids: letters, digits, - and _
+        path.write_text(run_id + "\n")
+        return run_id
 
     def _rewrite(self, entries: list[dict[str, Any]]) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".metrics.", suffix=".tmp")

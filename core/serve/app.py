@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .backend import EngineBackend, SampleSpec, SavedWeights
 from .limits import ServeLimits
+from .logprobs import parse_extras
 from .routes_train import add_training_routes
 from .scheduler import JSON, Job, Scheduler
 from .service import HTTPError, Service
@@ -207,27 +208,30 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
                 raise ValueError(over)
         except (ValueError, TypeError) as exc:
             raise HTTPError(400, f"asample: {exc}") from None
-        unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
-                                   "target_prompt_logprobs", "record_stability_info") if body.get(k)]
-        if unsupported:
-            raise HTTPError(400, f"asample: {', '.join(unsupported)} not supported by ferrule serve; leave unset.")
+        if body.get("record_stability_info"):
+            raise HTTPError(400, "asample: record_stability_info is not supported by ferrule serve (stable_reinforce "
+                                 "is not offered); leave it unset.")
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and (not isinstance(last_n, int) or not 1 <= last_n <= len(tokens) - 1):
             raise HTTPError(400, f"asample: prompt_logprobs_last_n = {last_n!r}; expected 1..{len(tokens) - 1}.")
-        spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)))
+        try:
+            extras = parse_extras(body, len(tokens), backend.vocab_size, last_n)
+        except (ValueError, TypeError) as exc:
+            raise HTTPError(400, f"asample: {exc}") from None
+        spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)), extras)
 
-        def encode(seqs, prompt_lp, last_n):
+        def encode(seqs, prompt_lp, extras_out, last_n, extras):
             if prompt_lp is not None and last_n is not None:
                 prompt_lp = [math.nan] * (len(prompt_lp) - last_n) + prompt_lp[-last_n:]
-            return "application/x-protobuf", encode_sample_response(seqs, prompt_lp)
+            return "application/x-protobuf", encode_sample_response(seqs, prompt_lp, extras, extras_out)
 
         def run_batch(jobs):
             results = backend.sample(source, [j.payload[0] for j in jobs])
-            return [encode(seqs, lp, j.payload[1]) for j, (seqs, lp) in zip(jobs, results)]
+            return [encode(*res, j.payload[1], j.payload[0].extras) for j, res in zip(jobs, results)]
 
         def run():
-            (seqs, lp), = backend.sample(source, [spec])
-            return encode(seqs, lp, last_n)
+            (res,) = backend.sample(source, [spec])
+            return encode(*res, last_n, extras)
         # unseeded requests with the same weights and parameters may share one generate call
         key = None if params.seed is not None else f"sample|{source}|{params!r}"
         return enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),

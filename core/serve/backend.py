@@ -67,10 +67,12 @@ class SavedWeights:
 
 class SampleSpec:
     """One ``asample`` request, validated: prompt token ids, n, ferrule ``SamplingParams``,
-    and whether prompt logprobs are wanted."""
+    whether prompt logprobs are wanted, and the top-k / target / alternative-token extras
+    (:class:`ferrule.serve.logprobs.Extras`, or None)."""
 
-    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool):
+    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool, extras: Any = None):
         self.prompt, self.n, self.params, self.prompt_logprobs = prompt, n, params, prompt_logprobs
+        self.extras = extras
 
 
 class EngineBackend:
@@ -208,16 +210,27 @@ class EngineBackend:
             ValueError / TypeError: the first problem, naming the datum and key.
             LookupError: no engine for ``model_id``.
         """
-        self.engine(model_id).check_batch(data, loss_fn, loss_fn_config)
+        from .rank2 import expand
+
+        self.engine(model_id).check_batch(expand(data, loss_fn)[0], loss_fn, loss_fn_config)
 
     def forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
                          loss_fn_config: Mapping[str, Any] | None, forward_only: bool):
         """:meth:`TrainEngine.forward_backward`, or a gradient-free forward for ``forward_only``
-        (same outputs and metrics, no accumulation). Returns an ``FBOutput``."""
+        (same outputs and metrics, no accumulation). Returns an ``FBOutput``. A ``cross_entropy``
+        datum with rank-2 ``target_tokens`` / ``weights`` ``[N, K]`` runs as ``K`` rank-1 data and
+        gets ``[N, K]`` outputs (:mod:`ferrule.serve.rank2`)."""
+        import dataclasses
+
+        from .rank2 import expand, regroup
+
         engine = self.engine(model_id)
-        if forward_only:
-            return engine.forward(data, loss_fn, loss_fn_config)
-        return engine.forward_backward(data, loss_fn, loss_fn_config)
+        flat, plan = expand(data, loss_fn)
+        run = engine.forward if forward_only else engine.forward_backward
+        out = run(flat, loss_fn, loss_fn_config)
+        if len(flat) == len(data):
+            return out
+        return dataclasses.replace(out, loss_fn_outputs=regroup(out.loss_fn_outputs, plan))
 
     def optim_step(self, model_id: str, adam_params: Mapping[str, float]) -> dict:
         """One step with the request's Tinker ``AdamParams``; ``grad_clip_norm`` 0 = no clipping."""
@@ -444,9 +457,10 @@ class EngineBackend:
         :meth:`_hold`), all prompts in one ``generate`` call (they must share ``params``).
 
         Returns:
-            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None)``;
+            Per spec ``([(tokens, logprobs, "stop"|"length")] * n, prompt_logprobs or None, extras)``;
             ``prompt_logprobs[0]`` is NaN (no context), ``[i]`` = log p(prompt[i] | prompt[:i])
-            from float32 ``log_softmax`` of the untempered logits.
+            from float32 ``log_softmax`` of the untempered logits; ``extras`` is
+            :func:`ferrule.serve.logprobs.compute_extras`' dict (empty when none were asked).
         """
         import torch
 
@@ -466,7 +480,13 @@ class EngineBackend:
                     logits = engine.model(input_ids=ids).logits[0].float()
                     lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
                 prompt_lp = [math.nan] + lp.cpu().tolist()
-            out.append((seqs, prompt_lp))
+            extras = {}
+            if spec.extras is not None and spec.extras.any:
+                from .logprobs import compute_extras
+
+                extras = compute_extras(engine.model, engine.device, spec.prompt, seqs, spec.extras,
+                                        params.temperature, params.seed)
+            out.append((seqs, prompt_lp, extras))
         return out
 
 

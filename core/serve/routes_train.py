@@ -77,7 +77,11 @@ def add_training_routes(app: FastAPI, svc: Service) -> None:
         try:
             if not req.loss_fn:
                 raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
-            if over := svc.limits.over("max_tokens_per_request", req.num_tokens, "the data's model_input tokens"):
+            work = sum(len(d.model_input) * (int(d.loss_fn_inputs["target_tokens"].shape[1])
+                                             if d.loss_fn_inputs.get("target_tokens") is not None
+                                             and d.loss_fn_inputs["target_tokens"].dim() == 2 else 1) for d in req.data)
+            if over := svc.limits.over("max_tokens_per_request", work, "the data's model_input tokens (x K for "
+                                                                             "rank-2 targets)"):
                 raise ValueError(over)
             if req.model_id in svc.backend.engines:
                 svc.backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
