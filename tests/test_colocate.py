@@ -103,13 +103,23 @@ def test_train_offload_round_trip_is_bit_exact(hf_dir, tmp_path, dtype):
     _assert_same(_state(ref), _state(resumed))
 
 
-def test_rollout_sleep_wake_round_trip(hf_dir):
+@pytest.mark.parametrize("source", ["hf_dir", "config"])
+def test_rollout_sleep_wake_round_trip(hf_dir, source):
     """Asleep: weights on the host, decode states dropped; updates made while asleep are what
-    wakes up; greedy output after the round trip equals the output before it."""
+    wakes up; greedy output after the round trip equals the output before it. ``hf_dir``: CPU
+    weights memory-mapped by transformers (copied, not freed); ``config``: a model built in memory
+    (storages freed while asleep; tied names must still be told apart)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(hf_dir=hf_dir, dtype=torch.float32)
+    if source == "hf_dir":
+        engine = EmbeddedEngine(hf_dir=hf_dir, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), attn_implementation="sdpa")
+        engine = EmbeddedEngine(model=model)
+        engine.update_weights(EmbeddedEngine(hf_dir=hf_dir).get_hf_state_dict().items(), version=0)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     before = engine.generate([[1, 2, 3], [4, 5]], greedy)
     sd0 = {k: v.clone() for k, v in engine.get_hf_state_dict().items()}
