@@ -151,7 +151,7 @@ def test_rollout_sleep_wake_round_trip(hf_dir, source):
 def test_colocate_setting_is_checked():
     from ferrule.rl.config import ConfigError, load_config
 
-    base = ["model.hf_dir=/nowhere", "data.task=basic_arithmetic"]
+    base = ["model.hf_dir=/nowhere", "data.jsonl_path=/nowhere.jsonl"]
     assert load_config(None, base).train.colocate == "auto"
     assert load_config(None, base + ["train.colocate=true"]).train.colocate is True
     with pytest.raises(ConfigError, match="train.colocate: expected true, false or auto, got 'sometimes'"):
