@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--rows", nargs="*", help="SHAPE:on|off[:loraR] rows, each in its own process")
     ap.add_argument("--row-timeout", type=int, default=300)
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no row after this many seconds")
     ap.add_argument("--out", help="append each row's JSON to this file")
     args = ap.parse_args()
     if not args.rows:
@@ -221,13 +222,19 @@ def main() -> None:
     common = [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--n={args.n}",
               f"--prompt-tokens={args.prompt_tokens}", f"--new-tokens={args.new_tokens}",
               f"--micro-batch-tokens={args.micro_batch_tokens}"]
+    start = time.perf_counter()
     for spec in args.rows:
+        left = None if args.deadline_s is None else args.deadline_s - (time.perf_counter() - start)
+        if left is not None and left < 30:
+            print(json.dumps({"spec": spec, "result": "not run (deadline)"}), flush=True)
+            continue
         shape, mode, *rest = spec.split(":")
         cmd = [sys.executable, __file__, "--shape", shape, *common, *(["--colocate"] if mode == "on" else []),
                *([f"--lora={rest[0].removeprefix('lora')}"] if rest else [])]
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout, env=dict(os.environ))
+            timeout = args.row_timeout if left is None else min(args.row_timeout, left)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             row = json.loads(lines[-1]) if lines else {"shape": shape, "spec": spec, "result": "error",
                                                        "stderr": proc.stderr[-2000:]}

@@ -158,3 +158,31 @@ def test_colocate_setting_is_checked():
         load_config(None, base + ["train.colocate=sometimes"])
     with pytest.raises(ConfigError, match="train.colocate: true needs rollout.engine: embedded"):
         load_config(None, base + ["train.colocate=true", "rollout.engine=sglang"])
+
+
+def test_auto_colocation_turns_on_when_both_engines_would_not_fit(monkeypatch):
+    """``train.colocate: auto`` on a (stand-in) CUDA device: on iff allocated + Adam moments + the
+    rollout batch's KV cache exceed 90 % of the device, computed here from the formula."""
+    from types import SimpleNamespace as NS
+
+    from ferrule.rl import colocate
+    from ferrule.rl.config import load_config
+
+    cfg = load_config(None, ["model.hf_dir=/nowhere", "data.jsonl_path=/nowhere.jsonl", "model.dtype=bfloat16",
+                             "train.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
+                             "rollout.max_new_tokens=100", "data.max_prompt_tokens=28"])
+    cuda = torch.device("cuda", 0)
+    param = NS(device=cuda, numel=lambda: 1000, requires_grad=True)
+    engine = NS(model=[NS(parameters=lambda: iter([param, param]))],
+                hf_config={"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8})
+    rollout = NS(kind="embedded", device=cuda)
+    allocated = 10_000
+    need = allocated + 8 * 2000 + 2 * 3 * 2 * 8 * 2 * (4 * 2 * (28 + 100))  # K and V, bf16
+    for total, on in ((need / 0.9 + 1, False), (need / 0.9 - 1, True)):
+        monkeypatch.setattr(colocate, "_backend", lambda t=total: NS(memory_stats=lambda: {"allocated": allocated},
+                                                                     total_memory=lambda: int(t)))
+        assert colocate.projected_bytes(engine, cfg) == need
+        assert colocate.resolve_colocate("auto", engine, rollout, cfg, distributed=False)[0] is on
+    assert colocate.resolve_colocate("auto", engine, rollout, cfg, distributed=True)[0] is False
+    with pytest.raises(ValueError, match="train.colocate: true needs the embedded rollout engine"):
+        colocate.resolve_colocate(True, engine, NS(kind="embedded", device=torch.device("cpu")), cfg, distributed=False)
