@@ -5,7 +5,8 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
     OUT_DIR/
       metadata.json, .metadata, common.pt, __R_W.distcp   megatron torch_dist files
       ferrule_checkpoint.json                              family, layout it was saved from, dtype
-      hf/config.json, hf/generation_config.json, hf/tokenizer*  copied from the HF directory
+      hf/config.json, hf/generation_config.json, hf/tokenizer*, ...  every side file of the HF directory
+                                                           (all but weights: hf_side_files)
       hf/passthrough.safetensors                           HF tensors the mapping table passes through
                                                            (MappingTable.passthrough; only if any)
 
@@ -34,15 +35,15 @@ from ferrule.fsutil import commit_dir
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
-           "HF_SIDE_FILES", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
+           "hf_side_files", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
 
 HF_SUBDIR = "hf"
 #: File in ``OUT_DIR/hf`` holding the tensors a family's mapping table passes through unchanged.
 PASSTHROUGH_FILE = "passthrough.safetensors"
 METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
-#: Non-weight files copied between HF directories and ``OUT_DIR/hf`` (those present).
-from ferrule.megatron.checkpoint import HF_SIDE_FILES  # noqa: E402  (re-exported; defined in the core)
+#: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
+from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
 
 
 class ConversionError(RuntimeError):
@@ -54,12 +55,43 @@ class ConversionError(RuntimeError):
 # ---------------------------------------------------------------------------------------
 
 
-def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
+def output_lock(out_dir: str | os.PathLike) -> Path:
+    """The lock file beside ``out_dir`` (``.NAME.lock``) that one writer of ``out_dir`` holds."""
     out_dir = Path(out_dir).absolute()
+    return out_dir.parent / f".{out_dir.name}.lock"
+
+
+def lock_output(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Become the one writer of ``out_dir`` (:func:`ferrule.locks.acquire` on :func:`output_lock`);
+    release with :func:`unlock_output`.
+
+    Raises:
+        ferrule.locks.LockedError: another conversion or export is writing ``out_dir`` (names its pid).
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False (checked under the lock, so
+            of two conversions started together the second is refused once the first committed).
+    """
+    from ferrule import locks
+
+    out_dir = Path(out_dir).absolute()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    locks.acquire(output_lock(out_dir), f"output directory {out_dir} (another conversion or export writes it)")
     if out_dir.exists() and not overwrite:
+        unlock_output(out_dir)
         raise FileExistsError(f"output directory {out_dir} already exists; pass overwrite=True (--overwrite) "
                               f"to replace it, or choose another path.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def unlock_output(out_dir: str | os.PathLike) -> None:
+    """Release :func:`lock_output` (the lock file is removed)."""
+    from ferrule import locks
+
+    locks.release(output_lock(out_dir), remove=True)
+
+
+def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
+    """Lock ``out_dir`` (:func:`lock_output`) and make its temporary sibling; the caller unlocks."""
+    out_dir = Path(out_dir).absolute()
+    lock_output(out_dir, overwrite)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -91,13 +123,9 @@ def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
 
 
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Every side file of ``src`` (:func:`ferrule.megatron.checkpoint.hf_side_files`: all but weights) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in HF_SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
+    return copy_hf_side_files(src, dst)
 
 
 def _read_config(hf_dir: Path) -> dict:
@@ -379,6 +407,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        unlock_output(out_dir)
     return out_dir
 
 
@@ -525,4 +555,6 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        unlock_output(out_dir)
     return out_dir

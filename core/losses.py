@@ -36,7 +36,12 @@ importance_sampling  l = w * (-c * r * A + kl)
 ppo                  l = w * (-c * min(r*A, clip(r, lo, hi)*A) + kl)
 cispo                l = w * (-c * sg(clip(r, lo, hi)) * A * t + kl)
 dro                  l = w * (-c * (t*A - beta/2 * (t - q)^2) + kl)
+gspo                 l = w * -min(s*A, clip(s, lo, hi)*A), s = sg(exp(mean_M(t - q))) * exp(t - sg(t))
 ==================== ===========================================================
+
+``gspo``'s ratio is one value per datum (its masked mean log-ratio), so its terms depend on the
+datum's other tokens: packed calls pass ``segment_ids`` (:data:`SEQUENCE_LEVEL`, :func:`gspo`).
+The TIS / KL extensions below do not apply to it.
 
 Tinker's RL losses have no ``weights`` input; here it is optional with default 1 and multiplies
 the whole per-token term, so requests from the Tinker SDK (no weights, no extensions) compute
@@ -88,6 +93,8 @@ __all__ = [
     "ppo",
     "cispo",
     "dro",
+    "gspo",
+    "SEQUENCE_LEVEL",
     "truncated_is_weights",
     "k3_kl",
     "token_entropy",
@@ -123,6 +130,8 @@ LOSS_CONFIG_DEFAULTS: Mapping[str, Mapping[str, float]] = MappingProxyType(
         "ppo": MappingProxyType({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **_EXT_CONFIG}),
         "cispo": MappingProxyType({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **_EXT_CONFIG}),
         "dro": MappingProxyType({"beta": 0.05, **_EXT_CONFIG}),
+        # GSPO paper (arXiv:2507.18071) §5.1 clipping range 3e-4 / 4e-4, as absolute bounds
+        "gspo": MappingProxyType({"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4}),
     }
 )
 
@@ -138,11 +147,12 @@ LOSS_INPUT_KEYS: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = Mapping
         "ppo": (_RL_REQUIRED, _RL_OPTIONAL + ("clip_low_threshold", "clip_high_threshold")),
         "cispo": (_RL_REQUIRED, _RL_OPTIONAL + ("clip_low_threshold", "clip_high_threshold")),
         "dro": (_RL_REQUIRED, _RL_OPTIONAL),
+        "gspo": (_RL_REQUIRED, ("weights", "sequence_ratio_mask", "clip_low_threshold", "clip_high_threshold")),
     }
 )
 _SCALAR_OK = ("clip_low_threshold", "clip_high_threshold")
 # Names in Tinker's LossFnType literal (tinker 0.38) that ferrule does not implement.
-_TINKER_ONLY = ("gspo", "stable_reinforce", "custom")
+_TINKER_ONLY = ("stable_reinforce", "custom")
 
 # Global means reconstructed from summed metrics: mean key -> (numerator, denominator).
 DERIVED_MEANS: Mapping[str, tuple[str, str]] = MappingProxyType(
@@ -263,6 +273,10 @@ def _validate_one(
         hi = inputs.get("clip_high_threshold", torch.tensor(config["clip_high_threshold"]))
         if bool((lo < 0).any()) or bool((lo.double().cpu() > hi.double().cpu()).any()):
             raise ValueError(f"{where}per-datum clip thresholds need 0 <= clip_low_threshold <= clip_high_threshold")
+    mask = inputs.get("sequence_ratio_mask")
+    if mask is not None and n and not bool((mask != 0).any()):
+        raise ValueError(f"{where}loss_fn_inputs['sequence_ratio_mask'] marks no token, so the datum's sequence ratio "
+                         "is undefined; mark its sampled tokens with 1.0")
     if config.get("kl_coef", 0.0) > 0 and "ref_logprobs" not in inputs:
         raise ValueError(
             f"{where}loss_fn_config['kl_coef'] = {config['kl_coef']} > 0 needs loss_fn_inputs['ref_logprobs'] "
@@ -595,6 +609,84 @@ def dro(
     return _policy_loss("dro", target_logprobs, loss_fn_inputs, loss_fn_config, entropy)
 
 
+#: losses whose per-token terms depend on their datum's other tokens: the engine passes ``segment_ids``
+SEQUENCE_LEVEL = frozenset({"gspo"})
+
+
+def gspo(
+    target_logprobs: torch.Tensor,
+    loss_fn_inputs: Mapping[str, torch.Tensor],
+    loss_fn_config: Mapping[str, float | str] | None = None,
+    *,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """GSPO-token (Tinker ``gspo``): ``l_i = -w_i * min(s_i A_i, clip(s_i, lo, hi) A_i)``.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071 (its
+    token-level variant, GSPO-token), as Tinker's loss page
+    (``tinker-docs.thinkingmachines.ai/tinker/losses/gspo``) states it. With ``t`` the current
+    logprobs, ``q`` = ``logprobs`` (the sampler's), ``A`` = ``advantages`` and ``M`` the tokens
+    ``sequence_ratio_mask`` marks (non-zero) in one datum::
+
+        s      = exp( mean_{i in M} (sg(t_i) - q_i) )            the sequence ratio (geometric mean)
+        s_i    = sg(s) * exp(t_i - sg(t_i))                       value s, gradient s * grad t_i
+        l_i    = -min(s_i * A_i, clip(s_i, lo, hi) * A_i)         summed over every token i
+
+    so every token of a datum carries the same ratio value and is kept or clipped together, and
+    per-token advantages still weight each token's own gradient. ``lo`` / ``hi`` are absolute ratio
+    bounds (``clip_low_threshold`` / ``clip_high_threshold``, the keys of Tinker's ``ppo``); their
+    defaults are the GSPO paper's clipping range (§5.1: left 3e-4, right 4e-4, i.e. 0.9997 and
+    1.0004), since the sequence ratio of a mean log-ratio stays close to 1. Without
+    ``sequence_ratio_mask`` every token is in ``M``. A ferrule ``weights`` input, if given,
+    multiplies ``l_i`` (absent for Tinker requests).
+
+    The ratio couples the tokens of one datum, so the loss needs to know where data start when
+    several are packed along the token axis: the train engine passes ``segment_ids`` (``[T]``
+    int, one id per datum, see :data:`SEQUENCE_LEVEL`); a call without it is one datum.
+
+    Inputs ``[T]``: ``target_tokens``, ``logprobs``, ``advantages``; optional
+    ``sequence_ratio_mask`` (float, non-zero = in the ratio), ``weights``, per-datum
+    ``clip_low_threshold`` / ``clip_high_threshold``; ``segment_ids`` (int ``[T]``, from the
+    engine). Metrics: ``loss:sum``, ``weights:sum``, ``tokens:sum``, ``ratio:sum`` (each token's
+    ratio value ``s``), ``clipped_tokens:sum`` (tokens whose clipped branch is strictly smaller).
+
+    Raises:
+        ValueError: shapes that differ from ``target_logprobs``, or a datum whose
+            ``sequence_ratio_mask`` marks no token (its ratio would be undefined).
+    """
+    cfg = resolve_loss_config("gspo", loss_fn_config)
+    keys = ("logprobs", "advantages", "weights", "sequence_ratio_mask", "clip_low_threshold", "clip_high_threshold")
+    dtype, x = _prepare(target_logprobs, loss_fn_inputs, keys)
+    t = target_logprobs.to(dtype)
+    q, adv, w = x["logprobs"], x["advantages"], x.get("weights")
+    n = t.shape[0]
+    seg = loss_fn_inputs.get("segment_ids")
+    seg = torch.zeros(n, dtype=torch.long, device=t.device) if seg is None else seg.to(t.device, torch.long)
+    if tuple(seg.shape) != (n,):
+        raise ValueError(f"segment_ids has shape {tuple(seg.shape)}, expected [{n}]")
+    in_ratio = (x["sequence_ratio_mask"] != 0) if "sequence_ratio_mask" in x else torch.ones(n, dtype=torch.bool,
+                                                                                               device=t.device)
+    n_seg = int(seg.max()) + 1 if n else 0
+    counts = torch.zeros(n_seg, dtype=dtype, device=t.device).index_add_(0, seg, in_ratio.to(dtype))
+    if n_seg and bool((counts == 0).any()):
+        raise ValueError("loss 'gspo': a datum's sequence_ratio_mask marks no token, so its sequence ratio is "
+                         "undefined; mark the sampled tokens (1.0) or drop the datum")
+    diff = torch.where(in_ratio, t.detach() - q, torch.zeros_like(q))
+    log_s = torch.zeros(n_seg, dtype=dtype, device=t.device).index_add_(0, seg, diff) / counts.clamp(min=1)
+    ratio = torch.exp(log_s[seg] + t - t.detach())
+    lo, hi = _thresholds(x, cfg, t)
+    unclipped_obj = ratio * adv
+    clipped_obj = torch.clamp(ratio, lo, hi) * adv
+    clipped = clipped_obj < unclipped_obj
+    term = -torch.where(clipped, clipped_obj, unclipped_obj)
+    loss = term if w is None else w * term
+    metrics, active = _base_metrics(loss, w)
+    metrics["ratio:sum"] = _masked_sum(ratio, active)
+    metrics["clipped_tokens:sum"] = (clipped & active).sum(dtype=torch.float64)
+    _add_entropy(metrics, entropy, active)
+    return loss, metrics
+
+
 LOSSES: Mapping[str, LossFn] = MappingProxyType(
     {
         "cross_entropy": cross_entropy,
@@ -602,6 +694,7 @@ LOSSES: Mapping[str, LossFn] = MappingProxyType(
         "ppo": ppo,
         "cispo": cispo,
         "dro": dro,
+        "gspo": gspo,
     }
 )
 

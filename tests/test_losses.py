@@ -340,8 +340,8 @@ def _rl():
 @pytest.mark.parametrize(
     "name, inputs, cfg, match",
     [
-        ("grpo", {}, None, r"unknown loss_fn 'grpo'; known losses: cispo, cross_entropy, dro, importance_sampling, ppo"),
-        ("gspo", {}, None, r"exists in the Tinker API but is not implemented"),
+        ("grpo", {}, None, r"unknown loss_fn 'grpo'; known losses: cispo, cross_entropy, dro, gspo, importance_sampling, ppo"),
+        ("stable_reinforce", {}, None, r"exists in the Tinker API but is not implemented"),
         ("ppo", {k: v for k, v in _rl().items() if k != "advantages"}, None, r"needs loss_fn_inputs\['advantages'\]"),
         ("ppo", _rl() | {"advantages": torch.zeros(NUM_TOKENS - 1, dtype=torch.float64)}, None, r"'advantages'.*shape \(12,\).*\[13\]"),
         ("ppo", _rl() | {"advantages": torch.tensor([0.0] * 5 + [math.nan] + [0.0] * 7)}, None, r"\['advantages'\]\[5\] = nan is not finite"),
@@ -392,7 +392,7 @@ def test_names_and_keys_match_tinker_sdk():
 
     tinker_names = set(typing.get_args(types.LossFnType))
     assert set(L.LOSSES) <= tinker_names
-    assert set(L.LOSSES) | {"gspo", "stable_reinforce", "custom"} == tinker_names
+    assert set(L.LOSSES) | {"stable_reinforce", "custom"} == tinker_names
     tinker_keys = set(tinker_datum._KEY_TO_TYPE)
     ferrule_extensions = {"rollout_logprobs", "ref_logprobs"}
     for name, (required, optional) in L.LOSS_INPUT_KEYS.items():

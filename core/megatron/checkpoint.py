@@ -11,7 +11,7 @@ Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpo
       lora/rank_<R>.pt                                     LoRA runs: each rank's adapter shards + optimizer
       lora/adapter_model.safetensors, adapter_config.json  LoRA runs: the full adapter in HF PEFT format
       hf/config.json                                       the HF config the model was built from
-      hf/generation_config.json, hf/tokenizer*             copied from the source HF folder (those present)
+      hf/generation_config.json, hf/tokenizer*, ...        the source HF folder's side files (hf_side_files)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict(), "optimizer":
 MegatronOptimizer.sharded_state_dict(...), "scheduler": OptimizerParamScheduler.state_dict()}``
@@ -60,7 +60,7 @@ import torch
 
 from ferrule.fsutil import commit_dir
 
-__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_SIDE_FILES", "save_training_state", "load_training_state",
+__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
            "CheckpointMismatchError"]
 
@@ -68,11 +68,42 @@ ENGINE_STATE_FILE = "engine_state.json"
 #: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
 #: default, fails in 0.16.1 with ``ShardedTensor.flattened_range is not supported``).
 DISTOPT_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-#: Files of an HF checkpoint directory besides its weights that a checkpoint's ``hf/`` keeps
-#: (config, generation config, tokenizer and chat template), so an export is a complete HF folder.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-                 "tokenizer.model", "chat_template.jinja", "chat_template.json")
+#: Name patterns (``fnmatch``) of an HF checkpoint folder's weight files: everything else at the
+#: top of the folder is a side file (:func:`hf_side_files`).
+HF_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                      "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.tflite", "*.npz")
+#: Sub-folders of an HF checkpoint that transformers reads (``additional_chat_templates/*.jinja``,
+#: ``transformers.utils.hub``'s ``CHAT_TEMPLATE_DIR``); other sub-folders are not carried.
+HF_SIDE_DIRS = ("additional_chat_templates",)
+
+
+def hf_side_files(src: str | os.PathLike) -> list[str]:
+    """Names (relative to ``src``, sorted) of an HF checkpoint folder's side files: every regular,
+    non-hidden file at its top that no :data:`HF_WEIGHT_PATTERNS` pattern matches (``config.json``,
+    ``generation_config.json``, tokenizer files, ``chat_template.jinja``, ``processor_config.json``,
+    ``preprocessor_config.json`` (image processors and feature extractors), remote-code ``*.py``,
+    README ...), plus the files of :data:`HF_SIDE_DIRS`. ``[]`` when ``src`` is not a folder."""
+    import fnmatch
+
+    src = Path(src)
+    if not src.is_dir():
+        return []
+    out = [p.name for p in src.iterdir() if p.is_file() and not p.name.startswith(".")
+           and not any(fnmatch.fnmatch(p.name, pat) for pat in HF_WEIGHT_PATTERNS)]
+    for d in HF_SIDE_DIRS:
+        if (src / d).is_dir():
+            out += [f"{d}/{p.name}" for p in (src / d).iterdir() if p.is_file() and not p.name.startswith(".")]
+    return sorted(out)
+
+
+def copy_hf_side_files(src: str | os.PathLike, dst: str | os.PathLike, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy :func:`hf_side_files` of ``src`` (but ``skip``) into ``dst`` (created); return the names copied."""
+    src, dst = Path(src), Path(dst)
+    names = [n for n in hf_side_files(src) if n not in skip]
+    for name in names:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / name, dst / name)
+    return names
 
 
 def _unwrap(module: Any) -> Any:
@@ -278,9 +309,9 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     ``lora/rank_<R>.pt``, one shard per global rank (ranks of one TP/PP position hold different
     experts under EP), and rank 0 writes ``lora_files`` (``{file name: bytes}``) under ``lora/``.
 
-    ``hf/config.json`` is ``hf_config``; the other HF side files
-    (:data:`HF_SIDE_FILES`: generation config, tokenizer files, chat
-    template) present in ``hf_files_dir`` are copied next to it.
+    ``hf/config.json`` is ``hf_config``; every other side file of ``hf_files_dir``
+    (:func:`hf_side_files`: generation config, tokenizer, chat template, processor and
+    preprocessor configs, ...; not its weights) is copied next to it.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False (raised on every rank).
@@ -319,9 +350,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         if _rank() == 0:
             (tmp / "hf").mkdir(exist_ok=True)
             if hf_files_dir is not None:
-                for name in HF_SIDE_FILES:
-                    if name != "config.json" and (Path(hf_files_dir) / name).is_file():
-                        shutil.copy2(Path(hf_files_dir) / name, tmp / "hf" / name)
+                copy_hf_side_files(hf_files_dir, tmp / "hf", skip=("config.json",))
             (tmp / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, default=str) + "\n")
             (tmp / "ferrule_checkpoint.json").write_text(json.dumps(checkpoint_meta, indent=2) + "\n")
             (tmp / ENGINE_STATE_FILE).write_text(json.dumps(engine_state, indent=2) + "\n")

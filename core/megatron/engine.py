@@ -53,7 +53,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from ..losses import finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
+from ..losses import SEQUENCE_LEVEL, finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
 from .batching import Datum, FBOutput, assign_dp_ranks, pack_microbatches
 from .gpu_fusions import enable_cuda_fusions
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
@@ -563,6 +563,9 @@ class TrainEngine:
                         v = data[i].inputs[key]
                         parts.append(v.reshape(1).expand(n) if v.numel() == 1 and n != 1 else v.reshape(n))
                     inputs[key] = torch.cat(parts).to(t.device)
+                if loss_fn in SEQUENCE_LEVEL:  # the loss couples each datum's tokens: say where data start
+                    inputs["segment_ids"] = torch.repeat_interleave(
+                        torch.arange(len(mb["idx"])), torch.tensor(mb["lengths"])).to(t.device)
                 per_token, metrics = loss(t, inputs, loss_cfg)
                 pieces = per_token.detach().float().cpu().split(mb["lengths"])
                 tp = t.detach().float().cpu().split(mb["lengths"])

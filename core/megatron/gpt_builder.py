@@ -192,8 +192,12 @@ def build_gpt_model(
             ``partial_rotary_factor``); the rest pass through.
         rope_scaling: None, ``{"type": "linear", "factor": f}`` (megatron
             ``seq_len_interpolation_factor=f``: positions divided by ``f``, = HF linear scaling) or
-            ``{"type": "llama3", "factor": f}`` (megatron ``rope_scaling=True``, Llama-3.1 scaling).
-        position_embedding_type: ``'rope'`` (the only type the HF families use).
+            ``{"type": "llama3", "factor": f}`` (megatron ``rope_scaling=True``, Llama-3.1 scaling) or
+            :func:`ferrule.config_translation.yarn_from_hf`'s ``{"type": "yarn", ...}`` (megatron
+            ``position_embedding_type='yarn'``, ``YarnRotaryEmbedding``; the ``config.yarn_*``
+            attributes are set here, :func:`~ferrule.megatron.layer_options.yarn_config_attributes`).
+        position_embedding_type: ``'rope'`` (the only type the HF families use; YaRN comes through
+            ``rope_scaling``).
         core_attention: ``'sdpa'`` (:class:`SDPAttention`), ``'local'`` (megatron's), or a
             ``DotProductAttention`` subclass / ``"module:attr"`` reference to one.
         parallel_output: keep logits split over TP (True, for vocab-parallel cross entropy).
@@ -224,6 +228,15 @@ def build_gpt_model(
 
     attention_cls = core_attention_class(core_attention)
     final_norm = None
+    if rope_scaling and rope_scaling.get("type") == "yarn":
+        from .layer_options import yarn_config_attributes
+
+        if layer_rope is not None or position_embedding_type != "rope":
+            raise ValueError("rope_scaling type 'yarn' is the model-wide YarnRotaryEmbedding; it cannot be combined "
+                             f"with layer_rope or position_embedding_type={position_embedding_type!r}.")
+        for key, value in yarn_config_attributes(rope_scaling).items():
+            setattr(config, key, value)  # read by GPTModel (YarnRotaryEmbedding) and Attention (mscale)
+        position_embedding_type = "yarn"
     if layer_rope is not None:
         from .layer_options import check_layer_rope
 

@@ -88,7 +88,7 @@ def _pad_response(values: Sequence[float] | np.ndarray | torch.Tensor, sample: S
 
 def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], advantages: Sequence[float],
                  behaviour_logprobs: Sequence[torch.Tensor], use_tis: bool,
-                 ref_logprobs: Sequence[torch.Tensor] | None = None) -> list[Datum]:
+                 ref_logprobs: Sequence[torch.Tensor] | None = None, sequence_ratio: bool = False) -> list[Datum]:
     """Engine data for one optimizer step (see the module docstring for each input).
 
     Args:
@@ -98,6 +98,9 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
         behaviour_logprobs: per sample ``[R]`` logprobs the PPO ratio divides by.
         use_tis: add ``rollout_logprobs`` (truncated importance sampling in ``ferrule.losses``).
         ref_logprobs: per sample ``[R]`` reference-policy logprobs, or None.
+        sequence_ratio: a sequence-level loss (``ferrule.losses.SEQUENCE_LEVEL``, ``gspo``): add
+            ``sequence_ratio_mask`` (1 on the response tokens, which form the ratio) and leave out
+            ``rollout_logprobs`` / ``ref_logprobs``, which it does not take.
 
     Raises:
         ValueError: length mismatches (naming the sample index).
@@ -119,9 +122,11 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
                 "advantages": _pad_response(np.full(r, float(advantages[i])), s),
                 "logprobs": _pad_response(behaviour_logprobs[i], s),
             }
-            if use_tis:
+            if sequence_ratio:
+                inputs["sequence_ratio_mask"] = _pad_response(np.ones(r), s)
+            if use_tis and not sequence_ratio:
                 inputs["rollout_logprobs"] = _pad_response(s.rollout_logprobs, s)
-            if ref_logprobs is not None:
+            if ref_logprobs is not None and not sequence_ratio:
                 inputs["ref_logprobs"] = _pad_response(ref_logprobs[i], s)
         except ValueError as exc:
             raise ValueError(f"sample {i}: {exc}") from None
@@ -132,8 +137,9 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
 def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
     """``(loss name, loss_fn_config)`` for ``ferrule.losses`` from an ``AlgorithmConfig``.
 
-    ``ppo`` / ``cispo`` clip the ratio to ``[1 - eps_clip, 1 + eps_clip_high]`` (absolute
-    bounds, the losses' convention); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always.
+    ``ppo`` / ``cispo`` / ``gspo`` clip the ratio to ``[1 - eps_clip, 1 + eps_clip_high]`` (absolute
+    bounds, the losses' convention; for ``gspo`` the GSPO paper's band is ``eps_clip=3e-4``,
+    ``eps_clip_high=4e-4``); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always.
     """
     from ferrule.losses import LOSS_CONFIG_DEFAULTS
 
@@ -143,9 +149,10 @@ def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
     if "clip_low_threshold" in accepted:
         cfg["clip_low_threshold"] = 1.0 - algorithm.eps_clip  # type: ignore[attr-defined]
         cfg["clip_high_threshold"] = 1.0 + algorithm.eps_clip_high  # type: ignore[attr-defined]
-    if algorithm.use_tis:  # type: ignore[attr-defined]
+    if algorithm.use_tis and "tis_cap" in accepted:  # type: ignore[attr-defined]
         cfg["tis_cap"] = float(algorithm.tis_cap)  # type: ignore[attr-defined]
-    cfg["kl_coef"] = float(algorithm.kl_coef)  # type: ignore[attr-defined]
+    if "kl_coef" in accepted:  # gspo takes neither extension (config checks refuse use_tis / kl_coef with it)
+        cfg["kl_coef"] = float(algorithm.kl_coef)  # type: ignore[attr-defined]
     return name, cfg
 
 

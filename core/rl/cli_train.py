@@ -51,6 +51,12 @@ def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = 
     return load_config(config, items)
 
 
+#: printed by a bare ``ferrule train``
+USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train examples/configs/smollm2_arithmetic.yaml; "
+         "continue a stopped or crashed run: ferrule train --resume --run-dir RUN_DIR; all options: "
+         "ferrule train --help")
+
+
 def train_command(
     config: Annotated[Path | None, typer.Argument(
         help="YAML/TOML config (e.g. examples/configs/smollm2_arithmetic.yaml). With --resume it may be "
@@ -84,6 +90,9 @@ def train_command(
 
     hf_logging.disable_progress_bar()  # per-model "Loading weights" bars; the run has its own progress display
     console = Console(stderr=True, soft_wrap=True)
+    if config is None and config_opt is None and not (overrides or set_ or resume or run_dir):
+        console.print(f"usage: {USAGE}", markup=False, highlight=False)
+        raise typer.Exit(2)
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
         raise typer.Exit(2)
@@ -114,10 +123,14 @@ def train_command(
         from ferrule.rl.checkpoints import list_checkpoints
 
         trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
-        if resume and not list_checkpoints(trainer.ckpt_dir):
-            # an explicit --resume must not silently start over (a typo in --run-dir would)
-            raise ConfigError([f"--resume: no complete checkpoint in {trainer.ckpt_dir}; check --run-dir, or drop "
-                               "--resume to start a new run"])
+        try:
+            complete = resume and run_is_complete(trainer, list_checkpoints(trainer.ckpt_dir), console)
+        except BaseException:
+            trainer.close()  # the run folder's lock (and a folder the trainer created) go
+            raise
+        if complete:
+            trainer.close()
+            return
         result = trainer.run(stop_after=stop_after)
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
@@ -140,6 +153,39 @@ def train_command(
     console.print(summary, highlight=False, markup=False)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)
+
+
+def run_is_complete(trainer, found: list, console) -> bool:
+    """``--resume`` before anything loads: True (and says so) when the run already reached
+    ``train.steps``; False when there is something to continue.
+
+    A run folder that holds a run (``config.yaml`` or ``metrics.jsonl``) but no complete checkpoint
+    (it died before its first ``checkpoint.interval``) continues too: the loop restarts it at step
+    0 and says so (:meth:`ferrule.rl.loop.GRPOTrainer._resume_point`).
+
+    Raises:
+        ConfigError: the folder holds no run at all (a typo in ``--run-dir`` must not start over).
+    """
+    from ferrule.rl.config import CONFIG_FILE_NAME, ConfigError
+    from ferrule.rl.metrics import METRICS_FILE, read_metrics
+
+    run_dir, steps = trainer.run_dir, trainer.cfg.train.steps
+    if not found and not ((run_dir / CONFIG_FILE_NAME).is_file() or (run_dir / METRICS_FILE).is_file()):
+        raise ConfigError([f"--resume: {run_dir} holds no run (no {CONFIG_FILE_NAME}, {METRICS_FILE} or checkpoint "
+                           f"in {trainer.ckpt_dir}); check --run-dir, or drop --resume to start a new run"])
+    if found:
+        done, where = found[-1][0], f"its latest checkpoint is step {found[-1][0]}"
+    elif not trainer.cfg.checkpoint.enabled and (logged := read_metrics(run_dir / METRICS_FILE)):
+        done, where = int(logged[-1].get("step", 0)), f"{METRICS_FILE} reaches step {logged[-1].get('step')}"
+    else:
+        return False
+    if done < steps:
+        return False
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        console.print(f"run {run_dir} is complete: {where} of train.steps={steps}; nothing to do (to train on, "
+                      f"raise it: ferrule train --resume --run-dir {run_dir} train.steps={steps + done})",
+                      markup=False, highlight=False)
+    return True
 
 
 #: set by :func:`launch_torchrun` for its ranks: a rank that stops on a user error writes

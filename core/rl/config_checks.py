@@ -141,6 +141,9 @@ def validate_config(cfg: RLConfig) -> list[str]:
                  f"{a.tis_cap}; or set algorithm.use_tis=false")
     if a.kl_coef < 0:
         p.append(f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    if a.loss == "gspo" and (a.use_tis or a.kl_coef > 0):
+        p.append("algorithm.loss=gspo: the sequence-ratio loss takes no truncated-IS or KL term; set "
+                 "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
 

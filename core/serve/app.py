@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from .backend import EngineBackend, SampleSpec, SavedWeights
 from .limits import ServeLimits
 from .logprobs import parse_extras
+from .routes_rest import add_rest_routes
 from .routes_train import add_training_routes
 from .scheduler import JSON, Job, Scheduler
 from .service import HTTPError, Service
@@ -87,6 +88,7 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
     limits = limits or ServeLimits()
     svc = Service(store, scheduler, backend, telemetry, storage, limits)
     add_training_routes(app, svc)
+    add_rest_routes(app, svc)
     body_json, need, own_session, own_checkpoint, enqueue = (svc.body_json, svc.need, svc.own_session,
                                                              svc.own_checkpoint, svc.enqueue)
 
@@ -258,23 +260,5 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         if row["status"] == "failed":
             return JSONResponse({"error": row["error"], "category": row["category"] or "server"})
         return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
-
-    # ------------------------------------------------------------------ checkpoint listing
-    def checkpoint_json(row: dict) -> dict:
-        return {"checkpoint_id": f"{row['kind']}/{row['name']}", "tinker_path": row["path"],
-                "checkpoint_type": "training" if row["kind"] == "weights" else "sampler",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row["created"])),
-                "size_bytes": row["size_bytes"], "public": False}
-
-    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
-    async def list_checkpoints(model_id: str, request: Request):
-        row = store.model(model_id)
-        if row is None or row["tenant"] != request.state.tenant:
-            raise HTTPError(404, f"training run {model_id!r} does not exist for this API key.")
-        return {"checkpoints": [checkpoint_json(r) for r in store.checkpoints(request.state.tenant, model_id)]}
-
-    @app.get("/api/v1/checkpoints")
-    async def list_user_checkpoints(request: Request):
-        return {"checkpoints": [checkpoint_json(r) for r in store.checkpoints(request.state.tenant)]}
 
     return app

@@ -1,0 +1,98 @@
+"""Checkpoint part of the record stage: ``CKPT_DIR/step_NNNNNN/`` = ``engine/``
+(:meth:`~ferrule.megatron.engine.TrainEngine.save`) + ``loop_state.json`` (written last and
+atomically; :mod:`ferrule.run_layout`), pruning to ``checkpoint.keep``; and the resume point.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from ferrule.rl.checkpoints import LOOP_STATE_FILE, atomic_write, config_differences, list_checkpoints
+from ferrule.rl.config import ConfigError
+
+__all__ = ["save_checkpoint", "resume_point"]
+
+
+def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampler: Any, cfg: Any) -> Path:
+    """Write ``ckpt_dir/step_NNNNNN`` (engine + loop state) and prune to ``cfg.checkpoint.keep``.
+
+    Collective: every rank writes its engine shards; the driver alone writes the loop state
+    (``{"step", "sampler", "engine_step", "config", "world_size"}``) and prunes. Returns the folder.
+    """
+    path = Path(ckpt_dir) / f"step_{step:06d}"
+    if roles.is_driver:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / LOOP_STATE_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
+    if roles.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+    engine.save(path / "engine")  # collective: every rank writes its shards
+    if not roles.is_driver:
+        return path
+    state = {"step": step, "sampler": sampler.state_dict(), "engine_step": engine.step,
+             "config": cfg.to_dict(), "world_size": roles.world_size}
+    atomic_write(path / LOOP_STATE_FILE, json.dumps(state, indent=2) + "\n")
+    keep = cfg.checkpoint.keep
+    if keep:
+        for _, old in list_checkpoints(ckpt_dir)[:-keep]:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Callable[[str], None]) -> int:
+    """Load the latest complete checkpoint of ``ckpt_dir`` into ``engine`` and ``sampler``; return
+    its step (0 when there is none: a run that died before its first checkpoint restarts, and the
+    log says so).
+
+    Raises:
+        ConfigError: the checkpoint's config differs in a key that must not change
+            (:data:`~ferrule.rl.checkpoints.RESUME_MUTABLE`), the data changed, a LoRA run resumes
+            at another layout, or the engine state does not fit (e.g. MoE Adam state across ep).
+    """
+    found = list_checkpoints(ckpt_dir)
+    if not found:  # it died before its first checkpoint: the same run again from the start
+        from ferrule.rl.metrics import METRICS_FILE, read_metrics
+
+        logged = read_metrics(Path(cfg.logging.run_dir) / METRICS_FILE)
+        log(f"checkpoint.resume: no complete checkpoint in {ckpt_dir} yet; restarting the run at step 0"
+            + (f" (its {len(logged)} logged steps are replaced)" if logged else ""))
+        return 0
+    step, path = found[-1]
+    state = json.loads((path / LOOP_STATE_FILE).read_text())
+    diffs = config_differences(state.get("config", {}), cfg.to_dict())
+    if diffs:
+        raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
+                                   "checkpointed run (only train.steps, train.colocate, checkpoint.*, eval.*, "
+                                   "logging.* and parallel.* may change); or start a new logging.run_dir"],
+                          origin=str(path))
+    try:  # before the engine loads: a data set that changed size or order cannot resume
+        sampler.load_state_dict(state["sampler"])
+    except ValueError as exc:
+        raise ConfigError([f"{exc} (the training data changed since the checkpoint: restore it, or start a "
+                           "new logging.run_dir)"], origin=str(path)) from None
+    engine_state = _load_engine(engine, path, state)
+    log(f"resumed from {path} (step {step}, optimizer step {engine.step})")
+    changed = engine_state.get("settings_changed") or {}
+    if changed:  # e.g. train.steps grew: the decay horizon is re-planned, never silently kept
+        log("optimizer settings differ from the checkpoint; this config's are used from step "
+            f"{engine.step} on: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    return int(step)
+
+
+def _load_engine(engine: Any, path: Path, state: dict) -> dict:
+    from ferrule.lora.checkpoint import LoraLayoutError
+    from ferrule.megatron.checkpoint import CheckpointMismatchError
+
+    try:
+        return engine.load(path / "engine")
+    except LoraLayoutError as exc:  # the adapter's Adam state is per rank: only the DP size may change
+        raise ConfigError([f"parallel: {exc} For ferrule train: resume this LoRA run with the checkpoint's "
+                           f"parallel.* and {state.get('world_size')} ranks, or start a new run"],
+                          origin=str(path)) from None
+    except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
+        raise ConfigError([f"checkpoint.resume: {exc}"], origin=str(path)) from None

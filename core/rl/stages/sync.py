@@ -1,0 +1,34 @@
+"""Sync stage: the train engine's weights to every rollout engine.
+
+Full-parameter training sends every update group (:func:`ferrule.sync.sync_weights`) to the
+driver's engine, then the driver's tensors to the other replicas
+(:func:`ferrule.rl.distributed.fan_out_rollout_weights`); with LoRA only the adapter travels
+(:func:`ferrule.sync.sync_lora_adapter`, :func:`ferrule.rl.distributed.fan_out_lora_adapter`).
+Output: the driver sync's :class:`~ferrule.sync.SyncStats` and the wall time in seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ferrule.rl import distributed as rl_dist
+
+__all__ = ["sync_policy"]
+
+
+def sync_policy(engine: Any, rollout: Any, roles: Any, *, check_equal: bool) -> tuple[Any, float]:
+    """Send the policy at ``engine.step`` to the rollout engines; collective. ``check_equal``
+    verifies every tensor after the sync. Returns ``(SyncStats, seconds)``."""
+    from ferrule.sync import sync_lora_adapter, sync_weights
+
+    t0 = time.perf_counter()
+    if getattr(engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
+        stats = sync_lora_adapter(engine, rollout, version=engine.step, check_equal=check_equal)
+        # the other replicas' rollout engines get the adapter the driver's engine now serves
+        rl_dist.fan_out_lora_adapter(roles, rollout, engine.step, check_equal=check_equal)
+    else:
+        stats = sync_weights(engine, rollout, version=engine.step, check_equal=check_equal)
+        # the other replicas' rollout engines get the driver engine's tensors (gathered once)
+        rl_dist.fan_out_rollout_weights(roles, rollout, engine.step)
+    return stats, time.perf_counter() - t0

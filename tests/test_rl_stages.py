@@ -1,0 +1,289 @@
+"""Each stage of the GRPO step on its own (ferrule.rl.stages), with fake engines: what goes in,
+what comes out, checked against numbers computed here by hand (hashlib, numpy)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ferrule.rl.config import ConfigError, config_from_dict
+from ferrule.rl.distributed import RankRoles
+from ferrule.rollout import GenerateResult
+from ferrule.rl.stages import advantages, checkpoint, record, rollout, score, sync, train
+
+ONE_PROCESS = RankRoles(0, 1, (0,))
+SEED, STEP, N = 3, 4, 2
+
+
+def _cfg(*overrides: str):
+    return config_from_dict({}, list(overrides), validate=False)
+
+
+def _shard_seed(index: int) -> int:
+    salt = "rollout" if index == 0 else f"rollout.{index}"
+    return int.from_bytes(hashlib.sha256(f"ferrule-{salt}:{SEED}:{STEP}".encode()).digest()[:8], "big") % 2**63
+
+
+class _Engine:
+    """Records generate calls; returns ``n`` one-token samples per request."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, requests, params):
+        self.calls.append((requests, params))
+        return [GenerateResult(token_ids=(9,), logprobs=(-0.5,), finish_reason="stop", prompt_index=i,
+                               sample_index=j, request_id=r.request_id)
+                for i, r in enumerate(requests) for j in range(params.n)]
+
+
+def _prompt(i, answer="a"):
+    return SimpleNamespace(id=f"p{i}", index=i, answer=answer, messages=({"role": "user", "content": str(i)},),
+                           media_dir="")
+
+
+# ------------------------------------------------------------------ rollout
+
+def test_rollout_runs_seeded_shards_and_numbers_results_by_prompt():
+    cfg = _cfg(f"train.seed={SEED}", f"rollout.n_samples_per_prompt={N}")
+    params = rollout.sampling_params(cfg, (7,), (), n=N, temperature=1.0, max_new_tokens=5, seed=None)
+    engine, prompts = _Engine(), [_prompt(i) for i in range(5)]
+    ids = [(1, i) for i in range(5)]
+    media = {"p3": {"vision": ["img"]}}
+    out = rollout.generate_rollouts(ONE_PROCESS, engine, params, seed=SEED, prompts_per_shard=2, step=STEP,
+                                    prompts=prompts, prompt_ids=ids, media=lambda p: media.get(p.id))
+    assert [[r.prompt_token_ids for r in reqs] for reqs, _ in engine.calls] == [ids[0:2], ids[2:4], ids[4:5]]
+    assert [p.seed for _, p in engine.calls] == [_shard_seed(k) for k in range(3)]
+    assert [r.media for r in engine.calls[1][0]] == [None, {"vision": ["img"]}]
+    assert [(r.prompt_index, r.sample_index) for r in out] == [(i, j) for i in range(5) for j in range(N)]
+
+
+def test_greedy_sampling_drops_top_p_and_top_k():
+    cfg = _cfg("rollout.top_p=0.9", "rollout.top_k=20")
+    greedy = rollout.sampling_params(cfg, (7, 8), ("</s>",), n=1, temperature=0.0, max_new_tokens=3, seed=11)
+    assert (greedy.top_p, greedy.top_k, greedy.stop_token_ids, greedy.stop, greedy.seed) == (1.0, -1, (7, 8),
+                                                                                             ("</s>",), 11)
+    sampled = rollout.sampling_params(cfg, (), (), n=1, temperature=0.7, max_new_tokens=3, seed=None)
+    assert (sampled.top_p, sampled.top_k) == (0.9, 20)
+
+
+def test_prompt_renderer_caches_and_refuses_long_prompts(monkeypatch):
+    rendered = []
+    monkeypatch.setattr(rollout, "prompt_token_ids", lambda t, tok, m, kw: rendered.append(m) or (1, 2, 3))
+    r = rollout.PromptRenderer(None, None, (), {}, _cfg("data.max_prompt_tokens=3").data)
+    assert r.ids(_prompt(0), "train") == r.ids(_prompt(0), "train") == (1, 2, 3)
+    assert len(rendered) == 1
+    short = rollout.PromptRenderer(None, None, (), {}, _cfg("data.max_prompt_tokens=2").data)
+    with pytest.raises(ConfigError, match="data.max_prompt_tokens: prompt 'p0' renders to 3 tokens > 2"):
+        short.ids(_prompt(0), "train")
+
+
+# ------------------------------------------------------------------ score
+
+def test_scorer_gives_failures_the_failure_reward_and_shows_the_first_few():
+    from ferrule.rl.rewards import RewardResult
+
+    def fn(text, prompt):
+        if text == "bad":
+            raise ZeroDivisionError("no")
+        return RewardResult(1.0, True, True, text)
+
+    lines = []
+    scorer = score.Scorer(0.25, lines.append, max_shown=1)
+    out = scorer(fn, ["ok", "bad", "bad"], [_prompt(0), _prompt(1), _prompt(2)], "step 1")
+    assert [r.reward for r in out] == [1.0, 0.25, 0.25]
+    assert [r.error_type for r in out] == [None, "ZeroDivisionError", "ZeroDivisionError"]
+    shown = [ln for ln in lines if not ln.startswith("WARNING")]
+    assert len(shown) == 1 and shown[0].startswith("step 1: reward function failed, sample scored 0.25 (1/1 shown")
+    lines.clear()
+    assert [r.reward for r in scorer(fn, ["bad", "bad"], [_prompt(0), _prompt(1)], "step 2")] == [0.25, 0.25]
+    assert len(lines) == 1 and lines[0].startswith("WARNING step 2: the reward function raised on 2 of 2 samples")
+
+
+# ------------------------------------------------------------------ advantages
+
+def test_samples_take_raw_logprobs_and_advantages_normalize_each_group():
+    results = [GenerateResult((5, 6), (-1.0, -2.0), "length", 0, 0, raw_logprobs=(-0.1, -0.2)),
+               GenerateResult((5,), (-3.0,), "stop", 0, 1),
+               GenerateResult((7,), (-4.0,), "stop", 1, 0),
+               GenerateResult((8,), (-5.0,), "stop", 1, 1),
+               GenerateResult((9,), (-6.0,), "stop", 1, 2)]
+    samples = advantages.build_samples([(1, 2), (3,)], results, [None, {"audio": [0]}])
+    assert [(s.group, s.prompt_ids, s.response_ids, s.rollout_logprobs, s.truncated) for s in samples[:2]] == [
+        (0, (1, 2), (5, 6), (-0.1, -0.2), True), (0, (1, 2), (5,), (-3.0,), False)]
+    assert samples[2].media == {"audio": [0]} and samples[0].media is None
+    rewards = [SimpleNamespace(reward=v) for v in (1.0, 0.0, 2.0, 0.0, 1.0, 3.0)]
+    six = samples + [samples[-1]]
+    algo = _cfg("algorithm.advantage_eps=0.0").algorithm
+    adv = advantages.group_advantages(six, rewards, algo, group_size=3)
+    expected = []
+    for g in (np.array([1.0, 0.0, 2.0]), np.array([0.0, 1.0, 3.0])):
+        expected += list((g - g.mean()) / g.std(ddof=1))
+    np.testing.assert_allclose(adv.values, expected, rtol=1e-12)
+    assert adv.rewards == [1.0, 0.0, 2.0, 0.0, 1.0, 3.0] and adv.trainable == [True] * 6
+
+
+# ------------------------------------------------------------------ train
+
+class _TrainEngine:
+    """forward_backward returns per-position logprobs ``-0.5`` for every datum; records the batches."""
+
+    def __init__(self):
+        self.batches, self.steps, self.forward_calls = [], 0, 0
+
+    def forward_logprobs(self, datums):
+        self.forward_calls += 1
+        return [torch.full((len(d.model_input),), -0.25) for d in datums]
+
+    def forward_backward(self, datums, loss_fn, loss_cfg):
+        self.batches.append((len(datums), loss_fn))
+        return SimpleNamespace(metrics={"loss:sum": float(len(datums)), "tokens:count": 1.0},
+                               loss_fn_outputs=[{"logprobs": torch.full((len(d.model_input),), -0.5)} for d in datums])
+
+    def optim_step(self):
+        self.steps += 1
+        return {"grad_norm": float(self.steps), "learning_rate": 0.1 * self.steps, "success": self.steps != 2}
+
+
+def _samples(groups=4, n=2):
+    from ferrule.rl.batch import Sample
+
+    return [Sample(group=g, prompt_ids=(1, 2), response_ids=(3, 4, 5), rollout_logprobs=(-1.0, -1.0, -1.0),
+                   truncated=False) for g in range(groups) for _ in range(n)]
+
+
+def test_train_stage_steps_once_per_minibatch_of_whole_groups_and_measures_ppo_kl():
+    cfg = _cfg("train.optim_steps_per_rollout=2", "rollout.n_samples_per_prompt=2")
+    samples, engine = _samples(), _TrainEngine()
+    rollout_lp = [torch.tensor(s.rollout_logprobs) for s in samples]
+    out = train.train_policy(engine, samples, [0.5, -0.5] * 4, rollout_lp, cfg=cfg, reference=None,
+                             roles=ONE_PROCESS, num_groups=4)
+    assert engine.batches == [(4, "ppo"), (4, "ppo")] and engine.forward_calls == 1 and out.need_old
+    assert (out.grad_norms, out.learning_rates, out.skipped) == ([1.0, 2.0], [0.1, 0.2], 1)
+    assert out.sums == [{"loss:sum": 4.0}, {"loss:sum": 4.0}]
+    d = -0.25 - -0.5  # log(p_old / p_cur) on every response token
+    assert out.ppo_kl == pytest.approx(math.exp(d) - 1 - d, rel=1e-12)
+    assert all(torch.equal(lp, torch.full((3,), -0.25)) for lp in out.trainer_logprobs)  # the old logprobs
+
+
+def test_train_stage_uses_rollout_logprobs_when_one_step_needs_no_old_ones():
+    cfg = _cfg("train.optim_steps_per_rollout=1", "algorithm.use_tis=false")
+    samples, engine = _samples(groups=2), _TrainEngine()
+    rollout_lp = [torch.tensor(s.rollout_logprobs) for s in samples]
+    out = train.train_policy(engine, samples, [0.0] * 4, rollout_lp, cfg=cfg, reference=None, roles=ONE_PROCESS,
+                             num_groups=2)
+    assert engine.forward_calls == 0 and engine.batches == [(4, "ppo")] and not out.need_old
+    d = -1.0 - -0.5
+    assert out.ppo_kl == pytest.approx(math.exp(d) - 1 - d, rel=1e-12)
+    assert all(torch.equal(lp, torch.full((3,), -0.5)) for lp in out.trainer_logprobs)  # from the first fb
+
+
+# ------------------------------------------------------------------ sync
+
+@pytest.mark.parametrize("lora", [None, "adapter"])
+def test_sync_sends_the_adapter_alone_for_lora_and_every_weight_otherwise(monkeypatch, lora):
+    import ferrule.sync as fsync
+    from ferrule.rl import distributed as rl_dist
+
+    calls = []
+    monkeypatch.setattr(fsync, "sync_weights", lambda e, r, version, check_equal: calls.append(
+        ("weights", version, check_equal)) or "w-stats")
+    monkeypatch.setattr(fsync, "sync_lora_adapter", lambda e, r, version, check_equal: calls.append(
+        ("adapter", version, check_equal)) or "a-stats")
+    monkeypatch.setattr(rl_dist, "fan_out_rollout_weights", lambda roles, r, v: calls.append(("fan weights", v)))
+    monkeypatch.setattr(rl_dist, "fan_out_lora_adapter",
+                        lambda roles, r, v, check_equal: calls.append(("fan adapter", v)))
+    stats, seconds = sync.sync_policy(SimpleNamespace(lora=lora, step=6), object(), ONE_PROCESS, check_equal=True)
+    kind = "adapter" if lora else "weights"
+    assert calls == [(kind, 6, True), (f"fan {kind}", 6)]
+    assert stats == ("a-stats" if lora else "w-stats") and seconds >= 0
+
+
+# ------------------------------------------------------------------ record
+
+def test_train_metrics_average_the_optimizer_steps():
+    lp = [torch.tensor([-1.0, -3.0]), torch.tensor([-2.0])]
+    outcome = train.TrainOutcome(sums=[{"loss:sum": 2.0}, {"loss:sum": 4.0}], grad_norms=[1.0, 3.0],
+                                 learning_rates=[0.1, 0.2], skipped=1, ppo_kl=0.01,
+                                 trainer_logprobs=[torch.tensor([-1.5, -3.0]), None], need_old=True, seconds=1.0)
+    adv = advantages.Advantages([1.0, 0.0], [True, True], np.array([0.7, -0.7]))
+    m = record.train_step_metrics(outcome, lp, adv, group_size=2, use_tis=False)
+    assert (m["loss"], m["kl"], m["grad_norm"], m["lr"], m["skipped_optim_steps"]) == (3.0, 0.01, 2.0, 0.2, 1)
+    assert m["entropy"] == pytest.approx(2.0) and m["train_rollout_logprob_abs_diff"] == pytest.approx(0.25)
+    assert m["advantage_abs_mean"] == pytest.approx(0.7) and m["zero_std_group_fraction"] == 0.0
+
+
+def test_throughput_and_logged_samples():
+    samples = _samples(groups=1)  # 2 samples, 3 response tokens, num_tokens 4
+    t = record.throughput_metrics(samples, t_rollout=2.0, t_train=5.0, t_sync=1.0)
+    assert (t["rollout_tokens_per_s"], t["train_tokens_per_s"]) == (3.0, 2.0)
+    results = [GenerateResult((1,), (-1.0,), "stop", 0, j) for j in range(2)]
+    rewards = [SimpleNamespace(extracted="4", reward=1.0, score=1.0, correct=True, error_type=None, error=None),
+               SimpleNamespace(extracted=None, reward=0.0, score=None, correct=False, error_type="KeyError",
+                               error="x")]
+    out = record.logged_samples(7, [_prompt(0, answer="4")], results, ["four", "?"], rewards, [0.5, -0.5], limit=5)
+    assert out[0] == {"step": 7, "prompt_id": "p0", "sample": 0, "response": "four", "answer": "4", "extracted": "4",
+                      "reward": 1.0, "score": 1.0, "correct": True, "advantage": 0.5}
+    assert out[1]["reward_error"] == "KeyError: x"
+    assert len(record.logged_samples(7, [_prompt(0)], results, ["a", "b"], rewards, [0, 0], limit=1)) == 1
+
+
+def test_truncate_samples_keeps_the_steps_up_to_the_resume_point(tmp_path):
+    record.append_samples(tmp_path, [{"step": s, "i": s} for s in (1, 2, 3)])
+    record.truncate_samples(tmp_path, 2)
+    lines = (tmp_path / record.SAMPLES_FILE).read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [1, 2]
+
+
+# ------------------------------------------------------------------ checkpoint
+
+class _CkptEngine:
+    def __init__(self):
+        self.step, self.loaded = 5, []
+
+    def save(self, path):
+        path.mkdir(parents=True)
+        (path / "weights").write_text("w")
+
+    def load(self, path):
+        self.loaded.append(path)
+        return {"settings_changed": {}}
+
+
+class _Sampler:
+    def __init__(self):
+        self.state = None
+
+    def state_dict(self):
+        return {"pos": 3}
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def test_checkpoints_keep_the_newest_and_resume_from_the_last(tmp_path):
+    cfg = _cfg("checkpoint.keep=2")
+    engine, sampler = _CkptEngine(), _Sampler()
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(engine, ONE_PROCESS, tmp_path, step, sampler=sampler, cfg=cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+    state = json.loads((tmp_path / "step_000003" / "loop_state.json").read_text())
+    assert (state["step"], state["sampler"], state["engine_step"], state["world_size"]) == (3, {"pos": 3}, 5, 1)
+    assert state["config"] == cfg.to_dict()
+    fresh, log = _Sampler(), []
+    assert checkpoint.resume_point(engine, fresh, cfg, tmp_path, log.append) == 3
+    assert fresh.state == {"pos": 3} and engine.loaded == [tmp_path / "step_000003" / "engine"]
+    with pytest.raises(ConfigError, match="optimizer.lr: checkpointed run has"):
+        checkpoint.resume_point(engine, _Sampler(), _cfg("checkpoint.keep=2", "optimizer.lr=0.5"), tmp_path, log.append)
+
+
+def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path):
+    log = []
+    assert checkpoint.resume_point(_CkptEngine(), _Sampler(), _cfg(), tmp_path, log.append) == 0
+    assert "no complete checkpoint" in log[0]
