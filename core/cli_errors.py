@@ -30,6 +30,7 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.megatron.parallel:ParallelLayoutError",
     "ferrule.megatron.checkpoint:CheckpointMismatchError",
     "ferrule.rl.tasks:PromptFileError",
+    "ferrule.fsutil:DiskFullError",                        # a save that does not fit: the folder and sizes
     "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
     "ferrule.rl.rewards:RewardError",                     # a reward function refused at set-up (raises on a reference answer)
     "ferrule.rl.metrics:RunLogError",                     # a damaged metrics.jsonl / samples.jsonl line

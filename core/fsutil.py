@@ -7,7 +7,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-__all__ = ["commit_dir", "apply_default_mode", "default_cache_dir", "find_package_file", "fsync_tree", "fsync_dir"]
+__all__ = ["commit_dir", "apply_default_mode", "default_cache_dir", "find_package_file", "fsync_tree", "fsync_dir",
+           "DiskFullError", "check_free_space", "disk_full_message", "is_disk_full", "remove_stale_temp_dirs",
+           "temp_dir_name"]
 
 
 def _umask() -> int:
@@ -122,3 +124,103 @@ def find_package_file(env_var: str, candidates, *, missing_hint: str) -> Path:
                 return Path(root) / rel
     raise FileNotFoundError(missing_hint)
 
+
+
+class DiskFullError(RuntimeError):
+    """A write needs more space than the filesystem has; the message names the folder and the sizes."""
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def disk_full_message(path: str | os.PathLike, needed_bytes: int | None) -> str:
+    """``"no space left on PATH (needed ~N MB, free M MB)"`` with the free space of ``path``'s filesystem now."""
+    free = shutil.disk_usage(_existing(path)).free
+    need = f"needed ~{_mb(needed_bytes)} MB, " if needed_bytes else ""
+    return f"no space left on {path} ({need}free {_mb(free)} MB): free some space or write elsewhere"
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_free_space(path: str | os.PathLike, needed_bytes: int, *, margin: float = 1.05,
+                     name: str | os.PathLike | None = None) -> None:
+    """Refuse a write of about ``needed_bytes`` into ``path`` when its filesystem has less free.
+
+    Raises:
+        DiskFullError: ``free < needed_bytes * margin`` (:func:`disk_full_message`, naming
+            ``name`` or ``path``).
+    """
+    if shutil.disk_usage(_existing(path)).free < needed_bytes * margin:
+        raise DiskFullError(disk_full_message(name or path, needed_bytes))
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it wraps: ``__cause__`` / ``__context__``, torch's
+    ``CheckpointException.failures``) is a full disk: ``ENOSPC``, or its text ("No space left
+    on device"; torch's zip writer reports a short write as "unexpected pos")."""
+    import errno
+
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        text = str(e)
+        if "No space left on device" in text or "unexpected pos" in text:
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    return pid != os.getpid() and psutil.pid_exists(pid)
+
+
+def remove_stale_temp_dirs(root: str | os.PathLike, depth: int = 2) -> list[tuple[Path, int]]:
+    """Delete the temporary folders of killed or failed writes under ``root`` (up to ``depth`` levels).
+
+    A temporary folder is a hidden ``.NAME.tmp-PID-HEX`` (:func:`temp_dir_name`) or ``.NAME.old-HEX``
+    (:func:`commit_dir`) folder. One whose PID is still alive (another process writing) is kept.
+    Returns ``[(path, bytes)]`` of what was removed.
+    """
+    root = Path(root)
+    out: list[tuple[Path, int]] = []
+    if not root.is_dir():
+        return out
+    level = [root]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            for sub in d.iterdir():
+                if not sub.is_dir() or sub.is_symlink():
+                    continue
+                if sub.name.startswith(".") and (".tmp-" in sub.name or ".old-" in sub.name):
+                    tag = sub.name.rsplit(".tmp-", 1)[-1] if ".tmp-" in sub.name else ""
+                    pid = tag.split("-")[0]
+                    if pid.isdigit() and _pid_alive(int(pid)):
+                        continue
+                    size = sum(f.stat().st_size for f in sub.rglob("*") if f.is_file() and not f.is_symlink())
+                    shutil.rmtree(sub, ignore_errors=True)
+                    out.append((sub, size))
+                elif not sub.name.startswith("."):
+                    nxt.append(sub)
+        level = nxt
+    return out
+
+
+def temp_dir_name(name: str) -> str:
+    """The hidden temporary sibling name of ``name`` for a write by this process: ``.NAME.tmp-PID-HEX``."""
+    return f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -230,3 +230,93 @@ def test_checksums_name_a_missing_resized_or_changed_file_and_skip_folders_witho
         verify_checksums(tmp_path)
     (tmp_path / CHECKSUMS_FILE).unlink()
     assert verify_checksums(tmp_path) is False  # written before checksums existed: not verified
+
+
+# ------------------------------------------------------------------ a full disk
+def _fake_free(monkeypatch, free_bytes: int) -> None:
+    import shutil
+
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        u = real(path)
+        return type(u)(u.total, u.total - free_bytes, free_bytes)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+@pytest.mark.timeout(300)
+def test_a_save_that_does_not_fit_is_refused_before_writing_with_the_sizes(assets, trained_run, tmp_path, monkeypatch):
+    """Free space is checked before the save (simulated: shutil.disk_usage reports 0.1 MB free); the needed
+    size is compared with what a real save of the same run wrote (the .distcp shards)."""
+    from rich.console import Console
+
+    from ferrule.fsutil import DiskFullError
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+
+    written = sum(p.stat().st_size for p in (trained_run / "checkpoints" / "step_000001" / "engine").glob("*.distcp"))
+    _fake_free(monkeypatch, 100_000)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DiskFullError) as info:
+        train(load_config(assets / "tiny.yaml", _overrides(assets, run_dir, "train.steps=1", "checkpoint.interval=1")),
+              console=Console(file=io.StringIO()))
+    message = str(info.value)
+    ckpt = run_dir / "checkpoints" / "step_000001"
+    m = __import__("re").match(rf"no space left on {ckpt / 'engine'} \(needed ~([0-9,.]+) MB, free 0.1 MB\)", message)
+    assert m, message
+    assert abs(float(m.group(1).replace(",", "")) - written / 1e6) <= 0.1 * written / 1e6 + 0.05, (m.group(1), written)
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], "the temporary folder is removed"
+
+
+@pytest.mark.timeout(300)
+def test_enospc_inside_the_torch_dist_writer_is_reported_as_a_full_disk(assets, tmp_path, monkeypatch):
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    from rich.console import Console
+
+    from ferrule.fsutil import DiskFullError
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fa, "_write_item", full)
+    run_dir = tmp_path / "run"
+    engine = run_dir / "checkpoints" / "step_000001" / "engine"
+    with pytest.raises(DiskFullError, match=rf"^no space left on {engine} \(needed ~[0-9,.]+ MB, free [0-9,.]+ MB\).*"
+                                            r"a write of the save failed: No space left on device\)$"):
+        train(load_config(assets / "tiny.yaml", _overrides(assets, run_dir, "train.steps=1", "checkpoint.interval=1")),
+              console=Console(file=io.StringIO()))
+
+
+@pytest.mark.timeout(300)
+def test_temporary_folders_of_killed_saves_are_removed_on_the_next_run(assets, trained_run, tmp_path):
+    import shutil
+
+    from rich.console import Console
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    (run_dir / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace(str(trained_run),
+                                                                                     str(run_dir)))
+    ckpts = run_dir / "checkpoints"
+    import psutil
+
+    dead = next(pid for pid in range(999_999, 900_000, -1) if not psutil.pid_exists(pid))
+    stale = [ckpts / "step_000003" / f".engine.tmp-{dead}-0123abcd", ckpts / "step_000002" / ".engine.tmp-89abcdef"]
+    live = ckpts / "step_000002" / f".engine.tmp-{os.getppid()}-feedbeef"  # a live writer's: kept
+    for d in stale + [live]:
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"\0" * 1_500_000)
+    out = io.StringIO()
+    train(load_config(assets / "tiny.yaml", _overrides(assets, run_dir, "train.steps=2", "checkpoint.interval=1",
+                                                        "checkpoint.keep=0", "checkpoint.resume=true")),
+          console=Console(file=out, width=400))
+    assert not any(d.exists() for d in stale) and live.is_dir()
+    assert "removed 2 temporary folder(s) of interrupted checkpoint saves (3.0 MB)" in out.getvalue(), out.getvalue()

@@ -53,14 +53,14 @@ import contextlib
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ferrule.fsutil import commit_dir
+from ferrule.fsutil import (DiskFullError, check_free_space, commit_dir, disk_full_message, is_disk_full,
+                            temp_dir_name)
 from ferrule.integrity import record_checksums, verify_checksums
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state",
@@ -353,7 +353,8 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path.")
-    tmp = Path(_broadcast_str(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}") if _rank() == 0 else None))
+    tmp = Path(_broadcast_str(str(path.parent / temp_dir_name(path.name)) if _rank() == 0 else None))
+    needed = None
     try:
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -368,6 +369,7 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
             state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=DISTOPT_SHARDING)
         state["scheduler"] = scheduler.state_dict()
         engine_state = dict(engine_state, adam_step=adam_step_count(optimizer))
+        needed = _check_space(tmp, state, lora_state, path)  # before writing: refuse a save that cannot fit
         save_sharded(state, tmp, validate_access_integrity=True)
         if _rank() == 0:
             (tmp / "rng").mkdir(exist_ok=True)
@@ -392,11 +394,47 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         if _rank() == 0:
             commit_dir(tmp, path)
         _barrier()
-    except BaseException:
+    except BaseException as exc:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, DiskFullError) and is_disk_full(exc):  # ENOSPC inside megatron / torch.save
+            raise DiskFullError(disk_full_message(path, needed) + " (a write of the save failed: No space left "
+                                "on device)") from exc
         raise
     return path
+
+
+def _state_bytes(tree: Any) -> int:
+    """Bytes of the tensors this rank writes for ``tree`` (nested dicts / lists of tensors and
+    megatron ``ShardedTensor``s; a ShardedTensor that is not its main replica is written by another rank)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
+
+    if isinstance(tree, dict):
+        return sum(_state_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_state_bytes(v) for v in tree)
+    if isinstance(tree, ShardedBase):  # ShardedTensor, ShardedTensorFactory, ShardedObject
+        return _state_bytes(tree.data) if is_main_replica(tree.replica_id) else 0
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    return 0
+
+
+def _check_space(tmp: Path, state: dict, lora_state: dict | None, path: Path) -> int:
+    """The save's size (all ranks' tensors; collective), refused with :class:`DiskFullError` (naming
+    ``path``) on every rank when ``tmp``'s filesystem has less free space (:func:`ferrule.fsutil.check_free_space`)."""
+    local = _state_bytes(state) + _state_bytes(lora_state or {})
+    needed = sum(_all_gather(local)) if _world() > 1 else local
+    problem = None
+    if _rank() == 0:
+        try:
+            check_free_space(tmp, needed, name=path)
+        except DiskFullError as exc:
+            problem = str(exc)
+    problem = _broadcast_str(problem) if _world() > 1 else problem
+    if problem:
+        raise DiskFullError(problem)
+    return needed
 
 
 def _param_groups(optimizer) -> list[dict]:

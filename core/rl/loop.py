@@ -435,12 +435,25 @@ class GRPOTrainer:
         cfg.dump(self.run_dir)
         return logger
 
+    def _remove_stale_temp_dirs(self) -> None:
+        """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
+        (:func:`ferrule.fsutil.remove_stale_temp_dirs`) and say so; the driver only."""
+        from ferrule.fsutil import remove_stale_temp_dirs
+
+        if not self.roles.is_driver:
+            return
+        removed = remove_stale_temp_dirs(self.ckpt_dir)
+        if removed:
+            self._log(f"removed {len(removed)} temporary folder(s) of interrupted checkpoint saves "
+                      f"({sum(b for _, b in removed) / 1e6:.1f} MB): " + ", ".join(str(p) for p, _ in removed))
+
     def _run(self, stop_after: int | None) -> RunResult:
         import threading
 
         cfg = self.cfg
         self.setup()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temp_dirs()
         start = self._resume_point() if cfg.checkpoint.resume else 0
         logger = self._open_logger(start)
         t_sync = self._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
