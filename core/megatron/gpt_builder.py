@@ -215,12 +215,61 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+
+    from .device import get_backend
+    from .layer_options import rope_scaling_kwargs as _rope_kwargs
+
+    spec = _layer_spec(config, layer_spec, core_attention, vp_stage=vp_stage, rotary_percent=rotary_percent,
+                       attn_logit_softcapping=attn_logit_softcapping, extra_norms=extra_norms,
+                       zero_centered_norms=zero_centered_norms, pre_norms=pre_norms, qk_norm=qk_norm,
+                       layer_rope=layer_rope)
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
+        **_rope_kwargs(rope_scaling),
+        vp_stage=vp_stage,
+    )
+    from .extensions import install_output_hooks
+
+    install_output_hooks(model, embedding_multiplier=embedding_multiplier,
+                         final_logit_softcapping=final_logit_softcapping)
+    backend = get_backend()
+    if backend.kind == "cuda":
+        model = model.to(backend.device)
+    mark_tensor_parallel_params([model])
+    norm_weights_to_params_dtype(model, config.params_dtype)
+    return model
+
+
+def _layer_spec(config: Any, layer_spec: Any, core_attention: Any, *, vp_stage: int | None, rotary_percent: float,
+                attn_logit_softcapping: float | None, extra_norms: Any, zero_centered_norms: bool, pre_norms: Any,
+                qk_norm: Any, layer_rope: Any) -> Any:
+    """The transformer layer spec of :func:`build_gpt_model`: the family's own ``layer_spec`` (with
+    ferrule's core attention composed in; options it would drop are refused), or megatron's local
+    spec customised by :mod:`ferrule.megatron.extensions` (a custom final norm makes it a block spec).
+
+    Raises:
+        ValueError: ``layer_spec`` together with options it would not apply (named), or an invalid
+            ``layer_rope``.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .attention import core_attention_class
-    from .device import get_backend
-    from .layer_options import rope_scaling_kwargs as _rope_kwargs
 
     attention_cls = core_attention_class(core_attention)
     final_norm = None
@@ -261,36 +310,7 @@ def build_gpt_model(
 
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                           layer_norm=final_norm)
-
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        position_embedding_type=position_embedding_type,
-        rotary_base=rotary_base,
-        rotary_percent=rotary_percent,
-        **_rope_kwargs(rope_scaling),
-        vp_stage=vp_stage,
-    )
-    from .extensions import install_output_hooks
-
-    install_output_hooks(model, embedding_multiplier=embedding_multiplier,
-                         final_logit_softcapping=final_logit_softcapping)
-    backend = get_backend()
-    if backend.kind == "cuda":
-        model = model.to(backend.device)
-    mark_tensor_parallel_params([model])
-    norm_weights_to_params_dtype(model, config.params_dtype)
-    return model
+    return spec
 
 
 def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:

@@ -1,0 +1,62 @@
+"""Futures and checkpoint listing: retrieve_future (long poll, then ``try_again``) and the
+training runs' / user's checkpoints (reference/tinker_protocol.md §6)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .scheduler import JSON
+from .service import HTTPError, service
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/api/v1/retrieve_future")
+async def retrieve_future(request: Request):
+    svc = service(request)
+    body = await svc.body_json(request)
+    rid = svc.need(body, "request_id")
+    row = svc.store.future(rid)
+    if row is None or row["tenant"] != request.state.tenant:
+        raise HTTPError(404, f"future {rid!r} does not exist for this API key.")
+    deadline = time.monotonic() + request.app.state.long_poll_s
+    while row["status"] == "pending" and time.monotonic() < deadline:
+        ev = svc.scheduler.event(rid)   # long poll: a 10 ms tick on the event, the row re-read when it fires
+        while ev is not None and not ev.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if ev is None:
+            await asyncio.sleep(0.01)
+        row = svc.store.future(rid)
+    if row["status"] == "done":
+        return Response(row["result"], media_type=row["content_type"] or JSON)
+    if row["status"] == "failed":
+        return JSONResponse({"error": row["error"], "category": row["category"] or "server"})
+    return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
+
+
+def checkpoint_json(row: dict) -> dict:
+    return {"checkpoint_id": f"{row['kind']}/{row['name']}", "tinker_path": row["path"],
+            "checkpoint_type": "training" if row["kind"] == "weights" else "sampler",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row["created"])),
+            "size_bytes": row["size_bytes"], "public": False}
+
+
+@router.get("/api/v1/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(model_id: str, request: Request):
+    svc = service(request)
+    row = svc.store.model(model_id)
+    if row is None or row["tenant"] != request.state.tenant:
+        raise HTTPError(404, f"training run {model_id!r} does not exist for this API key.")
+    return {"checkpoints": [checkpoint_json(r) for r in svc.store.checkpoints(request.state.tenant, model_id)]}
+
+
+@router.get("/api/v1/checkpoints")
+async def list_user_checkpoints(request: Request):
+    svc = service(request)
+    return {"checkpoints": [checkpoint_json(r) for r in svc.store.checkpoints(request.state.tenant)]}
