@@ -52,12 +52,43 @@ from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noq
 # ---------------------------------------------------------------------------------------
 
 
-def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
+def output_lock(out_dir: str | os.PathLike) -> Path:
+    """The lock file beside ``out_dir`` (``.NAME.lock``) that one writer of ``out_dir`` holds."""
     out_dir = Path(out_dir).absolute()
+    return out_dir.parent / f".{out_dir.name}.lock"
+
+
+def lock_output(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Become the one writer of ``out_dir`` (:func:`ferrule.locks.acquire` on :func:`output_lock`);
+    release with :func:`unlock_output`.
+
+    Raises:
+        ferrule.locks.LockedError: another conversion or export is writing ``out_dir`` (names its pid).
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False (checked under the lock, so
+            of two conversions started together the second is refused once the first committed).
+    """
+    from ferrule import locks
+
+    out_dir = Path(out_dir).absolute()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    locks.acquire(output_lock(out_dir), f"output directory {out_dir} (another conversion or export writes it)")
     if out_dir.exists() and not overwrite:
+        unlock_output(out_dir)
         raise FileExistsError(f"output directory {out_dir} already exists; pass overwrite=True (--overwrite) "
                               f"to replace it, or choose another path.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def unlock_output(out_dir: str | os.PathLike) -> None:
+    """Release :func:`lock_output` (the lock file is removed)."""
+    from ferrule import locks
+
+    locks.release(output_lock(out_dir), remove=True)
+
+
+def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
+    """Lock ``out_dir`` (:func:`lock_output`) and make its temporary sibling; the caller unlocks."""
+    out_dir = Path(out_dir).absolute()
+    lock_output(out_dir, overwrite)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -310,6 +341,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        unlock_output(out_dir)
     return out_dir
 
 
@@ -456,4 +489,6 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        unlock_output(out_dir)
     return out_dir

@@ -131,7 +131,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         ferrule.safetensors_io.CheckpointError: the checkpoint does not match its
             stored config (:func:`ferrule.converters.checkpoint.load_torch_dist_into_mcore`).
     """
-    from ferrule.converters.checkpoint import read_checkpoint_metadata, torch_dist_to_hf
+    from ferrule.converters.checkpoint import lock_output, read_checkpoint_metadata, torch_dist_to_hf, unlock_output
     from ferrule.fsutil import commit_dir
 
     out_dir = Path(out_dir)
@@ -148,12 +148,14 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         return found_step, out, None
     train_dtype = read_checkpoint_metadata(path / "engine")["dtype"]
     staging = out_dir.absolute().parent / f".{out_dir.name}.merge-{uuid.uuid4().hex[:8]}"
+    lock_output(out_dir, overwrite)  # one writer of OUT (a second export or conversion is refused)
     try:  # the base in float32, merged in float32, then cast once
         torch_dist_to_hf(path / "engine", staging, max_shard_bytes=max_shard_bytes, dtype="float32")
         merge = merge_peft_adapter(staging, adapter_dir, dtype=dtype or train_dtype, max_shard_bytes=max_shard_bytes)
         out = commit_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        unlock_output(out_dir)
     return found_step, out, merge
 
 
@@ -172,12 +174,13 @@ def export_command(
     is merged into the base (`ferrule lora export` writes the adapter alone)."""
     from rich.console import Console
 
+    from ferrule.locks import LockedError
     from ferrule.safetensors_io import CheckpointError
 
     console = Console(stderr=True, soft_wrap=True)
     try:
         found_step, out, merge = export_run(run_dir, out_dir, step=step, overwrite=overwrite, dtype=dtype)
-    except (ExportError, FileExistsError, CheckpointError, ValueError) as exc:
+    except (ExportError, FileExistsError, CheckpointError, ValueError, LockedError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     written = json.loads((out / "config.json").read_text()).get("dtype")

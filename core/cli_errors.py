@@ -32,6 +32,8 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.rl.tasks:PromptFileError",
     "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
     "ferrule.rl.rewards:RewardError",                     # a reward function refused at set-up (raises on a reference answer)
+    "ferrule.rl.metrics:RunLogError",                     # a damaged metrics.jsonl / samples.jsonl line
+    "ferrule.locks:LockedError",                          # a run folder / output another process holds
     "ferrule.converters.checkpoint:ConversionError",
     "ferrule.run_layout:RunCheckpointError",              # a run folder without (that) checkpoint
     "ferrule.lora.peft_format:AdapterFormatError",         # a PEFT adapter that does not fit the model

@@ -335,10 +335,14 @@ def rotary_tables_mcore(mcore_model, seq_len: int):
     """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that megatron's ``GPTModel`` applies.
 
     From ``model.rotary_pos_emb(seq_len)`` (``[s, 1, 1, rotary_dim]`` angles; megatron's
-    ``apply_rotary_pos_emb`` rotates the first ``rotary_dim`` channels with ``cos``/``sin`` of them).
+    ``apply_rotary_pos_emb`` rotates the first ``rotary_dim`` channels with ``cos``/``sin`` of them);
+    for YaRN times the concentration factor it returns beside them (``mscale``, which megatron's
+    attention multiplies cos/sin by, as HF does with ``attention_scaling``).
     """
-    emb = mcore_model.rotary_pos_emb(seq_len)[:, 0, 0, :].double()
-    return emb.cos(), emb.sin()
+    emb = mcore_model.rotary_pos_emb(seq_len)
+    emb, mscale = emb if isinstance(emb, tuple) else (emb, 1.0)  # YarnRotaryEmbedding: (angles, mscale)
+    emb = emb[:, 0, 0, :].double()
+    return emb.cos() * mscale, emb.sin() * mscale
 
 
 def translated_fields_vs_hf(hf_model, mcore_model) -> list[tuple[str, Any, Any]]:

@@ -80,7 +80,8 @@ class SafetensorsReader:
             ``model.safetensors`` (single file), or a path to one ``.safetensors`` file.
 
     Raises:
-        CheckpointError: no safetensors files, an index naming a missing shard, a truncated
+        CheckpointError: no safetensors files, an index naming a missing shard or not naming a
+            ``model-*-of-*.safetensors`` shard of the folder, a truncated
             or corrupt shard, or a key listed in the index but absent from its shard.
     """
 
@@ -97,6 +98,11 @@ class SafetensorsReader:
             except (ValueError, KeyError) as exc:
                 raise CheckpointError(f"{path / INDEX_FILE} is not a valid safetensors index ({exc}).") from exc
             files = sorted({path / f for f in weight_map.values()})
+            unlisted = sorted(q.name for q in path.glob("model-*-of-*.safetensors") if q not in files)
+            if unlisted:  # its tensors would be reported missing without the reason
+                raise CheckpointError(
+                    f"{path / INDEX_FILE} does not name the shard(s) {unlisted} that are in {path}; the index is "
+                    f"incomplete: re-save the model (save_pretrained), or add those shards' tensors to its weight_map.")
             for f in files:
                 self._headers[f] = _read_header(f)
             absent = [k for k, f in weight_map.items() if k not in self._headers[path / f]]

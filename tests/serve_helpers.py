@@ -20,7 +20,8 @@ MODEL_NAME = "tiny-qwen2"
 class RunningServer:
     """A served app: ``url``, ``storage``, ``app``; :meth:`stop` shuts uvicorn and the worker."""
 
-    def __init__(self, base: Path, storage: Path, *, chunk_len: int = 3, long_poll_s: float = 5.0, limits=None):
+    def __init__(self, base: Path, storage: Path, *, chunk_len: int = 3, long_poll_s: float = 5.0, limits=None,
+                 keys: dict[str, str] | None = None):
         import uvicorn
 
         from ferrule.serve.app import create_app
@@ -29,7 +30,8 @@ class RunningServer:
         self.storage = storage
         backend = EngineBackend(base, model_name=MODEL_NAME)
         self.backend = backend
-        self.app = create_app(backend, storage, dict(KEYS), long_poll_s=long_poll_s, fwdbwd_max_chunk_len=chunk_len,
+        self.app = create_app(backend, storage, dict(keys or KEYS), long_poll_s=long_poll_s,
+                              fwdbwd_max_chunk_len=chunk_len,
                               **({} if limits is None else {"limits": limits}))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -151,8 +151,9 @@ def test_cli_imports_ferrule_all_export_of_inkling(dirs, tmp_path, name):
     assert lw.same({k: v.cpu() for k, v in hf_adapter_state_dict(back).items()}, tensors)
     batch = _text_batch()
     ref = _hf_logprobs(peft.PeftModel.from_pretrained(_hf(dirs, name), adapter).eval(), batch)
-    assert _max_diff(back.forward_logprobs(batch), ref) <= PEFT_ATOL
     assert _max_diff(ref, _hf_logprobs(_hf(dirs, name), batch)) > 1e-2
+    for engine in (back, _api_engine(dirs, name, adapter)):  # CLI, then API (settings_from_peft_config)
+        assert _max_diff(engine.forward_logprobs(batch), ref) <= PEFT_ATOL
 
 
 @pytest.mark.parametrize("config", [

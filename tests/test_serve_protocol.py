@@ -163,6 +163,16 @@ def test_cli_refuses_missing_keys_in_one_line(base, tmp_path, monkeypatch):
     r = subprocess.run([str(exe), "serve", "--base-model", str(tmp_path / "nope"), "--api-keys", str(tmp_path / "k")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    # the keys are checked before the model loads (minutes for a real one): an unloadable model is not
+    # even opened when no key is given
+    import shutil
+
+    broken = shutil.copytree(base, tmp_path / "broken")
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    r = subprocess.run([str(exe), "serve", "--base-model", str(broken), "--storage", str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no API keys" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_ferrule_serve_command_on_loopback(base, tmp_path):
@@ -211,6 +221,10 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
     lines = [ln for ln in log.read_text().splitlines() if "op=forward_backward" in ln]
     assert len(lines) == 1 and "client=carol" in lines[0] and "data=2" in lines[0] and "tokens=12" in lines[0] \
         and "run_s=" in lines[0], lines
+    # a ready line once it listens; megatron's per-parameter INFO lines for each new client's engine stay out
+    text = log.read_text()
+    assert f"ferrule serve: ready on http://127.0.0.1:{port}" in text, text[-3000:]
+    assert "Params for bucket" not in text and not any(ln.startswith("\t") for ln in text.splitlines()), text[-3000:]
 
 
 def test_finishing_a_session_frees_its_training_clients(server):

@@ -27,7 +27,7 @@ a ``GPTModel``. ``to_hf(...)`` inverts it.
 Model options understood by the builder: ``vocab_size`` (unpadded HF vocab, tokens),
 ``max_sequence_length`` (tokens), ``share_embeddings_and_output_weights``, ``rotary_base``,
 ``rotary_percent`` (fraction of each head rotated, HF ``partial_rotary_factor``),
-``rope_scaling`` (None or ``{"type": "linear"|"llama3", "factor": f}``),
+``rope_scaling`` (None, ``{"type": "linear"|"llama3", "factor": f}`` or a resolved YaRN dict),
 ``position_embedding_type``, ``activation`` (name, e.g. ``'silu'``), and the
 :mod:`ferrule.megatron.gpt_builder` extension options (``embedding_multiplier``,
 ``attn_logit_softcapping``, ``final_logit_softcapping``, ``query_pre_attn_scalar``,
@@ -41,14 +41,14 @@ from __future__ import annotations
 
 # the public names of both modules, importable from here as before the split
 from .decoder import (  # noqa: F401
-    COMMON_HARMLESS, DECODER_ENTRIES, MEGATRON_LLAMA3_ROPE, ROPE_SCALING_ENTRIES,
-    SLIDING_WINDOW_ENTRIES, SUPPORTED_ROPE_TYPES, head_dim_from_hf, head_dim_to_hf,
-    head_dim_to_hf_implicit, num_experts_from_hf, num_experts_to_hf, pre_softmax_from_norm_topk_prob,
-    pre_softmax_to_norm_topk_prob, rope_scaling_from_hf, rope_theta_from_hf, rope_theta_to_hf,
-    rotary_percent_from_hf, window_attn_skip_freq_from_hf, window_size_from_hf, window_size_to_hf)
+    COMMON_HARMLESS, DECODER_ENTRIES, MEGATRON_LLAMA3_ROPE, ROPE_SCALING_ENTRIES, SLIDING_WINDOW_ENTRIES,
+    SUPPORTED_ROPE_TYPES, head_dim_from_hf, head_dim_to_hf, head_dim_to_hf_implicit, num_experts_from_hf,
+    num_experts_to_hf, pre_softmax_from_norm_topk_prob, pre_softmax_to_norm_topk_prob, rope_scaling_from_hf,
+    rope_theta_from_hf, rope_theta_to_hf, rotary_percent_from_hf, window_attn_skip_freq_from_hf,
+    window_size_from_hf, window_size_to_hf, yarn_from_hf)
 from .vocabulary import (  # noqa: F401
-    ENTRY_KINDS, MISSING, ConfigTranslation, ConfigTranslationError, Constant, Derived, Field,
-    Harmless, Require, Target, parse_hf_config)
+    ConfigTranslation, ConfigTranslationError, Constant, Derived, ENTRY_KINDS, Entry, Field, Harmless, MISSING,
+    Require, Target, parse_hf_config)
 
 __all__ = [
     "DECODER_ENTRIES",
@@ -67,6 +67,7 @@ __all__ = [
     "rope_theta_from_hf",
     "rope_theta_to_hf",
     "rope_scaling_from_hf",
+    "yarn_from_hf",
     "rotary_percent_from_hf",
     "window_size_from_hf",
     "window_attn_skip_freq_from_hf",

@@ -15,15 +15,20 @@ from .vocabulary import ConfigTranslationError, Constant, Derived, Field, Harmle
 # Named derivations shared by families.
 # ---------------------------------------------------------------------------------------------
 
-#: RoPE types megatron-core's ``RotaryEmbedding`` reproduces: plain RoPE, linear position
-#: interpolation (``seq_len_interpolation_factor``) and Llama-3.1 scaling (``rope_scaling``, with
-#: megatron's fixed low/high frequency factors 1 / 4 and original context 8192).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: RoPE types megatron-core reproduces: plain RoPE, linear position interpolation
+#: (``seq_len_interpolation_factor``), Llama-3.1 scaling (``rope_scaling``, with megatron's fixed
+#: low/high frequency factors 1 / 4 and original context 8192) and YaRN (``YarnRotaryEmbedding``,
+#: ``position_embedding_type='yarn'``). Not ``dynamic`` (NTK-aware scaling recomputed from each
+#: batch's length: megatron-core 0.16.1 has no such embedding; docs/plugins.md), ``longrope``, ...
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: Llama-3.1 scaling constants hard-coded in megatron-core 0.16.1 ``RotaryEmbedding._apply_scaling``.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _ROPE_FIELDS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
 _ROPE_FIELDS["linear"] = _ROPE_FIELDS["default"] | {"factor"}
 _ROPE_FIELDS["llama3"] = _ROPE_FIELDS["linear"] | set(MEGATRON_LLAMA3_ROPE)
+#: ``transformers.modeling_rope_utils._compute_yarn_parameters`` reads these
+_ROPE_FIELDS["yarn"] = _ROPE_FIELDS["linear"] | {"original_max_position_embeddings", "attention_factor", "beta_fast",
+                                                 "beta_slow", "mscale", "mscale_all_dim", "truncate"}
 
 
 def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,8 +55,9 @@ def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigTranslationError(
             f"HF key '{key}.rope_type'={rope_type!r} is not supported; supported rope types: "
-            f"{list(SUPPORTED_ROPE_TYPES)} (megatron-core's RotaryEmbedding implements no other scaling). "
-            f"Use a checkpoint with one of those, or extend the family's provider."
+            f"{list(SUPPORTED_ROPE_TYPES)} (megatron-core's RotaryEmbedding and YarnRotaryEmbedding implement no "
+            f"other scaling). Use a checkpoint with one of those, or extend the family's provider (docs/plugins.md "
+            f"\"RoPE scaling\" says what that takes)."
         )
     extra = sorted(set(params) - _ROPE_FIELDS[rope_type])
     if extra:
@@ -95,13 +101,17 @@ def rope_theta_to_hf(value: float, _cfg: Mapping[str, Any], opts: Mapping[str, A
         params.update(rope_type=scaling["type"], factor=float(scaling["factor"]))
         if scaling["type"] == "llama3":
             params.update(MEGATRON_LLAMA3_ROPE)
+        if scaling["type"] == "yarn":
+            params.update({k: scaling[k] for k in ("original_max_position_embeddings", "attention_factor", "beta_fast",
+                                                   "beta_slow", "truncate")})
     if float(opts.get("rotary_percent", 1.0)) != 1.0:
         params["partial_rotary_factor"] = float(opts["rotary_percent"])
     return {"rope_parameters": params}
 
 
 def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict | None:
-    """Model option ``rope_scaling``: None (plain RoPE) or ``{"type": "linear"|"llama3", "factor": f}``.
+    """Model option ``rope_scaling``: None (plain RoPE), ``{"type": "linear"|"llama3", "factor": f}``
+    or, for YaRN, :func:`yarn_from_hf`'s dict (``type: "yarn"``, every parameter resolved).
 
     HF ``linear`` divides the inverse frequencies by ``factor``
     (``modeling_rope_utils._compute_linear_scaling_rope_parameters``); megatron divides the
@@ -112,10 +122,62 @@ def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict | None:
     params = _rope_params(hf)
     if params["rope_type"] == "default":
         return None
+    if params["rope_type"] == "yarn":
+        return yarn_from_hf(hf, params)
     factor = params.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
         raise ConfigTranslationError(f"HF rope '{params['rope_type']}' scaling needs a positive 'factor', got {factor!r}.")
     return {"type": params["rope_type"], "factor": float(factor)}
+
+
+def yarn_from_hf(hf: Mapping[str, Any], params: Mapping[str, Any]) -> dict:
+    """HF YaRN ``rope_parameters`` resolved as ``transformers.modeling_rope_utils._compute_yarn_parameters``
+    (transformers 5.24) resolves them, for megatron's ``YarnRotaryEmbedding`` (Peng et al. 2023, "YaRN").
+
+    Returns ``{"type": "yarn", "factor", "original_max_position_embeddings", "attention_factor",
+    "beta_fast", "beta_slow", "truncate"}``: ``factor`` defaults to ``max_position_embeddings /
+    original_max_position_embeddings``; ``attention_factor`` (the cos/sin multiplier megatron
+    calls the concentration factor, ``mscale``) to ``get_mscale(factor, mscale) /
+    get_mscale(factor, mscale_all_dim)`` when both are set, else ``get_mscale(factor)`` with
+    ``get_mscale(s, m) = 0.1 m ln(s) + 1`` (1 for ``s <= 1``); ``beta_fast`` / ``beta_slow`` to 32 / 1
+    (also when 0, as HF's ``or``); ``truncate`` (megatron ``correction_range_round_to_int``) to True.
+
+    Raises:
+        ConfigTranslationError: a missing ``original_max_position_embeddings``, a non-positive
+            factor, or ``partial_rotary_factor`` != 1 (megatron's YaRN builds its frequencies over
+            the whole ``kv_channels``, HF over the rotated part only).
+    """
+    import math
+
+    where = "rope_parameters"
+    orig = params.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+        raise ConfigTranslationError(f"HF key '{where}.original_max_position_embeddings'={orig!r}: YaRN needs the "
+                                     f"pre-training context (a positive integer, tokens).")
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", 0) / orig
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ConfigTranslationError(f"HF key '{where}.factor'={factor!r}: YaRN needs a positive factor.")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise ConfigTranslationError(f"HF key '{where}.partial_rotary_factor'={partial!r} with rope_type 'yarn': "
+                                     f"megatron-core's YarnRotaryEmbedding computes its frequencies over the whole "
+                                     f"head (kv_channels), HF over the rotated part only; not reproducible.")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = get_mscale(factor, m) / get_mscale(factor, m_all) if m and m_all else get_mscale(factor)
+    if float(attention) != 1.0 and factor <= 1:
+        raise ConfigTranslationError(f"HF key '{where}.attention_factor'={attention!r} with factor {factor} <= 1: "
+                                     f"megatron's YaRN scales cos/sin only when the factor is above 1.")
+    return {"type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig,
+            "attention_factor": float(attention), "beta_fast": float(params.get("beta_fast") or 32),
+            "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True))}
 
 
 def rotary_percent_from_hf(hf: Mapping[str, Any]) -> float:

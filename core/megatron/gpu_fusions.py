@@ -63,7 +63,8 @@ def enable_cuda_fusions(config: Any) -> list[str]:
 
     Only where they apply: SwiGLU for ``gated_linear_unit`` with SiLU (megatron's fused kernel
     has no other gated activation without TE); RoPE for ``position_embedding_type='rope'``
-    without multi-latent attention. Does nothing when ``FERRULE_CUDA_FUSIONS=0``.
+    without multi-latent attention (not YaRN: ``apply_rotary_pos_emb``'s fused ``thd`` path
+    ignores its ``mscale``). Does nothing when ``FERRULE_CUDA_FUSIONS=0``.
 
     Returns:
         The names of the fusions now on (``'swiglu'``, ``'rope'``).
@@ -76,7 +77,9 @@ def enable_cuda_fusions(config: Any) -> list[str]:
     if config.gated_linear_unit and config.activation_func is F.silu and not config.use_te_activation_func:
         config.bias_activation_fusion = True
         enabled.append("swiglu")
-    if getattr(config, "multi_latent_attention", False) is False and getattr(config, "mrope_section", None) is None:
+    # not with YaRN: megatron's fused path drops its cos/sin factor (mscale) for packed (thd) input
+    if getattr(config, "multi_latent_attention", False) is False and getattr(config, "mrope_section", None) is None \
+            and not hasattr(config, "yarn_rotary_scaling_factor"):
         if rope_utils.fused_apply_rotary_pos_emb is None:
             rope_utils.fused_apply_rotary_pos_emb = _compiled_rope()
         if rope_utils.fused_apply_rotary_pos_emb_thd is None:

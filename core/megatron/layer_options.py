@@ -34,7 +34,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 __all__ = ["LayerRoPESelfAttention", "FullProjectionRMSNorm", "PRE_NORMS", "QK_NORM_SCOPES",
-           "pre_norms_kept", "check_layer_rope", "rope_scaling_kwargs"]
+           "pre_norms_kept", "check_layer_rope", "rope_scaling_kwargs", "yarn_config_attributes"]
 
 #: Names accepted in a ``pre_norms`` tuple.
 PRE_NORMS = ("attention", "mlp")
@@ -87,7 +87,36 @@ def rope_scaling_kwargs(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any
         return {"seq_len_interpolation_factor": factor}
     if kind == "llama3":
         return {"rope_scaling": True, "rope_scaling_factor": factor}
-    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear' or 'llama3'.")
+    if kind == "yarn":  # position_embedding_type='yarn' + config attributes (yarn_config_attributes)
+        return {}
+    raise ValueError(f"rope_scaling={dict(rope_scaling)!r}: type must be 'linear', 'llama3' or 'yarn'.")
+
+
+def yarn_config_attributes(rope_scaling: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``TransformerConfig`` attributes megatron-core 0.16.1 reads for ``position_embedding_type='yarn'``.
+
+    ``GPTModel`` builds ``YarnRotaryEmbedding`` from ``config.yarn_*`` (``getattr`` without a
+    default: a plain ``TransformerConfig`` has no such fields, so the builder sets them), and
+    ``Attention`` multiplies cos/sin by ``_yarn_get_concentration_factor_from_config(config)``.
+    ``rope_scaling`` is :func:`ferrule.config_translation.yarn_from_hf`'s dict. The concentration
+    factor is HF's ``attention_factor``: when it is HF's default ``0.1 ln(factor) + 1``,
+    ``yarn_mscale`` / ``yarn_mscale_all_dim`` are None (megatron's ``_yarn_get_mscale(factor)``,
+    the same formula); otherwise ``yarn_mscale = (attention_factor - 1) / (0.1 ln(factor))`` with
+    ``yarn_mscale_all_dim = 0`` (megatron: ``get_mscale(factor, m) / get_mscale(factor, 0)``).
+    """
+    import math
+
+    factor, attention = float(rope_scaling["factor"]), float(rope_scaling["attention_factor"])
+    default = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    if attention == default:
+        mscale = mscale_all_dim = None
+    else:
+        mscale, mscale_all_dim = (attention - 1.0) / (0.1 * math.log(factor)), 0.0
+    return {"yarn_rotary_scaling_factor": factor,
+            "yarn_original_max_position_embeddings": int(rope_scaling["original_max_position_embeddings"]),
+            "yarn_beta_fast": float(rope_scaling["beta_fast"]), "yarn_beta_slow": float(rope_scaling["beta_slow"]),
+            "yarn_mscale": mscale, "yarn_mscale_all_dim": mscale_all_dim,
+            "yarn_correction_range_round_to_int": bool(rope_scaling["truncate"])}
 
 
 class LayerRoPESelfAttention(SelfAttention):

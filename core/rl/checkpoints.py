@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ferrule.fsutil import apply_default_mode
+from ferrule.fsutil import apply_default_mode, fsync_dir
 from ferrule.run_layout import (LOOP_STATE_FILE, RunCheckpointError, find_run_checkpoint,  # noqa: F401  (re-exported)
                                 list_checkpoints)
 
@@ -26,12 +26,16 @@ RESUME_MUTABLE = ("train.steps", "train.colocate", "checkpoint.", "logging.", "e
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling and ``os.replace`` (never half-written)."""
+    """Write ``text`` to ``path`` through a temporary sibling and ``os.replace`` (never half-written;
+    fsynced before the rename, the folder after it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename publishes it (loop_state.json completes a checkpoint)
     apply_default_mode(tmp)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def _default(section: str, key: str) -> Any:

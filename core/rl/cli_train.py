@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -51,6 +51,45 @@ def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = 
     return load_config(config, items)
 
 
+#: printed by a bare ``ferrule train``
+USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train examples/configs/smollm2_arithmetic.yaml; "
+         "continue a stopped or crashed run: ferrule train --resume --run-dir RUN_DIR; all options: "
+         "ferrule train --help")
+
+
+def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool, stop_after: int | None) -> Any:
+    """Build the trainer and run it; user errors exit 2 (printed, recorded), Ctrl-C exits 130."""
+    from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.rl.config import ConfigError
+
+    try:
+        from ferrule.rl.loop import GRPOTrainer
+
+        from ferrule.rl.checkpoints import list_checkpoints
+
+        trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
+        try:
+            complete = resume and run_is_complete(trainer, list_checkpoints(trainer.ckpt_dir), console)
+        except BaseException:
+            trainer.close()  # the run folder's lock (and a folder the trainer created) go
+            raise
+        if complete:
+            trainer.close()
+            return
+        result = trainer.run(stop_after=stop_after)
+    except KeyboardInterrupt:
+        console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
+        raise typer.Exit(130) from None
+    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        print_user_error(message)
+        _record_exit(2, message)
+        raise typer.Exit(2) from None
+    return result
+
+
 def train_command(
     config: Annotated[Path | None, typer.Argument(
         help="YAML/TOML config (e.g. examples/configs/smollm2_arithmetic.yaml). With --resume it may be "
@@ -77,13 +116,15 @@ def train_command(
     from rich.console import Console
 
     from ferrule.cli_errors import print_user_error, user_error_message
-    from ferrule.rl.config import ConfigError
 
     t_start = time.monotonic()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-model "Loading weights" bars; the run has its own progress display
     console = Console(stderr=True, soft_wrap=True)
+    if config is None and config_opt is None and not (overrides or set_ or resume or run_dir):
+        console.print(f"usage: {USAGE}", markup=False, highlight=False)
+        raise typer.Exit(2)
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
         raise typer.Exit(2)
@@ -108,27 +149,8 @@ def train_command(
         raise typer.Exit(2) from None
     if nproc > 1:
         raise typer.Exit(launch_torchrun(nproc))
-    try:
-        from ferrule.rl.loop import GRPOTrainer
-
-        from ferrule.rl.checkpoints import list_checkpoints
-
-        trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
-        if resume and not list_checkpoints(trainer.ckpt_dir):
-            # an explicit --resume must not silently start over (a typo in --run-dir would)
-            raise ConfigError([f"--resume: no complete checkpoint in {trainer.ckpt_dir}; check --run-dir, or drop "
-                               "--resume to start a new run"])
-        result = trainer.run(stop_after=stop_after)
-    except KeyboardInterrupt:
-        console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
-        raise typer.Exit(130) from None
-    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
-        message = user_error_message(exc)
-        if message is None:
-            raise
-        print_user_error(message)
-        _record_exit(2, message)
-        raise typer.Exit(2) from None
+    result = _train(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
+                    stop_after=stop_after)
     if int(os.environ.get("RANK", "0") or 0) != 0:  # the run summary comes from rank 0
         return
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
@@ -140,6 +162,39 @@ def train_command(
     console.print(summary, highlight=False, markup=False)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)
+
+
+def run_is_complete(trainer, found: list, console) -> bool:
+    """``--resume`` before anything loads: True (and says so) when the run already reached
+    ``train.steps``; False when there is something to continue.
+
+    A run folder that holds a run (``config.yaml`` or ``metrics.jsonl``) but no complete checkpoint
+    (it died before its first ``checkpoint.interval``) continues too: the loop restarts it at step
+    0 and says so (:meth:`ferrule.rl.loop.GRPOTrainer._resume_point`).
+
+    Raises:
+        ConfigError: the folder holds no run at all (a typo in ``--run-dir`` must not start over).
+    """
+    from ferrule.rl.config import CONFIG_FILE_NAME, ConfigError
+    from ferrule.rl.metrics import METRICS_FILE, read_metrics
+
+    run_dir, steps = trainer.run_dir, trainer.cfg.train.steps
+    if not found and not ((run_dir / CONFIG_FILE_NAME).is_file() or (run_dir / METRICS_FILE).is_file()):
+        raise ConfigError([f"--resume: {run_dir} holds no run (no {CONFIG_FILE_NAME}, {METRICS_FILE} or checkpoint "
+                           f"in {trainer.ckpt_dir}); check --run-dir, or drop --resume to start a new run"])
+    if found:
+        done, where = found[-1][0], f"its latest checkpoint is step {found[-1][0]}"
+    elif not trainer.cfg.checkpoint.enabled and (logged := read_metrics(run_dir / METRICS_FILE)):
+        done, where = int(logged[-1].get("step", 0)), f"{METRICS_FILE} reaches step {logged[-1].get('step')}"
+    else:
+        return False
+    if done < steps:
+        return False
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        console.print(f"run {run_dir} is complete: {where} of train.steps={steps}; nothing to do (to train on, "
+                      f"raise it: ferrule train --resume --run-dir {run_dir} train.steps={steps + done})",
+                      markup=False, highlight=False)
+    return True
 
 
 #: set by :func:`launch_torchrun` for its ranks: a rank that stops on a user error writes

@@ -145,19 +145,49 @@ def config_from_dict(raw: dict[str, Any] | None = None, overrides: list[str] | t
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (PyYAML keeps the last)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hashable = hash(key) is not None
+        except TypeError:
+            hashable = False
+        if hashable and key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one of them",
+                key_node.start_mark)
+        if hashable:
+            seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a YAML or TOML config file into a dict (no validation).
 
     Raises:
-        ConfigError: missing file, unknown suffix, or a syntax error (with the parser's position).
+        ConfigError: missing file, unknown suffix, bytes that are not UTF-8 (the line named), a key
+            given twice in one YAML mapping, or a syntax error (with the parser's position).
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"config file {str(path)!r} does not exist"])
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError([f"line {line}: byte {exc.object[exc.start:exc.start + 1]!r} is not UTF-8; save the file "
+                           "as UTF-8"], origin=str(path)) from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text) or {}
+            return yaml.load(text, Loader=_UniqueKeyLoader) or {}
         if path.suffix == ".toml":
             return tomllib.loads(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:

@@ -249,8 +249,9 @@ class LoggingConfig:
                                       "reward_curve.png, checkpoints/.", "path")
     progress: bool = _f(True, "Show a rich progress bar with ETA.")
     log_samples: int = _f(2, "Responses per step written to samples.jsonl; 0 disables.", "samples")
-    tensorboard: bool = _f(False, "Also write TensorBoard events (needs the tensorboard package).")
-    wandb: bool = _f(False, "Also log to Weights & Biases (needs the wandb package).")
+    tensorboard: bool = _f(False, "Also write TensorBoard events to RUN_DIR/tensorboard (the metrics extra).")
+    wandb: bool = _f(False, "Also log to Weights & Biases, files in RUN_DIR/wandb (the metrics extra; "
+                            "WANDB_MODE=offline: no network).")
     wandb_project: str = _f("ferrule", "W&B project name.")
     plot_at_end: bool = _f(True, "Write RUN_DIR/reward_curve.png when the run ends.")
 

@@ -80,8 +80,10 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
                 value = float(value)
             except ValueError:
                 raise bad() from None
-        if not isinstance(value, float) or math.isnan(value):
-            raise bad("a finite float")
+        if not isinstance(value, float):
+            raise bad()
+        if not math.isfinite(value):  # .inf, 1e400 (YAML and float() read it as inf), .nan
+            raise ConfigError([f"{key}: expected a finite float, got {value!r}; write a finite number"])
         return value
     if tp is str:
         if not isinstance(value, str):

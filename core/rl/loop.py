@@ -70,7 +70,7 @@ from ferrule.rl import distributed as rl_dist
 from ferrule.rl import sglang_rollout
 from ferrule.rl.checkpoints import LOOP_STATE_FILE, RESUME_MUTABLE, config_differences, list_checkpoints
 from ferrule.rl.config import ConfigError, RLConfig
-from ferrule.rl.run_checks import check_supported, preflight
+from ferrule.rl.run_checks import check_supported, lock_run_dir, preflight, unlock_run_dir
 from ferrule.rl.seeds import rollout_seed
 from ferrule.rl.stages import advantages, checkpoint, record, rollout
 from ferrule.rl.stages import train as train_stage
@@ -123,9 +123,14 @@ class GRPOTrainer:
         check_supported(cfg)
         sglang_rollout.check_rollout_engine(cfg, check_weight_update_equal=check_weight_update_equal)
         cfg.check_paths()
-        preflight(cfg)
-        hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
-        rl_dist.check_layout(cfg, hf_config, rl_dist.launch_world_size())
+        self._run_lock = lock_run_dir(cfg)  # a second trainer on this run folder stops here, naming this one
+        try:
+            preflight(cfg)
+            hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
+            rl_dist.check_layout(cfg, hf_config, rl_dist.launch_world_size())
+        except BaseException:
+            unlock_run_dir(self._run_lock)
+            raise
         self.cfg = cfg
         #: only global rank 0 prints (the others' errors still reach stderr through the CLI)
         self._quiet = int(os.environ.get("RANK", "0") or 0) != 0
@@ -406,8 +411,11 @@ class GRPOTrainer:
             self.close()
 
     def close(self) -> None:
-        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``); idempotent."""
+        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
+        run folder's lock; idempotent."""
         sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+        unlock_run_dir(getattr(self, "_run_lock", None))
+        self._run_lock = None
 
     def _open_logger(self, start: int) -> Any:
         """The metrics logger (global rank 0; resumes ``metrics.jsonl`` at ``start``), which also

@@ -5,7 +5,10 @@
 Non-finite values are written as ``null`` (strict JSON) and their names listed under
 ``"nonfinite"``. Steps strictly increase. On resume (:class:`MetricsLogger` with
 ``resume_step=k``) the entries with ``step > k`` (written after the checkpoint the run resumes
-from) are removed, so the file equals that of an uninterrupted run once it catches up.
+from) are removed (all of them for ``k = 0``: a run restarted before its first checkpoint), so
+the file equals that of an uninterrupted run once it catches up. A torn last line is dropped on
+resume; any other damaged line, or steps that do not strictly increase, is refused naming the
+line (:class:`RunLogError`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,10 @@ import numpy as np
 from ferrule.fsutil import apply_default_mode
 
 METRICS_FILE = "metrics.jsonl"
+#: TensorBoard event folder in the run folder (``logging.tensorboard``).
+TENSORBOARD_DIR = "tensorboard"
+#: The W&B run id of a run folder (``logging.wandb``); W&B's own files go to ``RUN_DIR/wandb/``.
+WANDB_ID_FILE = "wandb_run_id"
 
 #: Standard metric names -> (unit, description). The loop should log these names.
 METRICS: dict[str, tuple[str, str]] = {
@@ -112,27 +120,61 @@ def rollout_metrics(rewards: Sequence[float], *, group_size: int, response_lengt
     return out
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Entries of a metrics.jsonl. A torn last line (crash mid-write) is ignored.
+class RunLogError(ValueError):
+    """A line of a run log (``metrics.jsonl``, ``samples.jsonl``) that cannot be read back; the
+    message names the file and the line and says what to do."""
+
+
+def read_run_log(path: str | os.PathLike[str], *, order: str | None = None) -> list[dict[str, Any]]:
+    """Entries of a JSONL run log: one JSON object with an integer ``"step"`` per line.
+
+    A torn last line (a crash or a full disk mid-write: not JSON, or not UTF-8) is ignored; every
+    other line must be an object with an int ``step``. ``order`` checks the steps: ``"increasing"``
+    (strictly: ``metrics.jsonl``), ``"nondecreasing"`` (``samples.jsonl``, several per step), None.
 
     Raises:
-        ValueError: a corrupt line before the last (names the line number).
+        RunLogError: a corrupt line before the last, a line that is not an object with an int
+            ``step``, or steps out of ``order`` (``PATH:LINE`` and the fix in the message).
     """
     path = Path(path)
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
+    lines = path.read_bytes().split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    out: list[dict[str, Any]] = []
+    prev: tuple[int, int] | None = None  # (step, line) of the previous entry
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines):
+            entry = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            if i == len(lines):  # torn by a crash mid-write: the run resumes without it
                 break
-            raise ValueError(f"{path}:{i}: corrupt metrics line {line[:80]!r}") from None
+            raise RunLogError(f"{path}:{i}: corrupt line {raw[:80]!r} (not JSON); delete or repair that line, or "
+                              "start a new logging.run_dir") from None
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise RunLogError(f"{path}:{i}: expected a JSON object with an integer \"step\", got {raw[:80]!r}; "
+                              "delete or repair that line, or start a new logging.run_dir")
+        if order and prev is not None and (step < prev[0] or (order == "increasing" and step == prev[0])):
+            raise RunLogError(f"{path}:{i}: step {step} is not after step {prev[0]} of line {prev[1]}: the log holds "
+                              "steps twice or out of order (two trainers on one run folder?); keep one run's lines, or "
+                              "start a new logging.run_dir")
+        prev = (step, i)
+        out.append(entry)
     return out
+
+
+def read_metrics(path: str | os.PathLike[str], *, check_order: bool = False) -> list[dict[str, Any]]:
+    """Entries of a metrics.jsonl (:func:`read_run_log`). A torn last line (crash mid-write) is ignored.
+
+    Raises:
+        RunLogError: a corrupt or non-object line before the last (names the line number); with
+            ``check_order``, steps that do not strictly increase.
+    """
+    return read_run_log(path, order="increasing" if check_order else None)
 
 
 def _clean(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -156,8 +198,13 @@ class MetricsLogger:
             unless ``overwrite``); an int ``k`` to resume after step ``k`` (entries with
             ``step > k`` are dropped, atomically).
         overwrite: start a fresh file even if one exists.
-        tensorboard / wandb: also log there; the package must be installed
-            (``RuntimeError`` with the pip command otherwise).
+        tensorboard / wandb: also log every numeric metric there (``add_scalar(name, value, step)``
+            into ``RUN_DIR/tensorboard/``; ``wandb.log(metrics, step=step)`` into a W&B run whose
+            files go to ``RUN_DIR/wandb/`` and whose id is kept in ``RUN_DIR/wandb_run_id``, so a
+            resume continues it; ``WANDB_MODE=offline`` keeps it on disk). On resume TensorBoard
+            purges the events after ``resume_step`` (``purge_step``); W&B ignores steps it already
+            has. The packages come with the ``metrics`` extra (``RuntimeError`` with the pip
+            command when one is missing).
         wandb_project, config: W&B project name and the run config dict.
 
     Raises:
@@ -170,14 +217,15 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        existing = read_metrics(self.path)
+        existing = read_metrics(self.path, check_order=resume_step is not None)
         if resume_step is None:
             if existing and not overwrite:
                 raise FileExistsError(f"{self.path} already has {len(existing)} entries; resume the run "
                                       "(--resume, i.e. checkpoint.resume=true) or choose a new logging.run_dir")
             kept: list[dict[str, Any]] = []
         else:
-            kept = [e for e in existing if e.get("step", -1) <= resume_step]
+            # resuming at step 0 (no checkpoint yet) is the run from its start: its eval at step 0 runs again
+            kept = [e for e in existing if e["step"] <= resume_step] if resume_step > 0 else []
         self._rewrite(kept)
         self.last_step = kept[-1]["step"] if kept else None
         self._tb = self._wandb = None
@@ -186,17 +234,29 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise RuntimeError("logging.tensorboard=true needs the tensorboard package: "
-                                   "`pip install tensorboard`, or set logging.tensorboard=false") from exc
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=(
-                resume_step + 1 if resume_step is not None else None))
+                                   "`pip install 'ferrule[metrics]'` (or tensorboard), or set "
+                                   "logging.tensorboard=false") from exc
+            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=(
+                (resume_step + 1 if resume_step > 0 else 0) if resume_step is not None else None))
         if wandb:
             try:
                 import wandb as wandb_mod
             except ImportError as exc:
-                raise RuntimeError("logging.wandb=true needs the wandb package: `pip install wandb`, "
-                                   "or set logging.wandb=false") from exc
-            self._wandb = wandb_mod.init(project=wandb_project, dir=str(self.run_dir),
-                                         config=dict(config or {}), resume="allow")
+                raise RuntimeError("logging.wandb=true needs the wandb package: `pip install 'ferrule[metrics]'` "
+                                   "(or wandb), or set logging.wandb=false") from exc
+            self._wandb = wandb_mod.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}),
+                                         id=self._wandb_run_id(resume_step is not None),
+                                         resume="allow")
+
+    def _wandb_run_id(self, resuming: bool) -> str:
+        """The W&B run id of this run folder (:data:`WANDB_ID_FILE`): kept on resume, so a resumed run
+        continues one W&B run; a fresh run gets a new one."""
+        path = self.run_dir / WANDB_ID_FILE
+        if resuming and path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]  # W&B ids: letters, digits, - and _
+        path.write_text(run_id + "\n")
+        return run_id
 
     def _rewrite(self, entries: list[dict[str, Any]]) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".metrics.", suffix=".tmp")

@@ -3,7 +3,8 @@ before anything is loaded, so these errors come in a second rather than after mo
 
 - :func:`check_supported`: settings the loop does not implement (yet);
 - :func:`preflight`: the run folder, the model family, the chat template;
-- :func:`lora_settings`: the ``lora`` section as :class:`ferrule.lora.LoraSettings` (or None).
+- :func:`lora_settings`: the ``lora`` section as :class:`ferrule.lora.LoraSettings` (or None);
+- :func:`lock_run_dir`: one trainer per run folder.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Any
 
 from ferrule.rl.config import ConfigError, RLConfig
 
-__all__ = ["check_supported", "lora_settings", "preflight"]
+__all__ = ["RUN_LOCK_FILE", "check_supported", "lock_run_dir", "lora_settings", "preflight", "unlock_run_dir"]
+
+#: the lock file of a run folder, held by its one trainer (:mod:`ferrule.locks`)
+RUN_LOCK_FILE = ".ferrule.lock"
 
 
 def lora_settings(cfg: RLConfig) -> Any:
@@ -77,8 +81,61 @@ def preflight(cfg: RLConfig) -> None:
             registry.get_chat_template(cfg.data.chat_template)
         except registry.UnknownModelError as exc:
             problems.append(f"data.chat_template: {exc.args[0] if exc.args else exc}")
+    problems += size_problems(cfg, json.loads((Path(cfg.model.hf_dir) / "config.json").read_text()))
     if problems:
         raise ConfigError(problems)
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _physical_memory_bytes() -> int | None:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = None) -> list[str]:
+    """Sizes this model cannot run, found from ``config.json`` alone (before any model loads).
+
+    The embedded rollout engine decodes a replica's ``ceil(prompts_per_step / replicas) *
+    n_samples_per_prompt`` rows at once in a static KV cache of ``rows * longest * layers * 2 *
+    num_key_value_heads * head_dim`` values of ``model.dtype`` (:mod:`ferrule.rollout._static_cache`;
+    ``longest = data.max_prompt_tokens + max(rollout.max_new_tokens, eval.max_new_tokens)``). More
+    bytes than the machine's physical memory (``memory_bytes``, default ``SC_PHYS_PAGES *
+    SC_PAGE_SIZE``) cannot run: too many samples per prompt, or too many tokens. (A sequence
+    longer than ``max_position_embeddings`` is not refused: the limits are caps, real prompts are
+    shorter, and RoPE models run past it.)
+
+    Returns:
+        One message per problem (naming the keys and the limit), or ``[]``.
+    """
+    from ferrule.rl import distributed as rl_dist
+
+    text = hf_config.get("text_config") or hf_config
+    ro, d, e, t = cfg.rollout, cfg.data, cfg.eval, cfg.train
+    longest = d.max_prompt_tokens + max(ro.max_new_tokens, e.max_new_tokens)
+    p: list[str] = []
+    try:
+        heads = int(text["num_attention_heads"])
+        layers, kv = int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return p  # a config this estimate does not understand: the model build will say more
+    replicas = max(1, rl_dist.launch_world_size() // (cfg.parallel.tp * cfg.parallel.pp))
+    rows = -(-t.prompts_per_step // replicas) * ro.n_samples_per_prompt
+    need = rows * longest * layers * 2 * kv * head_dim * _DTYPE_BYTES.get(cfg.model.dtype, 4)
+    have = memory_bytes if memory_bytes is not None else _physical_memory_bytes()
+    if ro.engine == "embedded" and have and need > have:
+        p.append(f"rollout.n_samples_per_prompt, max_new_tokens: {rows} rows ({t.prompts_per_step} prompts x "
+                 f"{ro.n_samples_per_prompt} samples per replica) of up to {longest} tokens (data.max_prompt_tokens "
+                 f"+ max_new_tokens) need {need / 2**30:.1f} GiB of KV cache alone, more than this machine's "
+                 f"{have / 2**30:.1f} GiB; lower rollout.n_samples_per_prompt, train.prompts_per_step, "
+                 "rollout.max_new_tokens or data.max_prompt_tokens")
+    return p
 
 
 def check_supported(cfg: RLConfig) -> None:
@@ -99,3 +156,43 @@ def check_supported(cfg: RLConfig) -> None:
     # parallel.*: checked against the world size and the model by ferrule.rl.distributed.check_layout
     if p:
         raise ConfigError(p)
+
+
+def lock_run_dir(cfg: RLConfig) -> Path | None:
+    """Make this process the one trainer of ``logging.run_dir`` (global rank 0 takes the lock;
+    other ranks return None). The kernel releases it when the process ends, ``kill -9`` included.
+
+    Returns:
+        The lock file (``RUN_DIR/.ferrule.lock``) to pass to :func:`unlock_run_dir`, or None.
+
+    Raises:
+        ConfigError: another live process holds the folder (its pid, host, start time and command
+            are named).
+    """
+    import os
+
+    from ferrule import locks
+
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    run_dir = Path(cfg.logging.run_dir)
+    path = run_dir / RUN_LOCK_FILE
+    try:
+        locks.acquire(path, f"logging.run_dir: {run_dir}")
+    except locks.LockedError as exc:
+        raise ConfigError([f"{exc} (a second trainer would log every step twice); or choose another "
+                           "--run-dir"]) from None
+    return path
+
+
+def unlock_run_dir(path: Path | None) -> None:
+    """Release :func:`lock_run_dir`'s lock (None: nothing to do); a run folder left empty (an error
+    before the run wrote anything) is removed."""
+    if path is not None:
+        from ferrule import locks
+
+        locks.release(path, remove=True)
+        try:
+            path.parent.rmdir()  # only when empty
+        except OSError:
+            pass

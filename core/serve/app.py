@@ -11,7 +11,8 @@ and another tenant asking for them gets 404.
 The routes are FastAPI routers, one module per concern (:mod:`.routes_session`,
 :mod:`.routes_train`, :mod:`.routes_sample`, :mod:`.routes_state`); each handler takes the
 app's :class:`~ferrule.serve.service.Service` from ``request.app.state``
-(:func:`~ferrule.serve.service.service`).
+(:func:`~ferrule.serve.service.service`). The REST client's routes (training runs, checkpoints)
+are added by :func:`.routes_rest.add_rest_routes`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from .backend import EngineBackend
 from .limits import ServeLimits
-from . import routes_sample, routes_session, routes_state, routes_train
+from . import routes_rest, routes_sample, routes_session, routes_state, routes_train
 from .scheduler import Scheduler
 from .service import HTTPError, Service
 from .store import Store
@@ -89,4 +90,5 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
     app.state.long_poll_s, app.state.fwdbwd_max_chunk_len = long_poll_s, fwdbwd_max_chunk_len
     for router in (routes_session.router, routes_train.router, routes_sample.router, routes_state.router):
         app.include_router(router)
+    routes_rest.add_rest_routes(app, app.state.service)
     return app

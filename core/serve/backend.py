@@ -210,16 +210,27 @@ class EngineBackend:
             ValueError / TypeError: the first problem, naming the datum and key.
             LookupError: no engine for ``model_id``.
         """
-        self.engine(model_id).check_batch(data, loss_fn, loss_fn_config)
+        from .rank2 import expand
+
+        self.engine(model_id).check_batch(expand(data, loss_fn)[0], loss_fn, loss_fn_config)
 
     def forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
                          loss_fn_config: Mapping[str, Any] | None, forward_only: bool):
         """:meth:`TrainEngine.forward_backward`, or a gradient-free forward for ``forward_only``
-        (same outputs and metrics, no accumulation). Returns an ``FBOutput``."""
+        (same outputs and metrics, no accumulation). Returns an ``FBOutput``. A ``cross_entropy``
+        datum with rank-2 ``target_tokens`` / ``weights`` ``[N, K]`` runs as ``K`` rank-1 data and
+        gets ``[N, K]`` outputs (:mod:`ferrule.serve.rank2`)."""
+        import dataclasses
+
+        from .rank2 import expand, regroup
+
         engine = self.engine(model_id)
-        if forward_only:
-            return engine.forward(data, loss_fn, loss_fn_config)
-        return engine.forward_backward(data, loss_fn, loss_fn_config)
+        flat, plan = expand(data, loss_fn)
+        run = engine.forward if forward_only else engine.forward_backward
+        out = run(flat, loss_fn, loss_fn_config)
+        if len(flat) == len(data):
+            return out
+        return dataclasses.replace(out, loss_fn_outputs=regroup(out.loss_fn_outputs, plan))
 
     def optim_step(self, model_id: str, adam_params: Mapping[str, float]) -> dict:
         """One step with the request's Tinker ``AdamParams``; ``grad_clip_norm`` 0 = no clipping."""

@@ -14,6 +14,33 @@ from typing import Annotated
 import typer
 
 
+NO_KEYS = ("no API keys: give --api-keys FILE or set FERRULE_SERVE_API_KEYS=tml-... (the service never runs "
+           "without authentication).")
+#: libraries whose INFO lines are not the service's (megatron's DDP lists every parameter of each new
+#: client's model, ~240 lines for SmolLM2): WARNING and above only
+QUIET_LOGGERS = ("megatron", "torch", "transformers", "urllib3", "httpx")
+
+
+def configure_logging() -> None:
+    """``ferrule.serve``'s operation lines at INFO; other libraries at WARNING (:data:`QUIET_LOGGERS`)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _ready_server(app, host: str, port: int, line: str):
+    """A uvicorn server that prints ``line`` once it listens."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(line, flush=True)
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+
+
 #: ``--api-keys`` help; ``\\[`` keeps rich (the CLI's markup mode) from taking ``[tenant]`` for a style tag
 API_KEYS_HELP = ("File of API keys, one per line: 'tml-KEY \\[TENANT]' (KEY: at least 4 more characters; TENANT, "
                  "optional and separated by whitespace, names the tenant the key acts for: keys with one TENANT share "
@@ -37,6 +64,8 @@ def build_app(base_model: Path, storage: Path, api_keys: Path | None = None, mod
     from .paths import load_api_keys
 
     keys = load_api_keys(api_keys)
+    if not keys:  # before the model loads (minutes for a real one)
+        raise ValueError(NO_KEYS)
     backend = EngineBackend(base_model, model_name=model_name, max_snapshots=max_snapshots or MAX_SNAPSHOTS)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                       limits=limits)
@@ -65,11 +94,12 @@ def serve_command(
                                                "client) kept in memory per tenant.")] = 4,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
-    import uvicorn
+    import time
 
     from ferrule.cli_errors import print_user_error
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
+    t0 = time.monotonic()
     try:
         from .limits import ServeLimits
 
@@ -81,4 +111,5 @@ def serve_command(
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base model {base_model}, "
+                                   f"loaded in {time.monotonic() - t0:.0f} s); Ctrl-C stops it").run()

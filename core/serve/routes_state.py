@@ -1,5 +1,5 @@
-"""Futures and checkpoint listing: retrieve_future (long poll, then ``try_again``) and the
-training runs' / user's checkpoints (reference/tinker_protocol.md §6)."""
+"""Futures: retrieve_future (long poll, then ``try_again``; reference/tinker_protocol.md §6). The
+checkpoint listing is in :mod:`.routes_rest`."""
 
 from __future__ import annotations
 
@@ -38,25 +38,3 @@ async def retrieve_future(request: Request):
     if row["status"] == "failed":
         return JSONResponse({"error": row["error"], "category": row["category"] or "server"})
     return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
-
-
-def checkpoint_json(row: dict) -> dict:
-    return {"checkpoint_id": f"{row['kind']}/{row['name']}", "tinker_path": row["path"],
-            "checkpoint_type": "training" if row["kind"] == "weights" else "sampler",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row["created"])),
-            "size_bytes": row["size_bytes"], "public": False}
-
-
-@router.get("/api/v1/training_runs/{model_id}/checkpoints")
-async def list_checkpoints(model_id: str, request: Request):
-    svc = service(request)
-    row = svc.store.model(model_id)
-    if row is None or row["tenant"] != request.state.tenant:
-        raise HTTPError(404, f"training run {model_id!r} does not exist for this API key.")
-    return {"checkpoints": [checkpoint_json(r) for r in svc.store.checkpoints(request.state.tenant, model_id)]}
-
-
-@router.get("/api/v1/checkpoints")
-async def list_user_checkpoints(request: Request):
-    svc = service(request)
-    return {"checkpoints": [checkpoint_json(r) for r in svc.store.checkpoints(request.state.tenant)]}

@@ -42,7 +42,12 @@ async def create_model(request: Request):
     model_id = f"{session_id}:train:{mseq}"
     if (hit := svc.dedupe(request, model_id, 0)) is not None:
         return hit
+    meta = body.get("user_metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise HTTPError(400, "user_metadata must be a mapping of strings to strings.")
     svc.store.add_model(model_id, session_id, request.state.tenant, svc.backend.model_name, rank)
+    svc.store.set_model_info(model_id, None if meta is None else {str(k): str(v) for k, v in meta.items()},
+                             body.get("lora_config"))
     svc.scheduler.open_model(model_id, next_seq=0)
 
     def run():
@@ -83,7 +88,11 @@ async def forward_backward(request: Request):
     try:
         if not req.loss_fn:
             raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
-        if over := svc.limits.over("max_tokens_per_request", req.num_tokens, "the data's model_input tokens"):
+        work = sum(len(d.model_input) * (int(d.loss_fn_inputs["target_tokens"].shape[1])
+                                         if d.loss_fn_inputs.get("target_tokens") is not None
+                                         and d.loss_fn_inputs["target_tokens"].dim() == 2 else 1) for d in req.data)
+        if over := svc.limits.over("max_tokens_per_request", work, "the data's model_input tokens (x K for "
+                                                                         "rank-2 targets)"):
             raise ValueError(over)
         if req.model_id in svc.backend.engines:
             svc.backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
@@ -134,8 +143,9 @@ async def save_weights(request: Request):
     try:
         cp = CheckpointPath(model_id, "weights", check_name(svc.need(body, "path")))
         directory = cp.directory(svc.storage)
+        expires_at, meta = svc.checkpoint_extras(body)
     except (PathError, HTTPError) as exc:
-        raise svc.refuse(model_id, seq_id, 400, f"save_weights: {exc}") from None
+        raise svc.refuse(model_id, seq_id, 400, f"save_weights: {getattr(exc, 'message', exc)}") from None
     overwrite = bool(body.get("overwrite", False))
 
     def run():
@@ -143,6 +153,7 @@ async def save_weights(request: Request):
             raise ValueError(f"{cp.uri} exists; pass overwrite=True or another name.")
         size = svc.backend.save_state(model_id, directory)
         svc.store.add_checkpoint(cp.uri, request.state.tenant, model_id, cp.kind, cp.name, size)
+        svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
         return json_body({"path": cp.uri, "type": "save_weights"})
     return svc.enqueue(request, "save_state", run, model_id, seq_id)
 
@@ -162,8 +173,9 @@ async def save_weights_for_sampler(request: Request):
             raise PathError("give a path (a checkpoint name) or a sampling_session_seq_id.")
         cp = CheckpointPath(model_id, "sampler_weights", check_name(body["path"])) if named else None
         directory = cp.directory(svc.storage) if named else None
-    except PathError as exc:
-        raise svc.refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {exc}") from None
+        expires_at, meta = svc.checkpoint_extras(body)
+    except (PathError, HTTPError) as exc:
+        raise svc.refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {getattr(exc, 'message', exc)}") from None
     tenant = request.state.tenant
 
     def run():
@@ -171,6 +183,7 @@ async def save_weights_for_sampler(request: Request):
         if named:  # a checkpoint on disk, addressable by its tinker:// path
             size = svc.backend.save_sampler_weights(model_id, directory)
             svc.store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
+            svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
             out["path"] = source = cp.uri
         else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
             source = svc.backend.snapshot(model_id, tenant)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +79,40 @@ class Service:
                                  "its session finished); create a training client from a saved state.")
         return row
 
+    def sweep_expired(self) -> int:
+        """Delete checkpoints whose ``ttl_seconds`` ran out (files, then records); returns how many."""
+        expired = self.store.expired_checkpoints(time.time())
+        for uri in expired:
+            try:
+                directory = parse_tinker_path(uri).directory(self.storage)
+            except PathError:
+                directory = None
+            self.delete_checkpoint(uri, directory)
+        return len(expired)
+
+    def delete_checkpoint(self, uri: str, directory: Path | None) -> None:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.store.delete_checkpoint(uri)
+
+    @staticmethod
+    def checkpoint_extras(body: dict) -> tuple[float | None, dict | None]:
+        """``(expires_at, user_metadata)`` of a save request (``ttl_seconds``: int >= 1 or None;
+        ``user_metadata``: a str -> str mapping or None).
+
+        Raises:
+            HTTPError: 400 for another type or value.
+        """
+        ttl, meta = body.get("ttl_seconds"), body.get("user_metadata")
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1):
+            raise HTTPError(400, f"ttl_seconds = {ttl!r}; expected an int >= 1 (seconds) or null (never expires).")
+        if meta is not None and (not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                                        for k, v in meta.items())):
+            raise HTTPError(400, "user_metadata must be a mapping of strings to strings.")
+        return (None if ttl is None else time.time() + ttl), meta
+
     def own_checkpoint(self, request: Request, uri: str, kind: str) -> tuple[CheckpointPath, Path]:
+        self.sweep_expired()
         try:
             cp = parse_tinker_path(uri)
             directory = cp.directory(self.storage)

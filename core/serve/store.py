@@ -78,6 +78,19 @@ checkpoints = sa.Table(
     sa.Column("created", sa.Float, nullable=False),
     sa.Column("size_bytes", sa.Integer, nullable=False),
 )
+# added by issue 26 as tables of their own, so a database of an older server gains them on open
+model_info = sa.Table(
+    "model_info", _meta,
+    sa.Column("model_id", sa.String, primary_key=True),
+    sa.Column("user_metadata", sa.Text, nullable=True),      # JSON {str: str}
+    sa.Column("lora_config", sa.Text, nullable=True),        # JSON: the create request's lora_config
+)
+checkpoint_info = sa.Table(
+    "checkpoint_info", _meta,
+    sa.Column("path", sa.String, primary_key=True),
+    sa.Column("expires_at", sa.Float, nullable=True),        # unix seconds; None = never
+    sa.Column("user_metadata", sa.Text, nullable=True),
+)
 
 
 class Store:
@@ -192,6 +205,41 @@ class Store:
 
     def checkpoint(self, path: str) -> dict | None:
         return self._one(checkpoints.select().where(checkpoints.c.path == path))
+
+    # ---------------------------------------------------------------- run / checkpoint metadata (issue 26)
+    def set_model_info(self, model_id: str, user_metadata: dict | None, lora_config: dict | None) -> None:
+        self._write(model_info.insert().prefix_with("OR REPLACE").values(
+            model_id=model_id, user_metadata=None if user_metadata is None else json.dumps(user_metadata),
+            lora_config=None if lora_config is None else json.dumps(lora_config)))
+
+    def model_info(self, model_id: str) -> dict:
+        row = self._one(model_info.select().where(model_info.c.model_id == model_id)) or {}
+        return {k: (json.loads(row[k]) if row.get(k) else None) for k in ("user_metadata", "lora_config")}
+
+    def models(self, tenant: str) -> list[dict]:
+        return self._all(models.select().where(models.c.tenant == tenant).order_by(models.c.created))
+
+    def last_request_time(self, model_id: str) -> float | None:
+        with self.engine.connect() as c:
+            return c.execute(sa.select(sa.func.max(futures.c.created)).where(futures.c.model_id == model_id)).scalar()
+
+    def set_checkpoint_info(self, path: str, expires_at: float | None, user_metadata: dict | None) -> None:
+        self._write(checkpoint_info.insert().prefix_with("OR REPLACE").values(
+            path=path, expires_at=expires_at, user_metadata=None if user_metadata is None else json.dumps(user_metadata)))
+
+    def checkpoint_info(self, path: str) -> dict:
+        row = self._one(checkpoint_info.select().where(checkpoint_info.c.path == path)) or {}
+        return {"expires_at": row.get("expires_at"),
+                "user_metadata": json.loads(row["user_metadata"]) if row.get("user_metadata") else None}
+
+    def delete_checkpoint(self, path: str) -> None:
+        with self._lock, self.engine.begin() as c:
+            c.execute(checkpoints.delete().where(checkpoints.c.path == path))
+            c.execute(checkpoint_info.delete().where(checkpoint_info.c.path == path))
+
+    def expired_checkpoints(self, now: float) -> list[str]:
+        return [r["path"] for r in self._all(checkpoint_info.select().where(
+            checkpoint_info.c.expires_at.is_not(None), checkpoint_info.c.expires_at <= now))]
 
     def checkpoints(self, tenant: str, model_id: str | None = None) -> list[dict]:
         q = checkpoints.select().where(checkpoints.c.tenant == tenant)

@@ -211,17 +211,30 @@ def _batched(arrays: Sequence[np.ndarray], dtype_enum: int, np_dtype: str) -> An
 
 def encode_forward_backward_output(outputs: Sequence[Mapping[str, Any]], metrics: Mapping[str, float],
                                    loss_fn_output_type: str = "ArrayRecord") -> bytes:
-    """One ``ArrayRecord`` holding each output field (``[N]`` float32 per datum) for every datum,
-    in the request's datum order, and the metrics (``name:reduction`` keys)."""
+    """``ArrayRecord`` s holding each output field (``[N]``, or ``[N, K]`` for rank-2
+    cross_entropy, float32 per datum) for every datum, in the request's datum order (one record
+    per run of data with equal trailing shape), and the metrics (``name:reduction`` keys)."""
     msg = pb().ForwardBackwardOutput()
     msg.loss_fn_output_type = loss_fn_output_type
-    record = msg.loss_fn_outputs.add()
-    record.type_tag = loss_fn_output_type
-    record.num_datums = len(outputs)
-    for name in (outputs[0].keys() if outputs else ()):
-        arrays = [np.asarray(o[name].detach().cpu().float().numpy() if hasattr(o[name], "detach") else o[name])
-                  for o in outputs]
-        record.fields[name].CopyFrom(_batched(arrays, pb().DTYPE_FLOAT32, "<f4"))
+    arrays = [{name: np.asarray(v.detach().cpu().float().numpy() if hasattr(v, "detach") else v)
+               for name, v in o.items()} for o in outputs]
+    # one ArrayRecord per run of data with the same trailing shape ([N] outputs: (); rank-2
+    # cross_entropy: (K,)), in datum order: the SDK concatenates the records' data
+    runs: list[list[dict]] = []
+    for a in arrays:
+        shape = tuple(next(iter(a.values())).shape[1:]) if a else ()
+        if runs and runs[-1][0] == shape:
+            runs[-1][1].append(a)
+        else:
+            runs.append([shape, [a]])
+    for shape, group in runs or [((), [])]:
+        record = msg.loss_fn_outputs.add()
+        record.type_tag = loss_fn_output_type
+        record.num_datums = len(group)
+        for name in (group[0].keys() if group else ()):
+            bt = _batched([g[name] for g in group], pb().DTYPE_FLOAT32, "<f4")
+            bt.trailing_shape.extend(list(shape))
+            record.fields[name].CopyFrom(bt)
     for k, v in metrics.items():
         if k.count(":") != 1:
             raise ValueError(f"metric key {k!r} is not 'name:reduction' (the SDK's combine step needs one colon).")

@@ -46,7 +46,8 @@ def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampl
 
 def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Callable[[str], None]) -> int:
     """Load the latest complete checkpoint of ``ckpt_dir`` into ``engine`` and ``sampler``; return
-    its step (0 when there is none).
+    its step (0 when there is none: a run that died before its first checkpoint restarts, and the
+    log says so).
 
     Raises:
         ConfigError: the checkpoint's config differs in a key that must not change
@@ -54,8 +55,12 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
             at another layout, or the engine state does not fit (e.g. MoE Adam state across ep).
     """
     found = list_checkpoints(ckpt_dir)
-    if not found:
-        log(f"checkpoint.resume: no complete checkpoint in {ckpt_dir}; starting at step 0")
+    if not found:  # it died before its first checkpoint: the same run again from the start
+        from ferrule.rl.metrics import METRICS_FILE, read_metrics
+
+        logged = read_metrics(Path(cfg.logging.run_dir) / METRICS_FILE)
+        log(f"checkpoint.resume: no complete checkpoint in {ckpt_dir} yet; restarting the run at step 0"
+            + (f" (its {len(logged)} logged steps are replaced)" if logged else ""))
         return 0
     step, path = found[-1]
     state = json.loads((path / LOOP_STATE_FILE).read_text())

@@ -148,13 +148,20 @@ def append_samples(run_dir: Path, samples: Sequence[dict[str, Any]]) -> None:
 
 
 def truncate_samples(run_dir: Path, step: int) -> None:
-    """Drop the ``samples.jsonl`` entries after ``step`` (a resume from ``step`` logs them again); atomic."""
+    """Drop the ``samples.jsonl`` entries after ``step`` (a resume from ``step`` logs them again); atomic.
+
+    A torn last line (a crash or a full disk mid-write) is dropped too.
+
+    Raises:
+        ferrule.rl.metrics.RunLogError: any other damaged line, or steps that decrease (file and line named).
+    """
     from ferrule.rl.checkpoints import atomic_write
+    from ferrule.rl.metrics import read_run_log
 
     path = Path(run_dir) / SAMPLES_FILE
     if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        atomic_write(path, "".join(ln + "\n" for ln in keep))
+        keep = [e for e in read_run_log(path, order="nondecreasing") if e["step"] <= step]
+        atomic_write(path, "".join(json.dumps(e) + "\n" for e in keep))
 
 
 class NoLogger:

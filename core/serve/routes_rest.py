@@ -1,0 +1,132 @@
+"""REST routes of the SDK's ``RestClient`` (tinker 0.38 ``lib/public_interfaces/rest_client.py``):
+training runs, checkpoints (list, delete, archive download) and ``weights_info``.
+
+Everything is confined to the API key's tenant: another tenant's run or checkpoint is answered
+404 exactly like one that does not exist. A checkpoint saved with ``ttl_seconds`` expires then:
+expired checkpoints are deleted (files and records) whenever checkpoints are listed or addressed
+(:meth:`Service.sweep_expired`), so an expired path answers 404.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
+
+from .paths import PathError, parse_tinker_path
+from .service import HTTPError, Service
+
+__all__ = ["add_rest_routes", "checkpoint_json"]
+
+
+def _iso(t: float | None) -> str | None:
+    return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def checkpoint_json(svc: Service, row: dict) -> dict:
+    """A checkpoint row as the SDK's ``Checkpoint``."""
+    info = svc.store.checkpoint_info(row["path"])
+    return {"checkpoint_id": f"{row['kind']}/{row['name']}", "tinker_path": row["path"],
+            "checkpoint_type": "training" if row["kind"] == "weights" else "sampler",
+            "time": _iso(row["created"]), "size_bytes": row["size_bytes"], "public": False,
+            "user_metadata": info["user_metadata"], "expires_at": _iso(info["expires_at"])}
+
+
+def training_run_json(svc: Service, row: dict) -> dict:
+    """A model row as the SDK's ``TrainingRun``."""
+    info = svc.store.model_info(row["model_id"])
+    cps = svc.store.checkpoints(row["tenant"], row["model_id"])
+    last = {kind: next((checkpoint_json(svc, r) for r in reversed(cps) if r["kind"] == kind), None)
+            for kind in ("weights", "sampler_weights")}
+    lrt = svc.store.last_request_time(row["model_id"]) or row["created"]
+    return {"training_run_id": row["model_id"], "base_model": row["base_model"], "model_owner": row["tenant"],
+            "is_lora": row["lora_rank"] is not None, "corrupted": False, "lora_rank": row["lora_rank"],
+            "last_request_time": _iso(lrt), "last_checkpoint": last["weights"],
+            "last_sampler_checkpoint": last["sampler_weights"], "user_metadata": info["user_metadata"]}
+
+
+def add_rest_routes(app: FastAPI, svc: Service) -> None:
+    """Register the REST routes of ``svc`` on ``app``."""
+
+    def own_run(request: Request, model_id: str) -> dict:
+        row = svc.store.model(model_id)
+        if row is None or row["tenant"] != request.state.tenant:
+            raise HTTPError(404, f"training run {model_id!r} does not exist for this API key.")
+        return row
+
+    def own_checkpoint_row(request: Request, model_id: str, checkpoint_id: str) -> tuple[dict, Path]:
+        svc.sweep_expired()
+        try:
+            cp = parse_tinker_path(f"tinker://{model_id}/{checkpoint_id}")
+            directory = cp.directory(svc.storage)
+        except PathError as exc:
+            raise HTTPError(400, str(exc)) from None
+        row = svc.store.checkpoint(cp.uri)
+        if row is None or row["tenant"] != request.state.tenant:
+            raise HTTPError(404, f"checkpoint {cp.uri!r} does not exist for this API key.")
+        return row, directory
+
+    @app.get("/api/v1/training_runs")
+    async def list_training_runs(request: Request, limit: int = 20, offset: int = 0):
+        if limit < 0 or offset < 0:
+            raise HTTPError(400, f"limit = {limit}, offset = {offset}; both must be >= 0.")
+        rows = svc.store.models(request.state.tenant)
+        return {"training_runs": [training_run_json(svc, r) for r in rows[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)}}
+
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def get_training_run(model_id: str, request: Request):
+        return training_run_json(svc, own_run(request, model_id))
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def list_checkpoints(model_id: str, request: Request):
+        own_run(request, model_id)
+        svc.sweep_expired()
+        return {"checkpoints": [checkpoint_json(svc, r) for r in svc.store.checkpoints(request.state.tenant, model_id)]}
+
+    @app.get("/api/v1/checkpoints")
+    async def list_user_checkpoints(request: Request):
+        svc.sweep_expired()
+        return {"checkpoints": [checkpoint_json(svc, r) for r in svc.store.checkpoints(request.state.tenant)]}
+
+    @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str, request: Request):
+        row, directory = own_checkpoint_row(request, model_id, checkpoint_id)
+        svc.delete_checkpoint(row["path"], directory)
+        return {}
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
+    async def checkpoint_archive(model_id: str, checkpoint_id: str, request: Request):
+        """The checkpoint's directory as an uncompressed tar (``<name>/...`` inside)."""
+        row, directory = own_checkpoint_row(request, model_id, checkpoint_id)
+        tmp = Path(tempfile.mkdtemp(prefix="archive-", dir=svc.storage))
+        tar_path = tmp / f"{row['name']}.tar"
+        with tarfile.open(tar_path, "w") as tar:
+            tar.add(directory, arcname=row["name"])
+        return FileResponse(tar_path, media_type="application/x-tar", filename=tar_path.name,
+                            background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True))
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        body = await svc.body_json(request)
+        svc.sweep_expired()
+        try:
+            cp = parse_tinker_path(svc.need(body, "tinker_path"))
+        except PathError as exc:
+            raise HTTPError(400, str(exc)) from None
+        row = svc.store.checkpoint(cp.uri)
+        if row is None or row["tenant"] != request.state.tenant:
+            raise HTTPError(404, f"checkpoint {cp.uri!r} does not exist for this API key.")
+        run = svc.store.model(row["model_id"]) or {}
+        lora = svc.store.model_info(row["model_id"])["lora_config"]
+        is_lora = run.get("lora_rank") is not None
+        flags = {k: (bool((lora or {}).get(k, True)) if is_lora else None)
+                 for k in ("train_unembed", "train_mlp", "train_attn")}
+        return {"base_model": run.get("base_model", svc.backend.model_name), "is_lora": is_lora,
+                "lora_rank": run.get("lora_rank"), **flags}
