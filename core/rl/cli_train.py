@@ -58,9 +58,9 @@ USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train exam
 
 
 def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool, stop_after: int | None) -> Any:
-    """Build the trainer and run it; user errors exit 2 (printed, recorded), Ctrl-C exits 130."""
+    """Build the trainer and run it (None: a ``--resume`` of a run that is already complete); user
+    errors exit 2 (printed, recorded), Ctrl-C exits 130."""
     from ferrule.cli_errors import print_user_error, user_error_message
-    from ferrule.rl.config import ConfigError
 
     try:
         from ferrule.rl.loop import GRPOTrainer
@@ -151,6 +151,8 @@ def train_command(
         raise typer.Exit(launch_torchrun(nproc))
     result = _train(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
                     stop_after=stop_after)
+    if result is None:  # --resume of a run that is already complete: nothing to do
+        return
     if int(os.environ.get("RANK", "0") or 0) != 0:  # the run summary comes from rank 0
         return
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
