@@ -30,8 +30,9 @@ Model options understood by the builder: ``vocab_size`` (unpadded HF vocab, toke
 ``rope_scaling`` (None, ``{"type": "linear"|"llama3", "factor": f}`` or a resolved YaRN dict),
 ``position_embedding_type``, ``activation`` (name, e.g. ``'silu'``), and the
 :mod:`ferrule.megatron.gpt_builder` extension options (``embedding_multiplier``,
-``attn_logit_softcapping``, ``final_logit_softcapping``, ``query_pre_attn_scalar``,
-``extra_norms``, ``zero_centered_norms``).
+``attn_logit_softcapping``, ``final_logit_softcapping``,
+``extra_norms``, ``zero_centered_norms``, and ``pre_norms``, ``qk_norm``, ``layer_rope`` of
+:mod:`ferrule.megatron.layer_options`; an option the builder does not know is an error there).
 
 Importing this module imports neither torch nor megatron (transformers is imported by
 ``to_mcore`` only).
@@ -42,17 +43,20 @@ from __future__ import annotations
 # the public names of both modules, importable from here as before the split
 from .decoder import (  # noqa: F401
     COMMON_HARMLESS, DECODER_ENTRIES, MEGATRON_LLAMA3_ROPE, ROPE_SCALING_ENTRIES, SLIDING_WINDOW_ENTRIES,
-    SUPPORTED_ROPE_TYPES, head_dim_from_hf, head_dim_to_hf, head_dim_to_hf_implicit, num_experts_from_hf,
-    num_experts_to_hf, pre_softmax_from_norm_topk_prob, pre_softmax_to_norm_topk_prob, rope_scaling_from_hf,
-    rope_theta_from_hf, rope_theta_to_hf, rotary_percent_from_hf, window_attn_skip_freq_from_hf,
-    window_size_from_hf, window_size_to_hf, yarn_from_hf)
+    SUPPORTED_ROPE_TYPES, head_dim_from_hf, head_dim_to_hf, head_dim_to_hf_implicit, is_per_layer_type_rope,
+    num_experts_from_hf, num_experts_to_hf, pre_softmax_from_norm_topk_prob, pre_softmax_to_norm_topk_prob,
+    rope_scaling_from_hf, rope_theta_from_hf, rope_theta_to_hf, rotary_percent_from_hf,
+    window_attn_skip_freq_from_hf, window_size_from_hf, window_size_to_hf, yarn_from_hf)
 from .vocabulary import (  # noqa: F401
     ConfigTranslation, ConfigTranslationError, Constant, Derived, ENTRY_KINDS, Entry, Field, Harmless, MISSING,
-    Require, Target, parse_hf_config)
+    Require, SharedRowOverlapWarning, Target, describe_entry, parse_hf_config, register_shared_rows)
 
 __all__ = [
     "DECODER_ENTRIES",
     "ConfigTranslationError",
+    "SharedRowOverlapWarning",
+    "describe_entry",
+    "register_shared_rows",
     "Field",
     "Constant",
     "Derived",
@@ -66,6 +70,7 @@ __all__ = [
     "MISSING",
     "rope_theta_from_hf",
     "rope_theta_to_hf",
+    "is_per_layer_type_rope",
     "rope_scaling_from_hf",
     "yarn_from_hf",
     "rotary_percent_from_hf",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .vocabulary import ConfigTranslationError, Constant, Derived, Field, Harmless
+from .vocabulary import ConfigTranslationError, Constant, Derived, Field, Harmless, register_shared_rows
 
 # ---------------------------------------------------------------------------------------------
 # Named derivations shared by families.
@@ -29,6 +29,19 @@ _ROPE_FIELDS["llama3"] = _ROPE_FIELDS["linear"] | set(MEGATRON_LLAMA3_ROPE)
 #: ``transformers.modeling_rope_utils._compute_yarn_parameters`` reads these
 _ROPE_FIELDS["yarn"] = _ROPE_FIELDS["linear"] | {"original_max_position_embeddings", "attention_factor", "beta_fast",
                                                  "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+
+def is_per_layer_type_rope(hf: Mapping[str, Any]) -> bool:
+    """Whether ``rope_parameters`` holds one RoPE per layer type (Gemma-3:
+    ``{"sliding_attention": {...}, "full_attention": {...}}``, keyed by the ``layer_types`` values).
+
+    Such a config is translated by :data:`ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES`
+    (model option ``layer_rope``); the flat rows (:data:`ROPE_SCALING_ENTRIES`) then produce
+    their neutral values (no scaling, full rotary) for the unused model-wide table.
+    """
+    params, layer_types = hf.get("rope_parameters"), hf.get("layer_types")
+    return (isinstance(params, Mapping) and bool(params) and all(isinstance(v, Mapping) for v in params.values())
+            and isinstance(layer_types, (list, tuple)) and set(layer_types) <= set(params))
 
 
 def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,6 +132,8 @@ def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict | None:
     (``_compute_llama3_parameters``) is megatron's ``RotaryEmbedding(rope_scaling=True,
     rope_scaling_factor=factor)`` when the constants equal :data:`MEGATRON_LLAMA3_ROPE`.
     """
+    if is_per_layer_type_rope(hf):
+        return None
     params = _rope_params(hf)
     if params["rope_type"] == "default":
         return None
@@ -188,6 +203,8 @@ def rotary_percent_from_hf(hf: Mapping[str, Any]) -> float:
     rotary_percent)`` and passes the rest through (``apply_rotary_pos_emb_bshd``). The factor is
     read from ``rope_parameters`` (transformers 5) or the top-level key.
     """
+    if is_per_layer_type_rope(hf):
+        return 1.0
     params = _rope_params(hf)
     value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     value = 1.0 if value is None else value
@@ -399,3 +416,8 @@ DECODER_ENTRIES: tuple = (
     *SLIDING_WINDOW_ENTRIES,
     *COMMON_HARMLESS,
 )
+
+for _group_name, _group in (("ROPE_SCALING_ENTRIES in DECODER_ENTRIES", ROPE_SCALING_ENTRIES),
+                            ("SLIDING_WINDOW_ENTRIES in DECODER_ENTRIES", SLIDING_WINDOW_ENTRIES),
+                            ("COMMON_HARMLESS", COMMON_HARMLESS), ("DECODER_ENTRIES", DECODER_ENTRIES)):
+    register_shared_rows(_group_name, _group)

@@ -139,6 +139,62 @@ class Require:
 Entry = Field | Constant | Derived | Require | Harmless
 
 
+class SharedRowOverlapWarning(FutureWarning):
+    """A family row and a shared row (:data:`DECODER_ENTRIES` and friends) set the same mcore value.
+
+    The family's row wins (the plugin keeps working as written); the shared row is dropped from
+    that table. Shown by default (a ``FutureWarning``): remove the family's row once its package
+    needs a ferrule whose shared rows translate the key (docs/plugins.md, "What changed for
+    plugin authors").
+    """
+
+
+def describe_entry(e: Any) -> str:
+    """A row named by its keys, e.g. ``Derived('window_size' <- reads 'sliding_window', 'layer_types')``."""
+    if isinstance(e, Field):
+        return f"Field({e.hf!r} -> {e.target} {e.mcore!r})"
+    if isinstance(e, Constant):
+        return f"Constant({e.target} {e.mcore!r} = {e.value!r})"
+    if isinstance(e, Derived):
+        keys = ", ".join(repr(k) for k in (*e.hf_keys, *e.reads)) or "no HF key"
+        return f"Derived({e.target} {e.mcore!r} <- {keys}; {getattr(e.to_mcore, '__name__', e.to_mcore)})"
+    return repr(e)
+
+
+#: id() of every row of the shared tuples -> the tuple's name (filled at the end of this module).
+_SHARED_ROWS: dict[int, str] = {}
+
+
+def register_shared_rows(name: str, rows: tuple) -> None:
+    """Mark ``rows`` as ferrule's shared rows (named ``name`` in overlap warnings); for modules that
+    define shared rows beside this one (:mod:`ferrule.config_layer_types`)."""
+    for row in rows:
+        _SHARED_ROWS.setdefault(id(row), name)
+
+
+def _resolve_overlap(name: str, key: tuple[str, str], first: Any, second: Any) -> Any:
+    """The row of two that set the same mcore value which stays (the shared-rows contract).
+
+    Raises:
+        ValueError: both rows are the family's own, or both shared (naming both by their keys).
+    """
+    import warnings
+
+    shared = [_SHARED_ROWS.get(id(e)) for e in (first, second)]
+    if (shared[0] is None) == (shared[1] is None):
+        raise ValueError(
+            f"ConfigTranslation({name}): {key[0]} {key[1]!r} is set by two rows, {describe_entry(first)} and "
+            f"{describe_entry(second)}; each mcore value must have exactly one row: remove one of them.")
+    family_row, shared_row, group = (second, first, shared[0]) if shared[0] else (first, second, shared[1])
+    warnings.warn(
+        f"ConfigTranslation({name}): the family's row {describe_entry(family_row)} and the shared row "
+        f"{describe_entry(shared_row)} (from {group}) both set {key[0]} {key[1]!r}; the family's row wins and the "
+        f"shared one is dropped from this table. The shared rows translate this key now: remove the family's row "
+        f"when the package requires this ferrule (docs/plugins.md, 'What changed for plugin authors').",
+        SharedRowOverlapWarning, stacklevel=4)
+    return family_row
+
+
 @dataclass(frozen=True)
 class ConfigTranslation:
     """An immutable HF <-> mcore config table for one model variant.
@@ -155,6 +211,7 @@ class ConfigTranslation:
         if not isinstance(self.entries, tuple):
             raise TypeError(f"ConfigTranslation({self.name}).entries must be a tuple (tables are immutable).")
         seen: dict[tuple[str, str], int] = {}
+        dropped: set[int] = set()
         for i, e in enumerate(self.entries):
             if isinstance(e, (Require, Harmless)):
                 continue
@@ -163,11 +220,14 @@ class ConfigTranslation:
                                 f"Field/Constant/Derived/Require/Harmless.")
             key = (e.target, e.mcore)
             if key in seen:
-                raise ValueError(
-                    f"ConfigTranslation({self.name}): {e.target} {e.mcore!r} is set by entries "
-                    f"{seen[key]} and {i}; each mcore value must have exactly one entry."
-                )
+                j = seen[key]
+                keep = _resolve_overlap(self.name, key, self.entries[j], e)
+                dropped.add(i if keep is self.entries[j] else j)
+                seen[key] = j if keep is self.entries[j] else i
+                continue
             seen[key] = i
+        if dropped:
+            object.__setattr__(self, "entries", tuple(e for k, e in enumerate(self.entries) if k not in dropped))
 
     # -- queries --------------------------------------------------------------------------
     def hf_keys(self) -> tuple[str, ...]:
