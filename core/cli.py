@@ -66,6 +66,7 @@ def plugins_cmd(
     (a broken plugin is fatal instead of reported).
     """
     from ferrule import registry
+    from ferrule.specs import FamilyStatus
 
     reg = registry.get_registry()
 
@@ -83,9 +84,13 @@ def plugins_cmd(
     style = {"validated": "green", "structural": "yellow", "unstable": "red"}
     for spec in registry.list_families():
         missing = reg.missing_parts(spec.name)
-        f.add_row(spec.name, ", ".join(spec.model_types),
-                  f"[{style[spec.status.value]}]{spec.status.value}[/]",
-                  spec.reason or "-", ", ".join(missing) or "-")
+        status = f"[{style[spec.status.value]}]{spec.status.value}[/]"
+        reason = spec.reason or "-"
+        if missing and spec.status is not FamilyStatus.STRUCTURAL:
+            # a family that cannot be used is never listed as validated (see the load failures below)
+            status = "[red]incomplete[/]"
+            reason = f"declared {spec.status.value} but lacks {', '.join(missing)}: unusable until the load failure is fixed"
+        f.add_row(spec.name, ", ".join(spec.model_types), status, reason, ", ".join(missing) or "-")
     console.print(f)
 
     if reg.failures:

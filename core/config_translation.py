@@ -30,8 +30,9 @@ Model options understood by the builder: ``vocab_size`` (unpadded HF vocab, toke
 ``rope_scaling`` (None, ``{"type": "linear"|"llama3", "factor": f}`` or a resolved YaRN dict),
 ``position_embedding_type``, ``activation`` (name, e.g. ``'silu'``), and the
 :mod:`ferrule.megatron.gpt_builder` extension options (``embedding_multiplier``,
-``attn_logit_softcapping``, ``final_logit_softcapping``, ``query_pre_attn_scalar``,
-``extra_norms``, ``zero_centered_norms``).
+``attn_logit_softcapping``, ``final_logit_softcapping``,
+``extra_norms``, ``zero_centered_norms``, and ``pre_norms``, ``qk_norm``, ``layer_rope`` of
+:mod:`ferrule.megatron.layer_options`; an option the builder does not know is an error there).
 
 Importing this module imports neither torch nor megatron (transformers is imported by
 ``to_mcore`` only).
@@ -47,6 +48,9 @@ from typing import Any, Callable, Literal, Mapping
 __all__ = [
     "DECODER_ENTRIES",
     "ConfigTranslationError",
+    "SharedRowOverlapWarning",
+    "describe_entry",
+    "register_shared_rows",
     "Field",
     "Constant",
     "Derived",
@@ -60,6 +64,7 @@ __all__ = [
     "MISSING",
     "rope_theta_from_hf",
     "rope_theta_to_hf",
+    "is_per_layer_type_rope",
     "rope_scaling_from_hf",
     "yarn_from_hf",
     "rotary_percent_from_hf",
@@ -196,6 +201,62 @@ class Require:
 Entry = Field | Constant | Derived | Require | Harmless
 
 
+class SharedRowOverlapWarning(FutureWarning):
+    """A family row and a shared row (:data:`DECODER_ENTRIES` and friends) set the same mcore value.
+
+    The family's row wins (the plugin keeps working as written); the shared row is dropped from
+    that table. Shown by default (a ``FutureWarning``): remove the family's row once its package
+    needs a ferrule whose shared rows translate the key (docs/plugins.md, "What changed for
+    plugin authors").
+    """
+
+
+def describe_entry(e: Any) -> str:
+    """A row named by its keys, e.g. ``Derived('window_size' <- reads 'sliding_window', 'layer_types')``."""
+    if isinstance(e, Field):
+        return f"Field({e.hf!r} -> {e.target} {e.mcore!r})"
+    if isinstance(e, Constant):
+        return f"Constant({e.target} {e.mcore!r} = {e.value!r})"
+    if isinstance(e, Derived):
+        keys = ", ".join(repr(k) for k in (*e.hf_keys, *e.reads)) or "no HF key"
+        return f"Derived({e.target} {e.mcore!r} <- {keys}; {getattr(e.to_mcore, '__name__', e.to_mcore)})"
+    return repr(e)
+
+
+#: id() of every row of the shared tuples -> the tuple's name (filled at the end of this module).
+_SHARED_ROWS: dict[int, str] = {}
+
+
+def register_shared_rows(name: str, rows: tuple) -> None:
+    """Mark ``rows`` as ferrule's shared rows (named ``name`` in overlap warnings); for modules that
+    define shared rows beside this one (:mod:`ferrule.config_layer_types`)."""
+    for row in rows:
+        _SHARED_ROWS.setdefault(id(row), name)
+
+
+def _resolve_overlap(name: str, key: tuple[str, str], first: Any, second: Any) -> Any:
+    """The row of two that set the same mcore value which stays (the shared-rows contract).
+
+    Raises:
+        ValueError: both rows are the family's own, or both shared (naming both by their keys).
+    """
+    import warnings
+
+    shared = [_SHARED_ROWS.get(id(e)) for e in (first, second)]
+    if (shared[0] is None) == (shared[1] is None):
+        raise ValueError(
+            f"ConfigTranslation({name}): {key[0]} {key[1]!r} is set by two rows, {describe_entry(first)} and "
+            f"{describe_entry(second)}; each mcore value must have exactly one row: remove one of them.")
+    family_row, shared_row, group = (second, first, shared[0]) if shared[0] else (first, second, shared[1])
+    warnings.warn(
+        f"ConfigTranslation({name}): the family's row {describe_entry(family_row)} and the shared row "
+        f"{describe_entry(shared_row)} (from {group}) both set {key[0]} {key[1]!r}; the family's row wins and the "
+        f"shared one is dropped from this table. The shared rows translate this key now: remove the family's row "
+        f"when the package requires this ferrule (docs/plugins.md, 'What changed for plugin authors').",
+        SharedRowOverlapWarning, stacklevel=4)
+    return family_row
+
+
 @dataclass(frozen=True)
 class ConfigTranslation:
     """An immutable HF <-> mcore config table for one model variant.
@@ -212,6 +273,7 @@ class ConfigTranslation:
         if not isinstance(self.entries, tuple):
             raise TypeError(f"ConfigTranslation({self.name}).entries must be a tuple (tables are immutable).")
         seen: dict[tuple[str, str], int] = {}
+        dropped: set[int] = set()
         for i, e in enumerate(self.entries):
             if isinstance(e, (Require, Harmless)):
                 continue
@@ -220,11 +282,14 @@ class ConfigTranslation:
                                 f"Field/Constant/Derived/Require/Harmless.")
             key = (e.target, e.mcore)
             if key in seen:
-                raise ValueError(
-                    f"ConfigTranslation({self.name}): {e.target} {e.mcore!r} is set by entries "
-                    f"{seen[key]} and {i}; each mcore value must have exactly one entry."
-                )
+                j = seen[key]
+                keep = _resolve_overlap(self.name, key, self.entries[j], e)
+                dropped.add(i if keep is self.entries[j] else j)
+                seen[key] = j if keep is self.entries[j] else i
+                continue
             seen[key] = i
+        if dropped:
+            object.__setattr__(self, "entries", tuple(e for k, e in enumerate(self.entries) if k not in dropped))
 
     # -- queries --------------------------------------------------------------------------
     def hf_keys(self) -> tuple[str, ...]:
@@ -460,6 +525,19 @@ _ROPE_FIELDS["yarn"] = _ROPE_FIELDS["linear"] | {"original_max_position_embeddin
                                                  "beta_slow", "mscale", "mscale_all_dim", "truncate"}
 
 
+def is_per_layer_type_rope(hf: Mapping[str, Any]) -> bool:
+    """Whether ``rope_parameters`` holds one RoPE per layer type (Gemma-3:
+    ``{"sliding_attention": {...}, "full_attention": {...}}``, keyed by the ``layer_types`` values).
+
+    Such a config is translated by :data:`ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES`
+    (model option ``layer_rope``); the flat rows (:data:`ROPE_SCALING_ENTRIES`) then produce
+    their neutral values (no scaling, full rotary) for the unused model-wide table.
+    """
+    params, layer_types = hf.get("rope_parameters"), hf.get("layer_types")
+    return (isinstance(params, Mapping) and bool(params) and all(isinstance(v, Mapping) for v in params.values())
+            and isinstance(layer_types, (list, tuple)) and set(layer_types) <= set(params))
+
+
 def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
     """``rope_parameters`` (or a legacy ``rope_scaling`` + ``rope_theta``) as one dict, validated.
 
@@ -548,6 +626,8 @@ def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict | None:
     (``_compute_llama3_parameters``) is megatron's ``RotaryEmbedding(rope_scaling=True,
     rope_scaling_factor=factor)`` when the constants equal :data:`MEGATRON_LLAMA3_ROPE`.
     """
+    if is_per_layer_type_rope(hf):
+        return None
     params = _rope_params(hf)
     if params["rope_type"] == "default":
         return None
@@ -617,6 +697,8 @@ def rotary_percent_from_hf(hf: Mapping[str, Any]) -> float:
     rotary_percent)`` and passes the rest through (``apply_rotary_pos_emb_bshd``). The factor is
     read from ``rope_parameters`` (transformers 5) or the top-level key.
     """
+    if is_per_layer_type_rope(hf):
+        return 1.0
     params = _rope_params(hf)
     value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     value = 1.0 if value is None else value
@@ -832,3 +914,8 @@ DECODER_ENTRIES: tuple = (
     *SLIDING_WINDOW_ENTRIES,
     *COMMON_HARMLESS,
 )
+
+for _group_name, _group in (("ROPE_SCALING_ENTRIES in DECODER_ENTRIES", ROPE_SCALING_ENTRIES),
+                            ("SLIDING_WINDOW_ENTRIES in DECODER_ENTRIES", SLIDING_WINDOW_ENTRIES),
+                            ("COMMON_HARMLESS", COMMON_HARMLESS), ("DECODER_ENTRIES", DECODER_ENTRIES)):
+    register_shared_rows(_group_name, _group)

@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
-           "rotary_tables_hf", "rotary_tables_mcore", "translated_fields_vs_hf", "check_features_reached",
+           "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer", "translated_fields_vs_hf", "check_features_reached",
            "test_token_ids", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
@@ -317,18 +317,49 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
 # What HF's model actually uses vs what ferrule built (rotary frequencies and translated fields).
 # ---------------------------------------------------------------------------------------------
 
-def rotary_tables_hf(hf_model, seq_len: int):
+def rotary_tables_hf(hf_model, seq_len: int, layer_type: str | None = None):
     """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that HF's model applies at positions 0..seq_len-1.
 
     From ``model.model.rotary_emb(x, position_ids)``: HF's inverse frequencies after scaling, times
-    its ``attention_scaling``.
+    its ``attention_scaling``. ``layer_type`` (e.g. ``"full_attention"``) selects the table of that
+    layer type for models with one RoPE per type (``Gemma3RotaryEmbedding.forward(x, position_ids,
+    layer_type)``).
     """
     import torch
 
     rotary = hf_model.model.rotary_emb
     x = torch.zeros(1, seq_len, 1, dtype=torch.float32)
-    cos, sin = rotary(x, torch.arange(seq_len).unsqueeze(0))
+    pos = torch.arange(seq_len).unsqueeze(0)
+    cos, sin = rotary(x, pos) if layer_type is None else rotary(x, pos, layer_type)
     return cos[0].double(), sin[0].double()
+
+
+def _hf_rotary_layer_types(hf_model) -> list[str] | None:
+    """HF ``config.layer_types`` when its rotary embedding takes a ``layer_type`` argument, else None."""
+    import inspect
+
+    rotary = hf_model.model.rotary_emb
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return None
+    return list(getattr(hf_model.config, "layer_types", None) or []) or None
+
+
+def rotary_tables_by_layer(hf_model, mcore_model, seq_len: int) -> list[tuple[str, Any, Any]]:
+    """``(label, (cos, sin) of megatron, (cos, sin) of HF)`` per RoPE the models apply.
+
+    One row for a model-wide RoPE; for HF models with one RoPE per layer type, one row per decoder
+    layer (``"layer i (type)"``), comparing megatron layer ``i``'s own table (``layer_rope`` option:
+    ``self_attention.layer_rotary``) or the model-wide one with HF's table for ``layer_types[i]``.
+    """
+    layer_types = _hf_rotary_layer_types(hf_model)
+    if layer_types is None:
+        return [("model", rotary_tables_mcore(mcore_model, seq_len), rotary_tables_hf(hf_model, seq_len))]
+    rows = []
+    for i, (layer, layer_type) in enumerate(zip(mcore_model.decoder.layers, layer_types)):
+        own = getattr(layer.self_attention, "layer_rotary", None)
+        emb = (own or mcore_model.rotary_pos_emb)(seq_len)[:, 0, 0, :].double()
+        rows.append((f"layer {i} ({layer_type})", (emb.cos(), emb.sin()), rotary_tables_hf(hf_model, seq_len, layer_type)))
+    return rows
 
 
 def rotary_tables_mcore(mcore_model, seq_len: int):
@@ -431,14 +462,17 @@ def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, se
         (model,) = _build(family, hf_config)
         if getattr(model, "rotary_pos_emb", None) is None:
             return None
-        cos_m, sin_m = rotary_tables_mcore(model, seq_len)
+        tables = rotary_tables_by_layer(hf, model, seq_len)
         rows = translated_fields_vs_hf(hf, model)
-    cos_h, sin_h = rotary_tables_hf(hf, seq_len)
-    assert cos_m.shape == cos_h.shape, (
-        f"{family}: megatron rotates {cos_m.shape[-1]} channels per head, HF {cos_h.shape[-1]} "
-        f"(partial_rotary_factor / rotary_percent translation)")
-    diff = max((cos_m - cos_h).abs().max().item(), (sin_m - sin_h).abs().max().item())
-    assert diff <= atol, f"{family}: rotary cos/sin differ from HF's by {diff:.3g} (rope_theta / rope scaling translation)"
+    diff = 0.0
+    for label, (cos_m, sin_m), (cos_h, sin_h) in tables:
+        assert cos_m.shape == cos_h.shape, (
+            f"{family}: {label}: megatron rotates {cos_m.shape[-1]} channels per head, HF {cos_h.shape[-1]} "
+            f"(partial_rotary_factor / rotary_percent translation)")
+        d = max((cos_m - cos_h).abs().max().item(), (sin_m - sin_h).abs().max().item())
+        assert d <= atol, (f"{family}: {label}: rotary cos/sin differ from HF's by {d:.3g} (rope_theta / rope "
+                           f"scaling translation{', per layer type: layer_rope' if label != 'model' else ''})")
+        diff = max(diff, d)
     bad = [f"{name}: ferrule {ours!r} vs HF {theirs!r}" for name, ours, theirs in rows if ours != theirs]
     assert not bad, f"{family}: translated fields differ from what HF's model uses: " + "; ".join(bad)
     return diff

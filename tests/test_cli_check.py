@@ -101,6 +101,17 @@ def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mista
 
 
 @pytest.mark.timeout(600)
+def test_swapped_rows_blame_the_plugin_not_the_checkpoint(tmp_path):
+    """up_proj / down_proj named in each other's rows: a shape mismatch that says 'suspect the plugin'
+    (before: 'suspect the checkpoint')."""
+    env, hf = _olmo2_dir(tmp_path)
+    proc = _check(env, hf, bug="swapped_rows")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "suspect the plugin" in out and "swapped rows" in out and "suspect the checkpoint" not in out, out
+
+
+@pytest.mark.timeout(600)
 def test_exit_codes_separate_bad_input_from_a_crashing_plugin(tmp_path):
     """No HF directory: exit 2; plugin code raising (the provider): exit 3 and a CRASH row, not 'unusable input'."""
     env, hf = _olmo2_dir(tmp_path)
@@ -145,3 +156,47 @@ def test_divergence_never_picks_a_missing_point_or_nan():
     assert rows[1] == (0, "input_norm", None, "not compared: no HF module")
     assert rows[3][2] == math.inf and not any(r[2] is not None and math.isnan(r[2]) for r in rows)
     assert first_departure(rows, 1e-5)[:2] == (0, "mlp")
+
+
+def test_hf_capture_points_follow_the_layer_shape_and_the_family_override():
+    """Llama-style, Gemma-style and OLMo-2-style HF layers give the right capture modules; CHECK_HF_CAPTURE wins."""
+    import torch
+
+    from ferrule.converters.check_points import hf_layer_points
+
+    def layer(*names):
+        m = torch.nn.Module()
+        for n in names:
+            setattr(m, n, torch.nn.Identity())
+        return m
+
+    llama = layer("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    pts = hf_layer_points(llama)
+    assert pts["attention"] is llama.self_attn and pts["pre_mlp_norm"] is llama.post_attention_layernorm
+    assert pts["mlp"] is llama.mlp
+    olmo2 = layer("self_attn", "post_attention_layernorm", "mlp", "post_feedforward_layernorm")
+    pts = hf_layer_points(olmo2)
+    assert set(pts) == {"attention", "mlp", "output"}
+    assert pts["attention"] is olmo2.post_attention_layernorm and pts["mlp"] is olmo2.post_feedforward_layernorm
+    gemma = layer("input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
+                  "post_feedforward_layernorm")
+    assert hf_layer_points(gemma)["pre_mlp_norm"] is gemma.pre_feedforward_layernorm
+    own = layer("ln_1", "attn", "ffn")
+    pts = hf_layer_points(own, {"input_norm": "ln_1", "attention": "attn", "mlp": "ffn", "pre_mlp_norm": None})
+    assert pts["input_norm"] is own.ln_1 and pts["attention"] is own.attn and "pre_mlp_norm" not in pts
+
+
+@pytest.mark.timeout(600)
+def test_check_warns_when_a_soft_cap_never_binds(tmp_path):
+    """A final-logit cap far above the logits changes nothing on the test tokens: WARN, naming the key."""
+    env = plugin_env(tmp_path, ("ferrule-gemma2-fixture",))
+    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
+                           "cn.tiny_hf_dir('gemma2', sys.argv[1], overrides={'final_logit_softcapping': 1e4})",
+                           str(tmp_path / "hf")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert make.returncode == 0, make.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(tmp_path / "hf"), "--seq-len", "16"],
+                          env=dict(env, COLUMNS="250"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "WARN" in out and "final_logit_softcapping changes HF's logits by only" in out, out
+    assert "attn_logit_softcapping changes" not in out, out  # the tiny attention cap (0.5) binds

@@ -208,3 +208,29 @@ def test_partial_rotary_logits_match_hf_phi3(mcore):
         wrong = full.eval()(ids, torch.arange(24).expand_as(ids), None)[..., :96]
     assert (got - ref).abs().max() < 1e-5
     assert (wrong - ref).abs().max() > 1e-3  # rotating every channel (the old behaviour) is visibly wrong
+
+
+def test_layer_type_rope_rows_translate_gemma3_rope_parameters_per_layer():
+    """transformers' Gemma3TextConfig keeps one RoPE per layer type; the shared rows give each layer its own
+    (before: the flat rope rows refused the nested rope_parameters)."""
+    from ferrule.config_layer_types import LAYER_TYPE_ROPE_ENTRIES
+    from ferrule.config_translation import DECODER_ENTRIES, ConfigTranslation, Require
+
+    table = ConfigTranslation("g3", (Require("model_type", ("gemma3_text",)), *DECODER_ENTRIES, *LAYER_TYPE_ROPE_ENTRIES))
+    hf = {"model_type": "gemma3_text", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    from ferrule.config_translation import parse_hf_config
+
+    values, _ = parse_hf_config(hf, "g3")
+    _, opts = table._translate(values)
+    assert [e["layer_type"] for e in opts["layer_rope"]] == hf["layer_types"]
+    assert opts["layer_rope"][1] == {"layer_type": "full_attention", "rotary_base": 1e6,
+                                     "rope_scaling": {"type": "linear", "factor": 8.0}, "rotary_percent": 1.0}
+    assert opts["layer_rope"][0]["rotary_base"] == 10000.0 and opts["layer_rope"][0]["rope_scaling"] is None
+    assert opts["rope_scaling"] is None and opts["rotary_percent"] == 1.0
+    back = table.to_hf(*table._translate(values))["rope_parameters"]
+    assert back["full_attention"] == {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0}
+    assert back["sliding_attention"] == {"rope_theta": 10000.0, "rope_type": "default"}

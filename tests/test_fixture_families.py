@@ -17,18 +17,19 @@ from fixture_plugins import FIXTURES, ROOT, plugin_env
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
-    """Sliding-window (Mistral-like) and Gemma-2-like families: every kit case at TP=1 and TP=2."""
+    """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm)
+    and Gemma-3-text-like (one RoPE per layer type) families: every kit case at TP=1 and TP=2."""
     env = plugin_env(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--confcutdir",
-                           str(FIXTURES), "-o", "timeout=1100", str(FIXTURES / "kit_fixture_families.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1150)
+                           str(FIXTURES), "-o", "timeout=2300", str(FIXTURES / "kit_fixture_families.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=2350)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
-    # 2 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
+    # 4 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
     # numeric TP=1, numeric TP=2)
-    assert "14 passed" in summary and "skipped" not in summary, summary
+    assert "28 passed" in summary and "skipped" not in summary, summary
 
 
 @pytest.mark.timeout(600)
@@ -91,3 +92,27 @@ def test_token_ids_outside_the_vocabulary_are_named():
     assert cn.test_token_ids(96, 5).shape == (2, 5)
     with pytest.raises(ValueError, match=r"token ids \[96, 200\] are outside the model's vocabulary \[0, 96\)"):
         cn.test_token_ids(96, 3, ids=[[1, 200, 96]])
+
+
+@pytest.mark.timeout(400)
+def test_kit_compares_rotary_tables_per_layer_type(tmp_path):
+    """Gemma-3: the kit compares each layer's RoPE with HF's table for its layer type (before: TypeError,
+    rotary_emb needs layer_type); a plugin giving every layer one RoPE fails naming the full-attention layer."""
+    env = plugin_env(tmp_path, ("ferrule-gemma3-fixture",))
+    code = (
+        "import sys, warnings; warnings.filterwarnings('ignore')\n"
+        "from ferrule import conformance_numeric as cn\n"
+        "try:\n"
+        "    print('DIFF', cn.check_translation_matches_hf('gemma3', sys.argv[1]))\n"
+        "except AssertionError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    ok = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ok")], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=190)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert float(ok.stdout.split("DIFF ", 1)[1].split()[0]) <= 1e-6, ok.stdout
+    bad = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bad")], cwd=ROOT,
+                         env=dict(env, FERRULE_GEMMA3_FIXTURE_BUG="one_rope"), capture_output=True, text=True,
+                         timeout=190)
+    assert bad.returncode == 0, bad.stderr[-3000:]
+    assert "REFUSED gemma3: layer 1 (full_attention): rotary cos/sin differ" in bad.stdout, bad.stdout

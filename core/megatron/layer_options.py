@@ -5,7 +5,8 @@ class here keeps the local spec's megatron parameter names.
 
 - ``layer_rope``: one RoPE per decoder layer, a tuple with an entry per layer (HF order), each
   a mapping ``{"rotary_base": float, "rope_scaling": None | {"type": "linear"|"llama3",
-  "factor": f}, "rotary_percent": float (optional, default the model's)}``. HF families with
+  "factor": f}, "rotary_percent": float (optional, default the model's), "layer_type": str
+  (optional, the HF layer type it came from; reports and the kit's per-type comparison)}``. HF families with
   one RoPE per layer *type* (Gemma-3's ``rope_parameters.{sliding_attention,full_attention}``
   with ``layer_types``) produce it with
   :data:`ferrule.config_translation.LAYER_TYPE_ROPE_ENTRIES`. Implemented by
@@ -40,7 +41,7 @@ __all__ = ["LayerRoPESelfAttention", "FullProjectionRMSNorm", "PRE_NORMS", "QK_N
 PRE_NORMS = ("attention", "mlp")
 #: Values of the ``qk_norm`` option.
 QK_NORM_SCOPES = ("per_head", "full_projection")
-_LAYER_ROPE_KEYS = {"rotary_base", "rope_scaling", "rotary_percent"}
+_LAYER_ROPE_KEYS = {"layer_type", "rotary_base", "rope_scaling", "rotary_percent"}
 
 
 def pre_norms_kept(value: Any) -> tuple[str, ...]:
@@ -63,7 +64,9 @@ def check_layer_rope(layer_rope: Any, num_layers: int) -> tuple[dict, ...]:
     ``rotary_percent``.
 
     Raises:
-        ValueError: wrong length, a non-mapping entry, an unknown key or no ``rotary_base``.
+        ValueError: wrong length, a non-mapping entry, an unknown key, no ``rotary_base``, or a
+            ``rope_scaling`` other than None / linear / llama3 (YaRN is model-wide only: megatron's
+            ``YarnRotaryEmbedding`` also scales attention, which a per-layer table cannot).
     """
     if not isinstance(layer_rope, (tuple, list)) or len(layer_rope) != num_layers:
         raise ValueError(f"layer_rope needs one entry per decoder layer ({num_layers}), got {layer_rope!r}.")
@@ -74,6 +77,10 @@ def check_layer_rope(layer_rope: Any, num_layers: int) -> tuple[dict, ...]:
         unknown = sorted(set(entry) - _LAYER_ROPE_KEYS)
         if unknown:
             raise ValueError(f"layer_rope[{i}] has unknown key(s) {unknown}; known: {sorted(_LAYER_ROPE_KEYS)}.")
+        kind = (entry.get("rope_scaling") or {}).get("type")
+        if kind not in (None, "linear", "llama3"):
+            raise ValueError(f"layer_rope[{i}] (layer type {entry.get('layer_type')!r}) has rope_scaling type {kind!r}; "
+                             f"per-layer RoPE supports linear and llama3 scaling only.")
         out.append(dict(entry))
     return tuple(out)
 

@@ -436,6 +436,11 @@ def _shape_suspect(bp: BoundParam, full_shape: tuple, tp: int, family: str) -> s
         return (f"suspect the plugin: the HF tensors have the full shape {tuple(full_shape)} this parameter needs, but "
                 f"MappingTable({family}) splits it over TP={tp} as TPSplit.{bp.mapping.tp.name} while megatron "
                 f"splits it on dim {getattr(p, 'partition_dim', None)}; fix the row's tp= in the mapping table.")
+    if sorted(full_shape) == sorted(global_shape):
+        return (f"suspect the plugin: the HF tensors assemble to {tuple(full_shape)}, the same sizes as the "
+                f"{tuple(global_shape)} this parameter needs in another order, so the row of MappingTable({family}) "
+                f"names the wrong HF tensor (swapped rows) or its layout is transposed; fix the row in the mapping "
+                f"table.")
     return (f"suspect the checkpoint (or the family's config translation): the HF tensors assemble to "
             f"{tuple(full_shape)}, the model built from config.json needs {tuple(global_shape)} in full.")
 
