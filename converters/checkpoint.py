@@ -9,6 +9,7 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
                                                            (all but weights: hf_side_files)
       hf/passthrough.safetensors                           HF tensors the mapping table passes through
                                                            (MappingTable.passthrough; only if any)
+      checksums.json                                       size and XXH3-64 of every file (ferrule.integrity)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict()}`` (``"model0"``,
 ``"model1"``, ... per virtual pipeline stage, as Megatron-LM does); it stores global tensors
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrule.fsutil import commit_dir
+from ferrule.integrity import record_checksums, verify_checksums
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
@@ -403,6 +405,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
                 "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k) and not table.is_passthrough(k)),
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        record_checksums(tmp)  # ferrule.integrity: every file's size and hash, verified when it is read
         commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -519,6 +522,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
 
     Raises:
+        ferrule.integrity.CheckpointIntegrityError: a file of ``ckpt_dir`` is missing, truncated or
+            damaged (checked against its ``checksums.json`` first; named).
         CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint; or the source had
             tensors the table ignores (``Ignore`` rows) without ``unused_by_hf=True`` (the export would lack
             tensors transformers loads; all are named, nothing is written).
@@ -534,6 +539,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     ckpt_dir = Path(ckpt_dir).absolute()
     out_dir = Path(out_dir).absolute()
+    if (ckpt_dir / "metadata.json").is_file():
+        verify_checksums(ckpt_dir)  # a damaged file is named here, not converted into a wrong model
     meta = read_checkpoint_metadata(ckpt_dir)
     hf_config = _read_config(ckpt_dir / HF_SUBDIR)
     _, _, table = _family_parts(hf_config)

@@ -496,8 +496,11 @@ class EmbeddedEngine(EmbeddedLoraServing, EmbeddedSleep):
         async_ok = self.device.type == "cuda" and self._stash is None
         for name, tensor in items:
             dst = self._live(targets[name])
-            dst.write_(tensor.to(dst.param.device, dst.param.dtype,
-                                 non_blocking=async_ok and tensor.device.type == "cpu"))
+            if self._stash is not None and dst.view is not None:
+                dst.write_(tensor)  # asleep: one (blocking) copy straight into the page-locked host copy
+            else:
+                dst.write_(tensor.to(dst.param.device, dst.param.dtype,
+                                     non_blocking=async_ok and tensor.device.type == "cpu"))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.weights_version = version
