@@ -115,4 +115,21 @@ def raw(srv: RunningServer, path: str, key: str | None = ALICE, **kw):
 
 
 def poll(srv: RunningServer, request_id: str, key: str = ALICE):
+    """One ``retrieve_future`` long poll: the result, or ``try_again`` if it is still pending."""
     return raw(srv, "/api/v1/retrieve_future", key, json={"request_id": request_id, "allow_metadata_only": False})
+
+
+def poll_done(srv: RunningServer, request_id: str, key: str = ALICE, limit_s: float = 120.0):
+    """Long-poll ``request_id`` until it is no longer ``try_again`` (as the SDK does), at most ``limit_s``.
+
+    One long poll returns after the server's window (seconds), so a slow machine can see ``try_again``
+    for work that is merely still running (a model creation under load)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        out = poll(srv, request_id, key)
+        pending = out.headers.get("content-type", "").startswith("application/json") and \
+            out.json().get("type") == "try_again"
+        if not pending or time.monotonic() > deadline:
+            return out

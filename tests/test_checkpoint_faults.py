@@ -7,6 +7,7 @@ fault is injected from outside ferrule: a kill -9 from the test, bytes changed i
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -110,3 +111,122 @@ def test_no_process_outlives_a_ferrule_train_killed_inside_a_checkpoint_save(ass
         except ProcessLookupError:
             pass
         proc.stderr.close()
+
+
+# ------------------------------------------------------------------ damaged checkpoints (checksums)
+@pytest.fixture(scope="module")
+def trained_run(assets, tmp_path_factory):
+    """A 2-step run with a checkpoint after each step (step_000001, step_000002)."""
+    from rich.console import Console
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+
+    run_dir = tmp_path_factory.mktemp("damaged") / "run"
+    train(load_config(assets / "tiny.yaml", _overrides(assets, run_dir, "train.steps=2", "checkpoint.interval=1",
+                                                        "checkpoint.keep=0")), console=Console(file=io.StringIO()))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    return run_dir
+
+
+def _overrides(assets: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"model.hf_dir={assets / 'model'}", f"data.jsonl_path={assets / 'task.jsonl'}",
+            f"logging.run_dir={run_dir}", "logging.plot_at_end=false", *extra]
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[:len(data) // 2])
+    elif how == "zero64":  # 64 zeroed bytes in the middle: same size, other content
+        mid = len(data) // 2
+        path.write_bytes(data[:mid] + bytes(64) + data[mid + 64:])
+    elif how == "garble":  # valid UTF-8, one digit changed (still JSON)
+        text = data.decode()
+        i = next(i for i, c in enumerate(text) if c.isdigit())
+        path.write_text(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:])
+    elif how == "torn":
+        path.write_bytes(data[:len(data) // 3])
+    else:
+        raise ValueError(how)
+
+
+DAMAGES = [("engine/rng/rank_0.pt", "truncate"), ("engine/engine_state.json", "garble"),
+           ("loop_state.json", "torn"), ("loop_state.json", "garble"), ("engine/__0_0.distcp", "zero64")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rel,how", DAMAGES, ids=[f"{r.split('/')[-1]}-{h}" for r, h in DAMAGES])
+def test_resume_names_the_damaged_file_and_offers_the_previous_checkpoint(assets, trained_run, tmp_path, rel, how):
+    import shutil
+
+    from rich.console import Console
+
+    from ferrule.rl.checkpoints import RunCheckpointError
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import train
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    (run_dir / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace(str(trained_run),
+                                                                                     str(run_dir)))
+    step2 = run_dir / "checkpoints" / "step_000002"
+    assert (step2 / rel).is_file(), sorted(p.name for p in (step2 / "engine").iterdir())
+    _damage(step2 / rel, how)
+    cfg = load_config(assets / "tiny.yaml", _overrides(assets, run_dir, "train.steps=3", "checkpoint.interval=1",
+                                                        "checkpoint.keep=0", "checkpoint.resume=true"))
+    with pytest.raises(RunCheckpointError) as info:
+        train(cfg, console=Console(file=io.StringIO()))
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"checkpoint file {step2 / rel} is damaged" in message, message
+    assert f"the previous complete checkpoint is step 1 ({run_dir / 'checkpoints' / 'step_000001'})" in message
+
+
+@pytest.mark.timeout(300)
+def test_export_of_a_distcp_with_64_zeroed_bytes_is_refused_naming_the_file(trained_run, tmp_path):
+    """The damage that converted silently into a wrong model: exit 2, one line naming the file, nothing written."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    engine = run_dir / "checkpoints" / "step_000002" / "engine"
+    shards = sorted(engine.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _damage(shards[-1], "zero64")
+    out = tmp_path / "exported"
+    res = subprocess.run([sys.executable, "-m", "ferrule", "export", str(run_dir), str(out)], env=_env(),
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+    assert lines[-1].startswith(f"error: checkpoint file {shards[-1]} is damaged: its content differs"), lines[-3:]
+    assert "Traceback" not in res.stderr and not out.exists()
+
+
+def test_checksums_name_a_missing_resized_or_changed_file_and_skip_folders_without_them(tmp_path):
+    """ferrule.integrity against facts computed here: file sizes, and xxhash's digest of the bytes."""
+    import xxhash
+
+    from ferrule.integrity import CHECKSUMS_FILE, CheckpointIntegrityError, record_checksums, verify_checksums
+
+    (tmp_path / "sub").mkdir()
+    files = {"a.bin": b"\x00" * 1000, "sub/b.json": b'{"x": 1}\n', "c.txt": b"hello"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    table = record_checksums(tmp_path)
+    assert table == {n: {"bytes": len(d), "xxh3_64": xxhash.xxh3_64(d).hexdigest()} for n, d in files.items()}
+    assert verify_checksums(tmp_path) is True
+    (tmp_path / "c.txt").write_bytes(b"hellO")
+    with pytest.raises(CheckpointIntegrityError, match=r"c.txt is damaged: its content differs"):
+        verify_checksums(tmp_path)
+    (tmp_path / "c.txt").write_bytes(b"hello")
+    (tmp_path / "a.bin").write_bytes(b"\x00" * 999)
+    with pytest.raises(CheckpointIntegrityError, match=r"a.bin is damaged \(truncated\): 999 bytes, the save wrote 1000"):
+        verify_checksums(tmp_path)
+    (tmp_path / "a.bin").unlink()
+    with pytest.raises(CheckpointIntegrityError, match=r"a.bin is missing"):
+        verify_checksums(tmp_path)
+    (tmp_path / CHECKSUMS_FILE).write_text('{"files": ')
+    with pytest.raises(CheckpointIntegrityError, match=rf"{CHECKSUMS_FILE} is damaged"):
+        verify_checksums(tmp_path)
+    (tmp_path / CHECKSUMS_FILE).unlink()
+    assert verify_checksums(tmp_path) is False  # written before checksums existed: not verified

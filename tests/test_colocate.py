@@ -103,13 +103,23 @@ def test_train_offload_round_trip_is_bit_exact(hf_dir, tmp_path, dtype):
     _assert_same(_state(ref), _state(resumed))
 
 
-def test_rollout_sleep_wake_round_trip(hf_dir):
+@pytest.mark.parametrize("source", ["hf_dir", "config"])
+def test_rollout_sleep_wake_round_trip(hf_dir, source):
     """Asleep: weights on the host, decode states dropped; updates made while asleep are what
-    wakes up; greedy output after the round trip equals the output before it."""
+    wakes up; greedy output after the round trip equals the output before it. ``hf_dir``: CPU
+    weights memory-mapped by transformers (copied, not freed); ``config``: a model built in memory
+    (storages freed while asleep; tied names must still be told apart)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(hf_dir=hf_dir, dtype=torch.float32)
+    if source == "hf_dir":
+        engine = EmbeddedEngine(hf_dir=hf_dir, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), attn_implementation="sdpa")
+        engine = EmbeddedEngine(model=model)
+        engine.update_weights(EmbeddedEngine(hf_dir=hf_dir).get_hf_state_dict().items(), version=0)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     before = engine.generate([[1, 2, 3], [4, 5]], greedy)
     sd0 = {k: v.clone() for k, v in engine.get_hf_state_dict().items()}
@@ -141,10 +151,38 @@ def test_rollout_sleep_wake_round_trip(hf_dir):
 def test_colocate_setting_is_checked():
     from ferrule.rl.config import ConfigError, load_config
 
-    base = ["model.hf_dir=/nowhere", "data.task=basic_arithmetic"]
+    base = ["model.hf_dir=/nowhere", "data.jsonl_path=/nowhere.jsonl"]
     assert load_config(None, base).train.colocate == "auto"
     assert load_config(None, base + ["train.colocate=true"]).train.colocate is True
     with pytest.raises(ConfigError, match="train.colocate: expected true, false or auto, got 'sometimes'"):
         load_config(None, base + ["train.colocate=sometimes"])
     with pytest.raises(ConfigError, match="train.colocate: true needs rollout.engine: embedded"):
         load_config(None, base + ["train.colocate=true", "rollout.engine=sglang"])
+
+
+def test_auto_colocation_turns_on_when_both_engines_would_not_fit(monkeypatch):
+    """``train.colocate: auto`` on a (stand-in) CUDA device: on iff allocated + Adam moments + the
+    rollout batch's KV cache exceed 90 % of the device, computed here from the formula."""
+    from types import SimpleNamespace as NS
+
+    from ferrule.rl import colocate
+    from ferrule.rl.config import load_config
+
+    cfg = load_config(None, ["model.hf_dir=/nowhere", "data.jsonl_path=/nowhere.jsonl", "model.dtype=bfloat16",
+                             "train.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
+                             "rollout.max_new_tokens=100", "data.max_prompt_tokens=28"])
+    cuda = torch.device("cuda", 0)
+    param = NS(device=cuda, numel=lambda: 1000, requires_grad=True)
+    engine = NS(model=[NS(parameters=lambda: iter([param, param]))],
+                hf_config={"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8})
+    rollout = NS(kind="embedded", device=cuda)
+    allocated = 10_000
+    need = allocated + 8 * 2000 + 2 * 3 * 2 * 8 * 2 * (4 * 2 * (28 + 100))  # K and V, bf16
+    for total, on in ((need / 0.9 + 1, False), (need / 0.9 - 1, True)):
+        monkeypatch.setattr(colocate, "_backend", lambda t=total: NS(memory_stats=lambda: {"allocated": allocated},
+                                                                     total_memory=lambda: int(t)))
+        assert colocate.projected_bytes(engine, cfg) == need
+        assert colocate.resolve_colocate("auto", engine, rollout, cfg, distributed=False)[0] is on
+    assert colocate.resolve_colocate("auto", engine, rollout, cfg, distributed=True)[0] is False
+    with pytest.raises(ValueError, match="train.colocate: true needs the embedded rollout engine"):
+        colocate.resolve_colocate(True, engine, NS(kind="embedded", device=torch.device("cpu")), cfg, distributed=False)

@@ -216,7 +216,7 @@ def test_sync_lora_adapter_from_a_lora_train_engine(tmp_path, family):
     assert any(not torch.equal(adapter[k], after[k]) for k in after)  # copy=True kept the old values
     sync_lora_adapter(engine, rollout, version=4, check_equal=True)
     for k, v in rollout.get_lora_state_dict().items():
-        assert torch.equal(v, after[k].to(v.dtype)), k
+        assert torch.equal(v, after[k].to(v.device, v.dtype)), k  # the train engine may be on the GPU
     tokens, synced = _continuation(rollout)
     torch.testing.assert_close(synced, _train_logprobs(engine, tokens), atol=TOL, rtol=0)
 

@@ -100,7 +100,7 @@ def test_reward_config_keys():
     assert load_config(None, base).reward.mode == "task_score"
     with pytest.raises(ConfigError, match="reward.mode: 'binary' is not allowed"):
         load_config(None, base + ["reward.mode=binary"])
-    with pytest.raises(ConfigError, match="reward.failure_reward: must be finite"):
+    with pytest.raises(ConfigError, match="reward.failure_reward: expected a finite float, got inf"):
         load_config(None, base + ["reward.failure_reward=inf"])
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 tinker = pytest.importorskip("tinker", reason="the tinker SDK (serve extra) is not installed")
 httpx = pytest.importorskip("httpx")
 import train_engine_worker as w  # noqa: E402
-from serve_helpers import (ALICE, LR, MODEL_NAME, adam, base, poll, raw, sampler_weights, sdk_data,  # noqa: E402,F401
+from serve_helpers import (ALICE, LR, MODEL_NAME, adam, base, poll, poll_done, raw, sampler_weights, sdk_data,  # noqa: E402,F401
                            server)  # base, server: fixtures
 from tinker import types  # noqa: E402
 
@@ -32,7 +32,7 @@ def test_seq_order_idempotency_and_metrics(server):
     sess = raw(server, "/api/v1/create_session", json={"tags": []}).json()["session_id"]
     rid = raw(server, "/api/v1/create_model", json={"session_id": sess, "model_seq_id": 0,
                                                      "base_model": MODEL_NAME}).json()["request_id"]
-    model_id = poll(server, rid).json()["model_id"]
+    model_id = poll_done(server, rid).json()["model_id"]
     # optim_step (seq 2) arrives before forward_backward (seq 1); the step must still see fb's gradient
     from ferrule.serve.wire import pb
 
@@ -53,9 +53,9 @@ def test_seq_order_idempotency_and_metrics(server):
     fb3 = raw(server, "/api/v1/forward_backward", content=body,
               headers={"Content-Type": "application/x-protobuf", "X-Idempotency-Key": "other"}).json()["request_id"]
     assert fb1 == fb2 == fb3   # same idempotency key, or a retry of the same (model, seq_id)
-    out = poll(server, fb1)
+    out = poll_done(server, fb1)
     assert out.headers["content-type"] == "application/x-protobuf"
-    metrics = poll(server, step).json()["metrics"]
+    metrics = poll_done(server, step).json()["metrics"]
     assert metrics["grad_norm:mean"] > 0                 # the step saw fb's gradient: fb ran first
     assert all(k.count(":") == 1 for k in metrics)
     text = httpx.get(server.url + "/metrics").text

@@ -12,6 +12,8 @@ Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpo
       lora/adapter_model.safetensors, adapter_config.json  LoRA runs: the full adapter in HF PEFT format
       hf/config.json                                       the HF config the model was built from
       hf/generation_config.json, hf/tokenizer*, ...        the source HF folder's side files (hf_side_files)
+      checksums.json                                       size and XXH3-64 of every file above (ferrule.integrity),
+                                                           written last, verified before a load reads anything
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict(), "optimizer":
 MegatronOptimizer.sharded_state_dict(...), "scheduler": OptimizerParamScheduler.state_dict()}``
@@ -59,6 +61,7 @@ from typing import Any
 import torch
 
 from ferrule.fsutil import commit_dir
+from ferrule.integrity import record_checksums, verify_checksums
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
@@ -247,14 +250,17 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> dict:
+def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, *, verify: bool = True,
+                 **kwargs: Any) -> dict:
     """``megatron.core.dist_checkpointing.load`` with checkpoint-content errors as one ``Exception``.
 
     torch's ``CheckpointException`` (raised for a shape mismatch or a missing key, wrapping
     megatron's ``CheckpointingException`` per rank) derives from ``BaseException``, so
-    ``except Exception`` handlers miss it and its text is a traceback per rank.
+    ``except Exception`` handlers miss it and its text is a traceback per rank. With ``verify``
+    the files are first checked against the folder's ``checksums.json`` (:func:`verify_checkpoint_files`).
 
     Raises:
+        ferrule.integrity.CheckpointIntegrityError: a file is missing, truncated or damaged (named).
         CheckpointMismatchError: the checkpoint does not fit the template; the message names
             ``directory`` and the first rank's cause, e.g. ``Global shape mismatch for loaded
             (torch.Size([2, 96, 32])) and expected ((2, 128, 32)) tensor for key
@@ -264,6 +270,8 @@ def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwarg
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if verify:
+        verify_checkpoint_files(directory)
     try:
         return dist_checkpointing.load(sharded_state_dict, str(directory), **kwargs)
     except (CheckpointException, CheckpointingException) as exc:
@@ -285,6 +293,30 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_gather(obj: Any) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify_checkpoint_files(directory: str | os.PathLike) -> bool:
+    """:func:`ferrule.integrity.verify_checksums` of a torch_dist folder, shared by this job's ranks
+    (collective when ``torch.distributed`` is initialized). Returns False for a folder without checksums.
+
+    Raises:
+        ferrule.integrity.CheckpointIntegrityError: names the first missing or damaged file.
+    """
+    return verify_checksums(directory, rank=_rank(), world=_world(), gather=_all_gather)
 
 
 def _broadcast_str(value: str | None) -> str:
@@ -355,6 +387,8 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
             (tmp / "ferrule_checkpoint.json").write_text(json.dumps(checkpoint_meta, indent=2) + "\n")
             (tmp / ENGINE_STATE_FILE).write_text(json.dumps(engine_state, indent=2) + "\n")
         _barrier()
+        record_checksums(tmp, rank=_rank(), world=_world(), gather=_all_gather)  # verified on load
+        _barrier()
         if _rank() == 0:
             commit_dir(tmp, path)
         _barrier()
@@ -412,6 +446,8 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
 
     Raises:
         FileNotFoundError: ``path`` is not a torch_dist checkpoint.
+        ferrule.integrity.CheckpointIntegrityError: a file is missing, truncated or damaged
+            (checked against ``checksums.json`` before anything is read; the message names it).
         ValueError: ``load_optimizer`` on a checkpoint without optimizer state.
         CheckpointMismatchError: the checkpoint's tensors do not fit this model, or a MoE
             model's optimizer state crosses the ep=1 / ep>1 line (:func:`_check_expert_optimizer_layout`).
@@ -423,6 +459,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a torch_dist checkpoint (no metadata.json).")
+    verify_checkpoint_files(path)  # before any file is read: a damaged one is named, not loaded
     engine_file = path / ENGINE_STATE_FILE
     engine_state = json.loads(engine_file.read_text()) if engine_file.is_file() else {}
     if load_optimizer and not engine_state:
@@ -443,7 +480,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         for key in template:
             model_sd.update(template[key])
         template["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=DISTOPT_SHARDING)
-    loaded = load_sharded(template, path)
+    loaded = load_sharded(template, path, verify=False)  # verified above
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)

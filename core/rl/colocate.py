@@ -93,7 +93,8 @@ def projected_bytes(engine: Any, cfg: Any) -> int:
     are built: what is allocated now, plus Adam's two fp32 moments per trainable parameter
     (created at the first step), plus the rollout batch's KV cache
     (``2 * layers * kv_heads * head_dim * dtype bytes`` per token of
-    ``prompts_per_step * n_samples_per_prompt`` rows of ``max_prompt_tokens + max_new_tokens``)."""
+    ``train.prompts_per_step * rollout.n_samples_per_prompt`` rows of ``data.max_prompt_tokens +
+    rollout.max_new_tokens``)."""
     import torch
 
     stats = _backend().memory_stats()
@@ -103,7 +104,7 @@ def projected_bytes(engine: Any, cfg: Any) -> int:
     kv = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or int(hf.get("hidden_size", 0)) // max(heads, 1))
     rows = cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    tokens = rows * (cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    tokens = rows * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     elt = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
     kv_bytes = 2 * int(hf.get("num_hidden_layers", 0)) * kv * head_dim * elt * tokens
     return int(stats.get("allocated", 0)) + 8 * trainable + kv_bytes

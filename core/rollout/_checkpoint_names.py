@@ -76,7 +76,9 @@ class CheckpointTensor:
     def alias_key(self) -> tuple:
         """Equal for two entries that address the same memory (tied parameters)."""
         t = self.view if self.view is not None else self.param
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+        # the storage object, not its data pointer: a storage freed by EmbeddedEngine.sleep() has
+        # data pointer 0, like every other freed one, but stays the same storage
+        return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                 None if self.index is None else self.index.data_ptr())
 
 

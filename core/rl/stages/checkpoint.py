@@ -10,10 +10,15 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from ferrule.rl.checkpoints import LOOP_STATE_FILE, atomic_write, config_differences, list_checkpoints
+from ferrule.integrity import CheckpointIntegrityError, text_digest
+from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RunCheckpointError, atomic_write, config_differences,
+                                    list_checkpoints)
 from ferrule.rl.config import ConfigError
 
-__all__ = ["save_checkpoint", "resume_point"]
+__all__ = ["save_checkpoint", "resume_point", "read_loop_state", "CHECKSUM_KEY"]
+
+#: Key of ``loop_state.json`` holding the XXH3-64 of the rest (sorted-key JSON; ferrule.integrity).
+CHECKSUM_KEY = "checksum"
 
 
 def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampler: Any, cfg: Any) -> Path:
@@ -35,6 +40,7 @@ def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampl
         return path
     state = {"step": step, "sampler": sampler.state_dict(), "engine_step": engine.step,
              "config": cfg.to_dict(), "world_size": roles.world_size}
+    state[CHECKSUM_KEY] = text_digest(_canonical(state))  # read_loop_state verifies it
     atomic_write(path / LOOP_STATE_FILE, json.dumps(state, indent=2) + "\n")
     keep = cfg.checkpoint.keep
     if keep:
@@ -50,6 +56,8 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
     log says so).
 
     Raises:
+        RunCheckpointError: a file of the latest checkpoint is missing, truncated or damaged
+            (:mod:`ferrule.integrity`): the message names it and the previous complete checkpoint.
         ConfigError: the checkpoint's config differs in a key that must not change
             (:data:`~ferrule.rl.checkpoints.RESUME_MUTABLE`), the data changed, a LoRA run resumes
             at another layout, or the engine state does not fit (e.g. MoE Adam state across ep).
@@ -63,7 +71,10 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
             + (f" (its {len(logged)} logged steps are replaced)" if logged else ""))
         return 0
     step, path = found[-1]
-    state = json.loads((path / LOOP_STATE_FILE).read_text())
+    try:
+        state = read_loop_state(path)
+    except CheckpointIntegrityError as exc:
+        raise _offer_previous(exc, path, found) from None
     diffs = config_differences(state.get("config", {}), cfg.to_dict())
     if diffs:
         raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
@@ -96,3 +107,42 @@ def _load_engine(engine: Any, path: Path, state: dict) -> dict:
                           origin=str(path)) from None
     except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
         raise ConfigError([f"checkpoint.resume: {exc}"], origin=str(path)) from None
+    except CheckpointIntegrityError as exc:  # a damaged file (ferrule.integrity): name it, offer the one before
+        raise _offer_previous(exc, path, list_checkpoints(path.parent)) from None
+
+
+def _canonical(state: dict) -> str:
+    return json.dumps({k: v for k, v in state.items() if k != CHECKSUM_KEY}, sort_keys=True)
+
+
+def read_loop_state(path: Path) -> dict:
+    """``STEP_DIR/loop_state.json``, checked against the checksum the save wrote into it.
+
+    Raises:
+        CheckpointIntegrityError: the file is not JSON, not an object, or its checksum differs
+            (one line naming the file). A file without a checksum (older runs) is read as is.
+    """
+    file = Path(path) / LOOP_STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+        if not isinstance(state, dict):
+            raise ValueError(f"a JSON {type(state).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointIntegrityError(f"checkpoint file {file} is damaged ({type(exc).__name__}: "
+                                       f"{' '.join(str(exc).split())[:100]})", file) from None
+    if CHECKSUM_KEY in state and state[CHECKSUM_KEY] != text_digest(_canonical(state)):
+        raise CheckpointIntegrityError(f"checkpoint file {file} is damaged: its content differs from what the "
+                                       f"save wrote (its {CHECKSUM_KEY} does not match)", file)
+    return state
+
+
+def _offer_previous(exc: Exception, path: Path, found: list[tuple[int, Path]]) -> RunCheckpointError:
+    """The resume error for a damaged checkpoint: the damaged file, then the previous complete checkpoint."""
+    earlier = [(s, p) for s, p in found if p != path]
+    if earlier:
+        step, prev = earlier[-1]
+        hint = (f"the previous complete checkpoint is step {step} ({prev}): move the damaged one aside "
+                f"(mv {path} {path.parent / ('.damaged-' + path.name)}) and run --resume again to continue from it")
+    else:
+        hint = "there is no earlier complete checkpoint: start again without --resume in a new logging.run_dir"
+    return RunCheckpointError(f"checkpoint.resume: {exc}; {hint}")
