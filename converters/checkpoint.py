@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,8 @@ from typing import Any
 from ferrule.fsutil import commit_dir
 from ferrule.integrity import record_checksums, verify_checksums
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
+
+from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
            "hf_side_files", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
@@ -46,10 +47,6 @@ METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
 #: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
 from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
-
-
-class ConversionError(RuntimeError):
-    """A conversion failed; the message carries the worker's error (nothing was written)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,69 +164,6 @@ def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
     family = registry.family_for_hf_config(hf_config)
     converter = registry.get_converter(family.name)
     return family, provider_build(family.name), converter.resolved_mapping()
-
-
-# ---------------------------------------------------------------------------------------
-# running workers (in-process for one rank, spawned processes otherwise)
-# ---------------------------------------------------------------------------------------
-
-
-_DIST_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "FERRULE_DIST_INIT_METHOD")
-
-
-def _spawn_entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, err_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      FERRULE_DIST_INIT_METHOD=f"file://{init_file}")
-    try:
-        fn(rank, *args)
-    except BaseException as exc:  # report the worker's error text to the parent
-        Path(err_dir, f"error-rank{rank}.txt").write_text(
-            f"{type(exc).__name__}\n{exc}\n---\n{traceback.format_exc()}")
-        raise
-
-
-def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
-    """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
-
-    No TCP port is taken: one rank runs in this process (an in-process store,
-    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in ``tmp``.
-    """
-    import torch.distributed as dist
-
-    if world == 1 and not dist.is_initialized():
-        saved = {k: os.environ.pop(k, None) for k in _DIST_KEYS}  # the single-process branch, whatever the env
-        try:
-            fn(0, *args)
-        finally:
-            from ferrule.megatron.parallel import destroy_distributed
-
-            destroy_distributed()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        return
-    import torch.multiprocessing as mp
-
-    err_dir = tmp / ".errors"
-    err_dir.mkdir(exist_ok=True)
-    try:
-        mp.start_processes(_spawn_entry, args=(world, str(err_dir / "rendezvous"), fn, args, str(err_dir)),
-                           nprocs=world, join=True, start_method="spawn")
-    except Exception as exc:
-        reports = sorted(err_dir.glob("error-rank*.txt"))
-        if not reports:
-            raise ConversionError(f"a conversion worker died without a report: {exc}") from None
-        kind, _, rest = reports[0].read_text().partition("\n")
-        message = rest.split("\n---\n")[0]
-        from ferrule.mapping import MappingError
-
-        known = {"MappingError": MappingError, "CheckpointError": CheckpointError,
-                 "FileExistsError": FileExistsError, "ValueError": ValueError}
-        raise known.get(kind, ConversionError)(f"[{reports[0].stem}] {message}") from None
-    finally:
-        shutil.rmtree(err_dir, ignore_errors=True)
 
 
 _FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -118,8 +118,9 @@ def test_legacy_spellings():
 
 @pytest.mark.parametrize("module,change,match", [
     (qwen3, {"hidden_act": "gelu"}, r"hidden_act='gelu'.*supported: \['silu'\]"),
-    (qwen3, {"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}},
-     r"rope_parameters.rope_type'='yarn'.*\['default', 'linear', 'llama3'\]"),
+    (qwen3, {"rope_parameters": {"rope_theta": 1e4, "rope_type": "longrope", "factor": 4.0,
+                                 "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+     r"rope_parameters.rope_type'='longrope'.*\['default', 'linear', 'llama3', 'yarn'\]"),
     (qwen2, {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
      r"rope_type'='dynamic'.*not supported"),
     (qwen2, {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta": 1.0}},

@@ -194,3 +194,13 @@ def test_a_damaged_log_is_refused_naming_the_file_and_line(tmp_path, name, text,
     assert f"{tmp_path / name}:{line}: " in str(exc.value) and says in str(exc.value)
     assert user_error_message(exc.value) is not None  # the CLI prints one line, exit 2
     assert (tmp_path / name).read_text() == text  # nothing was rewritten
+
+
+def test_the_files_the_docs_create_are_gitignored():
+    """docs/serve.md writes keys.txt (API keys) and docs/train.md exports to out/: neither may be committed."""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(["git", "check-ignore", "keys.txt", "out/policy/config.json", "runs/x", "assets/smollm2"],
+                         cwd=root, capture_output=True, text=True, timeout=30)
+    if res.returncode == 128:
+        pytest.skip(f"not a git checkout: {res.stderr.strip()}")
+    assert res.stdout.split() == ["keys.txt", "out/policy/config.json", "runs/x", "assets/smollm2"]

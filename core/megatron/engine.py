@@ -43,7 +43,6 @@ base in torch_dist and the adapters per global rank (``lora/``), plus the full P
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -53,60 +52,20 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from ..losses import SEQUENCE_LEVEL, finalize_metrics, get_loss, sum_metrics, validate_loss_inputs
-from .batching import Datum, FBOutput, assign_dp_ranks, pack_microbatches
+from . import engine_step
+from .engine_colocation import EngineColocation
+from .batching import Datum, FBOutput
+from .engine_inputs import prepare_batch
+from .engine_step import _unwrap_gpt
 from .gpu_fusions import enable_cuda_fusions
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
-from .towers import check_media, embed_with_media, towers_of
+from .towers import towers_of
 
 __all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings"]
 
 
-def _no_finalize(*args: Any, **kwargs: Any) -> None:
-    """Stand-in for ``config.finalize_model_grads_func`` during ``forward_backward``."""
-    return None
-
-
-#: packed (``thd``) rows are padded to a multiple of this many tokens on CUDA.
-PACK_ALIGN = 1024
-
-
-def _unwrap_gpt(model: Any) -> Any:
-    """The megatron ``GPTModel`` inside a DDP / Float16Module wrapper (``.module`` chain)."""
-    while not hasattr(model, "post_process") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _as_tensor(value: Any, dtype: torch.dtype, where: str) -> torch.Tensor:
-    if hasattr(value, "to_torch"):          # tinker.TensorData
-        value = value.to_torch()
-    elif hasattr(value, "to_ints"):         # tinker.ModelInput
-        value = value.to_ints()
-    if isinstance(value, torch.Tensor):
-        if dtype == torch.int64 and (value.dtype.is_floating_point or value.dtype == torch.bool):
-            raise ValueError(f"{where} must hold integer token ids, got dtype {value.dtype}.")
-        return value.detach().to("cpu", dtype if dtype == torch.int64 else value.dtype
-                                 if value.dtype.is_floating_point else dtype)
-    try:
-        return torch.as_tensor(value, dtype=dtype)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{where} cannot be converted to a {dtype} tensor: {exc}") from exc
-
-
-class _Prepared:
-    """A validated datum: CPU tensors ``tokens`` [N] int64, ``inputs`` (name -> [N]) and ``media``
-    (modality -> list of tensors, checked against the placeholders; empty for text)."""
-
-    __slots__ = ("tokens", "inputs", "media")
-
-    def __init__(self, tokens: torch.Tensor, inputs: dict[str, torch.Tensor],
-                 media: dict[str, list[torch.Tensor]] | None = None):
-        self.tokens, self.inputs, self.media = tokens, inputs, media or {}
-
-
-class TrainEngine:
+class TrainEngine(EngineColocation):
     """Megatron-Core model + DDP + optimizer + scheduler with Tinker-style training calls.
 
     Build it with :meth:`from_hf` or :meth:`from_torch_dist`; the constructor takes already
@@ -191,6 +150,11 @@ class TrainEngine:
         self._offload = None  # ferrule.megatron.offload.TrainOffload once offload() was called
         self._window_loads = [0] * self.dp_size
         self._padded_vocab = None
+        self._set_fast_paths(chunks, lora)
+
+    def _set_fast_paths(self, chunks: Sequence[Any], lora: Any) -> None:
+        """The GPU fast paths (docs/engine.md): fused logprobs, megatron's CUDA fusions, packed sequences."""
+        config = self.config
         #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
         #: ``[tokens, vocab]`` logits. On by default on CUDA; off on CPU, where the plain path is the
         #: bit-exact reference the tests pin. Settable; ``FERRULE_FUSED_LOGPROBS=0|1`` overrides.
@@ -211,63 +175,6 @@ class TrainEngine:
         self.packed_sequences = (env == "1") if env in ("0", "1") else on_cuda
         if self.packed_sequences:
             self._check_packable(chunks, forced=env == "1")
-
-    # ------------------------------------------------------------------ colocation (docs/train.md)
-
-    @property
-    def offloaded(self) -> bool:
-        """True between :meth:`offload` and :meth:`onload`."""
-        return self._offload is not None and self._offload.offloaded
-
-    def offload(self, *, weights: bool = False) -> dict[str, float]:
-        """Release this engine's device memory for another engine on the same device (colocation).
-
-        Optimizer state (Adam moments, fp32 master weights) goes to page-locked host memory, the
-        gradient buffers are freed (their bytes travel only inside an open accumulation window),
-        and with ``weights`` the model weights go too (:mod:`ferrule.megatron.offload`). Until
-        :meth:`onload`, training calls raise; :meth:`save` still works (it onloads around the save).
-
-        Returns:
-            ``{"offload_s": seconds, "offload_bytes": bytes copied}``.
-
-        Raises:
-            RuntimeError: already offloaded.
-        """
-        from .offload import TrainOffload
-
-        if self._offload is None:
-            self._offload = TrainOffload(self)
-        return self._offload.offload(weights=weights, window_open=any(self._window_loads))
-
-    def onload(self) -> dict[str, float]:
-        """Bring back everything :meth:`offload` released, bit for bit.
-
-        Returns:
-            ``{"onload_s": seconds, "onload_bytes": bytes copied}``.
-
-        Raises:
-            RuntimeError: the engine is not offloaded.
-        """
-        if self._offload is None:
-            raise RuntimeError("TrainEngine.onload(): the engine is not offloaded.")
-        return self._offload.onload()
-
-    @contextlib.contextmanager
-    def _temporarily_onloaded(self) -> Iterator[None]:
-        """Onload for the duration of a ``with`` block (a save or load while offloaded), then offload again."""
-        if not self.offloaded:
-            yield
-            return
-        weights = self._offload.weights
-        self.onload()
-        try:
-            yield
-        finally:
-            self.offload(weights=weights)
-
-    def _check_onloaded(self, what: str) -> None:
-        if self._offload is not None:
-            self._offload.check_onloaded(what)
 
     def _check_packable(self, chunks: Sequence[Any], forced: bool) -> None:
         """Packed sequences need ferrule's SDPAttention as every layer's core attention."""
@@ -393,236 +300,24 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ input checks
 
-    def _prepare(self, batch: Sequence[Any], loss_fn: str | None,
-                 loss_fn_config: Mapping[str, Any] | None) -> tuple[list[_Prepared], dict]:
-        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence) or len(batch) == 0:
-            raise ValueError("empty batch: forward_backward / forward_logprobs need a non-empty list of Datum.")
-        out: list[_Prepared] = []
-        for i, d in enumerate(batch):
-            if isinstance(d, Mapping):
-                d = Datum(d.get("model_input"), dict(d.get("loss_fn_inputs") or {}), d.get("media"))
-            tokens = _as_tensor(d.model_input, torch.int64, f"datum {i}: model_input")
-            if tokens.dim() != 1 or tokens.numel() == 0:
-                raise ValueError(f"datum {i}: model_input must be a non-empty 1-D list of token ids, "
-                                 f"got shape {tuple(tokens.shape)}.")
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"datum {i}: model_input holds token id {lo if lo < 0 else hi} outside "
-                                 f"[0, {self.vocab_size}); the tokens do not belong to this model's tokenizer.")
-            if self.max_positions and tokens.numel() > self.max_positions:
-                raise ValueError(f"datum {i}: {tokens.numel()} tokens exceed max_position_embeddings "
-                                 f"{self.max_positions}; truncate the datum.")
-            inputs = {}
-            for key, value in (d.loss_fn_inputs or {}).items():
-                dtype = torch.int64 if key == "target_tokens" else torch.float32
-                inputs[key] = _as_tensor(value, dtype, f"datum {i}: loss_fn_inputs[{key!r}]")
-            if "target_tokens" not in inputs:
-                raise ValueError(f"datum {i}: loss_fn_inputs['target_tokens'] is missing (position i of "
-                                 f"model_input predicts target_tokens[i]).")
-            if inputs["target_tokens"].shape != tokens.shape:
-                raise ValueError(f"datum {i}: target_tokens has length {inputs['target_tokens'].numel()} but "
-                                 f"model_input has {tokens.numel()}; they must be token-aligned (same length).")
-            media = check_media(tokens, getattr(d, "media", None), self.towers, f"datum {i}", self.family)
-            out.append(_Prepared(tokens, inputs, media))
-        if loss_fn is None:  # forward_logprobs: only target_tokens matter
-            for i, p in enumerate(out):
-                validate_loss_inputs("cross_entropy", {"target_tokens": p.inputs["target_tokens"],
-                                                       "weights": torch.zeros(p.tokens.numel())},
-                                     vocab_size=self.vocab_size)
-                p.inputs = {"target_tokens": p.inputs["target_tokens"]}
-            return out, {}
-        validate_loss_inputs(loss_fn, [p.inputs for p in out], loss_fn_config, vocab_size=self.vocab_size)
-        return out, dict(loss_fn_config or {})
-
     # ------------------------------------------------------------------ core loop
 
+    def _prepare(self, batch: Sequence[Any], loss_fn: str | None,
+                 loss_fn_config: Mapping[str, Any] | None) -> tuple[list[Any], dict]:
+        """Checked CPU tensors of ``batch`` (:func:`ferrule.megatron.engine_inputs.prepare_batch`)."""
+        return prepare_batch(self, batch, loss_fn, loss_fn_config)
+
+    # ------------------------------------------------------------------ core loop (ferrule.megatron.engine_step)
+
     def _pad_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Boolean ``[v_local]`` mask of padded vocabulary columns on this TP rank (None if none)."""
-        from megatron.core import parallel_state as ps
+        return engine_step.pad_mask(self, logits)
 
-        v_local = logits.shape[-1]
-        start = ps.get_tensor_model_parallel_rank() * v_local
-        if start + v_local <= self.vocab_size:
-            return None
-        return torch.arange(start, start + v_local, device=logits.device) >= self.vocab_size
+    def _microbatch(self, data: list[Any], idx: list[int] | None) -> dict:
+        return engine_step.microbatch(self, data, idx)
 
-    def _microbatch(self, data: list[_Prepared], idx: list[int] | None) -> dict:
-        """Device tensors of one micro-batch. ``spans[k] = (row, start, n)`` locates datum
-        ``idx[k]``'s tokens: padded layout ``[b, max_len]`` (row k, start 0), or with
-        :attr:`packed_sequences` one row of concatenated data (``thd``: row 0, start at the
-        datum's offset, per-document positions and ``cu_seqlens``)."""
-        device = next(self.model[0].parameters()).device
-        lengths = [1] if idx is None else [data[i].tokens.numel() for i in idx]  # None: EP lock-step filler
-        toks = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].tokens for i in idx]
-        labs = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].inputs["target_tokens"] for i in idx]
-        out = {"idx": idx, "lengths": lengths, "packed_seq_params": None,
-               "media": [] if idx is None else [data[i].media for i in idx]}
-        if self.packed_sequences and len(set(lengths)) > 1:  # equal lengths: padding costs nothing
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            offsets = [0]
-            for n in lengths:
-                offsets.append(offsets[-1] + n)
-            # on CUDA the row is padded to a multiple of PACK_ALIGN tokens (the padding is one
-            # more document, never selected), so FlexAttention compiles for a few lengths only
-            align = PACK_ALIGN if device.type == "cuda" else 1
-            pad = -offsets[-1] % align
-            docs = lengths + ([pad] if pad else [])
-            if pad:
-                offsets.append(offsets[-1] + pad)
-                toks, labs = toks + [torch.zeros(pad, dtype=torch.int64)], labs + [torch.zeros(pad, dtype=torch.int64)]
-            cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-            out.update(tokens=torch.cat(toks).unsqueeze(0).to(device), labels=torch.cat(labs).unsqueeze(0).to(device),
-                       position_ids=torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).to(device),
-                       spans=[(0, offsets[k], n) for k, n in enumerate(lengths)],
-                       packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                         max_seqlen_q=max(docs), max_seqlen_kv=max(docs)))
-            return out
-        tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
-        labels = torch.zeros_like(tokens)
-        for row, (t, y) in enumerate(zip(toks, labs)):
-            tokens[row, : t.numel()] = t
-            labels[row, : t.numel()] = y
-        b, s = tokens.shape
-        out.update(tokens=tokens.to(device), labels=labels.to(device), spans=[(k, 0, n) for k, n in enumerate(lengths)],
-                   position_ids=torch.arange(s, device=device).unsqueeze(0).expand(b, s))
-        return out
-
-    def _run(self, data: list[_Prepared], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
+    def _run(self, data: list[Any], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
         self._check_onloaded("forward" if forward_only else "forward_backward")
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        from .fused_logprob import linear_logprobs
-
-        lengths = [p.tokens.numel() for p in data]
-        ranks = assign_dp_ranks(lengths, self.dp_size, None if forward_only else self._window_loads)
-        per_rank = [pack_microbatches([i for i, r in enumerate(ranks) if r == d], lengths,
-                                      self.max_tokens_per_microbatch, packed=self.packed_sequences)
-                    for d in range(self.dp_size)]
-        mbs: list[list[int] | None] = list(per_rank[self.dp_rank])
-        if ps.get_expert_model_parallel_world_size() > 1:  # expert all-to-alls need lock-step ranks
-            mbs += [None] * (max(len(m) for m in per_rank) - len(mbs))
-        loss = get_loss(loss_fn) if loss_fn else None
-        records: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        metric_list: list[dict[str, float]] = []
-        microbatches = [self._microbatch(data, idx) for idx in mbs]
-
-        fused = self.fused_logprobs and not self.config.sequence_parallel
-
-        def forward_step(data_iterator: Iterator[dict], model: Any):
-            mb = next(data_iterator)
-            gpt = _unwrap_gpt(model)
-            extra = {"packed_seq_params": mb["packed_seq_params"]} if mb["packed_seq_params"] is not None else {}
-            if gpt.pre_process and any(mb["media"]):
-                extra["decoder_input"] = embed_with_media(gpt, mb["tokens"], mb["position_ids"], mb["media"])
-            if fused and gpt.post_process:
-                # the last stage returns final-norm hidden states [s, b, h]; logprobs come from
-                # them and the output weight, chunk by chunk (fused_logprob)
-                weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
-                    else gpt.output_layer.weight
-                gpt.post_process = False
-                try:
-                    output = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
-                finally:
-                    gpt.post_process = True
-            else:
-                weight = None
-                output = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
-
-            def select(x: torch.Tensor) -> torch.Tensor:
-                """``[b, s, ...]`` -> the data's tokens concatenated, ``[T, ...]``."""
-                return torch.cat([x[row, a:a + n] for row, a, n in mb["spans"]])
-
-            def row_logprobs(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None)."""
-                if weight is not None:
-                    return linear_logprobs(select(out.transpose(0, 1)), weight, select(mb["labels"]), self.vocab_size,
-                                           tp_group=ps.get_tensor_model_parallel_group()), None
-                logits = out.float()
-                mask = self._pad_mask(logits)
-                if mask is not None:
-                    logits = logits.masked_fill(mask, float("-inf"))
-                full = -vocab_parallel_cross_entropy(logits, mb["labels"])  # [b, s]
-                return select(full), full
-
-            def loss_func(out: torch.Tensor):
-                t, full = row_logprobs(out)
-                n_tokens = torch.tensor(sum(mb["lengths"]), dtype=torch.int)
-                if mb["idx"] is None:
-                    return (full if full is not None else t).sum() * 0.0, n_tokens, {}
-                if loss is None:
-                    for i, lp in zip(mb["idx"], t.detach().cpu().split(mb["lengths"])):
-                        records.append((i, lp, None))
-                    return t.sum().detach() * 0.0, n_tokens, {}
-                inputs = {}
-                for key in data[mb["idx"][0]].inputs:
-                    parts = []
-                    for i, n in zip(mb["idx"], mb["lengths"]):
-                        v = data[i].inputs[key]
-                        parts.append(v.reshape(1).expand(n) if v.numel() == 1 and n != 1 else v.reshape(n))
-                    inputs[key] = torch.cat(parts).to(t.device)
-                if loss_fn in SEQUENCE_LEVEL:  # the loss couples each datum's tokens: say where data start
-                    inputs["segment_ids"] = torch.repeat_interleave(
-                        torch.arange(len(mb["idx"])), torch.tensor(mb["lengths"])).to(t.device)
-                per_token, metrics = loss(t, inputs, loss_cfg)
-                pieces = per_token.detach().float().cpu().split(mb["lengths"])
-                tp = t.detach().float().cpu().split(mb["lengths"])
-                for i, lp, el in zip(mb["idx"], tp, pieces):
-                    records.append((i, lp, el))
-                metric_list.append({k: float(v) for k, v in metrics.items()})
-                return per_token.sum(), n_tokens, {}
-
-            return output, loss_func
-
-        config = self.config
-        saved = config.finalize_model_grads_func
-        config.finalize_model_grads_func = _no_finalize
-        try:
-            if microbatches:
-                with contextlib.ExitStack() as stack:
-                    for chunk in self.model:
-                        stack.enter_context(chunk.no_sync())
-                    if forward_only:
-                        stack.enter_context(torch.no_grad())
-                    get_forward_backward_func()(
-                        forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.model,
-                        num_microbatches=len(microbatches), seq_length=max(mb["tokens"].shape[1] for mb in microbatches),
-                        micro_batch_size=max(mb["tokens"].shape[0] for mb in microbatches), forward_only=forward_only)
-        except BaseException:
-            if not forward_only:
-                self.zero_grad()  # a partial micro-batch set would corrupt the window: discard it
-            raise
-        finally:
-            config.finalize_model_grads_func = saved
-        return self._gather(len(data), records, metric_list, forward_only)
-
-    def _gather(self, n: int, records: list, metric_list: list, forward_only: bool) -> FBOutput:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        payload = (records, metric_list)
-        if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
-            gathered: list = [None] * ps.get_data_parallel_world_size()
-            dist.all_gather_object(gathered, payload, group=ps.get_data_parallel_group())
-        else:
-            gathered = [payload]
-        if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-            box = [gathered]
-            last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
-            gathered = box[0]
-        outputs: list[dict[str, torch.Tensor] | None] = [None] * n
-        metrics_all: list[dict[str, float]] = []
-        for recs, mets in gathered:
-            for i, lp, el in recs:
-                outputs[i] = {"logprobs": lp} if el is None else {"logprobs": lp, "elementwise_loss": el}
-            metrics_all += mets
-        if any(o is None for o in outputs):
-            raise RuntimeError("internal error: some data produced no output (batch plan mismatch across ranks).")
-        metrics = finalize_metrics(sum_metrics(metrics_all)) if metrics_all else {}
-        return FBOutput(loss_fn_outputs=outputs, metrics=metrics)  # type: ignore[arg-type]
+        return engine_step.run(self, data, loss_fn, loss_cfg, forward_only)
 
     # ------------------------------------------------------------------ public training API
 

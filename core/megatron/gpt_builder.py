@@ -219,24 +219,85 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+
+    from .device import get_backend
+    from .layer_options import rope_scaling_kwargs as _rope_kwargs
+
+    position_embedding_type = _yarn_position_embedding(config, rope_scaling, layer_rope, position_embedding_type)
+    spec = _layer_spec(config, layer_spec, core_attention, vp_stage=vp_stage, rotary_percent=rotary_percent,
+                       attn_logit_softcapping=attn_logit_softcapping, extra_norms=extra_norms,
+                       zero_centered_norms=zero_centered_norms, pre_norms=pre_norms, qk_norm=qk_norm,
+                       layer_rope=layer_rope)
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        rotary_base=rotary_base,
+        rotary_percent=rotary_percent,
+        **_rope_kwargs(rope_scaling),
+        vp_stage=vp_stage,
+    )
+    from .extensions import install_output_hooks
+
+    install_output_hooks(model, embedding_multiplier=embedding_multiplier,
+                         final_logit_softcapping=final_logit_softcapping)
+    backend = get_backend()
+    if backend.kind == "cuda":
+        model = model.to(backend.device)
+    mark_tensor_parallel_params([model])
+    norm_weights_to_params_dtype(model, config.params_dtype)
+    return model
+
+
+def _yarn_position_embedding(config: Any, rope_scaling: Mapping[str, Any] | None, layer_rope: Any,
+                             position_embedding_type: str) -> str:
+    """For YaRN ``rope_scaling``: set megatron's ``config.yarn_*`` attributes and return ``"yarn"``
+    (:func:`~ferrule.megatron.layer_options.yarn_config_attributes`); else ``position_embedding_type``.
+
+    Raises:
+        ValueError: YaRN together with ``layer_rope`` or another position embedding type.
+    """
+    if not (rope_scaling and rope_scaling.get("type") == "yarn"):
+        return position_embedding_type
+    from .layer_options import yarn_config_attributes
+
+    if layer_rope is not None or position_embedding_type != "rope":
+        raise ValueError("rope_scaling type 'yarn' is the model-wide YarnRotaryEmbedding; it cannot be combined "
+                         f"with layer_rope or position_embedding_type={position_embedding_type!r}.")
+    for key, value in yarn_config_attributes(rope_scaling).items():
+        setattr(config, key, value)  # read by GPTModel (YarnRotaryEmbedding) and Attention (mscale)
+    return "yarn"
+
+
+def _layer_spec(config: Any, layer_spec: Any, core_attention: Any, *, vp_stage: int | None, rotary_percent: float,
+                attn_logit_softcapping: float | None, extra_norms: Any, zero_centered_norms: bool, pre_norms: Any,
+                qk_norm: Any, layer_rope: Any) -> Any:
+    """The transformer layer spec of :func:`build_gpt_model`: the family's own ``layer_spec`` (with
+    ferrule's core attention composed in; options it would drop are refused), or megatron's local
+    spec customised by :mod:`ferrule.megatron.extensions` (a custom final norm makes it a block spec).
+
+    Raises:
+        ValueError: ``layer_spec`` together with options it would not apply (named), or an invalid
+            ``layer_rope``.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from .attention import core_attention_class
-    from .device import get_backend
-    from .layer_options import rope_scaling_kwargs as _rope_kwargs
 
     attention_cls = core_attention_class(core_attention)
     final_norm = None
-    if rope_scaling and rope_scaling.get("type") == "yarn":
-        from .layer_options import yarn_config_attributes
-
-        if layer_rope is not None or position_embedding_type != "rope":
-            raise ValueError("rope_scaling type 'yarn' is the model-wide YarnRotaryEmbedding; it cannot be combined "
-                             f"with layer_rope or position_embedding_type={position_embedding_type!r}.")
-        for key, value in yarn_config_attributes(rope_scaling).items():
-            setattr(config, key, value)  # read by GPTModel (YarnRotaryEmbedding) and Attention (mscale)
-        position_embedding_type = "yarn"
     if layer_rope is not None:
         from .layer_options import check_layer_rope
 
@@ -274,36 +335,7 @@ def build_gpt_model(
 
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                           layer_norm=final_norm)
-
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by),
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        position_embedding_type=position_embedding_type,
-        rotary_base=rotary_base,
-        rotary_percent=rotary_percent,
-        **_rope_kwargs(rope_scaling),
-        vp_stage=vp_stage,
-    )
-    from .extensions import install_output_hooks
-
-    install_output_hooks(model, embedding_multiplier=embedding_multiplier,
-                         final_logit_softcapping=final_logit_softcapping)
-    backend = get_backend()
-    if backend.kind == "cuda":
-        model = model.to(backend.device)
-    mark_tensor_parallel_params([model])
-    norm_weights_to_params_dtype(model, config.params_dtype)
-    return model
+    return spec
 
 
 def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
@@ -336,6 +368,44 @@ _MODEL_OPTION_KEYS = (
 )
 #: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model`).
 _BUILDER_READ_OPTIONS = ("activation",)
+
+
+def _check_live_layout(layout: ParallelLayout) -> None:
+    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_from_hf_config: call ferrule.megatron.parallel.init_distributed(layout) first.")
+    live = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
+    if live != (layout.tp, layout.pp, layout.ep):
+        raise RuntimeError(
+            f"build_from_hf_config: layout asks tp,pp,ep={(layout.tp, layout.pp, layout.ep)} but megatron "
+            f"was initialized with {live}; re-run init_distributed with this layout."
+        )
+
+
+def _model_kwargs(translation: ConfigTranslation, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The :func:`build_gpt_model` keywords among the translation's model options.
+
+    Raises:
+        ConfigTranslationError: an option the builder does not know (named, with the closest known name).
+    """
+    model_kwargs = {k: options[k] for k in _MODEL_OPTION_KEYS if k in options}
+    unknown = sorted(set(options) - set(_MODEL_OPTION_KEYS) - set(_BUILDER_READ_OPTIONS))
+    if unknown:
+        import difflib
+
+        known = sorted(_MODEL_OPTION_KEYS + _BUILDER_READ_OPTIONS)
+        hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k in unknown
+                          if (m := difflib.get_close_matches(k, known, n=1)))
+        raise ConfigTranslationError(
+            f"translation {translation.name!r} produced model option(s) {unknown} that the builder does not know "
+            f"(they would be silently dropped){' (' + hints + ')' if hints else ''}; known options: {known}.")
+    return model_kwargs
 
 
 def build_from_hf_config(
@@ -373,20 +443,7 @@ def build_from_hf_config(
         RuntimeError: model parallel state not initialized, or initialized with another layout.
         ValueError: the layout does not fit the model (see :func:`make_transformer_config`).
     """
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("build_from_hf_config: call ferrule.megatron.parallel.init_distributed(layout) first.")
-    live = (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_expert_model_parallel_world_size(),
-    )
-    if live != (layout.tp, layout.pp, layout.ep):
-        raise RuntimeError(
-            f"build_from_hf_config: layout asks tp,pp,ep={(layout.tp, layout.pp, layout.ep)} but megatron "
-            f"was initialized with {live}; re-run init_distributed with this layout."
-        )
+    _check_live_layout(layout)
     config_kwargs, options = translation.to_mcore(hf_config)
     missing = [k for k in ("vocab_size", "max_sequence_length") if k not in options]
     if missing:
@@ -402,17 +459,7 @@ def build_from_hf_config(
         use_cpu_initialization=use_cpu_initialization,
         overrides=overrides,
     )
-    model_kwargs = {k: options[k] for k in _MODEL_OPTION_KEYS if k in options}
-    unknown = sorted(set(options) - set(_MODEL_OPTION_KEYS) - set(_BUILDER_READ_OPTIONS))
-    if unknown:
-        import difflib
-
-        known = sorted(_MODEL_OPTION_KEYS + _BUILDER_READ_OPTIONS)
-        hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k in unknown
-                          if (m := difflib.get_close_matches(k, known, n=1)))
-        raise ConfigTranslationError(
-            f"translation {translation.name!r} produced model option(s) {unknown} that the builder does not know "
-            f"(they would be silently dropped){' (' + hints + ')' if hints else ''}; known options: {known}.")
+    model_kwargs = _model_kwargs(translation, options)
     stages = layout.vpp or 1
     return [
         build_gpt_model(

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -57,6 +57,39 @@ USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train exam
          "ferrule train --help")
 
 
+def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool, stop_after: int | None) -> Any:
+    """Build the trainer and run it (None: a ``--resume`` of a run that is already complete); user
+    errors exit 2 (printed, recorded), Ctrl-C exits 130."""
+    from ferrule.cli_errors import print_user_error, user_error_message
+
+    try:
+        from ferrule.rl.loop import GRPOTrainer
+
+        from ferrule.rl.checkpoints import list_checkpoints
+
+        trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
+        try:
+            complete = resume and run_is_complete(trainer, list_checkpoints(trainer.ckpt_dir), console)
+        except BaseException:
+            trainer.close()  # the run folder's lock (and a folder the trainer created) go
+            raise
+        if complete:
+            trainer.close()
+            return
+        result = trainer.run(stop_after=stop_after)
+    except KeyboardInterrupt:
+        console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
+        raise typer.Exit(130) from None
+    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        print_user_error(message)
+        _record_exit(2, message)
+        raise typer.Exit(2) from None
+    return result
+
+
 def train_command(
     config: Annotated[Path | None, typer.Argument(
         help="YAML/TOML config (e.g. examples/configs/smollm2_arithmetic.yaml). With --resume it may be "
@@ -83,7 +116,6 @@ def train_command(
     from rich.console import Console
 
     from ferrule.cli_errors import print_user_error, user_error_message
-    from ferrule.rl.config import ConfigError
 
     t_start = time.monotonic()
     from transformers.utils import logging as hf_logging
@@ -117,31 +149,10 @@ def train_command(
         raise typer.Exit(2) from None
     if nproc > 1:
         raise typer.Exit(launch_torchrun(nproc))
-    try:
-        from ferrule.rl.loop import GRPOTrainer
-
-        from ferrule.rl.checkpoints import list_checkpoints
-
-        trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
-        try:
-            complete = resume and run_is_complete(trainer, list_checkpoints(trainer.ckpt_dir), console)
-        except BaseException:
-            trainer.close()  # the run folder's lock (and a folder the trainer created) go
-            raise
-        if complete:
-            trainer.close()
-            return
-        result = trainer.run(stop_after=stop_after)
-    except KeyboardInterrupt:
-        console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
-        raise typer.Exit(130) from None
-    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
-        message = user_error_message(exc)
-        if message is None:
-            raise
-        print_user_error(message)
-        _record_exit(2, message)
-        raise typer.Exit(2) from None
+    result = _train(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
+                    stop_after=stop_after)
+    if result is None:  # --resume of a run that is already complete: nothing to do
+        return
     if int(os.environ.get("RANK", "0") or 0) != 0:  # the run summary comes from rank 0
         return
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary

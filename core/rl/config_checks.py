@@ -39,12 +39,20 @@ def _near(value: str, choices: list[str]) -> str:
 
 def validate_config(cfg: RLConfig) -> list[str]:
     """Every range error and contradiction in ``cfg`` (empty list: valid). No file access."""
-    from ferrule.rl.config_types import BUILTIN_REWARDS, LOSS_NAMES
     from ferrule.rl.sglang_rollout import sglang_config_problems
 
+    problems: list[str] = []
+    for check in (_model_and_parallel_layout_problems, _rollout_problems, sglang_config_problems, _data_problems,
+                  _reward_problems, _algorithm_problems, _optimizer_problems, _lora_problems, _train_problems,
+                  _checkpoint_problems, _eval_problems, _logging_problems):
+        problems += check(cfg)
+    return problems
+
+
+def _model_and_parallel_layout_problems(cfg: RLConfig) -> list[str]:
+    """The model and parallel layout keys."""
+    m, ro, t = cfg.model, cfg.rollout, cfg.train
     p: list[str] = []
-    m, ro, d, rw, a, o, t, c, e, lg = (cfg.model, cfg.rollout, cfg.data, cfg.reward, cfg.algorithm,
-                                      cfg.optimizer, cfg.train, cfg.checkpoint, cfg.eval, cfg.logging)
     if not m.hf_dir:
         p.append("model.hf_dir: required; set it to an HF checkpoint folder "
                  "(e.g. assets/smollm2/hf from `ferrule assets smollm2 assets/smollm2`)")
@@ -61,8 +69,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
     if cfg.rollout.prompts_per_shard < 0:
         p.append(f"rollout.prompts_per_shard: must be >= 0 (0: prompts_per_step / replicas), got "
                  f"{cfg.rollout.prompts_per_shard}")
+    return p
 
-    # rollout
+
+def _rollout_problems(cfg: RLConfig) -> list[str]:
+    """The rollout keys."""
+    ro, a = cfg.rollout, cfg.algorithm
+    p: list[str] = []
     if ro.temperature < 0:
         p.append(f"rollout.temperature: must be >= 0, got {ro.temperature}")
     elif ro.temperature == 0 and a.advantage_estimator == "grpo":
@@ -83,9 +96,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
     if ro.engine != "sglang" and (ro.sglang_url or ro.sglang_args or ro.sglang_weight_transport != "tensor"):
         p.append("rollout.sglang_url/sglang_args/sglang_weight_transport: only used with rollout.engine=sglang; set "
                  "rollout.engine=sglang or remove them")
-    p += sglang_config_problems(cfg)
+    return p
 
-    # data
+
+def _data_problems(cfg: RLConfig) -> list[str]:
+    """The data keys."""
+    d = cfg.data
+    p: list[str] = []
     if bool(d.task) == bool(d.jsonl_path):
         p.append("data.task / data.jsonl_path: set exactly one (a reasoning-gym task name, or a JSONL "
                  f"prompt file); got task={d.task!r}, jsonl_path={d.jsonl_path!r}")
@@ -114,8 +131,15 @@ def validate_config(cfg: RLConfig) -> list[str]:
                  "assistant turn, the checkpoint's tokenizer); remove them")
     if d.max_prompt_tokens < 1:
         p.append(f"data.max_prompt_tokens: must be >= 1, got {d.max_prompt_tokens}")
+    return p
 
-    # reward
+
+def _reward_problems(cfg: RLConfig) -> list[str]:
+    """The reward keys."""
+    from ferrule.rl.config_types import BUILTIN_REWARDS
+
+    rw = cfg.reward
+    p: list[str] = []
     if rw.function not in BUILTIN_REWARDS:
         mod, sep, attr = rw.function.partition(":")
         if not sep or not mod or not attr:
@@ -126,8 +150,15 @@ def validate_config(cfg: RLConfig) -> list[str]:
     for key in ("format_reward", "failure_reward"):
         if not math.isfinite(getattr(rw, key)):
             p.append(f"reward.{key}: must be finite, got {getattr(rw, key)}")
+    return p
 
-    # algorithm
+
+def _algorithm_problems(cfg: RLConfig) -> list[str]:
+    """The algorithm keys."""
+    from ferrule.rl.config_types import LOSS_NAMES
+
+    a = cfg.algorithm
+    p: list[str] = []
     if a.advantage_eps <= 0:
         p.append(f"algorithm.advantage_eps: must be > 0, got {a.advantage_eps}")
     if a.loss not in LOSS_NAMES:
@@ -146,8 +177,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
                  "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
+    return p
 
-    # optimizer
+
+def _optimizer_problems(cfg: RLConfig) -> list[str]:
+    """The optimizer keys."""
+    o, t = cfg.optimizer, cfg.train
+    p: list[str] = []
     if o.lr <= 0:
         p.append(f"optimizer.lr: must be > 0, got {o.lr}")
     if not 0 <= o.min_lr <= o.lr:
@@ -168,10 +204,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
         p.append(f"optimizer.lr_warmup_steps: {o.lr_warmup_steps} exceeds the schedule length "
                  f"{decay_steps} (lr_decay_steps or train.steps); set optimizer.lr_warmup_steps<={decay_steps} "
                  f"or raise train.steps")
+    return p
 
-    p += _lora_problems(cfg)
 
-    # train
+def _train_problems(cfg: RLConfig) -> list[str]:
+    """The train keys."""
+    ro, d, t, e = cfg.rollout, cfg.data, cfg.train, cfg.eval
+    p: list[str] = []
     if t.steps < 1:
         p.append(f"train.steps: must be >= 1, got {t.steps}")
     if t.prompts_per_step < 1:
@@ -188,8 +227,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
     if d.task and t.prompts_per_step > d.size:
         p.append(f"train.prompts_per_step: {t.prompts_per_step} exceeds data.size={d.size}; a step would "
                  "repeat prompts")
+    return p
 
-    # checkpoint
+
+def _checkpoint_problems(cfg: RLConfig) -> list[str]:
+    """The checkpoint keys."""
+    c = cfg.checkpoint
+    p: list[str] = []
     if c.interval <= 0:
         p.append(f"checkpoint.interval: must be > 0 steps, got {c.interval}; to disable checkpoints set "
                  "checkpoint.enabled=false")
@@ -197,8 +241,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
         p.append(f"checkpoint.keep: must be >= 0 (0 keeps all), got {c.keep}")
     if c.resume and not c.enabled:
         p.append("checkpoint.resume: needs checkpoint.enabled=true")
+    return p
 
-    # eval
+
+def _eval_problems(cfg: RLConfig) -> list[str]:
+    """The eval keys."""
+    d, e = cfg.data, cfg.eval
+    p: list[str] = []
     if e.interval < 0:
         p.append(f"eval.interval: must be >= 0 (0 disables), got {e.interval}")
     if e.interval > 0:
@@ -214,8 +263,13 @@ def validate_config(cfg: RLConfig) -> list[str]:
         p.append(f"eval.temperature: must be >= 0, got {e.temperature}")
     if e.max_new_tokens < 0:
         p.append(f"eval.max_new_tokens: must be >= 0 (0: rollout.max_new_tokens), got {e.max_new_tokens}")
+    return p
 
-    # logging
+
+def _logging_problems(cfg: RLConfig) -> list[str]:
+    """The logging keys."""
+    lg = cfg.logging
+    p: list[str] = []
     if not lg.run_dir:
         p.append("logging.run_dir: required")
     if lg.log_samples < 0:

@@ -191,3 +191,7 @@ class Service:
         self.telemetry.refused.inc()
         return HTTPError(status, message)
 
+
+def service(request: Request) -> Service:
+    """The :class:`Service` of the app serving ``request`` (set by :func:`ferrule.serve.app.create_app`)."""
+    return request.app.state.service

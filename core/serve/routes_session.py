@@ -1,0 +1,85 @@
+"""Bootstrap and session routes: health, metrics, the SDK's client config and server capabilities,
+create_session, heartbeats, SDK telemetry, finishing a session (reference/tinker_protocol.md §3-§4)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from .scheduler import JSON, Job
+from .service import HTTPError, service
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/api/v1/healthz")
+async def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    svc = service(request)
+    return Response(svc.telemetry.render(), media_type=svc.telemetry.content_type)
+
+
+@router.post("/api/v1/client/config")
+async def client_config(request: Request):
+    return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
+            "fwdbwd_max_chunk_len": request.app.state.fwdbwd_max_chunk_len, "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False, "sample_join_sampling_session": False}
+
+
+@router.post("/api/v1/client/dynamic_config")
+async def dynamic_config(request: Request):
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+
+
+@router.get("/api/v1/get_server_capabilities")
+async def capabilities(request: Request):
+    svc = service(request)
+    return {"supported_models": [{"model_name": svc.backend.model_name, "max_context_length": svc.backend.max_positions,
+                                  "trainable": True, "sampleable": True}]}
+
+
+@router.post("/api/v1/create_session")
+async def create_session(request: Request):
+    svc = service(request)
+    body = await svc.body_json(request)
+    sid = f"sess-{uuid.uuid4().hex[:16]}"
+    svc.store.add_session(sid, request.state.tenant, list(body.get("tags") or []))
+    return {"session_id": sid, "type": "create_session"}
+
+
+@router.post("/api/v1/session_heartbeat")
+async def heartbeat(request: Request):
+    svc = service(request)
+    body = await svc.body_json(request)
+    row = svc.store.session(str(body.get("session_id")))
+    if row is None or row["tenant"] != request.state.tenant:
+        raise HTTPError(410, "unknown session; heartbeats stop.")
+    svc.store.heartbeat(row["session_id"])
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/api/v1/telemetry")
+async def sdk_telemetry(request: Request):
+    return {"status": "accepted"}
+
+
+@router.post("/api/v1/sessions/{session_id}/finish")
+async def finish(session_id: str, request: Request):
+    svc = service(request)
+    svc.own_session(request, session_id)
+    body = await svc.body_json(request)
+    svc.store.finish_session(session_id, str((body.get("reason") or {}).get("type", "unknown")))
+    for model_id in svc.store.session_models(session_id):  # free the session's engines
+        for job in svc.scheduler.close_model(model_id):
+            svc.store.fail(job.request_id, f"{job.op}: the session finished before this request ran.", "user")
+        svc.scheduler.submit(Job(f"drop-{uuid.uuid4().hex}", "drop_model", request.state.tenant,
+                             lambda mid=model_id: (svc.backend.drop(mid), (JSON, b"{}"))[1], model_id=None))
+    return {}
