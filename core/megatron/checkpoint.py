@@ -49,11 +49,9 @@ collects the results in an in-process ``queue.Queue``: a killed process takes it
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +60,8 @@ import torch
 from ferrule.fsutil import (DiskFullError, check_free_space, commit_dir, disk_full_message, is_disk_full,
                             temp_dir_name)
 from ferrule.integrity import record_checksums, verify_checksums
+
+from .ckpt_writer import in_process_writer
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
@@ -153,76 +153,6 @@ def set_rng_state(state: dict) -> None:
             pass
 
 
-def _write_buckets_in_threads(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
-                              global_results_queue: Any) -> None:
-    """In-process stand-in for ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (megatron-core 0.16.1).
-
-    Same arguments and the same result on ``global_results_queue`` (``{bucket index: [WriteResult]}``
-    or the first bucket's exception), but each bucket is written by megatron's own
-    ``write_preloaded_data`` in a thread of this process instead of a forked child, so nothing
-    survives this process (module docstring).
-    """
-    import inspect
-    import queue
-    import threading
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    local_results: queue.Queue = queue.Queue()
-    count_queue: queue.Queue = queue.Queue()
-    extra = {}
-    if use_msc and len(inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters) > 6:
-        extra["use_msc"] = use_msc
-    threads = []
-    for i, bucket in enumerate(write_buckets):
-        count_queue.put(i)
-        threads.append(threading.Thread(
-            target=FileSystemWriterAsync.write_preloaded_data, args=(transform_list,),
-            kwargs=dict(local_proc_idx=i, write_bucket=bucket, results_queue=local_results,
-                        count_queue=count_queue, use_fsync=True, **extra),
-            name=f"ferrule-ckpt-writer-{rank}-{i}", daemon=True))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    results: dict | BaseException = {}
-    while not local_results.empty():
-        idx, out = local_results.get()
-        if isinstance(out, BaseException):
-            results = out
-            break
-        results[idx] = out
-    if isinstance(results, dict) and len(results) != len(write_buckets):
-        results = RuntimeError(f"checkpoint writer: {len(results)} of {len(write_buckets)} buckets reported")
-    global_results_queue.put(results)
-
-
-@contextlib.contextmanager
-def _in_process_writer() -> Iterator[None]:
-    """Give megatron's torch_dist writer an in-process results queue and in-process bucket writers
-    for one synchronous save (module docstring); the previous queue and writer are put back afterwards."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    writer_cls = filesystem_async.FileSystemWriterAsync
-    if (not hasattr(filesystem_async, "_results_queue")  # checked against megatron-core 0.16.1
-            or not hasattr(writer_cls, "write_preloaded_data_multiproc")
-            or not hasattr(writer_cls, "write_preloaded_data")):
-        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue or "
-                           "FileSystemWriterAsync.write_preloaded_data(_multiproc); this megatron-core version "
-                           "writes checkpoints differently: update save_sharded.")
-    previous_queue = filesystem_async._results_queue
-    previous_writer = writer_cls.__dict__["write_preloaded_data_multiproc"]
-    filesystem_async._results_queue = queue.Queue()
-    writer_cls.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_threads)
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous_queue
-        writer_cls.write_preloaded_data_multiproc = previous_writer
-
-
 def save_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwargs: Any) -> None:
     """``megatron.core.dist_checkpointing.save`` (synchronous torch_dist) that works from a plain
     script without an ``if __name__ == "__main__":`` guard and from a notebook cell, and writes in
@@ -233,7 +163,7 @@ def save_sharded(sharded_state_dict: dict, directory: str | os.PathLike, **kwarg
     """
     from megatron.core import dist_checkpointing
 
-    with _in_process_writer():
+    with in_process_writer():
         dist_checkpointing.save(sharded_state_dict, str(directory), **kwargs)
 
 
