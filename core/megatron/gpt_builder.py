@@ -35,14 +35,19 @@ The signatures of :func:`build_gpt_model`, :func:`build_from_hf_config` and
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from ..config_translation import ConfigTranslation, ConfigTranslationError
+from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module)
+    ACTIVATIONS,
+    DEFAULT_VOCAB_DIVISIBLE_BY,
+    check_layout_fits,
+    gelu_tanh,
+    make_transformer_config,
+    padded_vocab_size,
+)
 from .parallel import ParallelLayout
 
 __all__ = [
@@ -53,103 +58,6 @@ __all__ = [
     "ACTIVATIONS",
     "DEFAULT_VOCAB_DIVISIBLE_BY",
 ]
-
-#: Megatron-LM's default ``--make-vocab-size-divisible-by``.
-DEFAULT_VOCAB_DIVISIBLE_BY = 128
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (HF ``gelu_pytorch_tanh`` / ``GELUTanh``; GeGLU in Gemma)."""
-    return F.gelu(x, approximate="tanh")
-
-
-#: Activation names (model option ``activation``, HF ``hidden_act`` spellings) -> torch functions.
-#: With ``gated_linear_unit=True`` megatron computes ``act(x W_gate) * (x W_up)`` (SwiGLU for
-#: silu, GeGLU for the gelus). A ``"module:attr"`` reference to any elementwise function is
-#: accepted too.
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "gelu_tanh": gelu_tanh}
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
-    """Embedding rows for ``vocab_size`` tokens at tensor-parallel size ``tp``.
-
-    Rounds up to a multiple of ``lcm(divisible_by, tp)``: every TP rank holds the same number of
-    rows, and, for the usual power-of-two ``tp <= divisible_by``, the padded size does not
-    depend on ``tp``, so a torch_dist checkpoint saved at one TP size loads at another (the
-    embedding's global shape is part of the checkpoint). This differs on purpose from
-    Megatron-LM's ``_vocab_size_with_padding`` (multiple of ``divisible_by * tp``), whose padded
-    size changes with TP. E.g. ``padded_vocab_size(151936, 1) == padded_vocab_size(151936, 8)
-    == 151936``; ``padded_vocab_size(1000, 2) == 1024``; ``padded_vocab_size(100, 3, 128) == 384``.
-
-    Raises:
-        ValueError: a non-positive argument.
-    """
-    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("divisible_by", divisible_by)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"padded_vocab_size: {name}={value!r}; expected an integer >= 1.")
-    multiple = math.lcm(divisible_by, tp)
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def make_transformer_config(
-    config_kwargs: Mapping[str, Any],
-    layout: ParallelLayout,
-    *,
-    params_dtype: torch.dtype = torch.float32,
-    activation: str = "silu",
-    use_cpu_initialization: bool | None = None,
-    overrides: Mapping[str, Any] | None = None,
-):
-    """A ``TransformerConfig`` from translated kwargs plus the layout and runtime choices.
-
-    Args:
-        config_kwargs: ``TransformerConfig`` fields from :meth:`ConfigTranslation.to_mcore`.
-        layout: sets tensor/pipeline/expert parallel sizes.
-        params_dtype: ``torch.float32`` or ``torch.bfloat16`` (sets ``bf16`` and the pipeline dtype).
-        activation: a key of :data:`ACTIVATIONS`, or a ``"module:attr"`` reference / callable.
-        use_cpu_initialization: None = True on CPU, False on CUDA.
-        overrides: extra ``TransformerConfig`` fields applied last (e.g.
-            ``moe_token_dispatcher_type``, ``recompute_granularity``).
-
-    Raises:
-        ValueError: unknown activation/dtype, heads or KV groups not divisible by ``tp``, layers
-            not divisible by ``pp``, experts not divisible by ``ep`` (naming value and fix).
-    """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from .device import get_backend
-
-    if activation in ACTIVATIONS:
-        activation_func = ACTIVATIONS[activation]
-    elif callable(activation) or (isinstance(activation, str) and ":" in activation):
-        from .extensions import resolve_class
-
-        activation_func = resolve_class(activation, "activation")
-    else:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {sorted(ACTIVATIONS)} "
-                         f"or pass a 'module:attr' reference to an elementwise function.")
-    if params_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"params_dtype={params_dtype}; use torch.float32 or torch.bfloat16.")
-    kw = dict(config_kwargs)
-    kw.update(overrides or {})
-    check_layout_fits(kw, layout)
-    if use_cpu_initialization is None:
-        use_cpu_initialization = get_backend().kind == "cpu"
-    kw.update(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        context_parallel_size=layout.cp,
-        sequence_parallel=False,  # the local spec's torch norms cannot do SP
-        activation_func=activation_func,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=use_cpu_initialization,
-    )
-    return TransformerConfig(**kw)
-
 
 def build_gpt_model(
     config,
@@ -511,30 +419,3 @@ def mark_tensor_parallel_params(chunks) -> int:
                     set_tensor_model_parallel_attributes(p, True, dim, 1)
                     fixed += 1
     return fixed
-
-
-def check_layout_fits(config_kwargs: Mapping[str, Any], layout: ParallelLayout) -> None:
-    """Raise ``ValueError`` if ``layout`` cannot split the model described by ``config_kwargs``.
-
-    ``config_kwargs`` are TransformerConfig kwargs (``num_attention_heads``, ``num_query_groups``,
-    ``num_layers``, ``num_moe_experts``), as a family's config translation produces them. Cheap
-    and import-free, so callers (e.g. the converters) can check before spawning processes.
-    """
-    heads = int(config_kwargs["num_attention_heads"])
-    groups = int(config_kwargs.get("num_query_groups") or heads)
-    if heads % layout.tp or groups % layout.tp:
-        ok = [d for d in range(1, groups + 1) if heads % d == 0 and groups % d == 0]
-        raise ValueError(
-            f"tp={layout.tp} must divide num_attention_heads={heads} and num_query_groups (KV heads)={groups}; "
-            f"valid tp: {ok}."
-        )
-    layers = int(config_kwargs["num_layers"])
-    if layers % layout.pp:
-        raise ValueError(f"pp={layout.pp} must divide num_layers={layers}; valid pp: "
-                         f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
-    experts = config_kwargs.get("num_moe_experts")
-    if experts and experts % layout.ep:
-        raise ValueError(f"ep={layout.ep} must divide the number of routed experts {experts}; valid ep: "
-                         f"{[d for d in range(1, experts + 1) if experts % d == 0]}.")
-    if layout.ep > 1 and not experts:
-        raise ValueError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")

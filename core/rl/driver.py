@@ -1,0 +1,172 @@
+"""The run driver of :class:`ferrule.rl.loop.GRPOTrainer`: the step loop around the GRPO step.
+
+:class:`RunDriver` owns what turns one GRPO step (``train_step``, in :mod:`ferrule.rl.loop`) into a
+run: resume point, metrics logger, the initial weight sync, Ctrl-C handling, checkpoints at the
+interval, the final plot and releasing the run folder's lock. It is a mixin: it uses the trainer's
+``cfg``, ``roles``, ``run_dir``, ``ckpt_dir`` and its phase methods (``setup``, ``_sync``,
+``train_step``, ``save_checkpoint``, ``_resume_point``, ``_evaluate``).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferrule.rl import sglang_rollout
+from ferrule.rl.config import ConfigError
+from ferrule.rl.run_checks import unlock_run_dir
+from ferrule.rl.stages import record
+
+__all__ = ["RunDriver", "RunResult"]
+
+
+@dataclass
+class RunResult:
+    """What :meth:`GRPOTrainer.run` did.
+
+    Attributes:
+        run_dir: the run folder. start_step: completed steps when the run began (resume point).
+        last_step: completed steps at exit. interrupted: stopped early (Ctrl-C or ``stop_after``).
+        checkpoint: last checkpoint written (None if none). plot: reward-curve PNG (or None).
+        metrics: the entries logged by this process (``metrics.jsonl`` has all of them).
+    """
+
+    run_dir: Path
+    start_step: int
+    last_step: int
+    interrupted: bool
+    checkpoint: Path | None
+    plot: Path | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RunDriver:
+    """The run around the GRPO step (module docstring); mixed into :class:`GRPOTrainer`."""
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint (``checkpoint.save_on_interrupt``) and return."""
+        self._stop_requested = True
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        self._log("\nCtrl-C: finishing the current step, then saving a checkpoint and exiting "
+                  "(press Ctrl-C again to abort without saving)")
+
+    def run(self, *, stop_after: int | None = None) -> RunResult:
+        """Run (or resume) the loop up to ``train.steps``; then :meth:`close` (also on an error).
+
+        Args:
+            stop_after: stop once this many steps are complete, as if Ctrl-C had been pressed
+                (checkpoint saved when enabled); for tests and time-boxed runs.
+
+        Returns:
+            :class:`RunResult`.
+        """
+        try:
+            return self._run(stop_after)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
+        run folder's lock; idempotent."""
+        sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+        unlock_run_dir(getattr(self, "_run_lock", None))
+        self._run_lock = None
+
+    def _open_logger(self, start: int) -> Any:
+        """The metrics logger (global rank 0; resumes ``metrics.jsonl`` at ``start``), which also
+        trims ``samples.jsonl`` to ``start`` and writes the resolved config; a no-op logger elsewhere."""
+        from ferrule.rl.metrics import MetricsLogger
+
+        cfg = self.cfg
+        if not self.roles.is_driver:
+            return record.NoLogger()
+        try:
+            logger = MetricsLogger(self.run_dir, resume_step=start if cfg.checkpoint.resume else None,
+                                   tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                   wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+        except FileExistsError as exc:
+            raise ConfigError([f"logging.run_dir: {exc}"]) from None
+        record.truncate_samples(self.run_dir, start)
+        cfg.dump(self.run_dir)
+        return logger
+
+    def _remove_stale_temp_dirs(self) -> None:
+        """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
+        (:func:`ferrule.fsutil.remove_stale_temp_dirs`) and say so; the driver only."""
+        from ferrule.fsutil import remove_stale_temp_dirs
+
+        if not self.roles.is_driver:
+            return
+        removed = remove_stale_temp_dirs(self.ckpt_dir)
+        if removed:
+            self._log(f"removed {len(removed)} temporary folder(s) of interrupted checkpoint saves "
+                      f"({sum(b for _, b in removed) / 1e6:.1f} MB): " + ", ".join(str(p) for p, _ in removed))
+
+    def _run(self, stop_after: int | None) -> RunResult:
+        import threading
+
+        cfg = self.cfg
+        self.setup()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temp_dirs()
+        start = self._resume_point() if cfg.checkpoint.resume else 0
+        logger = self._open_logger(start)
+        t_sync = self._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
+        self._log(f"initial weight sync {t_sync:.2f} s{' (verified equal)' if self.check_equal else ''}; "
+                  f"steps {start + 1}..{cfg.train.steps}, run dir {self.run_dir}")
+        old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            step, ckpt, interrupted, logged = self._steps(start, stop_after, logger)
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        plot = None
+        if cfg.logging.plot_at_end and step > 0 and self.roles.is_driver:
+            from ferrule.rl.plot import plot_run
+
+            plot = plot_run(self.run_dir)
+        if interrupted:
+            self._log(f"stopped after step {step}" + (f"; resume with --resume (checkpoint {ckpt})" if ckpt else ""))
+        return RunResult(run_dir=self.run_dir, start_step=start, last_step=step, interrupted=interrupted,
+                         checkpoint=ckpt, plot=plot, metrics=logged)
+
+    def _steps(self, start: int, stop_after: int | None, logger: Any) -> tuple[int, Path | None, bool, list]:
+        """Steps ``start + 1 ..`` with logging, samples, checkpoints and the stop request;
+        returns ``(last step, last checkpoint, interrupted, logged entries)``."""
+        from ferrule.rl.metrics import StepProgress
+
+        cfg, driver = self.cfg, self.roles.is_driver
+        logged: list[dict[str, Any]] = []
+        ckpt, step = None, start
+        with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
+                                  console=self.console) as bar:
+            if start == 0 and self.eval_source is not None and driver:
+                self._rollout_phase()
+                logged.append(logger.log(0, self._evaluate(0)))
+                self._log_eval(0, logged[-1])
+                bar.restart_clock()
+            while step < cfg.train.steps:
+                step += 1
+                metrics, samples = self.train_step(step)
+                logged.append(logger.log(step, metrics))
+                if "eval_accuracy" in metrics:
+                    self._log_eval(step, metrics)
+                if samples and driver:
+                    record.append_samples(self.run_dir, samples)
+                bar.update(step, metrics)
+                stop = self._stop_requested or (stop_after is not None and step >= stop_after)
+                last = step == cfg.train.steps
+                if cfg.checkpoint.enabled and (step % cfg.checkpoint.interval == 0 or last or
+                                               (stop and cfg.checkpoint.save_on_interrupt)):
+                    ckpt = self.save_checkpoint(step)
+                if stop and not last:
+                    return step, ckpt, True, logged
+        return step, ckpt, False, logged
