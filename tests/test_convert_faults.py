@@ -103,3 +103,128 @@ def test_no_rank_outlives_a_killed_multi_rank_conversion(qwen2_dir, tmp_path, ho
         except ProcessLookupError:
             pass
         proc.stderr.close()
+
+
+# ------------------------------------------------------------------ a full disk, leftovers of killed conversions
+def _fake_free(monkeypatch, free_bytes: int) -> None:
+    import shutil
+
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        u = real(path)
+        return type(u)(u.total, u.total - free_bytes, free_bytes)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+def _convert(*args: str):
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    return CliRunner().invoke(app, ["convert", *args])
+
+
+def _only(folder: Path, *names: str) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names), list(folder.iterdir())
+
+
+@pytest.fixture(scope="module")
+def td_dir(qwen2_dir, tmp_path_factory) -> Path:
+    from ferrule.converters import hf_to_torch_dist
+
+    return hf_to_torch_dist(qwen2_dir, tmp_path_factory.mktemp("td") / "td")
+
+
+def _needed_mb(output: str, out: Path) -> float:
+    import re
+
+    m = re.search(rf"no space left on {out} \(needed ~([0-9,.]+) MB, free 0\.0 MB\)", " ".join(output.split()))
+    assert m, output
+    return float(m.group(1).replace(",", ""))
+
+
+def test_a_conversion_that_does_not_fit_is_refused_before_writing_with_the_sizes(qwen2_dir, td_dir, tmp_path,
+                                                                                  monkeypatch):
+    """Both directions (shutil.disk_usage reports 10 kB free): exit 2, one line naming OUT with the needed size,
+    which is compared with what a real conversion wrote; nothing is left in OUT's folder."""
+    real_td = sum(f.stat().st_size for f in td_dir.rglob("*") if f.is_file())
+    real_hf = sum(f.stat().st_size for f in qwen2_dir.rglob("*") if f.is_file())
+    _fake_free(monkeypatch, 10_000)
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "td"))
+    assert res.exit_code == 2, res.output
+    # the message rounds to 0.1 MB
+    assert abs(_needed_mb(res.output, tmp_path / "td") - real_td / 1e6) <= 0.05 + 0.2 * real_td / 1e6, (res.output, real_td)
+    res = _convert("torch-dist-to-hf", str(td_dir), str(tmp_path / "hf"))
+    assert res.exit_code == 2, res.output
+    assert abs(_needed_mb(res.output, tmp_path / "hf") - real_hf / 1e6) <= 0.05 + 0.2 * real_hf / 1e6, (res.output, real_hf)
+    _only(tmp_path)
+
+
+def test_enospc_inside_a_conversion_is_a_full_disk_and_leaves_nothing(qwen2_dir, td_dir, tmp_path, monkeypatch):
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    import ferrule.safetensors_io as sio
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fa, "_write_item", full)
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "td"))
+    assert res.exit_code == 2 and f"no space left on {tmp_path / 'td'} (needed ~" in " ".join(res.output.split()) \
+        and "No space left on device" in res.output, res.output
+    monkeypatch.setattr(sio.ShardedSafetensorsWriter, "_flush", full)
+    res = _convert("torch-dist-to-hf", str(td_dir), str(tmp_path / "hf"))
+    assert res.exit_code == 2 and f"no space left on {tmp_path / 'hf'} (needed ~" in " ".join(res.output.split()), \
+        res.output
+    _only(tmp_path)
+
+
+def test_temporary_folders_of_killed_conversions_are_removed_on_the_next_one(qwen2_dir, tmp_path):
+    """A killed conversion's .OUT.tmp-PID (and a killed overwrite's .OUT.old-HEX) go, and the conversion says so;
+    a live PID's folder and other outputs' folders stay."""
+    import psutil
+
+    dead = next(pid for pid in range(999_999, 900_000, -1) if not psutil.pid_exists(pid))
+    stale = [tmp_path / f".out.tmp-{dead}", tmp_path / ".out.old-0123abcd"]
+    kept = [tmp_path / f".out.tmp-{os.getppid()}", tmp_path / f".other.tmp-{dead}"]
+    for d in stale + kept:
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"\0" * 1_500_000)
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "out"))
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert f"removed 2 temporary folder(s) of interrupted writes of {tmp_path / 'out'} (3.0 MB)" in said, said
+    assert not any(d.exists() for d in stale) and all(d.is_dir() for d in kept)
+
+
+def test_ferrule_export_checks_the_free_space_and_removes_leftovers_of_killed_exports(td_dir, qwen2_dir, tmp_path,
+                                                                                     monkeypatch):
+    """A run folder whose checkpoint's engine/ is a converted torch_dist folder: an export that does not fit is
+    refused with the sizes (OUT named); a killed LoRA export's .OUT.merge-PID-HEX is removed by the next export."""
+    import shutil
+
+    import psutil
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    shutil.copytree(td_dir, step / "engine")
+    (step / "loop_state.json").write_text("{}")
+    out = tmp_path / "exported"
+    with monkeypatch.context() as m:
+        _fake_free(m, 10_000)
+        res = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(out)])
+    real_hf = sum(f.stat().st_size for f in qwen2_dir.rglob("*") if f.is_file())
+    assert res.exit_code == 2, res.output
+    assert abs(_needed_mb(res.output, out) - real_hf / 1e6) <= 0.05 + 0.2 * real_hf / 1e6, (res.output, real_hf)
+    dead = next(pid for pid in range(999_999, 900_000, -1) if not psutil.pid_exists(pid))
+    (tmp_path / f".exported.merge-{dead}-0123abcd").mkdir()
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"removed 1 temporary folder(s) of interrupted writes of {out}" in " ".join(res.output.split()), res.output
+    _only(tmp_path, "run", "exported")
