@@ -139,3 +139,73 @@ def test_grid_items_through_the_core_media_helpers():
         TowerSpec(family="f", modality="vision", build="a:b", placeholder_token_id=9, item_token_dims=2)
     with pytest.raises(SpecError, match="item_token_dims=0"):
         TowerSpec(family="f", modality="vision", build="a:b", placeholder_token_id=9, item_token_dims=0)
+
+
+@pytest.mark.parametrize("vision", [VISION, VISION_NO_MERGE], ids=["bias", "no_bias"])
+def test_tower_mapping_rows_and_update_groups(vision, tmp_path):
+    """The released ``model.visual.*`` keys (transformers' save_pretrained) <-> ``towers.vision.*``: complete both
+    ways, bit-exact round trip; the update groups put every tower parameter in exactly one unit."""
+    from ferrule.mapping import MappingContext, MappingTable
+    from ferrule.plugins.inkling2.inkling2_mm import TOWER_ROWS, TOWER_UPDATE_GROUPS
+    from ferrule.plugins.inkling2.vision import build_vision_tower
+    from ferrule.sync.groups import build_update_units
+
+    cfg = config_dict(vision)
+    released = {"model.visual." + k: v for k, v in _released_tower_state(hf_model(cfg), tmp_path).items()}
+    names = ["towers.vision." + n for n, _ in build_vision_tower(cfg).named_parameters()]
+    table, ctx = MappingTable(family="inkling2", mappings=TOWER_ROWS), MappingContext.from_hf_config(cfg)
+    mcore = table.hf_to_mcore(released, names, ctx)  # raises on a missing or an unmapped key
+    back = table.mcore_to_hf(mcore, ctx)
+    assert sorted(back) == sorted(released)
+    assert all(torch.equal(back[k], released[k]) for k in released)
+    units = build_update_units(names, TOWER_UPDATE_GROUPS)
+    assert sorted(n for u in units for n in u.names) == sorted(names)
+    assert len(units) == 1 + vision["num_hidden_layers"] + int(vision["projector_bias"])
+
+
+def test_text_keys_are_the_text_families(tmp_path):
+    """The multimodal checkpoint's non-vision keys are exactly ``Inkling2ForCausalLM``'s (so the inkling2 family
+    maps its text model with the inkling2_text rows)."""
+    from safetensors import safe_open
+    from transformers import Inkling2ForCausalLM, Inkling2TextConfig
+
+    from inkling2_vision_fixtures import TEXT
+
+    hf_model(config_dict()).save_pretrained(tmp_path / "mm")
+    Inkling2ForCausalLM(Inkling2TextConfig(**TEXT)).save_pretrained(tmp_path / "text")
+
+    def shapes(d):
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not k.startswith("model.visual.")}
+
+    assert shapes(tmp_path / "mm") == shapes(tmp_path / "text")
+
+
+def test_core_passes_grid_items_as_a_list():
+    """``embed_with_media`` hands a grid tower the list of items and scatters its rows in order; the embedded
+    engine's keywords come from ``TowerSpec.hf_inputs`` (here ``hf_vision_inputs``), repeated per copy."""
+    from ferrule.media import hf_media_inputs
+    from ferrule.megatron.towers import embed_with_media
+    from ferrule.plugins.inkling2.vision import build_vision_tower, hf_vision_inputs
+    from ferrule.specs import TowerSpec
+
+    spec = TowerSpec(family="f", modality="vision", build="a:b", placeholder_token_id=9, item_token_dims=2,
+                     hf_inputs="ferrule.plugins.inkling2.vision:hf_vision_inputs")
+    tower = build_vision_tower(config_dict()).eval()
+    items = images(6, grids=((1, 2), (2, 1)))
+
+    class _Embedding(torch.nn.Module):
+        def forward(self, input_ids, position_ids):
+            return torch.zeros(input_ids.shape[1], input_ids.shape[0], 32)
+
+    class _GPT:
+        embedding = _Embedding()
+        _ferrule_towers = {"vision": (spec, tower, 9)}
+
+    tokens = torch.tensor([[1, 9, 9, 2, 9, 9]])
+    out = embed_with_media(_GPT(), tokens, torch.arange(6)[None], [{"vision": items}])[:, 0]  # [s, hidden]
+    with torch.no_grad():
+        assert torch.equal(out[[1, 2, 4, 5]], tower(items)) and not out[[0, 3]].any()
+    kw = hf_media_inputs({"vision": (spec, None, 9)}, {"vision": items}, 2, "cpu", {})
+    ref = hf_vision_inputs(items * 2, {})
+    assert kw.keys() == ref.keys() and all(torch.equal(kw[k], ref[k]) for k in ref)

@@ -31,4 +31,34 @@ def register_model_families():
             hf_model_class="transformers:Inkling2LoopForCausalLM",
             description="Inkling-2-Loop text MoE (Inkling-2 with a range of layers run several times, low-rank loop gate)",
         ),
+        ModelFamilySpec(
+            name="inkling2",
+            model_types=("inkling2",),
+            status=FamilyStatus.STRUCTURAL,
+            reason=_MM_REASON,
+            hf_model_class="transformers:Inkling2ForConditionalGeneration",
+            features=("towers",),
+            description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
+        ),
     ]
+
+
+# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
+
+_MM_REASON = ("vision tower only: it equals Inkling2VisionModel within 1e-5 (tests/test_inkling2_vision.py) and "
+              "its mapping rows / update groups exist (inkling2_mm.TOWER_ROWS), but the text model it feeds has no "
+              "provider, config translation, mapping table or update groups yet (inkling2_text, issue 27), so "
+              "nothing converts, trains or is checked against Inkling2ForConditionalGeneration")
+
+
+@hookimpl
+def register_towers():
+    from ferrule.specs import TowerSpec
+
+    # frozen by default, as for Inkling; items are token grids [rows, cols, S, S, 3] (item_token_dims=2): the tower
+    # attends within each image and resamples its position grid to the image's shape
+    v = "ferrule.plugins.inkling2.vision"
+    return [TowerSpec(family="inkling2", modality="vision", build=f"{v}:build_vision_tower",
+                      placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
+                      hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
+                      preprocess=f"{v}:preprocess_image")]
