@@ -76,7 +76,8 @@ class SampleSpec:
 
 
 class EngineBackend:
-    """Train engines per model id + one embedded rollout engine, for one served base model.
+    """Train engines per model id + one embedded rollout engine, for one served base model (a server
+    of several bases holds one per base: :class:`ferrule.serve.registry.BaseRegistry`).
 
     Args:
         base_model: an HF checkpoint directory (``config.json`` + safetensors) or a ferrule
