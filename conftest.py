@@ -3,7 +3,7 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 (kept beside the plugin) get the same environment and fixtures.
 
 - Only the in-tree plugins and the example out-of-tree package are visible
-  (``FERRULE_PLUGINS=qwen,inkling,llama``), so another installed third-party plugin cannot change
+  (``FERRULE_PLUGINS=qwen,inkling,inkling2,llama``), so another installed third-party plugin cannot change
   what these tests see; tests that need others set it.
 - The conformance kit ``ferrule.testing`` runs over the in-tree families; the fixture plugins
   under tests/fixtures run it in a subprocess (tests/test_fixture_families.py).
@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,llama")
+os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,inkling2,llama")
 
 pytest_plugins = ["ferrule.testing"]
 

@@ -53,13 +53,14 @@ MM_VISION = {"num_hidden_layers": 2, "patch_size": MM_PATCH}
 MM_AUDIO = {"n_mel_bins": 80, "mel_vocab_size": 16}
 
 
-def tiny_inkling_mm_dir(out_dir, *, seed: int = SEED) -> Path:
-    """Save a random tiny ``InklingForConditionalGeneration`` (fp32, released layout) with both towers perturbed."""
+def tiny_inkling_mm_dir(out_dir, *, seed: int = SEED, vision: dict | None = None) -> Path:
+    """Save a random tiny ``InklingForConditionalGeneration`` (fp32, released layout) with both towers perturbed
+    (``vision``: the ``vision_config``, default :data:`MM_VISION`)."""
     import torch
     from transformers import InklingConfig, InklingForConditionalGeneration
 
     text = {k: v for k, v in TINY_HF_CONFIG.items() if k != "model_type"}
-    cfg = InklingConfig(text_config=text, vision_config=MM_VISION, audio_config=MM_AUDIO,
+    cfg = InklingConfig(text_config=text, vision_config=vision or MM_VISION, audio_config=MM_AUDIO,
                         image_token_id=MM_IMAGE_TOKEN, audio_token_id=MM_AUDIO_TOKEN)
     torch.manual_seed(seed)
     model = InklingForConditionalGeneration(cfg)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .media_chunks import attention_leaves, hf_inputs
 from .merge import merged_hf_state
 
 __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
@@ -67,12 +68,14 @@ class SavedWeights:
 
 class SampleSpec:
     """One ``asample`` request, validated: prompt token ids, n, ferrule ``SamplingParams``,
-    whether prompt logprobs are wanted, and the top-k / target / alternative-token extras
-    (:class:`ferrule.serve.logprobs.Extras`, or None)."""
+    whether prompt logprobs are wanted, the top-k / target / alternative-token extras
+    (:class:`ferrule.serve.logprobs.Extras`, or None), and the prompt's media (``{modality:
+    [item, ...]}``, placeholders already in ``prompt``: :mod:`ferrule.serve.media_chunks`; None: text)."""
 
-    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool, extras: Any = None):
+    def __init__(self, prompt: list[int], n: int, params: Any, prompt_logprobs: bool, extras: Any = None,
+                 media: dict | None = None):
         self.prompt, self.n, self.params, self.prompt_logprobs = prompt, n, params, prompt_logprobs
-        self.extras = extras
+        self.extras, self.media = extras, media
 
 
 class EngineBackend:
@@ -105,8 +108,9 @@ class EngineBackend:
             raise FileNotFoundError(f"--base-model {base_model}: neither an HF checkpoint (config.json) nor a ferrule "
                                     "torch_dist checkpoint (hf/config.json); pass one of those directories.")
         self.model_name = model_name or self.base_dir.name
-        self.vocab_size = int(self.hf_config["vocab_size"])
-        self.max_positions = int(self.hf_config.get("max_position_embeddings") or 0) or None
+        text = self.hf_config if "vocab_size" in self.hf_config else self.hf_config.get("text_config") or {}
+        self.vocab_size = int(text["vocab_size"])  # a multimodal config (Inkling) keeps it in text_config
+        self.max_positions = int(text.get("max_position_embeddings") or 0) or None
         self.optimizer = optimizer
         self.engines: dict[str, Any] = {}
         self.lora_ranks: dict[str, int | None] = {}
@@ -167,7 +171,8 @@ class EngineBackend:
         """Tinker ``lora_config`` -> :class:`ferrule.lora.LoraSettings` (None: full-parameter training).
 
         ``rank`` -> ``rank``; ``alpha`` = :data:`TINKER_LORA_ALPHA`; ``seed`` -> ``init_seed``;
-        ``train_attn`` -> ``linear_qkv``/``linear_proj``, ``train_mlp`` -> ``linear_fc1``/``linear_fc2``,
+        ``train_attn`` -> the family's attention linears (:func:`~ferrule.serve.media_chunks.attention_leaves`:
+        ``linear_qkv``/``linear_proj`` for most), ``train_mlp`` -> ``linear_fc1``/``linear_fc2``,
         ``train_unembed`` -> ``output_layer`` (not with tied embeddings: the sampler gets merged
         weights, and a merged lm_head delta would also change the tied input embeddings).
 
@@ -180,7 +185,7 @@ class EngineBackend:
 
         targets = []
         if lora_config.get("train_attn", True):
-            targets += ["linear_qkv", "linear_proj"]
+            targets += attention_leaves(self.hf_config)
         if lora_config.get("train_mlp", True):
             targets += ["linear_fc1", "linear_fc2"]
         if lora_config.get("train_unembed", True) and not self.hf_config.get("tie_word_embeddings", False):
@@ -509,17 +514,20 @@ class EngineBackend:
         params = specs[0].params
         if any(s.params != params for s in specs):
             raise ValueError("internal: one sample batch needs one SamplingParams.")
+        from ferrule.rollout.base import GenerateRequest
+
         engine = self._hold(source)
-        results = engine.generate([s.prompt for s in specs], params)
+        results = engine.generate([GenerateRequest(tuple(s.prompt), media=s.media) for s in specs], params)
         out = []
         for i, spec in enumerate(specs):
             rows = results[i * params.n:(i + 1) * params.n]
             seqs = [(list(r.token_ids), list(r.logprobs), r.finish_reason) for r in rows]
             prompt_lp = None
+            media_kw = hf_inputs(self.hf_config, spec.media, engine.device)
             if spec.prompt_logprobs:
                 with torch.inference_mode():
                     ids = torch.tensor([spec.prompt], device=engine.device)
-                    logits = engine.model(input_ids=ids).logits[0].float()
+                    logits = engine.model(input_ids=ids, **media_kw).logits[0].float()
                     lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
                 prompt_lp = [math.nan] + lp.cpu().tolist()
             extras = {}
@@ -527,7 +535,7 @@ class EngineBackend:
                 from .logprobs import compute_extras
 
                 extras = compute_extras(engine.model, engine.device, spec.prompt, seqs, spec.extras,
-                                        params.temperature, params.seed)
+                                        params.temperature, params.seed, media_kw)
             out.append((seqs, prompt_lp, extras))
         return out
 

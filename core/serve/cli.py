@@ -125,6 +125,11 @@ def serve_command(
     max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank of a training client (400 above).")] = 128,
     max_queued_per_tenant: Annotated[int, typer.Option(help="Requests one tenant may have queued or running (429 "
                                                        "above; the SDK retries).")] = 512,
+    max_image_bytes: Annotated[int, typer.Option(help="Most encoded bytes of one image chunk (400 above).")] = 32 << 20,
+    max_image_pixels: Annotated[int, typer.Option(help="Most width x height of one image chunk, read from its header "
+                                                  "before decoding (400 above).")] = 2048 * 2048,
+    max_audio_frames: Annotated[int, typer.Option(help="Most dMel frames (20 per second) of one audio chunk (400 "
+                                                  "above).")] = 36_000,
     max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (save_weights_and_get_sampling_"
                                                "client) kept in memory per tenant.")] = 4,
 ) -> None:
@@ -138,7 +143,8 @@ def serve_command(
     try:
         from .limits import ServeLimits
 
-        limits = ServeLimits(max_samples_per_request, max_tokens_per_request, max_lora_rank, max_queued_per_tenant)
+        limits = ServeLimits(max_samples_per_request, max_tokens_per_request, max_lora_rank, max_queued_per_tenant,
+                             max_image_bytes, max_image_pixels, max_audio_frames)
         if max_snapshots < 1:
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,

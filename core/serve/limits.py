@@ -31,12 +31,20 @@ class ServeLimits:
             chunks of ``fwdbwd_max_chunk_len`` data, each one request).
         max_lora_rank: ``lora_config.rank`` of a training client.
         max_queued_per_tenant: requests of one tenant queued or running at once (all its clients).
+        max_image_bytes: encoded bytes of one ``ImageChunk`` (checked before decoding).
+        max_image_pixels: width x height of one image, read from its header before its pixels
+            are decoded (Inkling: 24 bytes of ``pixel_values`` per pixel, one token per 40 x 40
+            patch; the default, 2048 x 2048, is ~100 MB and 2,704 tokens).
+        max_audio_frames: dMel frames of one ``DmelChunk`` (20 per second: 36,000 = 30 minutes).
     """
 
     max_samples_per_request: int = 256
     max_tokens_per_request: int = 1 << 20
     max_lora_rank: int = 128
     max_queued_per_tenant: int = 512
+    max_image_bytes: int = 32 << 20
+    max_image_pixels: int = 2048 * 2048
+    max_audio_frames: int = 36_000
 
     def __post_init__(self) -> None:
         bad = [f"{k}={v!r}" for k, v in vars(self).items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]

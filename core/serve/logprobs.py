@@ -122,8 +122,9 @@ def _topk(lp: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def compute_extras(model: Any, device: Any, prompt: list[int], sequences: list, extras: Extras,
-                   temperature: float, seed: int | None) -> dict:
-    """The extras of one request. ``sequences``: ``[(tokens, logprobs, reason)]`` as sampled.
+                   temperature: float, seed: int | None, media_inputs: dict | None = None) -> dict:
+    """The extras of one request. ``sequences``: ``[(tokens, logprobs, reason)]`` as sampled;
+    ``media_inputs``: the model's keywords for the prompt's media (``pixel_values`` ...), if any.
 
     Returns:
         ``{"topk_prompt": (ids [P, k], lps [P, k]), "targets": float32 [P-1, K] (or CSR values),
@@ -136,7 +137,7 @@ def compute_extras(model: Any, device: Any, prompt: list[int], sequences: list, 
     with torch.inference_mode():
         if extras.needs_prompt_forward:
             ids = torch.tensor([prompt], device=device)
-            logits = model(input_ids=ids).logits[0, :-1].float()          # [P - 1, V]: position i + 1
+            logits = model(input_ids=ids, **(media_inputs or {})).logits[0, :-1].float()          # [P - 1, V]: position i + 1
             lp = torch.log_softmax(logits, -1)
             if extras.topk_prompt:
                 t_ids, t_lp = _topk(lp, extras.topk_prompt)
@@ -162,7 +163,7 @@ def compute_extras(model: Any, device: Any, prompt: list[int], sequences: list, 
                                     np.zeros((0, extras.topk_sample), np.float32)))
                     continue
                 full = torch.tensor([prompt + list(tokens)], device=device)
-                logits = model(input_ids=full).logits[0, len(prompt) - 1:-1].float()   # [T, V]
+                logits = model(input_ids=full, **(media_inputs or {})).logits[0, len(prompt) - 1:-1].float()   # [T, V]
                 scaled = logits / temperature if temperature > 0 else logits
                 per_seq.append(_topk(torch.log_softmax(scaled, -1), extras.topk_sample))
             out["topk_sample"] = per_seq

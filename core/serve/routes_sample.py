@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from .backend import SampleSpec, SavedWeights
 from .logprobs import parse_extras
+from .media_chunks import decoder, parts_from_json
 from .service import HTTPError, service
 from .wire import encode_sample_response
 
@@ -71,11 +72,9 @@ async def asample(request: Request):
     elif row["model_path"] is not None:  # pinned to the save the checkpoint holds now
         source = backend.saved_weights(svc.own_checkpoint(request, row["model_path"], "sampler_weights")[1])
     try:
-        tokens: list[int] = []
-        for chunk in (body.get("prompt") or {}).get("chunks") or []:
-            if chunk.get("type", "encoded_text") != "encoded_text":
-                raise ValueError(f"prompt chunk type {chunk.get('type')!r} is not served (encoded_text only).")
-            tokens += [int(t) for t in chunk.get("tokens") or []]
+        # image / dmel chunks -> placeholder tokens + the towers' inputs (ferrule.serve.media_chunks)
+        pieces = parts_from_json((body.get("prompt") or {}).get("chunks") or [], "prompt")
+        tokens, media = decoder(svc.backend, svc.limits).assemble(pieces)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_samples = {n!r}; expected an int >= 1.")
         backend.check_prompt(tokens)
@@ -97,7 +96,7 @@ async def asample(request: Request):
         extras = parse_extras(body, len(tokens), backend.vocab_size, last_n)
     except (ValueError, TypeError) as exc:
         raise HTTPError(400, f"asample: {exc}") from None
-    spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)), extras)
+    spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)), extras, media)
 
     def encode(seqs, prompt_lp, extras_out, last_n, extras):
         if prompt_lp is not None and last_n is not None:

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request
 from .paths import CheckpointPath, PathError, check_name
 from .scheduler import json_body
 from .service import HTTPError, service
-from .wire import WireError, decode_forward_backward, encode_forward_backward_output
+from .media_chunks import decoder
+from .wire import WireError, decode_forward_backward, encode_forward_backward_output, resolve_media
 
 __all__ = ["router"]
 
@@ -85,6 +86,7 @@ async def forward_backward(request: Request):
     backend = svc.base(row["base_model"])
     op = "forward" if req.forward_only else "forward_backward"
     try:
+        resolve_media(req, decoder(svc.backend, svc.limits))  # image / dmel chunks -> placeholders + media
         if not req.loss_fn:
             raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
         work = sum(len(d.model_input) * (int(d.loss_fn_inputs["target_tokens"].shape[1])

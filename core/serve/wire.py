@@ -9,7 +9,9 @@ JSON (reference/tinker_protocol.md §1, §6).
 Layouts (little-endian bytes):
 
 - ``EncodedTextChunk.tokens``: int32 token ids; a datum's ``model_input`` is its chunks
-  concatenated (image / dmel chunks are refused: no tower on this service).
+  concatenated. ``ImageChunk`` / ``DmelChunk`` are kept undecoded (:class:`FBRequest.pieces`)
+  until the served model's towers turn them into placeholders + media
+  (:func:`resolve_media`, :mod:`ferrule.serve.media_chunks`).
 - ``Tensor``: ``dense`` bytes of ``dtype`` (FLOAT32 or INT64), or ``sparse_csr`` (values,
   int64 ``crow_indices`` / ``col_indices``); ``shape`` gives the dense shape.
 - ``BatchedTensor``: per-datum bytes concatenated in ``data``; ``offsets`` = ``num_datums + 1``
@@ -25,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 __all__ = ["WireError", "FBRequest", "decode_forward_backward", "encode_forward_backward_output",
-           "encode_sample_response", "pb"]
+           "encode_sample_response", "pb", "resolve_media"]
 
 
 class WireError(ValueError):
@@ -95,6 +97,9 @@ class FBRequest:
     loss_fn: str
     loss_fn_config: dict[str, float | str]
     forward_only: bool
+    #: datum index -> its model_input as token ids and undecoded media chunks, in order (only the
+    #: data holding image / dmel chunks; :func:`resolve_media` fills their ``model_input`` / ``media``)
+    pieces: dict[int, list] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -178,15 +183,27 @@ def _decode_message(msg: Any) -> FBRequest:
 
     from ferrule.megatron.batching import Datum
 
+    from .media_chunks import MediaPart
+
     data = []
+    pieces: dict[int, list] = {}
     for i, d in enumerate(msg.data):
-        tokens: list[int] = []
+        tokens: list = []
         for j, chunk in enumerate(d.model_input):
-            kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise WireError(f"datum {i}: model_input chunk {j} is {kind!r}; this server takes encoded_text "
-                                "chunks only (no image / audio towers are served).")
-            tokens += _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"datum {i} chunk {j}").tolist()
+            kind, at = chunk.WhichOneof("chunk"), f"datum {i} chunk {j}"
+            if kind == "encoded_text":
+                tokens += _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), at).tolist()
+            elif kind == "image":
+                if chunk.image.HasField("override_dimensions"):
+                    raise WireError(f"{at}: image override_dimensions is not supported; resize the image itself.")
+                tokens.append(MediaPart("image", chunk.image.data, at, chunk.image.format,
+                                        chunk.image.expected_tokens if chunk.image.HasField("expected_tokens") else None))
+            elif kind == "dmel":
+                tokens.append(MediaPart("dmel", chunk.dmel.dmel, at))
+            else:
+                raise WireError(f"{at}: model_input chunk of kind {kind!r}; expected encoded_text, image or dmel.")
+        if any(isinstance(t, MediaPart) for t in tokens):
+            pieces[i], tokens = tokens, []
         inputs = {}
         for key, t in d.loss_fn_inputs.items():
             arr = _tensor(t, f"datum {i}: loss_fn_inputs[{key!r}]")
@@ -196,7 +213,19 @@ def _decode_message(msg: Any) -> FBRequest:
     for k, v in msg.loss_fn_config_v2.items():  # v2 wins (SDK writes floats to both maps)
         which = v.WhichOneof("value")
         config[k] = v.text if which == "text" else float(v.number)
-    return FBRequest(msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only))
+    return FBRequest(msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only), pieces or None)
+
+
+def resolve_media(req: FBRequest, decoder: Any) -> None:
+    """Turn the undecoded media chunks of ``req`` into placeholder tokens + ``Datum.media`` in place
+    (:meth:`ferrule.serve.media_chunks.ChunkMedia.assemble`).
+
+    Raises:
+        ValueError: a media chunk the decoder refuses (the message names datum and chunk).
+    """
+    for i, pieces in (req.pieces or {}).items():
+        req.data[i].model_input, req.data[i].media = decoder.assemble(pieces)
+    req.pieces = None
 
 
 def _batched(arrays: Sequence[np.ndarray], dtype_enum: int, np_dtype: str) -> Any:

@@ -1,0 +1,5 @@
+"""Inkling-2 family plugin (Thinking Machines' Inkling-2 / Inkling-2-Loop MoE; reference:
+``transformers.models.inkling2`` and ``transformers.models.inkling2_loop``, transformers 5.24).
+
+A sibling of :mod:`ferrule.plugins.inkling` (why: docs/families/inkling2.md); it reuses that
+package's building blocks where the HF operation is the same."""
