@@ -74,7 +74,7 @@ async def asample(request: Request):
     try:
         # image / dmel chunks -> placeholder tokens + the towers' inputs (ferrule.serve.media_chunks)
         pieces = parts_from_json((body.get("prompt") or {}).get("chunks") or [], "prompt")
-        tokens, media = decoder(svc.backend, svc.limits).assemble(pieces)
+        tokens, media = decoder(backend, svc.limits).assemble(pieces)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_samples = {n!r}; expected an int >= 1.")
         backend.check_prompt(tokens)

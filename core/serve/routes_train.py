@@ -86,7 +86,7 @@ async def forward_backward(request: Request):
     backend = svc.base(row["base_model"])
     op = "forward" if req.forward_only else "forward_backward"
     try:
-        resolve_media(req, decoder(svc.backend, svc.limits))  # image / dmel chunks -> placeholders + media
+        resolve_media(req, decoder(backend, svc.limits))  # image / dmel chunks -> placeholders + media
         if not req.loss_fn:
             raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
         work = sum(len(d.model_input) * (int(d.loss_fn_inputs["target_tokens"].shape[1])
