@@ -36,7 +36,9 @@ setup() {
   # dependencies into its own venv, which sees ferrule's venv through a .pth file (so ./install.sh's
   # `pip check` in .venv stays clean), then the few it needs that ferrule's venv lacks.
   [ -x .venv-cookbook/bin/python ] || python3 -m venv .venv-cookbook
-  echo "$REPO/.venv/lib/python3.11/site-packages" > .venv-cookbook/lib/python3.11/site-packages/ferrule-venv.pth
+  # addsitedir (not a plain path line) so that the .pth files there, ferrule's editable install among them, apply too
+  echo "import site; site.addsitedir('$REPO/.venv/lib/python3.11/site-packages')" \
+    > .venv-cookbook/lib/python3.11/site-packages/ferrule-venv.pth
   .venv-cookbook/bin/pip install -q --no-deps tinker-cookbook==0.6.1
   .venv-cookbook/bin/pip install -q aiohttp blobfile chz cloudpickle datasets pyrage termcolor pylatexenc math-verify
   .venv-cookbook/bin/python examples/cookbook/make_assets.py "$OUT"
