@@ -97,7 +97,7 @@ def _fp32_logprobs(model32, prompt, tokens, temperature):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fast decode path)")
 @torch.inference_mode()
-def test_fast_decode_matches_plain_path_on_cuda():
+def test_fast_decode_matches_plain_path_on_cuda(monkeypatch):
     """bf16 on CUDA: the fast path's logprobs of its own tokens, against an fp32 HF forward over
     the same tokens, are at most 2x the plain path's bf16 error + 1e-3 (tests/test_gpu.py's
     criterion), and stop ids end rows exactly as the plain path's bookkeeping does."""
@@ -111,9 +111,10 @@ def test_fast_decode_matches_plain_path_on_cuda():
     model = model.to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
-    fast = EmbeddedEngine(model=model)
+    fast = EmbeddedEngine(model=model, fast_decode=True)
     plain = EmbeddedEngine(model=model, fast_decode=False)
     assert fast.fast_decode and not plain.fast_decode
+    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "32")  # attended prefix 32, 64, then the whole cache
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=3, stop_token_ids=(5, 7, 11),
                                   return_raw_logprobs=True)):
@@ -134,7 +135,7 @@ def test_fast_decode_matches_plain_path_on_cuda():
                     e.append((torch.tensor(r.raw_logprobs, dtype=torch.float64) - raw).abs())
             errs[name] = torch.cat(e).mean().item()
         assert errs["fast"] <= 2 * errs["plain"] + 1e-3 and errs["fast"] < 0.02, errs
-    assert fast.health()["captured_buckets"] == [[8, 128]]
+    assert fast.health()["captured_buckets"] == [[8, 128], [16, 128]]  # 6 rows, then 6 x n=2
 
 
 class _EagerReplay:

@@ -42,9 +42,10 @@ MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
 #: back to the plain path
 MAX_STOP_IDS = 1024
-#: key slots attended per step are the filled prefix rounded up to this many (one graph per
-#: length); 0 attends over the whole cache (``FERRULE_FAST_KV_BUCKET`` overrides)
-KV_BUCKET = 64
+#: key slots attended per step: the filled prefix rounded up to this many (one graph per length;
+#: checked on CPU, not yet measured on a GPU); 0 (default): the whole cache, the configuration
+#: measured in docs/benchmarks.md (``FERRULE_FAST_KV_BUCKET`` overrides)
+KV_BUCKET = 0
 _PER_LAYER = 11  # tensors per layer in the flat weight list, see FusedLayout.weights
 
 
@@ -267,10 +268,10 @@ _COMPILED: dict[str, Any] = {}
 
 def _compiled(name: str) -> Any:
     if name not in _COMPILED:
-        # the step sees a new attended length per KV_BUCKET slots: automatic dynamic shapes make that
+        # "step_kv" sees a new attended length per KV_BUCKET slots: automatic dynamic shapes make that
         # int symbolic at its second value (one recompile) instead of one compile per length
-        _COMPILED[name] = torch.compile({"step": _step, "first": _sample_record}[name],
-                                        dynamic=None if name == "step" else False)
+        _COMPILED[name] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record}[name],
+                                        dynamic=None if name == "step_kv" else False)
     return _COMPILED[name]
 
 
@@ -330,7 +331,7 @@ class FastStatic:
         args = self._args(layout, greedy, want_raw, kv_len)
         small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
         saved = [t.clone() for t in small]
-        fn = _compiled("step")
+        fn = _compiled("step" if kv_len is None else "step_kv")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
