@@ -9,6 +9,7 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
                                                            (all but weights: hf_side_files)
       hf/passthrough.safetensors                           HF tensors the mapping table passes through
                                                            (MappingTable.passthrough; only if any)
+      hf/mxfp8_scales.safetensors                          an MXFP8 source's scales (ferrule.converters.quantized)
       checksums.json                                       size and XXH3-64 of every file (ferrule.integrity)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict()}`` (``"model0"``,
@@ -33,8 +34,11 @@ from typing import Any
 
 from ferrule.fsutil import commit_dir
 from ferrule.integrity import record_checksums, verify_checksums
+from ferrule.quantized_weights import open_hf_weights
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
+from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
+from .quantized import requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
@@ -166,39 +170,6 @@ def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
     return family, provider_build(family.name), converter.resolved_mapping()
 
 
-_FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-def _dtype_name(reader: SafetensorsReader) -> str:
-    """The checkpoint's main floating dtype: the one holding the most bytes (e.g. ``"bfloat16"``)."""
-    sizes: dict[str, int] = {}
-    for k in reader.keys():
-        name = reader.dtype_name(k)
-        if name in _FLOAT_NAMES:
-            numel = 1
-            for d in reader.shape(k):
-                numel *= int(d)
-            sizes[name] = sizes.get(name, 0) + numel * (4 if name == "F32" else 2)
-    if not sizes:
-        raise CheckpointError("checkpoint has no floating-point tensors (F32/BF16/F16); pass dtype= explicitly.")
-    return _FLOAT_NAMES[max(sizes, key=lambda n: (sizes[n], n))]
-
-
-def _other_float_dtypes(reader: SafetensorsReader, main: str) -> dict[str, str]:
-    """``{hf_key: dtype}`` for floating tensors stored in another dtype than ``main``.
-
-    E.g. transformers keeps Inkling's ShortConv weights and router bias / global scale in fp32
-    inside a bf16 checkpoint (``_keep_in_fp32_modules_strict``); the export restores each such
-    tensor's own dtype, so the round trip stays bit-exact.
-    """
-    out = {}
-    for k in reader.keys():
-        name = _FLOAT_NAMES.get(reader.dtype_name(k))
-        if name is not None and name != main:
-            out[k] = name
-    return out
-
-
 def _build(build: Callable, hf_config: dict, layout: Any, dtype: str) -> list:
     import torch
 
@@ -315,7 +286,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     out_dir = Path(out_dir).absolute()
     hf_config = _read_config(hf_dir)
     family, _, table = _family_parts(hf_config)  # unsupported model_type fails here, before any output
-    reader = SafetensorsReader(hf_dir)  # missing / truncated shards fail here
+    reader = open_hf_weights(hf_dir, hf_config)  # missing / truncated shards fail here; MXFP8 is read dequantized
     dtype = dtype or _dtype_name(reader)
     other_dtypes = _other_float_dtypes(reader, dtype)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
@@ -329,13 +300,14 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         if not (tmp / "metadata.json").is_file():
             raise ConversionError(f"megatron dist_checkpointing.save wrote no metadata.json into {tmp}.")
         copied = _copy_side_files(hf_dir, tmp / HF_SUBDIR)
+        quantization = source_quantization(reader, tmp / HF_SUBDIR)  # hf/config.json describes the stored weights
         kept = _save_passthrough(reader, table, tmp / HF_SUBDIR)
         import megatron.core
 
         meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
                 "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept,
-                "hf_dtypes": other_dtypes, "ferrule_version": __version__,
+                "hf_dtypes": other_dtypes, "ferrule_version": __version__, "hf_quantization": quantization,
                 "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k) and not table.is_passthrough(k)),
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -352,29 +324,6 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 # ---------------------------------------------------------------------------------------
 # torch_dist -> HF
 # ---------------------------------------------------------------------------------------
-
-
-def write_config_dtype(config_path: Path, dtype: str) -> None:
-    """Make ``config.json`` state ``dtype`` (``"float32"`` ...) as the dtype of its weights.
-
-    Sets ``dtype`` (transformers >= 4.56's key; ``from_pretrained`` loads in it by default) and
-    ``torch_dtype`` where the file has it, at the top level and in each nested sub-config that
-    names one (``text_config``, ``vision_config`` ...), so every part loads as written.
-    """
-    original = json.loads(config_path.read_text())
-    config = json.loads(config_path.read_text())
-
-    def fix(d: dict) -> None:
-        d["dtype"] = dtype
-        if "torch_dtype" in d:
-            d["torch_dtype"] = dtype
-        for v in d.values():
-            if isinstance(v, dict) and ("dtype" in v or "torch_dtype" in v):
-                fix(v)
-
-    fix(config)
-    if config != original:  # a file that already states it stays byte for byte
-        config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def dropped_hf_tensors(meta: dict, table: Any) -> list[tuple[str, Any]]:
@@ -403,7 +352,8 @@ def _check_dropped(dropped: list[tuple[str, Any]], table: Any) -> None:
 
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              max_shard_bytes: int, progress: Callable[[int], None] | None,
-                             hf_dtypes: dict | None = None, out_dtype: str | None = None) -> None:
+                             hf_dtypes: dict | None = None, out_dtype: str | None = None,
+                             requantize: Callable | None = None) -> None:
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -420,11 +370,14 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
     # is the main dtype except for the tensors listed in hf_dtypes
     hf_dtypes = hf_dtypes or {}
     for name, tensor in export_mcore_to_hf(chunks, table, hf_config=hf_config):
-        tensor = tensor.to(getattr(torch, hf_dtypes.get(name, out_dtype or dtype)))
-        if writer is not None:
-            writer.add(name, tensor.cpu())
+        if writer is None:
+            continue
+        out = tensor.to(getattr(torch, hf_dtypes.get(name, out_dtype or dtype)))
+        # --mxfp8: the source's quantized tensors are quantized again from the stored (exact) values
+        for n, t in (requantize(name, tensor.cpu(), out) if requantize is not None else [(name, out)]):
+            writer.add(n, t.cpu())
             if progress is not None:
-                progress(tensor.numel() * tensor.element_size())
+                progress(t.numel() * t.element_size())
     if writer is not None:
         passthrough = Path(ckpt_dir) / HF_SUBDIR / PASSTHROUGH_FILE
         if passthrough.is_file():  # tensors Megatron does not hold (MappingTable.passthrough), written back verbatim
@@ -437,7 +390,8 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
 
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
-                     progress: Callable[[int], None] | None = None, dtype: str | None = None) -> Path:
+                     progress: Callable[[int], None] | None = None, dtype: str | None = None,
+                     mxfp8: bool = False) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
@@ -451,6 +405,11 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     Returns:
         ``out_dir`` as an absolute path.
+
+    A source checkpoint in MXFP8 (read dequantized, :mod:`ferrule.quantized_weights`) exports
+    dequantized in ``dtype`` with no ``quantization_config``; ``mxfp8=True`` writes the tensors it
+    stored quantized as MXFP8 again (same names, blocks and scale dtype; :mod:`ferrule.converters.quantized`)
+    and restores its ``quantization_config``.
 
     Tensors of the source HF checkpoint that the mapping table ignores (``Ignore`` rows) are not in the
     export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
@@ -485,13 +444,16 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if dtype is not None and dtype not in _FLOAT_NAMES.values():
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
     out_dtype = dtype or meta["dtype"]
+    requantize = requantizer(meta, mxfp8, ckpt_dir)  # refused before anything is written
     tmp = _prepare_out(out_dir, overwrite)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
                                                max_shard_bytes, progress if world == 1 else None,
-                                               meta.get("hf_dtypes", {}), out_dtype), tmp)
+                                               meta.get("hf_dtypes", {}), out_dtype, requantize), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
         write_config_dtype(tmp / "config.json", out_dtype)
+        if requantize is not None:
+            restore_quantization_config(tmp / "config.json", meta)
         commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,7 @@
 Commands::
 
     ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N] [--overwrite]
-    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite]
+    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite] [--mxfp8]
 
 Errors are printed as one message (what was wrong and how to fix it) with exit code 2; no
 partial output is left behind. See docs/convert.md.
@@ -60,12 +60,12 @@ def hf_to_torch_dist_cmd(
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
     from ferrule.converters.checkpoint import hf_to_torch_dist
-    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.quantized_weights import open_hf_weights
 
     try:
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
-        total = SafetensorsReader(hf_dir).total_bytes() if (tp * ep * pp) == 1 else 0
+        total = open_hf_weights(hf_dir).total_bytes() if (tp * ep * pp) == 1 else 0
         progress, advance = _progress(total, "hf -> torch_dist")
         with progress:
             out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
@@ -81,6 +81,8 @@ def torch_dist_to_hf_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Output HF directory (must not exist).")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
     max_shard_gb: Annotated[float, typer.Option("--max-shard-gb", help="Safetensors shard size bound (GiB).")] = 5.0,
+    mxfp8: Annotated[bool, typer.Option("--mxfp8", help="Write the tensors an MXFP8 source stored quantized as "
+                                        "MXFP8 again (default: dequantized, in the checkpoint's dtype).")] = False,
 ) -> None:
     """Convert a torch_dist checkpoint back to HF safetensors shards + index + config + tokenizer."""
     import json
@@ -95,7 +97,7 @@ def torch_dist_to_hf_cmd(
         progress, advance = _progress(int(meta.get("hf_bytes", 0)), "torch_dist -> hf")
         with progress:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
-                                   progress=advance)
+                                   progress=advance, mxfp8=mxfp8)
     except BaseException as exc:  # noqa: BLE001 - see _fail
         _fail(exc)
     typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")

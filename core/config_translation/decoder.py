@@ -370,6 +370,8 @@ COMMON_HARMLESS: tuple = (
     Harmless("transformers_version", "provenance only"),
     Harmless("dtype", "storage dtype of the checkpoint; conversion keeps each tensor's dtype"),
     Harmless("torch_dtype", "transformers-4 spelling of dtype (storage dtype only)"),
+    Harmless("quantization_config", "storage format of the weights: ferrule.quantized_weights reads MXFP8 / FP8 "
+             "dequantized as transformers does and refuses every other quant_method"),
     Harmless("_name_or_path", "provenance only"),
     Harmless("_model_name_or_path", "provenance only (written by transformers' GGUF loader, e.g. SmolLM2's)"),
     Harmless("bos_token_id", "tokenizer/generation metadata; no effect on logits"),

@@ -165,11 +165,11 @@ def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mappi
     """
     import torch
 
-    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.quantized_weights import open_hf_weights
 
     ranks = ParallelRanks.current()
     src = _DictSource(hf_dir_or_tensors) if isinstance(hf_dir_or_tensors, Mapping) \
-        else SafetensorsReader(hf_dir_or_tensors)
+        else open_hf_weights(hf_dir_or_tensors)  # MXFP8 / FP8 weights are read dequantized
     errors: list[str] = []
     needed: set[str] = set()
     params: list[BoundParam] = []

@@ -1,0 +1,102 @@
+"""Block-scaled FP8 (MXFP8) checkpoints in ``ferrule convert``: what the torch_dist checkpoint records
+of the source's quantization, and the MXFP8 export.
+
+``hf-to-torch-dist`` reads a quantized HF checkpoint dequantized (:mod:`ferrule.quantized_weights`);
+the torch_dist holds the dequantized weights, so its ``hf/config.json`` loses ``quantization_config``
+(it describes the weights stored), and ``ferrule_checkpoint.json`` keeps it under
+``hf_quantization``: ``{"config": quantization_config, "tensors": {hf_key: {"scale": scale key,
+"scale_dtype": "U8", "dtype": "F8_E4M3", "block": [block_m, block_n]}}}``.
+
+The source's scales are kept beside, in ``hf/mxfp8_scales.safetensors`` (one byte per 32 weights).
+
+``torch-dist-to-hf`` writes the dequantized (e.g. bf16) folder by default; with ``mxfp8=True`` it
+quantizes again every tensor the source stored quantized (same names, block grid and scale dtype)
+and puts ``quantization_config`` back. A tensor that still holds the source's values is written
+with the source's own scales (:func:`ferrule.quantized_weights.requantize_exactly`: the source's
+bytes come back); a changed one (trained) gets fresh scales by transformers' rule
+(:func:`ferrule.quantized_weights.quantize_mxfp8`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ferrule.quantized_weights import DequantizingReader, quantize_mxfp8, requantize_exactly
+from ferrule.safetensors_io import CheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["SCALES_FILE", "source_quantization", "requantizer", "restore_quantization_config"]
+
+#: File in ``OUT_DIR/hf`` holding the source checkpoint's MXFP8 scales (under their HF names).
+SCALES_FILE = "mxfp8_scales.safetensors"
+
+
+def source_quantization(reader: Any, hf_side_dir: Path) -> dict | None:
+    """The ``hf_quantization`` entry for ``ferrule_checkpoint.json`` (None: the source is not quantized);
+    drops ``quantization_config`` from ``hf_side_dir/config.json`` when it is."""
+    if not isinstance(reader, DequantizingReader):
+        return None
+    path = hf_side_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    if reader.quantized:
+        from safetensors.torch import save_file
+
+        save_file({info["scale"]: reader.raw.get(info["scale"]).contiguous() for info in reader.quantized.values()},
+                  str(hf_side_dir / SCALES_FILE))
+    return {"config": reader.quantization_config, "tensors": reader.quantized}
+
+
+def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterator[tuple[str, "torch.Tensor"]]] | None:
+    """``fn(hf_name, stored, out) -> (name, tensor)...``: ``(hf_name, out)`` for a tensor the source did not
+    quantize, the MXFP8 values and scale of ``stored`` (the torch_dist's tensor) for one it did; None
+    when ``mxfp8`` is False.
+
+    Raises:
+        CheckpointError: ``mxfp8`` but the source was not quantized, or not with power-of-two
+            (E8M0) scales, whose values alone round-trip exactly.
+    """
+    if not mxfp8:
+        return None
+    quant = meta.get("hf_quantization")
+    if not quant:
+        raise CheckpointError("--mxfp8: the source HF checkpoint of this torch_dist checkpoint was not quantized "
+                              "(ferrule_checkpoint.json has no hf_quantization); export it without --mxfp8.")
+    tensors = quant["tensors"]
+    other = sorted({t["scale_dtype"] for t in tensors.values()} - {"U8", "F8_E8M0"})
+    if other:
+        raise CheckpointError(f"--mxfp8: the source's scales are {other}, not power-of-two E8M0 (U8 / F8_E8M0), so "
+                              f"re-quantizing would not give its values back; export without --mxfp8 (dequantized).")
+
+    source_scales = {}
+    if (Path(ckpt_dir) / "hf" / SCALES_FILE).is_file():
+        from safetensors.torch import load_file
+
+        source_scales = load_file(str(Path(ckpt_dir) / "hf" / SCALES_FILE))
+
+    def convert(name: str, stored: "torch.Tensor", out: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
+        info = tensors.get(name)
+        if info is None:
+            yield name, out
+            return
+        scale = source_scales.get(info["scale"])
+        values = requantize_exactly(stored, scale) if scale is not None else None
+        if values is None:  # changed since import (or no source scales): transformers' rule
+            values, scale = quantize_mxfp8(stored, tuple(info["block"]), info["scale_dtype"])
+        yield name, values
+        yield info["scale"], scale
+
+    return convert
+
+
+def restore_quantization_config(config_path: Path, meta: dict) -> None:
+    """Put the source's ``quantization_config`` back into an MXFP8 export's ``config.json``."""
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = meta["hf_quantization"]["config"]
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
