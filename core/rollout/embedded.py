@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ferrule.rollout import _fast_decode
+from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
 from ferrule.rollout._weights import EmbeddedWeightUpdates
@@ -194,7 +194,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         if fast_decode is None:
             fast_decode = os.environ.get("FERRULE_FAST_DECODE", "0") == "1"
         self.fast_decode = bool(fast_decode and self.compile_decode and self.cuda_graph
-                                and _fast_decode.supported(self.model))
+                                and supported(self.model))
         self._fused: tuple | None = None  # (parameter addresses, FusedLayout) of the fast decode path
         if self.fast_decode:  # before any adapter or checkpoint-name view exists
             self._fuse_weights()
@@ -371,15 +371,15 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         return lambda logits, gen: sample_next(logits.float(), params, gen, banned)
 
     def _fast_layout(self, params: SamplingParams, stop_ids: list[int], matcher: StopStringMatcher | None,
-                     media_inputs: Any) -> "_fast_decode.FusedLayout | None":
+                     media_inputs: Any) -> FusedLayout | None:
         """:func:`ferrule.rollout._fast_decode.engine_layout` for this call."""
-        return _fast_decode.engine_layout(self, params, stop_ids, matcher, media_inputs)
+        return engine_layout(self, params, stop_ids, matcher, media_inputs)
 
     def _fuse_weights(self) -> None:
         """Fuse q/k/v and gate/up (:func:`ferrule.rollout._fast_decode.fuse_weights`)."""
-        layout = _fast_decode.fuse_weights(self.model)
+        layout = fuse_weights(self.model)
         self._ck_tensors = None  # views of the parameters taken before they moved
-        self._fused = (_fast_decode.base_ptrs(self.model), layout)
+        self._fused = (base_ptrs(self.model), layout)
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
@@ -422,7 +422,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             logits = state.prefill(input_ids, position_ids, prompt_mask)
             fast = getattr(state, "fast", None)
             if fast is None:
-                fast = state.fast = _fast_decode.FastStatic(state, logits.shape[-1], dev)
+                fast = state.fast = FastStatic(state, logits.shape[-1], dev)
             return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool)
         sampler = self._sampler(params, batch)
         logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
