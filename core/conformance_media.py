@@ -25,7 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ferrule.conformance_numeric import LOGITS_ATOL_FP32, _build, _variant_module, single_rank, tiny_hf_dir
+from ferrule.conformance_numeric import (LOGITS_ATOL_FP32, _build, _variant_module, logits_max_diff, single_rank,
+                                        tiny_hf_dir)
 from ferrule.conformance_fields import hf_model_class, text_vocab_size
 
 __all__ = ["media_prompt", "tiny_media_of", "check_media_logits_parity", "mcore_media_logits"]
@@ -119,7 +120,7 @@ def check_media_logits_parity(family: str, work_dir: str | os.PathLike, *, atol:
         (model,) = _build(family, hf_config)
         load_hf_into_mcore([model], src, registry.get_converter(family).resolved_mapping(), hf_config=hf_config)
         with torch.no_grad():
-            out = mcore_media_logits(model.eval(), ids, media)[..., : ref.shape[-1]]
-    diff = (out.float() - ref.float()).abs().max().item()
+            out = mcore_media_logits(model.eval(), ids, media)[..., : text_vocab_size(hf_config)]
+    diff = logits_max_diff(family, out, ref)
     assert diff <= atol, f"{family}: Megatron+towers vs HF logits with media max abs diff {diff:.3g} > {atol}"
     return {"logits_max_abs_diff": diff, "effects": effects}

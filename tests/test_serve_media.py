@@ -146,7 +146,7 @@ def test_sample_with_media_matches_the_train_engine(server, media):
     image, dmel = media
     prompt = _prompt(image, dmel)
     sc = server.client()
-    sampler = sc.create_sampling_client(base_model=MODEL_NAME)
+    sampler = sc.create_sampling_client(base_model=MODEL_NAME).result()
     res = sampler.sample(prompt, num_samples=2, include_prompt_logprobs=True,
                          sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)).result()
     tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()   # B = 0: the base model
@@ -181,7 +181,7 @@ def test_bad_media_refused_up_front_naming_the_offender(server, media):
     image, dmel = media
     sc = server.client()
     tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
-    sampler = sc.create_sampling_client(base_model=MODEL_NAME)
+    sampler = sc.create_sampling_client(base_model=MODEL_NAME).result()
 
     def fwd(chunks, n):
         d = types.Datum(model_input=types.ModelInput(chunks=chunks),

@@ -1,0 +1,73 @@
+"""Offline assets for running tinker-cookbook 0.6.1's ``vlm_classifier`` recipe against ``ferrule serve``.
+
+No hub download: both are made here.
+
+- ``MODEL_DIR``: a tiny random ``InklingForConditionalGeneration`` (13 M parameters, fp32) with the
+  real o200k vocabulary (201,088 ids, so the cookbook's ``tml_v0`` renderer's token ids fit), the
+  released 40 px vision patch and placeholder ids (image 200054, audio 200053), 512 positions.
+- ``CACHE_DIR``: an HF datasets cache holding a stand-in for ``dpdl-benchmark/caltech101`` (the
+  recipe's ``dataset=caltech101``): two classes drawn with PIL (a red square, a blue disc, on
+  noise), 8 train and 4 test 64 x 48 images, where datasets' offline ``Cache`` builder finds a hub
+  dataset (``<org>___<name>/default/0.0.0/<hash>/<name>-<split>.arrow`` + ``dataset_info.json``).
+
+Usage: ``python make_assets.py MODEL_DIR CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def make_model(out: Path) -> None:
+    import torch
+    from transformers import InklingConfig, InklingForConditionalGeneration
+
+    from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG
+
+    text = {k: v for k, v in TINY_HF_CONFIG.items() if k != "model_type"}
+    text.update(vocab_size=201088, max_position_embeddings=512)
+    cfg = InklingConfig(text_config=text, vision_config={"num_hidden_layers": 2, "patch_size": 40},
+                        audio_config={"n_mel_bins": 80, "mel_vocab_size": 16})
+    torch.manual_seed(0)
+    InklingForConditionalGeneration(cfg).save_pretrained(out)
+
+
+def make_dataset(cache: Path) -> None:
+    import datasets
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(0)
+
+    def image(label: int) -> Image.Image:
+        im = Image.fromarray(rng.integers(0, 60, (48, 64, 3), dtype=np.uint8))
+        draw = ImageDraw.Draw(im)
+        (draw.rectangle if label == 0 else draw.ellipse)((16, 8, 48, 40), fill=(220, 30, 30) if label == 0 else (30, 30, 220))
+        return im
+
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["red_square", "blue_disc"])})
+    out = cache / "dpdl-benchmark___caltech101" / "default" / "0.0.0" / ("0" * 40)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {}
+    for split, n in (("train", 8), ("test", 4)):
+        labels = [i % 2 for i in range(n)]
+        ds = datasets.Dataset.from_dict({"image": [image(x) for x in labels], "label": labels}, features=features,
+                                        split=split)
+        tmp = cache / f"tmp-{split}"
+        ds.save_to_disk(str(tmp))
+        target = out / f"caltech101-{split}.arrow"
+        os.replace(next(tmp.glob("*.arrow")), target)
+        splits[split] = {"name": split, "num_bytes": target.stat().st_size, "num_examples": n,
+                         "dataset_name": "caltech101"}
+    datasets.DatasetInfo(features=features, dataset_name="caltech101", config_name="default",
+                         builder_name="caltech101",
+                         splits=datasets.SplitDict.from_split_dict(splits)).write_to_directory(str(out))
+
+
+if __name__ == "__main__":
+    make_model(Path(sys.argv[1]))
+    make_dataset(Path(sys.argv[2]))
+    print(f"model in {sys.argv[1]}, dataset cache in {sys.argv[2]}")
