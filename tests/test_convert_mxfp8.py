@@ -212,3 +212,14 @@ def test_inkling2_released_mxfp8_experts(tmp_path):
     assert a.keys() == b.keys()
     for k in a.keys():
         assert a.dtype_name(k) == b.dtype_name(k) and torch.equal(a.get(k).view(torch.uint8), b.get(k).view(torch.uint8)), k
+
+
+@pytest.mark.timeout(600)
+def test_ferrule_check_passes_on_an_mxfp8_checkpoint(mxfp8_dir):
+    """``ferrule check`` compares the round trip with the source as transformers reads it (dequantized)."""
+    from ferrule.converters.check import run_check
+
+    report = run_check(mxfp8_dir, seq_len=12)
+    assert [(r.step, r.status) for r in report.rows] == [
+        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")], \
+        [(r.step, r.status, r.detail) for r in report.rows]
