@@ -148,34 +148,42 @@ class FamilyConformance:
             if hasattr(spec, "read_source"):
                 assert spec.read_source().strip(), f"chat template {spec.name} is empty"
 
-    def test_numeric_conformance(self, ferrule_family: str, tmp_path) -> None:
+    @classmethod
+    def _class_families(cls, config: pytest.Config) -> list[str]:
+        """The registered families this class checks (``families``, ``--ferrule-family``), as collected."""
+        names = [f.name for f in registry.list_families()]
+        wanted = list(cls.families or ())
+        try:
+            wanted += config.getoption("ferrule_family") or []
+        except ValueError:
+            pass
+        return [n for n in names if not wanted or n in wanted]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tp1_results(cls, request, tmp_path_factory) -> dict[str, dict]:
+        """One fresh interpreter (:data:`TP1_CODE`) runs the TP=1 numeric cases and the update-group
+        coverage of every family of this class, one family after the other; ``{family: {"numeric":
+        {...}, "groups": {...}}}``, each ``{"skip": why}``, ``{"error": text}`` or the value.
+
+        A fresh interpreter because megatron's parallel state and the CPU-compat patches are
+        process-global and must not leak into the test session; one for all families because each
+        costs its imports (megatron, transformers) again, the larger part of a family's time.
+        """
+        families = cls._class_families(request.config)
+        work = tmp_path_factory.mktemp("kit_tp1")
+        out = subprocess.run([sys.executable, "-c", TP1_CODE, str(work), *families], capture_output=True, text=True,
+                             timeout=600 + 300 * len(families), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        return _last_json(out, "the TP=1 conformance run")
+
+    def test_numeric_conformance(self, ferrule_family: str, tp1_results) -> None:
         """Round trip bit-exact, mapping covers the provider, rotary tables / translated fields /
         declared features as HF uses them, Megatron logits == HF logits (TP=1).
 
-        Runs in a fresh interpreter: megatron's parallel state and the CPU-compat patches are
-        process-global and must not leak into the rest of the test session.
+        Computed by :meth:`tp1_results` (a fresh interpreter shared by the class's families).
         """
         _skip_without_numeric_parts(ferrule_family)
-        code = (
-            "import json, sys, warnings\n"
-            "warnings.filterwarnings('ignore')\n"
-            "from ferrule import conformance_numeric as cn\n"
-            "fam, work = sys.argv[1], sys.argv[2]\n"
-            "if cn.tiny_hf_config(fam) is None:\n"
-            "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
-            "try:\n"
-            "    cn.check_round_trip(fam, work + '/rt')\n"
-            "    cn.check_mapping_covers_provider(fam, work + '/cov')\n"
-            "    cn.check_translation_matches_hf(fam, work + '/fields')\n"
-            "    cn.check_features_reached(fam, work + '/features')\n"
-            "    diff = cn.check_logits_parity(fam, work + '/par')\n"
-            "except BaseException as exc:\n"
-            "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'})); sys.exit(0)\n"
-            "print(json.dumps({'logits_max_abs_diff': float(diff)}))\n"
-        )
-        out = subprocess.run([sys.executable, "-c", code, ferrule_family, str(tmp_path)],
-                             capture_output=True, text=True, timeout=600)
-        result = _last_json(out, f"numeric conformance for {ferrule_family}")
+        result = tp1_results[ferrule_family]["numeric"]
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
         if "error" in result:
@@ -211,19 +219,21 @@ class FamilyConformance:
             pytest.fail(f"{ferrule_family} (media, TP=1): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
 
-    def test_update_groups_cover_parameters(self, ferrule_family: str) -> None:
+
+    def test_update_groups_cover_parameters(self, ferrule_family: str, tp1_results) -> None:
         """Every parameter of the tiny model lands in exactly one update unit, and every update unit
         names only existing parameters (:func:`ferrule.conformance_numeric.check_update_groups_cover_parameters`).
 
-        Runs in a fresh interpreter (megatron's parallel state is process-global).
+        Computed by :meth:`tp1_results` (megatron's parallel state is process-global).
         """
         reg = registry.get_registry()
         if ferrule_family not in reg.update_groups or ferrule_family not in reg.providers:
             spec = reg.get_family(ferrule_family)
             pytest.skip(f"{ferrule_family} registers no provider/update groups yet ({spec.status.name}: {spec.reason})")
-        result = run_conformance_check("check_update_groups_cover_parameters", ferrule_family)
+        result = tp1_results[ferrule_family]["groups"]
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        assert "error" not in result, f"check_update_groups_cover_parameters failed for {ferrule_family}: {result.get('error')}"
         assert result["value"] > 0
 
     @pytest.fixture(scope="class")
@@ -265,6 +275,36 @@ class FamilyConformance:
             pytest.fail(f"{ferrule_family} (TP=2): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
 
+
+
+#: the interpreter of :meth:`FamilyConformance.tp1_results`: ``argv = [work, family, ...]``; prints one JSON line
+TP1_CODE = (
+    "import json, sys, warnings\n"
+    "warnings.filterwarnings('ignore')\n"
+    "from ferrule import conformance_numeric as cn, registry\n"
+    "work, out = sys.argv[1], {}\n"
+    "def run(f):\n"
+    "    try:\n"
+    "        return f()\n"
+    "    except BaseException as exc:\n"
+    "        return {'error': f'{type(exc).__name__}: {exc}'}\n"
+    "def numeric(fam, w):\n"
+    "    cn.check_round_trip(fam, w + '/rt')\n"
+    "    cn.check_mapping_covers_provider(fam, w + '/cov')\n"
+    "    cn.check_translation_matches_hf(fam, w + '/fields')\n"
+    "    cn.check_features_reached(fam, w + '/features')\n"
+    "    return {'logits_max_abs_diff': float(cn.check_logits_parity(fam, w + '/par'))}\n"
+    "reg = registry.get_registry()\n"
+    "for fam in sys.argv[2:]:\n"
+    "    if fam not in reg.providers or fam not in reg.converters or cn.tiny_hf_config(fam) is None:\n"
+    "        out[fam] = {'numeric': {'skip': 'no TINY_HF_CONFIG'}, 'groups': {'skip': 'no TINY_HF_CONFIG'}}\n"
+    "        continue\n"
+    "    w = f'{work}/{fam}'\n"
+    "    out[fam] = {'numeric': run(lambda: numeric(fam, w)),\n"
+    "                'groups': run(lambda: {'value': cn.check_update_groups_cover_parameters(fam)})\n"
+    "                if fam in reg.update_groups else {'skip': 'no update groups'}}\n"
+    "print(json.dumps(out))\n"
+)
 
 
 def run_conformance_check(check: str, family: str, *args: str) -> dict[str, object]:
