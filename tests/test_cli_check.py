@@ -59,6 +59,12 @@ def _olmo2_dir(tmp_path):
     return env, tmp_path / "hf"
 
 
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory):
+    """The OLMo-2 fixture plugin's env and tiny HF folder, made once for this module's checks (read only)."""
+    return _olmo2_dir(tmp_path_factory.mktemp("olmo2"))
+
+
 def _check(env, hf, *args, bug=""):
     env = dict(env, COLUMNS="200", FERRULE_OLMO2_FIXTURE_BUG=bug)
     return subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(hf), "--seq-len", "16", *args],
@@ -70,10 +76,10 @@ PLANTED = {"gate_up": "layer 0 mlp", "qkv": "layer 0 attention", "o_proj_t": "la
 
 
 @pytest.mark.timeout(600)
-def test_post_norm_family_mistakes_are_localised_at_tp1(tmp_path):
+def test_post_norm_family_mistakes_are_localised_at_tp1(olmo2, tmp_path):
     """OLMo-2 layers have no input_layernorm: each planted mistake still gets exit 1 and the right layer/op
     (before: AttributeError, exit 2, no table)."""
-    env, hf = _olmo2_dir(tmp_path)
+    env, hf = olmo2
     good = _check(env, hf)
     assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
     for bug, where in PLANTED.items():
@@ -85,11 +91,11 @@ def test_post_norm_family_mistakes_are_localised_at_tp1(tmp_path):
 
 
 @pytest.mark.timeout(1500)
-def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(tmp_path):
+def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(olmo2, tmp_path):
     """--tp 2: the logits row is computed at TP=2 (the full-projection q/k norm all-reduces there), a
     correct plugin passes, and every planted mistake (plus a gate/up split on the wrong TP axis,
     which only TP > 1 shows) names its layer and op."""
-    env, hf = _olmo2_dir(tmp_path)
+    env, hf = olmo2
     good = _check(env, hf, "--tp", "2")
     assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
     assert re.search(r"logits \(tp=2, fp32\)\s*│ ok", good.stdout), good.stdout
@@ -101,10 +107,10 @@ def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mista
 
 
 @pytest.mark.timeout(600)
-def test_swapped_rows_blame_the_plugin_not_the_checkpoint(tmp_path):
+def test_swapped_rows_blame_the_plugin_not_the_checkpoint(olmo2, tmp_path):
     """up_proj / down_proj named in each other's rows: a shape mismatch that says 'suspect the plugin'
     (before: 'suspect the checkpoint')."""
-    env, hf = _olmo2_dir(tmp_path)
+    env, hf = olmo2
     proc = _check(env, hf, bug="swapped_rows")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())
@@ -112,9 +118,9 @@ def test_swapped_rows_blame_the_plugin_not_the_checkpoint(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_exit_codes_separate_bad_input_from_a_crashing_plugin(tmp_path):
+def test_exit_codes_separate_bad_input_from_a_crashing_plugin(olmo2, tmp_path):
     """No HF directory: exit 2; plugin code raising (the provider): exit 3 and a CRASH row, not 'unusable input'."""
-    env, hf = _olmo2_dir(tmp_path)
+    env, hf = olmo2
     missing = _check(env, tmp_path / "nowhere")
     assert missing.returncode == 2 and "has no config.json" in missing.stderr, missing.stderr
     crash = _check(env, hf, bug="crash")
