@@ -26,7 +26,7 @@ from ferrule.plugins.inkling.layers import (InklingNormedEmbedding, InklingRelat
                                             tp_sharded_state_dict)
 
 __all__ = ["Inkling2RMSNorm", "unweighted_rms_norm", "l2_clip", "log_scale", "Inkling2ScaledL2Clip",
-           "Inkling2ShortConv", "Inkling2DynamicShortConv", "Inkling2BlockAttentionResidual", "Inkling2Attention",
+           "Inkling2ShortConv", "Inkling2DynamicShortConv", "Inkling2BlockAttentionResidual", "attend_blocks", "Inkling2Attention",
            "Inkling2NormedEmbedding"]
 
 
@@ -167,12 +167,20 @@ class Inkling2BlockAttentionResidual(MegatronModule):
         self.query = torch.nn.Parameter(torch.zeros(*shape, dtype=torch.float32))
 
     def forward(self, block_states: torch.Tensor, partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        sources = unweighted_rms_norm(torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).float(), 1e-6)
-        hidden = sources.shape[-1]
-        q = self.query.float().view(-1, hidden)  # [n, H]
-        scores = torch.einsum("sbkh,nh->sbnk", sources, q) * hidden ** -0.5
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        return torch.einsum("sbnk,sbkh->sbnh", probs, sources).unbind(-2)
+        return attend_blocks(block_states, partial, self.query)
+
+
+def attend_blocks(block_states: torch.Tensor, partial: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The block attention of :class:`Inkling2BlockAttentionResidual` for ``query`` ``[H]`` or ``[n, H]``.
+
+    ``block_states`` ``[s, b, N, H]``, ``partial`` ``[s, b, H]``; returns ``n`` fp32 ``[s, b, H]``.
+    """
+    sources = unweighted_rms_norm(torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).float(), 1e-6)
+    hidden = sources.shape[-1]
+    q = query.float().view(-1, hidden)  # [n, H]
+    scores = torch.einsum("sbkh,nh->sbnk", sources, q) * hidden ** -0.5
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.einsum("sbnk,sbkh->sbnh", probs, sources).unbind(-2)
 
 
 class Inkling2NormedEmbedding(InklingNormedEmbedding):

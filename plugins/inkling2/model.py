@@ -80,18 +80,40 @@ class Inkling2Layer(MegatronModule):
         router = functools.partial(Inkling2Router, route_scale=options["route_scale"])
         self.mlp = build_module(ModuleSpec(module=Inkling2MoELayer, submodules=MoESubmodules(experts=experts, router=router)),
                                 config=config, layer_number=layer_number, pg_collection=pg_collection)
+        self.loop_range = None
+        if "loop_layer_index_start" in options:
+            self.loop_range = tuple(int(options[k]) for k in ("loop_layer_index_start", "loop_layer_index_end",
+                                                               "loop_num_passes"))
+        self.loop = "loop_layer_index_start" in options and (
+            int(options["loop_layer_index_start"]) <= index < int(options["loop_layer_index_end"]))
+        if self.loop:
+            from ferrule.plugins.inkling2.loop import Inkling2LoopMessageGate
 
-    def forward(self, hidden_states: torch.Tensor, block_states: torch.Tensor, attention_mask=None) -> torch.Tensor:
+            for which in ("q", "k", "v", "mlp"):
+                setattr(self, f"{which}_message_gate", Inkling2LoopMessageGate(config, int(options["loop_gate_rank"])))
+
+    def forward(self, hidden_states: torch.Tensor, block_states: torch.Tensor, attention_mask=None,
+                messages: tuple | None = None) -> torch.Tensor:
+        """``messages``: the loop passes after the first give loop layers the previous pass's ``(q, k, v, mlp)``
+        messages, mixed into the attention and MLP inputs by the message gates (HF ``Inkling2Loop*LoopDecoderLayer``)."""
         dtype = hidden_states.dtype
         block_residual = hidden_states
         if self.sliding:
             x = hidden_states if self.attention_input is None else self.attention_input(block_states, hidden_states)[0]
-            attn = self.self_attention(self.input_layernorm(x).to(dtype), attention_mask=attention_mask)
+            if messages is None:
+                attn = self.self_attention(self.input_layernorm(x).to(dtype), attention_mask=attention_mask)
+            else:
+                xq, xk, xv = (self.input_layernorm(gate(x, m)).to(dtype) for gate, m in
+                              zip((self.q_message_gate, self.k_message_gate, self.v_message_gate), messages))
+                attn = self.self_attention(xq, xk, xv, attention_mask=attention_mask)
         else:
             if self.attention_input is None:
                 xq = xk = xv = hidden_states
             else:
                 xq, xk, xv = self.attention_input(block_states, hidden_states)
+            if messages is not None:
+                xq, xk, xv = (gate(x, m) for gate, x, m in zip(
+                    (self.q_message_gate, self.k_message_gate, self.v_message_gate), (xq, xk, xv), messages))
             attn = self.self_attention(self.q_input_layernorm(xq).to(dtype), self.k_input_layernorm(xk).to(dtype),
                                        self.v_input_layernorm(xv).to(dtype), attention_mask=attention_mask)
         residual = h = self.post_attention_convolution(attn).float()
@@ -100,6 +122,8 @@ class Inkling2Layer(MegatronModule):
         else:
             residual = h = block_residual.float() + h
         h = self.mlp_input(block_states, h)[0]
+        if messages is not None:
+            h = self.mlp_message_gate(h, messages[3])
         h, _ = self.mlp(self.pre_mlp_layernorm(h).to(dtype))
         h = self.post_mlp_convolution(h)
         return (residual + h).to(dtype)
@@ -200,7 +224,10 @@ def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output:
                      max_sequence_length=int(options["max_sequence_length"]), pre_process=True, post_process=True,
                      parallel_output=parallel_output, share_embeddings_and_output_weights=False,
                      position_embedding_type="none")
-    model.decoder = Inkling2Block(config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm),
+    block_cls = Inkling2Block
+    if "loop_layer_index_start" in options:
+        from ferrule.plugins.inkling2.loop import Inkling2LoopBlock as block_cls
+    model.decoder = block_cls(config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm),
                                   pre_process=True, post_process=True, pg_collection=model.pg_collection)
     model.embedding = Inkling2NormedEmbedding(config, vocab, int(options["max_sequence_length"]),
                                               padding_idx=options.get("padding_idx"))
