@@ -88,9 +88,10 @@ CONFIG_TRANSLATION = Inkling2LoopConfigTranslation(name="inkling2_loop", entries
 
 def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
     """This rank's megatron Inkling-2-Loop model for an ``inkling2_loop_text`` HF config (``ProviderSpec.build``)."""
+    from ferrule.plugins.inkling2.loop import Inkling2LoopBlock
     from ferrule.plugins.inkling2.model import build_from_hf_config
 
-    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
+    return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, block_cls=Inkling2LoopBlock, **options)
 
 
 _GATES = (("q", "attn"), ("k", "k"), ("v", "v"), ("mlp", "mlp"))

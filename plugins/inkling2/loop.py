@@ -12,35 +12,10 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from ferrule.plugins.inkling2.layers import attend_blocks, unweighted_rms_norm
+from ferrule.plugins.inkling2.layers import Inkling2LoopMessageGate, attend_blocks
 from ferrule.plugins.inkling2.model import Inkling2Block
 
-__all__ = ["Inkling2LoopMessageGate", "Inkling2LoopMessageQueries", "Inkling2LoopBlock"]
-
-
-class Inkling2LoopMessageGate(MegatronModule):
-    """HF ``Inkling2LoopMessageGate``: ``(1 - tanh(F g)) * h + tanh(G g) * m`` with
-    ``g = down @ [rms(h); rms(m)]`` (unweighted RMSNorm, eps ``rms_norm_eps``), all in fp32.
-
-    ``down_weight`` ``[rank, 2H]`` (params dtype), ``forget_weight`` / ``gain_weight`` ``[H, rank]`` fp32: the
-    released names (HF ``down_proj``, ``forget_gate_proj``, ``message_gate_proj``). Returns fp32 ``[s, b, H]``.
-    """
-
-    def __init__(self, config, rank: int):
-        super().__init__(config=config)
-        hidden, self.eps = config.hidden_size, config.layernorm_epsilon
-        self.down_weight = torch.nn.Parameter(torch.empty(rank, 2 * hidden, dtype=config.params_dtype))
-        self.forget_weight = torch.nn.Parameter(torch.empty(hidden, rank, dtype=torch.float32))
-        self.gain_weight = torch.nn.Parameter(torch.empty(hidden, rank, dtype=torch.float32))
-        if config.perform_initialization:
-            for w in (self.down_weight, self.forget_weight, self.gain_weight):
-                torch.nn.init.normal_(w, std=config.init_method_std)
-
-    def forward(self, hidden_states: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
-        h, m = hidden_states.float(), message.float()
-        g = torch.cat([unweighted_rms_norm(h, self.eps), unweighted_rms_norm(m, self.eps)], dim=-1)
-        g = (g.to(self.down_weight.dtype) @ self.down_weight.T).float()
-        return (1 - torch.tanh(g @ self.forget_weight.T)) * h + torch.tanh(g @ self.gain_weight.T) * m
+__all__ = ["Inkling2LoopMessageQueries", "Inkling2LoopBlock"]
 
 
 class Inkling2LoopMessageQueries(MegatronModule):

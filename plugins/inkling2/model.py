@@ -87,7 +87,7 @@ class Inkling2Layer(MegatronModule):
         self.loop = "loop_layer_index_start" in options and (
             int(options["loop_layer_index_start"]) <= index < int(options["loop_layer_index_end"]))
         if self.loop:
-            from ferrule.plugins.inkling2.loop import Inkling2LoopMessageGate
+            from ferrule.plugins.inkling2.layers import Inkling2LoopMessageGate
 
             for which in ("q", "k", "v", "mlp"):
                 setattr(self, f"{which}_message_gate", Inkling2LoopMessageGate(config, int(options["loop_gate_rank"])))
@@ -200,8 +200,11 @@ def _install_output(model, options) -> None:
 
 
 def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output: bool = True,
-                         make_vocab_size_divisible_by: int = 128):
+                         make_vocab_size_divisible_by: int = 128, block_cls=None):
     """One megatron ``GPTModel`` holding the Inkling-2 text model (pp=1).
+
+    ``block_cls``: the decoder class (default :class:`Inkling2Block`; Inkling-2-Loop passes
+    :class:`ferrule.plugins.inkling2.loop.Inkling2LoopBlock`).
 
     Returns:
         A ``GPTModel`` on the backend's device; logits ``[b, s, padded_vocab / tp]`` (fp32 params: fp32).
@@ -224,10 +227,7 @@ def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output:
                      max_sequence_length=int(options["max_sequence_length"]), pre_process=True, post_process=True,
                      parallel_output=parallel_output, share_embeddings_and_output_weights=False,
                      position_embedding_type="none")
-    block_cls = Inkling2Block
-    if "loop_layer_index_start" in options:
-        from ferrule.plugins.inkling2.loop import Inkling2LoopBlock as block_cls
-    model.decoder = block_cls(config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm),
+    model.decoder = (block_cls or Inkling2Block)(config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm),
                                   pre_process=True, post_process=True, pg_collection=model.pg_collection)
     model.embedding = Inkling2NormedEmbedding(config, vocab, int(options["max_sequence_length"]),
                                               padding_idx=options.get("padding_idx"))
@@ -242,7 +242,8 @@ def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output:
 def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, params_dtype=torch.float32,
                          parallel_output: bool = True, moe_token_dispatcher_type: str = "alltoall",
                          use_cpu_initialization: bool | None = None, config_overrides=None,
-                         make_vocab_size_divisible_by: int = 128, core_attention: str | None = None) -> list:
+                         make_vocab_size_divisible_by: int = 128, core_attention: str | None = None,
+                         block_cls=None) -> list:
     """Provider body: this rank's Inkling-2 model (one chunk) for an HF config (see ``ProviderSpec.build``).
 
     Raises:
@@ -267,4 +268,4 @@ def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, p
     config = make_transformer_config(config_kwargs, layout, params_dtype=params_dtype, activation="silu",
                                      use_cpu_initialization=use_cpu_initialization, overrides=overrides)
     return [build_inkling2_model(config, options, parallel_output=parallel_output,
-                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)]
+                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, block_cls=block_cls)]
