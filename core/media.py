@@ -4,7 +4,9 @@ A prompt with media is token ids plus ``media = {modality: [item, ...]}`` (modal
 :data:`ferrule.specs.TOWER_MODALITIES`), items in order of appearance. An item is one media part
 already preprocessed for the family's tower (e.g. Inkling: an image as ``pixel_values``
 ``[n_patches, 2, P, P, 3]``, an audio clip as dMel ids ``[n_frames, 80]``); its dim 0 is the number
-of placeholder tokens it fills. Chat templates write **one** placeholder per part;
+of placeholder tokens it fills, or, for a tower with ``TowerSpec.item_token_dims = k > 1``, the
+product of its first ``k`` dims (Inkling-2: an image as a grid of tokens ``[rows, cols, S, S, 3]``).
+Chat templates write **one** placeholder per part;
 :func:`expand_placeholders` repeats it to the item's row count, after which the tokens hold
 exactly as many placeholders as the media have rows (:func:`check_media`). The train engine
 (``Datum.media``), the embedded rollout engine (``GenerateRequest.media``) and the RL loop use
@@ -18,27 +20,42 @@ from typing import Any, Mapping, Sequence
 import torch
 
 __all__ = ["MediaError", "check_media", "check_requests", "expand_placeholders", "hf_media_inputs",
-           "media_token_counts", "message_media", "towers_for_config", "MEDIA_PART_TYPES"]
+           "item_tokens", "media_token_counts", "message_media", "towers_for_config", "MEDIA_PART_TYPES"]
 
 
 class MediaError(ValueError):
     """A datum's / request's media do not fit the model (no tower for it, counts or shapes wrong)."""
 
 
-def media_token_counts(media: Mapping[str, Sequence[torch.Tensor]] | None) -> dict[str, int]:
-    """``{modality: total placeholder rows}`` of one prompt's media (dim 0 summed over items)."""
-    return {m: sum(int(t.shape[0]) for t in items) for m, items in (media or {}).items()}
+def item_tokens(specs: Mapping[str, Any] | None, modality: str, item: Any) -> int:
+    """Placeholder tokens one media item fills: ``TowerSpec.item_tokens`` of the modality's tower in
+    ``specs`` (``{modality: TowerSpec}``), else its dim 0 (0 for a non-tensor or a 0-d tensor)."""
+    spec = (specs or {}).get(modality)
+    if spec is not None:
+        return spec.item_tokens(item)
+    shape = tuple(getattr(item, "shape", ()))
+    return int(shape[0]) if shape else 0
+
+
+def media_token_counts(media: Mapping[str, Sequence[torch.Tensor]] | None,
+                       specs: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """``{modality: total placeholder tokens}`` of one prompt's media (:func:`item_tokens` summed over items;
+    ``specs`` = ``{modality: TowerSpec}``, without it dim 0 counts)."""
+    return {m: sum(item_tokens(specs, m, t) for t in items) for m, items in (media or {}).items()}
 
 
 def expand_placeholders(tokens: Sequence[int], media: Mapping[str, Sequence[torch.Tensor]] | None,
-                        placeholder_ids: Mapping[str, int], where: str = "prompt") -> list[int]:
-    """Repeat the k-th placeholder of each modality to the k-th item's row count.
+                        placeholder_ids: Mapping[str, int], where: str = "prompt",
+                        specs: Mapping[str, Any] | None = None) -> list[int]:
+    """Repeat the k-th placeholder of each modality to the k-th item's token count (:func:`item_tokens`).
 
     Args:
         tokens: rendered token ids holding one placeholder per media part.
         media: ``{modality: [item, ...]}`` (see module docstring).
         placeholder_ids: ``{modality: token id}`` (``TowerSpec.placeholder_id``).
         where: names the prompt in errors (e.g. ``"datum 3"``).
+        specs: ``{modality: TowerSpec}``, for towers whose items count tokens over several dims
+            (``item_token_dims``); without it an item's dim 0 counts.
 
     Returns:
         The expanded token list.
@@ -66,7 +83,7 @@ def expand_placeholders(tokens: Sequence[int], media: Mapping[str, Sequence[torc
         if m is None:
             out.append(t)
             continue
-        out.extend([t] * int(media[m][seen[m]].shape[0]))
+        out.extend([t] * item_tokens(specs, m, media[m][seen[m]]))
         seen[m] += 1
     return out
 
@@ -94,15 +111,18 @@ def check_media(tokens: torch.Tensor, media: Mapping[str, Sequence[torch.Tensor]
         if isinstance(items, torch.Tensor) or not isinstance(items, Sequence):
             raise MediaError(f"{where}: media[{modality!r}] must be a list of tensors (one per media part), "
                              f"got {type(items).__name__}.")
+        spec = towers[modality][0]
+        dims = getattr(spec, "item_token_dims", 1)
         for k, t in enumerate(items):
-            if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] == 0:
-                raise MediaError(f"{where}: media[{modality!r}][{k}] must be a tensor whose dim 0 counts its "
+            if not isinstance(t, torch.Tensor) or item_tokens({modality: spec}, modality, t) == 0:
+                lead = "dim 0 counts" if dims == 1 else f"first {dims} dims count"
+                raise MediaError(f"{where}: media[{modality!r}][{k}] must be a tensor whose {lead} its "
                                  f"placeholder tokens (>= 1), got {getattr(t, 'shape', type(t).__name__)}.")
         out[modality] = [t.detach().cpu() for t in items]
     tokens = torch.as_tensor(tokens)
-    for modality, (_, _, pid) in towers.items():
+    for modality, (spec, _, pid) in towers.items():
         n_tokens = int((tokens == pid).sum())
-        n_rows = sum(int(t.shape[0]) for t in out.get(modality, []))
+        n_rows = sum(item_tokens({modality: spec}, modality, t) for t in out.get(modality, []))
         if n_tokens != n_rows:
             raise MediaError(f"{where}: {n_tokens} {modality} placeholder tokens (id {pid}) but {n_rows} {modality} "
                              f"rows in {len(out.get(modality, []))} media part(s); each part must be expanded to as "
@@ -216,16 +236,23 @@ def check_requests(reqs: Sequence[Any], towers: Mapping[str, tuple[Any, Any, int
 
 
 def hf_media_inputs(towers: Mapping[str, tuple[Any, Any, int]], media: Mapping[str, Sequence[torch.Tensor]],
-                    copies: int, device: Any) -> dict[str, torch.Tensor]:
-    """The transformers model's forward keywords (``TowerSpec.hf_input``) for ``copies`` rows sharing ``media``:
-    items concatenated on dim 0, in row order, as its ``masked_scatter`` consumes them.
+                    copies: int, device: Any, hf_config: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The transformers model's forward keywords for ``copies`` rows sharing ``media``, items in row order
+    (as its ``masked_scatter`` consumes them): ``TowerSpec.hf_inputs(items, hf_config)`` where the tower
+    declares it, else the items concatenated on dim 0 under ``TowerSpec.hf_input``.
 
     Raises:
-        ValueError: a tower declares no ``hf_input``.
+        ValueError: a tower declares neither.
     """
+    from ferrule.specs import resolve_ref
+
     out = {}
     for modality, items in media.items():
         spec = towers[modality][0]
+        if getattr(spec, "hf_inputs", ""):
+            extra = resolve_ref(spec.hf_inputs)(list(items) * copies, dict(hf_config or {}))
+            out.update({k: v.to(device) for k, v in extra.items()})
+            continue
         if not spec.hf_input:
             raise ValueError(f"tower {spec.family}/{spec.name} declares no hf_input; the embedded engine cannot "
                              f"pass {modality} media to the transformers model.")

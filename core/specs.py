@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -402,7 +403,9 @@ class TowerSpec:
         modality: one of :data:`TOWER_MODALITIES`; ``Datum.media[modality]`` feeds this tower.
         build: lazy reference to ``build(hf_config: dict) -> torch.nn.Module``. The module maps
             one tensor ``[n, ...]`` (the media items of a batch concatenated on dim 0; each
-            row fills one placeholder token) to embeddings ``[n, hidden]``.
+            row fills one placeholder token) to embeddings ``[n, hidden]``; with
+            ``item_token_dims > 1`` it takes the *list* of items instead (items of different
+            grids cannot be concatenated) and returns ``[sum of their token counts, hidden]``.
         placeholder_token_id: token id whose positions receive the tower's embeddings; or
         placeholder_config_key: the HF config key holding that id (e.g. ``"image_token_id"``,
             read from the top-level config). Exactly one of the two is set.
@@ -422,6 +425,14 @@ class TowerSpec:
             one media part of a chat message (a file path, bytes, a PIL image, ...) -> the
             tower's input item (dim 0 = its placeholder count); raises ``ValueError`` for bad
             input. ``""``: chat messages cannot carry this modality (callers pass tensors).
+        item_token_dims: how many leading dims of an item index its placeholder tokens (their
+            product is its token count, row-major = placeholder order). 1 (default): dim 0, the
+            items of a batch are concatenated for the tower; 2: an image as a grid of tokens
+            ``[rows, cols, ...]`` (Inkling-2), the tower gets the list of items.
+        hf_inputs: lazy reference to ``hf_inputs(items: list[Tensor], hf_config: dict) -> dict[str,
+            Tensor]``, the transformers model's ``forward`` keywords for the items of one forward
+            (e.g. ``pixel_values`` + ``image_grid_thw``); ``""``: the items concatenated on dim 0
+            under ``hf_input``. Required when ``item_token_dims > 1``.
     """
 
     family: str
@@ -435,6 +446,8 @@ class TowerSpec:
     update_group: str = ""
     hf_input: str = ""
     preprocess: str = ""
+    item_token_dims: int = 1
+    hf_inputs: str = ""
 
     def __post_init__(self) -> None:
         _check_name("TowerSpec", "family", self.family)
@@ -456,6 +469,22 @@ class TowerSpec:
         if not self.update_group:
             object.__setattr__(self, "update_group", f"{self.name}_tower")
         _check_ref("TowerSpec", "preprocess", self.preprocess or None, optional=True)
+        _check_ref("TowerSpec", "hf_inputs", self.hf_inputs or None, optional=True)
+        if not isinstance(self.item_token_dims, int) or isinstance(self.item_token_dims, bool) \
+                or self.item_token_dims < 1:
+            raise SpecError(f"TowerSpec({self.family}/{self.name}).item_token_dims={self.item_token_dims!r}; expected "
+                            f"an int >= 1 (the leading dims of an item that count its placeholder tokens).")
+        if self.item_token_dims > 1 and not self.hf_inputs:
+            raise SpecError(f"TowerSpec({self.family}/{self.name}): item_token_dims={self.item_token_dims} needs "
+                            f"hf_inputs (items of different grids cannot be concatenated under hf_input).")
+
+    def item_tokens(self, item: Any) -> int:
+        """Placeholder tokens one input item fills: the product of its first ``item_token_dims`` dims
+        (0 if the item has fewer dims)."""
+        shape = tuple(getattr(item, "shape", ()))
+        if len(shape) < self.item_token_dims:
+            return 0
+        return int(math.prod(shape[:self.item_token_dims]))
 
     @property
     def mcore_prefix(self) -> str:

@@ -19,7 +19,9 @@ core owns the wiring:
 
 Media format (``Datum.media``, checked by :func:`ferrule.media.check_media`): ``{modality:
 [item, ...]}`` in order of appearance; an item is a tensor whose dim 0 counts the placeholder
-tokens it fills (vision ``[n_patches, ...]``, audio ``[n_frames, ...]``). Sequence parallelism is refused with towers (the scatter needs the whole
+tokens it fills (vision ``[n_patches, ...]``, audio ``[n_frames, ...]``), or its first
+``TowerSpec.item_token_dims`` dims (Inkling-2 images ``[rows, cols, ...]``: the tower then gets the
+list of items, not their concatenation). Sequence parallelism is refused with towers (the scatter needs the whole
 sequence on every rank).
 """
 
@@ -107,7 +109,10 @@ def embed_with_media(gpt: Any, tokens: torch.Tensor, position_ids: torch.Tensor,
         items = [t for m in media_rows if m for t in m.get(modality, ())]
         if not items:
             continue
-        x = torch.cat([t.to(out.device) for t in items], 0)
+        if spec.item_token_dims > 1:  # items of different grids: the tower takes the list
+            x = [t.to(out.device) for t in items]
+        else:
+            x = torch.cat([t.to(out.device) for t in items], 0)
         with torch.no_grad() if spec.frozen else contextlib.nullcontext():
             feats = tower(x)
         mask = (tokens == pid).unsqueeze(-1)

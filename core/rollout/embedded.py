@@ -319,7 +319,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
     def _hf_media_inputs(self, media: dict[str, list[torch.Tensor]], copies: int) -> dict[str, torch.Tensor]:
         from ferrule.media import hf_media_inputs
 
-        return hf_media_inputs(self._towers(), media, copies, self.device)
+        return hf_media_inputs(self._towers(), media, copies, self.device, self.model.config.to_dict())
 
     def _state(self, batch: int, max_len: int) -> DecodeState:
         if self._windows is None:

@@ -79,7 +79,8 @@ class SampleSpec:
 
 
 class EngineBackend:
-    """Train engines per model id + one embedded rollout engine, for one served base model.
+    """Train engines per model id + one embedded rollout engine, for one served base model (a server
+    of several bases holds one per base: :class:`ferrule.serve.registry.BaseRegistry`).
 
     Args:
         base_model: an HF checkpoint directory (``config.json`` + safetensors) or a ferrule
@@ -87,13 +88,15 @@ class EngineBackend:
         model_name: the name clients pass as ``base_model`` (default: the directory name).
         optimizer: :class:`~ferrule.megatron.optim.OptimizerSettings` for every client's engine
             (the per-step Adam hyper-parameters come from each ``optim_step`` request).
+        eager: load the rollout engine now (the first base of a server); otherwise the weights
+            load on first use (:attr:`on_load` is called first, so the registry can make room).
 
     Raises:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
     """
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
-                 max_snapshots: int = MAX_SNAPSHOTS):
+                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True):
         self.base_dir = Path(base_model).absolute()
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
@@ -121,12 +124,45 @@ class EngineBackend:
         self._snap_counter = 0
         self._merge_layout: tuple | None = None
         self._version = 0
-        _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
+        #: hooks of :class:`ferrule.serve.registry.BaseRegistry`: ``on_load(self)`` before weights load
+        #: while none are held (may raise to refuse), ``on_use(self)`` on every use (LRU order)
+        self.on_load: Any = None
+        self.on_use: Any = None
+        if eager:
+            _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether this base holds weights in memory (a rollout engine or a training client's engine)."""
+        return self._rollout is not None or bool(self.engines)
+
+    def _using(self) -> None:
+        if not self.loaded and self.on_load is not None:
+            self.on_load(self)
+        if self.on_use is not None:
+            self.on_use(self)
+
+    def unload(self, why: str) -> None:
+        """Drop the rollout engine, the base copy and the unnamed snapshots (``why`` is what a
+        request for a dropped snapshot is told); a later request loads the base again.
+
+        Raises:
+            RuntimeError: a training client of this base is live (its engine is its state).
+        """
+        if self.engines:
+            raise RuntimeError(f"base model {self.model_name!r} has live training clients {sorted(self.engines)}; "
+                               "unload_model them first.")
+        for key in self._snapshots:
+            self._evicted[key] = why
+        self._snapshots.clear()
+        self._tenant_snapshots.clear()
+        self._rollout = self._base_state = self._loaded = self._merge_layout = None
 
     # ---------------------------------------------------------------- training clients
     def _new_engine(self, lora: Any = None) -> Any:
         from ferrule.megatron.engine import TrainEngine
 
+        self._using()
         if self.kind == "hf":
             return TrainEngine.from_hf(self.base_dir, optimizer=self.optimizer, lora=lora)
         return TrainEngine.from_torch_dist(self.base_dir, optimizer=self.optimizer, load_optimizer=False, lora=lora)
@@ -200,11 +236,14 @@ class EngineBackend:
         self.lora_ranks.pop(model_id, None)
 
     def engine(self, model_id: str) -> Any:
+        if self.on_use is not None and model_id in self.engines:
+            self.on_use(self)
         try:
             return self.engines[model_id]
         except KeyError:
             raise LookupError(f"model {model_id!r} has no engine in this server process (it was created before a "
-                              "restart or its session finished); create a training client from a saved state.") from None
+                              "restart, unloaded, or its session finished); create a training client from a saved "
+                              "state.") from None
 
     def check_forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
                                loss_fn_config: Mapping[str, Any] | None) -> None:
@@ -331,6 +370,7 @@ class EngineBackend:
     @property
     def rollout(self) -> Any:
         if self._rollout is None:
+            self._using()
             import torch
 
             from ferrule.rollout.embedded import EmbeddedEngine
@@ -389,6 +429,8 @@ class EngineBackend:
                 name after the request was admitted (the request never runs on other weights).
         """
         engine = self.rollout
+        if self.on_use is not None:
+            self.on_use(self)
         key = None if source is None else str(source)
         if isinstance(source, SavedWeights):
             now = self.saved_weights(source.directory)

@@ -172,7 +172,7 @@ class ChunkMedia:
         return spec
 
     def image(self, part: MediaPart):
-        """An ``ImageChunk`` -> the vision tower's input (dim 0 = its tokens).
+        """An ``ImageChunk`` -> the vision tower's input (its first ``TowerSpec.item_token_dims`` dims = its tokens).
 
         Raises:
             ValueError: over ``max_image_bytes`` / ``max_image_pixels``, a format other than
@@ -204,7 +204,7 @@ class ChunkMedia:
             item = resolve_ref(spec.preprocess)(part.data, self.hf_config)
         except (ValueError, OSError) as exc:
             raise ValueError(f"{part.where}: {exc}") from None
-        self._check_expected(part, int(item.shape[0]))
+        self._check_expected(part, spec.item_tokens(item))
         return item
 
     @staticmethod
@@ -264,7 +264,7 @@ class ChunkMedia:
             item = self.image(piece) if piece.kind == "image" else self.dmel(piece)
             modality = self.MODALITY[piece.kind]
             media.setdefault(modality, []).append(item)
-            tokens.extend([self.placeholder[modality]] * int(item.shape[0]))
+            tokens.extend([self.placeholder[modality]] * self.towers[modality].item_tokens(item))
         if media:
             clash = sorted({p for p in pieces if not isinstance(p, MediaPart) and p in reserved})
             if clash:
@@ -297,7 +297,7 @@ def hf_inputs(hf_config: Mapping[str, Any], media: Mapping[str, Sequence[Any]] |
         return {}
     from ferrule.media import hf_media_inputs, towers_for_config
 
-    return hf_media_inputs(towers_for_config(hf_config), media, 1, device)
+    return hf_media_inputs(towers_for_config(hf_config), media, 1, device, hf_config)
 
 
 def attention_leaves(hf_config: Mapping[str, Any]) -> list[str]:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
-_TEXT_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
-                "nothing converts, trains or is checked against Inkling2ForCausalLM")
+_TEXT_REASON = ("conformance kit passes (round trip, mapping, update groups, logits == Inkling2ForCausalLM at TP=1 "
+                "and TP=2; tests/test_inkling2.py adds gradients); missing: EP=2 parity, embedded-rollout logprob "
+                "check, MXFP8 reads (issue 27 27mx), LoRA appliers, chat template")
 _LOOP_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
                 "nothing converts, trains or is checked against Inkling2LoopForCausalLM")
+
+#: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
+_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text"}
 
 
 @hookimpl
@@ -20,6 +24,7 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_TEXT_REASON,
             hf_model_class="transformers:Inkling2ForCausalLM",
+            attn_implementation="eager",
             description="Inkling-2 text MoE (dynamic ShortConvs, gated attention output, block attention residuals, "
                         "sigmoid top-k router, soft-capped experts and logits)",
         ),
@@ -29,6 +34,61 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_LOOP_REASON,
             hf_model_class="transformers:Inkling2LoopForCausalLM",
+            attn_implementation="eager",
             description="Inkling-2-Loop text MoE (Inkling-2 with a range of layers run several times, low-rank loop gate)",
         ),
+        ModelFamilySpec(
+            name="inkling2",
+            model_types=("inkling2",),
+            status=FamilyStatus.STRUCTURAL,
+            reason=_MM_REASON,
+            hf_model_class="transformers:Inkling2ForConditionalGeneration",
+            features=("towers",),
+            description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
+        ),
     ]
+
+
+@hookimpl
+def register_providers():
+    from ferrule.specs import ProviderSpec
+
+    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_converters():
+    from ferrule.specs import ConverterSpec
+
+    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
+            for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_update_groups():
+    import importlib
+
+    from ferrule.specs import UpdateGroupTable
+
+    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
+
+
+# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
+
+_MM_REASON = ("vision tower only: it equals Inkling2VisionModel within 1e-5 (tests/test_inkling2_vision.py) and "
+              "its mapping rows / update groups exist (inkling2_mm.TOWER_ROWS), but the text model it feeds has no "
+              "provider, config translation, mapping table or update groups yet (inkling2_text, issue 27), so "
+              "nothing converts, trains or is checked against Inkling2ForConditionalGeneration")
+
+
+@hookimpl
+def register_towers():
+    from ferrule.specs import TowerSpec
+
+    # frozen by default, as for Inkling; items are token grids [rows, cols, S, S, 3] (item_token_dims=2): the tower
+    # attends within each image and resamples its position grid to the image's shape
+    v = "ferrule.plugins.inkling2.vision"
+    return [TowerSpec(family="inkling2", modality="vision", build=f"{v}:build_vision_tower",
+                      placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
+                      hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
+                      preprocess=f"{v}:preprocess_image")]

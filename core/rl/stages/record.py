@@ -110,7 +110,8 @@ def media_metrics(towers: Sequence[Any], media: Sequence[dict | None]) -> dict[s
     per_prompt = [m or {} for m in media]
     for t in towers:
         out[f"media_{t.modality}_parts"] = sum(len(m.get(t.modality, ())) for m in per_prompt)
-        out[f"media_{t.modality}_tokens"] = sum(media_token_counts(m).get(t.modality, 0) for m in per_prompt)
+        out[f"media_{t.modality}_tokens"] = sum(media_token_counts(m, {t.modality: t}).get(t.modality, 0)
+                                                for m in per_prompt)
     return out
 
 

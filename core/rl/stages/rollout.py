@@ -70,7 +70,8 @@ class PromptRenderer:
                 media = message_media(prompt.messages, self.towers, self.hf_config, where,
                                       base_dir=prompt.media_dir or None)
                 ids = tuple(expand_placeholders(ids, media, {t.modality: t.placeholder_id(self.hf_config)
-                                                             for t in self.towers}, where))
+                                                             for t in self.towers}, where,
+                                                specs={t.modality: t for t in self.towers}))
                 self.media_cache[key] = media
             if len(ids) > self.data.max_prompt_tokens:
                 raise ConfigError([f"data.max_prompt_tokens: prompt {prompt.id!r} renders to {len(ids)} tokens > "
