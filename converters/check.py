@@ -124,8 +124,10 @@ def _round_trip(hf_dir: Path, back: Path) -> tuple[bool, str]:
     import torch
 
     from ferrule.converters import SafetensorsReader
+    from ferrule.quantized_weights import open_hf_weights
 
-    a, b = SafetensorsReader(hf_dir), SafetensorsReader(back)
+    # an MXFP8 / FP8 source is compared as transformers reads it: dequantized (the export's default)
+    a, b = open_hf_weights(hf_dir), SafetensorsReader(back)
     missing = sorted(set(a.keys()) - set(b.keys()))
     changed = [k for k in sorted(set(a.keys()) & set(b.keys()))
                if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]

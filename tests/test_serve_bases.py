@@ -75,11 +75,11 @@ def test_capabilities_training_and_teacher_samplers_of_each_base(multi, bases):
         assert float((ref - torch.tensor(o["logprobs"].tolist()).double()).abs().max()) < 1e-5
     assert registry.loaded() == ["base-a", "base-b"]
     # a frozen teacher of base-c: loading it unloads base-a (least recently used, no live client)
-    teacher = sc.create_sampling_client(base_model="base-c")
+    teacher = sc.create_sampling_client(base_model="base-c").result(timeout=60)
     assert float((served_logprobs(teacher) - hf_logprobs(bases[2], PROMPT)).abs().max()) < 1e-5
     assert registry.loaded() == ["base-b", "base-c"] and registry.unloads == ["base-a"]
     # base-a again: base-c goes (base-b has a live client); the result is still base-a's
-    ref_a = sc.create_sampling_client(base_model="base-a")
+    ref_a = sc.create_sampling_client(base_model="base-a").result(timeout=60)
     assert float((served_logprobs(ref_a) - hf_logprobs(bases[0], PROMPT)).abs().max()) < 1e-5
     assert registry.unloads == ["base-a", "base-c"]
     # the training client's sampler samples base-b plus its adapters, i.e. base-b at init
@@ -93,7 +93,8 @@ def test_full_house_refuses_naming_the_limit_until_unload_model(multi, bases):
     sc = multi.client()
     tb = sc.create_lora_training_client(base_model="base-b", rank=4).result(timeout=120)
     tc = sc.create_lora_training_client(base_model="base-c", rank=4).result(timeout=120)
-    sampler = sc.create_sampling_client(base_model="base-a")
+    snap_c = tc.save_weights_and_get_sampling_client()   # held by base-c, dropped when base-c unloads
+    sampler = sc.create_sampling_client(base_model="base-a").result(timeout=60)
     with pytest.raises(Exception, match="--max-loaded-bases = 2"):
         sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=120)
     # unload_model (Tinker's UnloadModelRequest; the 0.38 SDK has the types, no call): base-c is then idle
@@ -104,6 +105,8 @@ def test_full_house_refuses_naming_the_limit_until_unload_model(multi, bases):
     assert raw(multi, "/api/v1/get_info", ALICE, json={"model_id": tc.model_id}).status_code == 410
     assert float((served_logprobs(sampler) - hf_logprobs(bases[0], PROMPT)).abs().max()) < 1e-5
     assert multi.app.state.bases.loaded() == ["base-b", "base-a"]
+    with pytest.raises(Exception, match="base model 'base-c' was unloaded .*least recently used"):
+        snap_c.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=120)
     assert tb.forward(sdk_data(seed=4, lengths=(5,)), "cross_entropy").result(timeout=120).loss_fn_outputs
 
 

@@ -38,11 +38,10 @@ from typing import Any, Mapping, Sequence
 
 from .media_chunks import attention_leaves, hf_inputs
 from .merge import merged_hf_state
+from .sampling_params import DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 
 __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
-#: default ``max_tokens`` when a sample request leaves it unset
-DEFAULT_MAX_TOKENS = 128
 #: LoRA alpha of Tinker training clients (Tinker's lora_config has no alpha; the tinker-cookbook's
 #: ``hyperparam_utils`` assumes ``lora_alpha=32`` when it scales learning rates for LoRA)
 TINKER_LORA_ALPHA = 32.0
@@ -133,8 +132,9 @@ class EngineBackend:
 
     @property
     def loaded(self) -> bool:
-        """Whether this base holds weights in memory (a rollout engine or a training client's engine)."""
-        return self._rollout is not None or bool(self.engines)
+        """Whether this base holds weights in memory: a rollout engine, a training client's engine or
+        an unnamed sampler snapshot."""
+        return self._rollout is not None or bool(self.engines) or bool(self._snapshots)
 
     def _using(self) -> None:
         if not self.loaded and self.on_load is not None:
@@ -454,42 +454,15 @@ class EngineBackend:
         return engine
 
     def sampling_params(self, body: Mapping[str, Any], prompt_len: int, n: int) -> Any:
-        """Tinker ``SamplingParams`` JSON -> ferrule :class:`~ferrule.rollout.base.SamplingParams`.
-
-        ``stop``: None keeps EOS stopping; a list of strings / token ids adds stops and turns EOS
-        off (Tinker: ``[]`` disables every stop, EOS included).
+        """Tinker ``SamplingParams`` JSON -> ferrule ``SamplingParams`` for this base's context
+        (:func:`ferrule.serve.sampling_params.to_sampling_params`).
 
         Raises:
             ValueError: a field out of range, or prompt + ``max_tokens`` beyond the context.
         """
-        from ferrule.rollout.base import SamplingParams
+        from .sampling_params import to_sampling_params
 
-        max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS if self.max_positions is None else \
-                max(1, min(DEFAULT_MAX_TOKENS, self.max_positions - prompt_len))
-        stop = body.get("stop")
-        stop_strs: tuple = ()
-        stop_ids: tuple = ()
-        ignore_eos = False
-        if stop is not None:
-            ignore_eos = True
-            stop = [stop] if isinstance(stop, str) else list(stop)
-            if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-                stop_ids = tuple(stop)
-            elif all(isinstance(s, str) for s in stop):
-                stop_strs = tuple(stop)
-            else:
-                raise ValueError(f"sampling_params.stop = {stop!r}: expected a string, a list of strings or a list "
-                                 "of token ids.")
-        if self.max_positions is not None and prompt_len + int(max_tokens) > self.max_positions:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"context of {self.max_positions} tokens; shorten the prompt or max_tokens.")
-        top_k = body.get("top_k", -1)
-        return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                              top_k=-1 if top_k in (None, 0) else int(top_k), max_new_tokens=int(max_tokens),
-                              stop=stop_strs, stop_token_ids=stop_ids, n=n, seed=body.get("seed"),
-                              ignore_eos=ignore_eos)
+        return to_sampling_params(body, prompt_len, n, self.max_positions)
 
     def check_prompt(self, tokens: Sequence[int]) -> None:
         if not tokens:
