@@ -219,6 +219,23 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
     table.check_hf_keys(SafetensorsReader(src).keys(), names, ctx)
 
 
+def logits_max_diff(family: str, out, ref) -> float:
+    """Max |Megatron - HF| logits over HF's columns (``out`` ``[..., vocab_size]``, ``ref`` ``[..., width]``).
+
+    An HF head narrower than ``vocab_size`` (a padded unembedding: Inkling-2's ``unpadded_vocab_size``)
+    compares its ``width`` columns; Megatron's columns past it must be masked (<= -1e30: no softmax mass).
+
+    Raises:
+        AssertionError: an unmasked column past HF's width (naming the family).
+    """
+    width = ref.shape[-1]
+    extra = out[..., width:]
+    if extra.numel() and extra.max().item() > -1e30:
+        raise AssertionError(f"{family}: HF logits have {width} columns but Megatron's columns {width}..{out.shape[-1] - 1} "
+                             f"are not masked (max {extra.max().item():.3g}); mask logits past the HF head's width.")
+    return (out[..., :width].float() - ref.float()).abs().max().item()
+
+
 def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float = LOGITS_ATOL_FP32,
                         seq_len: int | None = None) -> float:
     """Max |Megatron logits - HF logits| over a random batch at TP=1, fp32; returns it.
@@ -251,7 +268,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
         pos = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
         with torch.no_grad():
             out = model(ids, pos, attention_mask=None)[..., :vocab]
-    diff = (out.float() - ref.float()).abs().max().item()
+    diff = logits_max_diff(family, out, ref)
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
     return diff
 

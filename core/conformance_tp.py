@@ -92,7 +92,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
-    diff = (out.float() - ref.float()).abs().max().item()
+    diff = cn.logits_max_diff(family, out, ref)
     assert diff <= atol, (f"{family}: Megatron (TP={TP}) vs HF logits max abs diff {diff:.3g} > {atol} while the "
                           f"weights round-trip: suspect the plugin's TP split of a row (tp=) or the provider.")
     return diff

@@ -5,10 +5,14 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
-_TEXT_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
-                "nothing converts, trains or is checked against Inkling2ForCausalLM")
+_TEXT_REASON = ("provider, config translation, mapping table (released layout) and update groups exist; NOT yet "
+                "proven: logits/gradients vs Inkling2ForCausalLM in the conformance kit, TP=2/EP=2 parity, "
+                "embedded-rollout logprobs, MXFP8 reads, LoRA appliers, chat template (issue 27)")
 _LOOP_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
                 "nothing converts, trains or is checked against Inkling2LoopForCausalLM")
+
+#: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
+_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text"}
 
 
 @hookimpl
@@ -20,6 +24,7 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_TEXT_REASON,
             hf_model_class="transformers:Inkling2ForCausalLM",
+            attn_implementation="eager",
             description="Inkling-2 text MoE (dynamic ShortConvs, gated attention output, block attention residuals, "
                         "sigmoid top-k router, soft-capped experts and logits)",
         ),
@@ -29,6 +34,7 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_LOOP_REASON,
             hf_model_class="transformers:Inkling2LoopForCausalLM",
+            attn_implementation="eager",
             description="Inkling-2-Loop text MoE (Inkling-2 with a range of layers run several times, low-rank loop gate)",
         ),
         ModelFamilySpec(
@@ -37,10 +43,35 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_MM_REASON,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
+            attn_implementation="eager",
             features=("towers",),
             description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
         ),
     ]
+
+
+@hookimpl
+def register_providers():
+    from ferrule.specs import ProviderSpec
+
+    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_converters():
+    from ferrule.specs import ConverterSpec
+
+    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
+            for f, m in _VARIANTS.items()]
+
+
+@hookimpl
+def register_update_groups():
+    import importlib
+
+    from ferrule.specs import UpdateGroupTable
+
+    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
 
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
