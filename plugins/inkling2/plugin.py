@@ -12,7 +12,7 @@ _LOOP_REASON = ("skeleton: no provider, config translation, mapping table or upd
                 "nothing converts, trains or is checked against Inkling2LoopForCausalLM")
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text"}
+_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text", "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
 
 
 @hookimpl
@@ -76,10 +76,11 @@ def register_update_groups():
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
 
-_MM_REASON = ("vision tower only: it equals Inkling2VisionModel within 1e-5 (tests/test_inkling2_vision.py) and "
-              "its mapping rows / update groups exist (inkling2_mm.TOWER_ROWS), but the text model it feeds has no "
-              "provider, config translation, mapping table or update groups yet (inkling2_text, issue 27), so "
-              "nothing converts, trains or is checked against Inkling2ForConditionalGeneration")
+_MM_REASON = ("text model (inkling2_text) + vision tower convert and run: image-prompt logits == "
+              "Inkling2ForConditionalGeneration within 1e-5 and HF <-> torch_dist bit-exact (tests/test_inkling2_mm.py), "
+              "tower == Inkling2VisionModel (tests/test_inkling2_vision.py); NOT yet proven: TP=2 / EP=2 with images, "
+              "embedded-rollout logprobs with images, LoRA, a registered chat template, the conformance kit, and "
+              "everything inkling2_text still lacks")
 
 
 @hookimpl
