@@ -5,9 +5,9 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
-_TEXT_REASON = ("provider, config translation, mapping table (released layout) and update groups exist; NOT yet "
-                "proven: logits/gradients vs Inkling2ForCausalLM in the conformance kit, TP=2/EP=2 parity, "
-                "embedded-rollout logprobs, MXFP8 reads, LoRA appliers, chat template (issue 27)")
+_TEXT_REASON = ("conformance kit passes (round trip, mapping, update groups, logits == Inkling2ForCausalLM at TP=1 "
+                "and TP=2; tests/test_inkling2.py adds gradients); missing: EP=2 parity, embedded-rollout logprob "
+                "check, MXFP8 reads (issue 27 27mx), LoRA appliers, chat template")
 _LOOP_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
                 "nothing converts, trains or is checked against Inkling2LoopForCausalLM")
 
