@@ -30,11 +30,11 @@ VISION_NO_MERGE = dict(VISION, spatial_merge_size=1, num_attention_heads=1, hidd
                        projector_bias=False, posemb_grid_size=3, num_hidden_layers=1)
 
 
-def config_dict(vision: dict | None = None) -> dict:
+def config_dict(vision: dict | None = None, text: dict | None = None) -> dict:
     """An ``inkling2`` HF config dict (what ``config.json`` holds) with the tiny text + vision configs."""
     from transformers import Inkling2Config
 
-    return Inkling2Config(text_config=dict(TEXT), vision_config=dict(vision or VISION),
+    return Inkling2Config(text_config=dict(text or TEXT), vision_config=dict(vision or VISION),
                           image_token_id=IMAGE_TOKEN).to_dict()
 
 
