@@ -136,6 +136,19 @@ def test_embedded_rollout_with_images_matches_full_hf_forward(tiny_dir):
         ref = torch.stack([logp[len(p) - 1 + j, t] for j, t in enumerate(r.token_ids)])
         assert (ref - torch.tensor(r.logprobs)).abs().max().item() <= ATOL
 
+    # weight sync of the tower: the engine's checkpoint names are the released keys (what MAPPING exports)
+    from safetensors.torch import load_file
+
+    src = load_file(tiny_dir / "model.safetensors")
+    before = engine.get_hf_state_dict()
+    assert sorted(before) == sorted(src)
+    # the unembedding's padded rows (transformers drops them on load) read back as the checkpoint's zeros
+    assert torch.equal(before["model.llm.unembed.weight"], src["model.llm.unembed.weight"])
+    visual = {k: v * 2 for k, v in src.items() if k.startswith("model.visual.")}
+    engine.update_weights(list(visual.items()), version=1)
+    now = engine.get_hf_state_dict()
+    assert all(torch.equal(now[k], v) for k, v in visual.items())
+
 
 def test_update_groups_cover_the_model_with_its_tower(tiny_dir):
     from ferrule import registry
@@ -153,16 +166,6 @@ def test_update_groups_cover_the_model_with_its_tower(tiny_dir):
     assert tower_units == {"vision_tower", "vision_tower_bias", "vision_tower_layer"}
     assert sum(len(u.names) for u in units if u.prefix.startswith("towers.")) == sum(
         n.startswith("towers.vision.") for n in names) == 46
-
-    # weight sync of the tower: the engine's checkpoint names are the released keys (what MAPPING exports)
-    from safetensors.torch import load_file
-
-    src = load_file(tiny_dir / "model.safetensors")
-    assert sorted(engine.get_hf_state_dict()) == sorted(src)
-    visual = {k: v * 2 for k, v in src.items() if k.startswith("model.visual.")}
-    engine.update_weights(list(visual.items()), version=1)
-    now = engine.get_hf_state_dict()
-    assert all(torch.equal(now[k], v) for k, v in visual.items())
 
 
 @pytest.mark.slow
