@@ -16,7 +16,8 @@ One row per process (a CUDA OOM leaves the process's allocator in a state not wo
     python bench/bench_colocate.py --shape tiny --steps 1            # CPU smoke run of the code path
 
 Printed per row: parameters, per-phase peak memory (GiB), step time split (rollout / train /
-sync / offload+onload+sleep+wake), or ``"oom"`` with the phase it happened in.
+sync / offload+onload+sleep+wake), colocated: the page-locked host memory the stashes hold
+(``host_stash_bytes``) and how it was page-locked; or ``"oom"`` with the phase it happened in.
 """
 
 from __future__ import annotations
@@ -37,11 +38,17 @@ SHAPES = {  # HF config fields; vocab 151936 as the Qwen releases
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=True),
-    # Qwen3-8B's layer (hidden 4096, MLP 12288, 32 heads, 8 KV heads) at 24 / 28 layers
+    # Qwen3-8B's layer (hidden 4096, MLP 12288, 32 heads, 8 KV heads) at 24 / 26 / 28 / 30 layers (5.88 / 6.27 / 6.65 / 7.04 B)
     "qwen3-8b-l24": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=24,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                          tie_word_embeddings=False),
+    "qwen3-8b-l26": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=26,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                         tie_word_embeddings=False),
     "qwen3-8b-l28": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=28,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                         tie_word_embeddings=False),
+    "qwen3-8b-l30": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=30,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                          tie_word_embeddings=False),
     "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -183,6 +190,11 @@ def run_row(args) -> dict:
             if col is not None:
                 col.offload_train()
             m = meter.pop()
+            if col is not None:  # page-locked host memory held by the stashes (train state + rollout weights)
+                stashes = list(engine._offload.stashes) + ([rollout._stash] if rollout._stash is not None else [])
+                m["host_stash_bytes"] = sum(st.host_bytes for st in stashes)
+                m["host_moved_bytes"] = sum(st.nbytes for st in stashes)
+                m["host_pinned"] = sorted({st.pinned for st in stashes if st.host_bytes})
             steps.append({"step": step, "time_step_s": time.perf_counter() - t0, "time_rollout_s": t_rollout,
                           "time_train_s": t_train, "time_sync_s": t_sync, "train_tokens": tokens,
                           "grad_norm": res["grad_norm"], "sync_bytes": stats.bytes,

@@ -76,12 +76,29 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> floa
     return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
 
 
+def step_limit_ms(model, batch: int, filled: float) -> float:
+    """Physical lower bound of one decode step (ms) on an H200: every weight byte and the filled KV
+    cache (``filled`` slots per row on average) read once at 4.3 TB/s (the device-to-device copy
+    rate measured there, docs/benchmarks.md), or the matrix FLOPs at 790 TFLOP/s, whichever is
+    larger."""
+    cfg = model.config
+    params = {p.data_ptr(): p for p in model.parameters()}.values()
+    esize = next(iter(params)).element_size()
+    weight_bytes = sum(p.numel() for p in params) * esize
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * d * esize * filled
+    matmul_params = sum(p.numel() for p in params if p.dim() == 2)  # tied embedding counted once: lm_head
+    flops = 2 * batch * matmul_params + 4 * batch * cfg.num_hidden_layers * cfg.num_attention_heads * d * filled
+    return max((weight_bytes + kv_bytes) / 4.3e12, flops / 790e12) * 1e3
+
+
 def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bool,
-                   compile_decode: bool | None = None) -> tuple[float, bool]:
+                   compile_decode: bool | None = None, fast_decode: bool | None = None) -> tuple[float, bool]:
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(model=model, cuda_graph=cuda_graph, compile_decode=compile_decode)
+    engine = EmbeddedEngine(model=model, cuda_graph=cuda_graph, compile_decode=compile_decode,
+                            fast_decode=fast_decode)
     reqs = prompts.tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     engine.generate(reqs, params)  # warm-up: same bucket, captures the CUDA graph
@@ -112,8 +129,9 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.rl_n, seed=0,
                             stop_token_ids=stops)
     out = []
-    for mode, mb in [("static", None)] + [(f"continuous max_batch={m}", m) for m in args.rl_max_batch]:
-        engine = EmbeddedEngine(model=model, max_batch=mb)
+    modes = [("static, plain decode", None, False), ("static, fast decode", None, True)]
+    for mode, mb, fast in modes + [(f"continuous max_batch={m}", m, None) for m in args.rl_max_batch]:
+        engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast)
         engine.generate(reqs, params)  # warm-up: compile + capture this bucket
         sync(str(engine.device))
         t0 = time.perf_counter()
@@ -168,7 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-prompts", type=int, default=64)
     ap.add_argument("--rl-n", type=int, default=8)
     ap.add_argument("--rl-stop-every", type=int, default=300)
-    ap.add_argument("--rl-max-batch", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--rl-max-batch", type=int, nargs="*", default=[128, 256])
+    ap.add_argument("--compare-fast", action="store_true",
+                    help="also time the embedded engine with fast_decode=False (the plain compiled path)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate anchor (ratio prints nan)")
     ap.add_argument("--skip-fixed", action="store_true", help="skip the fixed-length HF vs embedded comparison")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -180,16 +201,24 @@ def main(argv=None) -> int:
             return 0
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
-    hf = bench_hf(model, prompts, args.new_tokens, args.device)
+    hf = float("nan") if args.no_hf else bench_hf(model, prompts, args.new_tokens, args.device)
     if args.compare_compile:
         plain, _ = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph, compile_decode=False)
         print(f"embedded, compile_decode=False: {plain:10.1f} new tok/s ({plain / hf:.2f}x HF)")
-    ours, graph = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph)
+    if args.compare_fast:
+        plain, _ = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph, fast_decode=False)
+        print(f"embedded, fast_decode=False: {plain:10.1f} new tok/s ({plain / hf:.2f}x HF), "
+              f"{args.batch * 1e3 / plain:.3f} ms per step")
+    ours, graph = bench_embedded(model, prompts, args.new_tokens, not args.no_cuda_graph, fast_decode=True)
     ratio = ours / hf
+    step_ms = args.batch * 1e3 / ours
+    if args.device.startswith("cuda"):
+        limit = step_limit_ms(model, args.batch, args.prompt_len + args.new_tokens / 2)
+        print(f"decode step  : {step_ms:.3f} ms; physical limit {limit:.3f} ms ({limit / step_ms:.0%} of it)")
     print(f"model={name} device={args.device} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "
           f"new_tokens={args.new_tokens}")
     print(f"HF generate : {hf:10.1f} new tok/s")
-    print(f"embedded    : {ours:10.1f} new tok/s (cuda_graph={graph})")
+    print(f"embedded    : {ours:10.1f} new tok/s (cuda_graph={graph}, fast_decode where supported)")
     print(f"ratio       : {ratio:10.2f}x")
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else \
         f"CPU ({torch.get_num_threads()} threads)"

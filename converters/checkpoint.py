@@ -19,6 +19,8 @@ with offsets, so it loads under any TP / EP / PP layout.
 Both directions write into a temporary sibling directory (``.OUT_DIR.tmp-<pid>``) that is
 renamed to ``OUT_DIR`` only once complete; on any error it is deleted, so nothing that looks
 like a checkpoint is left behind. An existing ``OUT_DIR`` is refused unless ``overwrite``.
+The free space is checked before anything is written, and the leftovers of killed conversions
+into ``OUT_DIR`` are removed first (:mod:`ferrule.converters.output_dir`).
 Layouts with more than one rank run that many gloo (CPU) or NCCL (GPU) processes via
 ``torch.multiprocessing`` spawn; the requested layout is never changed.
 """
@@ -38,6 +40,8 @@ from ferrule.quantized_weights import open_hf_weights
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
+from .output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
+                         prepare_out, torch_dist_model_bytes, unlock_output)
 from .quantized import requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
@@ -51,55 +55,6 @@ METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
 #: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
 from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
-
-
-# ---------------------------------------------------------------------------------------
-# output directory handling
-# ---------------------------------------------------------------------------------------
-
-
-def output_lock(out_dir: str | os.PathLike) -> Path:
-    """The lock file beside ``out_dir`` (``.NAME.lock``) that one writer of ``out_dir`` holds."""
-    out_dir = Path(out_dir).absolute()
-    return out_dir.parent / f".{out_dir.name}.lock"
-
-
-def lock_output(out_dir: str | os.PathLike, overwrite: bool) -> None:
-    """Become the one writer of ``out_dir`` (:func:`ferrule.locks.acquire` on :func:`output_lock`);
-    release with :func:`unlock_output`.
-
-    Raises:
-        ferrule.locks.LockedError: another conversion or export is writing ``out_dir`` (names its pid).
-        FileExistsError: ``out_dir`` exists and ``overwrite`` is False (checked under the lock, so
-            of two conversions started together the second is refused once the first committed).
-    """
-    from ferrule import locks
-
-    out_dir = Path(out_dir).absolute()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    locks.acquire(output_lock(out_dir), f"output directory {out_dir} (another conversion or export writes it)")
-    if out_dir.exists() and not overwrite:
-        unlock_output(out_dir)
-        raise FileExistsError(f"output directory {out_dir} already exists; pass overwrite=True (--overwrite) "
-                              f"to replace it, or choose another path.")
-
-
-def unlock_output(out_dir: str | os.PathLike) -> None:
-    """Release :func:`lock_output` (the lock file is removed)."""
-    from ferrule import locks
-
-    locks.release(output_lock(out_dir), remove=True)
-
-
-def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
-    """Lock ``out_dir`` (:func:`lock_output`) and make its temporary sibling; the caller unlocks."""
-    out_dir = Path(out_dir).absolute()
-    lock_output(out_dir, overwrite)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
 
 
 def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> int:
@@ -249,7 +204,7 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
 
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,
                      overwrite: bool = False, dtype: str | None = None,
-                     progress: Callable[[int], None] | None = None) -> Path:
+                     progress: Callable[[int], None] | None = None, notice: Notice | None = None) -> Path:
     """Convert an HF safetensors checkpoint into a megatron torch_dist checkpoint.
 
     The family comes from ``config.json`` through the registry; the model is built by the
@@ -267,11 +222,16 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
             are recorded (``hf_dtypes`` in ``ferrule_checkpoint.json``) and exported in their own
             dtype again, so the conversion is bit-exact.
         progress: ``progress(n_bytes)`` after each parameter (single-process runs only).
+        notice: ``notice(message)`` for what was done besides the conversion (the removal of a
+            killed conversion's temporary folder); default: a warning on the ``ferrule.converters`` logger.
 
     Returns:
         ``out_dir`` as an absolute path.
 
     Raises:
+        ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the
+            conversion writes (checked first), or a write failed with ``ENOSPC``: "no space left on
+            OUT_DIR (needed ~N MB, free M MB)"; nothing is left behind.
         CheckpointError: missing ``config.json``, missing/truncated shard.
         ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
         ferrule.megatron.parallel.ParallelLayoutError: an invalid layout.
@@ -293,7 +253,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     world = tp * pp * ep
     ParallelLayout(**layout_kw).validate(world)
     _check_layout_before_spawn(family.name, hf_config, ParallelLayout(**layout_kw))
-    tmp = _prepare_out(out_dir, overwrite)
+    needed = hf_write_bytes(reader, dtype, hf_dir)
+    tmp = prepare_out(out_dir, overwrite, needed, notice)
     try:
         _run(world, _hf_to_torch_dist_worker, (str(hf_dir), str(tmp), hf_config, layout_kw, dtype,
                                                progress if world == 1 else None), tmp)
@@ -313,8 +274,11 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         record_checksums(tmp)  # ferrule.integrity: every file's size and hash, verified when it is read
         commit_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full_from(exc, out_dir, needed)
+        if full is not None:
+            raise full from exc
         raise
     finally:
         unlock_output(out_dir)
@@ -391,7 +355,7 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
                      progress: Callable[[int], None] | None = None, dtype: str | None = None,
-                     mxfp8: bool = False) -> Path:
+                     mxfp8: bool = False, notice: Notice | None = None) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
@@ -414,7 +378,12 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     Tensors of the source HF checkpoint that the mapping table ignores (``Ignore`` rows) are not in the
     export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
 
+    ``notice`` is :func:`hf_to_torch_dist`'s.
+
     Raises:
+        ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the export
+            writes (the model tensors in the output dtype, from the torch_dist metadata; checked
+            first), or a write failed with ``ENOSPC``; nothing is left behind.
         ferrule.integrity.CheckpointIntegrityError: a file of ``ckpt_dir`` is missing, truncated or
             damaged (checked against its ``checksums.json`` first; named).
         CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint; or the source had
@@ -445,7 +414,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
     out_dtype = dtype or meta["dtype"]
     requantize = requantizer(meta, mxfp8, ckpt_dir)  # refused before anything is written
-    tmp = _prepare_out(out_dir, overwrite)
+    needed = torch_dist_model_bytes(ckpt_dir, out_dtype, TRAINING_STATE_PREFIXES)
+    tmp = prepare_out(out_dir, overwrite, needed, notice)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
                                                max_shard_bytes, progress if world == 1 else None,
@@ -455,8 +425,11 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if requantize is not None:
             restore_quantization_config(tmp / "config.json", meta)
         commit_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full_from(exc, out_dir, needed)
+        if full is not None:
+            raise full from exc
         raise
     finally:
         unlock_output(out_dir)

@@ -34,6 +34,10 @@ def _progress(total_bytes: int, label: str):
     return progress, (lambda n: progress.advance(task, n))
 
 
+def _notice(message: str) -> None:
+    typer.echo(message, err=True)
+
+
 def _fail(exc: BaseException) -> None:
     """Every conversion error, including torch's ``CheckpointException`` (a ``BaseException``),
     becomes one ``error:`` line and exit code 2; Ctrl-C and exits pass through."""
@@ -69,7 +73,7 @@ def hf_to_torch_dist_cmd(
         progress, advance = _progress(total, "hf -> torch_dist")
         with progress:
             out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
-                                   progress=advance if total else None)
+                                   progress=advance if total else None, notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - every error becomes one clear message
         _fail(exc)
     typer.echo(f"wrote {out}")
@@ -97,7 +101,7 @@ def torch_dist_to_hf_cmd(
         progress, advance = _progress(int(meta.get("hf_bytes", 0)), "torch_dist -> hf")
         with progress:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
-                                   progress=advance, mxfp8=mxfp8)
+                                   progress=advance, mxfp8=mxfp8, notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - see _fail
         _fail(exc)
     typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")

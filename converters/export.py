@@ -116,23 +116,28 @@ def merge_peft_adapter(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,
                overwrite: bool = False, dtype: str | None = None,
-               max_shard_bytes: int = 5 * 1024**3) -> tuple[int, Path, dict | None]:
+               max_shard_bytes: int = 5 * 1024**3, notice=None) -> tuple[int, Path, dict | None]:
     """Export a run's checkpoint (latest, or ``step``) as an HF folder; return ``(step, out_dir, merge)``.
 
     The weights are written in ``dtype`` (default: the training dtype, ``model.dtype``), and
     ``config.json`` says so. A LoRA run's checkpoint (``engine/lora/adapter_model.safetensors``)
     is exported with its adapter merged in float32 (:func:`merge_peft_adapter`, whose dict is
-    ``merge``; None for a full-parameter run); ``out_dir`` appears only when complete.
+    ``merge``; None for a full-parameter run); ``out_dir`` appears only when complete. ``notice``
+    is :func:`ferrule.converters.checkpoint.hf_to_torch_dist`'s (leftovers of killed exports removed).
 
     Raises:
+        ferrule.fsutil.DiskFullError: the export does not fit (checked before writing: the model in
+            the written dtype, a LoRA merge's float32 staging copy too) or a write failed with ``ENOSPC``.
         ExportError: see :func:`find_run_checkpoint`.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ValueError: ``dtype`` is not one of :data:`EXPORT_DTYPES`.
         ferrule.safetensors_io.CheckpointError: the checkpoint does not match its
             stored config (:func:`ferrule.converters.checkpoint.load_torch_dist_into_mcore`).
     """
-    from ferrule.converters.checkpoint import lock_output, read_checkpoint_metadata, torch_dist_to_hf, unlock_output
-    from ferrule.fsutil import commit_dir
+    from ferrule.converters.checkpoint import (TRAINING_STATE_PREFIXES, disk_full_from, lock_output,
+                                               read_checkpoint_metadata, torch_dist_model_bytes, torch_dist_to_hf,
+                                               unlock_output)
+    from ferrule.fsutil import check_free_space, commit_dir
 
     out_dir = Path(out_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -144,15 +149,23 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
     adapter_dir = path / "engine" / "lora"
     if not (adapter_dir / "adapter_model.safetensors").is_file():
         out = torch_dist_to_hf(path / "engine", out_dir, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                               dtype=dtype)
+                               dtype=dtype, notice=notice)
         return found_step, out, None
     train_dtype = read_checkpoint_metadata(path / "engine")["dtype"]
-    staging = out_dir.absolute().parent / f".{out_dir.name}.merge-{uuid.uuid4().hex[:8]}"
-    lock_output(out_dir, overwrite)  # one writer of OUT (a second export or conversion is refused)
+    staging = out_dir.absolute().parent / f".{out_dir.name}.merge-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    lock_output(out_dir, overwrite, notice)  # one writer of OUT (a second export or conversion is refused)
+    needed = None
     try:  # the base in float32, merged in float32, then cast once
+        needed = torch_dist_model_bytes(path / "engine", "float32", TRAINING_STATE_PREFIXES)
+        check_free_space(out_dir.absolute().parent, needed, name=out_dir)
         torch_dist_to_hf(path / "engine", staging, max_shard_bytes=max_shard_bytes, dtype="float32")
         merge = merge_peft_adapter(staging, adapter_dir, dtype=dtype or train_dtype, max_shard_bytes=max_shard_bytes)
         out = commit_dir(staging, out_dir)
+    except BaseException as exc:
+        full = disk_full_from(exc, out_dir, needed)
+        if full is not None:
+            raise full from exc
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         unlock_output(out_dir)
@@ -174,13 +187,15 @@ def export_command(
     is merged into the base (`ferrule lora export` writes the adapter alone)."""
     from rich.console import Console
 
+    from ferrule.fsutil import DiskFullError
     from ferrule.locks import LockedError
     from ferrule.safetensors_io import CheckpointError
 
     console = Console(stderr=True, soft_wrap=True)
     try:
-        found_step, out, merge = export_run(run_dir, out_dir, step=step, overwrite=overwrite, dtype=dtype)
-    except (ExportError, FileExistsError, CheckpointError, ValueError, LockedError) as exc:
+        found_step, out, merge = export_run(run_dir, out_dir, step=step, overwrite=overwrite, dtype=dtype,
+                                            notice=lambda m: console.print(m, markup=False, highlight=False))
+    except (ExportError, FileExistsError, CheckpointError, ValueError, LockedError, DiskFullError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     written = json.loads((out / "config.json").read_text()).get("dtype")

@@ -3,8 +3,8 @@
 A family opts in by defining ``TINY_HF_CONFIG`` (a dict of HF config keys, ``model_type``
 included) in the module its ``ProviderSpec.build`` points to (for a provider with the default
 build: the module of its ``ConverterSpec.config_translation`` reference). :func:`tiny_hf_dir` builds a
-random transformers model from it (``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config``,
-fixed seed) and saves it with ``save_pretrained``; the cases then check
+random transformers model from it (``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config``, or the
+family's ``hf_model_class`` for a model_type that class does not cover (a multimodal one); fixed seed) and saves it with ``save_pretrained``; the cases then check
 
 - :func:`check_round_trip`: HF -> torch_dist -> HF is bit-exact (same keys, dtypes, values);
 - :func:`check_mapping_covers_provider`: the mapping table maps every parameter the provider
@@ -28,10 +28,16 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ferrule.conformance_fields import (  # noqa: F401  (re-exported: the kit's public names)
+    hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
+    translated_fields_vs_hf,
+)
+
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
            "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer", "translated_fields_vs_hf", "check_features_reached",
-           "test_token_ids", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32"]
+           "test_token_ids", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32",
+           "hf_model_class", "text_vocab_size"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
 LOGITS_ATOL_FP32 = 1e-5
@@ -111,7 +117,7 @@ def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
         LookupError: the family declares no ``TINY_HF_CONFIG``.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     cfg = tiny_hf_config(family)
     if cfg is None:
@@ -120,7 +126,8 @@ def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = hf_model_class(family, model_type)
+    model = (cls.from_config if hasattr(cls, "from_config") else cls._from_config)(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -249,16 +256,15 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     import json
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ferrule import registry
     from ferrule.megatron.weights import load_hf_into_mcore
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())
-    vocab = int(hf_config["vocab_size"])
+    vocab = text_vocab_size(hf_config)
     ids = test_token_ids(vocab, seq_len)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
     with single_rank():
@@ -334,121 +340,6 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
 # What HF's model actually uses vs what ferrule built (rotary frequencies and translated fields).
 # ---------------------------------------------------------------------------------------------
 
-def rotary_tables_hf(hf_model, seq_len: int, layer_type: str | None = None):
-    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that HF's model applies at positions 0..seq_len-1.
-
-    From ``model.model.rotary_emb(x, position_ids)``: HF's inverse frequencies after scaling, times
-    its ``attention_scaling``. ``layer_type`` (e.g. ``"full_attention"``) selects the table of that
-    layer type for models with one RoPE per type (``Gemma3RotaryEmbedding.forward(x, position_ids,
-    layer_type)``).
-    """
-    import torch
-
-    rotary = hf_model.model.rotary_emb
-    x = torch.zeros(1, seq_len, 1, dtype=torch.float32)
-    pos = torch.arange(seq_len).unsqueeze(0)
-    cos, sin = rotary(x, pos) if layer_type is None else rotary(x, pos, layer_type)
-    return cos[0].double(), sin[0].double()
-
-
-def _hf_rotary_layer_types(hf_model) -> list[str] | None:
-    """HF ``config.layer_types`` when its rotary embedding takes a ``layer_type`` argument, else None."""
-    import inspect
-
-    rotary = hf_model.model.rotary_emb
-    if "layer_type" not in inspect.signature(rotary.forward).parameters:
-        return None
-    return list(getattr(hf_model.config, "layer_types", None) or []) or None
-
-
-def rotary_tables_by_layer(hf_model, mcore_model, seq_len: int) -> list[tuple[str, Any, Any]]:
-    """``(label, (cos, sin) of megatron, (cos, sin) of HF)`` per RoPE the models apply.
-
-    One row for a model-wide RoPE; for HF models with one RoPE per layer type, one row per decoder
-    layer (``"layer i (type)"``), comparing megatron layer ``i``'s own table (``layer_rope`` option:
-    ``self_attention.layer_rotary``) or the model-wide one with HF's table for ``layer_types[i]``.
-    """
-    layer_types = _hf_rotary_layer_types(hf_model)
-    if layer_types is None:
-        return [("model", rotary_tables_mcore(mcore_model, seq_len), rotary_tables_hf(hf_model, seq_len))]
-    rows = []
-    for i, (layer, layer_type) in enumerate(zip(mcore_model.decoder.layers, layer_types)):
-        own = getattr(layer.self_attention, "layer_rotary", None)
-        emb = (own or mcore_model.rotary_pos_emb)(seq_len)[:, 0, 0, :].double()
-        rows.append((f"layer {i} ({layer_type})", (emb.cos(), emb.sin()), rotary_tables_hf(hf_model, seq_len, layer_type)))
-    return rows
-
-
-def rotary_tables_mcore(mcore_model, seq_len: int):
-    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that megatron's ``GPTModel`` applies.
-
-    From ``model.rotary_pos_emb(seq_len)`` (``[s, 1, 1, rotary_dim]`` angles; megatron's
-    ``apply_rotary_pos_emb`` rotates the first ``rotary_dim`` channels with ``cos``/``sin`` of them);
-    for YaRN times the concentration factor it returns beside them (``mscale``, which megatron's
-    attention multiplies cos/sin by, as HF does with ``attention_scaling``).
-    """
-    emb = mcore_model.rotary_pos_emb(seq_len)
-    emb, mscale = emb if isinstance(emb, tuple) else (emb, 1.0)  # YarnRotaryEmbedding: (angles, mscale)
-    emb = emb[:, 0, 0, :].double()
-    return emb.cos() * mscale, emb.sin() * mscale
-
-
-def translated_fields_vs_hf(hf_model, mcore_model) -> list[tuple[str, Any, Any]]:
-    """``(field, ferrule value, HF value)`` for each translated quantity HF's modules expose.
-
-    HF values are read from the instantiated model (module shapes and attributes), not from the
-    config: layer count, hidden size, MLP width, query heads, KV heads, head width, softmax scale,
-    norm epsilon, vocabulary rows, tied embeddings, and (when the MLP has ``act_fn``) the activation
-    evaluated on a probe vector.
-    """
-    import torch
-
-    cfg = mcore_model.config
-    layer = hf_model.model.layers[0]
-    attn = layer.self_attn
-    head_dim = int(attn.head_dim)
-    core = mcore_model.decoder.layers[0].self_attention.core_attention
-    scale = getattr(core, "sdpa_scale", None) or core.softmax_scale
-    rows = [
-        ("num_layers", cfg.num_layers, len(hf_model.model.layers)),
-        ("hidden_size", cfg.hidden_size, hf_model.model.embed_tokens.weight.shape[1]),
-        ("ffn_hidden_size", cfg.ffn_hidden_size if not cfg.num_moe_experts else cfg.moe_ffn_hidden_size,
-         _hf_ffn_width(layer)),
-        ("num_attention_heads", cfg.num_attention_heads, attn.q_proj.out_features // head_dim),
-        ("num_query_groups", cfg.num_query_groups, attn.k_proj.out_features // head_dim),
-        ("kv_channels", cfg.kv_channels, head_dim),
-        ("softmax_scale", round(float(scale), 9), round(float(attn.scaling), 9)),
-        ("layernorm_epsilon", cfg.layernorm_epsilon, _norm_eps(hf_model.model.norm)),
-        ("vocab_size", mcore_model.vocab_size >= hf_model.model.embed_tokens.weight.shape[0], True),
-        ("share_embeddings_and_output_weights", bool(mcore_model.share_embeddings_and_output_weights),
-         hf_model.lm_head.weight is hf_model.model.embed_tokens.weight),
-    ]
-    act = getattr(getattr(layer, "mlp", None), "act_fn", None)
-    if act is not None:
-        probe = torch.linspace(-4, 4, 17)
-        ours = cfg.activation_func(probe)
-        rows.append(("activation_func", "matches" if torch.allclose(ours, act(probe), atol=1e-6) else
-                     f"differs ({cfg.activation_func})", "matches"))
-    return rows
-
-
-def _hf_ffn_width(layer) -> int:
-    mlp = layer.mlp
-    if hasattr(mlp, "gate_proj"):
-        return mlp.gate_proj.out_features
-    experts = getattr(mlp, "experts", None)
-    if experts is not None and hasattr(experts, "down_proj"):
-        return int(experts.down_proj.shape[-1])
-    raise AssertionError(f"cannot read the MLP width of HF layer {type(layer).__name__}")
-
-
-def _norm_eps(norm) -> float:
-    for attr in ("variance_epsilon", "eps"):
-        if hasattr(norm, attr):
-            return float(getattr(norm, attr))
-    raise AssertionError(f"cannot read the epsilon of HF norm {type(norm).__name__}")
-
-
 def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, seq_len: int = 64,
                                  overrides: Mapping[str, Any] | None = None, atol: float = 1e-6) -> float | None:
     """Rotary ``cos``/``sin`` and translated fields of ferrule's model equal what HF's model uses.
@@ -468,11 +359,10 @@ def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, se
     import json
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_fields", overrides=overrides)
     hf_config = json.loads((src / "config.json").read_text())
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, dtype=torch.float32).eval()
     if getattr(getattr(hf, "model", None), "rotary_emb", None) is None:
         return None
     with single_rank():
@@ -507,14 +397,15 @@ def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len:
         AssertionError: naming each feature the test sequence does not reach, and the fix.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     seq_len = seq_len or tiny_test_seq_len(family)
     src = tiny_hf_dir(family, Path(work_dir) / "hf_features")
     config = AutoConfig.from_pretrained(src)
-    ids = test_token_ids(int(config.vocab_size), seq_len)
+    cls = hf_model_class(family, config.model_type)
+    ids = test_token_ids(int(config.get_text_config().vocab_size), seq_len)
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids).logits
+        ref = cls.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids).logits
     effects, unreached = {}, []
     for key, off in kit_feature_keys(family).items():
         if getattr(config, key, None) is None:
@@ -522,7 +413,7 @@ def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len:
         cfg_off = AutoConfig.from_pretrained(src)
         setattr(cfg_off, key, seq_len + 1 if off == "seq" else off)
         with torch.no_grad():
-            out = AutoModelForCausalLM.from_pretrained(src, config=cfg_off, dtype=torch.float32).eval()(input_ids=ids).logits
+            out = cls.from_pretrained(src, config=cfg_off, dtype=torch.float32).eval()(input_ids=ids).logits
         effects[key] = (out - ref).abs().max().item()
         if effects[key] <= min_effect:
             fix = (f"make TINY_TEST_SEQ_LEN (now {seq_len}) longer than the window" if off == "seq"

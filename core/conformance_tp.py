@@ -11,7 +11,8 @@ with the family's optional ``TINY_TP2_OVERRIDES`` applied, e.g. 2 KV heads for a
 both ranks build the provider at TP=2, load the HF tensors through the mapping table (so a
 wrong ``TPSplit`` shows up as a shape error or wrong numbers), export them back
 (:func:`ferrule.megatron.weights.export_mcore_to_hf`, which gathers the TP shards) and run the
-kit's test batch. Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
+kit's test batch (and, for a family with towers and ``tiny_media``, the media prompt of
+:mod:`ferrule.conformance_media`). Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
 1e-5) and the exported tensors with the source files (bit-exact), and writes
 ``{family: {"ok": bool, "logits_max_abs_diff": float | None, "error": str | None}}`` to
 ``--out``. One failing family does not stop the others (errors are raised on every rank at the
@@ -46,10 +47,11 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     """Numeric cases for ``family`` at the current TP layout; returns the logits max abs diff (rank 0)."""
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from ferrule import conformance_numeric as cn
     from ferrule import registry
+    from ferrule.conformance_media import mcore_media_logits, media_prompt, tiny_media_of
+    from ferrule.media import hf_media_inputs, towers_for_config
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.safetensors_io import SafetensorsReader
     from ferrule.megatron.weights import export_mcore_to_hf
@@ -76,11 +78,17 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     load_hf_into_mcore([model], src, table, hf_config=hf_config)
     exported = {name: t.cpu() for name, t in export_mcore_to_hf([model], table, hf_config=hf_config)}
     model.eval()
-    vocab = int(hf_config["vocab_size"])
+    vocab = cn.text_vocab_size(hf_config)
     seq_len = cn.tiny_test_seq_len(family)
     ids = cn.test_token_ids(vocab, seq_len)
     with torch.no_grad():
         out = model(ids, torch.arange(seq_len).unsqueeze(0).expand_as(ids), attention_mask=None)[..., :vocab]
+    media = tiny_media_of(family, hf_config) if registry.get_towers(family) else None
+    if media:  # the towers at TP=2: replicated, their outputs scattered into the vocab-parallel embedding
+        towers = towers_for_config(hf_config)
+        media_ids = media_prompt(hf_config, media, towers)
+        with torch.no_grad():
+            media_out = mcore_media_logits(model, media_ids, media)[..., :vocab]
     if rank != 0:
         return float("nan")
     reader = SafetensorsReader(src)
@@ -89,12 +97,19 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     assert not changed and not extra, (
         f"{family}: HF -> megatron (TP={TP}) -> HF changed {changed[:8]} and added {extra[:8]}: the mapping table's "
         f"TP split (tp= of those rows) or the provider does not round-trip at TP={TP}.")
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = cn.hf_model_class(family, hf_config["model_type"]).from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
+        if media:
+            media_ref = hf(input_ids=media_ids, **hf_media_inputs(towers, media, 1, "cpu")).logits
     diff = cn.logits_max_diff(family, out, ref)
     assert diff <= atol, (f"{family}: Megatron (TP={TP}) vs HF logits max abs diff {diff:.3g} > {atol} while the "
                           f"weights round-trip: suspect the plugin's TP split of a row (tp=) or the provider.")
+    if media:
+        media_diff = cn.logits_max_diff(family, media_out, media_ref)
+        assert media_diff <= atol, (f"{family}: Megatron (TP={TP}) + towers vs HF logits with media max abs diff "
+                                    f"{media_diff:.3g} > {atol} (text-only logits match: suspect the towers' TP handling)")
+        diff = max(diff, media_diff)
     return diff
 
 

@@ -26,7 +26,10 @@ families from the command line. The cases:
   bit-exact, the mapping table covers the provider's parameters exactly, rotary frequencies and
   every translated field equal what HF's model uses, Megatron logits match HF transformers)
   from :mod:`ferrule.conformance_numeric`, and again at TP=2 (round trip through the TP split
-  and logits) in one ``torchrun`` launch for all families (:mod:`ferrule.conformance_tp`).
+  and logits) in one ``torchrun`` launch for all families (:mod:`ferrule.conformance_tp`);
+- a family with towers: logits of a prompt with media for every tower match HF's at TP=1 and
+  TP=2, and each modality changes them (:mod:`ferrule.conformance_media`; the family's
+  ``tiny_media``).
 
 A failing case reports one readable assertion (the worker's exception message, without
 ``[rankN]:`` prefixes or megatron's warnings).
@@ -177,6 +180,35 @@ class FamilyConformance:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
         if "error" in result:
             pytest.fail(f"{ferrule_family} (TP=1): {result['error']}", pytrace=False)
+        assert result["logits_max_abs_diff"] <= 1e-5
+
+    def test_media_logits_parity(self, ferrule_family: str, tmp_path) -> None:
+        """A family with towers: logits of a prompt with media for every tower == HF's (fp32, TP=1), and each
+        modality's media change HF's logits (:func:`ferrule.conformance_media.check_media_logits_parity`)."""
+        _skip_without_numeric_parts(ferrule_family)
+        if not registry.get_towers(ferrule_family):
+            pytest.skip(f"{ferrule_family} declares no towers")
+        code = (
+            "import json, sys, warnings\n"
+            "warnings.filterwarnings('ignore')\n"
+            "from ferrule import conformance_numeric as cn\n"
+            "from ferrule.conformance_media import check_media_logits_parity\n"
+            "fam, work = sys.argv[1], sys.argv[2]\n"
+            "if __name__ == '__main__':\n"
+            "    if cn.tiny_hf_config(fam) is None:\n"
+            "        print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
+            "    try:\n"
+            "        print(json.dumps(check_media_logits_parity(fam, work)))\n"
+            "    except BaseException as exc:\n"
+            "        print(json.dumps({'error': f'{type(exc).__name__}: {exc}'}))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, ferrule_family, str(tmp_path)],
+                             capture_output=True, text=True, timeout=600)
+        result = _last_json(out, f"media conformance for {ferrule_family}")
+        if "skip" in result:
+            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        if "error" in result:
+            pytest.fail(f"{ferrule_family} (media, TP=1): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
 
     def test_update_groups_cover_parameters(self, ferrule_family: str) -> None:

@@ -28,7 +28,7 @@ class RunningServer:
         from ferrule.serve.backend import EngineBackend
 
         self.storage = storage
-        backend = EngineBackend(base, model_name=MODEL_NAME)
+        backend = EngineBackend(base, model_name=MODEL_NAME) if isinstance(base, (str, Path)) else base  # or a registry
         self.backend = backend
         self.app = create_app(backend, storage, dict(keys or KEYS), long_poll_s=long_poll_s,
                               fwdbwd_max_chunk_len=chunk_len,

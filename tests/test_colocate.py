@@ -52,18 +52,21 @@ def test_host_stash_keeps_views_and_frees_storage():
     base = torch.arange(12.0)
     view, alias = base[3:7], base.view(3, 4)
     other = torch.full((5,), 2.5, dtype=torch.bfloat16)
+    other_view = other[1:3]
     stash = HostStash(unique_storages([base, view, alias, other], torch.device("cpu")), torch.device("cpu"), "t")
     assert len(stash) == 2 and stash.nbytes == 12 * 4 + 5 * 2
     stash.offload()
     assert base.untyped_storage().nbytes() == 0 and other.untyped_storage().nbytes() == 0
     stash.host_view(view).fill_(-1.0)  # a write while offloaded lands in what comes back
+    stash.host_view(other_view).fill_(7.0)  # the second storage sits at a 4 KiB offset of one host buffer
+    assert stash.host_bytes == 2 * 4096
     with pytest.raises(RuntimeError, match="offload\\(\\) called twice"):
         stash.offload()
     stash.onload()
     want = torch.arange(12.0)
     want[3:7] = -1.0
     assert torch.equal(base, want) and torch.equal(alias, want.view(3, 4)) and torch.equal(view, want[3:7])
-    assert torch.equal(other, torch.full((5,), 2.5, dtype=torch.bfloat16))
+    assert torch.equal(other, torch.tensor([2.5, 7.0, 7.0, 2.5, 2.5], dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="without a previous offload"):
         stash.onload()
 
@@ -186,3 +189,19 @@ def test_auto_colocation_turns_on_when_both_engines_would_not_fit(monkeypatch):
     assert colocate.resolve_colocate("auto", engine, rollout, cfg, distributed=True)[0] is False
     with pytest.raises(ValueError, match="train.colocate: true needs the embedded rollout engine"):
         colocate.resolve_colocate(True, engine, NS(kind="embedded", device=torch.device("cpu")), cfg, distributed=False)
+
+
+def test_colocate_true_is_refused_with_several_ranks():
+    """``train.colocate: true`` under torchrun / ``--nproc N``: refused by the layout check that runs
+    before anything is built (in ``ferrule train --nproc`` and in every rank's trainer)."""
+    from ferrule.rl.config import ConfigError, config_from_dict
+    from ferrule.rl.distributed import check_layout
+
+    hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "num_hidden_layers": 2}
+    on = config_from_dict({"model": {"hf_dir": "unused"}, "train": {"colocate": True}}, validate=False)
+    check_layout(on, hf, 1)
+    with pytest.raises(ConfigError, match=r"train.colocate: true runs train and rollout in one process, this launch "
+                                          r"has 2 ranks \(torchrun / --nproc\); set train.colocate: false or auto"):
+        check_layout(on, hf, 2)
+    auto = config_from_dict({"model": {"hf_dir": "unused"}}, validate=False)
+    check_layout(auto, hf, 2)  # auto: off with several ranks (resolve_colocate), not an error

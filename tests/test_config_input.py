@@ -91,6 +91,36 @@ def test_sizes_that_cannot_run_are_refused_before_any_model_loads(tmp_path):
     assert "rollout.n_samples_per_prompt, max_new_tokens: 800000 rows" in text
 
 
+def test_a_prompt_and_response_beyond_a_launched_sglang_servers_context_are_refused(tmp_path):
+    """SGLang rejects a request whose prompt + max_new_tokens reaches the server's context length (its
+    TokenizerManager check; without --context-length the length is the config's max_position_embeddings,
+    here 1024): the run would stop at the first long prompt, so the config is refused up front."""
+    from ferrule.rl.run_checks import size_problems
+
+    hf = _hf_dir(tmp_path)
+    hf_config = json.loads((hf / "config.json").read_text())
+    (tmp_path / "c.yaml").write_text(MINIMAL)
+    common = [f"model.hf_dir={hf}", f"logging.run_dir={tmp_path / 'run'}", "train.micro_batch_tokens=100000",
+              "rollout.engine=sglang"]
+
+    def problems(*extra: str) -> str:
+        return "\n".join(size_problems(load_config(tmp_path / "c.yaml", common + list(extra)), hf_config))
+
+    assert problems() == ""  # 512 + 256 < 1024
+    text = problems("rollout.max_new_tokens=600")
+    assert ("data.max_prompt_tokens, rollout.max_new_tokens: a prompt of up to 512 tokens + 600 new tokens reaches "
+            "the SGLang server's context length 1024 (the model's max_position_embeddings)") in text, text
+    assert "raise rollout.sglang_args.context_length" in text
+    assert "context length 1024" in problems("eval.max_new_tokens=512")  # evaluation uses the same server
+    assert problems("rollout.max_new_tokens=600", "rollout.sglang_args={context_length: 4096}") == ""
+    assert "context length 1100 (rollout.sglang_args.context_length)" in problems(
+        "rollout.max_new_tokens=600", "rollout.sglang_args={context_length: 1100}")
+    assert problems("rollout.max_new_tokens=600", "rollout.sglang_url=http://127.0.0.1:30000") == ""  # its own length
+    assert problems("rollout.max_new_tokens=600", "rollout.engine=embedded") == ""  # RoPE runs past it
+    yarn = dict(hf_config, rope_scaling={"rope_type": "yarn", "factor": 4.0})  # SGLang multiplies by the factor
+    assert size_problems(load_config(tmp_path / "c.yaml", common + ["rollout.max_new_tokens=600"]), yarn) == []
+
+
 def test_a_shard_the_index_does_not_name_is_named(tmp_path):
     from transformers import AutoModelForCausalLM
 

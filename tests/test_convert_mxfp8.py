@@ -164,3 +164,51 @@ def test_bad_quantized_checkpoints_are_refused(mxfp8_dir, tmp_path):
     with pytest.raises(CheckpointError, match="--mxfp8: the source HF checkpoint .* was not quantized"):
         torch_dist_to_hf(ckpt, tmp_path / "back", mxfp8=True)
     assert not (tmp_path / "back").exists() and not (tmp_path / "out1").exists()
+
+
+def test_inkling2_released_mxfp8_experts(tmp_path):
+    """Inkling-2's released layout: MXFP8 routed experts ``mlp.experts.{w13,w2}_weight`` ``[E, rows, cols]`` with
+    ``uint8`` E8M0 scales ``..._weight_scale`` ``[E, rows, cols / 32]``, the padded unembedding beside.
+
+    transformers 5.24 cannot be the loader here: on CPU it dequantizes by the model's parameter names and reports
+    the expert scales as unexpected keys, loading the raw FP8 values unscaled (its Inkling-2 expert path keeps them
+    quantized, on GPU only). The reference is therefore its arithmetic applied by hand (``Fp8Dequantize._dequantize_one``
+    on each expert tensor and its scale) written as a bf16 folder, which transformers then loads cleanly.
+    """
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+
+    src = cn.tiny_hf_dir("inkling2_text", tmp_path / "bf16", dtype="bfloat16", overrides={"moe_intermediate_size": 32})
+    quantizer = _hf_quantizer()
+    quantized, dequantized = {}, {}
+    for k, v in load_file(src / "model.safetensors").items():
+        quantized[k] = dequantized[k] = v
+        if k.endswith(("mlp.experts.w13_weight", "mlp.experts.w2_weight")):
+            out = Fp8Quantize(quantizer)._quantize_one(k, v)
+            quantized[k], quantized[k + "_scale"] = out[k], out[k + "_scale_inv"].view(torch.uint8)
+            dequantized[k] = Fp8Dequantize(quantizer)._dequantize_one(out[k], quantized[k + "_scale"], torch.bfloat16)
+    assert sum(k.endswith("_weight_scale") for k in quantized) == 2 * 4  # 4 MoE layers
+    mx = tmp_path / "mxfp8"
+    shutil.copytree(src, mx)
+    save_file(quantized, mx / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mx / "config.json").read_text())
+    config["quantization_config"] = quantizer.quantization_config.to_dict()
+    (mx / "config.json").write_text(json.dumps(config, indent=2))
+    ref_dir = tmp_path / "reference"
+    shutil.copytree(src, ref_dir)
+    save_file(dequantized, ref_dir / "model.safetensors", metadata={"format": "pt"})
+
+    ckpt = hf_to_torch_dist(mx, tmp_path / "td")
+    back = torch_dist_to_hf(ckpt, tmp_path / "back")
+    a, b = SafetensorsReader(ref_dir), SafetensorsReader(back)
+    assert a.keys() == b.keys(), sorted(set(a.keys()) ^ set(b.keys()))
+    for k in a.keys():
+        assert a.dtype_name(k) == b.dtype_name(k) and torch.equal(a.get(k), b.get(k)), k
+    reference, exported = _hf_model(ref_dir), _hf_model(back)
+    ids = cn.test_token_ids(90, 8)
+    with torch.no_grad():
+        assert torch.equal(reference(input_ids=ids).logits, exported(input_ids=ids).logits)
+    again = torch_dist_to_hf(ckpt, tmp_path / "mxfp8_back", mxfp8=True)
+    a, b = SafetensorsReader(mx), SafetensorsReader(again)
+    assert a.keys() == b.keys()
+    for k in a.keys():
+        assert a.dtype_name(k) == b.dtype_name(k) and torch.equal(a.get(k).view(torch.uint8), b.get(k).view(torch.uint8)), k

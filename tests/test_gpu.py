@@ -267,3 +267,26 @@ def test_colocation_round_trip_frees_device_memory_and_is_bit_exact(tmp_path):
     sync_weights(engine, rollout, 3, check_equal=True)
     after = [r.logprobs for r in rollout.generate([[5, 6, 7], [8, 9]], greedy)]
     assert after == before
+
+
+def test_host_stash_page_locks_exact_sizes():
+    """A stash of storages just above a power of two takes page-locked host memory of their own
+    size (one registered allocation), not torch's pinned-allocator blocks rounded up to the next
+    power of two (which, at 6.7 B parameters, asked for more host memory than the machine has).
+    Referee: torch's own host-allocator counters and the byte sizes; the round trip is bit-exact."""
+    from ferrule.offload import HostStash, unique_storages
+
+    mib = 2**20
+    tensors = [torch.randn(mib + 1024, device="cuda"), torch.randn(3 * mib // 2, device="cuda").to(torch.bfloat16)]
+    ref = [t.cpu() for t in tensors]
+    exact = sum(t.untyped_storage().nbytes() for t in tensors)  # 4 MiB + 4 KiB, 3 MiB
+    stats = getattr(torch.cuda, "host_memory_stats", dict)  # torch >= 2.7
+    before = stats().get("allocated_bytes.current", 0)
+    stash = HostStash(unique_storages(tensors, torch.device("cuda", 0)), torch.device("cuda", 0), "t")
+    stash.offload()
+    grown = stats().get("allocated_bytes.current", 0) - before
+    assert stash.pinned == "registered" and grown == 0, (stash.pinned, grown)
+    assert stash.host_bytes == exact  # both sizes are multiples of 4 KiB
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    stash.onload()
+    assert all(torch.equal(t.cpu(), r) for t, r in zip(tensors, ref))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -35,13 +34,9 @@ from .cpu_compat_literals import (  # noqa: F401  (re-exported: part of this tab
 from .patching import MEGATRON_CORE_VERSION  # noqa: F401  (re-exported)
 from .patching import is_cuda_device  # noqa: F401  (re-exported)
 from .patching import set_attr as _set
-from .patching import undo as _undo
+from .patching import PatchSet
 
 __all__ = ["Patch", "PATCHES", "MEGATRON_CORE_VERSION", "apply", "revert", "applied", "is_cuda_device"]
-
-
-_LOCK = threading.RLock()
-_APPLIED: dict[str, list[tuple[Any, str, Any]]] = {}  # patch name -> [(owner, attr, original)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -241,6 +236,9 @@ PATCHES: tuple[Patch, ...] = (
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 
 
+_TABLE = PatchSet("cpu_compat", PATCHES)
+
+
 def apply(exclude: Iterable[str] = ()) -> tuple[str, ...]:
     """Install every patch not already installed (idempotent); returns the installed names.
 
@@ -251,34 +249,16 @@ def apply(exclude: Iterable[str] = ()) -> tuple[str, ...]:
         RuntimeError: CUDA is available (the patches are for CUDA-less machines only).
         ValueError: ``exclude`` names an unknown patch.
     """
-    exclude = set(exclude)
-    unknown = exclude - set(PATCH_NAMES)
-    if unknown:
-        raise ValueError(f"cpu_compat.apply: unknown patch names {sorted(unknown)}; known: {list(PATCH_NAMES)}.")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not set(exclude) - set(PATCH_NAMES):
         raise RuntimeError("ferrule cpu_compat must not be applied on a machine with CUDA; use DeviceBackend('cuda').")
-    with _LOCK:
-        for patch in PATCHES:
-            if patch.name in exclude or patch.name in _APPLIED:
-                continue
-            record: list = []
-            try:
-                patch.install(record)
-            except BaseException:
-                _undo(record)
-                raise
-            _APPLIED[patch.name] = record
-        return applied()
+    return _TABLE.apply(exclude)
 
 
 def applied() -> tuple[str, ...]:
     """Names of the patches currently installed, in table order."""
-    return tuple(n for n in PATCH_NAMES if n in _APPLIED)
+    return _TABLE.applied()
 
 
 def revert(names: Iterable[str] | None = None) -> None:
     """Undo installed patches (all by default), restoring the original attributes."""
-    with _LOCK:
-        for name in reversed(PATCH_NAMES):
-            if name in _APPLIED and (names is None or name in set(names)):
-                _undo(_APPLIED.pop(name))
+    _TABLE.revert(names)

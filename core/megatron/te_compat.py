@@ -15,15 +15,12 @@ gets the patch; a module that defines the name gets nothing).
 from __future__ import annotations
 
 import importlib
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
+
+from .patching import PatchSet, set_attr
 
 __all__ = ["TEPatch", "PATCHES", "PATCH_NAMES", "apply", "revert", "applied"]
-
-_LOCK = threading.RLock()
-_APPLIED: dict[str, list[tuple[Any, str, Any]]] = {}  # patch name -> [(owner, attr, original)]
-_MISSING = object()
 
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
@@ -41,9 +38,7 @@ def patch_moe_te_general_gemm(record: list) -> None:
     not None``. Without TE the router raises ``NameError: name 'te_general_gemm' is not
     defined`` on CPU and on CUDA alike (every megatron MoE family: Qwen3-MoE, Inkling).
     """
-    moe_utils = importlib.import_module(_MOE_UTILS)
-    record.append((moe_utils, "te_general_gemm", _MISSING))
-    moe_utils.te_general_gemm = None
+    set_attr(record, importlib.import_module(_MOE_UTILS), "te_general_gemm", None)
 
 
 @dataclass(frozen=True)
@@ -70,6 +65,9 @@ PATCHES: tuple[TEPatch, ...] = (
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 
 
+_TABLE = PatchSet("te_compat", PATCHES)
+
+
 def apply(exclude: Iterable[str] = ()) -> tuple[str, ...]:
     """Install every patch whose ``needed()`` holds and is not installed yet (idempotent).
 
@@ -78,40 +76,14 @@ def apply(exclude: Iterable[str] = ()) -> tuple[str, ...]:
     Raises:
         ValueError: ``exclude`` names an unknown patch.
     """
-    exclude = set(exclude)
-    unknown = exclude - set(PATCH_NAMES)
-    if unknown:
-        raise ValueError(f"te_compat.apply: unknown patch names {sorted(unknown)}; known: {list(PATCH_NAMES)}.")
-    with _LOCK:
-        for patch in PATCHES:
-            if patch.name in exclude or patch.name in _APPLIED or not patch.needed():
-                continue
-            record: list = []
-            try:
-                patch.install(record)
-            except BaseException:
-                _undo(record)
-                raise
-            _APPLIED[patch.name] = record
-        return applied()
+    return _TABLE.apply(exclude, needed=lambda patch: patch.needed())
 
 
 def applied() -> tuple[str, ...]:
     """Names of the patches currently installed, in table order."""
-    return tuple(n for n in PATCH_NAMES if n in _APPLIED)
-
-
-def _undo(record: list) -> None:
-    for owner, attr, original in reversed(record):
-        if original is _MISSING:
-            owner.__dict__.pop(attr, None)
-        else:
-            setattr(owner, attr, original)
+    return _TABLE.applied()
 
 
 def revert(names: Iterable[str] | None = None) -> None:
     """Undo installed patches (all by default), restoring the original attributes."""
-    with _LOCK:
-        for name in reversed(PATCH_NAMES):
-            if name in _APPLIED and (names is None or name in set(names)):
-                _undo(_APPLIED.pop(name))
+    _TABLE.revert(names)

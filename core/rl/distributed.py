@@ -75,7 +75,7 @@ def check_layout(cfg: RLConfig, hf_config: Mapping[str, Any], world_size: int) -
     Rules (megatron-core 0.16.1): ``tp * pp`` divides the world size (DP = world / (tp*pp));
     ``ep`` divides ``world / pp`` and the number of routed experts; ``tp`` divides the attention
     heads, the KV heads and the FFN width; ``pp`` divides the layer count (even split);
-    ``vpp`` must be 1 (see the message).
+    ``vpp`` must be 1 (see the message); ``train.colocate: true`` needs one rank.
 
     Raises:
         ConfigError: every problem at once, each naming the valid sizes.
@@ -116,6 +116,9 @@ def check_layout(cfg: RLConfig, hf_config: Mapping[str, Any], world_size: int) -
     elif experts is not None and experts % ep:
         p.append(f"parallel.ep: {ep} does not divide the model's {experts} routed experts; valid ep: "
                  f"{_divisors(experts)}")
+    if cfg.train.colocate is True and world_size > 1:
+        p.append(f"train.colocate: true runs train and rollout in one process, this launch has {world_size} ranks "
+                 "(torchrun / --nproc); set train.colocate: false or auto (auto is off with several ranks)")
     if p:
         raise ConfigError(p)
 

@@ -108,7 +108,9 @@ def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = 
     bytes than the machine's physical memory (``memory_bytes``, default ``SC_PHYS_PAGES *
     SC_PAGE_SIZE``) cannot run: too many samples per prompt, or too many tokens. (A sequence
     longer than ``max_position_embeddings`` is not refused: the limits are caps, real prompts are
-    shorter, and RoPE models run past it.)
+    shorter, and RoPE models run past it.) With ``rollout.engine: sglang`` a prompt + new tokens
+    reaching the server's context length is refused (:func:`sglang_context_length`): SGLang rejects
+    such requests.
 
     Returns:
         One message per problem (naming the keys and the limit), or ``[]``.
@@ -135,7 +137,48 @@ def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = 
                  f"+ max_new_tokens) need {need / 2**30:.1f} GiB of KV cache alone, more than this machine's "
                  f"{have / 2**30:.1f} GiB; lower rollout.n_samples_per_prompt, train.prompts_per_step, "
                  "rollout.max_new_tokens or data.max_prompt_tokens")
+    p += _sglang_context_problems(cfg, text, longest)
     return p
+
+
+#: config keys SGLang reads, in its order, for a server's context length (``get_context_length`` in
+#: sglang/srt/utils/hf_transformers_utils.py)
+SGLANG_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def sglang_context_length(text_config: dict) -> int | None:
+    """The context length an SGLang server launched on this model uses without ``--context-length``:
+    the first of :data:`SGLANG_CONTEXT_KEYS` in the (text) config, times ``rope_scaling.factor`` unless
+    the scaling names ``original_max_position_embeddings`` or is ``llama3`` (SGLang's rule); None
+    when the config has none of the keys."""
+    scaling = text_config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1) or 1
+    if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+        factor = 1
+    for key in SGLANG_CONTEXT_KEYS:
+        if text_config.get(key) is not None:
+            return int(factor * int(text_config[key]))
+    return None
+
+
+def _sglang_context_problems(cfg: RLConfig, text_config: dict, longest: int) -> list[str]:
+    """An SGLang server refuses every request whose prompt + ``max_new_tokens`` reaches its context
+    length ("Requested token count exceeds the model's maximum context length", sglang's
+    ``TokenizerManager._validate_one_request``), which stops the run at the first long prompt. Checked
+    for a server the loop launches (not ``rollout.sglang_url``: its length is the server's)."""
+    ro = cfg.rollout
+    if ro.engine != "sglang" or ro.sglang_url:
+        return []
+    given = ro.sglang_args.get("context_length") or ro.sglang_args.get("context-length")
+    context = int(given) if given else sglang_context_length(text_config)
+    if context is None or longest < context:
+        return []
+    where = "rollout.sglang_args.context_length" if given else "the model's max_position_embeddings"
+    return [f"data.max_prompt_tokens, rollout.max_new_tokens: a prompt of up to {cfg.data.max_prompt_tokens} tokens "
+            f"+ {longest - cfg.data.max_prompt_tokens} new tokens reaches the SGLang server's context length "
+            f"{context} ({where}), which refuses such a request and stops the run; lower data.max_prompt_tokens "
+            f"or max_new_tokens so that their sum is below {context}, or raise rollout.sglang_args.context_length"]
 
 
 def check_supported(cfg: RLConfig) -> None:

@@ -21,7 +21,9 @@ translated to transformers' in-memory layout (e.g. Qwen3-MoE's stacked experts) 
 :mod:`ferrule.rollout._checkpoint_names`.
 
 LoRA: ``update_lora_adapter`` serves the base plus one HF PEFT adapter, unmerged, through PEFT's
-own LoRA layers (:mod:`ferrule.rollout._lora`); later updates copy the adapter in place.
+own LoRA layers (:mod:`ferrule.rollout._lora`); later updates copy the adapter in place. On the
+fast decode path the prefill stays unmerged and the decode steps run on a merged copy of the
+targeted weights (:class:`ferrule.rollout._fast_decode.MergedLora`, refreshed every call).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
 from ferrule.rollout._weights import EmbeddedWeightUpdates
@@ -112,6 +115,13 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             ``config._attn_implementation`` becomes
             :data:`~ferrule.rollout._static_cache.OPAQUE_SDPA` (the same SDPA function, kept out of
             the compiled graph).
+        fast_decode: decode supported dense models (:data:`ferrule.rollout._fast_decode.MODEL_TYPES`)
+            through :mod:`ferrule.rollout._fast_decode` (fused q/k/v and gate/up weights, sampler and
+            bookkeeping inside one CUDA graph per step) when no stop strings, LoRA adapter, media
+            or top-k/top-p/min-p are involved. Default off unless ``FERRULE_FAST_DECODE=1``: measured
+            faster on an H200 (docs/benchmarks.md) but its logprob check against the plain path on
+            CUDA (``tests/test_rollout_fast_decode.py``, gpu marker) has not passed there yet. Needs
+            ``compile_decode`` and ``cuda_graph`` (so never on CPU).
         max_batch: rows decoded at once (continuous batching). With more rows than this
             (``len(requests) * n``), finished rows free their slot for waiting prompts
             (:mod:`ferrule.rollout._continuous`); None (default): all rows in one batch.
@@ -137,7 +147,8 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                  hf_config: Any = None, state_dict: dict[str, torch.Tensor] | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  tokenizer: Any = None, cuda_graph: bool | None = None, model_class: Any = None,
-                 compile_decode: bool | None = None, max_batch: int | None = None):
+                 compile_decode: bool | None = None, max_batch: int | None = None,
+                 fast_decode: bool | None = None):
         sources = [x is not None for x in (model, hf_dir, hf_config)]
         if sum(sources) != 1:
             raise ValueError("EmbeddedEngine needs exactly one of model=, hf_dir=, hf_config= "
@@ -180,6 +191,13 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             compile_decode = os.environ.get("FERRULE_COMPILE_DECODE", "1") != "0"
         self.compile_decode = bool(compile_decode and self.device.type == "cuda" and self._windows is not None
                                    and use_opaque_sdpa(self.model))
+        if fast_decode is None:
+            fast_decode = os.environ.get("FERRULE_FAST_DECODE", "0") == "1"
+        self.fast_decode = bool(fast_decode and self.compile_decode and self.cuda_graph
+                                and supported(self.model))
+        self._fused: tuple | None = None  # (parameter addresses, FusedLayout) of the fast decode path
+        if self.fast_decode:  # before any adapter or checkpoint-name view exists
+            self._fuse_weights()
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"EmbeddedEngine(max_batch={max_batch!r}): expected a positive int or None.")
         self.max_batch = max_batch
@@ -352,6 +370,17 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             return FusedSampler(params, batch, vocab, self.device)
         return lambda logits, gen: sample_next(logits.float(), params, gen, banned)
 
+    def _fast_layout(self, params: SamplingParams, stop_ids: list[int], matcher: StopStringMatcher | None,
+                     media_inputs: Any) -> FusedLayout | None:
+        """:func:`ferrule.rollout._fast_decode.engine_layout` for this call."""
+        return engine_layout(self, params, stop_ids, matcher, media_inputs)
+
+    def _fuse_weights(self) -> None:
+        """Fuse q/k/v and gate/up (:func:`ferrule.rollout._fast_decode.fuse_weights`)."""
+        layout = fuse_weights(self.model)
+        self._ck_tensors = None  # views of the parameters taken before they moved
+        self._fused = (base_ptrs(self.model), layout)
+
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
             return None
@@ -388,6 +417,13 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         lengths = torch.zeros(batch, dtype=torch.long, device=dev)
 
         state = self._state(batch, max_len)
+        layout = self._fast_layout(params, stop_ids, matcher, media_inputs)
+        if layout is not None:
+            logits = state.prefill(input_ids, position_ids, prompt_mask)
+            fast = getattr(state, "fast", None)
+            if fast is None:
+                fast = state.fast = FastStatic(state, logits.shape[-1], dev)
+            return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool)
         sampler = self._sampler(params, batch)
         logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
                   else state.prefill(input_ids, position_ids, prompt_mask))
@@ -434,8 +470,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "cuda_graph": self.cuda_graph,
             "compile_decode": self.compile_decode,
+            "fast_decode": self.fast_decode,
             "max_batch": self.max_batch,
-            "captured_buckets": [list(k) for k in self._states if self._states[k].graph is not None],
+            "captured_buckets": [list(k) for k, st in self._states.items()
+                                 if st.graph is not None or getattr(getattr(st, "fast", None), "graphs", None)],
             "lora": None if self._lora is None else {"name": self._lora_name, "r": self._lora.config.get("r"),
                                                      "lora_alpha": self._lora.config.get("lora_alpha"),
                                                      "tensors": len(self._lora.targets), "bytes": self._lora.nbytes()},

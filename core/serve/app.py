@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .backend import EngineBackend
+from .registry import BaseRegistry
 from .limits import ServeLimits
 from . import routes_rest, routes_sample, routes_session, routes_state, routes_train
 from .scheduler import Scheduler
@@ -37,10 +38,11 @@ __all__ = ["create_app", "HTTPError"]
 log = logging.getLogger("ferrule.serve")
 
 
-def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, str], *,
+def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_keys: dict[str, str], *,
                long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
                limits: ServeLimits | None = None) -> FastAPI:
-    """Build the service. ``api_keys`` maps each ``tml-`` key to its tenant name; ``limits``
+    """Build the service for one base (an :class:`EngineBackend`) or several (a
+    :class:`BaseRegistry`). ``api_keys`` maps each ``tml-`` key to its tenant name; ``limits``
     bound each request and each tenant's queue (:class:`~ferrule.serve.limits.ServeLimits`).
 
     Raises:
@@ -50,12 +52,14 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         raise ValueError("no API keys: give --api-keys FILE or set FERRULE_SERVE_API_KEYS=tml-... "
                          "(the service never runs without authentication).")
     storage = Path(storage).absolute()
+    bases = backend if isinstance(backend, BaseRegistry) else BaseRegistry([backend])
     store = Store(storage)
     lost = store.fail_unfinished()
     telemetry = Telemetry()
     scheduler = Scheduler(store, observe=telemetry.observe_job)
     app = FastAPI(title="ferrule serve", version="0.38.0-compatible")
-    app.state.store, app.state.scheduler, app.state.backend, app.state.telemetry = store, scheduler, backend, telemetry
+    app.state.store, app.state.scheduler, app.state.backend, app.state.telemetry = store, scheduler, bases.default, telemetry
+    app.state.bases = bases
     if lost:
         log.warning("%d request(s) were unfinished when the server last stopped; polls for them now fail.", lost)
 
@@ -86,7 +90,7 @@ def create_app(backend: EngineBackend, storage: str | Path, api_keys: dict[str, 
         return response
 
     limits = limits or ServeLimits()
-    app.state.service = Service(store, scheduler, backend, telemetry, storage, limits)
+    app.state.service = Service(store, scheduler, bases, telemetry, storage, limits)
     app.state.long_poll_s, app.state.fwdbwd_max_chunk_len = long_poll_s, fwdbwd_max_chunk_len
     for router in (routes_session.router, routes_train.router, routes_sample.router, routes_state.router):
         app.include_router(router)

@@ -38,11 +38,10 @@ from typing import Any, Mapping, Sequence
 
 from .media_chunks import attention_leaves, hf_inputs
 from .merge import merged_hf_state
+from .sampling_params import DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 
 __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
-#: default ``max_tokens`` when a sample request leaves it unset
-DEFAULT_MAX_TOKENS = 128
 #: LoRA alpha of Tinker training clients (Tinker's lora_config has no alpha; the tinker-cookbook's
 #: ``hyperparam_utils`` assumes ``lora_alpha=32`` when it scales learning rates for LoRA)
 TINKER_LORA_ALPHA = 32.0
@@ -79,7 +78,8 @@ class SampleSpec:
 
 
 class EngineBackend:
-    """Train engines per model id + one embedded rollout engine, for one served base model.
+    """Train engines per model id + one embedded rollout engine, for one served base model (a server
+    of several bases holds one per base: :class:`ferrule.serve.registry.BaseRegistry`).
 
     Args:
         base_model: an HF checkpoint directory (``config.json`` + safetensors) or a ferrule
@@ -87,13 +87,15 @@ class EngineBackend:
         model_name: the name clients pass as ``base_model`` (default: the directory name).
         optimizer: :class:`~ferrule.megatron.optim.OptimizerSettings` for every client's engine
             (the per-step Adam hyper-parameters come from each ``optim_step`` request).
+        eager: load the rollout engine now (the first base of a server); otherwise the weights
+            load on first use (:attr:`on_load` is called first, so the registry can make room).
 
     Raises:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
     """
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
-                 max_snapshots: int = MAX_SNAPSHOTS):
+                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True):
         self.base_dir = Path(base_model).absolute()
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
@@ -121,12 +123,46 @@ class EngineBackend:
         self._snap_counter = 0
         self._merge_layout: tuple | None = None
         self._version = 0
-        _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
+        #: hooks of :class:`ferrule.serve.registry.BaseRegistry`: ``on_load(self)`` before weights load
+        #: while none are held (may raise to refuse), ``on_use(self)`` on every use (LRU order)
+        self.on_load: Any = None
+        self.on_use: Any = None
+        if eager:
+            _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether this base holds weights in memory: a rollout engine, a training client's engine or
+        an unnamed sampler snapshot."""
+        return self._rollout is not None or bool(self.engines) or bool(self._snapshots)
+
+    def _using(self) -> None:
+        if not self.loaded and self.on_load is not None:
+            self.on_load(self)
+        if self.on_use is not None:
+            self.on_use(self)
+
+    def unload(self, why: str) -> None:
+        """Drop the rollout engine, the base copy and the unnamed snapshots (``why`` is what a
+        request for a dropped snapshot is told); a later request loads the base again.
+
+        Raises:
+            RuntimeError: a training client of this base is live (its engine is its state).
+        """
+        if self.engines:
+            raise RuntimeError(f"base model {self.model_name!r} has live training clients {sorted(self.engines)}; "
+                               "unload_model them first.")
+        for key in self._snapshots:
+            self._evicted[key] = why
+        self._snapshots.clear()
+        self._tenant_snapshots.clear()
+        self._rollout = self._base_state = self._loaded = self._merge_layout = None
 
     # ---------------------------------------------------------------- training clients
     def _new_engine(self, lora: Any = None) -> Any:
         from ferrule.megatron.engine import TrainEngine
 
+        self._using()
         if self.kind == "hf":
             return TrainEngine.from_hf(self.base_dir, optimizer=self.optimizer, lora=lora)
         return TrainEngine.from_torch_dist(self.base_dir, optimizer=self.optimizer, load_optimizer=False, lora=lora)
@@ -200,11 +236,14 @@ class EngineBackend:
         self.lora_ranks.pop(model_id, None)
 
     def engine(self, model_id: str) -> Any:
+        if self.on_use is not None and model_id in self.engines:
+            self.on_use(self)
         try:
             return self.engines[model_id]
         except KeyError:
             raise LookupError(f"model {model_id!r} has no engine in this server process (it was created before a "
-                              "restart or its session finished); create a training client from a saved state.") from None
+                              "restart, unloaded, or its session finished); create a training client from a saved "
+                              "state.") from None
 
     def check_forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
                                loss_fn_config: Mapping[str, Any] | None) -> None:
@@ -331,6 +370,7 @@ class EngineBackend:
     @property
     def rollout(self) -> Any:
         if self._rollout is None:
+            self._using()
             import torch
 
             from ferrule.rollout.embedded import EmbeddedEngine
@@ -389,6 +429,8 @@ class EngineBackend:
                 name after the request was admitted (the request never runs on other weights).
         """
         engine = self.rollout
+        if self.on_use is not None:
+            self.on_use(self)
         key = None if source is None else str(source)
         if isinstance(source, SavedWeights):
             now = self.saved_weights(source.directory)
@@ -412,42 +454,15 @@ class EngineBackend:
         return engine
 
     def sampling_params(self, body: Mapping[str, Any], prompt_len: int, n: int) -> Any:
-        """Tinker ``SamplingParams`` JSON -> ferrule :class:`~ferrule.rollout.base.SamplingParams`.
-
-        ``stop``: None keeps EOS stopping; a list of strings / token ids adds stops and turns EOS
-        off (Tinker: ``[]`` disables every stop, EOS included).
+        """Tinker ``SamplingParams`` JSON -> ferrule ``SamplingParams`` for this base's context
+        (:func:`ferrule.serve.sampling_params.to_sampling_params`).
 
         Raises:
             ValueError: a field out of range, or prompt + ``max_tokens`` beyond the context.
         """
-        from ferrule.rollout.base import SamplingParams
+        from .sampling_params import to_sampling_params
 
-        max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS if self.max_positions is None else \
-                max(1, min(DEFAULT_MAX_TOKENS, self.max_positions - prompt_len))
-        stop = body.get("stop")
-        stop_strs: tuple = ()
-        stop_ids: tuple = ()
-        ignore_eos = False
-        if stop is not None:
-            ignore_eos = True
-            stop = [stop] if isinstance(stop, str) else list(stop)
-            if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-                stop_ids = tuple(stop)
-            elif all(isinstance(s, str) for s in stop):
-                stop_strs = tuple(stop)
-            else:
-                raise ValueError(f"sampling_params.stop = {stop!r}: expected a string, a list of strings or a list "
-                                 "of token ids.")
-        if self.max_positions is not None and prompt_len + int(max_tokens) > self.max_positions:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"context of {self.max_positions} tokens; shorten the prompt or max_tokens.")
-        top_k = body.get("top_k", -1)
-        return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                              top_k=-1 if top_k in (None, 0) else int(top_k), max_new_tokens=int(max_tokens),
-                              stop=stop_strs, stop_token_ids=stop_ids, n=n, seed=body.get("seed"),
-                              ignore_eos=ignore_eos)
+        return to_sampling_params(body, prompt_len, n, self.max_positions)
 
     def check_prompt(self, tokens: Sequence[int]) -> None:
         if not tokens:

@@ -1,4 +1,4 @@
-"""``ferrule serve --base-model DIR``: run the Tinker-compatible service (FastAPI + uvicorn).
+"""``ferrule serve --base-model DIR [--base-model DIR2 ...]``: run the Tinker-compatible service (FastAPI + uvicorn).
 
 Mounted by ``ferrule.cli`` as ``app.command("serve")(serve_command)``. User errors (a bad
 base-model directory, a missing or malformed key file, no keys at all) print one line and exit
@@ -50,36 +50,71 @@ API_KEYS_HELP = ("File of API keys, one per line: 'tml-KEY \\[TENANT]' (KEY: at 
                  "without a key.")
 
 
-def build_app(base_model: Path, storage: Path, api_keys: Path | None = None, model_name: str | None = None,
-              long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024, limits=None,
-              max_snapshots: int | None = None):
-    """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread).
+def served_bases(base_model: Path | list[Path] | None, model_name: str | list[str] | None = None,
+                 models_file: Path | None = None) -> list[tuple[str | None, Path]]:
+    """``(name or None, directory)`` per served base: the ``--base-model`` options in order (the
+    i-th ``--model-name`` names the i-th), then the models file's lines.
 
     Raises:
-        FileNotFoundError: ``base_model`` or ``api_keys`` does not exist.
-        ValueError: no API keys, or a key without the ``tml-`` prefix.
+        ValueError: more ``--model-name`` than ``--base-model``, or no base at all.
+    """
+    from .registry import parse_models_file
+
+    dirs = [] if base_model is None else [base_model] if isinstance(base_model, (str, Path)) else list(base_model)
+    names = [] if model_name is None else [model_name] if isinstance(model_name, str) else list(model_name)
+    if len(names) > len(dirs):
+        raise ValueError(f"{len(names)} --model-name for {len(dirs)} --base-model; give one --model-name per "
+                         "--base-model at most (in the same order).")
+    out = [(names[i] if i < len(names) else None, Path(d)) for i, d in enumerate(dirs)]
+    out += parse_models_file(models_file) if models_file is not None else []
+    if not out:
+        raise ValueError("no base model: give --base-model DIR (repeatable) or --models-file FILE.")
+    return out
+
+
+def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Path | None = None,
+              model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
+              limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
+              max_loaded_bases: int | None = None):
+    """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
+    as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
+    (:class:`~ferrule.serve.registry.BaseRegistry`).
+
+    Raises:
+        FileNotFoundError: a base directory, the models file or ``api_keys`` does not exist.
+        ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name.
     """
     from .app import create_app
-    from .backend import MAX_SNAPSHOTS, EngineBackend
+    from .backend import MAX_SNAPSHOTS
     from .paths import load_api_keys
+    from .registry import DEFAULT_MAX_LOADED, BaseRegistry
 
     keys = load_api_keys(api_keys)
     if not keys:  # before the model loads (minutes for a real one)
         raise ValueError(NO_KEYS)
-    backend = EngineBackend(base_model, model_name=model_name, max_snapshots=max_snapshots or MAX_SNAPSHOTS)
+    bases = served_bases(base_model, model_name, models_file)
+    backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
+                           max_snapshots=max_snapshots or MAX_SNAPSHOTS)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                       limits=limits)
 
 
 def serve_command(
-    base_model: Annotated[Path, typer.Option("--base-model", help="HF checkpoint dir (config.json + safetensors) or "
-                                             "a ferrule torch_dist checkpoint to train and sample.")],
+    base_model: Annotated[list[Path] | None, typer.Option(
+        "--base-model", help="HF checkpoint dir (config.json + safetensors) or a ferrule torch_dist checkpoint to "
+        "train and sample; repeat it to serve several bases (the first loads at start, the others on first use).")]
+    = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     storage: Annotated[Path, typer.Option(help="Root for the database and every checkpoint.")] = Path("ferrule-serve"),
     api_keys: Annotated[Path | None, typer.Option("--api-keys", help=API_KEYS_HELP)] = None,
-    model_name: Annotated[str | None, typer.Option(help="Name clients pass as base_model (default: the directory "
-                                                   "name).")] = None,
+    model_name: Annotated[list[str] | None, typer.Option(help="Name clients pass as base_model (default: the "
+                                                         "directory name); the i-th names the i-th --base-model.")]
+    = None,
+    models_file: Annotated[Path | None, typer.Option(help="File of more bases, one 'DIR [NAME]' per line ('#' "
+                                                    "comments; relative DIRs from the file's folder).")] = None,
+    max_loaded_bases: Annotated[int, typer.Option(help="Most bases holding weights at once; one more unloads the "
+                                                  "least recently used base without live training clients.")] = 2,
     fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="Data per forward_backward request the SDK may send "
                                                       "(it chunks larger batches).")] = 1024,
     max_samples_per_request: Annotated[int, typer.Option(help="Most num_samples of one sample request (400 "
@@ -113,9 +148,10 @@ def serve_command(
         if max_snapshots < 1:
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
-                        limits=limits, max_snapshots=max_snapshots)
+                        limits=limits, max_snapshots=max_snapshots, models_file=models_file,
+                        max_loaded_bases=max_loaded_bases)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
-    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base model {base_model}, "
+    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models {', '.join(app.state.bases.names)}, "
                                    f"loaded in {time.monotonic() - t0:.0f} s); Ctrl-C stops it").run()

@@ -27,13 +27,14 @@ async def create_sampling_session(request: Request):
     session_id, sseq = svc.need(body, "session_id"), svc.need(body, "sampling_session_seq_id", int)
     svc.own_session(request, session_id)
     path = body.get("model_path")
-    if path is not None:
-        svc.own_checkpoint(request, path, "sampler_weights")
-    elif body.get("base_model") != svc.backend.model_name:
-        raise HTTPError(400, f"base_model {body.get('base_model')!r} is not served here; this server serves "
-                             f"{svc.backend.model_name!r}.")
+    if path is not None:  # a sampler checkpoint samples on the base it was trained on
+        cp, _ = svc.own_checkpoint(request, path, "sampler_weights")
+        trained = svc.store.model(cp.model_id)
+        backend = svc.base(trained["base_model"] if trained is not None else svc.bases.default.model_name)
+    else:                 # a frozen base: any served one (a teacher, a reference model)
+        backend = svc.base(body.get("base_model"))
     sid = f"{session_id}:sample:{sseq}"
-    svc.store.add_sampling_session(sid, request.state.tenant, session_id, path, svc.backend.model_name)
+    svc.store.add_sampling_session(sid, request.state.tenant, session_id, path, backend.model_name)
     return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
 
@@ -64,19 +65,20 @@ async def asample(request: Request):
     row = svc.store.sampling_session(sid)
     if row is None or row["tenant"] != request.state.tenant:
         raise HTTPError(404, f"sampling session {sid!r} does not exist for this API key.")
+    backend = svc.base(row["base_model"])
     source: SavedWeights | str | None = None
     if row["model_path"] is not None and row["model_path"].startswith("ephemeral:"):
         source = row["model_path"]
     elif row["model_path"] is not None:  # pinned to the save the checkpoint holds now
-        source = svc.backend.saved_weights(svc.own_checkpoint(request, row["model_path"], "sampler_weights")[1])
+        source = backend.saved_weights(svc.own_checkpoint(request, row["model_path"], "sampler_weights")[1])
     try:
         # image / dmel chunks -> placeholder tokens + the towers' inputs (ferrule.serve.media_chunks)
         pieces = parts_from_json((body.get("prompt") or {}).get("chunks") or [], "prompt")
-        tokens, media = decoder(svc.backend, svc.limits).assemble(pieces)
+        tokens, media = decoder(backend, svc.limits).assemble(pieces)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_samples = {n!r}; expected an int >= 1.")
-        svc.backend.check_prompt(tokens)
-        params = svc.backend.sampling_params(body.get("sampling_params") or {}, len(tokens), n)
+        backend.check_prompt(tokens)
+        params = backend.sampling_params(body.get("sampling_params") or {}, len(tokens), n)
         over = svc.limits.over(
             "max_tokens_per_request", n * (len(tokens) + params.max_new_tokens),
             "num_samples * (prompt tokens + max_tokens)")
@@ -91,7 +93,7 @@ async def asample(request: Request):
     if last_n is not None and (not isinstance(last_n, int) or not 1 <= last_n <= len(tokens) - 1):
         raise HTTPError(400, f"asample: prompt_logprobs_last_n = {last_n!r}; expected 1..{len(tokens) - 1}.")
     try:
-        extras = parse_extras(body, len(tokens), svc.backend.vocab_size, last_n)
+        extras = parse_extras(body, len(tokens), backend.vocab_size, last_n)
     except (ValueError, TypeError) as exc:
         raise HTTPError(400, f"asample: {exc}") from None
     spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)), extras, media)
@@ -102,11 +104,11 @@ async def asample(request: Request):
         return "application/x-protobuf", encode_sample_response(seqs, prompt_lp, extras, extras_out)
 
     def run_batch(jobs):
-        results = svc.backend.sample(source, [j.payload[0] for j in jobs])
+        results = backend.sample(source, [j.payload[0] for j in jobs])
         return [encode(*res, j.payload[1], j.payload[0].extras) for j, res in zip(jobs, results)]
 
     def run():
-        (res,) = svc.backend.sample(source, [spec])
+        (res,) = backend.sample(source, [spec])
         return encode(*res, last_n, extras)
     # unseeded requests with the same weights and parameters may share one generate call
     key = None if params.seed is not None else f"sample|{source}|{params!r}"

@@ -8,7 +8,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .scheduler import JSON, Job
+from .scheduler import JSON, Job, json_body
 from .service import HTTPError, service
 
 __all__ = ["router"]
@@ -42,8 +42,8 @@ async def dynamic_config(request: Request):
 @router.get("/api/v1/get_server_capabilities")
 async def capabilities(request: Request):
     svc = service(request)
-    return {"supported_models": [{"model_name": svc.backend.model_name, "max_context_length": svc.backend.max_positions,
-                                  "trainable": True, "sampleable": True}]}
+    return {"supported_models": [{"model_name": name, "max_context_length": svc.bases.get(name).max_positions,
+                                  "trainable": True, "sampleable": True} for name in svc.bases.names]}
 
 
 @router.post("/api/v1/create_session")
@@ -80,6 +80,28 @@ async def finish(session_id: str, request: Request):
     for model_id in svc.store.session_models(session_id):  # free the session's engines
         for job in svc.scheduler.close_model(model_id):
             svc.store.fail(job.request_id, f"{job.op}: the session finished before this request ran.", "user")
+        backend = svc.base_of_model(model_id)
         svc.scheduler.submit(Job(f"drop-{uuid.uuid4().hex}", "drop_model", request.state.tenant,
-                             lambda mid=model_id: (svc.backend.drop(mid), (JSON, b"{}"))[1], model_id=None))
+                             lambda mid=model_id, b=backend: (b.drop(mid), (JSON, b"{}"))[1], model_id=None))
     return {}
+
+
+@router.post("/api/v1/unload_model")
+async def unload_model(request: Request):
+    """Tinker's ``UnloadModelRequest``: free a training client's engine (its queued requests
+    fail, later ones get 410); answered as a future of ``{"model_id", "type": "unload_model"}``.
+    Its saved checkpoints stay. A base with no live client left may then be unloaded to make room
+    for another (:mod:`ferrule.serve.registry`)."""
+    svc = service(request)
+    body = await svc.body_json(request)
+    model_id = svc.need(body, "model_id")
+    svc.own_model(request, model_id)
+    backend = svc.base_of_model(model_id)
+    for job in svc.scheduler.close_model(model_id):
+        svc.store.fail(job.request_id, f"{job.op}: the model was unloaded (unload_model) before this request ran.",
+                       "user")
+
+    def run():
+        backend.drop(model_id)
+        return json_body({"model_id": model_id, "type": "unload_model"})
+    return svc.enqueue(request, "unload_model", run)

@@ -27,9 +27,7 @@ async def create_model(request: Request):
     body = await svc.body_json(request)
     session_id, mseq = svc.need(body, "session_id"), svc.need(body, "model_seq_id", int)
     svc.own_session(request, session_id)
-    if body.get("base_model") != svc.backend.model_name:
-        raise HTTPError(400, f"base_model {body.get('base_model')!r} is not served here; this server serves "
-                             f"{svc.backend.model_name!r}.")
+    backend = svc.base(body.get("base_model"))
     lora = body.get("lora_config") or {}
     rank = lora.get("rank")
     if rank is not None and (not isinstance(rank, int) or rank < 1):
@@ -37,7 +35,7 @@ async def create_model(request: Request):
     if rank is not None and (over := svc.limits.over("max_lora_rank", rank, "lora_config.rank")):
         raise HTTPError(400, f"create_model: {over}")
     try:
-        lora = svc.backend.lora_settings(body.get("lora_config"))
+        lora = backend.lora_settings(body.get("lora_config"))
     except (ValueError, TypeError, KeyError) as exc:
         raise HTTPError(400, f"lora_config: {exc}") from None
     model_id = f"{session_id}:train:{mseq}"
@@ -46,13 +44,13 @@ async def create_model(request: Request):
     meta = body.get("user_metadata")
     if meta is not None and not isinstance(meta, dict):
         raise HTTPError(400, "user_metadata must be a mapping of strings to strings.")
-    svc.store.add_model(model_id, session_id, request.state.tenant, svc.backend.model_name, rank)
+    svc.store.add_model(model_id, session_id, request.state.tenant, backend.model_name, rank)
     svc.store.set_model_info(model_id, None if meta is None else {str(k): str(v) for k, v in meta.items()},
                              body.get("lora_config"))
     svc.scheduler.open_model(model_id, next_seq=0)
 
     def run():
-        svc.backend.create(model_id, lora)
+        backend.create(model_id, lora)
         return json_body({"model_id": model_id, "type": "create_model"})
     return svc.enqueue(request, "create_model", run, model_id, 0)
 
@@ -62,11 +60,11 @@ async def get_info(request: Request):
     svc = service(request)
     body = await svc.body_json(request)
     row = svc.own_model(request, svc.need(body, "model_id"))
-    return {"model_id": row["model_id"], "type": "get_info", "model_name": svc.backend.model_name,
-            "model_data": {"arch": svc.backend.hf_config.get("model_type"), "model_name": svc.backend.model_name,
-                           "tokenizer_id": svc.backend.model_name},
-            "is_lora": svc.backend.lora_ranks.get(row["model_id"]) is not None,
-            "lora_rank": svc.backend.lora_ranks.get(row["model_id"])}
+    backend = svc.base(row["base_model"])
+    return {"model_id": row["model_id"], "type": "get_info", "model_name": backend.model_name,
+            "model_data": {"arch": backend.hf_config.get("model_type"), "model_name": backend.model_name,
+                           "tokenizer_id": backend.model_name},
+            "is_lora": row["lora_rank"] is not None, "lora_rank": row["lora_rank"]}
 
 
 @router.post("/api/v1/forward_backward")
@@ -82,12 +80,13 @@ async def forward_backward(request: Request):
         if hit is not None:
             return hit
         raise svc.refuse(exc.model_id, exc.seq_id, 400, f"forward_backward: {exc}") from None
-    _, hit = svc.admit(request, req.model_id, req.seq_id)
+    row, hit = svc.admit(request, req.model_id, req.seq_id)
     if hit is not None:
         return hit
+    backend = svc.base(row["base_model"])
     op = "forward" if req.forward_only else "forward_backward"
     try:
-        resolve_media(req, decoder(svc.backend, svc.limits))  # image / dmel chunks -> placeholders + media
+        resolve_media(req, decoder(backend, svc.limits))  # image / dmel chunks -> placeholders + media
         if not req.loss_fn:
             raise ValueError("loss_fn is empty; name a loss (cross_entropy, importance_sampling, ppo, cispo, dro).")
         work = sum(len(d.model_input) * (int(d.loss_fn_inputs["target_tokens"].shape[1])
@@ -96,13 +95,13 @@ async def forward_backward(request: Request):
         if over := svc.limits.over("max_tokens_per_request", work, "the data's model_input tokens (x K for "
                                                                          "rank-2 targets)"):
             raise ValueError(over)
-        if req.model_id in svc.backend.engines:
-            svc.backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
+        if req.model_id in backend.engines:
+            backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
     except (ValueError, TypeError) as exc:
         raise svc.refuse(req.model_id, req.seq_id, 400, f"{op}: {exc}") from None
 
     def run():
-        out = svc.backend.forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
+        out = backend.forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
         return "application/x-protobuf", encode_forward_backward_output(out.loss_fn_outputs, out.metrics,
                                                                         out.loss_fn_output_type)
     return svc.enqueue(request, op, run, req.model_id, req.seq_id, len(req.data), req.num_tokens)
@@ -115,9 +114,10 @@ async def optim_step(request: Request):
 
     body = await svc.body_json(request)
     model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
-    _, hit = svc.admit(request, model_id, seq_id)
+    row, hit = svc.admit(request, model_id, seq_id)
     if hit is not None:
         return hit
+    backend = svc.base(row["base_model"])
     adam = dict(body.get("adam_params") or {})
     try:
         if body.get("optimizer_params"):
@@ -127,7 +127,7 @@ async def optim_step(request: Request):
         raise svc.refuse(model_id, seq_id, 400, f"optim_step: {exc}") from None
 
     def run():
-        res = svc.backend.optim_step(model_id, adam)
+        res = backend.optim_step(model_id, adam)
         metrics = {"grad_norm:mean": res["grad_norm"], "learning_rate:mean": res["learning_rate"],
                    "step:max": float(res["step"]), "skipped:sum": 0.0 if res["success"] else 1.0}
         return json_body({"metrics": metrics, "type": "optim_step"})
@@ -139,9 +139,10 @@ async def save_weights(request: Request):
     svc = service(request)
     body = await svc.body_json(request)
     model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
-    _, hit = svc.admit(request, model_id, seq_id)
+    row, hit = svc.admit(request, model_id, seq_id)
     if hit is not None:
         return hit
+    backend = svc.base(row["base_model"])
     try:
         cp = CheckpointPath(model_id, "weights", check_name(svc.need(body, "path")))
         directory = cp.directory(svc.storage)
@@ -153,7 +154,7 @@ async def save_weights(request: Request):
     def run():
         if directory.exists() and not overwrite:
             raise ValueError(f"{cp.uri} exists; pass overwrite=True or another name.")
-        size = svc.backend.save_state(model_id, directory)
+        size = backend.save_state(model_id, directory)
         svc.store.add_checkpoint(cp.uri, request.state.tenant, model_id, cp.kind, cp.name, size)
         svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
         return json_body({"path": cp.uri, "type": "save_weights"})
@@ -168,6 +169,7 @@ async def save_weights_for_sampler(request: Request):
     row, hit = svc.admit(request, model_id, seq_id)
     if hit is not None:
         return hit
+    backend = svc.base(row["base_model"])
     sseq = body.get("sampling_session_seq_id")
     named = body.get("path") is not None
     try:
@@ -183,15 +185,15 @@ async def save_weights_for_sampler(request: Request):
     def run():
         out: dict = {"type": "save_weights_for_sampler"}
         if named:  # a checkpoint on disk, addressable by its tinker:// path
-            size = svc.backend.save_sampler_weights(model_id, directory)
+            size = backend.save_sampler_weights(model_id, directory)
             svc.store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
             svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
             out["path"] = source = cp.uri
         else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
-            source = svc.backend.snapshot(model_id, tenant)
+            source = backend.snapshot(model_id, tenant)
         if isinstance(sseq, int):
             sid = f"{row['session_id']}:sample:{sseq}"
-            svc.store.add_sampling_session(sid, tenant, row["session_id"], source, svc.backend.model_name)
+            svc.store.add_sampling_session(sid, tenant, row["session_id"], source, backend.model_name)
             out["sampling_session_id"] = sid
         return json_body(out)
     return svc.enqueue(request, "save_weights_for_sampler", run, model_id, seq_id)
@@ -209,6 +211,11 @@ async def load_weights(request: Request):
             return hit
         try:
             cp, directory = svc.own_checkpoint(request, svc.need(body, "path"), "weights")
+            backend = svc.base(row["base_model"])
+            saved = svc.store.model(cp.model_id)
+            if saved is not None and saved["base_model"] != backend.model_name:
+                raise HTTPError(400, f"{cp.uri} was trained on base {saved['base_model']!r}, this client on "
+                                     f"{backend.model_name!r}; load it with create_training_client_from_state.")
         except HTTPError as exc:
             raise svc.refuse(model_id, seq_id, exc.status, f"load_weights: {exc.message}") from None
     else:  # create-via-load: the SDK derives model_id = session:train:model_seq_id itself
@@ -218,10 +225,13 @@ async def load_weights(request: Request):
         if (hit := svc.dedupe(request, model_id, 0)) is not None:
             return hit
         cp, directory = svc.own_checkpoint(request, svc.need(body, "path"), "weights")
-        svc.store.add_model(model_id, session_id, request.state.tenant, svc.backend.model_name, None)
+        saved = svc.store.model(cp.model_id)   # the base the checkpoint was trained on
+        backend = svc.base(saved["base_model"] if saved is not None else svc.backend.model_name)
+        svc.store.add_model(model_id, session_id, request.state.tenant, backend.model_name,
+                            None if saved is None else saved["lora_rank"])
         svc.scheduler.open_model(model_id, next_seq=0)
 
     def run():
-        svc.backend.load_state(model_id, directory, optimizer)
+        backend.load_state(model_id, directory, optimizer)
         return json_body({"path": cp.uri, "model_id": model_id, "type": "load_weights"})
     return svc.enqueue(request, "load_state", run, model_id, seq_id)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import IntegrityError
 
 from .backend import EngineBackend
+from .registry import BaseRegistry
 from .limits import ServeLimits
 from .paths import CheckpointPath, PathError, parse_tinker_path
 from .scheduler import Job, Scheduler
@@ -36,17 +37,39 @@ class HTTPError(Exception):
 
 @dataclass
 class Service:
-    """What every route needs: the store, the scheduler, the model backend, metrics, the storage root.
+    """What every route needs: the store, the scheduler, the served bases (:class:`BaseRegistry`),
+    metrics, the storage root.
 
     The ``own_*`` checks answer 404 for rows of another tenant (as for rows that do not exist),
     so one tenant learns nothing about another's sessions, models or checkpoints."""
 
     store: Store
     scheduler: Scheduler
-    backend: EngineBackend
+    bases: BaseRegistry
     telemetry: Telemetry
     storage: Path
     limits: ServeLimits = field(default_factory=ServeLimits)
+
+    @property
+    def backend(self) -> EngineBackend:
+        """The default (first) base's backend."""
+        return self.bases.default
+
+    def base(self, name: Any) -> EngineBackend:
+        """The backend of base model ``name``.
+
+        Raises:
+            HTTPError: 400 naming the served bases when ``name`` is not one.
+        """
+        try:
+            return self.bases.get(name)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+
+    def base_of_model(self, model_id: str) -> EngineBackend:
+        """The backend of training client ``model_id``'s base (its row in the store)."""
+        row = self.store.model(model_id)
+        return self.base(None if row is None else row["base_model"])
 
     @staticmethod
     async def body_json(request: Request) -> dict:

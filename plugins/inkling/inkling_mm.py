@@ -21,7 +21,7 @@ core as ``towers.vision`` / ``towers.audio`` on the first stage, replicated over
 weight sync in the ``*_tower*`` update groups.
 
 Same Megatron model, provider and update groups as :mod:`ferrule.plugins.inkling.inkling_text`
-(the config translation reads ``text_config``). Module-level data only.
+(the config translation reads ``text_config``). Module-level data, plus the kit's ``tiny_media``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ferrule.mapping import ParamMapping
 from ferrule.mapping import MappingTable, Rename, StackExperts, TPSplit
 from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
 from ferrule.plugins.inkling.inkling_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
+from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG as TINY_TEXT_CONFIG
 from ferrule.plugins.inkling.inkling_text import text_model_mappings
 from ferrule.specs import UpdateGroup
 
@@ -184,3 +185,29 @@ UPDATE_GROUPS = TEXT_UPDATE_GROUPS + (
     UpdateGroup(key="vision_tower_norm", suffixes=("norm.weight",), optional=True),
     UpdateGroup(key="audio_tower", suffixes=("audio.encoder.weight", "audio.final_norm.weight"), optional=True),
 )
+
+#: A tiny random ``inkling_mm_model`` config for the conformance kit: the text model of
+#: :data:`ferrule.plugins.inkling.inkling_text.TINY_HF_CONFIG`, a 2-layer vision tower on 8x8 patches, the
+#: 80-bin dMel audio tower, placeholder ids inside the 96-token vocabulary.
+TINY_HF_CONFIG = {
+    "model_type": "inkling_mm_model", "text_config": dict(TINY_TEXT_CONFIG),
+    "vision_config": {"num_hidden_layers": 2, "patch_size": 8}, "audio_config": {"n_mel_bins": 80, "mel_vocab_size": 16},
+    "image_token_id": 90, "audio_token_id": 91,
+}
+#: As for the text variant: the window sizes the relative-position projection (see inkling_text.KIT_FEATURE_KEYS).
+KIT_FEATURE_KEYS: dict = {}
+
+
+def tiny_media(hf_config: Mapping[str, Any]) -> dict:
+    """Media for the kit's media case (:mod:`ferrule.conformance_media`): one random 12x20 RGB image and one
+    0.3 s 16 kHz clip (fixed seed), preprocessed by the towers' own ``TowerSpec.preprocess`` functions:
+    ``{"vision": [pixel_values [6, 2, 8, 8, 3]], "audio": [dmel ids [6, 80]]}``."""
+    import numpy as np
+    from PIL import Image
+
+    from ferrule.plugins.inkling.towers import preprocess_audio, preprocess_image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (12, 20, 3), dtype=np.uint8))
+    wave = rng.standard_normal(4800).astype(np.float32) * 0.1
+    return {"vision": [preprocess_image(image, dict(hf_config))], "audio": [preprocess_audio((wave, 16000), dict(hf_config))]}

@@ -9,6 +9,12 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # 1e-5 relative (tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
 # (tests/test_inkling_convert.py, conformance kit), exact embedded rollout (tests/test_inkling_rollout.py), update
 # groups + checked weight sync and GRPO on the shipped example with bit-identical resume (tests/test_inkling_rl.py).
+# inkling (multimodal) is VALIDATED: the conformance kit (tests/test_conformance.py, inkling_mm.TINY_HF_CONFIG +
+# tiny_media) checks the bit-exact round trip, text logits and logits of an image+audio prompt through both towers ==
+# InklingForConditionalGeneration within 1e-5 at TP=1 and TP=2 (each tower changes the logits); gradients on a
+# multimodal batch, towers on every weight sync and embedded rollout with media (tests/test_inkling_towers.py), LoRA ==
+# HF PEFT with and without media (tests/test_lora_inkling_mm.py), multimodal GRPO with bit-identical resume
+# (tests/test_inkling_mm_rl.py) and media through the service (tests/test_serve_media.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 _VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling_mm"}
@@ -20,13 +26,7 @@ def register_model_families():
         ModelFamilySpec(
             name="inkling",
             model_types=("inkling_mm_model",),
-            status=FamilyStatus.STRUCTURAL,
-            reason=(
-                "text model + vision/audio towers convert, train, sync and serve (logits == "
-                "InklingForConditionalGeneration on image+audio prompts, tests/test_inkling_towers.py); "
-                "LoRA on the language model (towers frozen) == InklingForConditionalGeneration + PEFT "
-                "(tests/test_lora_inkling_mm.py)"
-            ),
+            status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:InklingForConditionalGeneration",
             features=("lora", "chat_template", "towers"),
             description="Inkling multimodal MoE (text, vision and audio towers)",

@@ -1,0 +1,106 @@
+"""Where the embedded engine's decode step spends its time (CUDA): whole-call rate, graph replay
+alone, sampler alone, per-step host bookkeeping, and a kernel table of one eager compiled step.
+
+    python bench/profile_decode.py --batch 64 256 --new-tokens 256
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_rollout import build_model  # noqa: E402
+
+
+def cuda_ms(fn, n=50):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    w0 = time.perf_counter()
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n, (time.perf_counter() - w0) * 1e3 / n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2-0.5b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--kernels", type=int, default=25)
+    ap.add_argument("--engine-kw", default="")
+    args = ap.parse_args()
+    args.hf_dir, args.dtype, args.device = None, "bfloat16", "cuda"
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    model, _ = build_model(args)
+    kw = eval(f"dict({args.engine_kw})")
+    for batch in args.batch:
+        g = torch.Generator().manual_seed(0)
+        reqs = torch.randint(1, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+        engine = EmbeddedEngine(model=model, **kw)
+        t0 = time.perf_counter()
+        engine.generate(reqs, params)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.generate(reqs, params)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        print(f"== batch {batch}: first call {first:.1f} s; {batch * args.new_tokens / dt:.0f} tok/s, "
+              f"{dt * 1e3 / args.new_tokens:.3f} ms per step (whole call)", flush=True)
+        state = next(iter(engine._states.values()))
+        fast = getattr(state, "fast", None)
+        from torch.profiler import ProfilerActivity, profile
+        if fast is not None and fast.graphs:
+            for key, graph in fast.graphs.items():
+                fast.col.zero_()
+                gpu, wall = cuda_ms(graph.replay, n=20)
+                print(f"  fast step graph replay, attended slots {key[-1] or state.max_len}: GPU {gpu:.3f} ms, "
+                      f"wall {wall:.3f} ms", flush=True)
+            noise = fast.noise
+            gpu, wall = cuda_ms(lambda: noise.exponential_(1), n=50)
+            print(f"  noise draw (eager)       : GPU {gpu:.3f} ms, wall {wall:.3f} ms", flush=True)
+            fast.col.zero_()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    graph.replay()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.kernels,
+                                            max_name_column_width=70))
+            engine.shutdown()
+            continue
+        gpu, wall = cuda_ms(state.step)
+        print(f"  graph replay             : GPU {gpu:.3f} ms, wall {wall:.3f} ms", flush=True)
+        sampler = engine._sampler(params, state.batch)
+        gen = engine._generator(params)
+        logits = state.static_logits
+        gpu, wall = cuda_ms(lambda: sampler(logits, gen))
+        print(f"  sampler                  : GPU {gpu:.3f} ms, wall {wall:.3f} ms", flush=True)
+        tok = torch.zeros(state.batch, dtype=torch.long, device="cuda")
+        torch.inference_mode().__enter__()
+        gpu, wall = cuda_ms(lambda: state.set_step(tok, tok + 40, 40))
+        print(f"  set_step                 : GPU {gpu:.3f} ms, wall {wall:.3f} ms", flush=True)
+        state._eager_step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                state._eager_step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.kernels, max_name_column_width=70))
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()

@@ -1,0 +1,485 @@
+"""The embedded engine's fast decode step on CUDA: our own decode forward over fused weights, with
+the sampler and the per-step bookkeeping in the same compiled function and one CUDA graph.
+
+Why (H200, Qwen2-0.5B shape, batch 64, bf16; docs/benchmarks.md "Embedded decode"): the HF
+forward captured as a graph took 2.14 ms of the 2.55 ms step, with three q/k/v and two gate/up
+GEMMs per layer, SDPA with a boolean mask over the whole cache (memory-efficient kernel: one
+block per (row, kv head), so 128 blocks walk 384 keys each), and ~15 launches of sampling and
+bookkeeping per step outside the graph.
+
+What runs instead, for dense Llama-style decoders (``model_type`` in :data:`MODEL_TYPES`: RMSNorm,
+RoPE from the model's own ``rotary_emb``, optional q/k biases and Qwen3's q/k norms, SwiGLU MLP,
+full attention only):
+
+- :func:`fuse_weights` makes ``q_proj``/``k_proj``/``v_proj`` (and their biases) views of one
+  ``[q + 2 kv, hidden]`` buffer and ``gate_proj``/``up_proj`` views of one ``[2 inter, hidden]``
+  buffer (``param.data`` re-pointed; the Parameter objects stay), so weight updates, which copy
+  into the parameters in place, write the fused buffers directly and no step concatenates;
+- :func:`decode_logits` computes one decode step as transformers' eager attention path does
+  (``matmul`` scores in the model dtype, masked, ``softmax`` in fp32, ``matmul``), reading the
+  same :class:`~ferrule.rollout._static_cache.StaticKVCache` that the HF prefill filled;
+- :class:`FastStatic` compiles forward + sampling (:mod:`ferrule.rollout._fast_sampling`'s
+  formulas) + bookkeeping (record token/logprob at column ``t``, stop ids, stage the next input)
+  as one function and captures it as one CUDA graph per bucket and sampling kind. The
+  exponential noise is drawn eagerly before each replay from the call's generator, exactly as the
+  plain path draws it, so both consume a seed identically.
+
+The CPU path never comes here (the exact eager path stays); :func:`decode_logits` itself is
+device-agnostic, which is how ``tests/test_rollout_fast_decode.py`` checks it against the HF
+forward on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MODEL_TYPES = ("qwen2", "qwen3", "llama")
+#: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
+#: back to the plain path
+MAX_STOP_IDS = 1024
+#: key slots attended per step: the filled prefix rounded up to this many (one graph per length;
+#: checked on CPU, not yet measured on a GPU); 0 (default): the whole cache, the configuration
+#: measured in docs/benchmarks.md (``FERRULE_FAST_KV_BUCKET`` overrides)
+KV_BUCKET = 0
+_PER_LAYER = 11  # tensors per layer in the flat weight list, see FusedLayout.weights
+
+
+@dataclasses.dataclass
+class FusedLayout:
+    """Shapes of the decode forward and the flat weight list ``weights`` (per layer: ln1, qkv_w,
+    qkv_b, q_norm, k_norm, o_w, o_b, ln2, gu_w, down_w, unused; then embed, final norm, lm_head;
+    None where a model has no such tensor)."""
+
+    weights: list[torch.Tensor | None]
+    layer_idx: list[int]
+    hq: int
+    hkv: int
+    head_dim: int
+    inter: int
+    eps: tuple[float, ...]  # per layer: ln1, q/k norm, ln2 (flattened), then final norm
+    scaling: float
+    rotary: Any
+
+    def key(self) -> tuple[int, ...]:
+        """Device addresses of every weight: a captured graph is valid while this is unchanged."""
+        return tuple(0 if w is None else w.data_ptr() for w in self.weights)
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    """True if ``parts`` are consecutive row blocks of one contiguous buffer."""
+    if not all(p.is_contiguous() for p in parts):
+        return False
+    s = parts[0].untyped_storage().data_ptr()
+    off = parts[0].storage_offset()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != s or p.storage_offset() != off:
+            return False
+        off += p.numel()
+    return True
+
+
+def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One ``[sum rows, ...]`` buffer whose row blocks ``params`` now are (``param.data`` re-pointed)."""
+    tensors = [p.data for p in params]
+    rows = sum(t.shape[0] for t in tensors)
+    shape = (rows,) + tuple(tensors[0].shape[1:])
+    if _adjacent(tensors):
+        first = tensors[0]
+        return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset(), shape, torch.empty(shape, device="meta").stride())
+    fused = torch.cat(tensors)
+    off = 0
+    for p, t in zip(params, tensors):
+        p.data = fused[off:off + t.shape[0]]
+        off += t.shape[0]
+    return fused
+
+
+def supported(model: torch.nn.Module) -> bool:
+    """True if :func:`fuse_weights` / :func:`decode_logits` cover this model (else the plain path)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in MODEL_TYPES or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "rotary_emb", None) is None or not hasattr(model, "lm_head"):
+        return False
+    for layer in layers:
+        a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or m is None or getattr(a, "sliding_window", None) is not None:
+            return False
+        if not all(isinstance(getattr(a, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return False
+        if not all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        if m.gate_proj.bias is not None or m.up_proj.bias is not None or m.down_proj.bias is not None:
+            return False
+        if (a.q_proj.bias is None) != (a.k_proj.bias is None) or (a.q_proj.bias is None) != (a.v_proj.bias is None):
+            return False
+    return True
+
+
+def fuse_weights(model: torch.nn.Module) -> FusedLayout:
+    """Fuse q/k/v and gate/up of every layer (idempotent: already-fused layers are aliased, not
+    copied) and return the layout :func:`decode_logits` takes. ``supported(model)`` must hold.
+
+    Parameter values are unchanged; only where they live. Callers that cached views of the
+    parameters (the engine's checkpoint-name table) must rebuild them when this moved anything.
+    """
+    cfg = model.config
+    inner = model.model
+    weights: list[torch.Tensor | None] = []
+    eps: list[float] = []
+    idx: list[int] = []
+    with torch.no_grad():
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_w = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            qkv_b = None if a.q_proj.bias is None else _fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            gu_w = _fuse([m.gate_proj.weight, m.up_proj.weight])
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            weights += [layer.input_layernorm.weight, qkv_w, qkv_b, None if qn is None else qn.weight,
+                        None if kn is None else kn.weight, a.o_proj.weight, a.o_proj.bias,
+                        layer.post_attention_layernorm.weight, gu_w, m.down_proj.weight, None]
+            eps += [layer.input_layernorm.variance_epsilon, qn.variance_epsilon if qn is not None else 0.0,
+                    layer.post_attention_layernorm.variance_epsilon]
+            idx.append(a.layer_idx)
+    weights += [inner.embed_tokens.weight, inner.norm.weight, model.lm_head.weight]
+    eps.append(inner.norm.variance_epsilon)
+    a0 = inner.layers[0].self_attn
+    head_dim = a0.head_dim
+    return FusedLayout(weights=[None if w is None else w.data for w in weights], layer_idx=idx,
+                       hq=a0.q_proj.out_features // head_dim, hkv=a0.k_proj.out_features // head_dim,
+                       head_dim=head_dim, inter=inner.layers[0].mlp.gate_proj.out_features, eps=tuple(eps),
+                       scaling=float(a0.scaling), rotary=inner.rotary_emb)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' Qwen2/Qwen3/Llama RMSNorm: fp32 statistics, cast back, then the weight
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # transformers' rotate_half
+    return x * cos + rot * sin
+
+
+def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, allowed: torch.Tensor,
+                  kv_len: int | None = None) -> torch.Tensor:
+    """One decode step: ``ids``/``pos``/``slot`` ``[batch]`` int64 (token, position id, key slot
+    written), ``allowed [batch, max_len]`` bool (key slots visible, ``slot`` included) ->
+    ``[batch, vocab]`` logits in the model dtype. Writes each layer's new key/value into
+    ``keys[i]``/``values[i]`` (``[batch, kv_heads, max_len, head_dim]``) at ``slot``.
+
+    The formula is transformers' for these models with ``attn_implementation="eager"``
+    (``eager_attention_forward``: scores in the model dtype, fp32 softmax); ``weights`` is
+    ``layout.weights`` (passed separately so a compiled caller sees them as inputs). With
+    ``kv_len``, attention reads only key slots ``[0, kv_len)`` (every visible slot must lie there).
+    """
+    b = ids.shape[0]
+    hq, hkv, d = layout.hq, layout.hkv, layout.head_dim
+    rep = hq // hkv
+    n = len(layout.layer_idx)
+    embed, norm_w, lm_head = weights[n * _PER_LAYER:]
+    x = F.embedding(ids, embed)
+    cos, sin = layout.rotary(x[:, None], pos[:, None])
+    cos, sin = cos[:, 0, None, :], sin[:, 0, None, :]  # [b, 1, d]
+    L = keys[0].shape[2] if kv_len is None else kv_len
+    hidden = ~allowed[:, None, None, :L]
+    index = slot.view(b, 1, 1, 1).expand(b, hkv, 1, d)
+    for i in range(n):
+        ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
+        e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
+        qkv = F.linear(_rms(x, ln1, e1), qkv_w, qkv_b)
+        q = qkv[:, :hq * d].view(b, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+        if qn is not None:
+            q, k = _rms(q, qn, eqk), _rms(k, kn, eqk)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        kc, vc = keys[i], values[i]
+        kc.scatter_(2, index, k[:, :, None, :])
+        vc.scatter_(2, index, v[:, :, None, :])
+        # query head h uses kv head h // rep (transformers' repeat_kv grouping)
+        s = torch.matmul(q.view(b, hkv, rep, d), kc[:, :, :L].transpose(-1, -2)) * layout.scaling
+        s = s.masked_fill(hidden, torch.finfo(s.dtype).min)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(p, vc[:, :, :L]).reshape(b, hq * d)
+        x = x + F.linear(o, o_w, o_b)
+        g, u = F.linear(_rms(x, ln2, e2), gu_w).split(layout.inter, dim=-1)
+        x = x + F.linear(F.silu(g) * u, down_w)
+    return F.linear(_rms(x, norm_w, layout.eps[-1]), lm_head)
+
+
+def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: torch.Tensor, pos: torch.Tensor,
+          slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
+          temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
+          lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
+          stopped: torch.Tensor, kv_len: int | None = None) -> None:
+    """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
+    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len)
+    _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
+                   finished, stopped, ids, pos, slot, allowed)
+
+
+def _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
+                   finished, stopped, ids, pos, slot, allowed) -> None:
+    # the formulas of ferrule.rollout._fast_sampling (_plain / _greedy): same draw as torch.multinomial
+    raw = logits.float()
+    if noise is None:
+        x = raw
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        tok = torch.argmax(x, dim=-1)
+    else:
+        x = raw / temperature
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        tok = torch.argmax(torch.exp(x - lse) / noise, dim=-1)
+    lp = x.gather(-1, tok[:, None])[:, 0] - lse[:, 0]
+    c = col.view(1)
+    tokens_out.index_copy_(1, c, tok[:, None])
+    lp_out.index_copy_(1, c, lp[:, None])
+    if raw_out is not None:
+        rlp = lp if noise is None else raw.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
+        raw_out.index_copy_(1, c, rlp[:, None])
+    alive = ~finished
+    lengths.add_(alive.long())
+    hit = alive & torch.isin(tok, stop_t)
+    stopped.logical_or_(hit)
+    finished.logical_or_(hit)
+    # stage the next step: token `col` goes to key slot p + col at position prompt_len + col
+    ids.copy_(tok)
+    pos.copy_(prompt_len + col)
+    slot.copy_((p + col).expand_as(slot))
+    allowed.scatter_(1, slot[:, None], True)
+    col.add_(1)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(name: str) -> Any:
+    if name not in _COMPILED:
+        # "step_kv" sees a new attended length per KV_BUCKET slots: automatic dynamic shapes make that
+        # int symbolic at its second value (one recompile) instead of one compile per length
+        _COMPILED[name] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record}[name],
+                                        dynamic=None if name == "step_kv" else False)
+    return _COMPILED[name]
+
+
+class FastStatic:
+    """Buffers and captured graphs of one ``(batch, max_len)`` bucket for the static decode loop.
+
+    Attached to the bucket's :class:`~ferrule.rollout._static_cache.DecodeState` (which owns the KV
+    cache, filled by its HF prefill), so everything the engine drops with its decode states
+    (sleep, LoRA changes, eviction) goes with it.
+    """
+
+    def __init__(self, state: Any, vocab: int, device: torch.device):
+        b, L = state.batch, state.max_len
+        self.state = state
+        z = dict(device=device)
+        self.ids = torch.zeros(b, dtype=torch.long, **z)
+        self.pos = torch.zeros(b, dtype=torch.long, **z)
+        self.slot = torch.zeros(b, dtype=torch.long, **z)
+        self.prompt_len = torch.zeros(b, dtype=torch.long, **z)
+        self.p = torch.zeros((), dtype=torch.long, **z)
+        self.col = torch.zeros((), dtype=torch.long, **z)
+        self.temperature = torch.ones((), dtype=torch.float32, **z)
+        self.noise = torch.empty((b, vocab), dtype=torch.float32, **z)
+        self.stop_bufs: dict[int, torch.Tensor] = {}  # stop-id buffers by padded size
+        self.tokens_out = torch.zeros((b, L), dtype=torch.long, **z)
+        self.lp_out = torch.zeros((b, L), dtype=torch.float32, **z)
+        self.raw_out = torch.zeros((b, L), dtype=torch.float32, **z)
+        self.lengths = torch.zeros(b, dtype=torch.long, **z)
+        self.finished = torch.zeros(b, dtype=torch.bool, **z)
+        self.stopped = torch.zeros(b, dtype=torch.bool, **z)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.layout_key: tuple | None = None
+
+    def _stop_buf(self, n: int) -> torch.Tensor:
+        size = max(16, 1 << max(0, n - 1).bit_length())
+        if size not in self.stop_bufs:
+            self.stop_bufs[size] = torch.full((size,), -1, dtype=torch.long, device=self.ids.device)
+        return self.stop_bufs[size]
+
+    def _args(self, layout: FusedLayout, greedy: bool, want_raw: bool, kv_len: int | None = None) -> tuple:
+        c = self.state.cache
+        keys = [c.keys[i] for i in layout.layer_idx]
+        values = [c.values[i] for i in layout.layer_idx]
+        return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
+                self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
+                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
+                self.stopped, kv_len)
+
+    def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
+               kv_len: int | None = None) -> torch.cuda.CUDAGraph:
+        if self.layout_key != layout.key():
+            self.graphs.clear()
+            self.layout_key = layout.key()
+        key = (greedy, want_raw, self.stop_t.numel(), kv_len)
+        if key in self.graphs:
+            return self.graphs[key]
+        args = self._args(layout, greedy, want_raw, kv_len)
+        small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
+        saved = [t.clone() for t in small]
+        fn = _compiled("step" if kv_len is None else "step_kv")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
+            for _ in range(2):
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn(*args)
+        for t, s in zip(small, saved):  # the warm-up and capture ran the step three times: undo
+            t.copy_(s)
+        self.graphs[key] = graph
+        return graph
+
+    def run(self, layout: FusedLayout, logits: torch.Tensor, real: int, p: int, prompt_len: torch.Tensor,
+            params: Any, stop_ids: list[int], gen: torch.Generator | None, pool: Any):
+        """The static decode loop after the prefill (``logits [batch, vocab]`` of the last prompt slot);
+        returns what ``EmbeddedEngine._run`` returns."""
+        greedy, want_raw = bool(params.greedy), bool(params.return_raw_logprobs)
+        n_new = params.max_new_tokens
+        self.prompt_len.copy_(prompt_len)
+        self.p.fill_(p)
+        self.col.zero_()
+        self.temperature.fill_(float(params.temperature or 1.0))
+        self.stop_t = self._stop_buf(len(stop_ids))
+        self.stop_t.fill_(-1)
+        if stop_ids:
+            self.stop_t[:len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
+        self.lengths.zero_()
+        self.stopped.zero_()
+        self.finished.zero_()
+        self.finished[real:] = True
+        noise = None if greedy else self.noise
+        if noise is not None:
+            noise.exponential_(1, generator=gen)
+        _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
+                           self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
+                           self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed)
+        # graphs are captured after the first sample staged step 1's input: their warm-up runs write
+        # the cache only at slots the real steps write again before reading
+        bucket = int(os.environ.get("FERRULE_FAST_KV_BUCKET", KV_BUCKET))
+        max_len = self.state.max_len
+        kv_len, graph = None, None
+        for t in range(1, n_new):
+            if t % 8 == 0 and bool(self.finished.all()):
+                break
+            # this replay writes slot p + t - 1 and attends over slots [0, p + t)
+            want = None if bucket <= 0 else min(max_len, -(-(p + t) // bucket) * bucket)
+            if graph is None or want != kv_len:
+                kv_len = want
+                graph = self._graph(layout, greedy, want_raw, pool, None if kv_len == max_len else kv_len)
+            if noise is not None:
+                noise.exponential_(1, generator=gen)
+            graph.replay()
+        lengths_h, stopped_h = self.lengths.tolist(), self.stopped.tolist()
+        tok_h, lp_h = self.tokens_out[:real, :n_new].tolist(), self.lp_out[:real, :n_new].tolist()
+        raw_h = self.raw_out[:real, :n_new].tolist() if want_raw else None
+        return [(tok_h[r][:lengths_h[r]], lp_h[r][:lengths_h[r]], None if raw_h is None else raw_h[r][:lengths_h[r]],
+                 "stop" if stopped_h[r] else "length") for r in range(real)]
+
+
+#: projection -> (index in a layer's weights, first row in the fused buffer as a function of the layout)
+_PROJ_ROWS = {
+    "q_proj": (1, lambda lay: 0), "k_proj": (1, lambda lay: lay.hq * lay.head_dim),
+    "v_proj": (1, lambda lay: (lay.hq + lay.hkv) * lay.head_dim), "o_proj": (5, lambda lay: 0),
+    "gate_proj": (8, lambda lay: 0), "up_proj": (8, lambda lay: lay.inter), "down_proj": (9, lambda lay: 0),
+}
+
+
+class MergedLora:
+    """Decode weights with the served LoRA adapter merged into a copy: ``W + scaling * B @ A``
+    (PEFT's ``lora.Linear`` forward ``base(x) + lora_B(lora_A(x)) * scaling`` with the product
+    taken first), rounded once to the weight dtype. Only the targeted fused buffers are copied.
+
+    :meth:`refresh` recomputes every merged block from the live base weights and adapter factors
+    (both updated in place by weight and adapter syncs), so the engine calls it before each
+    fast-path ``generate``; the merged buffers keep their addresses, so captured graphs stay valid.
+
+    Args:
+        layout: the base :class:`FusedLayout`. adapter: :class:`ferrule.rollout._lora.ServedLoraAdapter`.
+
+    Raises:
+        ValueError: a wrapped module that is not one of a layer's seven projections (the caller
+            then keeps the plain, unmerged path).
+    """
+
+    def __init__(self, layout: FusedLayout, adapter: Any):
+        from ferrule.rollout._lora import ADAPTER_NAME
+
+        weights = list(layout.weights)
+        copies: dict[int, torch.Tensor] = {}
+        self.plan: list[tuple] = []
+        for name, m in adapter._wrapped.items():
+            parts = name.split(".")
+            if (len(parts) != 5 or parts[:2] != ["model", "layers"] or parts[4] not in _PROJ_ROWS
+                    or ADAPTER_NAME not in getattr(m, "lora_A", {})):
+                raise ValueError(f"MergedLora: cannot merge the adapter on {name!r}")
+            w_index, first = _PROJ_ROWS[parts[4]]
+            k = int(parts[2]) * _PER_LAYER + w_index
+            if k not in copies:
+                copies[k] = weights[k] = layout.weights[k].clone()
+            a, b = m.lora_A[ADAPTER_NAME].weight, m.lora_B[ADAPTER_NAME].weight
+            r0 = first(layout)
+            r1 = r0 + b.shape[0]
+            self.plan.append((copies[k][r0:r1], layout.weights[k][r0:r1], a, b, float(m.scaling[ADAPTER_NAME])))
+        self.adapter = adapter
+        self.base_key = layout.key()
+        self.layout = dataclasses.replace(layout, weights=weights)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Merged block = base block + scaling * B @ A, for every targeted projection."""
+        for dst, base, a, b, scaling in self.plan:
+            torch.addmm(base, b, a, alpha=scaling, out=dst)
+
+
+def base_ptrs(model: torch.nn.Module) -> tuple[int, ...]:
+    """Addresses of the model's own parameters (a served adapter's factors left out)."""
+    return tuple(p.data_ptr() for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, media_inputs: Any) -> FusedLayout | None:
+    """The layout an :class:`~ferrule.rollout.embedded.EmbeddedEngine` call decodes with on the
+    fast path, or None for the plain path (fast decode off, stop strings, media, truncated
+    sampling, too many stop ids, placeholder tokens to ban, or an adapter that cannot be merged).
+
+    Re-fuses when a base parameter moved since the last call (e.g. a wake), except under a served
+    adapter, whose PEFT wrappers hide the checkpoint names the engine would have to rebuild (then
+    the plain path). With an adapter, returns the :class:`MergedLora` layout, refreshed.
+    """
+    from ferrule.rollout._fast_sampling import fused_applies
+
+    if not (engine.fast_decode and matcher is None and not media_inputs and len(stop_ids) <= MAX_STOP_IDS
+            and fused_applies(params) and not engine._towers()):
+        return None
+    if engine._fused is None or engine._fused[0] != base_ptrs(engine.model):
+        if engine._lora is not None:
+            return None
+        engine._fuse_weights()
+    layout = engine._fused[1]
+    if engine._lora is None:
+        engine._merged_lora = None
+        return layout
+    merged = getattr(engine, "_merged_lora", None)
+    if merged is None or merged.adapter is not engine._lora or merged.base_key != layout.key():
+        try:
+            merged = engine._merged_lora = MergedLora(layout, engine._lora)
+        except ValueError:
+            return None
+    merged.refresh()
+    return merged.layout

@@ -1,0 +1,230 @@
+"""Faults around ``ferrule convert`` (issue 28): a kill of a multi-rank conversion, a full disk,
+temporary folders of killed conversions.
+
+Each fault is injected from outside ferrule: a signal from the test to the ``ferrule convert``
+process (or its whole group, as a terminal's Ctrl-C does), ``shutil.disk_usage`` reporting
+little free space, a write that raises ``ENOSPC``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ferrule import conformance_numeric as cn
+
+#: Runs ``ferrule convert`` (``ferrule.cli.main``); with FAULT_SLOW_WRITE=PREFIX every torch_dist
+#: tensor write of every rank touches PREFIX<pid>, then sleeps. The patch sits at module level so the
+#: spawned ranks (which import this file as ``__mp_main__``) get it too.
+RUNNER = """\
+import os, sys, time
+from pathlib import Path
+
+prefix = os.environ.get("FAULT_SLOW_WRITE")
+if prefix:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    def slow_write_item(*args, **kwargs):
+        Path(prefix + str(os.getpid())).write_text("")
+        time.sleep(300)
+
+    fa._write_item = slow_write_item
+if __name__ == "__main__":
+    from ferrule.cli import main
+    sys.argv = ["ferrule", *sys.argv[1:]]
+    main()
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return cn.tiny_hf_dir("qwen2", tmp_path_factory.mktemp("src") / "hf")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", FERRULE_PLUGINS="qwen", **extra)
+
+
+def _group_members(pgid: int) -> list[str]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
+def test_no_rank_outlives_a_killed_multi_rank_conversion(qwen2_dir, tmp_path, how):
+    """``ferrule convert --tp 2`` run as a script's background job (``ferrule convert ... &``: SIGINT
+    ignored) is signalled while both ranks are inside a torch_dist write: afterwards its process group
+    is empty (bounded wait), and after a SIGTERM no temporary folder or lock is left. torch's spawn
+    gives its ranks SIGINT as the death signal, which such a rank ignores (as one blocked in a C call
+    never acts on it): after a kill -9 both ranks lived on under PID 1; after a SIGTERM the
+    temporary output stayed."""
+    (tmp_path / "runner.py").write_text(RUNNER)
+    prefix, out = tmp_path / "writing-", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), "convert", "hf-to-torch-dist",
+                             str(qwen2_dir), str(out), "--tp", "2"], env=_env(FAULT_SLOW_WRITE=str(prefix)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.time() + 180
+        while len(list(tmp_path.glob("writing-*"))) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(list(tmp_path.glob("writing-*"))) == 2, f"the ranks never wrote: {proc.stderr.read().decode()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL if how == "kill -9" else signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        left = _group_members(proc.pid)
+        for _ in range(50):  # children of a killed parent need a moment to be reaped or reparented
+            if not left:
+                break
+            time.sleep(0.2)
+            left = _group_members(proc.pid)
+        assert left == [], f"processes outlived the {how} of ferrule convert: {left}"
+        assert not out.exists()
+        if how != "kill -9":  # the parent lived to clean up: no temporary folder, no lock file
+            assert rc != 0 and sorted(p.name for p in tmp_path.iterdir()) == ["runner.py"] + sorted(
+                p.name for p in tmp_path.glob("writing-*")), list(tmp_path.iterdir())
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.stderr.close()
+
+
+# ------------------------------------------------------------------ a full disk, leftovers of killed conversions
+def _fake_free(monkeypatch, free_bytes: int) -> None:
+    import shutil
+
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        u = real(path)
+        return type(u)(u.total, u.total - free_bytes, free_bytes)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+def _convert(*args: str):
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    return CliRunner().invoke(app, ["convert", *args])
+
+
+def _only(folder: Path, *names: str) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names), list(folder.iterdir())
+
+
+@pytest.fixture(scope="module")
+def td_dir(qwen2_dir, tmp_path_factory) -> Path:
+    from ferrule.converters import hf_to_torch_dist
+
+    return hf_to_torch_dist(qwen2_dir, tmp_path_factory.mktemp("td") / "td")
+
+
+def _needed_mb(output: str, out: Path) -> float:
+    import re
+
+    m = re.search(rf"no space left on {out} \(needed ~([0-9,.]+) MB, free 0\.0 MB\)", " ".join(output.split()))
+    assert m, output
+    return float(m.group(1).replace(",", ""))
+
+
+def test_a_conversion_that_does_not_fit_is_refused_before_writing_with_the_sizes(qwen2_dir, td_dir, tmp_path,
+                                                                                  monkeypatch):
+    """Both directions (shutil.disk_usage reports 10 kB free): exit 2, one line naming OUT with the needed size,
+    which is compared with what a real conversion wrote; nothing is left in OUT's folder."""
+    real_td = sum(f.stat().st_size for f in td_dir.rglob("*") if f.is_file())
+    real_hf = sum(f.stat().st_size for f in qwen2_dir.rglob("*") if f.is_file())
+    _fake_free(monkeypatch, 10_000)
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "td"))
+    assert res.exit_code == 2, res.output
+    # the message rounds to 0.1 MB
+    assert abs(_needed_mb(res.output, tmp_path / "td") - real_td / 1e6) <= 0.05 + 0.2 * real_td / 1e6, (res.output, real_td)
+    res = _convert("torch-dist-to-hf", str(td_dir), str(tmp_path / "hf"))
+    assert res.exit_code == 2, res.output
+    assert abs(_needed_mb(res.output, tmp_path / "hf") - real_hf / 1e6) <= 0.05 + 0.2 * real_hf / 1e6, (res.output, real_hf)
+    _only(tmp_path)
+
+
+def test_enospc_inside_a_conversion_is_a_full_disk_and_leaves_nothing(qwen2_dir, td_dir, tmp_path, monkeypatch):
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    import ferrule.safetensors_io as sio
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fa, "_write_item", full)
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "td"))
+    assert res.exit_code == 2 and f"no space left on {tmp_path / 'td'} (needed ~" in " ".join(res.output.split()) \
+        and "No space left on device" in res.output, res.output
+    monkeypatch.setattr(sio.ShardedSafetensorsWriter, "_flush", full)
+    res = _convert("torch-dist-to-hf", str(td_dir), str(tmp_path / "hf"))
+    assert res.exit_code == 2 and f"no space left on {tmp_path / 'hf'} (needed ~" in " ".join(res.output.split()), \
+        res.output
+    _only(tmp_path)
+
+
+def test_temporary_folders_of_killed_conversions_are_removed_on_the_next_one(qwen2_dir, tmp_path):
+    """A killed conversion's .OUT.tmp-PID (and a killed overwrite's .OUT.old-HEX) go, and the conversion says so;
+    a live PID's folder and other outputs' folders stay."""
+    import psutil
+
+    dead = next(pid for pid in range(999_999, 900_000, -1) if not psutil.pid_exists(pid))
+    stale = [tmp_path / f".out.tmp-{dead}", tmp_path / ".out.old-0123abcd"]
+    kept = [tmp_path / f".out.tmp-{os.getppid()}", tmp_path / f".other.tmp-{dead}"]
+    for d in stale + kept:
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"\0" * 1_500_000)
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "out"))
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert f"removed 2 temporary folder(s) of interrupted writes of {tmp_path / 'out'} (3.0 MB)" in said, said
+    assert not any(d.exists() for d in stale) and all(d.is_dir() for d in kept)
+
+
+def test_ferrule_export_checks_the_free_space_and_removes_leftovers_of_killed_exports(td_dir, qwen2_dir, tmp_path,
+                                                                                     monkeypatch):
+    """A run folder whose checkpoint's engine/ is a converted torch_dist folder: an export that does not fit is
+    refused with the sizes (OUT named); a killed LoRA export's .OUT.merge-PID-HEX is removed by the next export."""
+    import shutil
+
+    import psutil
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    shutil.copytree(td_dir, step / "engine")
+    (step / "loop_state.json").write_text("{}")
+    out = tmp_path / "exported"
+    with monkeypatch.context() as m:
+        _fake_free(m, 10_000)
+        res = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(out)])
+    real_hf = sum(f.stat().st_size for f in qwen2_dir.rglob("*") if f.is_file())
+    assert res.exit_code == 2, res.output
+    assert abs(_needed_mb(res.output, out) - real_hf / 1e6) <= 0.05 + 0.2 * real_hf / 1e6, (res.output, real_hf)
+    dead = next(pid for pid in range(999_999, 900_000, -1) if not psutil.pid_exists(pid))
+    (tmp_path / f".exported.merge-{dead}-0123abcd").mkdir()
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"removed 1 temporary folder(s) of interrupted writes of {out}" in " ".join(res.output.split()), res.output
+    _only(tmp_path, "run", "exported")

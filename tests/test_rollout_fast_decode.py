@@ -1,0 +1,223 @@
+"""The fast decode forward (ferrule.rollout._fast_decode) against transformers' own forward.
+
+On CPU (float32) decode_logits must give the HF model's logits and write the same cache entries;
+fusing q/k/v and gate/up must leave values, weight updates and state dicts as they were. The
+CUDA end-to-end check (fast path vs plain path logprobs) carries the gpu marker.
+"""
+
+import pytest
+import torch
+
+from ferrule.rollout._fast_decode import decode_logits, fuse_weights, supported
+from ferrule.rollout._static_cache import DecodeState, layer_windows
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _model(kind: str):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                          "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[kind]
+    extra = {"head_dim": 8} if kind == "qwen3" else {}
+    model = model_cls(cfg_cls(attn_implementation="sdpa", tie_word_embeddings=kind == "qwen2", **TINY, **extra))
+    for p in model.parameters():  # non-trivial norms and biases
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@torch.inference_mode()
+def test_decode_logits_matches_hf_forward(kind):
+    model = _model(kind)
+    assert supported(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layout = fuse_weights(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    a = model.model.layers[0].self_attn
+    assert a.k_proj.weight.data_ptr() == a.q_proj.weight.data_ptr() + a.q_proj.weight.numel() * 4
+    lens, p, max_len = [5, 3, 1], 5, 16
+    ids = torch.zeros((3, p), dtype=torch.long)
+    mask = torch.zeros((3, max_len), dtype=torch.bool)
+    for r, n in enumerate(lens):
+        ids[r, p - n:] = torch.arange(1, n + 1) * (r + 3)
+        mask[r, p - n:p] = True
+    pos = (torch.cumsum(mask[:, :p].long(), -1) - 1).clamp(min=0)
+    state = DecodeState(model, 3, max_len, layer_windows(model.config), torch.device("cpu"), None, False)
+    logits = state.prefill(ids, pos, mask)
+    plen = torch.tensor(lens)
+    for t in range(3):
+        tok = logits.argmax(-1)
+        keys = [state.cache.keys[i].clone() for i in layout.layer_idx]
+        values = [state.cache.values[i].clone() for i in layout.layer_idx]
+        state.set_step(tok, plen + t, p + t)
+        allowed = state.allowed.clone()
+        ref = state.step()
+        kv_len = None if t == 0 else p + t + t  # the whole cache, then prefixes covering every visible slot
+        ours = decode_logits(layout, layout.weights, keys, values, tok, plen + t, torch.full((3,), p + t), allowed,
+                             kv_len)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+        for i, k in zip(layout.layer_idx, keys):
+            torch.testing.assert_close(k[:, :, p + t], state.cache.keys[i][:, :, p + t], atol=1e-6, rtol=1e-5)
+        logits = ref.float()
+
+
+@torch.inference_mode()
+def test_weight_update_writes_the_fused_buffers():
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    model = _model("qwen2")
+    engine = EmbeddedEngine(model=model)
+    engine.get_hf_state_dict()  # builds the checkpoint-name views before the fuse moves the weights
+    layout = fuse_weights(model)
+    engine._ck_tensors = None  # what EmbeddedEngine._fast_layout does after a fuse
+    new_k = torch.randn(16, 32)
+    new_up = torch.randn(48, 32)
+    engine.update_weights([("model.layers.1.self_attn.k_proj.weight", new_k),
+                           ("model.layers.1.mlp.up_proj.weight", new_up)], version=1)
+    qkv, gu = layout.weights[11 + 1], layout.weights[11 + 8]
+    assert torch.equal(qkv[32:48], new_k) and torch.equal(gu[48:], new_up)
+    sd = engine.get_hf_state_dict()
+    assert torch.equal(sd["model.layers.1.self_attn.k_proj.weight"], new_k)
+
+
+def _fp32_logprobs(model32, prompt, tokens, temperature):
+    ids = torch.tensor([list(prompt) + list(tokens)], device="cuda")
+    logits = model32(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+    if temperature:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, -1)
+    return lp.gather(-1, torch.tensor(tokens, device="cuda")[:, None])[:, 0].cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fast decode path)")
+@torch.inference_mode()
+def test_fast_decode_matches_plain_path_on_cuda(monkeypatch):
+    """bf16 on CUDA: the fast path's logprobs of its own tokens, against an fp32 HF forward over
+    the same tokens, are at most 2x the plain path's bf16 error + 1e-3 (tests/test_gpu.py's
+    criterion), and stop ids end rows exactly as the plain path's bookkeeping does."""
+    import copy
+
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    model = _model("qwen2").to("cuda")
+    model32 = copy.deepcopy(model).float()
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
+    fast = EmbeddedEngine(model=model, fast_decode=True)
+    plain = EmbeddedEngine(model=model, fast_decode=False)
+    assert fast.fast_decode and not plain.fast_decode
+    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "32")  # attended prefix 32, 64, then the whole cache
+    for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=3, stop_token_ids=(5, 7, 11),
+                                  return_raw_logprobs=True)):
+        errs = {}
+        for name, engine in (("fast", fast), ("plain", plain)):
+            out = engine.generate(prompts, params)
+            e = []
+            for r in out:
+                stops = [i for i, t in enumerate(r.token_ids) if t in (params.stop_token_ids or ())]
+                if r.finish_reason == "stop":
+                    assert stops == [len(r.token_ids) - 1]
+                else:
+                    assert not stops and len(r.token_ids) == params.max_new_tokens
+                ref = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, params.temperature)
+                e.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
+                if r.raw_logprobs is not None:
+                    raw = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, 0)
+                    e.append((torch.tensor(r.raw_logprobs, dtype=torch.float64) - raw).abs())
+            errs[name] = torch.cat(e).mean().item()
+        assert errs["fast"] <= 2 * errs["plain"] + 1e-3 and errs["fast"] < 0.02, errs
+    assert fast.health()["captured_buckets"] == [[8, 128], [16, 128]]  # 6 rows, then 6 x n=2
+
+
+class _EagerReplay:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def replay(self):
+        self.fn(*self.args)
+
+
+def _eager_fast_path(monkeypatch):
+    """Run FastStatic on CPU: compiled functions -> the plain ones, the graph -> one call per replay."""
+    from ferrule.rollout import _fast_decode
+
+    monkeypatch.setattr(_fast_decode, "_compiled", lambda name: {"step": _fast_decode._step,
+                                                                  "first": _fast_decode._sample_record}[name])
+    monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
+                        lambda self, layout, greedy, raw, pool, kv_len=None: _EagerReplay(
+                            _fast_decode._step, self._args(layout, greedy, raw, kv_len)))
+    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "4")  # several attended-prefix lengths per call
+
+
+@torch.inference_mode()
+def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
+    """The fast loop (sample, record, stop ids, staging: FastStatic.run) run eagerly on CPU, with
+    the graph replaced by a call of the same step function, gives the plain loop's tokens, logprobs
+    and finish reasons for the same seed."""
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    _eager_fast_path(monkeypatch)
+    model = _model("qwen2")
+    plain = EmbeddedEngine(model=model)
+    fast = EmbeddedEngine(model=model)
+    fast.fast_decode = True
+    fast._fuse_weights()
+    prompts = [[3, 4, 5, 6], [9], [10, 11, 12, 13, 14, 15, 16]]
+    free = plain.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    sampled = dict(temperature=0.9, max_new_tokens=12, n=2, seed=5, ignore_eos=True, return_raw_logprobs=True)
+    free_s = plain.generate(prompts, SamplingParams(**sampled))
+    # stop ids the rows do produce (same seed: same draws up to the first stop)
+    for params in (SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True,
+                                  stop_token_ids=(free[0].token_ids[4], free[1].token_ids[2])),
+                   SamplingParams(**sampled, stop_token_ids=(free_s[0].token_ids[6], free_s[3].token_ids[2]))):
+        a, b = plain.generate(prompts, params), fast.generate(prompts, params)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
+        assert "stop" in {r.finish_reason for r in a}
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-5, rtol=0)
+            if x.raw_logprobs is not None:
+                torch.testing.assert_close(torch.tensor(y.raw_logprobs), torch.tensor(x.raw_logprobs), atol=1e-5, rtol=0)
+    assert fast._fused is not None
+
+
+def test_merged_lora_decode_matches_hf_peft_across_updates(monkeypatch):
+    """An adapter served on the fast path decodes on a merged copy (MergedLora): logprobs match
+    HF + PEFT (unmerged) in fp32 on CPU, also after the adapter and a base weight are updated."""
+    import copy
+
+    from test_rollout_lora import PARAMS, PROMPTS, peft_reference, reference_logprobs, tiny_qwen3
+
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    _eager_fast_path(monkeypatch)
+    base = tiny_qwen3()
+    engine = EmbeddedEngine(model=copy.deepcopy(base))
+    engine.fast_decode = True
+    engine._fuse_weights()  # what the constructor does when fast_decode is on (CUDA)
+    for seed in (1, 2):
+        ref, tensors, cfg = peft_reference(base, seed=seed)
+        engine.update_lora_adapter(tensors, cfg, version=seed)
+        for r in engine.generate(PROMPTS, PARAMS):
+            want = reference_logprobs(ref, PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
+            torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
+    assert engine._merged_lora is not None
+    merged = engine._merged_lora
+    new_v = torch.randn(16, 32) * 0.2
+    engine.update_weights([("model.layers.0.self_attn.v_proj.weight", new_v)], version=3)
+    with torch.no_grad():
+        ref.base_model.model.model.layers[0].self_attn.v_proj.base_layer.weight.copy_(new_v)
+    for r in engine.generate(PROMPTS, PARAMS):
+        want = reference_logprobs(ref, PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
+    assert engine._merged_lora is merged  # refreshed in place, not rebuilt
