@@ -9,7 +9,7 @@ vision tower's ``model.visual.*`` keys are the tower's own parameter names
 
 **Towers** (attached by the core as ``towers.vision`` on the first pipeline stage, replicated
 over TP) travel on every weight sync in the ``vision_tower*`` update groups
-(:data:`TOWER_UPDATE_GROUPS`). Module-level data only (no torch import).
+(:data:`TOWER_UPDATE_GROUPS`). Module-level data (no torch import), plus the kit's ``tiny_media``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any, Mapping
 from ferrule.config_translation import ConfigTranslationError
 from ferrule.mapping import MappingTable, Rename
 from ferrule.plugins.inkling2.config import TEXT_ENTRIES, Inkling2ConfigTranslation
+from ferrule.plugins.inkling2.inkling2_text import TINY_HF_CONFIG as TINY_TEXT_CONFIG
+from ferrule.plugins.inkling2.inkling2_text import TINY_TP2_OVERRIDES as TINY_TEXT_TP2_OVERRIDES
 from ferrule.plugins.inkling2.inkling2_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
 from ferrule.plugins.inkling2.inkling2_text import text_model_mappings
 from ferrule.specs import UpdateGroup
@@ -131,3 +133,31 @@ MAPPING = MappingTable(family="inkling2", mappings=text_model_mappings() + TOWER
 #: The text variant's groups plus the tower's (a missing tower group is refused when the model is built,
 #: ``ferrule.megatron.provider.provider_build``). Every base weight sync sends every group.
 UPDATE_GROUPS = TEXT_UPDATE_GROUPS + TOWER_UPDATE_GROUPS
+
+#: A tiny random ``inkling2`` config for the conformance kit: the text model of
+#: :data:`ferrule.plugins.inkling2.inkling2_text.TINY_HF_CONFIG` and a 2-layer vision tower with odd shapes
+#: (3 heads of 8, native patch 3, merge 2: 6 x 6 pixel tokens, a 5 x 5 position grid, merger biases);
+#: the image placeholder inside the 90-token head.
+TINY_HF_CONFIG = {
+    "model_type": "inkling2", "text_config": dict(TINY_TEXT_CONFIG), "image_token_id": 89,
+    "vision_config": {"hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 3,
+                      "patch_size": 3, "spatial_merge_size": 2, "posemb_grid_size": 5, "projection_hidden_dim": 20,
+                      "projector_bias": True, "text_hidden_size": TINY_TEXT_CONFIG["hidden_size"],
+                      "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}},
+}
+#: TP=2 splits the KV heads: the text variant's override, nested under ``text_config``.
+TINY_TP2_OVERRIDES = {"text_config": dict(TINY_TEXT_CONFIG, **TINY_TEXT_TP2_OVERRIDES)}
+#: As for the text variant.
+KIT_FEATURE_KEYS: dict = {}
+
+
+def tiny_media(hf_config: Mapping[str, Any]) -> dict:
+    """Media for the kit's media case (:mod:`ferrule.conformance_media`): one random 10 x 14 RGB image (fixed
+    seed) through the tower's own ``preprocess_image``: ``{"vision": [[2, 3, 6, 6, 3]]}`` (6 tokens)."""
+    import numpy as np
+    from PIL import Image
+
+    from ferrule.plugins.inkling2.vision import preprocess_image
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (10, 14, 3), dtype=np.uint8))
+    return {"vision": [preprocess_image(image, dict(hf_config))]}

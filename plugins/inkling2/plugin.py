@@ -76,11 +76,11 @@ def register_update_groups():
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
 
-_MM_REASON = ("text model (inkling2_text) + vision tower convert and run: image-prompt logits == "
-              "Inkling2ForConditionalGeneration within 1e-5 and HF <-> torch_dist bit-exact (tests/test_inkling2_mm.py), "
-              "tower == Inkling2VisionModel (tests/test_inkling2_vision.py); NOT yet proven: TP=2 / EP=2 with images, "
-              "embedded-rollout logprobs with images, LoRA, a registered chat template, the conformance kit, and "
-              "everything inkling2_text still lacks")
+_MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
+              "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
+              "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
+              "appliers, a registered chat template (TMLv0 is registered for inkling only), a GRPO example / "
+              "ferrule check run, and what inkling2_text still lacks")
 
 
 @hookimpl
