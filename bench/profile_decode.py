@@ -36,14 +36,14 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--kernels", type=int, default=25)
-    ap.add_argument("--engine-kw", default="")
+    ap.add_argument("--plain", action="store_true", help="profile the plain path (fast_decode=False)")
     args = ap.parse_args()
     args.hf_dir, args.dtype, args.device = None, "bfloat16", "cuda"
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
     model, _ = build_model(args)
-    kw = eval(f"dict({args.engine_kw})")
+    kw = dict(fast_decode=not args.plain)
     for batch in args.batch:
         g = torch.Generator().manual_seed(0)
         reqs = torch.randint(1, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()

@@ -124,8 +124,10 @@ def _round_trip(hf_dir: Path, back: Path) -> tuple[bool, str]:
     import torch
 
     from ferrule.converters import SafetensorsReader
+    from ferrule.quantized_weights import open_hf_weights
 
-    a, b = SafetensorsReader(hf_dir), SafetensorsReader(back)
+    # an MXFP8 / FP8 source is compared as transformers reads it: dequantized (the export's default)
+    a, b = open_hf_weights(hf_dir), SafetensorsReader(back)
     missing = sorted(set(a.keys()) - set(b.keys()))
     changed = [k for k in sorted(set(a.keys()) & set(b.keys()))
                if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
@@ -195,12 +197,14 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, tp:
     from .check_logits import logits_worker
 
     t0 = time.time()
-    if _step(report, f"convert (tp={tp})", lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp)) is None:
+    convert = lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp, family=spec.name)  # noqa: E731
+    if _step(report, f"convert (tp={tp})", convert) is None:
         return
     report.rows.append(CheckRow(f"convert (tp={tp})", "ok", "hf -> torch_dist", time.time() - t0))
     t0 = time.time()
-    back = _step(report, f"round trip (tp={tp})", lambda: (torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp),
-                                                          _round_trip(hf_dir, tmp / "back"))[1])
+    back = _step(report, f"round trip (tp={tp})", lambda: (torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp,
+                                                                            family=spec.name),
+                                                           _round_trip(hf_dir, tmp / "back"))[1])
     if back is not None:
         report.rows.append(CheckRow(f"round trip (tp={tp})", "ok" if back[0] else "FAIL", back[1], time.time() - t0))
     t0 = time.time()

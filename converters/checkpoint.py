@@ -42,7 +42,7 @@ from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSa
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
 from .output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
                          prepare_out, torch_dist_model_bytes, unlock_output)
-from .quantized import requantizer, restore_quantization_config, source_quantization
+from .quantized import drop_quantization_config, requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
@@ -115,12 +115,13 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
     return json.loads(meta.read_text())
 
 
-def _family_parts(hf_config: dict) -> tuple[Any, Any, Any]:
-    """(family spec, provider build callable with towers, mapping table) from the registry."""
+def _family_parts(hf_config: dict, family_name: str | None = None) -> tuple[Any, Any, Any]:
+    """(family spec, provider build callable with towers, mapping table) from the registry: the family
+    ``family_name`` when given, else the one ``hf_config`` resolves to."""
     from ferrule import registry
     from ferrule.megatron.provider import provider_build
 
-    family = registry.family_for_hf_config(hf_config)
+    family = registry.get_family(family_name) if family_name else registry.family_for_hf_config(hf_config)
     converter = registry.get_converter(family.name)
     return family, provider_build(family.name), converter.resolved_mapping()
 
@@ -189,14 +190,14 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
 
 
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
-                             progress: Callable[[int], None] | None) -> None:
+                             progress: Callable[[int], None] | None, family: str | None = None) -> None:
     from ferrule.megatron.checkpoint import save_sharded
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
     layout = ParallelLayout(**layout_kw)
     init_distributed(layout)
-    _, build, table = _family_parts(hf_config)
+    _, build, table = _family_parts(hf_config, family)
     chunks = _build(build, hf_config, layout, dtype)
     load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config, progress=progress if rank == 0 else None)
     save_sharded(_sharded_state_dict(chunks), tmp)  # no __main__ guard needed in the caller
@@ -204,10 +205,12 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
 
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,
                      overwrite: bool = False, dtype: str | None = None,
-                     progress: Callable[[int], None] | None = None, notice: Notice | None = None) -> Path:
+                     progress: Callable[[int], None] | None = None, notice: Notice | None = None,
+                     family: str | None = None) -> Path:
     """Convert an HF safetensors checkpoint into a megatron torch_dist checkpoint.
 
-    The family comes from ``config.json`` through the registry; the model is built by the
+    The family is ``family`` (a registered family name) or comes from ``config.json`` through the
+    registry (recorded in ``ferrule_checkpoint.json`` either way); the model is built by the
     family's provider at the requested layout (``tp * ep * pp`` ranks; expert TP = ``tp``),
     HF tensors are streamed one at a time through the family's mapping table into the live
     parameters, and ``megatron.core.dist_checkpointing.save`` writes the result.
@@ -245,19 +248,19 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     hf_dir = Path(hf_dir).absolute()
     out_dir = Path(out_dir).absolute()
     hf_config = _read_config(hf_dir)
-    family, _, table = _family_parts(hf_config)  # unsupported model_type fails here, before any output
+    spec, _, table = _family_parts(hf_config, family)  # unsupported model_type fails here, before any output
     reader = open_hf_weights(hf_dir, hf_config)  # missing / truncated shards fail here; MXFP8 is read dequantized
     dtype = dtype or _dtype_name(reader)
     other_dtypes = _other_float_dtypes(reader, dtype)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}
     world = tp * pp * ep
     ParallelLayout(**layout_kw).validate(world)
-    _check_layout_before_spawn(family.name, hf_config, ParallelLayout(**layout_kw))
+    _check_layout_before_spawn(spec.name, hf_config, ParallelLayout(**layout_kw))
     needed = hf_write_bytes(reader, dtype, hf_dir)
     tmp = prepare_out(out_dir, overwrite, needed, notice)
     try:
         _run(world, _hf_to_torch_dist_worker, (str(hf_dir), str(tmp), hf_config, layout_kw, dtype,
-                                               progress if world == 1 else None), tmp)
+                                               progress if world == 1 else None, spec.name), tmp)
         if not (tmp / "metadata.json").is_file():
             raise ConversionError(f"megatron dist_checkpointing.save wrote no metadata.json into {tmp}.")
         copied = _copy_side_files(hf_dir, tmp / HF_SUBDIR)
@@ -265,7 +268,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         kept = _save_passthrough(reader, table, tmp / HF_SUBDIR)
         import megatron.core
 
-        meta = {"format": FORMAT, "family": family.name, "model_type": hf_config.get("model_type"),
+        meta = {"format": FORMAT, "family": spec.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
                 "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept,
                 "hf_dtypes": other_dtypes, "ferrule_version": __version__, "hf_quantization": quantization,
@@ -317,13 +320,13 @@ def _check_dropped(dropped: list[tuple[str, Any]], table: Any) -> None:
 def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              max_shard_bytes: int, progress: Callable[[int], None] | None,
                              hf_dtypes: dict | None = None, out_dtype: str | None = None,
-                             requantize: Callable | None = None) -> None:
+                             requantize: Callable | None = None, family: str | None = None) -> None:
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
     layout = ParallelLayout(**layout_kw)
     init_distributed(layout)
-    _, build, table = _family_parts(hf_config)
+    _, build, table = _family_parts(hf_config, family)
     chunks = _build(build, hf_config, layout, dtype)
     load_torch_dist_into_mcore(chunks, ckpt_dir)
     writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank == 0 else None
@@ -352,15 +355,24 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
         writer.close()
 
 
+def _recorded_family(meta: dict) -> str | None:
+    """The family ``ferrule_checkpoint.json`` names, when it is registered (else None: the config decides)."""
+    from ferrule import registry
+
+    name = meta.get("family")
+    return name if isinstance(name, str) and name in registry.get_registry().families else None
+
+
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
                      progress: Callable[[int], None] | None = None, dtype: str | None = None,
-                     mxfp8: bool = False, notice: Notice | None = None) -> Path:
+                     mxfp8: bool = False, notice: Notice | None = None, family: str | None = None) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
     Reads the family, dtype and HF config from ``CKPT_DIR/ferrule_checkpoint.json`` and
-    ``CKPT_DIR/hf/``; builds the model at ``tp`` x ``ep`` (any layout; 1 is enough), loads the
+    ``CKPT_DIR/hf/`` (the family: ``family`` when given, else the one the metadata records when it
+    is registered, else the one the config resolves to); builds the model at ``tp`` x ``ep`` (any layout; 1 is enough), loads the
     model weights only (:func:`load_torch_dist_into_mcore`: optimizer state is skipped, a
     missing or foreign tensor is an error),
     exports through the mapping table and writes ``model-0000i-of-0000n.safetensors`` shards
@@ -405,7 +417,7 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         verify_checksums(ckpt_dir)  # a damaged file is named here, not converted into a wrong model
     meta = read_checkpoint_metadata(ckpt_dir)
     hf_config = _read_config(ckpt_dir / HF_SUBDIR)
-    _, _, table = _family_parts(hf_config)
+    spec, _, table = _family_parts(hf_config, family or _recorded_family(meta))
     _check_dropped(dropped_hf_tensors(meta, table), table)
     layout_kw = {"tp": tp, "pp": 1, "ep": ep}
     world = tp * ep
@@ -419,11 +431,13 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],
                                                max_shard_bytes, progress if world == 1 else None,
-                                               meta.get("hf_dtypes", {}), out_dtype, requantize), tmp)
+                                               meta.get("hf_dtypes", {}), out_dtype, requantize, spec.name), tmp)
         _copy_side_files(ckpt_dir / HF_SUBDIR, tmp)
         write_config_dtype(tmp / "config.json", out_dtype)
         if requantize is not None:
             restore_quantization_config(tmp / "config.json", meta)
+        else:  # the weights written are dequantized (a training checkpoint's hf/config.json may still say MXFP8)
+            drop_quantization_config(tmp / "config.json")
         commit_dir(tmp, out_dir)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)

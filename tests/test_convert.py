@@ -221,7 +221,7 @@ def test_ignored_source_tensors_are_reported_on_export(qwen2_dir, tmp_path, monk
     strict = dataclasses.replace(table, ignores=(Ignore("model.layers.*.self_attn.rotary_emb.inv_freq",
                                                         reason="test: HF loads this"),))
     real = ck._family_parts
-    monkeypatch.setattr(ck, "_family_parts", lambda cfg: (*real(cfg)[:2], strict))
+    monkeypatch.setattr(ck, "_family_parts", lambda cfg, family=None: (*real(cfg, family)[:2], strict))
     with pytest.raises(CheckpointError, match=r"lack them.*model\.layers\.1\.self_attn\.rotary_emb\.inv_freq"):
         torch_dist_to_hf(ckpt, tmp_path / "back2")
     _assert_nothing_written(tmp_path / "back2")

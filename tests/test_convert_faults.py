@@ -228,3 +228,28 @@ def test_ferrule_export_checks_the_free_space_and_removes_leftovers_of_killed_ex
     assert res.exit_code == 0, res.output
     assert f"removed 1 temporary folder(s) of interrupted writes of {out}" in " ".join(res.output.split()), res.output
     _only(tmp_path, "run", "exported")
+
+
+def test_ferrule_check_family_is_the_family_of_the_conversion(qwen2_dir, tmp_path, monkeypatch):
+    """``ferrule check --family F`` on a checkpoint whose model_type no family claims (here: qwen2's own
+    specs registered again as family "qwen2_alias" claiming model_type "qwen2_alias", and "qwen2" unclaimed): the conversion, the round trip
+    and the logits all use F. Before, the conversion resolved the family from config.json and failed."""
+    import dataclasses
+
+    from ferrule import registry
+    from ferrule.converters.check import run_check
+
+    reg = registry.get_registry()
+    alias = "qwen2_alias"
+    monkeypatch.setitem(reg.families, alias, dataclasses.replace(reg.families["qwen2"], name=alias,
+                                                                      model_types=(alias,)))
+    for table in (reg.providers, reg.converters, reg.update_groups):
+        monkeypatch.setitem(table, alias, dataclasses.replace(table["qwen2"], family=alias))
+    monkeypatch.delitem(reg.model_types, "qwen2")
+    with pytest.raises(registry.UnknownModelError):
+        registry.family_for_hf_config({"model_type": "qwen2"})
+    report = run_check(qwen2_dir, family=alias, seq_len=8)
+    assert report.family == alias
+    assert [(r.step, r.status) for r in report.rows] == [
+        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")], \
+        report.rows

@@ -179,7 +179,9 @@ def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
     # stop ids the rows do produce (same seed: same draws up to the first stop)
     for params in (SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True,
                                   stop_token_ids=(free[0].token_ids[4], free[1].token_ids[2])),
-                   SamplingParams(**sampled, stop_token_ids=(free_s[0].token_ids[6], free_s[3].token_ids[2]))):
+                   SamplingParams(**sampled, stop_token_ids=(free_s[0].token_ids[6], free_s[3].token_ids[2])),
+                   # more stop ids than the smallest padded buffer (16) holds: the 32-entry one
+                   SamplingParams(**sampled, stop_token_ids=tuple(range(60, 80)) + (free_s[1].token_ids[3],))):
         a, b = plain.generate(prompts, params), fast.generate(prompts, params)
         assert [r.token_ids for r in a] == [r.token_ids for r in b]
         assert [r.finish_reason for r in a] == [r.finish_reason for r in b]

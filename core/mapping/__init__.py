@@ -1,15 +1,16 @@
 """Declarative parameter mapping between Megatron-Core (``mcore_``) and Hugging Face (``hf_``).
 
-Two modules, imported in one direction only (no cycle):
+Modules, imported in one direction only (no cycle):
 
 - :mod:`ferrule.mapping.vocabulary`: the row types. :class:`ParamMapping` is the base of every
-  row (:class:`Rename`, :class:`FuseQKV`, :class:`FuseGateUp`, :class:`ExpertRename`,
-  :class:`ExpertFuseGateUp`, :class:`StackExperts`, :class:`OutputLayer`); :class:`Ignore`
-  drops an HF key with a reason; :class:`TPSplit` says how TP splits a full tensor;
+  row (:class:`Rename`, :class:`FuseQKV`, :class:`FuseGateUp`, :class:`OutputLayer`);
+  :class:`Ignore` drops an HF key with a reason; :class:`TPSplit` says how TP splits a full tensor;
   :class:`MappingContext` carries the few config numbers a row needs; :class:`MappingError`.
+- :mod:`ferrule.mapping.experts`: the routed-expert rows (:class:`ExpertRename`,
+  :class:`ExpertFuseGateUp`, :class:`StackExperts`); imports :mod:`~ferrule.mapping.vocabulary`.
 - :mod:`ferrule.mapping.table`: :class:`MappingTable` (a family's complete, immutable table)
   and :class:`HFAssembler` (full mcore tensors -> HF tensors, shared by export, weight sync
-  and :meth:`MappingTable.mcore_to_hf`); imports :mod:`~ferrule.mapping.vocabulary`.
+  and :meth:`MappingTable.mcore_to_hf`); imports the two above.
 - :mod:`ferrule.mapping.decoder`: shared rows and update groups for Llama-shaped decoders.
 
 ``Mapping`` is the old name of :class:`ParamMapping` (it clashed with
@@ -23,10 +24,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ferrule.mapping.experts import ExpertFuseGateUp, ExpertRename, StackExperts
 from ferrule.mapping.table import HFAssembler, MappingTable
 from ferrule.mapping.vocabulary import (
-    ExpertFuseGateUp,
-    ExpertRename,
     FuseGateUp,
     FuseQKV,
     Ignore,
@@ -36,7 +36,6 @@ from ferrule.mapping.vocabulary import (
     ParamMapping,
     Passthrough,
     Rename,
-    StackExperts,
     TPSplit,
 )
 

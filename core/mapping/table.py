@@ -11,7 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ferrule.mapping.vocabulary import Ignore, MappingContext, MappingError, ParamMapping, Passthrough, StackExperts
+from ferrule.mapping.experts import StackExperts
+from ferrule.mapping.vocabulary import Ignore, MappingContext, MappingError, ParamMapping, Passthrough
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -11,9 +11,11 @@ A family's *mapping table* (:class:`~ferrule.mapping.MappingTable`, in
 - how tensor parallelism splits the full mcore tensor (:class:`TPSplit`), so one table loads
   and exports at any TP / EP size (:meth:`ParamMapping.shard`, :meth:`ParamMapping.gather`).
 
-Vocabulary: :class:`Rename`, :class:`FuseQKV`, :class:`FuseGateUp`, :class:`StackExperts`,
-:class:`OutputLayer` (a named custom mapping, see "Writing a custom mapping" below) and
-:class:`Ignore` (an HF key deliberately not loaded, with a required reason).
+Vocabulary: :class:`Rename`, :class:`FuseQKV`, :class:`FuseGateUp`, :class:`OutputLayer` (a named
+custom mapping, see "Writing a custom mapping" below), :class:`Ignore` (an HF key deliberately not
+loaded, with a required reason) and :class:`Passthrough`; the routed-expert rows
+(:class:`~ferrule.mapping.experts.StackExperts`, ``ExpertRename``, ``ExpertFuseGateUp``) build on
+them in :mod:`ferrule.mapping.experts`.
 
 Completeness is enforced, never warned about: a live mcore parameter with no mapping, or an
 HF key that is neither produced by a mapping nor ignored, raises :class:`MappingError`
@@ -51,12 +53,9 @@ __all__ = [
     "Rename",
     "FuseQKV",
     "FuseGateUp",
-    "StackExperts",
     "OutputLayer",
     "Ignore",
     "Passthrough",
-    "ExpertRename",
-    "ExpertFuseGateUp",
 ]
 
 
@@ -391,73 +390,6 @@ class FuseGateUp(ParamMapping):
     def to_hf(self, full, ctx, wildcards=()):
         gate, up = self._halves(full)
         return gate.contiguous(), up.contiguous()
-
-
-@dataclass(frozen=True)
-class ExpertRename(Rename):
-    """:class:`Rename` for one routed expert (Megatron ``SequentialMLP``).
-
-    mcore ``decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight`` (second ``*`` =
-    **global** expert index; under EP rank e holds global experts
-    ``[e * E/ep, (e+1) * E/ep)`` as local ``0..E/ep-1``) <-> HF
-    ``model.layers.*.mlp.experts.*.down_proj.weight``. Split on the expert-TP group.
-    """
-
-    expert = True
-
-
-@dataclass(frozen=True)
-class ExpertFuseGateUp(FuseGateUp):
-    """:class:`FuseGateUp` for one routed expert (``local_experts.*.linear_fc1``); see :class:`ExpertRename`."""
-
-    expert = True
-
-
-@dataclass(frozen=True)
-class StackExperts(ParamMapping):
-    """One expert's mcore tensor <-> row ``e`` of an HF tensor stacked over experts.
-
-    For HF layouts that store all routed experts of a layer in one tensor
-    ``[num_experts, *expert_shape]`` (e.g. transformers-5 in-memory ``mlp.experts.gate_up_proj``
-    ``[E, 2*ffn, hidden]`` = per expert ``[gate; up]``, and ``down_proj`` ``[E, hidden, ffn]``).
-    mcore pattern has two ``*`` (layer, global expert); the HF pattern has one (layer).
-    Export needs every expert of a layer: :meth:`assemble` stacks the per-expert pieces
-    returned by :meth:`to_hf`. ``tp`` is the per-expert split (``GATE_UP`` for fc1, ``ROW``
-    for fc2).
-    """
-
-    hf: str = ""
-
-    expert = True
-
-    def hf_patterns(self, ctx):
-        return (self.hf,)
-
-    def expert_index(self, wildcards: tuple[str, ...]) -> int:
-        return int(wildcards[1])
-
-    def to_mcore(self, hf, ctx, wildcards=()):
-        (stacked,) = hf
-        e = self.expert_index(wildcards)
-        if ctx.num_experts is not None and stacked.shape[0] != ctx.num_experts:
-            raise MappingError(f"{self.hf}: stacked dim 0 is {stacked.shape[0]}; config has {ctx.num_experts} experts.")
-        return stacked[e]
-
-    def to_hf(self, full, ctx, wildcards=()):
-        """The piece for expert ``wildcards[1]`` (not a full HF tensor; see :meth:`assemble`)."""
-        return (full,)
-
-    def assemble(self, pieces: Mapping[int, "torch.Tensor"], ctx: MappingContext) -> "torch.Tensor":
-        """Stack per-expert pieces ``{global_expert: tensor}`` into the HF ``[E, ...]`` tensor.
-
-        Raises:
-            MappingError: an expert is missing.
-        """
-        n = ctx.num_experts or len(pieces)
-        missing = [e for e in range(n) if e not in pieces]
-        if missing:
-            raise MappingError(f"{self.hf}: experts {missing} missing; cannot stack {n} experts.")
-        return _torch().stack([pieces[e] for e in range(n)], 0)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,7 @@ transformers' own, for any model with a registered conversion:
    is. We require a bijection (each parameter element in exactly one checkpoint tensor) and turn
    each index tensor into a strided view of its parameter (``as_strided``: true aliases, so
    in-place writes reach the model and CUDA graphs stay valid); a layout that is not strided
-   (e.g. a rope permutation) keeps its flat index for gather / scatter. Elements the reverse
-   conversion adds (zero padding: Inkling-2's ``Inkling2UnpadVocab`` restores the unembedding rows
-   past ``unpadded_vocab_size``) belong to no parameter: they read as zeros and are not written.
+   (e.g. a rope permutation) keeps its flat index for gather / scatter.
 """
 
 from __future__ import annotations
@@ -47,11 +45,10 @@ class CheckpointTensor:
     view: torch.Tensor | None
     index: torch.Tensor | None = None
     #: a checkpoint tensor assembled from several parameters (e.g. Inkling's released
-    #: ``shared_w13_weight`` from ``shared_experts.gate_proj`` and ``up_proj``) or padded by the
-    #: conversion (Inkling-2's ``unembed`` rows past ``unpadded_vocab_size``: read as zeros, not
-    #: written): the parameters, and per parameter the positions in the flattened checkpoint
-    #: tensor and the flat indices in it
+    #: ``shared_w13_weight`` from ``shared_experts.gate_proj`` and ``up_proj``): the parameters, and
+    #: per parameter the positions in the flattened checkpoint tensor and the flat indices in it
     parts: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
+    #: (positions of ``parts`` cover the tensor except padding the conversion adds: zeros on read, dropped on write)
     #: the model parameter name of each entry of ``parts``
     part_names: tuple[str, ...] = ()
 
@@ -59,7 +56,7 @@ class CheckpointTensor:
         """The tensor (an alias when ``view`` is set, else a gathered copy)."""
         if self.view is not None:
             return self.view
-        if self.parts:  # zeros: positions no part fills are padding the conversion adds
+        if self.parts:
             out = torch.zeros(self.shape, dtype=self.param.dtype, device=self.param.device).view(-1)
             for param, pos, local in self.parts:
                 out[pos] = param.reshape(-1)[local]
@@ -124,30 +121,27 @@ def _trace_group(model: torch.nn.Module, names: list[str], params: dict[str, tor
             raise NotImplementedError(f"Parameter {n!r} is not contiguous; cannot map checkpoint names onto it.")
         bases.append(total)
         total += params[n].numel()
-    # indices shifted by one: a 0 in a reverted tensor is an element the conversion *added* (zero
-    # padding, e.g. Inkling-2's unembedding rows past unpadded_vocab_size), owned by no parameter
+    # 1-based element indices: a 0 in a reverted tensor is padding the conversion adds (zero rows that are no
+    # parameter's elements, e.g. Inkling-2's unembedding rows past unpadded_vocab_size): read as 0, never written
     probe = {n: torch.arange(b + 1, b + 1 + params[n].numel(), dtype=torch.int64).view(params[n].shape)
              for n, b in zip(names, bases)}
     out = _revert(model, probe)
     seen = torch.zeros(total, dtype=torch.int64)
     entries = []
-    for ck_name, idx in out.items():
-        if idx.dtype != torch.int64 or idx.numel() == 0:
+    for ck_name, raw in out.items():
+        if raw.dtype != torch.int64 or raw.numel() == 0 or int(raw.min()) < 0 or not bool((raw > 0).any()):
             raise NotImplementedError(
                 f"transformers' reverse conversion of {names} changes values (checkpoint tensor {ck_name!r}), "
                 "not only their layout; the embedded engine cannot map it onto the model in place.")
-        idx = idx - 1
-        real = idx.reshape(-1)[idx.reshape(-1) >= 0]
-        if real.numel() == 0:
-            raise NotImplementedError(f"transformers' reverse conversion of {names} writes {ck_name!r} from no "
-                                      "parameter element; the embedded engine cannot map it onto the model.")
-        first = int(real[0])
+        idx = raw - 1
+        real = idx.reshape(-1) >= 0
+        first = int(idx.reshape(-1)[real][0])
         i = bisect.bisect_right(bases, first) - 1
         p_name, base = names[i], bases[i]
         local = idx - base
         param = params[p_name]
-        seen.index_add_(0, real, torch.ones(real.numel(), dtype=torch.int64))
-        if real.numel() < idx.numel() or int(local.min()) < 0 or int(local.max()) >= param.numel():
+        seen.index_add_(0, idx.reshape(-1)[real], torch.ones(int(real.sum()), dtype=torch.int64))
+        if not bool(real.all()) or int(local.min()) < 0 or int(local.max()) >= param.numel():
             # elements of several parameters (one module's), or padding: gather / scatter per parameter
             flat = idx.reshape(-1)
             owner = torch.tensor([bisect.bisect_right(bases, int(v)) - 1 if v >= 0 else -1 for v in flat.tolist()])

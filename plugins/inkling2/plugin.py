@@ -6,13 +6,17 @@ from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
 _TEXT_REASON = ("conformance kit passes (round trip, mapping, update groups, logits == Inkling2ForCausalLM at TP=1 "
-                "and TP=2; tests/test_inkling2.py adds gradients); missing: EP=2 parity, embedded-rollout logprob "
-                "check, MXFP8 reads (issue 27 27mx), LoRA appliers, chat template")
-_LOOP_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
-                "nothing converts, trains or is checked against Inkling2LoopForCausalLM")
+                "and TP=2); tests/test_inkling2.py adds gradients and embedded-rollout logprobs + weight sync; "
+                "missing: an EP=2 parity check, MXFP8 reads (issue 27, 27mx), LoRA appliers, chat template")
+_LOOP_REASON = ("conformance kit passes (round trip, mapping, update groups, logits == Inkling2LoopForCausalLM at "
+                "TP=1 and TP=2); tests/test_inkling2.py adds gradients and embedded-rollout logprobs + weight sync; "
+                "missing: an EP=2 parity check, MXFP8/NVFP4 expert reads, LoRA appliers (loop gate included), "
+                "chat template")
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text", "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
+_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
+             "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop",
+             "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
 
 
 @hookimpl

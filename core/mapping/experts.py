@@ -1,0 +1,88 @@
+"""The routed-expert rows of the mapping vocabulary (:mod:`ferrule.mapping.vocabulary`): one
+expert's Megatron ``SequentialMLP`` tensor <-> HF per-expert tensors (:class:`ExpertRename`,
+:class:`ExpertFuseGateUp`) or one row of an HF tensor stacked over experts (:class:`StackExperts`).
+
+mcore patterns carry two ``*``: the layer and the **global** expert index (under EP rank ``e``
+holds global experts ``[e * E/ep, (e+1) * E/ep)`` as local ``0..E/ep-1``). Imports only
+:mod:`ferrule.mapping.vocabulary`; no torch at import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ferrule.mapping.vocabulary import FuseGateUp, MappingContext, MappingError, ParamMapping, Rename, _torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["ExpertRename", "ExpertFuseGateUp", "StackExperts"]
+
+
+@dataclass(frozen=True)
+class ExpertRename(Rename):
+    """:class:`Rename` for one routed expert (Megatron ``SequentialMLP``).
+
+    mcore ``decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight`` (second ``*`` =
+    **global** expert index; under EP rank e holds global experts
+    ``[e * E/ep, (e+1) * E/ep)`` as local ``0..E/ep-1``) <-> HF
+    ``model.layers.*.mlp.experts.*.down_proj.weight``. Split on the expert-TP group.
+    """
+
+    expert = True
+
+
+@dataclass(frozen=True)
+class ExpertFuseGateUp(FuseGateUp):
+    """:class:`FuseGateUp` for one routed expert (``local_experts.*.linear_fc1``); see :class:`ExpertRename`."""
+
+    expert = True
+
+
+@dataclass(frozen=True)
+class StackExperts(ParamMapping):
+    """One expert's mcore tensor <-> row ``e`` of an HF tensor stacked over experts.
+
+    For HF layouts that store all routed experts of a layer in one tensor
+    ``[num_experts, *expert_shape]`` (e.g. transformers-5 in-memory ``mlp.experts.gate_up_proj``
+    ``[E, 2*ffn, hidden]`` = per expert ``[gate; up]``, and ``down_proj`` ``[E, hidden, ffn]``).
+    mcore pattern has two ``*`` (layer, global expert); the HF pattern has one (layer).
+    Export needs every expert of a layer: :meth:`assemble` stacks the per-expert pieces
+    returned by :meth:`to_hf`. ``tp`` is the per-expert split (``GATE_UP`` for fc1, ``ROW``
+    for fc2).
+    """
+
+    hf: str = ""
+
+    expert = True
+
+    def hf_patterns(self, ctx):
+        return (self.hf,)
+
+    def expert_index(self, wildcards: tuple[str, ...]) -> int:
+        return int(wildcards[1])
+
+    def to_mcore(self, hf, ctx, wildcards=()):
+        (stacked,) = hf
+        e = self.expert_index(wildcards)
+        if ctx.num_experts is not None and stacked.shape[0] != ctx.num_experts:
+            raise MappingError(f"{self.hf}: stacked dim 0 is {stacked.shape[0]}; config has {ctx.num_experts} experts.")
+        return stacked[e]
+
+    def to_hf(self, full, ctx, wildcards=()):
+        """The piece for expert ``wildcards[1]`` (not a full HF tensor; see :meth:`assemble`)."""
+        return (full,)
+
+    def assemble(self, pieces: Mapping[int, "torch.Tensor"], ctx: MappingContext) -> "torch.Tensor":
+        """Stack per-expert pieces ``{global_expert: tensor}`` into the HF ``[E, ...]`` tensor.
+
+        Raises:
+            MappingError: an expert is missing.
+        """
+        n = ctx.num_experts or len(pieces)
+        missing = [e for e in range(n) if e not in pieces]
+        if missing:
+            raise MappingError(f"{self.hf}: experts {missing} missing; cannot stack {n} experts.")
+        return _torch().stack([pieces[e] for e in range(n)], 0)
