@@ -16,7 +16,8 @@ _LOOP_REASON = ("the released Inkling-2-Mini checkpoints store NVFP4 experts (w1
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 _VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
-             "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop"}
+             "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop",
+             "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
 
 
 @hookimpl
@@ -46,6 +47,7 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_MM_REASON,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
+            attn_implementation="eager",
             features=("towers",),
             description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
         ),
@@ -78,10 +80,11 @@ def register_update_groups():
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
 
-_MM_REASON = ("vision tower only: it equals Inkling2VisionModel within 1e-5 (tests/test_inkling2_vision.py) and "
-              "its mapping rows / update groups exist (inkling2_mm.TOWER_ROWS), but the text model it feeds has no "
-              "provider, config translation, mapping table or update groups yet (inkling2_text, issue 27), so "
-              "nothing converts, trains or is checked against Inkling2ForConditionalGeneration")
+_MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
+              "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
+              "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
+              "appliers, a registered chat template (TMLv0 is registered for inkling only), a GRPO example / "
+              "ferrule check run, and what inkling2_text still lacks")
 
 
 @hookimpl
