@@ -42,7 +42,7 @@ from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSa
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
 from .output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
                          prepare_out, torch_dist_model_bytes, unlock_output)
-from .quantized import requantizer, restore_quantization_config, source_quantization
+from .quantized import drop_quantization_config, requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
@@ -436,6 +436,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         write_config_dtype(tmp / "config.json", out_dtype)
         if requantize is not None:
             restore_quantization_config(tmp / "config.json", meta)
+        else:  # the weights written are dequantized (a training checkpoint's hf/config.json may still say MXFP8)
+            drop_quantization_config(tmp / "config.json")
         commit_dir(tmp, out_dir)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -30,7 +30,7 @@ from ferrule.safetensors_io import CheckpointError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["SCALES_FILE", "source_quantization", "requantizer", "restore_quantization_config"]
+__all__ = ["SCALES_FILE", "source_quantization", "requantizer", "restore_quantization_config", "drop_quantization_config"]
 
 #: File in ``OUT_DIR/hf`` holding the source checkpoint's MXFP8 scales (under their HF names).
 SCALES_FILE = "mxfp8_scales.safetensors"
@@ -41,10 +41,7 @@ def source_quantization(reader: Any, hf_side_dir: Path) -> dict | None:
     drops ``quantization_config`` from ``hf_side_dir/config.json`` when it is."""
     if not isinstance(reader, DequantizingReader):
         return None
-    path = hf_side_dir / "config.json"
-    config = json.loads(path.read_text())
-    config.pop("quantization_config", None)
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    drop_quantization_config(hf_side_dir / "config.json")
     if reader.quantized:
         from safetensors.torch import save_file
 
@@ -100,3 +97,10 @@ def restore_quantization_config(config_path: Path, meta: dict) -> None:
     config = json.loads(config_path.read_text())
     config["quantization_config"] = meta["hf_quantization"]["config"]
     config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def drop_quantization_config(config_path: Path) -> None:
+    """Remove ``quantization_config`` from ``config_path`` (a folder of dequantized weights); no-op without one."""
+    config = json.loads(config_path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        config_path.write_text(json.dumps(config, indent=2) + "\n")

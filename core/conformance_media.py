@@ -2,7 +2,7 @@
 
 A family with towers (``register_towers``) opts in by defining, beside ``TINY_HF_CONFIG`` in its
 variant module, ``tiny_media(hf_config: dict) -> {modality: [item, ...]}``: preprocessed media items
-for the tiny model (the format of :mod:`ferrule.media`; dim 0 of an item = its placeholder count),
+for the tiny model (the format of :mod:`ferrule.media`; an item's placeholder count is ``TowerSpec.item_tokens``),
 one modality per declared tower at least. :func:`check_media_logits_parity` then
 
 - writes a prompt of random text tokens (no placeholder id among them) with each item's
@@ -60,7 +60,7 @@ def media_prompt(hf_config: Mapping[str, Any], media: Mapping[str, list], towers
     parts = [text(3)]
     for modality, items in media.items():
         for item in items:
-            parts += [torch.full((int(item.shape[0]),), towers[modality][2]), text(2)]
+            parts += [torch.full((towers[modality][0].item_tokens(item),), towers[modality][2]), text(2)]
     return torch.cat(parts).unsqueeze(0)
 
 
@@ -107,11 +107,11 @@ def check_media_logits_parity(family: str, work_dir: str | os.PathLike, *, atol:
     hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(
         src, dtype=torch.float32, attn_implementation=spec.attn_implementation).eval()
     with torch.no_grad():
-        ref = hf(input_ids=ids, **hf_media_inputs(towers, media, 1, "cpu")).logits
+        ref = hf(input_ids=ids, **hf_media_inputs(towers, media, 1, "cpu", hf_config)).logits
         effects = {}
         for modality in media:
             rest = {m: items for m, items in media.items() if m != modality}
-            without = hf(input_ids=ids, **hf_media_inputs(towers, rest, 1, "cpu")).logits
+            without = hf(input_ids=ids, **hf_media_inputs(towers, rest, 1, "cpu", hf_config)).logits
             effects[modality] = (ref - without).abs().max().item()
     weak = {m: e for m, e in effects.items() if e <= min_effect}
     assert not weak, (f"{family}: the {sorted(weak)} media change HF's logits by only {weak}; the kit would not see a "

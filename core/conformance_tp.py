@@ -101,7 +101,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         if media:
-            media_ref = hf(input_ids=media_ids, **hf_media_inputs(towers, media, 1, "cpu")).logits
+            media_ref = hf(input_ids=media_ids, **hf_media_inputs(towers, media, 1, "cpu", hf_config)).logits
     diff = cn.logits_max_diff(family, out, ref)
     assert diff <= atol, (f"{family}: Megatron (TP={TP}) vs HF logits max abs diff {diff:.3g} > {atol} while the "
                           f"weights round-trip: suspect the plugin's TP split of a row (tp=) or the provider.")

@@ -223,3 +223,21 @@ def test_ferrule_check_passes_on_an_mxfp8_checkpoint(mxfp8_dir):
     assert [(r.step, r.status) for r in report.rows] == [
         ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")], \
         [(r.step, r.status, r.detail) for r in report.rows]
+
+
+def test_export_of_a_checkpoint_whose_config_still_says_mxfp8_drops_it(mxfp8_dir, tmp_path):
+    """A training checkpoint of a run started from an MXFP8 folder keeps that config (with quantization_config)
+    in its hf/; its export holds dequantized weights, so the exported config.json must not claim MXFP8
+    (transformers would expect weight_scale_inv tensors on GPU)."""
+    from ferrule.integrity import record_checksums
+
+    ckpt = hf_to_torch_dist(mxfp8_dir, tmp_path / "td")
+    config_path = ckpt / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = json.loads((mxfp8_dir / "config.json").read_text())["quantization_config"]
+    config_path.write_text(json.dumps(config))
+    (ckpt / "checksums.json").unlink()
+    record_checksums(ckpt)
+    back = torch_dist_to_hf(ckpt, tmp_path / "back")
+    assert "quantization_config" not in json.loads((back / "config.json").read_text())
+    _hf_model(back)

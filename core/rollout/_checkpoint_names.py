@@ -48,6 +48,7 @@ class CheckpointTensor:
     #: ``shared_w13_weight`` from ``shared_experts.gate_proj`` and ``up_proj``): the parameters, and
     #: per parameter the positions in the flattened checkpoint tensor and the flat indices in it
     parts: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
+    #: (positions of ``parts`` cover the tensor except padding the conversion adds: zeros on read, dropped on write)
     #: the model parameter name of each entry of ``parts``
     part_names: tuple[str, ...] = ()
 
@@ -56,7 +57,7 @@ class CheckpointTensor:
         if self.view is not None:
             return self.view
         if self.parts:
-            out = torch.empty(self.shape, dtype=self.param.dtype, device=self.param.device).view(-1)
+            out = torch.zeros(self.shape, dtype=self.param.dtype, device=self.param.device).view(-1)
             for param, pos, local in self.parts:
                 out[pos] = param.reshape(-1)[local]
             return out.view(self.shape)
@@ -120,28 +121,32 @@ def _trace_group(model: torch.nn.Module, names: list[str], params: dict[str, tor
             raise NotImplementedError(f"Parameter {n!r} is not contiguous; cannot map checkpoint names onto it.")
         bases.append(total)
         total += params[n].numel()
-    probe = {n: torch.arange(b, b + params[n].numel(), dtype=torch.int64).view(params[n].shape)
+    # 1-based element indices: a 0 in a reverted tensor is padding the conversion adds (zero rows that are no
+    # parameter's elements, e.g. Inkling-2's unembedding rows past unpadded_vocab_size): read as 0, never written
+    probe = {n: torch.arange(b + 1, b + 1 + params[n].numel(), dtype=torch.int64).view(params[n].shape)
              for n, b in zip(names, bases)}
     out = _revert(model, probe)
     seen = torch.zeros(total, dtype=torch.int64)
     entries = []
-    for ck_name, idx in out.items():
-        if idx.dtype != torch.int64 or idx.numel() == 0:
+    for ck_name, raw in out.items():
+        if raw.dtype != torch.int64 or raw.numel() == 0 or int(raw.min()) < 0 or not bool((raw > 0).any()):
             raise NotImplementedError(
                 f"transformers' reverse conversion of {names} changes values (checkpoint tensor {ck_name!r}), "
                 "not only their layout; the embedded engine cannot map it onto the model in place.")
-        first = int(idx.reshape(-1)[0])
+        idx = raw - 1
+        real = idx.reshape(-1) >= 0
+        first = int(idx.reshape(-1)[real][0])
         i = bisect.bisect_right(bases, first) - 1
         p_name, base = names[i], bases[i]
         local = idx - base
         param = params[p_name]
-        seen.index_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64))
-        if int(local.min()) < 0 or int(local.max()) >= param.numel():
-            # elements of several parameters (one module's): gather / scatter per parameter
+        seen.index_add_(0, idx.reshape(-1)[real], torch.ones(int(real.sum()), dtype=torch.int64))
+        if not bool(real.all()) or int(local.min()) < 0 or int(local.max()) >= param.numel():
+            # elements of several parameters (one module's), or padding: gather / scatter per parameter
             flat = idx.reshape(-1)
-            owner = torch.tensor([bisect.bisect_right(bases, int(v)) - 1 for v in flat.tolist()])
+            owner = torch.tensor([bisect.bisect_right(bases, int(v)) - 1 if v >= 0 else -1 for v in flat.tolist()])
             parts, part_names = [], []
-            for j in owner.unique().tolist():
+            for j in [j for j in owner.unique().tolist() if j >= 0]:
                 pos = (owner == j).nonzero().reshape(-1)
                 parts.append((params[names[j]], pos, flat[pos] - bases[j]))
                 part_names.append(names[j])

@@ -202,7 +202,7 @@ class ChunkMedia:
             raise ValueError(f"{part.where}: the {spec.modality} tower of {self.family!r} declares no preprocess.")
         try:
             item = resolve_ref(spec.preprocess)(part.data, self.hf_config)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, Image.DecompressionBombError) as exc:  # a limit above PIL's own
             raise ValueError(f"{part.where}: {exc}") from None
         self._check_expected(part, spec.item_tokens(item))
         return item

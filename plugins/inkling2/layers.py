@@ -26,8 +26,8 @@ from ferrule.plugins.inkling.layers import (InklingNormedEmbedding, InklingRelat
                                             tp_sharded_state_dict)
 
 __all__ = ["Inkling2RMSNorm", "unweighted_rms_norm", "l2_clip", "log_scale", "Inkling2ScaledL2Clip",
-           "Inkling2ShortConv", "Inkling2DynamicShortConv", "Inkling2BlockAttentionResidual", "Inkling2Attention",
-           "Inkling2NormedEmbedding"]
+           "Inkling2ShortConv", "Inkling2DynamicShortConv", "Inkling2BlockAttentionResidual", "attend_blocks", "Inkling2Attention",
+           "Inkling2NormedEmbedding", "Inkling2LoopMessageGate"]
 
 
 class Inkling2RMSNorm(torch.nn.Module):
@@ -167,12 +167,20 @@ class Inkling2BlockAttentionResidual(MegatronModule):
         self.query = torch.nn.Parameter(torch.zeros(*shape, dtype=torch.float32))
 
     def forward(self, block_states: torch.Tensor, partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        sources = unweighted_rms_norm(torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).float(), 1e-6)
-        hidden = sources.shape[-1]
-        q = self.query.float().view(-1, hidden)  # [n, H]
-        scores = torch.einsum("sbkh,nh->sbnk", sources, q) * hidden ** -0.5
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        return torch.einsum("sbnk,sbkh->sbnh", probs, sources).unbind(-2)
+        return attend_blocks(block_states, partial, self.query)
+
+
+def attend_blocks(block_states: torch.Tensor, partial: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The block attention of :class:`Inkling2BlockAttentionResidual` for ``query`` ``[H]`` or ``[n, H]``.
+
+    ``block_states`` ``[s, b, N, H]``, ``partial`` ``[s, b, H]``; returns ``n`` fp32 ``[s, b, H]``.
+    """
+    sources = unweighted_rms_norm(torch.cat([block_states, partial.unsqueeze(-2)], dim=-2).float(), 1e-6)
+    hidden = sources.shape[-1]
+    q = query.float().view(-1, hidden)  # [n, H]
+    scores = torch.einsum("sbkh,nh->sbnk", sources, q) * hidden ** -0.5
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.einsum("sbnk,sbkh->sbnh", probs, sources).unbind(-2)
 
 
 class Inkling2NormedEmbedding(InklingNormedEmbedding):
@@ -267,3 +275,28 @@ class Inkling2Attention(MegatronModule):
         gate = torch.sigmoid(self.linear_gate(x)[0].float())
         out, _ = self.linear_proj((context.float() * gate).to(context.dtype))
         return out
+
+
+class Inkling2LoopMessageGate(MegatronModule):
+    """HF ``Inkling2LoopMessageGate``: ``(1 - tanh(F g)) * h + tanh(G g) * m`` with
+    ``g = down @ [rms(h); rms(m)]`` (unweighted RMSNorm, eps ``rms_norm_eps``), all in fp32.
+
+    ``down_weight`` ``[rank, 2H]`` (params dtype), ``forget_weight`` / ``gain_weight`` ``[H, rank]`` fp32: the
+    released names (HF ``down_proj``, ``forget_gate_proj``, ``message_gate_proj``). Returns fp32 ``[s, b, H]``.
+    """
+
+    def __init__(self, config, rank: int):
+        super().__init__(config=config)
+        hidden, self.eps = config.hidden_size, config.layernorm_epsilon
+        self.down_weight = torch.nn.Parameter(torch.empty(rank, 2 * hidden, dtype=config.params_dtype))
+        self.forget_weight = torch.nn.Parameter(torch.empty(hidden, rank, dtype=torch.float32))
+        self.gain_weight = torch.nn.Parameter(torch.empty(hidden, rank, dtype=torch.float32))
+        if config.perform_initialization:
+            for w in (self.down_weight, self.forget_weight, self.gain_weight):
+                torch.nn.init.normal_(w, std=config.init_method_std)
+
+    def forward(self, hidden_states: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
+        h, m = hidden_states.float(), message.float()
+        g = torch.cat([unweighted_rms_norm(h, self.eps), unweighted_rms_norm(m, self.eps)], dim=-1)
+        g = (g.to(self.down_weight.dtype) @ self.down_weight.T).float()
+        return (1 - torch.tanh(g @ self.forget_weight.T)) * h + torch.tanh(g @ self.gain_weight.T) * m

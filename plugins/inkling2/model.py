@@ -80,18 +80,40 @@ class Inkling2Layer(MegatronModule):
         router = functools.partial(Inkling2Router, route_scale=options["route_scale"])
         self.mlp = build_module(ModuleSpec(module=Inkling2MoELayer, submodules=MoESubmodules(experts=experts, router=router)),
                                 config=config, layer_number=layer_number, pg_collection=pg_collection)
+        self.loop_range = None
+        if "loop_layer_index_start" in options:
+            self.loop_range = tuple(int(options[k]) for k in ("loop_layer_index_start", "loop_layer_index_end",
+                                                               "loop_num_passes"))
+        self.loop = "loop_layer_index_start" in options and (
+            int(options["loop_layer_index_start"]) <= index < int(options["loop_layer_index_end"]))
+        if self.loop:
+            from ferrule.plugins.inkling2.layers import Inkling2LoopMessageGate
 
-    def forward(self, hidden_states: torch.Tensor, block_states: torch.Tensor, attention_mask=None) -> torch.Tensor:
+            for which in ("q", "k", "v", "mlp"):
+                setattr(self, f"{which}_message_gate", Inkling2LoopMessageGate(config, int(options["loop_gate_rank"])))
+
+    def forward(self, hidden_states: torch.Tensor, block_states: torch.Tensor, attention_mask=None,
+                messages: tuple | None = None) -> torch.Tensor:
+        """``messages``: the loop passes after the first give loop layers the previous pass's ``(q, k, v, mlp)``
+        messages, mixed into the attention and MLP inputs by the message gates (HF ``Inkling2Loop*LoopDecoderLayer``)."""
         dtype = hidden_states.dtype
         block_residual = hidden_states
         if self.sliding:
             x = hidden_states if self.attention_input is None else self.attention_input(block_states, hidden_states)[0]
-            attn = self.self_attention(self.input_layernorm(x).to(dtype), attention_mask=attention_mask)
+            if messages is None:
+                attn = self.self_attention(self.input_layernorm(x).to(dtype), attention_mask=attention_mask)
+            else:
+                xq, xk, xv = (self.input_layernorm(gate(x, m)).to(dtype) for gate, m in
+                              zip((self.q_message_gate, self.k_message_gate, self.v_message_gate), messages))
+                attn = self.self_attention(xq, xk, xv, attention_mask=attention_mask)
         else:
             if self.attention_input is None:
                 xq = xk = xv = hidden_states
             else:
                 xq, xk, xv = self.attention_input(block_states, hidden_states)
+            if messages is not None:
+                xq, xk, xv = (gate(x, m) for gate, x, m in zip(
+                    (self.q_message_gate, self.k_message_gate, self.v_message_gate), (xq, xk, xv), messages))
             attn = self.self_attention(self.q_input_layernorm(xq).to(dtype), self.k_input_layernorm(xk).to(dtype),
                                        self.v_input_layernorm(xv).to(dtype), attention_mask=attention_mask)
         residual = h = self.post_attention_convolution(attn).float()
@@ -100,6 +122,8 @@ class Inkling2Layer(MegatronModule):
         else:
             residual = h = block_residual.float() + h
         h = self.mlp_input(block_states, h)[0]
+        if messages is not None:
+            h = self.mlp_message_gate(h, messages[3])
         h, _ = self.mlp(self.pre_mlp_layernorm(h).to(dtype))
         h = self.post_mlp_convolution(h)
         return (residual + h).to(dtype)
@@ -176,8 +200,11 @@ def _install_output(model, options) -> None:
 
 
 def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output: bool = True,
-                         make_vocab_size_divisible_by: int = 128):
+                         make_vocab_size_divisible_by: int = 128, block_cls=None):
     """One megatron ``GPTModel`` holding the Inkling-2 text model (pp=1).
+
+    ``block_cls``: the decoder class (default :class:`Inkling2Block`; Inkling-2-Loop passes
+    :class:`ferrule.plugins.inkling2.loop.Inkling2LoopBlock`).
 
     Returns:
         A ``GPTModel`` on the backend's device; logits ``[b, s, padded_vocab / tp]`` (fp32 params: fp32).
@@ -200,7 +227,7 @@ def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output:
                      max_sequence_length=int(options["max_sequence_length"]), pre_process=True, post_process=True,
                      parallel_output=parallel_output, share_embeddings_and_output_weights=False,
                      position_embedding_type="none")
-    model.decoder = Inkling2Block(config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm),
+    model.decoder = (block_cls or Inkling2Block)(config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm),
                                   pre_process=True, post_process=True, pg_collection=model.pg_collection)
     model.embedding = Inkling2NormedEmbedding(config, vocab, int(options["max_sequence_length"]),
                                               padding_idx=options.get("padding_idx"))
@@ -215,7 +242,8 @@ def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output:
 def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, params_dtype=torch.float32,
                          parallel_output: bool = True, moe_token_dispatcher_type: str = "alltoall",
                          use_cpu_initialization: bool | None = None, config_overrides=None,
-                         make_vocab_size_divisible_by: int = 128, core_attention: str | None = None) -> list:
+                         make_vocab_size_divisible_by: int = 128, core_attention: str | None = None,
+                         block_cls=None) -> list:
     """Provider body: this rank's Inkling-2 model (one chunk) for an HF config (see ``ProviderSpec.build``).
 
     Raises:
@@ -240,4 +268,4 @@ def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, p
     config = make_transformer_config(config_kwargs, layout, params_dtype=params_dtype, activation="silu",
                                      use_cpu_initialization=use_cpu_initialization, overrides=overrides)
     return [build_inkling2_model(config, options, parallel_output=parallel_output,
-                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)]
+                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, block_cls=block_cls)]

@@ -5,14 +5,19 @@ from __future__ import annotations
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
 
-_TEXT_REASON = ("conformance kit passes (round trip, mapping, update groups, logits == Inkling2ForCausalLM at TP=1 "
-                "and TP=2; tests/test_inkling2.py adds gradients); missing: EP=2 parity, embedded-rollout logprob "
-                "check, MXFP8 reads (issue 27 27mx), LoRA appliers, chat template")
-_LOOP_REASON = ("skeleton: no provider, config translation, mapping table or update groups yet (issue 27); "
-                "nothing converts, trains or is checked against Inkling2LoopForCausalLM")
+# inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
+# logits == Inkling2ForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
+# embedded-rollout logprobs and weight sync; the released MXFP8 experts convert (tests/test_convert_mxfp8.py).
+# Not registered (no feature declared): LoRA appliers, a chat template (docs/families/inkling2.md).
+_LOOP_REASON = ("the released Inkling-2-Mini checkpoints store NVFP4 experts (w13/w2 _weight_amax, "
+                "_weight_outer_scale_denominator) that the converters do not read; what save_pretrained writes "
+                "passes the conformance kit (logits == Inkling2LoopForCausalLM at TP=1 and TP=2) and "
+                "tests/test_inkling2.py (gradients at TP=1 and EP=2, rollout logprobs, weight sync)")
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text"}
+_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
+             "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop",
+             "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
 
 
 @hookimpl
@@ -21,8 +26,7 @@ def register_model_families():
         ModelFamilySpec(
             name="inkling2_text",
             model_types=("inkling2_text",),
-            status=FamilyStatus.STRUCTURAL,
-            reason=_TEXT_REASON,
+            status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2ForCausalLM",
             attn_implementation="eager",
             description="Inkling-2 text MoE (dynamic ShortConvs, gated attention output, block attention residuals, "
@@ -43,6 +47,7 @@ def register_model_families():
             status=FamilyStatus.STRUCTURAL,
             reason=_MM_REASON,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
+            attn_implementation="eager",
             features=("towers",),
             description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
         ),
@@ -75,10 +80,11 @@ def register_update_groups():
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
 
-_MM_REASON = ("vision tower only: it equals Inkling2VisionModel within 1e-5 (tests/test_inkling2_vision.py) and "
-              "its mapping rows / update groups exist (inkling2_mm.TOWER_ROWS), but the text model it feeds has no "
-              "provider, config translation, mapping table or update groups yet (inkling2_text, issue 27), so "
-              "nothing converts, trains or is checked against Inkling2ForConditionalGeneration")
+_MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
+              "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
+              "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
+              "appliers, a registered chat template (TMLv0 is registered for inkling only), a GRPO example / "
+              "ferrule check run, and what inkling2_text still lacks")
 
 
 @hookimpl

@@ -1,6 +1,7 @@
-"""Offline assets for running tinker-cookbook 0.6.1's ``vlm_classifier`` recipe against ``ferrule serve``.
+"""Offline assets for running tinker-cookbook 0.6.1's multimodal recipes against ``ferrule serve``
+(``recipes/vlm_classifier/train.py``, ``recipes/audio/emotion/sl_train.py``).
 
-No hub download: both are made here.
+No hub download: all are made here.
 
 - ``MODEL_DIR``: a tiny random ``InklingForConditionalGeneration`` (13 M parameters, fp32) with the
   real o200k vocabulary (201,088 ids, so the cookbook's ``tml_v0`` renderer's token ids fit), the
@@ -9,8 +10,11 @@ No hub download: both are made here.
   recipe's ``dataset=caltech101``): two classes drawn with PIL (a red square, a blue disc, on
   noise), 8 train and 4 test 64 x 48 images, where datasets' offline ``Cache`` builder finds a hub
   dataset (``<org>___<name>/default/0.0.0/<hash>/<name>-<split>.arrow`` + ``dataset_info.json``).
+- ``AUDIO_DIR``: a stand-in for the emotion recipe's prepared Expresso data (its ``data_dir``):
+  ``sft_train.jsonl`` (8 clips) and ``dev.jsonl`` (4), one manifest row per 0.5 s 16 kHz mono WAV
+  (a 220 Hz tone for ``happy``, 440 Hz for ``sad``), the fields ``prepare_data.py`` writes.
 
-Usage: ``python make_assets.py MODEL_DIR CACHE_DIR``.
+Usage: ``python make_assets.py MODEL_DIR CACHE_DIR AUDIO_DIR``.
 """
 
 from __future__ import annotations
@@ -67,7 +71,29 @@ def make_dataset(cache: Path) -> None:
                          splits=datasets.SplitDict.from_split_dict(splits)).write_to_directory(str(out))
 
 
+def make_audio(out: Path) -> None:
+    import json
+
+    import numpy as np
+    from scipy.io import wavfile
+
+    (out / "wav").mkdir(parents=True, exist_ok=True)
+    texts = ("hello there", "good morning", "see you soon", "thank you")
+    for split, n in (("sft_train", 8), ("dev", 4)):
+        rows = []
+        for i in range(n):
+            style, rate = ("happy", "sad")[i % 2], 16000
+            t = np.arange(rate // 2) / rate
+            wave = (0.3 * np.sin(2 * np.pi * (220 if style == "happy" else 440) * t) * 32767).astype(np.int16)
+            path = f"wav/{split}_{i}.wav"
+            wavfile.write(out / path, rate, wave)
+            rows.append({"id": f"{split}_{i}", "text": texts[i % 4], "emotion": style, "path": path,
+                         "num_frames": len(wave), "sample_rate": rate})
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 if __name__ == "__main__":
     make_model(Path(sys.argv[1]))
     make_dataset(Path(sys.argv[2]))
-    print(f"model in {sys.argv[1]}, dataset cache in {sys.argv[2]}")
+    make_audio(Path(sys.argv[3]))
+    print(f"model in {sys.argv[1]}, image dataset cache in {sys.argv[2]}, audio clips in {sys.argv[3]}")
