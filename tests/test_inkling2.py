@@ -252,3 +252,16 @@ def test_ep2_logits_gradients_and_export_over_two_gloo_processes(tmp_path):
         assert r["export_exact"] and r["grad_keys_match"], (case, r)
         assert r["logits_diff"] <= ATOL, (case, r)
         assert r["grad_rel_worst"] <= (LOOP_GRAD_RTOL if _is_loop(CONFIGS[case]) else GRAD_RTOL), (case, r)
+
+
+def test_kit_compares_over_the_hf_head_width():
+    """conformance_numeric.logits_max_diff: an HF head narrower than vocab_size is compared over its width, and
+    Megatron's columns past it must carry no probability (masked), else the kit names them."""
+    from ferrule.conformance_numeric import logits_max_diff
+
+    ref = torch.randn(2, 3, 5)
+    out = torch.cat([ref + 1e-7, torch.full((2, 3, 3), torch.finfo(torch.float32).min)], dim=-1)
+    assert logits_max_diff("fam", out, ref) <= 1e-6
+    out[0, 0, 6] = 0.0
+    with pytest.raises(AssertionError, match=r"fam: HF logits have 5 columns but Megatron's columns 5..7"):
+        logits_max_diff("fam", out, ref)
