@@ -8,7 +8,8 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
 # logits == Inkling2ForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
 # embedded-rollout logprobs and weight sync; the released MXFP8 experts convert (tests/test_convert_mxfp8.py).
-# Not registered (no feature declared): LoRA appliers, a chat template (docs/families/inkling2.md).
+# Not registered (no feature declared): LoRA appliers (docs/families/inkling2.md). The TMLv0 chat template is
+# Inkling's (register_chat_templates below says why it applies).
 _LOOP_REASON = ("the released Inkling-2-Mini checkpoints store NVFP4 experts (w13/w2 _weight_amax, "
                 "_weight_outer_scale_denominator) that the converters do not read; what save_pretrained writes "
                 "passes the conformance kit (logits == Inkling2LoopForCausalLM at TP=1 and TP=2) and "
@@ -29,6 +30,7 @@ def register_model_families():
             status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2ForCausalLM",
             attn_implementation="eager",
+            features=("chat_template",),
             description="Inkling-2 text MoE (dynamic ShortConvs, gated attention output, block attention residuals, "
                         "sigmoid top-k router, soft-capped experts and logits)",
         ),
@@ -48,7 +50,7 @@ def register_model_families():
             reason=_MM_REASON,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
             attn_implementation="eager",
-            features=("towers",),
+            features=("towers", "chat_template"),
             description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
         ),
     ]
@@ -83,7 +85,7 @@ def register_update_groups():
 _MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
               "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
               "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
-              "appliers, a registered chat template (TMLv0 is registered for inkling only), a GRPO example / "
+              "appliers, a GRPO example / "
               "ferrule check run, and what inkling2_text still lacks")
 
 
@@ -98,3 +100,25 @@ def register_towers():
                       placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
                       hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
                       preprocess=f"{v}:preprocess_image")]
+
+
+# --- chat template: Inkling's TMLv0 -------------------------------------------------------------------------
+# tml-renderers 0.2.1 ships one TML renderer, v0.Renderer (TMLv0), documented for Inkling / Inkling-Small; it
+# names no Inkling-2 renderer, and no Inkling-2 tokenizer file is available offline. What ties Inkling-2 to
+# TMLv0 is transformers' Inkling2Config: eos_token_id 200006 == v0.Renderer.stop() (<|content_model_end_sampling|>),
+# unpadded_vocab_size 200058 == the TMLv0 vocabulary (o200k_base's 199,998 ranks + 60 specials), image_token_id
+# 200054 == TMLv0's <|unused_200054|> (also Inkling2Processor's default image_token). tests/test_inkling2_chat_template.py
+# checks these facts and renders conversations against tml-renderers under the inkling2 names.
+
+@hookimpl
+def register_chat_templates():
+    from ferrule.specs import ChatTemplateSpec
+
+    ink = "ferrule.plugins.inkling"
+    return [ChatTemplateSpec(name=name, family=family, template=f"{ink}:templates/tmlv0.jinja",
+                             stop_tokens=("<|content_model_end_sampling|>",),
+                             tokenizer=f"{ink}.tokenizer:load_tmlv0_tokenizer", description=desc)
+            for name, family, desc in (
+                ("tmlv0_inkling2", "inkling2_text", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts"),
+                ("tmlv0_inkling2_mm", "inkling2", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts "
+                                                  "(image parts write one placeholder each, as for Inkling)"))]
