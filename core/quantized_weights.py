@@ -70,7 +70,10 @@ def quantization_config_of(hf_config: dict) -> dict | None:
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"config.json's quantization_config is a {type(qc).__name__} ({qc!r}); transformers "
+                              f"writes an object such as {{\"quant_method\": \"mxfp8\", ...}}.")
+    method = qc.get("quant_method")
     if method not in SUPPORTED_METHODS:
         raise CheckpointError(
             f"config.json has quantization_config.quant_method {method!r}; ferrule reads only {list(SUPPORTED_METHODS)} "
@@ -192,7 +195,7 @@ class DequantizingReader:
         dtype: torch dtype name of dequantized tensors (``"bfloat16"``: the config's ``dtype``).
 
     Raises:
-        CheckpointError: a scale without its weight, a weight with two scales, a scale of an
+        CheckpointError: a scale without its weight, an FP8 weight without its scale, a weight with two scales, a scale of an
             unknown dtype, or a scale grid that does not divide its weight (all offenders named).
     """
 
@@ -213,7 +216,8 @@ class DequantizingReader:
                 problems.append(f"{k} has two scales {scales}")
                 continue
             if not scales:
-                continue  # transformers casts an unscaled fp8 tensor: scale 1
+                problems.append(f"{k} is {reader.dtype_name(k)} but has no scale ({k}_scale_inv)")
+                continue
             info = self._info(k, scales[0], problems)
             if info is not None:
                 self.quantized[k] = info
@@ -314,7 +318,8 @@ def open_hf_weights(path: str | os.PathLike, hf_config: dict | None = None) -> "
         plain :class:`~ferrule.safetensors_io.SafetensorsReader`.
 
     Raises:
-        CheckpointError: unreadable shards, an unsupported ``quant_method``, an inconsistent quantized checkpoint.
+        CheckpointError: unreadable shards, an unsupported ``quant_method``, an inconsistent quantized checkpoint,
+            FP8 weights with scales but no ``quantization_config``.
     """
     reader = SafetensorsReader(path)
     if hf_config is None:
@@ -324,7 +329,21 @@ def open_hf_weights(path: str | os.PathLike, hf_config: dict | None = None) -> "
         except ValueError as exc:
             raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from exc
     qc = quantization_config_of(hf_config)
-    return reader if qc is None else DequantizingReader(reader, qc, _config_dtype(hf_config))
+    if qc is None:
+        _refuse_unconfigured_fp8(reader)
+        return reader
+    return DequantizingReader(reader, qc, _config_dtype(hf_config))
+
+
+def _refuse_unconfigured_fp8(reader: SafetensorsReader) -> None:
+    """Raise CheckpointError when FP8 weights carry block scales but config.json declares no quantization."""
+    keys = set(reader.keys())
+    scaled = sorted(k for k in keys if reader.dtype_name(k) in _FP8_NAMES and any(k + s in keys for s in SCALE_SUFFIXES))
+    if scaled:
+        raise CheckpointError(
+            f"{reader.root}: {len(scaled)} FP8 weights carry block scales (first: {scaled[0]}) but config.json has no "
+            f"quantization_config; restore the one the checkpoint was saved with (e.g. {{\"quant_method\": \"mxfp8\", "
+            f"\"weight_block_size\": [1, 32], \"scale_fmt\": \"ue8m0\"}}) or dequantize it with transformers first.")
 
 
 def strip_quantization(hf_config: dict) -> dict[str, Any]:

@@ -155,6 +155,16 @@ def test_bad_quantized_checkpoints_are_refused(mxfp8_dir, tmp_path):
                    tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match="model.layers.0.mlp.up_proj.weight_scale_inv is a scale without its weight"):
         open_hf_weights(orphan)
+    unscaled = _edit(mxfp8_dir, tmp_path / "unscaled",
+                     tensors=lambda t: t.pop("model.layers.1.self_attn.q_proj.weight_scale_inv"))
+    with pytest.raises(CheckpointError, match=r"model.layers.1.self_attn.q_proj.weight is F8_E4M3 but has no scale"):
+        open_hf_weights(unscaled)
+    unconfigured = _edit(mxfp8_dir, tmp_path / "unconfigured", config=lambda c: c.pop("quantization_config"))
+    with pytest.raises(CheckpointError, match="FP8 weights carry block scales .* no quantization_config"):
+        open_hf_weights(unconfigured)
+    as_string = _edit(mxfp8_dir, tmp_path / "as_string", config=lambda c: c.update(quantization_config="mxfp8"))
+    with pytest.raises(CheckpointError, match="quantization_config is a str"):
+        open_hf_weights(as_string)
     ragged = _edit(mxfp8_dir, tmp_path / "ragged", tensors=lambda t: t.update(
         {"model.layers.0.mlp.up_proj.weight_scale_inv": torch.zeros(64, 3, dtype=torch.uint8)}))
     with pytest.raises(CheckpointError, match=r"weight_scale_inv \(64, 3\) does not tile"):
