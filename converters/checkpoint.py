@@ -42,7 +42,7 @@ from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSa
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
 from .output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
                          prepare_out, torch_dist_model_bytes, unlock_output)
-from .quantized import drop_quantization_config, requantizer, restore_quantization_config, source_quantization
+from .quantized import drop_quantization_config, mxfp8_bytes_saved, requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
@@ -427,6 +427,8 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     out_dtype = dtype or meta["dtype"]
     requantize = requantizer(meta, mxfp8, ckpt_dir)  # refused before anything is written
     needed = torch_dist_model_bytes(ckpt_dir, out_dtype, TRAINING_STATE_PREFIXES)
+    if requantize is not None:
+        needed -= mxfp8_bytes_saved(meta, ckpt_dir, out_dtype)
     tmp = prepare_out(out_dir, overwrite, needed, notice)
     try:
         _run(world, _torch_dist_to_hf_worker, (str(ckpt_dir), str(tmp), hf_config, layout_kw, meta["dtype"],

@@ -50,6 +50,30 @@ def source_quantization(reader: Any, hf_side_dir: Path) -> dict | None:
     return {"config": reader.quantization_config, "tensors": reader.quantized}
 
 
+def mxfp8_bytes_saved(meta: dict, ckpt_dir: Path, out_dtype: str) -> int:
+    """Bytes an ``--mxfp8`` export writes fewer than a ``out_dtype`` one: each tensor the source quantized
+    is 1 byte per value instead of ``out_dtype``'s itemsize (its scales are already counted with the
+    ``hf/`` side files). Value counts come from the source scales' shapes times their block
+    (:data:`SCALES_FILE` header only); 0 when that file is absent (the estimate then stays the bf16 size, an over-estimate)."""
+    path = Path(ckpt_dir) / "hf" / SCALES_FILE
+    tensors = (meta.get("hf_quantization") or {}).get("tensors") or {}
+    if not tensors or not path.is_file():
+        return 0
+    from safetensors import safe_open
+
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(out_dtype, 4)
+    saved = 0
+    with safe_open(str(path), framework="pt") as f:
+        stored = set(f.keys())
+        for info in tensors.values():
+            if info["scale"] in stored:
+                n_scales = 1
+                for d in f.get_slice(info["scale"]).get_shape():
+                    n_scales *= d
+                saved += n_scales * info["block"][0] * info["block"][1] * (itemsize - 1)
+    return saved
+
+
 def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterator[tuple[str, "torch.Tensor"]]] | None:
     """``fn(hf_name, stored, out) -> (name, tensor)...``: ``(hf_name, out)`` for a tensor the source did not
     quantize, the MXFP8 values and scale of ``stored`` (the torch_dist's tensor) for one it did; None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,20 @@ def test_mxfp8_source_converts_like_transformers_loads_it(case, tmp_path):
     assert json.loads((again / "config.json").read_text())["quantization_config"] == \
         json.loads((src / "config.json").read_text())["quantization_config"]
     _hf_model(again)
+    # the free-space check sizes an --mxfp8 export as MXFP8 (within 10% of the bytes written; the check adds a 5% margin),
+    # not as the bf16 export, which would refuse a disk the MXFP8 folder fits on
+    from ferrule.converters.output_dir import torch_dist_model_bytes
+    from ferrule.converters.quantized import mxfp8_bytes_saved
+    from ferrule.converters.checkpoint import TRAINING_STATE_PREFIXES
+
+    written = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in (back, again)}
+    bf16_estimate = torch_dist_model_bytes(ckpt, "bfloat16", TRAINING_STATE_PREFIXES)
+    mx_estimate = bf16_estimate - mxfp8_bytes_saved(meta, ckpt, "bfloat16")
+    assert 0.9 * written[again] <= mx_estimate <= 1.1 * written[again] < written[back], (written, mx_estimate)
+    real_usage = shutil.disk_usage
+    # a disk with room for the MXFP8 folder (+20%) but not for the bf16 one: --mxfp8 is written
+    with mock.patch("shutil.disk_usage", lambda p: real_usage(p)._replace(free=int(1.2 * written[again]))):
+        torch_dist_to_hf(ckpt, tmp_path / "mxfp8_on_a_small_disk", mxfp8=True)
 
 
 @pytest.fixture(scope="module")
