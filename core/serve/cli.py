@@ -45,9 +45,9 @@ def _ready_server(app, host: str, port: int, line: str):
 API_KEYS_HELP = ("File of API keys, one per line: 'tml-KEY \\[TENANT]' (KEY: at least 4 more characters; TENANT, "
                  "optional and separated by whitespace, names the tenant the key acts for: keys with one TENANT share "
                  "its sessions, models and checkpoints, a key without one is a tenant of its own); '#' starts a "
-                 "comment, blank lines are skipped. Keys can also come from $FERRULE_SERVE_API_KEYS="
-                 "'tml-KEY\\[=TENANT],tml-KEY2\\[=TENANT2],...' (added to the file's). The server refuses to start "
-                 "without a key.")
+                 "comment, blank lines are skipped. Keys can also come from the environment variable "
+                 "FERRULE_SERVE_API_KEYS, a comma-separated list of 'tml-KEY\\[=TENANT]' items (added to the file's). "
+                 "The server refuses to start without a key.")
 
 
 def served_bases(base_model: Path | list[Path] | None, model_name: str | list[str] | None = None,
@@ -130,8 +130,8 @@ def serve_command(
                                                   "before decoding (400 above).")] = 2048 * 2048,
     max_audio_frames: Annotated[int, typer.Option(help="Most dMel frames (20 per second) of one audio chunk (400 "
                                                   "above).")] = 36_000,
-    max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (save_weights_and_get_sampling_"
-                                               "client) kept in memory per tenant.")] = 4,
+    max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (made by save weights and "
+                                               "get sampling client) kept in memory per tenant.")] = 4,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
