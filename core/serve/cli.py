@@ -153,5 +153,9 @@ def serve_command(
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
-    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models {', '.join(app.state.bases.names)}, "
-                                   f"loaded in {time.monotonic() - t0:.0f} s); Ctrl-C stops it").run()
+    bases = app.state.bases
+    waiting = [n for n in bases.names if n not in bases.loaded()]
+    later = f"; {', '.join(waiting)} load on first use" if waiting else ""
+    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models {', '.join(bases.names)}; "
+                                   f"{', '.join(bases.loaded())} loaded in {time.monotonic() - t0:.0f} s{later}); "
+                                   f"Ctrl-C stops it").run()
