@@ -305,7 +305,7 @@ def test_a_huge_sample_request_is_refused_up_front_by_default(server):
 def test_limits_refuse_up_front_with_a_4xx_naming_the_limit(limited):
     srv = limited
     sc = srv.client()
-    with pytest.raises(tinker.BadRequestError, match=r"lora_config.rank = 16 exceeds .*max_lora_rank = 8"):
+    with pytest.raises(tinker.BadRequestError, match=r"lora_config.rank = 16 exceeds .*max_lora_rank = 8; use a rank <= 8 "):
         sc.create_lora_training_client(base_model=MODEL_NAME, rank=16).result(timeout=60)
     sid = sampling_session(srv, ALICE)
     res = post_sample(srv, ALICE, sid, 1, n=9)

@@ -61,5 +61,6 @@ class ServeLimits:
         limit = getattr(self, field)
         if value <= limit:
             return None
-        return (f"{what} = {value} exceeds the server's limit {field} = {limit}; send less per request "
+        fix = f"use a rank <= {limit}" if field == "max_lora_rank" else "send less per request"
+        return (f"{what} = {value} exceeds the server's limit {field} = {limit}; {fix} "
                 f"(or start the server with a larger {self.option(field)}).")
