@@ -39,7 +39,7 @@ def test_inkling2_config_ids_are_tmlv0():
     ref_tok = tokenizers.O200kBaseChatTokenizer()
     text = Inkling2TextConfig()
     assert [text.eos_token_id] == list(v0.Renderer(ref_tok).stop())
-    assert ref_tok.decode_special(text.unpadded_vocab_size - 1) is not None
+    assert ref_tok.decode_special(text.unpadded_vocab_size - 1) == "content_invoke_tool_text"  # TMLv0's last special token
     assert ref_tok.decode_special(text.unpadded_vocab_size) is None  # the TMLv0 vocabulary ends where Inkling-2's does
     assert ref_tok.decode_special(Inkling2Config().image_token_id) == "unused_200054"
 
