@@ -154,3 +154,76 @@ def test_inkling2_lora_matches_hf_peft_logprobs_and_gradients(dirs, case, tmp_pa
         worst = max(worst, float((mine - g).abs().max()) / scale)
     print(f"{case}: LoRA gradients worst relative |d| vs HF+PEFT {worst:.3g} over {len(want)} tensors")
     assert worst <= (LOOP_GRAD_RTOL if name == "loop" else GRAD_RTOL)
+
+
+ROUTED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+PEFT_MADE = {  # target_modules / target_parameters PEFT gets, per family
+    "text": (["q_proj.linear", "k_proj.linear", "o_proj.linear", "gate_proj", "sink_proj",
+              "relative_position_bias.linear"], ROUTED),
+    "loop": (["v_proj.linear", "down_proj", "forget_gate_proj", "message_gate_proj"], ["mlp.experts.down_proj"]),
+    "mm": (["linear"], ROUTED),
+}
+
+
+def _peft_made(base, modules, params):
+    """A PEFT adapter made by ``get_peft_model`` (random A, B ~ N(0, 0.3)); the routed experts' per-expert
+    ``lora_A`` blocks are made equal (expert 0's), as ferrule holds one shared A per expert linear."""
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
+                                                      target_modules=modules, target_parameters=params)).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if type(mod).__name__ == "ParamWrapper":
+                a = mod.lora_A["default"].weight
+                a.copy_(a[:2].repeat(a.shape[0] // 2, 1))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(PEFT_MADE))
+def test_peft_made_adapter_imports_and_syncs_into_the_rollout_engine(dirs, name, tmp_path):
+    """A PEFT-made adapter imported into ferrule (``settings_from_peft_config`` + ``load_hf_adapter``) gives PEFT's
+    logprobs; ferrule's export is PEFT's tensors exactly; the adapter-only sync into the embedded engine serves
+    PEFT's sampled-token logprobs (cache-free HF+PEFT forward of prompt + completion)."""
+    from ferrule.lora import read_peft_dir, settings_from_peft_config
+    from ferrule.rollout.base import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+    from ferrule.sync import sync_lora_adapter
+
+    model = _peft_made(_hf(dirs, name), *PEFT_MADE[name])
+    model.save_pretrained(tmp_path / "adapter")
+    tensors, config = read_peft_dir(tmp_path / "adapter")
+    batch = _batch()
+    ref = _hf_logprobs(model, batch)
+    assert _max_diff(ref, _hf_logprobs(_hf(dirs, name), batch)) > 1e-2
+    engine = lw.lora_engine(dirs[name], settings=settings_from_peft_config(config, tensors))
+    load_hf_adapter(engine, tensors, config)
+    assert {k: v.shape for k, v in hf_adapter_state_dict(engine).items()} == {k: v.shape for k, v in tensors.items()}
+    assert lw.same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()}, tensors)
+    diff = _max_diff(engine.forward_logprobs(batch), ref)
+    print(f"{name}: PEFT-made adapter imported, logprobs max|d| {diff:.3g}")
+    assert diff <= PEFT_ATOL
+    rollout = EmbeddedEngine(hf_dir=dirs[name])
+    sync_lora_adapter(engine, rollout, version=1, check_equal=True)
+    prompts = [[5, 9, 11, 3], [7, 8]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3, ignore_eos=True)
+    worst = 0.0
+    for r in rollout.generate(prompts, params):
+        ids = torch.tensor([prompts[r.prompt_index] + list(r.token_ids)])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)[len(prompts[r.prompt_index]) - 1:-1]
+        want = lp.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(r.logprobs, dtype=torch.float64) - want).abs().max()))
+    print(f"{name}: rollout logprobs with the synced adapter, max|d| vs HF+PEFT {worst:.3g}")
+    assert worst <= PEFT_ATOL
+
+
+def test_targets_refused_with_reasons(dirs):
+    """lm_head and the dynamic convolutions' weight_proj are refused in one line naming why; ``q_proj`` alone (HF's
+    non-linear Inkling2QueryProjection wrapper, which PEFT refuses as well) matches nothing."""
+    for targets, needle in ((("lm_head",), "unpadded_vocab_size"), (("weight_proj",), "transformers_weight_conversion"),
+                            (("k_proj.sconv.weight_proj",), "zero initialisation"), (("q_proj",), "'q_proj'")):
+        with pytest.raises(LoraTargetError, match=needle):
+            lw.lora_engine(dirs["text"], settings=LoraSettings(rank=2, alpha=4, target_modules=targets))
