@@ -85,9 +85,10 @@ def register_update_groups():
 
 _MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
               "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
-              "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
-              "appliers, a GRPO example / "
-              "ferrule check run, and what inkling2_text still lacks")
+              "with images, embedded-rollout logprobs with images and the tower's weight sync; LoRA == HF PEFT "
+              "with an image prompt (tests/test_lora_inkling2.py); ferrule check passes at TP=1 and TP=2 (text "
+              "logits); missing: a multimodal GRPO example run with a bit-identical resume (as inkling_mm_tiny.yaml "
+              "for Inkling), images through ferrule serve")
 
 
 @hookimpl
