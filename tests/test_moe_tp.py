@@ -79,6 +79,11 @@ def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
     family = registry.family_for_hf_config(hf_config).name
     table = registry.get_converter(family).resolved_mapping()
     ids = _ids(shape, hf_config["vocab_size"])
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # a backward through the aux loss outside megatron's schedule leaves a 0-d process-global loss scale that the
+    # schedule's set_loss_scale (shape [1]) cannot copy into later in this process: put the old value back
+    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     with single_rank():
         (model,) = registry.provider_build(family)(
             hf_config, ParallelLayout(), parallel_output=False, moe_token_dispatcher_type="alltoall",
@@ -91,6 +96,7 @@ def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
         grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
         ctx = MappingContext.from_hf_config(hf_config, padded_vocab_size=model.output_layer.weight.shape[0])
         ours = {k: v.detach().clone() for k, v in table.mcore_to_hf(grads, ctx).items()}
+    MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
     torch.save({"ids": ids, "width": width, "grads": ours}, out)
     return out
 
