@@ -231,3 +231,20 @@ def test_targets_refused_with_reasons(dirs):
                             (("k_proj.sconv.weight_proj",), "zero initialisation"), (("q_proj",), "'q_proj'")):
         with pytest.raises(LoraTargetError, match=needle):
             lw.lora_engine(dirs["text"], settings=LoraSettings(rank=2, alpha=4, target_modules=targets))
+
+
+def test_loop_gate_adapters_checkpoint_and_resume_bit_identical(tmp_path):
+    """The loop gates' adapter holders stay out of the base checkpoint (torch_dist keys) and travel in the LoRA
+    checkpoint: 2 steps, save, 2 more == load + the same 2 steps (losses and adapters bit-identical)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ferrule.megatron.parallel import ParallelLayout
+
+    path = tiny_inkling2_dir(tmp_path / "loop", dict(CONFIGS["loop_2_6_x3"], unpadded_vocab_size=100))
+    engine = lw.lora_engine(path)
+    assert any(e.kind == "loop_gate" for e in adapter_entries(engine.model))
+    adapter = lw.randomize_adapter(engine, seed=3)
+    r = lw.resume_check(path, ParallelLayout(), adapter, tmp_path / "ckpt")
+    assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+    keys = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    assert any("message_gate.down_weight" in k for k in keys) and not [k for k in keys if ".lora" in k]
