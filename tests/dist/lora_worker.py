@@ -194,6 +194,20 @@ def main(work: Path) -> None:
         results["inkling_tp2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()},
                                                 ink_tensors)
         results["inkling_tp2_logprobs"] = [t.tolist() for t in engine.forward_logprobs(tw.make_batch(seed=3))]
+    # Inkling-2 text at TP=2 (column q/k/v/r/gate/sink and row proj adapters split like their base, routed experts
+    # etp 1), imported from the PEFT folder the driver exported at world size 1
+    if (work / "adapter_inkling2").is_dir():
+        from ferrule.lora import settings_from_peft_config
+
+        del engine
+        destroy_distributed(keep_process_group=True)
+        ink2_tensors, ink2_cfg = read_peft_dir(work / "adapter_inkling2")
+        engine = lora_engine(work / "inkling2", ParallelLayout(tp=2, etp=1),
+                             settings=settings_from_peft_config(ink2_cfg, ink2_tensors))
+        load_hf_adapter(engine, ink2_tensors, ink2_cfg)
+        results["inkling2_tp2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()},
+                                                 ink2_tensors)
+        results["inkling2_tp2_logprobs"] = [t.tolist() for t in engine.forward_logprobs(tw.make_batch(seed=3))]
     if dist.get_rank() == 0:
         (work / "results.json").write_text(json.dumps(results))
     dist.barrier()
