@@ -16,7 +16,7 @@ test wrote at world size 1), plus ``qwen3_moe`` / ``adapter_moe`` for EP=2; rank
   grad norm and the exported adapter after one step (the test compares them with world size 1),
   and exact resume.
 - ``inkling_tp2_*``: Inkling text (``inkling``, adapter ``adapter_inkling`` incl. shared experts) at
-  TP=2, expert TP 1: round trip and logprobs (MoE Inkling does not train at TP>1, so no step);
+  TP=2, expert TP 1: round trip and logprobs (no step: LoRA training of MoE at TP>1 is not tested yet);
   ``inkling_etp2_refused``: the message of the refused build at megatron's default etp = tp = 2.
 """
 
