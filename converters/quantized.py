@@ -101,19 +101,28 @@ def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterat
 
         source_scales = load_file(str(Path(ckpt_dir) / "hf" / SCALES_FILE))
 
-    def convert(name: str, stored: "torch.Tensor", out: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
-        info = tensors.get(name)
+    return _Requantize(tensors, source_scales)
+
+
+class _Requantize:
+    """:func:`requantizer`'s function, a module-level class so that it pickles: the conversion workers it is
+    passed to are spawned processes whenever the export runs on several ranks (or in a process where
+    ``torch.distributed`` is already initialized), and a local closure does not pickle."""
+
+    def __init__(self, tensors: dict, source_scales: dict) -> None:
+        self.tensors, self.source_scales = tensors, source_scales
+
+    def __call__(self, name: str, stored: "torch.Tensor", out: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
+        info = self.tensors.get(name)
         if info is None:
             yield name, out
             return
-        scale = source_scales.get(info["scale"])
+        scale = self.source_scales.get(info["scale"])
         values = requantize_exactly(stored, scale) if scale is not None else None
         if values is None:  # changed since import (or no source scales): transformers' rule
             values, scale = quantize_mxfp8(stored, tuple(info["block"]), info["scale_dtype"])
         yield name, values
         yield info["scale"], scale
-
-    return convert
 
 
 def restore_quantization_config(config_path: Path, meta: dict) -> None:
