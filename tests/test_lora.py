@@ -367,6 +367,14 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink = lw.lora_engine(ink_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
     lw.write_peft_dir(work / "adapter_inkling", lw.randomize_adapter(ink, seed=12), peft_config(ink))
     ink_ws1 = ink.forward_logprobs(tw.make_batch(seed=3))
+    # Inkling-2 text (attention linears + routed experts), 2 KV heads so that TP=2 splits them, no padded vocabulary
+    from test_inkling2 import CONFIGS as INK2_CONFIGS, tiny_inkling2_dir
+
+    ink2_dir = tiny_inkling2_dir(work / "inkling2", dict(INK2_CONFIGS["mqa_full_first_softcaps"], num_key_value_heads=2,
+                                                         unpadded_vocab_size=100))
+    ink2 = lw.lora_engine(ink2_dir, settings=LoraSettings(rank=2, alpha=5))
+    lw.write_peft_dir(work / "adapter_inkling2", lw.randomize_adapter(ink2, seed=13), peft_config(ink2))
+    ink2_ws1 = ink2.forward_logprobs(tw.make_batch(seed=3))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
                           capture_output=True, text=True, timeout=280, cwd=REPO)
@@ -387,6 +395,10 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
     assert res["inkling_tp2_roundtrip"]
     assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5
+    assert res["inkling2_tp2_roundtrip"]
+    ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_tp2_logprobs"]], ink2_ws1)
+    print(f"inkling2 LoRA TP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")
+    assert ink2_diff <= 1e-5
 
 
 def test_cli_export_and_import(dirs, tmp_path):

@@ -8,8 +8,8 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
 # logits == Inkling2ForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
 # embedded-rollout logprobs and weight sync; the released MXFP8 experts convert (tests/test_convert_mxfp8.py).
-# Not registered (no feature declared): LoRA appliers (docs/families/inkling2.md). The TMLv0 chat template is
-# Inkling's (register_chat_templates below says why it applies).
+# LoRA == HF PEFT (tests/test_lora_inkling2.py). The TMLv0 chat template is Inkling's (register_chat_templates
+# below says why it applies).
 _LOOP_REASON = ("the released Inkling-2-Mini checkpoints store NVFP4 experts (w13/w2 _weight_amax, "
                 "_weight_outer_scale_denominator) that the converters do not read; what save_pretrained writes "
                 "passes the conformance kit (logits == Inkling2LoopForCausalLM at TP=1 and TP=2) and "
@@ -30,7 +30,7 @@ def register_model_families():
             status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2ForCausalLM",
             attn_implementation="eager",
-            features=("chat_template",),
+            features=("lora", "chat_template"),
             description="Inkling-2 text MoE (dynamic ShortConvs, gated attention output, block attention residuals, "
                         "sigmoid top-k router, soft-capped experts and logits)",
         ),
@@ -41,16 +41,16 @@ def register_model_families():
             reason=_LOOP_REASON,
             hf_model_class="transformers:Inkling2LoopForCausalLM",
             attn_implementation="eager",
+            features=("lora",),
             description="Inkling-2-Loop text MoE (Inkling-2 with a range of layers run several times, low-rank loop gate)",
         ),
         ModelFamilySpec(
             name="inkling2",
             model_types=("inkling2",),
-            status=FamilyStatus.STRUCTURAL,
-            reason=_MM_REASON,
+            status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
             attn_implementation="eager",
-            features=("towers", "chat_template"),
+            features=("lora", "towers", "chat_template"),
             description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
         ),
     ]
@@ -82,11 +82,12 @@ def register_update_groups():
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
 
-_MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
-              "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
-              "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
-              "appliers, a GRPO example / "
-              "ferrule check run, and what inkling2_text still lacks")
+# inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
+# groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py
+# adds the word-embedding gradient on an image prompt, EP=2 with images, embedded-rollout logprobs with images and the
+# tower's weight sync; LoRA == HF PEFT with an image prompt, gradients included (tests/test_lora_inkling2.py); ferrule
+# check passes at TP=1 and TP=2 (text logits); multimodal GRPO on the shipped example with a bit-identical resume
+# (tests/test_inkling2_mm_rl.py); images through ferrule serve (tests/test_serve_inkling2.py).
 
 
 @hookimpl
@@ -122,3 +123,29 @@ def register_chat_templates():
                 ("tmlv0_inkling2", "inkling2_text", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts"),
                 ("tmlv0_inkling2_mm", "inkling2", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts "
                                                   "(image parts write one placeholder each, as for Inkling)"))]
+
+
+# --- LoRA (ferrule.plugins.inkling2.lora; docs/lora.md) -----------------------------------------------------
+
+@hookimpl
+def register_lora_appliers():
+    from ferrule.specs import LoRAApplierSpec
+
+    # no dense MLP and no shared experts: attention (Inkling-2's linears), the core's routed experts, lm_head
+    # refused; the loop family adds its message gates. The multimodal family adapts its language model with the
+    # same appliers (the vision tower stays frozen); PEFT names come from each variant's PEFT_MAPPING.
+    peft, ink2 = "ferrule.lora.peft_format", "ferrule.plugins.inkling2.lora"
+    experts = "ferrule.lora.peft_experts"
+    specs = []
+    for family in _VARIANTS:
+        specs += [
+            LoRAApplierSpec(kind="attention", family=family, apply=f"{ink2}:apply_attention",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+            LoRAApplierSpec(kind="routed_experts", family=family, apply="ferrule.lora.appliers:apply_routed_experts",
+                            export=f"{experts}:export_routed", load=f"{experts}:load_routed"),
+            LoRAApplierSpec(kind="lm_head", family=family, apply=f"{ink2}:apply_lm_head",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+        ]
+    specs.append(LoRAApplierSpec(kind="loop_gate", family="inkling2_loop", apply=f"{ink2}:apply_loop_gate",
+                                 export=f"{peft}:export_linear", load=f"{peft}:load_linear"))
+    return specs
