@@ -16,8 +16,9 @@ full attention only):
   buffer (``param.data`` re-pointed; the Parameter objects stay), so weight updates, which copy
   into the parameters in place, write the fused buffers directly and no step concatenates;
 - :func:`decode_logits` computes one decode step as transformers' eager attention path does
-  (``matmul`` scores in the model dtype, masked, ``softmax`` in fp32, ``matmul``), reading the
-  same :class:`~ferrule.rollout._static_cache.StaticKVCache` that the HF prefill filled;
+  (``matmul`` scores, masked, ``softmax`` in fp32, ``matmul``; the scores kept in fp32 by
+  default, see :data:`ATTN`) over the filled prefix (:data:`KV_BUCKET`), reading the same
+  :class:`~ferrule.rollout._static_cache.StaticKVCache` that the HF prefill filled;
 - :class:`FastStatic` compiles forward + sampling (:mod:`ferrule.rollout._fast_sampling`'s
   formulas) + bookkeeping (record token/logprob at column ``t``, stop ids, stage the next input)
   as one function and captures it as one CUDA graph per bucket and sampling kind. The
@@ -46,10 +47,12 @@ MAX_STOP_IDS = 1024
 #: docs/benchmarks.md "Embedded decode: fast path"); 0: the whole cache every step
 #: (``FERRULE_FAST_KV_BUCKET`` overrides)
 KV_BUCKET = 64
-#: decode attention scores: "eager" (transformers' eager formula: ``q @ k^T`` rounded to the model
-#: dtype, then an fp32 softmax) or "fp32" (``q @ k^T`` kept in fp32, as SDPA's kernels keep it;
-#: ``bmm(..., out_dtype=float32)`` on CUDA); ``FERRULE_FAST_ATTN`` overrides
-ATTN = "eager"
+#: decode attention scores: "fp32" (default: ``q @ k^T`` kept in fp32, as SDPA's kernels keep it;
+#: ``bmm(..., out_dtype=float32)`` on CUDA) or "eager" (transformers' eager formula: ``q @ k^T``
+#: rounded to the model dtype, then the fp32 softmax). Same speed on an H200; on SmolLM2 in bf16
+#: (CPU, teacher-forced) fp32 scores put the logprobs 8% closer to an fp32 forward (docs/benchmarks.md).
+#: ``FERRULE_FAST_ATTN`` overrides
+ATTN = "fp32"
 ATTN_KINDS = ("eager", "fp32")
 #: torch.compile recompile limit while the fast step compiles: one compile per (batch, cache)
 #: bucket, sampling kind, stop-id buffer size and attended length, more than dynamo's default 8
