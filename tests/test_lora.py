@@ -399,6 +399,10 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_tp2_logprobs"]], ink2_ws1)
     print(f"inkling2 LoRA TP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")
     assert ink2_diff <= 1e-5
+    assert res["inkling2_ep2_roundtrip"]
+    ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_ep2_logprobs"]], ink2_ws1)
+    print(f"inkling2 LoRA EP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")
+    assert ink2_diff <= 1e-5
 
 
 def test_cli_export_and_import(dirs, tmp_path):

@@ -6,8 +6,10 @@ One torchrun launch (tests/dist/moe_tp_worker.py, 2 gloo ranks) trains each tiny
 :class:`ferrule.megatron.engine.TrainEngine`'s DDP model and megatron's ``finalize_model_grads``, with the
 tokens split over TP around the dispatcher (:mod:`ferrule.megatron.moe`): every HF tensor within 1e-5 relative
 (max |diff| / max |HF grad|, as tests/test_inkling2.py measures). Layouts: expert TP = TP (the default) with the
-alltoall and the allgather dispatcher, expert TP = 1 (experts whole on each TP rank, their gradients summed
-over the expert-data-parallel group by DDP); token counts odd (27: the split pads one row) and even.
+alltoall and the allgather dispatcher, expert TP = 1 at EP = 1 (experts whole and tokens whole on each TP rank)
+and at EP = 2 (EP group = the TP pair; tokens split over TP, expert gradients summed by DDP over the
+expert-data-parallel group); token counts odd (27: the split pads one row) and even. TP=2 x EP=2 at world size 4
+(DP=2) runs through the same worker by hand (docs/engine.md has the command and figures), not here.
 
 Before the split, training here raised (the refusal), and with the refusal lifted but no split the routed
 experts' gradients come out exactly 2x (the ``inkling2_tp2_unsplit`` case measures it: relative error 1.0).
@@ -124,6 +126,10 @@ def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
         "qwen3_moe_tp2_etp1": dict(hf_dir=qwen, ref=refs["qwen_even"], etp=1, dispatcher="alltoall"),
         "qwen3_moe_tp2_aux_z_loss": dict(hf_dir=qwen_aux, ref=refs["qwen_aux"], dispatcher="alltoall",
                                          config_overrides=Z_LOSS),
+        # EP=2 inside the TP pair (world 2: etp=1); the split is then over the TP group and DDP sums the experts
+        # over the expert-data-parallel group
+        "qwen3_moe_tp2_ep2_etp1": dict(hf_dir=qwen, ref=refs["qwen_odd"], ep=2, etp=1, dispatcher="alltoall"),
+        "inkling2_tp2_ep2_etp1": dict(hf_dir=inkling2, ref=refs["inkling2_odd"], ep=2, etp=1, dispatcher="allgather"),
         "inkling_tp2": dict(hf_dir=inkling, ref=refs["inkling"], dispatcher="alltoall"),
         "inkling2_tp2": dict(hf_dir=inkling2, ref=refs["inkling2_odd"], dispatcher="alltoall"),
         "inkling2_tp2_allgather": dict(hf_dir=inkling2, ref=refs["inkling2_even"], dispatcher="allgather"),

@@ -1,11 +1,12 @@
 """torchrun worker (2 gloo ranks) for tests/test_moe_tp.py: MoE families training at TP=2.
 
-Usage: torchrun --nproc-per-node 2 tests/dist/moe_tp_worker.py WORK_DIR
+Usage: torchrun --nproc-per-node 2 tests/dist/moe_tp_worker.py WORK_DIR  (or 4 ranks for cases with ``"ep": 2``:
+TP=2 x EP=2, data parallel 2; each DP replica takes every other row of the batch)
 
-``WORK_DIR/cases.json``: ``{case: {"hf_dir", "ref", "etp", "dispatcher", "config_overrides", "unsplit"}}``;
+``WORK_DIR/cases.json``: ``{case: {"hf_dir", "ref", "ep", "etp", "dispatcher", "config_overrides", "unsplit"}}``;
 ``ref`` is a ``torch.save``\\ d ``{"ids": [B, S] int64, "width": HF logits width, "grads": {HF key: fp32 tensor}}`` made by the test in
 its own process (HF autograd, or TP=1 megatron for the aux-loss case). Per case both ranks build a
-:class:`ferrule.megatron.engine.TrainEngine` at ``ParallelLayout(tp=2, etp=etp)`` from the HF folder, run
+:class:`ferrule.megatron.engine.TrainEngine` at ``ParallelLayout(tp=2, ep=ep, etp=etp)`` from the HF folder, run
 the summed token log-likelihood of the whole batch (replicated over TP, as in training) through the engine's
 DDP-wrapped model, run megatron's ``finalize_model_grads`` (what ``TrainEngine.optim_step`` does: DP and
 expert-DP all-reduce, TP sums of q/k norms) and export the main gradients through the mapping table (which
@@ -44,12 +45,14 @@ def main(work: Path) -> None:
     split = moe.token_split_group
     for case, spec in json.loads((work / "cases.json").read_text()).items():
         ref = torch.load(spec["ref"])
-        ids = ref["ids"]
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         moe.token_split_group = (lambda layer: None) if spec.get("unsplit") else split
-        engine = TrainEngine.from_hf(spec["hf_dir"], ParallelLayout(tp=2, etp=spec.get("etp")), provider_options={
+        layout = ParallelLayout(tp=2, ep=spec.get("ep", 1), etp=spec.get("etp"))
+        engine = TrainEngine.from_hf(spec["hf_dir"], layout, provider_options={
             "moe_token_dispatcher_type": spec["dispatcher"], "parallel_output": False, "config_overrides": spec.get("config_overrides") or {}})
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        ids = ref["ids"][dp_rank::dp]  # data parallel (world > 2): each replica takes its rows, DDP sums them
         ddp = engine.model[0]
         ddp.train()
         ddp.zero_grad_buffer()
@@ -63,7 +66,7 @@ def main(work: Path) -> None:
                       if p.requires_grad and not getattr(p, "tensor_model_parallel", False)]
         flat = torch.cat(replicated)
         both = [torch.empty_like(flat) for _ in range(2)]
-        dist.all_gather(both, flat, group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_gather(both, flat, group=parallel_state.get_tensor_model_parallel_group())  # TP ranks 0 and 1
         with torch.no_grad():
             for p in model.parameters():
                 p.data.copy_(p.main_grad if p.requires_grad else torch.zeros_like(p))
