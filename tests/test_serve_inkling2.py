@@ -1,6 +1,6 @@
 """``ferrule serve --base-model`` on Inkling-2 bases, driven by the unmodified ``tinker`` 0.38 SDK.
 
-One server process (uvicorn in a thread, tests/serve_helpers.py) serves four tiny random bases at
+One server process (uvicorn in a thread, tests/serve_helpers.py) serves five tiny random bases at
 once (:class:`~ferrule.serve.registry.BaseRegistry`):
 
 - ``ink2``: ``Inkling2ForCausalLM`` (tests/test_inkling2.py's ``mqa_full_first_softcaps``: a full
@@ -9,7 +9,8 @@ once (:class:`~ferrule.serve.registry.BaseRegistry`):
 - ``ink2-vision``: ``Inkling2ForConditionalGeneration`` (tests/inkling2_vision_fixtures.py, with the
   released 20 px patch x 2 merge, so that tml-renderers' image token counts apply);
 - ``ink2-mxfp8``: the ``ink2`` weights with MXFP8 routed experts in the released layout
-  (``mlp.experts.{w13,w2}_weight`` ``float8_e4m3fn`` + ``uint8`` E8M0 ``..._weight_scale``).
+  (``mlp.experts.{w13,w2}_weight`` ``float8_e4m3fn`` + ``uint8`` E8M0 ``..._weight_scale``), and
+  ``ink2-mxfp8-td``, that folder converted to a torch_dist checkpoint (``hf_to_torch_dist``).
 
 Referees: HF transformers' fp32 log-softmax of the same checkpoint (of the dequantized folder for
 MXFP8, made with transformers' own ``Fp8Quantize`` / ``Fp8Dequantize`` as tests/test_convert_mxfp8.py
@@ -86,14 +87,17 @@ def bases(tmp_path_factory):
     vision = root / "ink2-vision"
     vf.hf_model(vf.config_dict(VISION), seed=2).save_pretrained(vision)
     mx, mx_ref = _mxfp8_pair(text, root)
-    return {"ink2": text, "ink2-loop": loop, "ink2-vision": vision, "ink2-mxfp8": mx, "mxfp8-reference": mx_ref}
+    from ferrule.converters import hf_to_torch_dist
+
+    return {"ink2": text, "ink2-loop": loop, "ink2-vision": vision, "ink2-mxfp8": mx, "mxfp8-reference": mx_ref,
+            "ink2-mxfp8-td": hf_to_torch_dist(mx, root / "ink2-mxfp8-td")}
 
 
 @pytest.fixture(scope="module")
 def server(bases, tmp_path_factory):
     from ferrule.serve.registry import BaseRegistry
 
-    names = ("ink2", "ink2-loop", "ink2-vision", "ink2-mxfp8")
+    names = ("ink2", "ink2-loop", "ink2-vision", "ink2-mxfp8", "ink2-mxfp8-td")
     srv = RunningServer(BaseRegistry([(n, bases[n]) for n in names], max_loaded=len(names)),
                         tmp_path_factory.mktemp("ink2_storage"))
     yield srv
@@ -356,6 +360,10 @@ def test_mxfp8_base_serves_the_dequantized_model(server, bases):
     lp = _lp(tc.forward([_datum(PROMPT)], "cross_entropy").result(timeout=120))
     print(f"mxfp8 training client: max |served - HF(dequantized)| = {float((lp - ref).abs().max()):.2e}")
     assert float((lp - ref).abs().max()) < ATOL
+    # the same folder converted to torch_dist (ferrule convert hf-to-torch-dist), served as a torch_dist base
+    td = sc.create_sampling_client(base_model="ink2-mxfp8-td").result(timeout=120)
+    got = torch.tensor(td.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=120)[1:]).double()
+    assert float((got - ref).abs().max()) < ATOL
 
 
 # ---------------------------------------------------------------------------- LoRA training clients (the SDK's kind)
