@@ -7,7 +7,13 @@ the torch_dist holds the dequantized weights, so its ``hf/config.json`` loses ``
 ``hf_quantization``: ``{"config": quantization_config, "tensors": {hf_key: {"scale": scale key,
 "scale_dtype": "U8", "dtype": "F8_E4M3", "block": [block_m, block_n]}}}``.
 
-The source's scales are kept beside, in ``hf/mxfp8_scales.safetensors`` (one byte per 32 weights).
+The source's scales are kept beside, in ``hf/mxfp8_scales.safetensors`` (one byte per 32 weights; for
+an NVFP4 source (:mod:`ferrule.nvfp4`) its block scales, one byte per 16 weights, and its per-matrix
+``_amax`` / ``_outer_scale_denominator``). An NVFP4 tensor's entry in ``tensors`` also has
+``"format": "nvfp4"``, ``"amax"``, ``"denominator"`` (their keys) and ``"shape"`` (the dequantized one).
+
+An NVFP4 source exports dequantized only: ``--mxfp8`` is refused for it (ferrule writes no NVFP4;
+docs/convert.md "NVFP4" says why).
 
 ``torch-dist-to-hf`` writes the dequantized (e.g. bf16) folder by default; with ``mxfp8=True`` it
 quantizes again every tensor the source stored quantized (same names, block grid and scale dtype)
@@ -45,8 +51,8 @@ def source_quantization(reader: Any, hf_side_dir: Path) -> dict | None:
     if reader.quantized:
         from safetensors.torch import save_file
 
-        save_file({info["scale"]: reader.raw.get(info["scale"]).contiguous() for info in reader.quantized.values()},
-                  str(hf_side_dir / SCALES_FILE))
+        save_file({info[role]: reader.raw.get(info[role]).contiguous() for info in reader.quantized.values()
+                   for role in ("scale", "amax", "denominator") if role in info}, str(hf_side_dir / SCALES_FILE))
     return {"config": reader.quantization_config, "tensors": reader.quantized}
 
 
@@ -90,6 +96,11 @@ def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterat
         raise CheckpointError("--mxfp8: the source HF checkpoint of this torch_dist checkpoint was not quantized "
                               "(ferrule_checkpoint.json has no hf_quantization); export it without --mxfp8.")
     tensors = quant["tensors"]
+    nvfp4 = sorted(k for k, t in tensors.items() if t.get("format") == "nvfp4")
+    if nvfp4:
+        raise CheckpointError(f"--mxfp8: the source stored {len(nvfp4)} tensors as NVFP4 (first: {nvfp4[0]}), not MXFP8; "
+                              f"ferrule writes no NVFP4, so export without --mxfp8 (dequantized, in the checkpoint's "
+                              f"dtype).")
     other = sorted({t["scale_dtype"] for t in tensors.values()} - {"U8", "F8_E8M0"})
     if other:
         raise CheckpointError(f"--mxfp8: the source's scales are {other}, not power-of-two E8M0 (U8 / F8_E8M0), so "
