@@ -43,7 +43,8 @@ _REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 #: Optional parts a family may declare; a declared part must be registered.
 FAMILY_FEATURES = ("lora", "chat_template", "towers")
 #: Module kinds a LoRA applier can target (DESIGN.md §2).
-LORA_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "lm_head")
+#: ``loop_gate``: a looped model's message gates (Inkling-2-Loop); no core applier serves it.
+LORA_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "lm_head", "loop_gate")
 #: Modalities a tower can encode.
 TOWER_MODALITIES = ("vision", "audio")
 #: The builder a :class:`ProviderSpec` without ``build`` gets: the family's config-translation

@@ -217,7 +217,10 @@ def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
 def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` dict (``peft.LoraConfig(...).to_dict()`` keys PEFT needs to load it).
 
-    ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks).
+    ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks), or
+    an adapter's ``peft_target`` attribute where a family sets one because the leaf alone would
+    pick other modules too (Inkling-2: ``q_proj.linear``, not ``linear``, which also names
+    ``k_proj.linear`` ... ``o_proj.linear``).
     ``target_parameters`` are the HF parameters PEFT adapts with ``ParamWrapper``: the routed
     experts' fused 3-D parameters, plus those a family adapter lists in its ``peft_parameters``
     attribute (parameter paths below the decoder layer, e.g. Inkling's
@@ -238,6 +241,8 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
                     expert_leaves.add(e.global_name.rsplit(".", 1)[-1])
                 elif getattr(e.adapter, "peft_parameters", None):
                     param_targets.update(e.adapter.peft_parameters)
+                elif getattr(e.adapter, "peft_target", None):  # a family's name where the HF leaf is ambiguous
+                    leaves.add(e.adapter.peft_target)
                 else:
                     leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, plan.ctx)[2])
         leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))

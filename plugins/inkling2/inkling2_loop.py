@@ -16,7 +16,7 @@ from ferrule.config_translation import ConfigTranslationError, Derived, Require
 from ferrule.mapping import MappingTable, Rename
 from ferrule.plugins.inkling2.config import HF_DEFAULTS, TEXT_ENTRIES, Inkling2ConfigTranslation
 from ferrule.plugins.inkling2.inkling2_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
-from ferrule.plugins.inkling2.inkling2_text import text_model_mappings
+from ferrule.plugins.inkling2.inkling2_text import peft_text_mappings, text_model_mappings
 from ferrule.specs import UpdateGroup
 
 #: ``Inkling2LoopTextConfig`` defaults (transformers 5.24) where they differ from ``Inkling2TextConfig``'s.
@@ -98,12 +98,26 @@ _GATES = (("q", "attn"), ("k", "k"), ("v", "v"), ("mlp", "mlp"))
 _GATE_WEIGHTS = ("down_weight", "forget_weight", "gain_weight")
 LOOP_ROWS = tuple((f"{ours}_message_gate.{w}", f"controllers.{hf}.{w}") for ours, hf in _GATES for w in _GATE_WEIGHTS)
 
+#: The message gates' weights as LoRA adapts them: (gate weight, transformers' ``nn.Linear``) per gate. An adapted
+#: weight gets an adapter holder module named like the HF linear (``q_message_gate.down_proj``: see
+#: :func:`ferrule.plugins.inkling2.lora.apply_loop_gate`); these rows name the holders for PEFT
+#: (``Inkling2LoopMessageGate.down_proj`` / ``forget_gate_proj`` / ``message_gate_proj``, replicated).
+GATE_LINEARS = (("down_weight", "down_proj"), ("forget_weight", "forget_gate_proj"), ("gain_weight", "message_gate_proj"))
+PEFT_GATE_ROWS = tuple(f"{ours}_message_gate.{hf}" for ours, _ in _GATES for _, hf in GATE_LINEARS)
+
+#: LoRA's naming table: the text model's adaptable modules (``Inkling2LoopForCausalLM`` holds them under the
+#: same in-memory names as ``Inkling2ForCausalLM``) plus the message-gate holders.
+PEFT_MAPPING = MappingTable(family="inkling2_loop", mappings=(
+    *peft_text_mappings(),
+    *(Rename(f"decoder.layers.*.{m}.weight", f"model.layers.*.{m}.weight") for m in PEFT_GATE_ROWS),
+))
+
 MAPPING = MappingTable(family="inkling2_loop", mappings=(
     *text_model_mappings(),
     *(Rename("decoder.layers.*." + m, "model.llm.layers.*." + hf) for m, hf in LOOP_ROWS),
     Rename("decoder.message_input.queries", "model.llm.middle_cycle_cross_pass_queries"),
     Rename("decoder.message_input.kv_queries", "model.llm.middle_cycle_cross_pass_kv_queries"),
-), ignores=())
+), ignores=(), peft_table=PEFT_MAPPING)
 
 #: Inkling-2's groups plus the loop layers' message gates (one unit per loop layer) and the message queries.
 UPDATE_GROUPS = (

@@ -23,7 +23,7 @@ from ferrule.plugins.inkling2.config import TEXT_ENTRIES, Inkling2ConfigTranslat
 from ferrule.plugins.inkling2.inkling2_text import TINY_HF_CONFIG as TINY_TEXT_CONFIG
 from ferrule.plugins.inkling2.inkling2_text import TINY_TP2_OVERRIDES as TINY_TEXT_TP2_OVERRIDES
 from ferrule.plugins.inkling2.inkling2_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
-from ferrule.plugins.inkling2.inkling2_text import text_model_mappings
+from ferrule.plugins.inkling2.inkling2_text import peft_text_mappings, text_model_mappings
 from ferrule.specs import UpdateGroup
 
 #: Top-level keys of an ``inkling2`` config besides ``text_config`` and why none changes the text model's
@@ -128,7 +128,12 @@ TOWER_UPDATE_GROUPS = (
 
 
 #: Released-layout mapping table: the ``inkling2_text`` rows (same ``model.llm.*`` keys) + the tower's.
-MAPPING = MappingTable(family="inkling2", mappings=text_model_mappings() + TOWER_ROWS)
+#: LoRA's naming table: the text model's adaptable modules as ``Inkling2ForConditionalGeneration`` holds them
+#: (``model.language_model.layers.L.self_attn.q_proj.linear``, ...; not the released ``model.llm.*``); the
+#: tower is never adapted.
+PEFT_MAPPING = MappingTable(family="inkling2", mappings=peft_text_mappings("model.language_model."))
+
+MAPPING = MappingTable(family="inkling2", mappings=text_model_mappings() + TOWER_ROWS, peft_table=PEFT_MAPPING)
 
 #: The text variant's groups plus the tower's (a missing tower group is refused when the model is built,
 #: ``ferrule.megatron.provider.provider_build``). Every base weight sync sends every group.

@@ -112,8 +112,45 @@ def text_model_mappings(llm: str = "model.llm.", lm_head: str = "model.llm.unemb
     )
 
 
+#: The linears LoRA adapts, as (mcore suffix, transformers' in-memory module below ``layers.L.``, TP split): the
+#: names ``Inkling2ForCausalLM`` holds after loading (transformers' ``conversion_mapping`` entry ``inkling2_text``:
+#: ``attn.wq_du`` -> ``self_attn.q_proj.linear``, ``gate_attn`` -> ``self_attn.o_proj.gate_proj``, ...), which HF
+#: PEFT adapter keys use.
+PEFT_LINEAR_ROWS = (
+    ("self_attention.linear_q", "self_attn.q_proj.linear", TPSplit.COLUMN),
+    ("self_attention.linear_k", "self_attn.k_proj.linear", TPSplit.COLUMN),
+    ("self_attention.linear_v", "self_attn.v_proj.linear", TPSplit.COLUMN),
+    ("self_attention.linear_r", "self_attn.relative_position_bias.linear", TPSplit.COLUMN),
+    ("self_attention.linear_gate", "self_attn.o_proj.gate_proj", TPSplit.COLUMN),
+    ("self_attention.linear_sink", "self_attn.sink_proj", TPSplit.COLUMN),
+    ("self_attention.linear_proj", "self_attn.o_proj.linear", TPSplit.ROW),
+    ("self_attention.k_sconv.weight_proj", "self_attn.k_proj.sconv.weight_proj", TPSplit.COLUMN),
+    ("self_attention.v_sconv.weight_proj", "self_attn.v_proj.sconv.weight_proj", TPSplit.COLUMN),
+)
+
+
+def peft_text_mappings(model: str = "model.") -> tuple:
+    """The adaptable text-model parameters under transformers' in-memory names (``model`` = ``model.`` for
+    ``Inkling2ForCausalLM``, ``model.language_model.`` for ``Inkling2ForConditionalGeneration``): the attention
+    linears (:data:`PEFT_LINEAR_ROWS`), the routed experts' fused 3-D ``gate_up_proj`` ``[E, 2I, H]`` (per expert
+    ``[gate; up]``, as megatron's ``linear_fc1``) and ``down_proj`` ``[E, H, I]``, and ``lm_head`` (named only so
+    that a target naming it is recognised and refused: ``ferrule.plugins.inkling2.lora.apply_lm_head``)."""
+    h = model + "layers.*."
+    return (
+        *(Rename(_L + m + ".weight", h + hf + ".weight", tp=tp) for m, hf, tp in PEFT_LINEAR_ROWS),
+        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc1.weight", hf=h + "mlp.experts.gate_up_proj",
+                     tp=TPSplit.GATE_UP),
+        StackExperts(_L + "mlp.experts.local_experts.*.linear_fc2.weight", hf=h + "mlp.experts.down_proj",
+                     tp=TPSplit.ROW),
+        Rename("output_layer.weight", "lm_head.weight", tp=TPSplit.VOCAB),
+    )
+
+
+#: LoRA's naming table (``MappingTable.peft_table``): transformers' in-memory names of the adaptable modules.
+PEFT_MAPPING = MappingTable(family="inkling2_text", mappings=peft_text_mappings())
+
 #: Inkling-2 text mapping table (released layout).
-MAPPING = MappingTable(family="inkling2_text", mappings=text_model_mappings(), ignores=())
+MAPPING = MappingTable(family="inkling2_text", mappings=text_model_mappings(), ignores=(), peft_table=PEFT_MAPPING)
 
 _COMMON_ATTENTION = tuple(m for m, _, _ in LAYER_ROWS[:11])
 

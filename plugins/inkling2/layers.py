@@ -295,8 +295,16 @@ class Inkling2LoopMessageGate(MegatronModule):
             for w in (self.down_weight, self.forget_weight, self.gain_weight):
                 torch.nn.init.normal_(w, std=config.init_method_std)
 
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, lora_name: str) -> torch.Tensor:
+        """``x @ weight.T``, plus the LoRA holder's ``scaling * B (A x)`` when
+        :func:`ferrule.plugins.inkling2.lora.apply_loop_gate` attached one under ``lora_name`` (HF's linear name)."""
+        y = x @ weight.T
+        holder = self._modules.get(lora_name)
+        return y if holder is None else y + holder.lora(x).to(y.dtype)
+
     def forward(self, hidden_states: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
         h, m = hidden_states.float(), message.float()
         g = torch.cat([unweighted_rms_norm(h, self.eps), unweighted_rms_norm(m, self.eps)], dim=-1)
-        g = (g.to(self.down_weight.dtype) @ self.down_weight.T).float()
-        return (1 - torch.tanh(g @ self.forget_weight.T)) * h + torch.tanh(g @ self.gain_weight.T) * m
+        g = self._linear(g.to(self.down_weight.dtype), self.down_weight, "down_proj").float()
+        forget = self._linear(g, self.forget_weight, "forget_gate_proj")
+        return (1 - torch.tanh(forget)) * h + torch.tanh(self._linear(g, self.gain_weight, "message_gate_proj")) * m

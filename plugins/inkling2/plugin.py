@@ -8,14 +8,14 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
 # logits == Inkling2ForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
 # embedded-rollout logprobs and weight sync; the released MXFP8 experts convert (tests/test_convert_mxfp8.py).
-# Not registered (no feature declared): LoRA appliers (docs/families/inkling2.md). The TMLv0 chat template is
-# Inkling's (register_chat_templates below says why it applies).
+# LoRA == HF PEFT (tests/test_lora_inkling2.py). The TMLv0 chat template is Inkling's (register_chat_templates
+# below says why it applies).
 # inkling2_loop is VALIDATED on the same grounds: the conformance kit passes (round trip, mapping, update groups,
 # logits == Inkling2LoopForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients at TP=1 and EP=2,
-# embedded-rollout logprobs, weight sync; the released Inkling-2-Mini NVFP4 experts (w13/w2 _weight_scale,
-# _weight_amax, _weight_outer_scale_denominator) convert bit-equal to Inkling2LoopForCausalLM.from_pretrained and
-# ferrule check passes on such a folder at TP=1 and TP=2 (tests/test_convert_nvfp4.py). Not registered: LoRA
-# appliers (the loop gate's included).
+# embedded-rollout logprobs, weight sync; LoRA (the loop gates' included) == HF PEFT (tests/test_lora_inkling2.py);
+# the released Inkling-2-Mini NVFP4 experts (w13/w2 _weight_scale, _weight_amax, _weight_outer_scale_denominator)
+# convert bit-equal to Inkling2LoopForCausalLM.from_pretrained and ferrule check passes on such a folder at TP=1
+# and TP=2 (tests/test_convert_nvfp4.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 _VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
@@ -32,7 +32,7 @@ def register_model_families():
             status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2ForCausalLM",
             attn_implementation="eager",
-            features=("chat_template",),
+            features=("lora", "chat_template"),
             description="Inkling-2 text MoE (dynamic ShortConvs, gated attention output, block attention residuals, "
                         "sigmoid top-k router, soft-capped experts and logits)",
         ),
@@ -42,7 +42,7 @@ def register_model_families():
             status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2LoopForCausalLM",
             attn_implementation="eager",
-            features=("chat_template",),
+            features=("lora", "chat_template"),
             description="Inkling-2-Loop text MoE (Inkling-2 with a range of layers run several times, low-rank loop gate)",
         ),
         ModelFamilySpec(
@@ -52,7 +52,7 @@ def register_model_families():
             reason=_MM_REASON,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
             attn_implementation="eager",
-            features=("towers", "chat_template"),
+            features=("lora", "towers", "chat_template"),
             description="Inkling-2 multimodal (the inkling2_text model + a ViT vision tower with axial RoPE and merger)",
         ),
     ]
@@ -127,3 +127,29 @@ def register_chat_templates():
                                                          "(Inkling-2-Mini) text prompts"),
                 ("tmlv0_inkling2_mm", "inkling2", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts "
                                                   "(image parts write one placeholder each, as for Inkling)"))]
+
+
+# --- LoRA (ferrule.plugins.inkling2.lora; docs/lora.md) -----------------------------------------------------
+
+@hookimpl
+def register_lora_appliers():
+    from ferrule.specs import LoRAApplierSpec
+
+    # no dense MLP and no shared experts: attention (Inkling-2's linears), the core's routed experts, lm_head
+    # refused; the loop family adds its message gates. The multimodal family adapts its language model with the
+    # same appliers (the vision tower stays frozen); PEFT names come from each variant's PEFT_MAPPING.
+    peft, ink2 = "ferrule.lora.peft_format", "ferrule.plugins.inkling2.lora"
+    experts = "ferrule.lora.peft_experts"
+    specs = []
+    for family in _VARIANTS:
+        specs += [
+            LoRAApplierSpec(kind="attention", family=family, apply=f"{ink2}:apply_attention",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+            LoRAApplierSpec(kind="routed_experts", family=family, apply="ferrule.lora.appliers:apply_routed_experts",
+                            export=f"{experts}:export_routed", load=f"{experts}:load_routed"),
+            LoRAApplierSpec(kind="lm_head", family=family, apply=f"{ink2}:apply_lm_head",
+                            export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
+        ]
+    specs.append(LoRAApplierSpec(kind="loop_gate", family="inkling2_loop", apply=f"{ink2}:apply_loop_gate",
+                                 export=f"{peft}:export_linear", load=f"{peft}:load_linear"))
+    return specs
