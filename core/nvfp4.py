@@ -23,8 +23,9 @@ is exact (a 2-bit by a 4-bit significand); the per-matrix factor is an arbitrary
 result is generally not representable in bfloat16: the values depend on the output dtype exactly as
 ``from_pretrained(dtype=...)``'s do, and ferrule dequantizes straight into the dtype it stores.
 
-There is no NVFP4 writer here: ``torch-dist-to-hf`` exports such a model dequantized
-(docs/convert.md "NVFP4").
+:func:`requantize_nvfp4_exactly` is the exact reverse for values that came from the checkpoint
+(``torch-dist-to-hf --mxfp8`` writes the source's bytes back with it); ferrule has no NVFP4 quantizer
+for changed (trained) values (docs/convert.md "NVFP4").
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["SCALE_SUFFIX", "AMAX_SUFFIX", "DENOMINATOR_SUFFIX", "BLOCK", "e2m1_values", "dequantize_nvfp4",
-           "find_nvfp4", "has_nvfp4"]
+           "requantize_nvfp4_exactly", "find_nvfp4", "has_nvfp4"]
 
 SCALE_SUFFIX, AMAX_SUFFIX, DENOMINATOR_SUFFIX = "_scale", "_amax", "_outer_scale_denominator"
 #: values per block scale (NVFP4's micro-block)
@@ -91,6 +92,47 @@ def dequantize_nvfp4(packed: "torch.Tensor", block_scales: "torch.Tensor", amax:
     factor = amax.float().reshape(lead) / denominator.float().reshape(lead if denominator.numel() != 1 else ())
     values = values * factor.reshape(*lead, 1, 1, 1)
     return values.reshape(*lead, rows, cols).to(dtype)
+
+
+def _bits(t: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def requantize_nvfp4_exactly(weight: "torch.Tensor", block_scales: "torch.Tensor", amax: "torch.Tensor",
+                             denominator: "torch.Tensor") -> "torch.Tensor | None":
+    """The packed codes ``q`` with ``dequantize_nvfp4(q, block_scales, amax, denominator, weight.dtype)`` equal to
+    ``weight`` bit for bit (-0.0 included), or None if some value has no such code.
+
+    Each of the 16 codes is dequantized in ``weight``'s dtype and compared; distinct E2M1 values differ by a
+    factor of at least 4/3, more than one rounding of bf16 / fp16 / fp32 can merge, so a match is unique.
+
+    Args:
+        weight: ``[..., rows, cols]`` float32 / bfloat16 / float16 (e.g. a tensor read from the checkpoint and
+            not changed since).
+        block_scales, amax, denominator: the source's (shapes as :func:`dequantize_nvfp4`).
+
+    Returns:
+        ``[..., rows, cols / 2]`` uint8 (even element in the low nibble), or None.
+    """
+    import torch
+
+    lead, rows, cols = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
+    if cols % BLOCK or tuple(block_scales.shape) != (*lead, rows, cols // BLOCK):
+        return None
+    scale = block_scales.float()[..., None]
+    factor = (amax.float().reshape(lead) / denominator.float().reshape(lead if denominator.numel() != 1 else ()))
+    factor = factor.reshape(*lead, 1, 1, 1)
+    target = _bits(weight.reshape(*lead, rows, cols // BLOCK, BLOCK))
+    codes = torch.full(target.shape, -1, dtype=torch.long)
+    for code, value in enumerate(e2m1_values().tolist()):
+        candidate = _bits(((torch.tensor(value) * scale) * factor).to(weight.dtype).expand(target.shape))
+        codes[(candidate == target) & (codes < 0)] = code
+    if bool((codes < 0).any()):
+        return None
+    codes = codes.reshape(*lead, rows, cols)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
 
 
 def has_nvfp4(reader: Any) -> bool:

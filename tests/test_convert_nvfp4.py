@@ -160,10 +160,28 @@ def test_nvfp4_source_reads_converts_and_exports_as_transformers_loads_it(nvfp4_
     _assert_same_tensors(bf16_ref, SafetensorsReader(back))
     assert "quantization_config" not in json.loads((back / "config.json").read_text())
     _hf(back)
-    with pytest.raises(CheckpointError, match=r"--mxfp8: the source stored 9 tensors as NVFP4 \(first: "
-                                              r"model.llm.layers.0.mlp.experts.w13_weight\)"):
-        torch_dist_to_hf(ckpt, tmp_path / "mx", mxfp8=True)
-    assert not (tmp_path / "mx").exists()
+    # --mxfp8: the tensors the source stored quantized come back as it stored them, byte for byte
+    again = torch_dist_to_hf(ckpt, tmp_path / "quantized_back", mxfp8=True)
+    _assert_same_tensors(raw, SafetensorsReader(again))
+    assert "quantization_config" not in json.loads((again / "config.json").read_text())
+    _assert_same_tensors(bf16_ref, open_hf_weights(again))
+    _hf(again)
+
+
+def test_nvfp4_exact_requantization():
+    """requantize_nvfp4_exactly gives back the codes (-0.0 kept) of unchanged values and None for changed ones."""
+    from ferrule.nvfp4 import requantize_nvfp4_exactly
+
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (3, 8, 16), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(3, 8, 2, generator=g) * 400 + 0.01).to(torch.float8_e4m3fn)
+    amax, den = torch.rand(3, generator=g) + 0.1, torch.tensor(DENOMINATOR)
+    for dtype in (torch.bfloat16, torch.float32):
+        values = dequantize_nvfp4(packed, scale, amax, den, dtype)
+        assert torch.equal(requantize_nvfp4_exactly(values, scale, amax, den), packed)
+        changed = values.clone()
+        changed[1, 2, 3] = changed[1, 2, 3] * 1.01 + 1e-3
+        assert requantize_nvfp4_exactly(changed, scale, amax, den) is None
 
 
 @pytest.mark.timeout(600)
