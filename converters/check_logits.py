@@ -118,9 +118,11 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
             h.remove()
     if rank != 0:
         return
-    from transformers import AutoModelForCausalLM
+    from ferrule.conformance_fields import hf_model_class
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_impl).eval()
+    # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation=attn_impl).eval()
     hf_store: dict = {}
     handles, order = [], []
     try:

@@ -30,6 +30,20 @@ def test_check_passes_on_qwen2(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_check_passes_on_a_multimodal_family_with_text_logits(tmp_path):
+    """A model_type transformers' AutoModelForCausalLM does not read (``inkling2``: text + vision tower) is loaded
+    with the family's ``hf_model_class`` (Inkling2ForConditionalGeneration); the logits step compares text logits."""
+    import inkling2_vision_fixtures as vf
+
+    from ferrule.converters.check import run_check
+
+    vf.hf_model(vf.config_dict()).save_pretrained(tmp_path / "hf")
+    report = run_check(tmp_path / "hf", seq_len=16)
+    assert [(r.step, r.status) for r in report.rows] == [
+        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")]
+
+
+@pytest.mark.timeout(600)
 def test_check_locates_a_dropped_sliding_window(tmp_path):
     """A plugin that drops Mistral's window: exit 1, and the report names layer 0's attention."""
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))

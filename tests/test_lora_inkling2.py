@@ -168,6 +168,7 @@ PEFT_MADE = {  # target_modules / target_parameters PEFT gets, per family
 def _peft_made(base, modules, params):
     """A PEFT adapter made by ``get_peft_model`` (random A, B ~ N(0, 0.3)); the routed experts' per-expert
     ``lora_A`` blocks are made equal (expert 0's), as ferrule holds one shared A per expert linear."""
+    torch.manual_seed(0)  # PEFT draws A from the global generator
     model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=3, init_lora_weights=False,
                                                       target_modules=modules, target_parameters=params)).eval()
     g = torch.Generator().manual_seed(3)

@@ -74,7 +74,8 @@ class TrainEngine(EngineColocation):
     Attributes:
         model: DDP-wrapped model chunks (``list``, one per virtual pipeline stage).
         optimizer: megatron optimizer; ``scheduler``: ``OptimizerParamScheduler``.
-        hf_config: the HF ``config.json`` dict; ``family``: family name; ``vocab_size``: HF vocab.
+        hf_config: the HF ``config.json`` dict; ``family``: family name; ``vocab_size``: HF vocab
+            (``unpadded_vocab_size`` where the config pads the embedding: the ids HF logits cover).
         mapping_table: the family's mapping table; ``update_groups``: its update-group table
             (what weight sync needs; taken from the registry at build time unless given).
         step: number of applied optimizer steps (skipped steps not counted).
@@ -109,7 +110,9 @@ class TrainEngine(EngineColocation):
         text = self.hf_config if "vocab_size" in self.hf_config else dict(self.hf_config.get("text_config") or {})
         if "vocab_size" not in text:
             raise ValueError("the HF config has no vocab_size (nor text_config.vocab_size); is it a causal LM config?")
-        self.vocab_size = int(text["vocab_size"])
+        # a padded embedding (Inkling-2: ``unpadded_vocab_size`` rows of HF's lm_head, ``vocab_size`` embedding rows)
+        # has logits, targets and token ids over the unpadded vocabulary only, as HF's log-softmax
+        self.vocab_size = int(text.get("unpadded_vocab_size") or text["vocab_size"])
         self.max_positions = int(text.get("max_position_embeddings") or 0) or None
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         chunks = list(model_chunks)

@@ -39,6 +39,7 @@ import torch
 from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
+from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
 from ferrule.rollout._sleep import EmbeddedSleep
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
@@ -94,7 +95,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
     - ``hf_dir``: an HF checkpoint directory (``config.json`` + safetensors); the class comes
       from the family registry (``ModelFamilySpec.hf_model_class``) unless ``model_class``, loaded
       with the family's ``ModelFamilySpec.attn_implementation`` (``"sdpa"`` unless it chose
-      ``"eager"``);
+      ``"eager"``); an MXFP8 / FP8 folder is dequantized as the converters read it (:mod:`ferrule.rollout._quantized`);
     - ``hf_config`` (+ optional ``state_dict``, loaded strictly: either the model's own
       ``state_dict()`` names or the HF checkpoint names that :meth:`update_weights` takes; every
       tensor must be given, a tied alias such as ``lm_head.weight`` may be left out).
@@ -155,6 +156,13 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                              f"(got model={model is not None}, hf_dir={hf_dir!r}, hf_config={hf_config is not None}).")
         if state_dict is not None and hf_config is None:
             raise ValueError("EmbeddedEngine: state_dict= goes with hf_config=; for a built model call update_weights().")
+        if hf_dir is not None:
+            check_hf_dir(hf_dir)
+        if hf_dir is not None and (dequantized := dequantized_source(hf_dir)) is not None:  # MXFP8 / FP8 folder
+            hf_config, state_dict = dequantized
+            hf_config._attn_implementation = family_attn_implementation(hf_config, unregistered="sdpa")
+            tokenizer = self._load_dir(hf_dir, None, tokenizer, None, tokenizer_only=True)
+            hf_dir = None
         if hf_dir is not None:
             model, tokenizer = self._load_dir(hf_dir, dtype, tokenizer, model_class)
         elif hf_config is not None:
@@ -222,24 +230,23 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
-    def _load_dir(hf_dir: str | os.PathLike, dtype: torch.dtype | None, tokenizer: Any, model_class: Any):
+    def _load_dir(hf_dir: str | os.PathLike, dtype: torch.dtype | None, tokenizer: Any, model_class: Any,
+                  tokenizer_only: bool = False):
         from transformers import AutoConfig
 
         hf_dir = os.fspath(hf_dir)
-        if not os.path.exists(hf_dir):
-            raise FileNotFoundError(f"HF checkpoint directory {hf_dir!r} does not exist.")
-        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-            raise FileNotFoundError(f"{hf_dir!r} has no config.json; pass an HF checkpoint directory.")
-        config = AutoConfig.from_pretrained(hf_dir)
-        cls = model_class or _resolve_model_class(config)
-        attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
-        model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn)
+        model = None
+        if not tokenizer_only:
+            config = AutoConfig.from_pretrained(hf_dir)
+            cls = model_class or _resolve_model_class(config)
+            attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
+            model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn)
         if tokenizer is None and any(os.path.isfile(os.path.join(hf_dir, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json")):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        return model, tokenizer
+        return tokenizer if tokenizer_only else (model, tokenizer)
 
     def _find_eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []

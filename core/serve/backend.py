@@ -108,7 +108,9 @@ class EngineBackend:
                                     "torch_dist checkpoint (hf/config.json); pass one of those directories.")
         self.model_name = model_name or self.base_dir.name
         text = self.hf_config if "vocab_size" in self.hf_config else self.hf_config.get("text_config") or {}
-        self.vocab_size = int(text["vocab_size"])  # a multimodal config (Inkling) keeps it in text_config
+        # a multimodal config (Inkling) keeps it in text_config; a padded unembedding (Inkling-2) has logits over
+        # unpadded_vocab_size ids only (HF's lm_head rows): prompts, targets and sampled ids stay below it
+        self.vocab_size = int(text.get("unpadded_vocab_size") or text["vocab_size"])
         self.max_positions = int(text.get("max_position_embeddings") or 0) or None
         self.optimizer = optimizer
         self.engines: dict[str, Any] = {}

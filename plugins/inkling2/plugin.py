@@ -48,8 +48,7 @@ def register_model_families():
         ModelFamilySpec(
             name="inkling2",
             model_types=("inkling2",),
-            status=FamilyStatus.STRUCTURAL,
-            reason=_MM_REASON,
+            status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2ForConditionalGeneration",
             attn_implementation="eager",
             features=("lora", "towers", "chat_template"),
@@ -84,11 +83,12 @@ def register_update_groups():
 
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
 
-_MM_REASON = ("conformance kit passes with the vision tower (round trip, mapping, update groups, text and image-prompt "
-              "logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py adds EP=2 "
-              "with images, embedded-rollout logprobs with images and the tower's weight sync; missing: LoRA "
-              "appliers, a GRPO example / "
-              "ferrule check run, and what inkling2_text still lacks")
+# inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
+# groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py
+# adds the word-embedding gradient on an image prompt, EP=2 with images, embedded-rollout logprobs with images and the
+# tower's weight sync; LoRA == HF PEFT with an image prompt, gradients included (tests/test_lora_inkling2.py); ferrule
+# check passes at TP=1 and TP=2 (text logits); multimodal GRPO on the shipped example with a bit-identical resume
+# (tests/test_inkling2_mm_rl.py); images through ferrule serve (tests/test_serve_inkling2.py).
 
 
 @hookimpl
