@@ -367,6 +367,17 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink = lw.lora_engine(ink_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
     lw.write_peft_dir(work / "adapter_inkling", lw.randomize_adapter(ink, seed=12), peft_config(ink))
     ink_ws1 = ink.forward_logprobs(tw.make_batch(seed=3))
+    # Inkling-2 text (attention linears + routed experts), 2 KV heads so that TP=2 splits them, no padded vocabulary
+    from test_inkling2 import CONFIGS as INK2_CONFIGS, tiny_inkling2_dir
+
+    ink2_dir = tiny_inkling2_dir(work / "inkling2", dict(INK2_CONFIGS["mqa_full_first_softcaps"], num_key_value_heads=2,
+                                                         unpadded_vocab_size=100))
+    ink2 = lw.lora_engine(ink2_dir, settings=LoraSettings(rank=2, alpha=5))
+    lw.write_peft_dir(work / "adapter_inkling2", lw.randomize_adapter(ink2, seed=13), peft_config(ink2))
+    ink2_ws1 = ink2.forward_logprobs(tw.make_batch(seed=3))
+    ink2.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    ink2_norm = ink2.optim_step()["grad_norm"]
+    ink2_after = {k: v.cpu() for k, v in hf_adapter_state_dict(ink2).items()}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
                           capture_output=True, text=True, timeout=280, cwd=REPO)
@@ -387,6 +398,19 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
     assert res["inkling_tp2_roundtrip"]
     assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5
+    assert res["inkling2_tp2_roundtrip"]
+    ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_tp2_logprobs"]], ink2_ws1)
+    print(f"inkling2 LoRA TP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")
+    assert ink2_diff <= 1e-5
+    assert res["inkling2_ep2_roundtrip"]
+    ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_ep2_logprobs"]], ink2_ws1)
+    print(f"inkling2 LoRA EP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")
+    assert ink2_diff <= 1e-5
+    for layout in ("tp2", "ep2"):  # one LoRA training step: grad norm and the stepped adapter == world size 1
+        norm, after = res[f"inkling2_{layout}_grad_norm"], res[f"inkling2_{layout}_after_step"]
+        step_diff = max(float((torch.tensor(after[k]) - v).abs().max()) for k, v in ink2_after.items())
+        print(f"inkling2 LoRA step {layout}: grad norm {norm:.6g} vs {ink2_norm:.6g}, adapter max|d| {step_diff:.3g}")
+        assert math.isclose(norm, ink2_norm, rel_tol=1e-5) and step_diff <= 1e-6
 
 
 def test_cli_export_and_import(dirs, tmp_path):

@@ -32,6 +32,8 @@ EXPECTED_UPSTREAM = {
     "moe_te_general_gemm": ("NameError", "name 'te_general_gemm' is not defined", "moe/moe_utils.py"),
     "moe_split_sizes": ("TypeError", "incompatible function arguments", "all_to_all_single"),
     "gloo_scatter_contiguous": ("AssertionError", "wrong values for a non-contiguous tensor", "repro_gloo_scatter"),
+    "gloo_uneven_all_gather": ("RuntimeError", "ProcessGroupGloo::allgather: invalid tensor size",
+                               "repro_gloo_uneven_all_gather"),
     "optimizer_device_literals": ("AssertionError", "Torch not compiled with CUDA enabled", "optimizer/optimizer.py:__init__"),
     "optimizer_type_checks": ("TypeError", "Wrapped parameters must be one of torch.cuda.FloatTensor",
                               "distrib_optimizer.py:_build_model_and_main_param_groups"),

@@ -200,6 +200,40 @@ def patch_gloo_scatter_contiguous(record: list) -> None:
     _set(record, c10d, "scatter", scatter)
 
 
+def patch_gloo_uneven_all_gather(record: list) -> None:
+    """``torch.distributed.all_gather`` accepts a ``tensor_list`` whose tensors differ in their first dimension.
+
+    Upstream (torch's gloo backend, not megatron): ``ProcessGroupGloo::allgather`` needs every output tensor
+    to have the input's size and raises ``RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at
+    index 1 (expected (2), got (3))``; NCCL gathers uneven sizes. megatron's alltoall dispatcher at expert
+    TP > 1 (``token_dispatcher.py`` ``MoEAlltoAllTokenDispatcher.token_dispatch`` ->
+    ``mappings.py`` ``_gather_along_first_dim(output_split_sizes=...)``) gathers a different token count
+    from each TP rank, so MoE training at TP > 1 (:mod:`ferrule.megatron.moe`) needs it. The patched call
+    pads every rank's tensor to the longest first dimension, gathers, and copies each rank's rows out.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.all_gather
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] if t.dim() else None for t in tensor_list]
+        if async_op or len(set(rows)) <= 1 or any(t.shape[1:] != tensor.shape[1:] for t in tensor_list):
+            return original(tensor_list, tensor, group, async_op)
+        longest = max(rows)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        out = [tensor.new_empty((longest, *tensor.shape[1:])) for _ in tensor_list]
+        original(out, padded, group, False)
+        for t, o, n in zip(tensor_list, out, rows):
+            t.copy_(o[:n])
+        return None
+
+    _set(record, dist, "all_gather", all_gather)
+    _set(record, c10d, "all_gather", all_gather)
+
+
 # ----------------------------------------------------------------------------------------
 # Table, apply, revert
 # ----------------------------------------------------------------------------------------
@@ -225,6 +259,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("streams", patch_streams, "megatron/core/transformer/moe/token_dispatcher.py:MoEAlltoAllTokenDispatcher"),
     Patch("moe_split_sizes", patch_moe_split_sizes, "megatron/core/transformer/moe/moe_utils.py:maybe_move_tensor_to_cpu"),
     Patch("gloo_scatter_contiguous", patch_gloo_scatter_contiguous, "torch/distributed/distributed_c10d.py:scatter (gloo)"),
+    Patch("gloo_uneven_all_gather", patch_gloo_uneven_all_gather,
+          "torch/distributed/distributed_c10d.py:all_gather (gloo), megatron/core/tensor_parallel/mappings.py"),
     Patch("optimizer_device_literals", patch_optimizer_device_literals, "megatron/core/optimizer/{optimizer,clip_grads,grad_scaler}.py"),
     Patch("optimizer_type_checks", patch_optimizer_type_checks, "megatron/core/optimizer/{distrib_optimizer,optimizer,clip_grads}.py"),
     Patch("schedules_device_literal", patch_schedules_device_literal, "megatron/core/pipeline_parallel/schedules.py"),

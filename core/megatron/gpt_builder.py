@@ -238,6 +238,9 @@ def _layer_spec(config: Any, layer_spec: Any, core_attention: Any, *, vp_stage: 
             spec, config, attention_cls=attention_cls, attn_logit_softcapping=attn_logit_softcapping,
             extra_norms=tuple(extra_norms), zero_centered_norms=zero_centered_norms, pre_norms=pre_norms,
             qk_norm=qk_norm, layer_rope=layer_rope)
+        from .moe import with_token_split
+
+        spec = with_token_split(spec)  # MoE at TP > 1 without SP: tokens split over TP around the dispatcher
     if final_norm is not None:  # megatron builds the final norm in the TransformerBlock
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 

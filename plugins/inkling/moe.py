@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from ferrule.megatron.moe import TokenSplitMoELayer
 from ferrule.plugins.inkling.layers import InklingShortConv
 
 __all__ = ["InklingDenseMLP", "InklingRouter", "InklingSharedExperts", "InklingMoELayer"]
@@ -165,7 +165,7 @@ class _Holder(MegatronModule):
         return state
 
 
-class InklingMoELayer(MoELayer):
+class InklingMoELayer(TokenSplitMoELayer):
     """Routed + shared experts + MLP-output ShortConv, HF ``InklingMoE.forward`` then ``mlp_sconv``.
 
     ``out = mlp_sconv(routed(x) + shared_experts(x, gammas))`` where the router
@@ -175,8 +175,9 @@ class InklingMoELayer(MoELayer):
     the router weight scales the SwiGLU output before ``fc2``, which is linear, so equal to HF's
     scaling after ``down``).
 
-    Training at TP>1 is refused (``ValueError``), as megatron's own ``MoELayer`` refuses it
-    without sequence parallelism: the routed experts' gradients would be ``tp`` times too large.
+    At TP > 1 (no sequence parallelism) the routed tokens are split over TP around the dispatcher
+    (:class:`ferrule.megatron.moe.TokenSplitMoELayer`); the router, the shared experts and the
+    ShortConv run on the full replicated sequence.
     """
 
     def __init__(self, config, submodules, layer_number=None, pg_collection=None, *, n_shared_experts: int,
@@ -186,20 +187,7 @@ class InklingMoELayer(MoELayer):
         self.mlp_sconv = InklingShortConv(config, config.hidden_size, conv_kernel_size)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if (self.training and torch.is_grad_enabled() and self.tp_group.size() > 1
-                and not self.config.sequence_parallel):  # forward_logprobs runs without grad: exact, allowed
-            # megatron's MoELayer.forward refuses this too: without sequence parallelism every TP rank holds
-            # the same tokens, the dispatcher gathers them over TP, and the routed experts' gradients come
-            # out tp times too large (measured: exactly 2x at TP=2). Forward / logprobs are exact.
-            raise ValueError(
-                f"Inkling MoE layers cannot train at tp={self.tp_group.size()}: megatron's token dispatcher would "
-                "count every token tp times in the routed experts' gradients (sequence parallelism, which avoids "
-                "it, needs TransformerEngine). Train MoE Inkling with tp=1 (use ep to split the experts); "
-                "inference / logprobs at tp>1 are fine.")
         probs, routing_map, gammas = self.router.route(hidden_states)
-        x, probs = self.preprocess(hidden_states, probs, routing_map)
-        dispatched, probs = self.dispatch(x, probs)
-        out, _ = self.routed_experts_compute(dispatched, probs)
-        out = self.postprocess(self.combine(out), None)
+        out = self.routed_experts(hidden_states, probs, routing_map)
         out = out + self.shared_experts(hidden_states, gammas)
         return self.mlp_sconv(out), None

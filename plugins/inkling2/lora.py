@@ -80,15 +80,18 @@ def apply_lm_head(chunk: Any, settings: Any, ctx: Any) -> list[str]:
     Raises:
         LoraTargetError: ``lm_head`` / ``output_layer`` is named: the unembedding holds ``vocab_size`` rows in
             ferrule and in the released checkpoint but ``unpadded_vocab_size`` rows in transformers'
-            ``lm_head`` (``Inkling2UnpadVocab``), and the export does not cut an adapter's ``lora_B`` to it.
+            ``lm_head`` (``Inkling2UnpadVocab``), and the export does not cut an adapter's ``lora_B`` to it;
+            also, the output layer's soft-cap / padding-mask forward hooks (``model._install_output``) are
+            registered first, so an adapter's hook would add its delta after the soft-cap, unlike HF.
     """
     from ferrule.lora.appliers import LoraTargetError
 
     if hasattr(chunk, "output_layer") and ctx.selects("output_layer", "lm_head"):
         raise LoraTargetError("target_modules names the output layer (lm_head): LoRA on Inkling-2's unembedding is "
                               "not implemented (ferrule and the released checkpoint hold vocab_size rows, transformers' "
-                              "lm_head unpadded_vocab_size, and the adapter export does not cut lora_B to it); drop "
-                              "'lm_head' / 'output_layer'.")
+                              "lm_head unpadded_vocab_size, and the adapter export does not cut lora_B to it; the "
+                              "output layer's soft-cap and padding-mask hooks would also run before an adapter's); "
+                              "drop 'lm_head' / 'output_layer'.")
     return []
 
 

@@ -187,10 +187,11 @@ def _install_output(model, options) -> None:
     install_output_hooks(model, embedding_multiplier=None, final_logit_softcapping=options["final_logit_softcapping"])
     unpadded = int(options["unpadded_vocab_size"])
 
-    def _mask_padding(_module, _inputs, output):
+    def _mask_padding(module, _inputs, output):
         logits, bias = output
         local = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
+        # vocab-parallel logits hold this rank's rows; gathered ones (parallel_output=False) start at column 0
+        start = parallel_state.get_tensor_model_parallel_rank() * local if local == module.weight.shape[0] else 0
         if start + local <= unpadded:
             return logits, bias
         cols = torch.arange(start, start + local, device=logits.device) >= unpadded

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from ferrule.megatron.moe import TokenSplitMoELayer
 
 __all__ = ["Inkling2Router", "Inkling2Experts", "Inkling2MoELayer", "softcapped_swiglu"]
 
@@ -84,22 +85,13 @@ class Inkling2Experts(SequentialMLP):
         return torch.cat(outs, dim=0), None
 
 
-class Inkling2MoELayer(MoELayer):
+class Inkling2MoELayer(TokenSplitMoELayer):
     """HF ``Inkling2SparseMoeBlock``: router + routed experts through megatron's dispatcher.
 
-    Training at TP>1 is refused (``ValueError``), as for Inkling (:class:`ferrule.plugins.inkling.moe.InklingMoELayer`):
-    without sequence parallelism the dispatcher counts every token ``tp`` times in the experts' gradients.
+    At TP > 1 (no sequence parallelism) the tokens are split over TP around the dispatcher
+    (:class:`ferrule.megatron.moe.TokenSplitMoELayer`), so the experts see each token once and train exactly.
     """
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if (self.training and torch.is_grad_enabled() and self.tp_group.size() > 1
-                and not self.config.sequence_parallel):
-            raise ValueError(
-                f"Inkling-2 MoE layers cannot train at tp={self.tp_group.size()}: megatron's token dispatcher would "
-                "count every token tp times in the routed experts' gradients. Train with tp=1 (use ep to split the "
-                "experts); inference / logprobs at tp>1 are fine.")
         probs, routing_map = self.router(hidden_states)
-        x, probs = self.preprocess(hidden_states, probs, routing_map)
-        dispatched, probs = self.dispatch(x, probs)
-        out, _ = self.routed_experts_compute(dispatched, probs)
-        return self.postprocess(self.combine(out), None), None
+        return self.routed_experts(hidden_states, probs, routing_map), None

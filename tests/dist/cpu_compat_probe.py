@@ -6,7 +6,8 @@ One process, gloo world size 1. For every patch of ``ferrule.megatron.cpu_compat
 ``ferrule.megatron.te_compat.PATCHES``:
 revert that one patch, run its reproduction against upstream code (recording the exception
 type and message, or "ok"), re-apply it and run the reproduction again. Writes
-``{patch: {"upstream": ..., "patched": ...}}`` to OUT_JSON.
+``{patch: {"upstream": ..., "patched": ...}}`` to OUT_JSON. ``gloo_uneven_all_gather`` needs two ranks: its
+reproduction spawns one pair of gloo processes (both states in one run, about 8 s).
 """
 
 from __future__ import annotations
@@ -98,6 +99,56 @@ def repro_gloo_scatter_contiguous():
     dist.scatter(recv, [view], src=0)
     if not torch.equal(recv, view):
         raise AssertionError(f"gloo scatter delivered wrong values for a non-contiguous tensor: {recv.tolist()}")
+
+
+def _uneven_gather_rank(rank: int, init: str, out) -> None:
+    """Child of :func:`repro_gloo_uneven_all_gather`: the uneven first-dim ``all_gather`` that megatron's
+    ``mappings._gather_along_first_dim(output_split_sizes=...)`` makes, over a 2-rank gloo group, first
+    unpatched, then with the patch (a failed size check sends nothing, so the group stays usable)."""
+    import torch.distributed as dist
+
+    from ferrule.megatron import cpu_compat
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    expected = torch.cat([torch.zeros(2, 3), torch.ones(3, 3)])
+    for state in ("upstream", "patched"):
+        if state == "patched":
+            cpu_compat.patch_gloo_uneven_all_gather([])
+        got = expected.new_empty(expected.shape)
+        try:
+            dist.all_gather(list(torch.split(got, [2, 3])), torch.full((2 + rank, 3), float(rank)))
+            out.put((state, rank, "ok" if torch.equal(got, expected) else f"AssertionError: wrong {got.tolist()}"))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            out.put((state, rank, f"{type(exc).__name__}: {exc}"))
+    dist.destroy_process_group()
+
+
+_UNEVEN: dict = {}
+
+
+def repro_gloo_uneven_all_gather():
+    """Needs 2 ranks (the probe has 1): one pair of spawned gloo processes runs both states, cached here."""
+    import torch.multiprocessing as mp
+
+    from ferrule.megatron import cpu_compat
+
+    if not _UNEVEN:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [ctx.Process(target=_uneven_gather_rank, args=(r, f"file://{tmp}/store", out)) for r in range(2)]
+            for p in procs:
+                p.start()
+            for _ in range(4):
+                state, rank, msg = out.get(timeout=120)
+                _UNEVEN.setdefault(state, []).append(msg)
+            for p in procs:
+                p.join(timeout=60)
+    state = "patched" if "gloo_uneven_all_gather" in cpu_compat.applied() else "upstream"
+    bad = [msg for msg in _UNEVEN[state] if msg != "ok"]
+    if bad:
+        name, _, message = bad[0].partition(": ")
+        raise {"RuntimeError": RuntimeError}.get(name, AssertionError)(message)
 
 
 def _optimizer(distopt: bool):

@@ -1,0 +1,205 @@
+"""MoE layers that train at tensor parallelism > 1 without sequence parallelism (every MoE family).
+
+ferrule builds megatron with ``sequence_parallel=False`` (the local spec's torch norms cannot do
+SP), so every TP rank holds the *same* full sequence. megatron-core 0.16's token dispatchers
+(``MoEAlltoAllTokenDispatcher``: all-to-all over EP, then all-gather over the expert-TP group;
+``MoEAllGatherTokenDispatcher``: all-gather over the TP x EP group) assume each TP rank holds its
+own slice of the tokens, as under SP. Fed replicated tokens they count every token ``tp`` times in
+the routed experts (measured: expert gradients exactly 2x at TP=2), which is why megatron's
+``MoELayer.forward`` refuses training at TP > 1 without SP.
+
+:class:`TokenSplitMoELayer` gives the dispatcher exactly what it sees under SP, inside the MoE layer
+only (Inkling's short convolutions mix tokens along the sequence, so the rest of the model stays
+replicated):
+
+- the router runs on the full replicated sequence (its weight gradient is then the full gradient on
+  every TP rank, as megatron's finalize_model_grads expects of a parameter it does not all-reduce
+  over TP when ``sequence_parallel`` is False); megatron ``TopKRouter``\\ s get their aux-loss /
+  z-loss reduction groups narrowed from ``tp_cp`` to ``cp`` (and ``tp_dp_cp`` to ``dp_cp``), since
+  the tokens they see are no longer split over TP: token counts, ``total_num_tokens`` and the z-loss
+  coefficient then equal TP=1's;
+- the flat tokens ``[T, hidden]`` and the router's ``probs [T, E]`` are padded to a multiple of
+  the split group's size (pad rows: zero vectors, zero probs, no expert in ``routing_map``, so no
+  dispatcher moves or counts them) and split over that group (:func:`token_split_group`: the TP group,
+  or at ``ep == 1`` the expert-TP group) with ``scatter_to_sequence_parallel_region``
+  (forward: own slice; backward: all-gather, so the router and the residual stream get the full
+  gradient on every rank); ``routing_map`` is sliced the same way (no gradient);
+- preprocess / dispatch / experts / combine / postprocess run unchanged on the slice;
+- the output is gathered with ``gather_from_sequence_parallel_region(...,
+  tensor_parallel_output_grad=False)`` (forward: all-gather; backward: own slice of the
+  replicated gradient), the pad rows dropped.
+
+Expert gradients then come out as under SP: with ``etp == tp`` every expert-TP shard sees each
+token once (the dispatcher's all-gather over the expert-TP group); with ``ep > 1`` and ``etp < tp``
+each rank's experts see its slice and megatron DDP sums them over the expert-data-parallel group
+(which holds the other TP ranks); with ``ep == 1`` and ``etp < tp`` (megatron DDP reduces the experts
+over the dense DP group only) the split is over the expert-TP group, so nothing needs summing over TP.
+Dense parameters (router, shared experts computed on the full sequence) are replicated over TP with
+full gradients, as before. On CPU, megatron's alltoall dispatcher gathers uneven token counts over
+the expert-TP group, which gloo cannot (:func:`ferrule.megatron.cpu_compat.patch_gloo_uneven_all_gather`).
+
+Used by the local spec's MoE layer (``ferrule.megatron.gpt_builder._layer_spec`` swaps (:func:`with_token_split`)
+megatron's ``MoELayer`` for :class:`TokenSplitMoELayer`) and by the plugin MoE layers (Inkling,
+Inkling-2), which call :meth:`TokenSplitMoELayer.routed_experts` with their own router's output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+__all__ = ["TokenSplitMoELayer", "replicated_over_tp", "token_split_group", "with_token_split"]
+
+
+def replicated_over_tp(layer) -> bool:
+    """Whether ``layer``'s (a megatron ``MoELayer``) input is replicated over TP: ``tp > 1`` and no SP."""
+    return layer.tp_group.size() > 1 and not layer.config.sequence_parallel
+
+
+def token_split_group(layer):
+    """The group ``layer`` splits its replicated tokens over, or None (no split).
+
+    ``ep > 1``: the TP group (exactly SP's layout; the routed experts' gradients are then summed over the
+    expert-data-parallel group, which holds the TP ranks outside the dispatcher's group, since megatron marks
+    expert weights ``allreduce=False`` at ``ep > 1``). ``ep == 1``: megatron DDP reduces the expert weights
+    over the dense data-parallel group only, so the tokens are split over the dispatcher's own group (the
+    expert-TP group, ``etp`` ranks inside the TP group): every expert shard sees each token once and the
+    ``tp / etp`` copies of a shard compute identical gradients; at ``etp == 1`` nothing is split (the
+    dispatcher moves nothing and every rank computes the whole, replicated result).
+    """
+    if not replicated_over_tp(layer):
+        return None
+    if layer.ep_group.size() > 1:
+        return layer.tp_group
+    group = layer.token_dispatcher.tp_ep_group
+    return group if group.size() > 1 else None
+
+
+class _TokenSplit:
+    """Pads ``num_tokens`` replicated rows to a multiple of the group size and keeps this rank's slice."""
+
+    def __init__(self, group, num_tokens: int):
+        self.group, self.size, self.rank = group, group.size(), group.rank()
+        self.num_tokens = num_tokens
+        self.pad = (-num_tokens) % self.size
+        self.local = (num_tokens + self.pad) // self.size
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.pad:
+            return x
+        if x.dtype == torch.bool:
+            return torch.cat([x, x.new_zeros((self.pad, *x.shape[1:]))])
+        return F.pad(x, (0, 0, 0, self.pad))
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` (identical on every rank) -> this rank's ``[T_pad / tp, ...]``; backward all-gathers."""
+        from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+        return scatter_to_sequence_parallel_region(self._padded(x), group=self.group)
+
+    def slice(self, x: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`scatter` for a tensor without gradient (``routing_map``)."""
+        return self._padded(x)[self.rank * self.local:(self.rank + 1) * self.local]
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[T_pad / tp, ...]`` -> ``[T, ...]`` on every rank; backward keeps own slice."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        full = gather_from_sequence_parallel_region(y, tensor_parallel_output_grad=False, group=self.group)
+        return full[: self.num_tokens]
+
+
+class TokenSplitMoELayer(MoELayer):
+    """megatron ``MoELayer`` that splits replicated tokens over TP around the dispatcher (module docstring).
+
+    At ``tp == 1`` or with ``sequence_parallel`` it is megatron's ``MoELayer`` unchanged.
+
+    Raises:
+        ValueError: at construction, with ``tp > 1`` and no SP, for what this path does not cover:
+            ``moe_shared_expert_overlap`` (the dispatcher would run the shared experts on the slice),
+            ``moe_latent_size`` (needs TransformerEngine), the ``flex`` dispatcher (DeepEP / HybridEP);
+            in :meth:`forward`, megatron's partial CUDA-graph ``intermediate_tensors``.
+    """
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+        if not replicated_over_tp(self):
+            return
+        etp, tp = self.token_dispatcher.tp_size, self.tp_group.size()
+        if self.ep_group.size() == 1 and (etp > tp or tp % etp):
+            raise ValueError(f"MoE at tp={tp} without sequence parallelism and ep=1 needs the expert TP size "
+                             f"(etp={etp}) to divide tp; set etp to a divisor of tp (default: etp = tp).")
+        bad = [name for name, on in (("moe_shared_expert_overlap", config.moe_shared_expert_overlap),
+                                     ("moe_latent_size", config.moe_latent_size),
+                                     ("moe_token_dispatcher_type='flex'", config.moe_token_dispatcher_type == "flex"))
+               if on]
+        if bad:
+            raise ValueError(f"MoE at tp={self.tp_group.size()} without sequence parallelism does not support {bad}; "
+                             "turn it off or use tp=1 (split the experts with ep).")
+        from megatron.core import parallel_state as ps
+
+        # megatron's TopKRouter reduces its aux-loss token counts (and divides the z-loss coefficient) over tp_cp
+        # (tp_dp_cp for the global aux loss), assuming SP-split tokens; here it sees the full sequence
+        cp, dp_cp = getattr(pg_collection, "cp", None), getattr(pg_collection, "dp_cp", None)
+        cp = ps.get_context_parallel_group() if cp is None else cp
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True) if dp_cp is None else dp_cp
+        for attr, group in (("tp_cp_group", cp), ("tp_dp_cp_group", dp_cp)):
+            if hasattr(self.router, attr):
+                setattr(self.router, attr, group)
+
+    def routed_experts(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Routed experts' output for the router's ``probs [T, E]`` / ``routing_map [T, E]`` (bool).
+
+        ``hidden_states`` ``[s, b, hidden]`` (``T = s * b`` flat tokens, replicated over TP); returns
+        ``[s, b, hidden]`` in its dtype, replicated over TP, with the tokens split over TP around the
+        dispatcher over :func:`token_split_group` (any ``T``: padded to a multiple of that group's size).
+        """
+        group = token_split_group(self)
+        if group is None:
+            x, probs = self.preprocess(hidden_states, probs, routing_map)
+            dispatched, probs = self.dispatch(x, probs)
+            out, _ = self.routed_experts_compute(dispatched, probs)
+            return self.postprocess(self.combine(out), None)
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        split = _TokenSplit(group, flat.shape[0])
+        x, probs = self.preprocess(split.scatter(flat), split.scatter(probs), split.slice(routing_map))
+        dispatched, probs = self.dispatch(x, probs)
+        out, _ = self.routed_experts_compute(dispatched, probs)
+        out = self.postprocess(self.combine(out), None)
+        return split.gather(out).view(shape)
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        """megatron ``MoELayer.forward`` (shared experts + router + routed experts), tokens split over TP."""
+        if not replicated_over_tp(self):
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if intermediate_tensors is not None:
+            raise ValueError("MoE at tp > 1 without sequence parallelism: partial CUDA-graph capture "
+                             "(intermediate_tensors) is not supported.")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+
+        def run(hidden_states, padding_mask):
+            shared = self.shared_experts_compute(hidden_states)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            out = self.routed_experts(hidden_states, probs, routing_map)
+            return out if shared is None else out + shared
+
+        if self.moe_layer_recompute:
+            from megatron.core import tensor_parallel
+
+            return tensor_parallel.checkpoint(run, False, hidden_states, padding_mask), None
+        return run(hidden_states, padding_mask), None
+
+
+def with_token_split(layer_spec):
+    """``layer_spec`` (a megatron layer ``ModuleSpec``) with megatron's ``MoELayer`` MLP swapped for
+    :class:`TokenSplitMoELayer`; any other spec is returned as it is."""
+    import dataclasses
+
+    mlp = getattr(getattr(layer_spec, "submodules", None), "mlp", None)
+    if getattr(mlp, "module", None) is not MoELayer:
+        return layer_spec
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, mlp=dataclasses.replace(mlp, module=TokenSplitMoELayer)))
