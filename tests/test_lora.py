@@ -367,6 +367,9 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink = lw.lora_engine(ink_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
     lw.write_peft_dir(work / "adapter_inkling", lw.randomize_adapter(ink, seed=12), peft_config(ink))
     ink_ws1 = ink.forward_logprobs(tw.make_batch(seed=3))
+    ink.forward_backward(tw.make_batch(seed=3), "cross_entropy")  # MoE LoRA training: the TP=2 step's reference
+    ink_norm = ink.optim_step()["grad_norm"]
+    ink_after = {k: v.cpu() for k, v in hf_adapter_state_dict(ink).items()}
     # Inkling-2 text (attention linears + routed experts), 2 KV heads so that TP=2 splits them, no padded vocabulary
     from test_inkling2 import CONFIGS as INK2_CONFIGS, tiny_inkling2_dir
 
@@ -375,6 +378,9 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink2 = lw.lora_engine(ink2_dir, settings=LoraSettings(rank=2, alpha=5))
     lw.write_peft_dir(work / "adapter_inkling2", lw.randomize_adapter(ink2, seed=13), peft_config(ink2))
     ink2_ws1 = ink2.forward_logprobs(tw.make_batch(seed=3))
+    ink2.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    ink2_norm = ink2.optim_step()["grad_norm"]
+    ink2_after = {k: v.cpu() for k, v in hf_adapter_state_dict(ink2).items()}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
                           capture_output=True, text=True, timeout=280, cwd=REPO)
@@ -395,6 +401,13 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
     assert res["inkling_tp2_roundtrip"]
     assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5
+    # MoE LoRA training at TP=2 (ferrule.megatron.moe): grad norm and stepped adapter == world size 1
+    for name, norm, after in (("inkling", ink_norm, ink_after), ("inkling2", ink2_norm, ink2_after)):
+        step = max(float((torch.tensor(res[f"{name}_tp2_after_step"][k]) - v).abs().max()) for k, v in after.items())
+        print(f"{name} LoRA TP=2 step vs world size 1: grad norm {res[f'{name}_tp2_grad_norm']:.9g} vs {norm:.9g}, "
+              f"adapter max|d| {step:.3g}")
+        assert math.isclose(res[f"{name}_tp2_grad_norm"], norm, rel_tol=1e-5), (name, res[f"{name}_tp2_grad_norm"], norm)
+        assert set(res[f"{name}_tp2_after_step"]) == set(after) and step <= 1e-6, (name, step)
     assert res["inkling2_tp2_roundtrip"]
     ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_tp2_logprobs"]], ink2_ws1)
     print(f"inkling2 LoRA TP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")

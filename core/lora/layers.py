@@ -120,7 +120,8 @@ def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, t
         expert: mark ``B`` as an expert-parallel parameter (megatron's ``allreduce=False``: its
             gradient is reduced over the expert-data-parallel group, and the optimizer puts it
             in the expert param group); a shared ``A`` stays a dense parameter, so its gradient
-            is summed over the whole data-parallel group, EP ranks included.
+            is summed over the whole data-parallel group, EP ranks included. The routed-experts
+            applier passes its base weight's flag (megatron sets it at ``ep > 1`` only).
 
     ``A`` is drawn full (``[rank, in]``, kaiming-uniform ``a=sqrt(5)``, generator seeded by
     ``settings.init_seed`` and ``global_name``) and sliced for this rank, so TP does not change
