@@ -109,7 +109,51 @@ def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bo
     dt = time.perf_counter() - t0
     produced = sum(len(r.token_ids) for r in res)
     assert produced == len(reqs) * new_tokens, produced
-    return produced / dt, engine.cuda_graph
+    graph = engine.cuda_graph
+    engine.shutdown()
+    return produced / dt, graph
+
+
+def fast_variants(args) -> list[tuple[str, str]]:
+    """(kv bucket, attention) pairs of the fast path to time, from ``--kv-buckets`` x ``--attn``."""
+    return [(str(k), a) for k in args.kv_buckets for a in args.attn]
+
+
+def bench_grid(model, args) -> list[dict]:
+    """Every ``--batches`` size: HF anchor (unless --no-hf), plain path, and each fast variant, in
+    this process; returns one dict per (batch, mode) with the rate, step time and share of limit."""
+    rows, hf_rates = [], {}
+
+    def prompts_of(batch):
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(1, model.config.vocab_size, (batch, args.prompt_len), generator=g)
+
+    for batch in args.batches:  # HF first: the engine makes the model's attention its own opaque op
+        hf_rates[batch] = float("nan") if args.no_hf else bench_hf(model, prompts_of(batch), args.new_tokens,
+                                                                    args.device)
+        print(f"HF generate batch {batch}: {hf_rates[batch]:.1f} new tok/s", flush=True)
+    for batch in args.batches:
+        prompts, hf = prompts_of(batch), hf_rates[batch]
+        limit = step_limit_ms(model, batch, args.prompt_len + args.new_tokens / 2)
+        runs = [("plain", None, None, False)] + [(f"fast kv_bucket={k} attn={a}", k, a, True)
+                                                  for k, a in fast_variants(args)]
+        plain = float("nan")
+        for mode, k, a, fast in runs:
+            if fast:
+                os.environ["FERRULE_FAST_KV_BUCKET"], os.environ["FERRULE_FAST_ATTN"] = k, a
+            try:
+                rate, _ = bench_embedded(model, prompts, args.new_tokens, True, fast_decode=fast)
+            except Exception as exc:  # one failing variant must not hide the others' rows
+                print(f"batch {batch} {mode}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+                continue
+            plain = rate if not fast else plain
+            step = batch * 1e3 / rate
+            row = dict(batch=batch, mode=mode, tok_s=round(rate, 1), step_ms=round(step, 3), hf_tok_s=round(hf, 1),
+                       x_hf=round(rate / hf, 2), x_plain=round(rate / plain, 3), limit_ms=round(limit, 3),
+                       of_limit=round(limit / step, 3))
+            print(row, flush=True)
+            rows.append(row)
+    return rows
 
 
 def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
@@ -129,15 +173,24 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.rl_n, seed=0,
                             stop_token_ids=stops)
     out = []
-    modes = [("static, plain decode", None, False), ("static, fast decode", None, True)]
-    for mode, mb, fast in modes + [(f"continuous max_batch={m}", m, None) for m in args.rl_max_batch]:
+    modes = [] if args.rl_skip_plain else [("static, plain decode", None, False, None)]
+    modes += [
+        (f"static, fast kv_bucket={k} attn={a}", None, True, (k, a)) for k, a in fast_variants(args)]
+    for mode, mb, fast, var in modes + [(f"continuous max_batch={m}", m, None, None) for m in args.rl_max_batch]:
+        if var is not None:
+            os.environ["FERRULE_FAST_KV_BUCKET"], os.environ["FERRULE_FAST_ATTN"] = var
         engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast)
-        engine.generate(reqs, params)  # warm-up: compile + capture this bucket
-        sync(str(engine.device))
-        t0 = time.perf_counter()
-        res = engine.generate(reqs, params)
-        sync(str(engine.device))
-        dt = time.perf_counter() - t0
+        try:
+            engine.generate(reqs, params)  # warm-up: compile + capture this bucket
+            sync(str(engine.device))
+            t0 = time.perf_counter()
+            res = engine.generate(reqs, params)
+            sync(str(engine.device))
+            dt = time.perf_counter() - t0
+        except Exception as exc:  # one failing variant must not hide the others' rows
+            print(f"RL-shaped {mode}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+            engine.shutdown()
+            continue
         produced = sum(len(r.token_ids) for r in res)
         out.append((mode, produced / dt, produced / len(res), dt))
         print(f"RL-shaped {mode:28s}: {produced / dt:10.1f} real new tok/s, mean length {produced / len(res):6.1f}, "
@@ -187,18 +240,34 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-n", type=int, default=8)
     ap.add_argument("--rl-stop-every", type=int, default=300)
     ap.add_argument("--rl-max-batch", type=int, nargs="*", default=[128, 256])
+    ap.add_argument("--rl-skip-plain", action="store_true", help="RL-shaped: time only the fast path variants")
     ap.add_argument("--compare-fast", action="store_true",
                     help="also time the embedded engine with fast_decode=False (the plain compiled path)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate anchor (ratio prints nan)")
     ap.add_argument("--skip-fixed", action="store_true", help="skip the fixed-length HF vs embedded comparison")
+    ap.add_argument("--batches", type=int, nargs="*", default=None,
+                    help="grid mode: time every batch size (HF, plain, each fast variant) in this process")
+    ap.add_argument("--kv-buckets", nargs="*", default=["0"], help="fast path FERRULE_FAST_KV_BUCKET values")
+    ap.add_argument("--attn", nargs="*", default=["eager"], help="fast path FERRULE_FAST_ATTN values")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    import torch._dynamo as dynamo
+
+    # one compile per (batch, cache) bucket and variant: more than dynamo's default 8 in one process
+    dynamo.config.recompile_limit = 64
 
     model, name = build_model(args)
     if args.rl_shaped:
         bench_rl_shaped(model, args)
         if args.skip_fixed:
             return 0
+    if args.batches:
+        rows = bench_grid(model, args)
+        print("| batch | mode | tok/s | step ms | HF tok/s | x HF | x plain | limit ms | share of limit |")
+        for r in rows:
+            print(f"| {r['batch']} | {r['mode']} | {r['tok_s']} | {r['step_ms']} | {r['hf_tok_s']} | {r['x_hf']} | "
+                  f"{r['x_plain']} | {r['limit_ms']} | {r['of_limit']:.0%} |")
+        return 0
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
     hf = float("nan") if args.no_hf else bench_hf(model, prompts, args.new_tokens, args.device)

@@ -9,6 +9,9 @@ batch + global-norm clip (1.0) + AdamW:
   loss = ``model(input_ids, labels=...)`` (mean token cross entropy).
 - ``hf_liger``: the same after ``liger_kernel.transformers.apply_liger_kernel_to_qwen2`` (RMSNorm,
   SwiGLU, RoPE, fused linear cross entropy), when ``liger-kernel`` is importable.
+- ``hf_liger_rl``: HF + Liger on the RL-shaped batch of ``ferrule_rl`` as an HF trainer runs it:
+  sorted by length, ``--hf-rl-micro`` sequences per micro-batch padded to the longest, gradient
+  accumulation, one step; reported as real tokens per second.
 - ``ferrule``: ``TrainEngine.forward_backward(batch, "cross_entropy")`` + ``optim_step()`` (bf16
   parameters with fp32 master weights and fp32 gradients, megatron's mixed-precision optimizer).
 - ``ferrule_plain``: the same with the CUDA fast paths off (``FERRULE_FUSED_LOGPROBS=0``,
@@ -95,6 +98,38 @@ def _hf_mode(hf_dir: Path, tokens, liger: bool):
     return step, n_params, lambda: None
 
 
+def _hf_padded_mode(hf_dir: Path, seqs, per_micro: int):
+    """HF (+ Liger if already applied) on the RL-shaped batch the way an HF trainer packs it:
+    sequences sorted by length, ``per_micro`` per micro-batch, right-padded to the micro-batch's
+    longest (labels -100 on padding), gradients accumulated over the micro-batches, one step."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    order = sorted(seqs, key=len)
+    micro = []
+    for i in range(0, len(order), per_micro):
+        group = order[i:i + per_micro]
+        n = max(len(x) for x in group) - 1
+        ids = torch.zeros((len(group), n), dtype=torch.long)
+        labels = torch.full((len(group), n), -100, dtype=torch.long)
+        mask = torch.zeros((len(group), n), dtype=torch.long)
+        for r, x in enumerate(group):
+            ids[r, :len(x) - 1], labels[r, :len(x) - 1], mask[r, :len(x) - 1] = x[:-1], x[:-1], 1
+        micro.append((ids.cuda(), labels.cuda(), mask.cuda()))
+
+    def step():
+        for ids, labels, mask in micro:
+            (model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, sum(p.numel() for p in model.parameters())
+
+
 def _ferrule_engine(hf_dir: Path, max_tokens: int | None):
     import torch
 
@@ -124,7 +159,8 @@ def main() -> None:
     ap.add_argument("--rl-batch", type=int, default=64)
     ap.add_argument("--rl-min", type=int, default=256)
     ap.add_argument("--rl-max", type=int, default=1536)
-    ap.add_argument("--modes", default="hf,ferrule_plain,ferrule,ferrule_rl,hf_liger")
+    ap.add_argument("--modes", default="hf,ferrule_plain,ferrule,ferrule_rl,hf_liger,hf_liger_rl")
+    ap.add_argument("--hf-rl-micro", type=int, default=8, help="sequences per HF micro-batch (RL-shaped, padded)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA ops of one ferrule step")
@@ -138,6 +174,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, QWEN2_05B["vocab_size"], (args.batch, args.seq + 1), generator=g)
+    lens = torch.randint(args.rl_min, args.rl_max + 1, (args.rl_batch,), generator=g)
+    rl_seqs = [torch.randint(0, QWEN2_05B["vocab_size"], (int(n) + 1,), generator=g) for n in lens]
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "qwen2_0.5b"
         torch.manual_seed(0)
@@ -147,15 +185,22 @@ def main() -> None:
         for mode in modes:
             gc.collect()
             torch.cuda.empty_cache()
-            if mode in ("hf", "hf_liger"):
-                if mode == "hf_liger":
+            if mode in ("hf", "hf_liger", "hf_liger_rl"):
+                if mode.startswith("hf_liger"):
                     try:
                         import liger_kernel  # noqa: F401
                     except ImportError:
-                        print("hf_liger: liger-kernel is not installed here; skipped")
+                        print(f"{mode}: liger-kernel is not installed here; skipped")
                         continue
-                step, n_params, _ = _hf_mode(hf_dir, tokens, liger=mode == "hf_liger")
-                real = args.batch * args.seq
+                if mode == "hf_liger_rl":
+                    from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+                    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+                    step, n_params = _hf_padded_mode(hf_dir, rl_seqs, args.hf_rl_micro)
+                    real = sum(len(x) - 1 for x in rl_seqs)
+                else:
+                    step, n_params, _ = _hf_mode(hf_dir, tokens, liger=mode == "hf_liger")
+                    real = args.batch * args.seq
             else:
                 want_plain = mode == "ferrule_plain"
                 if engine is None or getattr(engine, "_bench_plain", None) != want_plain:
@@ -175,9 +220,7 @@ def main() -> None:
                 if mode in ("ferrule", "ferrule_plain"):
                     batch = _ferrule_batch(list(tokens))
                 else:
-                    lens = torch.randint(args.rl_min, args.rl_max + 1, (args.rl_batch,), generator=g)
-                    batch = _ferrule_batch([torch.randint(0, QWEN2_05B["vocab_size"], (int(n) + 1,), generator=g)
-                                            for n in lens])
+                    batch = _ferrule_batch(rl_seqs)
                 real = sum(len(d.model_input) for d in batch)
 
                 def step(batch=batch):
@@ -204,6 +247,8 @@ def main() -> None:
             r["x_hf"] = round(r["tok_s"] / base, 3)
     if "hf_liger" in results and "ferrule" in results:
         results["ferrule"]["x_hf_liger"] = round(results["ferrule"]["tok_s"] / results["hf_liger"]["tok_s"], 3)
+    if "hf_liger_rl" in results and "ferrule_rl" in results:
+        results["ferrule_rl"]["x_hf_liger_rl"] = round(results["ferrule_rl"]["tok_s"] / results["hf_liger_rl"]["tok_s"], 3)
     if "ferrule_rl" in results and "ferrule" in results:
         results["ferrule_rl"]["of_fixed"] = round(results["ferrule_rl"]["tok_s"] / results["ferrule"]["tok_s"], 3)
     print(json.dumps({"summary": results}))
@@ -225,7 +270,7 @@ def _append_docs(results: dict, args) -> None:
             "|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for mode, r in results.items():
-        shape = (f"{args.rl_batch} x U[{args.rl_min},{args.rl_max}]" if mode == "ferrule_rl"
+        shape = (f"{args.rl_batch} x U[{args.rl_min},{args.rl_max}]" if mode.endswith("_rl")
                  else f"{args.batch} x {args.seq}")
         rows.append(f"| {datetime.date.today().isoformat()} | {torch.cuda.get_device_name()} | {torch.__version__} | "
                     f"{mode} | {shape} | {r['tok_s']} | {r['step_s']} | {r['peak_gib']} | {r['mfu']} | "

@@ -42,6 +42,9 @@ def main():
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
+    import torch._dynamo as dynamo
+
+    dynamo.config.recompile_limit = 64
     model, _ = build_model(args)
     kw = dict(fast_decode=not args.plain)
     for batch in args.batch:
@@ -76,8 +79,22 @@ def main():
                 for _ in range(3):
                     graph.replay()
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.kernels,
-                                            max_name_column_width=70))
+            ka = prof.key_averages()
+            kern = [e for e in ka if e.device_type == torch.autograd.DeviceType.CUDA]
+            n_k = sum(e.count for e in kern) / 3
+            gpu_us = sum(e.device_time_total for e in kern) / 3
+            print(f"  last graph ({key}): {n_k:.0f} kernels per replay, {gpu_us:.0f} us summed kernel time")
+            if not kern:  # CUPTI recorded no kernels inside the graph: profile the compiled step eagerly
+                from ferrule.rollout import _fast_decode
+
+                fn = _fast_decode._compiled("step" if key[-1] is None else "step_kv")
+                fargs = fast._args(fast.state and engine._fused[1], key[0], key[1], key[-1], key[3])
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        fn(*fargs)
+                    torch.cuda.synchronize()
+                ka = prof.key_averages()
+            print(ka.table(sort_by="cuda_time_total", row_limit=args.kernels, max_name_column_width=90))
             engine.shutdown()
             continue
         gpu, wall = cuda_ms(state.step)

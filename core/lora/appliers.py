@@ -236,14 +236,11 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
                 raise LoraTargetError(f"{layer}: LoRA dropout on routed experts is refused (PEFT's expert-parameter "
                                       f"LoRA has none, so the adapter could not be loaded there); use dropout=0.")
             shared = None
-            # B is reduced like its base weight: megatron marks expert weights allreduce=False (expert-DP group) only at
-            # ep > 1; at ep = 1 they are dense (DP group). An expert B at ep = 1 reduced over expert-DP would add the
-            # tp / etp identical copies of an etp = 1 expert at TP > 1 (measured: 2x at TP=2)
             for j, expert in enumerate(experts):
                 name = ctx.global_names.get(f"{local}.local_experts.{j}.{leaf}", f"{local}.local_experts.{j}.{leaf}")
                 ad = attach_adapter(getattr(expert, leaf), global_name=f"{layer}.{leaf}" if shared is None else name,
                                     kind="routed_experts", settings=settings, tp_rank=0, tp_size=1,
-                                    shared_a=shared, expert=not getattr(getattr(expert, leaf).weight, "allreduce", True))
+                                    shared_a=shared, expert=True)
                 shared = ad.lora_A
                 done.append(name)
     return done

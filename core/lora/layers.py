@@ -117,11 +117,11 @@ def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, t
         tp_rank / tp_size: this rank's position in the module's TP group.
         shared_a: an ``A`` parameter to share instead of a new one (routed experts: one ``A`` per
             layer and linear, shared by every expert; ``global_name`` then only names the module).
-        expert: mark ``B`` as an expert-parallel parameter (megatron's ``allreduce=False``: its
-            gradient is reduced over the expert-data-parallel group, and the optimizer puts it
-            in the expert param group); a shared ``A`` stays a dense parameter, so its gradient
-            is summed over the whole data-parallel group, EP ranks included. The routed-experts
-            applier passes its base weight's flag (megatron sets it at ``ep > 1`` only).
+        expert: give ``B`` the base expert weight's ``allreduce`` (megatron's: ``False``, an
+            expert-parallel parameter reduced over the expert-data-parallel group and put in the
+            optimizer's expert param group, when ``ep > 1``; ``True``, dense, at ``ep == 1``); a shared
+            ``A`` stays a dense parameter, so its gradient is summed over the whole data-parallel
+            group, EP ranks included.
 
     ``A`` is drawn full (``[rank, in]``, kaiming-uniform ``a=sqrt(5)``, generator seeded by
     ``settings.init_seed`` and ``global_name``) and sliced for this rank, so TP does not change
@@ -170,7 +170,10 @@ def attach_adapter(module: Any, *, global_name: str, kind: str, settings: Any, t
         with torch.no_grad():
             adapter.lora_A.copy_(a_full)
     if expert:
-        adapter.lora_B.allreduce = False
+        # as megatron marks the base expert weight (tensor_parallel/layers.py: allreduce = not (is_expert and
+        # ep > 1)); always False over-reduced at ep == 1, tp > 1: the expert-data-parallel group then holds the
+        # TP peers, which compute the same full gradient (ferrule.megatron.moe), so B's gradient came out tp x
+        adapter.lora_B.allreduce = bool(getattr(weight, "allreduce", False))
     module.lora = adapter
     module.register_forward_hook(_forward_hook, with_kwargs=True)
     module._register_state_dict_hook(_drop_adapter_keys)

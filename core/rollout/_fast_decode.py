@@ -16,8 +16,9 @@ full attention only):
   buffer (``param.data`` re-pointed; the Parameter objects stay), so weight updates, which copy
   into the parameters in place, write the fused buffers directly and no step concatenates;
 - :func:`decode_logits` computes one decode step as transformers' eager attention path does
-  (``matmul`` scores in the model dtype, masked, ``softmax`` in fp32, ``matmul``), reading the
-  same :class:`~ferrule.rollout._static_cache.StaticKVCache` that the HF prefill filled;
+  (``matmul`` scores, masked, ``softmax`` in fp32, ``matmul``; the scores kept in fp32 by
+  default, see :data:`ATTN`) over the filled prefix (:data:`KV_BUCKET`), reading the same
+  :class:`~ferrule.rollout._static_cache.StaticKVCache` that the HF prefill filled;
 - :class:`FastStatic` compiles forward + sampling (:mod:`ferrule.rollout._fast_sampling`'s
   formulas) + bookkeeping (record token/logprob at column ``t``, stop ids, stage the next input)
   as one function and captures it as one CUDA graph per bucket and sampling kind. The
@@ -42,10 +43,20 @@ MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
 #: back to the plain path
 MAX_STOP_IDS = 1024
-#: key slots attended per step: the filled prefix rounded up to this many (one graph per length;
-#: checked on CPU, not yet measured on a GPU); 0 (default): the whole cache, the configuration
-#: measured in docs/benchmarks.md (``FERRULE_FAST_KV_BUCKET`` overrides)
-KV_BUCKET = 0
+#: key slots attended per step: the filled prefix rounded up to this many (one graph per length,
+#: docs/benchmarks.md "Embedded decode: fast path"); 0: the whole cache every step
+#: (``FERRULE_FAST_KV_BUCKET`` overrides)
+KV_BUCKET = 64
+#: decode attention scores: "fp32" (default: ``q @ k^T`` kept in fp32, as SDPA's kernels keep it;
+#: ``bmm(..., out_dtype=float32)`` on CUDA) or "eager" (transformers' eager formula: ``q @ k^T``
+#: rounded to the model dtype, then the fp32 softmax). Same speed on an H200; on SmolLM2 in bf16
+#: (CPU, teacher-forced) fp32 scores put the logprobs 8% closer to an fp32 forward (docs/benchmarks.md).
+#: ``FERRULE_FAST_ATTN`` overrides
+ATTN = "fp32"
+ATTN_KINDS = ("eager", "fp32")
+#: torch.compile recompile limit while the fast step compiles: one compile per (batch, cache)
+#: bucket, sampling kind, stop-id buffer size and attended length, more than dynamo's default 8
+RECOMPILE_LIMIT = 64
 _PER_LAYER = 11  # tensors per layer in the flat weight list, see FusedLayout.weights
 
 
@@ -174,7 +185,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], values: list[torch.Tensor],
                   ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, allowed: torch.Tensor,
-                  kv_len: int | None = None) -> torch.Tensor:
+                  kv_len: int | None = None, attn: str = "eager") -> torch.Tensor:
     """One decode step: ``ids``/``pos``/``slot`` ``[batch]`` int64 (token, position id, key slot
     written), ``allowed [batch, max_len]`` bool (key slots visible, ``slot`` included) ->
     ``[batch, vocab]`` logits in the model dtype. Writes each layer's new key/value into
@@ -184,6 +195,10 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     (``eager_attention_forward``: scores in the model dtype, fp32 softmax); ``weights`` is
     ``layout.weights`` (passed separately so a compiled caller sees them as inputs). With
     ``kv_len``, attention reads only key slots ``[0, kv_len)`` (every visible slot must lie there).
+    ``attn`` (:data:`ATTN_KINDS`): "eager" is that formula; "fp32" keeps the scores in fp32 (equal
+    to "eager" for fp32 models, closer to an fp32 forward for bf16 ones). The new key/value are
+    written with ``index_put_`` (in place under torch.compile; ``scatter_`` made inductor copy the
+    whole cache per layer and step).
     """
     b = ids.shape[0]
     hq, hkv, d = layout.hq, layout.hkv, layout.head_dim
@@ -194,8 +209,11 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     cos, sin = layout.rotary(x[:, None], pos[:, None])
     cos, sin = cos[:, 0, None, :], sin[:, 0, None, :]  # [b, 1, d]
     L = keys[0].shape[2] if kv_len is None else kv_len
+    if attn not in ATTN_KINDS:
+        raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (FERRULE_FAST_ATTN)")
     hidden = ~allowed[:, None, None, :L]
-    index = slot.view(b, 1, 1, 1).expand(b, hkv, 1, d)
+    rows = torch.arange(b, device=ids.device)
+    fp32_scores = attn == "fp32" and embed.dtype != torch.float32
     for i in range(n):
         ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
         e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
@@ -207,10 +225,16 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
             q, k = _rms(q, qn, eqk), _rms(k, kn, eqk)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kc, vc = keys[i], values[i]
-        kc.scatter_(2, index, k[:, :, None, :])
-        vc.scatter_(2, index, v[:, :, None, :])
+        kc[rows, :, slot] = k
+        vc[rows, :, slot] = v
         # query head h uses kv head h // rep (transformers' repeat_kv grouping)
-        s = torch.matmul(q.view(b, hkv, rep, d), kc[:, :, :L].transpose(-1, -2)) * layout.scaling
+        if fp32_scores and q.is_cuda:
+            s = torch.bmm(q.reshape(b * hkv, rep, d), kc[:, :, :L].reshape(b * hkv, L, d).transpose(-1, -2),
+                          out_dtype=torch.float32).view(b, hkv, rep, L) * layout.scaling
+        elif fp32_scores:  # CPU has no bmm(out_dtype=): the same products from upcast operands
+            s = torch.matmul(q.view(b, hkv, rep, d).float(), kc[:, :, :L].transpose(-1, -2).float()) * layout.scaling
+        else:
+            s = torch.matmul(q.view(b, hkv, rep, d), kc[:, :, :L].transpose(-1, -2)) * layout.scaling
         s = s.masked_fill(hidden, torch.finfo(s.dtype).min)
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(p, vc[:, :, :L]).reshape(b, hq * d)
@@ -224,9 +248,9 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
           slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
           temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
           lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
-          stopped: torch.Tensor, kv_len: int | None = None) -> None:
+          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager") -> None:
     """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
-    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len)
+    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn)
     _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
                    finished, stopped, ids, pos, slot, allowed)
 
@@ -259,11 +283,19 @@ def _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, token
     ids.copy_(tok)
     pos.copy_(prompt_len + col)
     slot.copy_((p + col).expand_as(slot))
-    allowed.scatter_(1, slot[:, None], True)
+    allowed[torch.arange(allowed.shape[0], device=allowed.device), slot] = True
     col.add_(1)
 
 
 _COMPILED: dict[str, Any] = {}
+
+
+def _recompile_limit() -> Any:
+    """Context raising dynamo's recompile limit to :data:`RECOMPILE_LIMIT` while the fast step
+    compiles (past the limit dynamo would silently run the step eagerly inside the graph)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)})
 
 
 def _compiled(name: str) -> Any:
@@ -311,36 +343,38 @@ class FastStatic:
             self.stop_bufs[size] = torch.full((size,), -1, dtype=torch.long, device=self.ids.device)
         return self.stop_bufs[size]
 
-    def _args(self, layout: FusedLayout, greedy: bool, want_raw: bool, kv_len: int | None = None) -> tuple:
+    def _args(self, layout: FusedLayout, greedy: bool, want_raw: bool, kv_len: int | None = None,
+              attn: str = "eager") -> tuple:
         c = self.state.cache
         keys = [c.keys[i] for i in layout.layer_idx]
         values = [c.values[i] for i in layout.layer_idx]
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
-                self.stopped, kv_len)
+                self.stopped, kv_len, attn)
 
     def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
-               kv_len: int | None = None) -> torch.cuda.CUDAGraph:
+               kv_len: int | None = None, attn: str = "eager") -> torch.cuda.CUDAGraph:
         if self.layout_key != layout.key():
             self.graphs.clear()
             self.layout_key = layout.key()
-        key = (greedy, want_raw, self.stop_t.numel(), kv_len)
+        key = (greedy, want_raw, self.stop_t.numel(), attn, kv_len)
         if key in self.graphs:
             return self.graphs[key]
-        args = self._args(layout, greedy, want_raw, kv_len)
+        args = self._args(layout, greedy, want_raw, kv_len, attn)
         small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
         saved = [t.clone() for t in small]
         fn = _compiled("step" if kv_len is None else "step_kv")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
-            for _ in range(2):
+        with _recompile_limit():
+            with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
+                for _ in range(2):
+                    fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
                 fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            fn(*args)
         for t, s in zip(small, saved):  # the warm-up and capture ran the step three times: undo
             t.copy_(s)
         self.graphs[key] = graph
@@ -367,12 +401,14 @@ class FastStatic:
         noise = None if greedy else self.noise
         if noise is not None:
             noise.exponential_(1, generator=gen)
-        _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
-                           self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
-                           self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed)
+        with _recompile_limit():
+            _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
+                               self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
+                               self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed)
         # graphs are captured after the first sample staged step 1's input: their warm-up runs write
         # the cache only at slots the real steps write again before reading
         bucket = int(os.environ.get("FERRULE_FAST_KV_BUCKET", KV_BUCKET))
+        attn = os.environ.get("FERRULE_FAST_ATTN", ATTN)
         max_len = self.state.max_len
         kv_len, graph = None, None
         for t in range(1, n_new):
@@ -382,7 +418,7 @@ class FastStatic:
             want = None if bucket <= 0 else min(max_len, -(-(p + t) // bucket) * bucket)
             if graph is None or want != kv_len:
                 kv_len = want
-                graph = self._graph(layout, greedy, want_raw, pool, None if kv_len == max_len else kv_len)
+                graph = self._graph(layout, greedy, want_raw, pool, None if kv_len == max_len else kv_len, attn)
             if noise is not None:
                 noise.exponential_(1, generator=gen)
             graph.replay()

@@ -119,10 +119,11 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         fast_decode: decode supported dense models (:data:`ferrule.rollout._fast_decode.MODEL_TYPES`)
             through :mod:`ferrule.rollout._fast_decode` (fused q/k/v and gate/up weights, sampler and
             bookkeeping inside one CUDA graph per step) when no stop strings, LoRA adapter, media
-            or top-k/top-p/min-p are involved. Default off unless ``FERRULE_FAST_DECODE=1``: measured
-            faster on an H200 (docs/benchmarks.md) but its logprob check against the plain path on
-            CUDA (``tests/test_rollout_fast_decode.py``, gpu marker) has not passed there yet. Needs
-            ``compile_decode`` and ``cuda_graph`` (so never on CPU).
+            or top-k/top-p/min-p are involved. Default on wherever it applies (CUDA) unless
+            ``FERRULE_FAST_DECODE=0``: faster on an H200 and matching the plain path there
+            (docs/benchmarks.md "Embedded decode: fast path"; ``tests/test_rollout_fast_decode.py``,
+            gpu marker). Needs ``compile_decode`` and ``cuda_graph`` (so never on CPU, which keeps
+            the exact eager path), and falls back to the plain path for other families.
         max_batch: rows decoded at once (continuous batching). With more rows than this
             (``len(requests) * n``), finished rows free their slot for waiting prompts
             (:mod:`ferrule.rollout._continuous`); None (default): all rows in one batch.
@@ -200,7 +201,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         self.compile_decode = bool(compile_decode and self.device.type == "cuda" and self._windows is not None
                                    and use_opaque_sdpa(self.model))
         if fast_decode is None:
-            fast_decode = os.environ.get("FERRULE_FAST_DECODE", "0") == "1"
+            fast_decode = os.environ.get("FERRULE_FAST_DECODE", "1") != "0"
         self.fast_decode = bool(fast_decode and self.compile_decode and self.cuda_graph
                                 and supported(self.model))
         self._fused: tuple | None = None  # (parameter addresses, FusedLayout) of the fast decode path

@@ -36,15 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .media_chunks import attention_leaves, hf_inputs
+from .lora_clients import TINKER_LORA_ALPHA  # noqa: F401  (re-exported)
+from .media_chunks import hf_inputs
 from .merge import merged_hf_state
 from .sampling_params import DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 
 __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
-#: LoRA alpha of Tinker training clients (Tinker's lora_config has no alpha; the tinker-cookbook's
-#: ``hyperparam_utils`` assumes ``lora_alpha=32`` when it scales learning rates for LoRA)
-TINKER_LORA_ALPHA = 32.0
 #: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory per tenant
 MAX_SNAPSHOTS = 4
 #: file in a sampler-weights directory naming the save that wrote it (a fresh id per save)
@@ -125,6 +123,8 @@ class EngineBackend:
         self._snap_counter = 0
         self._merge_layout: tuple | None = None
         self._version = 0
+        #: why the family's LoRA appliers refused ``output_layer`` (``train_unembed`` is then not applied), or None
+        self.unembed_refused: str | None = None
         #: hooks of :class:`ferrule.serve.registry.BaseRegistry`: ``on_load(self)`` before weights load
         #: while none are held (may raise to refuse), ``on_use(self)`` on every use (LRU order)
         self.on_load: Any = None
@@ -162,40 +162,19 @@ class EngineBackend:
 
     # ---------------------------------------------------------------- training clients
     def _new_engine(self, lora: Any = None) -> Any:
-        from ferrule.megatron.engine import TrainEngine
+        """A fresh engine of the base, with ``lora``'s adapters (:func:`ferrule.serve.lora_clients.build_engine`:
+        an output layer the family's appliers refuse is dropped, the refusal kept in :attr:`unembed_refused`)."""
+        from .lora_clients import build_engine
 
         self._using()
-        if self.kind == "hf":
-            return TrainEngine.from_hf(self.base_dir, optimizer=self.optimizer, lora=lora)
-        return TrainEngine.from_torch_dist(self.base_dir, optimizer=self.optimizer, load_optimizer=False, lora=lora)
+        return build_engine(self, lora)
 
     def lora_settings(self, lora_config: Mapping[str, Any] | None) -> Any:
-        """Tinker ``lora_config`` -> :class:`ferrule.lora.LoraSettings` (None: full-parameter training).
+        """Tinker ``lora_config`` -> ``LoraSettings`` or None (:func:`ferrule.serve.lora_clients.lora_settings`;
+        raises ValueError: no module to train, or a bad rank)."""
+        from .lora_clients import lora_settings
 
-        ``rank`` -> ``rank``; ``alpha`` = :data:`TINKER_LORA_ALPHA`; ``seed`` -> ``init_seed``;
-        ``train_attn`` -> the family's attention linears (:func:`~ferrule.serve.media_chunks.attention_leaves`:
-        ``linear_qkv``/``linear_proj`` for most), ``train_mlp`` -> ``linear_fc1``/``linear_fc2``,
-        ``train_unembed`` -> ``output_layer`` (not with tied embeddings: the sampler gets merged
-        weights, and a merged lm_head delta would also change the tied input embeddings).
-
-        Raises:
-            ValueError: no module to train, or a bad rank.
-        """
-        if not lora_config:
-            return None
-        from ferrule.lora import LoraSettings
-
-        targets = []
-        if lora_config.get("train_attn", True):
-            targets += attention_leaves(self.hf_config)
-        if lora_config.get("train_mlp", True):
-            targets += ["linear_fc1", "linear_fc2"]
-        if lora_config.get("train_unembed", True) and not self.hf_config.get("tie_word_embeddings", False):
-            targets.append("output_layer")
-        if not targets:
-            raise ValueError("lora_config trains nothing (train_attn, train_mlp and train_unembed all false).")
-        return LoraSettings(rank=int(lora_config["rank"]), alpha=TINKER_LORA_ALPHA, target_modules=tuple(targets),
-                            init_seed=int(lora_config.get("seed") or 0))
+        return lora_settings(self.hf_config, lora_config)
 
     def create(self, model_id: str, lora: Any = None) -> None:
         """Build the training client's engine: the base weights plus, with ``lora``

@@ -14,7 +14,9 @@ No hub download: all are made here.
   ``sft_train.jsonl`` (8 clips) and ``dev.jsonl`` (4), one manifest row per 0.5 s 16 kHz mono WAV
   (a 220 Hz tone for ``happy``, 440 Hz for ``sad``), the fields ``prepare_data.py`` writes.
 
-Usage: ``python make_assets.py MODEL_DIR CACHE_DIR AUDIO_DIR``.
+``INKLING2=1`` makes ``MODEL_DIR`` a tiny Inkling-2 instead (:func:`make_inkling2_model`).
+
+Usage: ``[INKLING2=1] python make_assets.py MODEL_DIR CACHE_DIR AUDIO_DIR``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,24 @@ def make_model(out: Path) -> None:
                         audio_config={"n_mel_bins": 80, "mel_vocab_size": 16})
     torch.manual_seed(0)
     InklingForConditionalGeneration(cfg).save_pretrained(out)
+
+
+def make_inkling2_model(out: Path) -> None:
+    """A tiny random ``Inkling2ForConditionalGeneration`` (13 M parameters, fp32): the TMLv0 vocabulary
+    (``unpadded_vocab_size`` 200058, embedding padded to 201024, as released), eos 200006, image id 200054,
+    the released 20 px x 2 vision geometry (one token per 40 x 40 square), 512 positions."""
+    import torch
+    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+
+    from ferrule.plugins.inkling2.synthetic import TINY_TEXT_CONFIG
+
+    text = dict(TINY_TEXT_CONFIG, vocab_size=201024, unpadded_vocab_size=200058, eos_token_id=200006,
+                max_position_embeddings=512)
+    vision = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=1, num_attention_heads=3, patch_size=20,
+                  spatial_merge_size=2, posemb_grid_size=4, projection_hidden_dim=20, text_hidden_size=32)
+    torch.manual_seed(0)
+    Inkling2ForConditionalGeneration(Inkling2Config(text_config=text, vision_config=vision,
+                                                    image_token_id=200054)).save_pretrained(out)
 
 
 def make_dataset(cache: Path) -> None:
@@ -93,7 +113,7 @@ def make_audio(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    make_model(Path(sys.argv[1]))
+    (make_inkling2_model if os.environ.get("INKLING2") == "1" else make_model)(Path(sys.argv[1]))
     make_dataset(Path(sys.argv[2]))
     make_audio(Path(sys.argv[3]))
     print(f"model in {sys.argv[1]}, image dataset cache in {sys.argv[2]}, audio clips in {sys.argv[3]}")

@@ -211,9 +211,20 @@ def main(work: Path) -> None:
         results["inkling2_tp2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()},
                                                  ink2_tensors)
         results["inkling2_tp2_logprobs"] = [t.tolist() for t in engine.forward_logprobs(tw.make_batch(seed=3))]
-        engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+        engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")  # MoE layers train at TP>1 (docs/engine.md)
         results["inkling2_tp2_grad_norm"] = engine.optim_step()["grad_norm"]
         results["inkling2_tp2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
+        del engine
+        destroy_distributed(keep_process_group=True)  # EP=2: the routed experts' B split over the EP ranks
+        engine = lora_engine(work / "inkling2", ParallelLayout(ep=2), settings=settings_from_peft_config(ink2_cfg,
+                                                                                                    ink2_tensors))
+        load_hf_adapter(engine, ink2_tensors, ink2_cfg)
+        results["inkling2_ep2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()},
+                                                 ink2_tensors)
+        results["inkling2_ep2_logprobs"] = [t.tolist() for t in engine.forward_logprobs(tw.make_batch(seed=3))]
+        engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+        results["inkling2_ep2_grad_norm"] = engine.optim_step()["grad_norm"]
+        results["inkling2_ep2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     if dist.get_rank() == 0:
         (work / "results.json").write_text(json.dumps(results))
     dist.barrier()
