@@ -8,7 +8,8 @@ For a plugin author or a user with a real checkpoint. :func:`run_check` runs, in
    ``sliding_window`` >= the sequence length; a soft-cap that changes HF's logits by no more than
    ``atol`` on the test tokens, measured in step 4): such a plugin could pass with the feature
    mistranslated, so the row names the ``--seq-len`` that reaches the window;
-3. **convert**: ``hf_to_torch_dist`` at ``tp`` (``tp`` processes);
+3. **convert**: ``hf_to_torch_dist`` at ``tp`` (``tp`` processes; a quantized source (MXFP8 / FP8 /
+   NVFP4) at fp32, dequantized as step 5's fp32 HF model dequantizes it);
 4. **round trip**: ``torch_dist_to_hf`` at ``tp`` and a bit-exact comparison with the source
    safetensors (every key, dtype and value);
 5. **logits** at ``tp``: HF transformers (fp32) vs the megatron model built at
@@ -120,14 +121,15 @@ def _window_reach(values: dict, seq_len: int) -> str | None:
     return None
 
 
-def _round_trip(hf_dir: Path, back: Path) -> tuple[bool, str]:
+def _round_trip(hf_dir: Path, back: Path, dtype: str | None = None) -> tuple[bool, str]:
     import torch
 
     from ferrule.converters import SafetensorsReader
     from ferrule.quantized_weights import open_hf_weights
 
-    # an MXFP8 / FP8 source is compared as transformers reads it: dequantized (the export's default)
-    a, b = open_hf_weights(hf_dir), SafetensorsReader(back)
+    # an MXFP8 / FP8 / NVFP4 source is compared as transformers reads it: dequantized (the export's default), in the
+    # dtype it was converted at (float32 for a quantized source: _convert_and_compare)
+    a, b = open_hf_weights(hf_dir, dtype=dtype), SafetensorsReader(back)
     missing = sorted(set(a.keys()) - set(b.keys()))
     changed = [k for k in sorted(set(a.keys()) & set(b.keys()))
                if a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))]
@@ -196,15 +198,20 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, tp:
 
     from .check_logits import logits_worker
 
+    from ferrule.quantized_weights import DequantizingReader, open_hf_weights
+
     t0 = time.time()
-    convert = lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp, family=spec.name)  # noqa: E731
+    # a quantized source is converted at float32: the logits step's HF model dequantizes into float32
+    # (from_pretrained(dtype=float32)), and NVFP4 values are not exact in bfloat16
+    dtype = "float32" if isinstance(open_hf_weights(hf_dir), DequantizingReader) else None
+    convert = lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp, family=spec.name, dtype=dtype)  # noqa: E731
     if _step(report, f"convert (tp={tp})", convert) is None:
         return
     report.rows.append(CheckRow(f"convert (tp={tp})", "ok", "hf -> torch_dist", time.time() - t0))
     t0 = time.time()
     back = _step(report, f"round trip (tp={tp})", lambda: (torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp,
                                                                             family=spec.name),
-                                                           _round_trip(hf_dir, tmp / "back"))[1])
+                                                           _round_trip(hf_dir, tmp / "back", dtype))[1])
     if back is not None:
         report.rows.append(CheckRow(f"round trip (tp={tp})", "ok" if back[0] else "FAIL", back[1], time.time() - t0))
     t0 = time.time()

@@ -249,7 +249,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     out_dir = Path(out_dir).absolute()
     hf_config = _read_config(hf_dir)
     spec, _, table = _family_parts(hf_config, family)  # unsupported model_type fails here, before any output
-    reader = open_hf_weights(hf_dir, hf_config)  # missing / truncated shards fail here; MXFP8 is read dequantized
+    # missing / truncated shards fail here; MXFP8 / NVFP4 is read dequantized (into ``dtype`` when given)
+    reader = open_hf_weights(hf_dir, hf_config, dtype=dtype)
     dtype = dtype or _dtype_name(reader)
     other_dtypes = _other_float_dtypes(reader, dtype)
     layout_kw = {"tp": tp, "pp": pp, "ep": ep}

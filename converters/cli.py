@@ -86,7 +86,8 @@ def torch_dist_to_hf_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
     max_shard_gb: Annotated[float, typer.Option("--max-shard-gb", help="Safetensors shard size bound (GiB).")] = 5.0,
     mxfp8: Annotated[bool, typer.Option("--mxfp8", help="Write the tensors an MXFP8 source stored quantized as "
-                                        "MXFP8 again (default: dequantized, in the checkpoint's dtype).")] = False,
+                                        "MXFP8 again, an NVFP4 source's as NVFP4 (unchanged tensors only) "
+                                        "(default: dequantized, in the checkpoint's dtype).")] = False,
 ) -> None:
     """Convert a torch_dist checkpoint back to HF safetensors shards + index + config + tokenizer."""
     import json

@@ -7,7 +7,14 @@ the torch_dist holds the dequantized weights, so its ``hf/config.json`` loses ``
 ``hf_quantization``: ``{"config": quantization_config, "tensors": {hf_key: {"scale": scale key,
 "scale_dtype": "U8", "dtype": "F8_E4M3", "block": [block_m, block_n]}}}``.
 
-The source's scales are kept beside, in ``hf/mxfp8_scales.safetensors`` (one byte per 32 weights).
+The source's scales are kept beside, in ``hf/mxfp8_scales.safetensors`` (one byte per 32 weights; for
+an NVFP4 source (:mod:`ferrule.nvfp4`) its block scales, one byte per 16 weights, and its per-matrix
+``_amax`` / ``_outer_scale_denominator``). An NVFP4 tensor's entry in ``tensors`` also has
+``"format": "nvfp4"``, ``"amax"``, ``"denominator"`` (their keys) and ``"shape"`` (the dequantized one).
+
+With ``mxfp8=True`` an NVFP4 source's tensors are written back NVFP4 when they still hold the source's
+values (:func:`ferrule.nvfp4.requantize_nvfp4_exactly`: the source's bytes and side tensors come back);
+a changed (trained) one is refused, named (ferrule has no NVFP4 quantizer; docs/convert.md "NVFP4").
 
 ``torch-dist-to-hf`` writes the dequantized (e.g. bf16) folder by default; with ``mxfp8=True`` it
 quantizes again every tensor the source stored quantized (same names, block grid and scale dtype)
@@ -45,8 +52,8 @@ def source_quantization(reader: Any, hf_side_dir: Path) -> dict | None:
     if reader.quantized:
         from safetensors.torch import save_file
 
-        save_file({info["scale"]: reader.raw.get(info["scale"]).contiguous() for info in reader.quantized.values()},
-                  str(hf_side_dir / SCALES_FILE))
+        save_file({info[role]: reader.raw.get(info[role]).contiguous() for info in reader.quantized.values()
+                   for role in ("scale", "amax", "denominator") if role in info}, str(hf_side_dir / SCALES_FILE))
     return {"config": reader.quantization_config, "tensors": reader.quantized}
 
 
@@ -70,7 +77,8 @@ def mxfp8_bytes_saved(meta: dict, ckpt_dir: Path, out_dtype: str) -> int:
                 n_scales = 1
                 for d in f.get_slice(info["scale"]).get_shape():
                     n_scales *= d
-                saved += n_scales * info["block"][0] * info["block"][1] * (itemsize - 1)
+                per_value = 0.5 if info.get("format") == "nvfp4" else 1  # bytes a value takes quantized
+                saved += int(n_scales * info["block"][0] * info["block"][1] * (itemsize - per_value))
     return saved
 
 
@@ -90,7 +98,7 @@ def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterat
         raise CheckpointError("--mxfp8: the source HF checkpoint of this torch_dist checkpoint was not quantized "
                               "(ferrule_checkpoint.json has no hf_quantization); export it without --mxfp8.")
     tensors = quant["tensors"]
-    other = sorted({t["scale_dtype"] for t in tensors.values()} - {"U8", "F8_E8M0"})
+    other = sorted({t["scale_dtype"] for t in tensors.values() if t.get("format") != "nvfp4"} - {"U8", "F8_E8M0"})
     if other:
         raise CheckpointError(f"--mxfp8: the source's scales are {other}, not power-of-two E8M0 (U8 / F8_E8M0), so "
                               f"re-quantizing would not give its values back; export without --mxfp8 (dequantized).")
@@ -106,6 +114,9 @@ def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterat
         if info is None:
             yield name, out
             return
+        if info.get("format") == "nvfp4":
+            yield from _nvfp4_back(name, info, stored, source_scales)
+            return
         scale = source_scales.get(info["scale"])
         values = requantize_exactly(stored, scale) if scale is not None else None
         if values is None:  # changed since import (or no source scales): transformers' rule
@@ -116,9 +127,27 @@ def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterat
     return convert
 
 
+def _nvfp4_back(name: str, info: dict, stored: "torch.Tensor", source: dict) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """The source's NVFP4 codes of ``stored`` and its side tensors; CheckpointError when ``stored`` changed."""
+    from ferrule.nvfp4 import requantize_nvfp4_exactly
+
+    sides = [source.get(info[role]) for role in ("scale", "amax", "denominator")]
+    codes = None if any(t is None for t in sides) else requantize_nvfp4_exactly(stored, *sides)
+    if codes is None:
+        raise CheckpointError(f"--mxfp8: {name} no longer holds the source's NVFP4 values (changed since the import, "
+                              f"e.g. trained; or {SCALES_FILE} lacks its scales) and ferrule has no NVFP4 quantizer; "
+                              f"export without --mxfp8 (dequantized).")
+    yield name, codes
+    for role, tensor in zip(("scale", "amax", "denominator"), sides):
+        yield info[role], tensor
+
+
 def restore_quantization_config(config_path: Path, meta: dict) -> None:
-    """Put the source's ``quantization_config`` back into an MXFP8 export's ``config.json``."""
+    """Put the source's ``quantization_config`` back into a ``--mxfp8`` export's ``config.json`` (none when the
+    source had none: an NVFP4 checkpoint read by its tensor names)."""
     config = json.loads(config_path.read_text())
+    if not meta["hf_quantization"]["config"]:
+        return
     config["quantization_config"] = meta["hf_quantization"]["config"]
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 

@@ -16,6 +16,11 @@ stores some weights as 8-bit floats with one shared scale per block:
 - ``<stem>.activation_scale`` (static activation scheme) is dropped, as transformers drops it
   when it dequantizes.
 
+NVFP4 weights (4-bit E2M1 codes, an ``F8_E4M3`` scale per 16 values, a per-matrix ``amax /
+outer_scale_denominator``: the released Inkling-2-Mini experts) are found by their tensors and
+read by :mod:`ferrule.nvfp4`, with or without a ``quantization_config`` (transformers reads them
+without one).
+
 MXFP8 is the OCP Microscaling format (OCP MX spec v1.0: E4M3 elements, E8M0 shared scale, blocks of
 32 along the reduction dim, ``weight_block_size: [1, 32]``). Dequantization is transformers 5.24's
 ``integrations.finegrained_fp8.Fp8Dequantize._dequantize_one``: both sides to float32, the scale of
@@ -40,6 +45,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ferrule.nvfp4 import dequantize_nvfp4, find_nvfp4, has_nvfp4
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -194,9 +200,13 @@ class DequantizingReader:
         quantization_config: the config's ``quantization_config`` (:func:`quantization_config_of`).
         dtype: torch dtype name of dequantized tensors (``"bfloat16"``: the config's ``dtype``).
 
+    NVFP4 weights (:func:`ferrule.nvfp4.find_nvfp4`) are found first, in any checkpoint;
+    ``quantization_config`` may then be ``{}``.
+
     Raises:
         CheckpointError: a scale without its weight, an FP8 weight without its scale, a weight with two scales, a scale of an
-            unknown dtype, or a scale grid that does not divide its weight (all offenders named).
+            unknown dtype, or a scale grid that does not divide its weight; an NVFP4 weight missing a side tensor
+            or with one of the wrong dtype or shape (all offenders named).
     """
 
     def __init__(self, reader: SafetensorsReader, quantization_config: dict, dtype: str = "bfloat16") -> None:
@@ -205,10 +215,11 @@ class DequantizingReader:
         self.raw, self.quantization_config, self.dtype = reader, dict(quantization_config), dtype
         self.root = reader.root
         keys = set(reader.keys())
-        self.quantized: dict[str, QuantizedTensorInfo] = {}
-        hidden: set[str] = set()
         problems: list[str] = []
-        for k in sorted(keys):
+        # NVFP4 (ferrule.nvfp4): U8 codes + F8_E4M3 block scales + per-matrix amax / denominator
+        nvfp4, hidden = find_nvfp4(reader, keys, problems)
+        self.quantized: dict[str, QuantizedTensorInfo] = dict(nvfp4)
+        for k in sorted(keys - hidden):
             if reader.dtype_name(k) not in _FP8_NAMES:
                 continue
             scales = [k + s for s in SCALE_SUFFIXES if k + s in keys]
@@ -229,7 +240,7 @@ class DequantizingReader:
                          and k.removesuffix("_inv").removesuffix("_scale") not in keys)
         problems += [f"{k} is a scale without its weight" for k in orphans]
         if problems:
-            raise CheckpointError(f"{reader.root}: the {quantization_config.get('quant_method')} checkpoint is "
+            raise CheckpointError(f"{reader.root}: the {quantization_config.get('quant_method', 'quantized')} checkpoint is "
                                   f"inconsistent: " + "; ".join(problems[:10])
                                   + (f" ... ({len(problems)} in all)" if len(problems) > 10 else "")
                                   + "; re-export it (transformers save_pretrained).")
@@ -249,7 +260,7 @@ class DequantizingReader:
                 "block": [shape[-2] // grid[0], shape[-1] // grid[1]]}
 
     def keys(self) -> list[str]:
-        """Tensor names as transformers' dequantized model sees them (sorted; no scales)."""
+        """Tensor names as transformers' dequantized model sees them (sorted; no scales, no NVFP4 amax / denominators)."""
         return list(self._keys)
 
     def __contains__(self, key: str) -> bool:
@@ -259,7 +270,9 @@ class DequantizingReader:
         return len(self._keys)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self.raw.shape(key)
+        """The tensor's shape as transformers loads it (an NVFP4 weight: twice its stored last dim)."""
+        info = self.quantized.get(key)
+        return tuple(info["shape"]) if info is not None and "shape" in info else self.raw.shape(key)
 
     def dtype_name(self, key: str) -> str:
         return _OUT_NAMES[self.dtype] if key in self.quantized else self.raw.dtype_name(key)
@@ -268,7 +281,7 @@ class DequantizingReader:
         if key not in self.quantized:
             return self.raw.nbytes(key)
         n = 4 if self.dtype == "float32" else 2
-        for d in self.raw.shape(key):
+        for d in self.shape(key):
             n *= d
         return n
 
@@ -276,7 +289,8 @@ class DequantizingReader:
         return sum(self.nbytes(k) for k in self._keys)
 
     def get(self, key: str) -> "torch.Tensor":
-        """One tensor; a quantized one dequantized (:func:`dequantize_block_fp8`) in :attr:`dtype`.
+        """One tensor; a quantized one dequantized (:func:`dequantize_block_fp8`,
+        :func:`ferrule.nvfp4.dequantize_nvfp4`) in :attr:`dtype`.
 
         Raises:
             KeyError: no such key (scales are not keys of this view).
@@ -287,6 +301,10 @@ class DequantizingReader:
             raise KeyError(f"{key!r} is not in the checkpoint at {self.root}")
         if key not in self.quantized:
             return self.raw.get(key)
+        info = self.quantized[key]
+        if info.get("format") == "nvfp4":
+            return dequantize_nvfp4(self.raw.get(key), self.raw.get(info["scale"]), self.raw.get(info["amax"]),
+                                    self.raw.get(info["denominator"]), getattr(torch, self.dtype))
         return dequantize_block_fp8(self.raw.get(key), self.raw.get(self.quantized[key]["scale"]),
                                     getattr(torch, self.dtype))
 
@@ -304,18 +322,23 @@ def _config_dtype(hf_config: dict) -> str:
     return "bfloat16"  # transformers' Fp8Dequantize default for E8M0 scales without a target dtype
 
 
-def open_hf_weights(path: str | os.PathLike, hf_config: dict | None = None) -> "SafetensorsReader | DequantizingReader":
+def open_hf_weights(path: str | os.PathLike, hf_config: dict | None = None, dtype: str | None = None
+                    ) -> "SafetensorsReader | DequantizingReader":
     """The weights of an HF checkpoint directory as transformers loads them.
 
     Args:
         path: HF checkpoint directory (or one ``.safetensors`` file: then never dequantized unless
             ``hf_config`` says so).
         hf_config: the parsed ``config.json``; default: read from ``path/config.json`` if present.
+        dtype: torch dtype name quantized weights are dequantized into (what ``from_pretrained(dtype=...)``
+            gives); default: the config's ``dtype``, else bfloat16. Only NVFP4 values depend on it (an
+            MXFP8 / FP8 value is exact in every one of them).
 
     Returns:
         a :class:`DequantizingReader` when the config has a ``quantization_config`` of
-        :data:`SUPPORTED_METHODS` (dequantized dtype: the config's ``dtype``, else bfloat16), else a
-        plain :class:`~ferrule.safetensors_io.SafetensorsReader`.
+        :data:`SUPPORTED_METHODS` or the checkpoint holds NVFP4 weights (:mod:`ferrule.nvfp4`: found by
+        their tensors, as transformers finds them; no ``quantization_config`` needed, FP8 weights with
+        block scales beside them are then read too), else a plain :class:`~ferrule.safetensors_io.SafetensorsReader`.
 
     Raises:
         CheckpointError: unreadable shards, an unsupported ``quant_method``, an inconsistent quantized checkpoint,
@@ -330,9 +353,11 @@ def open_hf_weights(path: str | os.PathLike, hf_config: dict | None = None) -> "
             raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from exc
     qc = quantization_config_of(hf_config)
     if qc is None:
+        if has_nvfp4(reader):  # transformers' Inkling2LoopDequantizeExperts reads them without a config
+            return DequantizingReader(reader, {}, dtype or _config_dtype(hf_config))
         _refuse_unconfigured_fp8(reader)
         return reader
-    return DequantizingReader(reader, qc, _config_dtype(hf_config))
+    return DequantizingReader(reader, qc, dtype or _config_dtype(hf_config))
 
 
 def _refuse_unconfigured_fp8(reader: SafetensorsReader) -> None:

@@ -25,7 +25,7 @@ GEN = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(GEN)
 TEXT_ROWS = [r for r in (json.loads(line) for line in GEN.GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip())
              if not r["media"]]
-NAMES = {"inkling2_text": "tmlv0_inkling2", "inkling2": "tmlv0_inkling2_mm"}
+NAMES = {"inkling2_text": "tmlv0_inkling2", "inkling2": "tmlv0_inkling2_mm", "inkling2_loop": "tmlv0_inkling2_loop"}
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,13 @@ def tok():
 
 
 def test_inkling2_config_ids_are_tmlv0():
-    from transformers import Inkling2Config, Inkling2TextConfig
+    from transformers import Inkling2Config, Inkling2LoopTextConfig, Inkling2TextConfig
 
     ref_tok = tokenizers.O200kBaseChatTokenizer()
-    text = Inkling2TextConfig()
-    assert [text.eos_token_id] == list(v0.Renderer(ref_tok).stop())
-    assert ref_tok.decode_special(text.unpadded_vocab_size - 1) == "content_invoke_tool_text"  # TMLv0's last special token
-    assert ref_tok.decode_special(text.unpadded_vocab_size) is None  # the TMLv0 vocabulary ends where Inkling-2's does
+    for text in (Inkling2TextConfig(), Inkling2LoopTextConfig()):
+        assert [text.eos_token_id] == list(v0.Renderer(ref_tok).stop())
+        assert ref_tok.decode_special(text.unpadded_vocab_size - 1) == "content_invoke_tool_text"  # TMLv0's last special
+        assert ref_tok.decode_special(text.unpadded_vocab_size) is None  # the TMLv0 vocabulary ends where Inkling-2's does
     assert ref_tok.decode_special(Inkling2Config().image_token_id) == "unused_200054"
 
 

@@ -398,6 +398,8 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert max(float((torch.tensor(res["ep2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
     r = res["ep2_resume"]
     assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+    assert math.isclose(res["moe_tp2_grad_norm"], moe_norm, rel_tol=1e-5), (res["moe_tp2_grad_norm"], moe_norm)
+    assert max(float((torch.tensor(res["moe_tp2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
     assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
     assert res["inkling_tp2_roundtrip"]
     assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5

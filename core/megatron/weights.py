@@ -134,6 +134,14 @@ def _check_load(params: list[BoundParam], src: Any, table: MappingTable, ctx: Ma
     return [], needed
 
 
+def _params_dtype_name(chunks: Any) -> str | None:
+    """``"bfloat16"`` etc.: the megatron config's ``params_dtype`` of the first chunk (None if it has none)."""
+    first = chunks[0] if isinstance(chunks, (list, tuple)) and chunks else chunks
+    dtype = getattr(getattr(unwrap(first), "config", None), "params_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return name if name in ("float32", "bfloat16", "float16") else None
+
+
 def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mapping[str, "torch.Tensor"],
                        table: MappingTable, *, hf_config: Mapping[str, Any] | None = None,
                        ctx: MappingContext | None = None, progress: Any = None) -> dict[str, int]:
@@ -168,8 +176,9 @@ def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mappi
     from ferrule.quantized_weights import open_hf_weights
 
     ranks = ParallelRanks.current()
+    # MXFP8 / FP8 / NVFP4 weights are read dequantized, straight into the model's dtype (NVFP4 values depend on it)
     src = _DictSource(hf_dir_or_tensors) if isinstance(hf_dir_or_tensors, Mapping) \
-        else open_hf_weights(hf_dir_or_tensors)  # MXFP8 / FP8 weights are read dequantized
+        else open_hf_weights(hf_dir_or_tensors, dtype=_params_dtype_name(chunks))
     errors: list[str] = []
     needed: set[str] = set()
     params: list[BoundParam] = []

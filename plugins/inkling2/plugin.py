@@ -10,10 +10,12 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # embedded-rollout logprobs and weight sync; the released MXFP8 experts convert (tests/test_convert_mxfp8.py).
 # LoRA == HF PEFT (tests/test_lora_inkling2.py). The TMLv0 chat template is Inkling's (register_chat_templates
 # below says why it applies).
-_LOOP_REASON = ("the released Inkling-2-Mini checkpoints store NVFP4 experts (w13/w2 _weight_amax, "
-                "_weight_outer_scale_denominator) that the converters do not read; what save_pretrained writes "
-                "passes the conformance kit (logits == Inkling2LoopForCausalLM at TP=1 and TP=2) and "
-                "tests/test_inkling2.py (gradients at TP=1 and EP=2, rollout logprobs, weight sync)")
+# inkling2_loop is VALIDATED on the same grounds: the conformance kit passes (round trip, mapping, update groups,
+# logits == Inkling2LoopForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients at TP=1 and EP=2,
+# embedded-rollout logprobs, weight sync; LoRA (the loop gates' included) == HF PEFT (tests/test_lora_inkling2.py);
+# the released Inkling-2-Mini NVFP4 experts (w13/w2 _weight_scale, _weight_amax, _weight_outer_scale_denominator)
+# convert bit-equal to Inkling2LoopForCausalLM.from_pretrained and ferrule check passes on such a folder at TP=1
+# and TP=2 (tests/test_convert_nvfp4.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 _VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
@@ -37,11 +39,10 @@ def register_model_families():
         ModelFamilySpec(
             name="inkling2_loop",
             model_types=("inkling2_loop_text",),
-            status=FamilyStatus.STRUCTURAL,
-            reason=_LOOP_REASON,
+            status=FamilyStatus.VALIDATED,
             hf_model_class="transformers:Inkling2LoopForCausalLM",
             attn_implementation="eager",
-            features=("lora",),
+            features=("lora", "chat_template"),
             description="Inkling-2-Loop text MoE (Inkling-2 with a range of layers run several times, low-rank loop gate)",
         ),
         ModelFamilySpec(
@@ -108,7 +109,8 @@ def register_towers():
 # names no Inkling-2 renderer, and no Inkling-2 tokenizer file is available offline. What ties Inkling-2 to
 # TMLv0 is transformers' Inkling2Config: eos_token_id 200006 == v0.Renderer.stop() (<|content_model_end_sampling|>),
 # unpadded_vocab_size 200058 == the TMLv0 vocabulary (o200k_base's 199,998 ranks + 60 specials), image_token_id
-# 200054 == TMLv0's <|unused_200054|> (also Inkling2Processor's default image_token). tests/test_inkling2_chat_template.py
+# 200054 == TMLv0's <|unused_200054|> (also Inkling2Processor's default image_token); Inkling2LoopTextConfig has the
+# same eos_token_id and unpadded_vocab_size. tests/test_inkling2_chat_template.py
 # checks these facts and renders conversations against tml-renderers under the inkling2 names.
 
 @hookimpl
@@ -121,6 +123,8 @@ def register_chat_templates():
                              tokenizer=f"{ink}.tokenizer:load_tmlv0_tokenizer", description=desc)
             for name, family, desc in (
                 ("tmlv0_inkling2", "inkling2_text", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts"),
+                ("tmlv0_inkling2_loop", "inkling2_loop", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2-Loop "
+                                                         "(Inkling-2-Mini) text prompts"),
                 ("tmlv0_inkling2_mm", "inkling2", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts "
                                                   "(image parts write one placeholder each, as for Inkling)"))]
 

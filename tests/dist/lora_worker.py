@@ -175,6 +175,14 @@ def main(work: Path) -> None:
     results["ep2_grad_norm"] = engine.optim_step()["grad_norm"]
     results["ep2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     results["ep2_resume"] = resume_check(moe_dir, ep2, moe_tensors, work / "ckpt_ep2")
+    # the same step at TP=2, etp=1 (ep=1: the routed experts' B is dense, as its base weight; not summed over TP)
+    del engine
+    destroy_distributed(keep_process_group=True)
+    engine = lora_engine(moe_dir, ParallelLayout(tp=2, etp=1))
+    load_hf_adapter(engine, moe_tensors)
+    engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    results["moe_tp2_grad_norm"] = engine.optim_step()["grad_norm"]
+    results["moe_tp2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     # Inkling text at TP=2 (attention adapters split like their base, shared-expert adapters replicated)
     if (work / "adapter_inkling").is_dir():
         from ferrule.lora import LoraSettings
