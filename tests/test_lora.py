@@ -367,6 +367,9 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink = lw.lora_engine(ink_dir, settings=LoraSettings(rank=2, alpha=5, use_rslora=True))
     lw.write_peft_dir(work / "adapter_inkling", lw.randomize_adapter(ink, seed=12), peft_config(ink))
     ink_ws1 = ink.forward_logprobs(tw.make_batch(seed=3))
+    ink.forward_backward(tw.make_batch(seed=3), "cross_entropy")  # MoE LoRA training: the TP=2 step's reference
+    ink_norm = ink.optim_step()["grad_norm"]
+    ink_after = {k: v.cpu() for k, v in hf_adapter_state_dict(ink).items()}
     # Inkling-2 text (attention linears + routed experts), 2 KV heads so that TP=2 splits them, no padded vocabulary
     from test_inkling2 import CONFIGS as INK2_CONFIGS, tiny_inkling2_dir
 
@@ -395,9 +398,18 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     assert max(float((torch.tensor(res["ep2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
     r = res["ep2_resume"]
     assert r["losses_equal"] and r["adapter_equal"] and r["base_untouched"], r
+    assert math.isclose(res["moe_tp2_grad_norm"], moe_norm, rel_tol=1e-5), (res["moe_tp2_grad_norm"], moe_norm)
+    assert max(float((torch.tensor(res["moe_tp2_after_step"][k]) - v).abs().max()) for k, v in moe_after.items()) <= 1e-6
     assert "expert tensor parallelism 1" in res["inkling_etp2_refused"], res["inkling_etp2_refused"]
     assert res["inkling_tp2_roundtrip"]
     assert max_diff([torch.tensor(x) for x in res["inkling_tp2_logprobs"]], ink_ws1) <= 1e-5
+    # MoE LoRA training at TP=2 (ferrule.megatron.moe): grad norm and stepped adapter == world size 1
+    # (routed + shared experts, router, attention; Inkling-2's steps are checked below)
+    step = max(float((torch.tensor(res["inkling_tp2_after_step"][k]) - v).abs().max()) for k, v in ink_after.items())
+    print(f"inkling LoRA TP=2 step vs world size 1: grad norm {res['inkling_tp2_grad_norm']:.9g} vs {ink_norm:.9g}, "
+          f"adapter max|d| {step:.3g}")
+    assert math.isclose(res["inkling_tp2_grad_norm"], ink_norm, rel_tol=1e-5), (res["inkling_tp2_grad_norm"], ink_norm)
+    assert set(res["inkling_tp2_after_step"]) == set(ink_after) and step <= 1e-6, step
     assert res["inkling2_tp2_roundtrip"]
     ink2_diff = max_diff([torch.tensor(x) for x in res["inkling2_tp2_logprobs"]], ink2_ws1)
     print(f"inkling2 LoRA TP=2 vs world size 1: logprobs max|d| {ink2_diff:.3g}")

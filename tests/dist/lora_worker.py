@@ -16,7 +16,7 @@ test wrote at world size 1), plus ``qwen3_moe`` / ``adapter_moe`` for EP=2; rank
   grad norm and the exported adapter after one step (the test compares them with world size 1),
   and exact resume.
 - ``inkling_tp2_*``: Inkling text (``inkling``, adapter ``adapter_inkling`` incl. shared experts) at
-  TP=2, expert TP 1: round trip and logprobs (no step: LoRA training of MoE at TP>1 is not tested yet);
+  TP=2, expert TP 1: round trip, logprobs, then one fb + step (grad norm, adapter after the step);
   ``inkling_etp2_refused``: the message of the refused build at megatron's default etp = tp = 2.
 """
 
@@ -175,6 +175,14 @@ def main(work: Path) -> None:
     results["ep2_grad_norm"] = engine.optim_step()["grad_norm"]
     results["ep2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     results["ep2_resume"] = resume_check(moe_dir, ep2, moe_tensors, work / "ckpt_ep2")
+    # the same step at TP=2, etp=1 (ep=1: the routed experts' B is dense, as its base weight; not summed over TP)
+    del engine
+    destroy_distributed(keep_process_group=True)
+    engine = lora_engine(moe_dir, ParallelLayout(tp=2, etp=1))
+    load_hf_adapter(engine, moe_tensors)
+    engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")
+    results["moe_tp2_grad_norm"] = engine.optim_step()["grad_norm"]
+    results["moe_tp2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     # Inkling text at TP=2 (attention adapters split like their base, shared-expert adapters replicated)
     if (work / "adapter_inkling").is_dir():
         from ferrule.lora import LoraSettings
@@ -194,6 +202,9 @@ def main(work: Path) -> None:
         results["inkling_tp2_roundtrip"] = same({k: v.cpu() for k, v in hf_adapter_state_dict(engine).items()},
                                                 ink_tensors)
         results["inkling_tp2_logprobs"] = [t.tolist() for t in engine.forward_logprobs(tw.make_batch(seed=3))]
+        engine.forward_backward(tw.make_batch(seed=3), "cross_entropy")  # MoE LoRA training at TP=2
+        results["inkling_tp2_grad_norm"] = engine.optim_step()["grad_norm"]
+        results["inkling_tp2_after_step"] = {k: v.tolist() for k, v in hf_adapter_state_dict(engine).items()}
     # Inkling-2 text at TP=2 (column q/k/v/r/gate/sink and row proj adapters split like their base, routed experts
     # etp 1), imported from the PEFT folder the driver exported at world size 1
     if (work / "adapter_inkling2").is_dir():
