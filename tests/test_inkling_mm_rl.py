@@ -13,8 +13,6 @@ long for the suite); this test runs 4 steps.
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import pytest
@@ -22,9 +20,10 @@ import pytest
 # transformers' modeling code must be imported before ferrule's megatron CPU patches
 from transformers import GenerationMixin, InklingForConditionalGeneration  # noqa: F401
 
+from mm_grpo_helpers import check_grpo_runs_and_resumes, check_task_answers, overrides  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "inkling_mm_tiny.yaml"
-TIMING = re.compile(r"^(time.*|.*_per_s|memory_.*|mfu)$")  # timings, memory and mfu (from time) vary run to run
 
 
 @pytest.fixture(scope="module")
@@ -34,66 +33,14 @@ def assets(tmp_path_factory):
     return build_shapes_task(tmp_path_factory.mktemp("inkling_mm_rl"), prompts=8)
 
 
-def _overrides(assets: Path, run_dir: Path, steps: int) -> list[str]:
-    return [f"model.hf_dir={assets / 'model'}", f"data.jsonl_path={assets / 'task.jsonl'}",
-            f"logging.run_dir={run_dir}", f"train.steps={steps}", "train.prompts_per_step=2",
-            "checkpoint.interval=2"]
-
-
-def _squares(png: Path) -> int:
-    """Connected regions of a picture whose bounding box they fill (squares; circles leave corners white)."""
-    import numpy as np
-    from PIL import Image
-    from scipy import ndimage
-
-    a = np.asarray(Image.open(png).convert("RGB")).astype(int)
-    count = 0
-    for colour in {tuple(c) for c in a.reshape(-1, 3)} - {(255, 255, 255)}:
-        labels, n = ndimage.label((a == colour).all(-1))
-        for k in range(1, n + 1):
-            ys, xs = np.nonzero(labels == k)
-            count += (np.ptp(ys) + 1) * (np.ptp(xs) + 1) == len(ys)
-    return count
-
-
 def test_task_answers_count_the_drawn_squares(assets):
-    answers = []
-    for line in (assets / "task.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        assert _squares(assets / rec["messages"][0]["content"][0]["image"]) == int(rec["answer"]), rec
-        answers.append(rec["answer"])
-    assert len(set(answers)) > 1
+    check_task_answers(assets)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_multimodal_grpo_runs_and_resumes_bit_identical(assets, tmp_path):
-    from ferrule.plugins.inkling.shapes import square_count_reward
-    from ferrule.rl.config import load_config
-    from ferrule.rl.loop import train
-    from ferrule.rl.metrics import read_metrics
-
-    steps, stop_at = 4, 2
-    full, split = tmp_path / "full", tmp_path / "split"
-    train(load_config(CONFIG, _overrides(assets, full, steps)), check_weight_update_equal=True)
-    entries = read_metrics(full / "metrics.jsonl")
-    assert [e["step"] for e in entries] == list(range(1, steps + 1))
-    assert all(e["media_vision_parts"] == 2 and e["media_vision_tokens"] == 2 * 20 for e in entries)
-    assert max(e["train_rollout_logprob_abs_diff"] for e in entries) <= 1e-5
-    answers = {json.loads(ln)["id"]: json.loads(ln)["answer"] for ln in (assets / "task.jsonl").read_text().splitlines()}
-    for s in (json.loads(ln) for ln in (full / "samples.jsonl").read_text().splitlines()):
-        m = re.search(r"\d+", s["response"])
-        assert s["reward"] == float(m is not None and m.group(0) == answers[s["prompt_id"]]), s
-    assert square_count_reward("2 squares", type("P", (), {"answer": "2"})()) == 1.0
-
-    first = train(load_config(CONFIG, _overrides(assets, split, steps)), stop_after=stop_at)
-    assert first.interrupted and first.last_step == stop_at
-    second = train(load_config(CONFIG, _overrides(assets, split, steps) + ["checkpoint.resume=true"]))
-    assert second.start_step == stop_at and second.last_step == steps
-    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
-    strip = [{k: v for k, v in e.items() if k != "time" and not TIMING.match(k)} for e in a]
-    assert strip == [{k: v for k, v in e.items() if k != "time" and not TIMING.match(k)} for e in b]
-    assert (full / "samples.jsonl").read_text() == (split / "samples.jsonl").read_text()
+    check_grpo_runs_and_resumes(CONFIG, assets, tmp_path, image_tokens=20)
 
 
 @pytest.mark.timeout(300)
@@ -110,7 +57,7 @@ def test_bad_media_stop_the_run_before_training(assets, tmp_path):
     (bad / "images" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     lines = (assets / "task.jsonl").read_text().splitlines()
     (bad / "task.jsonl").write_text(lines[1].replace("images/1.png", "images/0.png") + "\n")
-    cfg = _overrides(assets, tmp_path / "run", 2) + [f"data.jsonl_path={bad / 'task.jsonl'}"]
+    cfg = overrides(assets, tmp_path / "run", 2) + [f"data.jsonl_path={bad / 'task.jsonl'}"]
     with pytest.raises(MediaError, match=r"prompt 'shapes:1': messages\[0\]\.content\[0\] \(image\): cannot decode"):
         train(load_config(CONFIG, cfg))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
