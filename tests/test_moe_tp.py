@@ -1,7 +1,9 @@
 """MoE training at TP=2 (no sequence parallelism) for every MoE family: gradients vs HF autograd, fp32.
 
-Referee: transformers' ``Qwen3MoeForCausalLM``, ``InklingForCausalLM`` and ``Inkling2ForCausalLM`` (fp32, HF
-gradients of a summed token log-likelihood brought to the checkpoint layout by ``save_pretrained`` itself).
+Referee: transformers' ``Qwen3MoeForCausalLM``, ``InklingForCausalLM``, ``Inkling2ForCausalLM``,
+``Inkling2LoopForCausalLM`` and ``Inkling2ForConditionalGeneration`` on an image prompt (fp32; the loop model's HF
+run in float64, tests/fp64_reference.py, since HF's own fp32 loop gradients are up to 1.6e-5 off; HF gradients of a
+summed token log-likelihood brought to the checkpoint layout by ``save_pretrained`` itself).
 One torchrun launch (tests/dist/moe_tp_worker.py, 2 gloo ranks) trains each tiny model at TP=2 through
 :class:`ferrule.megatron.engine.TrainEngine`'s DDP model and megatron's ``finalize_model_grads``, with the
 tokens split over TP around the dispatcher (:mod:`ferrule.megatron.moe`): every HF tensor within 1e-5 relative
@@ -21,6 +23,7 @@ router's reduction group its aux / z-loss gradients would be 1/tp of TP=1's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,6 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from inkling2_vision_fixtures import TEXT as MM_TEXT
+from inkling2_vision_fixtures import config_dict, hf_model
 from inkling_fixtures import CONFIGS as INKLING_CONFIGS
 from inkling_fixtures import tiny_inkling_dir
 
@@ -49,23 +54,58 @@ def _summed_logprob(logits, ids):
     return logp.gather(-1, ids[:, 1:, None]).sum()
 
 
-def _hf_ref(hf_dir: Path, shape, out: Path, vocab_key: str = "vocab_size") -> Path:
-    """HF autograd gradients in the checkpoint layout (``save_pretrained`` of the gradients), with ids and width."""
-    from safetensors.torch import load_file
+def _hf_ref(hf_dir: Path, shape, out: Path, vocab_key: str = "vocab_size", fp64: bool = False) -> Path:
+    """HF autograd gradients in the checkpoint layout (``save_pretrained`` of the gradients), with ids and width.
+
+    ``fp64``: HF run entirely in float64 (tests/fp64_reference.py), the reference for the loop model, whose fp32
+    HF gradients are themselves up to 1.6e-5 off (tests/test_inkling2.py's fp64 test measures both)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").train()
+    from fp64_reference import fp64_run
+
+    extra = {"experts_implementation": "eager"} if fp64 else {}  # grouped_mm has no float64 kernel
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager", **extra)
+    hf = (hf.double() if fp64 else hf).train()
     ids = _ids(shape, getattr(hf.config, vocab_key))
-    logits = hf(input_ids=ids).logits
+    with fp64_run() if fp64 else contextlib.nullcontext():
+        logits = hf(input_ids=ids).logits
+        _summed_logprob(logits, ids).backward()
+    return _save_ref(hf, out, {"ids": ids, "width": logits.shape[-1]})
+
+
+def _hf_mm_ref(hf_dir: Path, out: Path) -> Path:
+    """The same for ``Inkling2ForConditionalGeneration`` on an image prompt (two images, tests/test_inkling2_mm.py's
+    grids); the items go into the ref (``media``) for the worker's ``embed_with_media``. The vision tower is frozen
+    (``TowerSpec.frozen``, the default; ferrule has no switch to train it), so its reference gradients are zero:
+    the worker's export of its (absent) main gradients must be exactly zero, every text-model tensor, which gets
+    its gradient through the scatter of the tower's rows, within 1e-5 of HF's."""
+    from transformers import Inkling2ForConditionalGeneration
+
+    from ferrule.plugins.inkling2.vision import hf_vision_inputs
+    from inkling2_vision_fixtures import IMAGE_TOKEN, images
+
+    hf = Inkling2ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).train()
+    items = images(6, ((2, 3), (1, 2)))
+    text = _ids((1, 9), 240)[0] + 2
+    ids = torch.cat([text[:3], torch.full((6,), IMAGE_TOKEN), text[3:5], torch.full((2,), IMAGE_TOKEN),
+                     text[5:]]).unsqueeze(0)
+    logits = hf(input_ids=ids, **hf_vision_inputs(items, {})).logits
     _summed_logprob(logits, ids).backward()
+    assert hf.model.vision_tower.embeddings.patch_embedding.weight.grad.abs().max() > 0  # HF trains the tower
+    hf.model.vision_tower.zero_grad(set_to_none=True)  # frozen in ferrule: no gradient, no update
+    return _save_ref(hf, out, {"ids": ids, "width": logits.shape[-1], "media": [{"vision": items}]})
+
+
+def _save_ref(hf, out: Path, ref: dict) -> Path:
+    from safetensors.torch import load_file
+
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
         for _, b in hf.named_buffers():
             b.zero_()
     hf.save_pretrained(out.with_suffix(".grads"))
-    torch.save({"ids": ids, "width": logits.shape[-1],
-                "grads": load_file(out.with_suffix(".grads") / "model.safetensors")}, out)
+    torch.save(dict(ref, grads=load_file(out.with_suffix(".grads") / "model.safetensors")), out)
     return out
 
 
@@ -115,12 +155,18 @@ def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
     inkling = tiny_inkling_dir(tmp_path / "inkling", INKLING_CONFIGS["moe_2_shared"])
     inkling2 = tiny_inkling2_dir(tmp_path / "inkling2", dict(INKLING2_CONFIGS["mqa_full_first_softcaps"],
                                                              num_key_value_heads=2))
+    # TP=2 needs KV heads divisible by 2: the loop and image-prompt configs with 2 KV heads on full layers
+    loop = tiny_inkling2_dir(tmp_path / "inkling2_loop", dict(INKLING2_CONFIGS["loop_2_6_x3"], num_key_value_heads=2))
+    mm = tmp_path / "inkling2_mm"
+    hf_model(config_dict(text=dict(MM_TEXT, num_key_value_heads=2))).save_pretrained(mm)
     refs = {"qwen_odd": _hf_ref(qwen, ODD, tmp_path / "qwen_odd.pt"),
             "qwen_even": _hf_ref(qwen, EVEN, tmp_path / "qwen_even.pt"),
             "qwen_aux": _tp1_ref(qwen_aux, ODD, tmp_path / "qwen_aux.pt", Z_LOSS),
             "inkling": _hf_ref(inkling, ODD, tmp_path / "inkling.pt"),
             "inkling2_odd": _hf_ref(inkling2, ODD, tmp_path / "inkling2_odd.pt", "unpadded_vocab_size"),
-            "inkling2_even": _hf_ref(inkling2, EVEN, tmp_path / "inkling2_even.pt", "unpadded_vocab_size")}
+            "inkling2_even": _hf_ref(inkling2, EVEN, tmp_path / "inkling2_even.pt", "unpadded_vocab_size"),
+            "loop": _hf_ref(loop, ODD, tmp_path / "loop.pt", "unpadded_vocab_size", fp64=True),
+            "mm": _hf_mm_ref(mm, tmp_path / "mm.pt")}
     cases = {
         "qwen3_moe_tp2": dict(hf_dir=qwen, ref=refs["qwen_odd"], dispatcher="alltoall"),
         "qwen3_moe_tp2_etp1": dict(hf_dir=qwen, ref=refs["qwen_even"], etp=1, dispatcher="alltoall"),
@@ -133,6 +179,8 @@ def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
         "inkling_tp2": dict(hf_dir=inkling, ref=refs["inkling"], dispatcher="alltoall"),
         "inkling2_tp2": dict(hf_dir=inkling2, ref=refs["inkling2_odd"], dispatcher="alltoall"),
         "inkling2_tp2_allgather": dict(hf_dir=inkling2, ref=refs["inkling2_even"], dispatcher="allgather"),
+        "inkling2_loop_tp2": dict(hf_dir=loop, ref=refs["loop"], dispatcher="alltoall"),
+        "inkling2_image_prompt_tp2": dict(hf_dir=mm, ref=refs["mm"], dispatcher="alltoall"),
         "inkling2_tp2_unsplit": dict(hf_dir=inkling2, ref=refs["inkling2_even"], dispatcher="alltoall", unsplit=True),
     }
     (tmp_path / "cases.json").write_text(json.dumps({k: {n: str(v) if isinstance(v, Path) else v

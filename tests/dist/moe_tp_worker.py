@@ -5,7 +5,9 @@ TP=2 x EP=2, data parallel 2; each DP replica takes every other row of the batch
 
 ``WORK_DIR/cases.json``: ``{case: {"hf_dir", "ref", "ep", "etp", "dispatcher", "config_overrides", "unsplit"}}``;
 ``ref`` is a ``torch.save``\\ d ``{"ids": [B, S] int64, "width": HF logits width, "grads": {HF key: fp32 tensor}}`` made by the test in
-its own process (HF autograd, or TP=1 megatron for the aux-loss case). Per case both ranks build a
+its own process (HF autograd, or TP=1 megatron for the aux-loss case); an optional ``"media"`` (a batch's media
+items, ``[{"vision": [item, ...]}]``) is run through the model's towers (``embed_with_media``) into the prompt.
+Per case both ranks build a
 :class:`ferrule.megatron.engine.TrainEngine` at ``ParallelLayout(tp=2, ep=ep, etp=etp)`` from the HF folder, run
 the summed token log-likelihood of the whole batch (replicated over TP, as in training) through the engine's
 DDP-wrapped model, run megatron's ``finalize_model_grads`` (what ``TrainEngine.optim_step`` does: DP and
@@ -39,6 +41,7 @@ def main(work: Path) -> None:
     import ferrule.megatron.moe as moe
     from ferrule.megatron.engine import TrainEngine
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed
+    from ferrule.megatron.towers import embed_with_media
     from ferrule.megatron.weights import export_mcore_to_hf, unwrap
 
     results = {}
@@ -57,7 +60,10 @@ def main(work: Path) -> None:
         ddp.train()
         ddp.zero_grad_buffer()
         pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        logits = ddp(ids, pos, attention_mask=None)[..., : ref["width"]]  # HF's width: no padded vocab columns
+        media = {}
+        if ref.get("media"):  # an image prompt: the towers' embeddings scattered into the prompt (replicated over TP)
+            media["decoder_input"] = embed_with_media(unwrap(ddp), ids, pos, ref["media"])
+        logits = ddp(ids, pos, attention_mask=None, **media)[..., : ref["width"]]  # HF's width: no padded columns
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         logp.gather(-1, ids[:, 1:, None]).sum().backward()
         finalize_model_grads(engine.model)
