@@ -409,3 +409,27 @@ def test_train_engine_first_then_embedded_engine(tmp_path):
     assert out["qwen3_modeling_imported_before"] is False  # modeling code first imported after the patches
     assert out["qwen3_moe_modeling_imported_before"] is False
     assert out["qwen3_diff"] <= TOL and out["qwen3_moe_diff"] <= TOL, out
+
+
+@pytest.mark.timeout(300)
+def test_an_hf_folder_missing_a_weight_is_refused_not_initialised_at_random(tmp_path):
+    """transformers fills a missing weight at random (and only logs it); the engine refuses the folder, naming the key
+    (``ferrule serve`` sampled from such a model and said ready; found by a fresh-user trial)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ferrule import conformance_numeric as cn
+    from ferrule.rollout.embedded import EmbeddedEngine
+    from ferrule.safetensors_io import CheckpointError
+
+    src = cn.tiny_hf_dir("qwen2", tmp_path / "full")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    tensors = load_file(bad / "model.safetensors")
+    gone = "model.layers.0.mlp.up_proj.weight"
+    del tensors[gone]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    EmbeddedEngine(hf_dir=src)  # the complete folder loads
+    with pytest.raises(CheckpointError, match=r"1 weight\(s\) .*" + gone.replace(".", r"\.")):
+        EmbeddedEngine(hf_dir=bad)

@@ -131,6 +131,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
+        ferrule.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
         NotImplementedError: layer types the engine cannot decode (see below).
 
     Multimodal families (``register_towers``): a request may carry ``media`` (prompt
@@ -241,7 +242,15 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             config = AutoConfig.from_pretrained(hf_dir)
             cls = model_class or _resolve_model_class(config)
             attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
-            model = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn)
+            model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
+            if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
+                from ferrule.safetensors_io import CheckpointError
+
+                missing = sorted(info["missing_keys"])
+                raise CheckpointError(
+                    f"{hf_dir}: {len(missing)} weight(s) the model needs are not in the checkpoint "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers would initialise "
+                    "them at random. Pass a complete HF folder (re-export it with `ferrule convert torch-dist-to-hf`).")
         if tokenizer is None and any(os.path.isfile(os.path.join(hf_dir, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json")):
             from transformers import AutoTokenizer
