@@ -225,7 +225,8 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, tp:
     diff = result["logits_diff"]
     ok = diff <= atol
     report.rows.append(CheckRow(step, "ok" if ok else "FAIL", f"max |megatron - HF| = {diff:.3g} over "
-                                f"{tuple(result['shape'])} tokens (atol {atol:g})", time.time() - t0))
+                                f"{tuple(result['shape'])} tokens (atol {atol:g})"
+                                + (f"; {result['referee_note']}" if result.get("referee_note") else ""), time.time() - t0))
     for key, effect in result.get("feature_effects", {}).items():
         if effect <= atol:
             reach.append(f"{key} changes HF's logits by only {effect:.2g} on the test tokens: the cap never binds, so "

@@ -81,6 +81,25 @@ def _feature_effects(hf_dir: Path, ids, ref, attn_impl: str | None) -> dict[str,
     return effects
 
 
+def _dequantized_copy(hf_dir: Path, out: Path) -> str:
+    """``hf_dir`` with its quantized tensors dequantized (:func:`ferrule.rollout._quantized.dequantized_source`) and
+    ``quantization_config`` dropped, written to ``out`` (config, tokenizer files and one ``model.safetensors``)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ferrule.rollout._quantized import dequantized_source
+
+    config, tensors = dequantized_source(hf_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
 def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: str, tp: int, ids: list,
                   attn_impl: str | None) -> None:
     """One rank of the logits step (module docs); ``ids`` is the ``[b, s]`` test batch as lists."""
@@ -121,8 +140,20 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     from ferrule.conformance_fields import hf_model_class
 
     # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
-    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation=attn_impl).eval()
+    cls = hf_model_class(family, hf_config["model_type"])
+    hf, info = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_impl, output_loading_info=True)
+    referee_note = None
+    if hf_config.get("quantization_config") and (info.get("missing_keys") or info.get("unexpected_keys")):
+        # transformers' CPU load of this quantized folder is not the model (Inkling-2's MXFP8 experts: the scales
+        # come back unexpected and the FP8 values unscaled, docs/families/inkling2.md): the referee is then
+        # transformers' load of the same weights dequantized as the converters read them (transformers'
+        # Fp8Dequantize arithmetic, tests/test_convert_mxfp8.py), written to a bf16 / fp32 folder beside
+        del hf
+        hf_dir = _dequantized_copy(Path(hf_dir), Path(out_file).parent / "dequantized_hf")
+        hf, info = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_impl,
+                                       output_loading_info=True)
+        referee_note = "HF reference: transformers' load of the folder dequantized as the converters read it"
+    hf = hf.eval()
     hf_store: dict = {}
     handles, order = [], []
     try:
@@ -139,7 +170,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     vocab = ref.shape[-1]
     result: dict[str, Any] = {"logits_diff": _max_diff(out[..., :vocab].double().cpu(), ref.double()),
                               "shape": list(ids_t.shape), "divergence": [], "diagnostic_error": diag_error,
-                              "feature_effects": {}}
+                              "feature_effects": {}, "referee_note": referee_note}
     if diag_error is None:
         try:
             result["divergence"] = [list(r) for r in compare(order, hf_store, mc_store)]

@@ -107,7 +107,6 @@ def build_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: python -m ferrule.plugins.inkling.shapes OUT_DIR", file=sys.stderr)
-        sys.exit(2)
-    print(build_shapes_task(sys.argv[1]))
+    from ferrule.plugins.builder_cli import builder_main
+
+    sys.exit(builder_main("ferrule.plugins.inkling.shapes", __doc__, build_shapes_task))

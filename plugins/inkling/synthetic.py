@@ -64,7 +64,6 @@ def build_tiny_inkling(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: python -m ferrule.plugins.inkling.synthetic OUT_DIR", file=sys.stderr)
-        sys.exit(2)
-    print(build_tiny_inkling(sys.argv[1]))
+    from ferrule.plugins.builder_cli import builder_main
+
+    sys.exit(builder_main("ferrule.plugins.inkling.synthetic", __doc__, build_tiny_inkling))

@@ -4,7 +4,7 @@
 
 - ``OUT_DIR/model``: a random ``Inkling2ForCausalLM`` (2 layers, one sliding and one full, one block of
   attention residuals; 4 routed experts top-2; soft-caps at their defaults; an unembedding padded from
-  the tokenizer's 50 ids to 56 rows, ``unpadded_vocab_size`` 50) saved with ``save_pretrained``, plus the
+  the tokenizer's 49 ids to 56 rows, ``unpadded_vocab_size`` 49) saved with ``save_pretrained``, plus the
   character-level tokenizer of :mod:`ferrule.plugins.inkling.synthetic` (ChatML control tokens included);
 - ``OUT_DIR/task.jsonl``: 64 prompts (``"say <n>"``, answer ``"7"``).
 
@@ -27,7 +27,7 @@ TINY_TEXT_CONFIG = dict(
     d_rel=4, log_scaling_n_floor=16, layer_types=["hybrid_sliding", "hybrid"], n_layers_per_attn_res_block=2,
     moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
 )
-#: rows of the (padded) embedding / unembedding; the tokenizer has 50 ids
+#: rows of the (padded) embedding / unembedding; the tokenizer has 49 ids
 PADDED_VOCAB = 56
 
 
@@ -52,7 +52,6 @@ def build_tiny_inkling2(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: python -m ferrule.plugins.inkling2.synthetic OUT_DIR", file=sys.stderr)
-        sys.exit(2)
-    print(build_tiny_inkling2(sys.argv[1]))
+    from ferrule.plugins.builder_cli import builder_main
+
+    sys.exit(builder_main("ferrule.plugins.inkling2.synthetic", __doc__, build_tiny_inkling2))
