@@ -305,8 +305,10 @@ class RLConfig:
         for key, value in required:
             if value and not Path(value).expanduser().exists():
                 rel = "" if Path(value).expanduser().is_absolute() else f" (relative to the current folder {os.getcwd()})"
-                hint = ("; build it first, e.g. `ferrule assets smollm2 assets/smollm2` for the examples' model, or "
-                        "set model.hf_dir" if key == "model.hf_dir" else "")
+                hint = ("; build it first (an example config's header comment gives the command: `ferrule assets "
+                        "smollm2 assets/smollm2` for smollm2_*.yaml, `python -m ferrule.plugins.inkling2.synthetic "
+                        "runs/inkling2_tiny/assets` for inkling2_tiny.yaml), or set model.hf_dir"
+                        if key == "model.hf_dir" else "")
                 problems.append(f"{key}: {value!r} does not exist{rel}{hint}")
         hf = Path(self.model.hf_dir).expanduser()
         if self.model.hf_dir and hf.exists() and not (hf / "config.json").is_file():
