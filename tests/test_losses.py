@@ -353,7 +353,7 @@ def _rl():
         ("importance_sampling", _rl(), {"kl_coef": 0.1}, r"needs loss_fn_inputs\['ref_logprobs'\]"),
         ("ppo", _rl() | {"mask": torch.ones(NUM_TOKENS)}, None, r"'mask' is not accepted.*express masks as weights"),
         ("cross_entropy", {"target_tokens": torch.zeros(3, dtype=torch.long)}, None, r"needs loss_fn_inputs\['weights'\]"),
-        ("ppo", _rl() | {"target_tokens": torch.full((NUM_TOKENS,), VOCAB)}, None, r"id 50 >= vocab_size 50"),
+        ("ppo", _rl() | {"target_tokens": torch.full((NUM_TOKENS,), VOCAB)}, None, r"id 50 >= the vocabulary size 50"),
         ("ppo", _rl() | {"target_tokens": torch.zeros(NUM_TOKENS)}, None, r"1-D integer tensor"),
     ],
 )

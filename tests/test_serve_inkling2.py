@@ -189,7 +189,7 @@ def test_padded_vocabulary_rows_are_refused_naming_the_real_vocabulary(server):
     with pytest.raises(tinker.BadRequestError, match=rf"outside \[0, {REAL_VOCAB}\)"):
         sampler.sample(types.ModelInput.from_ints([3, 95]), 1, types.SamplingParams(max_tokens=1)).result(timeout=60)
     tc = full_parameter_client(server, sc, "ink2")
-    with pytest.raises(tinker.BadRequestError, match=rf"id 95 >= vocab_size {REAL_VOCAB}"):
+    with pytest.raises(tinker.BadRequestError, match=rf"id 95 >= the vocabulary size {REAL_VOCAB}"):
         tc.forward([_datum([3, 4, 95])], "cross_entropy").result(timeout=120)
     assert len(_lp(tc.forward([_datum([3, 4, 89])], "cross_entropy").result(timeout=120))) == 2
 

@@ -158,7 +158,8 @@ def _validate_one(
         raise ValueError(f"{where}target_tokens contains a negative id {int(tokens.min())}")
     if n and vocab_size is not None and int(tokens.max()) >= vocab_size:
         raise ValueError(
-            f"{where}target_tokens contains id {int(tokens.max())} >= vocab_size {vocab_size}; "
+            f"{where}target_tokens contains id {int(tokens.max())} >= the vocabulary size {vocab_size} (ids 0.."
+            f"{vocab_size - 1}; the rows of a padded embedding past unpadded_vocab_size are no tokens); "
             "the tokens do not belong to this model's tokenizer"
         )
     for key, value in inputs.items():
