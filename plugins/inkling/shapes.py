@@ -71,8 +71,9 @@ def draw_shapes(rng, squares: int, circles: int):
     return image
 
 
-def build_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32) -> Path:
-    """Write ``out_dir/images``, ``out_dir/task.jsonl`` and ``out_dir/model``; returns ``out_dir``."""
+def build_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32, model: bool = True) -> Path:
+    """Write ``out_dir/images``, ``out_dir/task.jsonl`` and ``out_dir/model``; returns ``out_dir``.
+    ``model=False`` leaves the random Inkling out of ``out_dir/model`` (tokenizer only), for other families' builders."""
     import numpy as np
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -101,8 +102,9 @@ def build_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32) -> Path:
                            audio_config={"mel_vocab_size": 16}, image_token_id=vocab["<|unused_200054|>"],
                            audio_token_id=vocab["<|unused_200053|>"], image_bos_token_id=vocab["<|content_image|>"],
                            audio_bos_token_id=vocab["<|content_audio_input|>"])
-    torch.manual_seed(seed)
-    InklingForConditionalGeneration(config).float().save_pretrained(out / "model")
+    if model:
+        torch.manual_seed(seed)
+        InklingForConditionalGeneration(config).float().save_pretrained(out / "model")
     return out
 
 

@@ -39,8 +39,9 @@ def target_token_share(response: str, prompt=None, *, target: str = "7") -> floa
     return response.count(target) / len(response) if response else 0.0
 
 
-def build_tiny_inkling(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
-    """Write ``out_dir/model`` (random tiny Inkling + char tokenizer) and ``out_dir/task.jsonl``; returns ``out_dir``."""
+def build_tiny_inkling(out_dir, *, seed: int = 0, prompts: int = 64, model: bool = True) -> Path:
+    """Write ``out_dir/model`` (random tiny Inkling + char tokenizer) and ``out_dir/task.jsonl``; returns ``out_dir``.
+    ``model=False`` writes the tokenizer and the task only (for builders of other families' models on this task)."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import InklingForCausalLM, InklingTextConfig, PreTrainedTokenizerFast
@@ -55,8 +56,9 @@ def build_tiny_inkling(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
                             pad_token="<|endoftext|>").save_pretrained(out / "model")
     config = InklingTextConfig(vocab_size=len(vocab), eos_token_id=vocab["<|im_end|>"],
                                pad_token_id=vocab["<|endoftext|>"], bos_token_id=None, **TINY_TEXT_CONFIG)
-    torch.manual_seed(seed)
-    InklingForCausalLM(config).float().save_pretrained(out / "model")
+    if model:
+        torch.manual_seed(seed)
+        InklingForCausalLM(config).float().save_pretrained(out / "model")
     with open(out / "task.jsonl", "w") as f:
         for i in range(prompts):
             f.write(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n")

@@ -34,10 +34,7 @@ def build_inkling2_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32) -> 
     from ferrule.plugins.inkling.shapes import build_shapes_task
     from ferrule.plugins.inkling2.synthetic import TINY_TEXT_CONFIG
 
-    out = build_shapes_task(out_dir, seed=seed, prompts=prompts)  # images, task, tokenizer (+ an Inkling model)
-    for f in (out / "model").glob("*.safetensors*"):
-        f.unlink()
-    (out / "model" / "config.json").unlink()
+    out = build_shapes_task(out_dir, seed=seed, prompts=prompts, model=False)  # images, task, tokenizer
     vocab = json.loads((out / "model" / "tokenizer.json").read_text())["model"]["vocab"]
     text = dict(TINY_TEXT_CONFIG, vocab_size=PADDED_VOCAB, unpadded_vocab_size=len(vocab),
                 eos_token_id=vocab["<|content_model_end_sampling|>"], pad_token_id=vocab["<|endoftext|>"],

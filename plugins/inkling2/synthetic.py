@@ -39,10 +39,7 @@ def build_tiny_inkling2(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
     from ferrule.plugins.inkling.synthetic import build_tiny_inkling
 
     out = Path(out_dir)
-    build_tiny_inkling(out, seed=seed, prompts=prompts)  # tokenizer + task (its Inkling weights are replaced)
-    for f in (out / "model").glob("*.safetensors*"):
-        f.unlink()
-    (out / "model" / "config.json").unlink()
+    build_tiny_inkling(out, seed=seed, prompts=prompts, model=False)  # tokenizer + task
     tok = json.loads((out / "model" / "tokenizer.json").read_text())["model"]["vocab"]
     config = Inkling2TextConfig(vocab_size=PADDED_VOCAB, unpadded_vocab_size=len(tok), eos_token_id=tok["<|im_end|>"],
                                 pad_token_id=tok["<|endoftext|>"], bos_token_id=None, **TINY_TEXT_CONFIG)
