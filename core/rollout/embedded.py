@@ -163,7 +163,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         if hf_dir is not None and (dequantized := dequantized_source(hf_dir)) is not None:  # MXFP8 / FP8 folder
             hf_config, state_dict = dequantized
             hf_config._attn_implementation = family_attn_implementation(hf_config, unregistered="sdpa")
-            tokenizer = self._load_dir(hf_dir, None, tokenizer, None, tokenizer_only=True)
+            tokenizer = self._load_tokenizer(hf_dir, tokenizer)
             hf_dir = None
         if hf_dir is not None:
             model, tokenizer = self._load_dir(hf_dir, dtype, tokenizer, model_class)
@@ -232,31 +232,33 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
-    def _load_dir(hf_dir: str | os.PathLike, dtype: torch.dtype | None, tokenizer: Any, model_class: Any,
-                  tokenizer_only: bool = False):
+    def _load_dir(hf_dir: str | os.PathLike, dtype: torch.dtype | None, tokenizer: Any, model_class: Any):
         from transformers import AutoConfig
 
         hf_dir = os.fspath(hf_dir)
-        model = None
-        if not tokenizer_only:
-            config = AutoConfig.from_pretrained(hf_dir)
-            cls = model_class or _resolve_model_class(config)
-            attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
-            model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
-            if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
-                from ferrule.safetensors_io import CheckpointError
+        config = AutoConfig.from_pretrained(hf_dir)
+        cls = model_class or _resolve_model_class(config)
+        attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
+        model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
+        if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
+            from ferrule.safetensors_io import CheckpointError
 
-                missing = sorted(info["missing_keys"])
-                raise CheckpointError(
-                    f"{hf_dir}: {len(missing)} weight(s) the model needs are not in the checkpoint "
-                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers would initialise "
-                    "them at random. Pass a complete HF folder (re-export it with `ferrule convert torch-dist-to-hf`).")
+            missing = sorted(info["missing_keys"])
+            raise CheckpointError(
+                f"{hf_dir}: {len(missing)} weight(s) the model needs are not in the checkpoint "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers would initialise "
+                "them at random. Pass a complete HF folder (re-export it with `ferrule convert torch-dist-to-hf`).")
+        return model, EmbeddedEngine._load_tokenizer(hf_dir, tokenizer)
+
+    @staticmethod
+    def _load_tokenizer(hf_dir: str | os.PathLike, tokenizer: Any) -> Any:
+        """``tokenizer`` if given, else the folder's own (None where it holds no tokenizer files)."""
         if tokenizer is None and any(os.path.isfile(os.path.join(hf_dir, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json")):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        return tokenizer if tokenizer_only else (model, tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(os.fspath(hf_dir))
+        return tokenizer
 
     def _find_eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
