@@ -63,13 +63,12 @@ def hf_to_torch_dist_cmd(
     Runs tp*ep*pp processes (gloo on CPU); the checkpoint loads under any layout afterwards.
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
-    from ferrule.converters.checkpoint import hf_to_torch_dist
-    from ferrule.quantized_weights import open_hf_weights
+    from ferrule.converters.checkpoint import hf_to_torch_dist, hf_to_torch_dist_bytes
 
     try:
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
-        total = open_hf_weights(hf_dir).total_bytes() if (tp * ep * pp) == 1 else 0
+        total = hf_to_torch_dist_bytes(hf_dir) if (tp * ep * pp) == 1 else 0
         progress, advance = _progress(total, "hf -> torch_dist")
         with progress:
             out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
@@ -93,13 +92,13 @@ def torch_dist_to_hf_cmd(
     import json
 
     from ferrule.converters.checkpoint import _family_parts, _read_config, dropped_hf_tensors, read_checkpoint_metadata
-    from ferrule.converters.checkpoint import torch_dist_to_hf
+    from ferrule.converters.checkpoint import torch_dist_to_hf, torch_dist_to_hf_bytes
 
     try:
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
         meta = read_checkpoint_metadata(ckpt_dir)
-        progress, advance = _progress(int(meta.get("hf_bytes", 0)), "torch_dist -> hf")
+        progress, advance = _progress(torch_dist_to_hf_bytes(meta) or 0, "torch_dist -> hf")
         with progress:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
                                    progress=advance, mxfp8=mxfp8, notice=_notice)
