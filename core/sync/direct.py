@@ -309,6 +309,8 @@ def build_plan(chunks: Sequence[Any], table: MappingTable, groups: UpdateGroupTa
                 stack = isinstance(m, StackExperts)
                 if stack and type(m).assemble is not StackExperts.assemble:
                     why = f"{type(m).__name__} assembles its stack itself"
+                if not param.is_contiguous():  # the probe's flat indices are row-major offsets into the parameter
+                    why = "the parameter is not contiguous"
                 if why is None:
                     for key, out in zip(keys, outs):
                         why = _plan_one(param, bp.param, name, key, out, targets, m.expert_index(wild) if stack else None,
