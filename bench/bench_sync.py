@@ -10,12 +10,15 @@ buffers as destinations). Side by side in one run, median of ``--iters`` after o
   HF-named buckets -> ``update_weights``), the path for SGLang and other processes;
 - ``direct``: ``sync_weights(engine, rollout, version)``: the plan of strided copies resolved once
   (:mod:`ferrule.sync.direct`), ``torch._foreach_copy_`` per sync;
-- ``direct_loop``: the same copies one ``copy_`` each (``FERRULE_DIRECT_SYNC_FOREACH=0``).
+- ``direct_loop``: the same copies one ``copy_`` each (``FERRULE_DIRECT_SYNC_FOREACH=0``);
+- ``direct_other_rows``: ``direct`` with the other setting of ``FERRULE_DIRECT_SYNC_ROWS`` (the
+  strided q/k/v copies of a layer as one ``index_select`` of rows into the fused buffer, or not).
 
 Both warm-ups run with ``check_equal=True`` (every tensor compared). Prints one JSON line with the
 milliseconds, the ratios, and the device memory allocated before and after the timed calls.
 
     python bench/bench_sync.py              # CUDA
+    python bench/bench_sync.py --device cpu --scaled --iters 20   # host overhead on CPU
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ from pathlib import Path
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  tie_word_embeddings=True)
+#: ``--scaled``: the same 290 tensors and head structure with small widths (host overhead on CPU)
+SCALED = dict(QWEN2_05B, hidden_size=112, intermediate_size=608, vocab_size=1024, max_position_embeddings=256)
+
+
+def _sync_device() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _time(fn, iters: int) -> tuple[float, float]:
@@ -39,10 +51,10 @@ def _time(fn, iters: int) -> tuple[float, float]:
     fn()  # warm-up
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        _sync_device()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync_device()
         times.append(time.perf_counter() - t0)
     return round(1e3 * statistics.median(times), 3), round(1e3 * min(times), 3)
 
@@ -50,7 +62,10 @@ def _time(fn, iters: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run, with --scaled)")
+    ap.add_argument("--scaled", action="store_true", help="small widths, same 290 tensors (see SCALED)")
     args = ap.parse_args()
+    cuda = args.device == "cuda"
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -62,10 +77,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "qwen2_0.5b"
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16).save_pretrained(hf_dir)
+        Qwen2ForCausalLM(Qwen2Config(**(SCALED if args.scaled else QWEN2_05B))).to(torch.bfloat16).save_pretrained(hf_dir)
         t0 = time.perf_counter()
         engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.bfloat16)
-        rollout = get_rollout_engine("embedded", hf_dir=hf_dir, dtype=torch.bfloat16, device="cuda")
+        rollout = get_rollout_engine("embedded", hf_dir=hf_dir, dtype=torch.bfloat16, device=args.device)
         build_s = time.perf_counter() - t0
         version = [0]
 
@@ -80,32 +95,37 @@ def main() -> None:
             out[f"{name}_first_s"] = round(time.perf_counter() - t0, 3)
             assert stats.checked and stats.direct == (name == "direct"), stats
             out.update(bytes=stats.bytes, tensors=stats.tensors)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        _sync_device()
+        before = torch.cuda.memory_allocated() if cuda else 0
         out["bucketed_ms"], out["bucketed_min_ms"] = _time(lambda: sync(direct=False), args.iters)
         out["direct_ms"], out["direct_min_ms"] = _time(lambda: sync(), args.iters)
         os.environ["FERRULE_DIRECT_SYNC_FOREACH"] = "0"
         out["direct_loop_ms"], _ = _time(lambda: sync(), args.iters)
-        del os.environ["FERRULE_DIRECT_SYNC_FOREACH"]
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_allocated()
+        os.environ["FERRULE_DIRECT_SYNC_FOREACH"] = "1"
+        rows_default = os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "0")
+        os.environ["FERRULE_DIRECT_SYNC_ROWS"] = "0" if rows_default == "1" else "1"
+        out["direct_other_rows_ms"], _ = _time(lambda: sync(), args.iters)
+        os.environ["FERRULE_DIRECT_SYNC_ROWS"] = rows_default
+        _sync_device()
+        after = torch.cuda.memory_allocated() if cuda else 0
         assert sync(check_equal=True).checked  # still every tensor equal after the timed calls
         from ferrule.sync import direct
 
         (plan,) = direct._PLANS[rollout].values()
         n = out["bytes"] // 2
-        src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        src = torch.empty(n, dtype=torch.bfloat16, device=args.device)
         dst = torch.empty_like(src)
         out["copy_limit_ms"], _ = _time(lambda: dst.copy_(src), args.iters)
         del src, dst
         out.update(
             copies=len(plan.copies), strided_copies=sum(not c.contiguous() for c in plan.copies),
-            fallback=len(plan.fallback),
+            fallback=len(plan.fallback), row_gathers=len(plan.gathers),
+            rows_default=os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "0"),
             bucketed_over_direct=round(out["bucketed_ms"] / out["direct_ms"], 2),
             direct_over_copy_limit=round(out["direct_ms"] / out["copy_limit_ms"], 2),
             fused=rollout.fast_decode, build_s=round(build_s, 1),
             mem_before_mib=round(before / 2**20, 1), mem_after_mib=round(after / 2**20, 1),
-            device=torch.cuda.get_device_name(), torch=torch.__version__)
+            device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__)
         print(json.dumps(out))
 
 

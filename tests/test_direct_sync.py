@@ -81,7 +81,7 @@ def _move(engine, seed: int) -> None:
     with torch.no_grad():
         for chunk in engine.model:
             for p in chunk.parameters():
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * NOISE)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * NOISE)
 
 
 def _snapshot(rollout) -> dict[str, torch.Tensor]:
@@ -140,21 +140,27 @@ def test_direct_sync_equals_bucketed_sync(build, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_direct_sync_into_fused_buffers(tmp_path):
+def test_direct_sync_into_fused_buffers(tmp_path, monkeypatch):
     """The fast decode path's fused q/k/v and gate/up buffers (fused by hand on CPU) are written in place:
-    gate and up become one copy per layer, and the fused buffers hold the synced weights."""
+    gate and up become one copy per layer, q/k/v one row gather per layer (``FERRULE_DIRECT_SYNC_ROWS=1``),
+    and the fused buffers hold the synced weights."""
     from ferrule.rollout._fast_decode import fuse_weights
     from ferrule.sync import sync_weights
 
     engine, ref, fast = _engines(_qwen("qwen2", "Qwen2ForCausalLM"), tmp_path)
     fast._fuse_weights()
-    _move(engine, 21)
-    sync_weights(engine, ref, 1, direct=False)
-    assert sync_weights(engine, fast, 1).direct
-    _assert_same(_snapshot(fast), _snapshot(ref))
+    for version, (rows, loop) in enumerate((("0", "1"), ("1", "1"), ("1", "0"), ("0", "0")), start=1):
+        monkeypatch.setenv("FERRULE_DIRECT_SYNC_ROWS", rows)
+        monkeypatch.setenv("FERRULE_DIRECT_SYNC_FOREACH", loop)
+        _move(engine, 20 + version)
+        sync_weights(engine, ref, version, direct=False)
+        assert sync_weights(engine, fast, version).direct
+        _assert_same(_snapshot(fast), _snapshot(ref))
     layers = fast.model.config.num_hidden_layers
-    merged = [c.hf_name for c in _plan(fast).copies if "+" in c.hf_name]
+    plan = _plan(fast)
+    merged = [c.hf_name for c in plan.copies if "+" in c.hf_name]
     assert len(merged) == layers and all("gate_proj" in n and "up_proj" in n for n in merged), merged
+    assert len(plan.gathers) == 2 * layers and all(c.contiguous() for c in plan.rest)  # q/k/v weights, biases
     layout = fuse_weights(fast.model)  # idempotent: the same buffers, now holding the synced weights
     a = ref.model.model.layers[1]
     assert torch.equal(layout.weights[11 + 1], torch.cat([a.self_attn.q_proj.weight, a.self_attn.k_proj.weight,
@@ -247,3 +253,29 @@ def test_joint_strides():
     assert joint_strides(torch.tensor([0, 2, 1, 3]), torch.arange(4)) == ((2, 2), (1, 2), 0, (2, 1), 0)
     assert joint_strides(torch.tensor([3, 2, 1]), torch.arange(3)) is None  # negative stride
     assert joint_strides(torch.tensor([0, 1, 5]), torch.arange(3)) is None  # no shape
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fast decode path's fused buffers)")
+def test_direct_sync_on_cuda_into_fused_buffers(tmp_path, monkeypatch):
+    """On the GPU in bf16, rollout engines on the fast decode path (fused q/k/v and gate/up, fused at
+    construction): the direct sync gives the bucketed sync's weights bit for bit, twice."""
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.rollout.embedded import EmbeddedEngine
+    from ferrule.sync import sync_weights
+
+    hf_dir = _qwen("qwen2", "Qwen2ForCausalLM")(tmp_path / "hf")
+    engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.bfloat16)
+    ref, fast = (EmbeddedEngine(hf_dir=hf_dir, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    for version, rows in ((1, "0"), (2, "1")):
+        monkeypatch.setenv("FERRULE_DIRECT_SYNC_ROWS", rows)
+        _move(engine, 60 + version)
+        sync_weights(engine, ref, version, direct=False)
+        stats = sync_weights(engine, fast, version, check_equal=True)
+        assert stats.direct and stats.checked
+        _assert_same(_snapshot(fast), _snapshot(ref))
+    plan = _plan(fast)
+    assert plan.fallback == {} and plan.copies[0].dst.device.type == "cuda"
+    if fast.fast_decode:  # fused at construction: gate + up are one copy per layer
+        assert sum("+" in c.hf_name for c in plan.copies) == fast.model.config.num_hidden_layers

@@ -220,28 +220,33 @@ class DirectPlan:
     nbytes: int
     ntensors: int
     verified: bool = False
-    _bound: list | None = field(default=None, repr=False)
-    _ptrs: tuple = field(default=(), repr=False)
+    gathers: list["_Gather"] = field(default_factory=list, repr=False)
+    rest: list[_Copy] = field(default_factory=list, repr=False)
+    _bound: dict = field(default_factory=dict, repr=False)
     _sources: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self._sources = list({id(c.src): c.src for c in self.copies}.values())
+        self.gathers, self.rest = _row_gathers(self.copies)
 
     # -- binding ------------------------------------------------------------------------
     def _key(self) -> tuple:
         return tuple(p.data_ptr() for p in self._sources)
 
-    def bind(self) -> list[tuple[list, list]]:
-        """The copy lists ``[(dsts, srcs)]`` over the current parameter memory (re-bound when it moved)."""
+    def bind(self, rows: bool) -> tuple[list[tuple[list, list]], list[tuple]]:
+        """``([(dsts, srcs)] for torch._foreach_copy_, [(src rows, index, dst rows)] for index_select)``
+        over the current parameter memory (re-bound when it moved); ``rows``: the row gathers of
+        :func:`_row_gathers` replace the copies they cover."""
         key = self._key()
-        if self._bound is not None and key == self._ptrs:
-            return self._bound
+        hit = self._bound.get(rows)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         if any(k == 0 for k in key):
             raise WeightSyncError("direct weight sync: a train-engine parameter has no memory (offloaded?); "
                                   "onload the train engine before syncing.")
         groups: dict[tuple, tuple[list, list]] = {}
         strided: tuple[list, list] = ([], [])
-        for c in self.copies:
+        for c in (self.rest if rows else self.copies):
             src = c.src.detach().as_strided(c.shape, c.src_strides, c.src.detach().storage_offset() + c.src_offset)
             dst = c.dst.as_strided(c.shape, c.dst_strides, c.dst_offset)
             if c.contiguous() and src.dtype == dst.dtype:
@@ -250,20 +255,99 @@ class DirectPlan:
                 g = strided
             g[0].append(dst)
             g[1].append(src)
-        self._bound = [g for g in groups.values()] + ([strided] if strided[0] else [])
-        self._ptrs = key
-        return self._bound
+        copies = [g for g in groups.values()] + ([strided] if strided[0] else [])
+        gathers = [(g.src.detach().view(-1, g.width), g.rows, g.dst.as_strided((g.rows.numel(), g.width), (g.width, 1),
+                                                                               g.dst_offset))
+                   for g in (self.gathers if rows else ())]
+        self._bound = {rows: (key, (copies, gathers))}
+        return copies, gathers
 
     def run(self) -> None:
-        """The copies (asynchronous on CUDA, ordered on the current stream)."""
+        """The copies (asynchronous on CUDA, ordered on the current stream).
+
+        ``FERRULE_DIRECT_SYNC_ROWS=1``: the strided copies of one parameter into one destination
+        buffer (Megatron's ``linear_qkv`` into the fused q/k/v buffer) as one ``index_select`` of
+        rows each; ``FERRULE_DIRECT_SYNC_FOREACH=0``: one ``copy_`` per copy instead of
+        ``torch._foreach_copy_`` (both for measurements, bench/bench_sync.py).
+        """
         import torch
 
-        for dsts, srcs in self.bind():
-            if os.environ.get("FERRULE_DIRECT_SYNC_FOREACH", "1") == "0":
+        copies, gathers = self.bind(os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "0") == "1")
+        loop = os.environ.get("FERRULE_DIRECT_SYNC_FOREACH", "1") == "0"
+        for dsts, srcs in copies:
+            if loop:
                 for d, s in zip(dsts, srcs):
                     d.copy_(s)
             else:
                 torch._foreach_copy_(dsts, srcs)
+        for src, index, dst in gathers:
+            torch.index_select(src, 0, index, out=dst)
+
+
+@dataclass
+class _Gather:
+    """Rows of one parameter (viewed ``[-1, width]``) into consecutive rows of one destination buffer."""
+
+    src: Any
+    dst: "torch.Tensor"
+    width: int
+    rows: "torch.Tensor"  # source row per destination row (int64, on the parameter's device)
+    dst_offset: int  # absolute element offset of the first destination row in its storage
+    hf_names: str
+
+
+def _strided_index(shape: tuple[int, ...], strides: tuple[int, ...], offset: int, device: Any) -> "torch.Tensor":
+    import torch
+
+    idx = torch.full((1,) * len(shape), offset, dtype=torch.int64, device=device)
+    for k, (size, stride) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[k] = size
+        idx = idx + (torch.arange(size, dtype=torch.int64, device=device) * stride).view(view)
+    return idx.reshape(-1)
+
+
+def _row_gathers(copies: list[_Copy]) -> tuple[list[_Gather], list[_Copy]]:
+    """Strided copies of one parameter into one destination storage that move whole rows, as row gathers
+    (``index_select``), and the copies left; e.g. q, k and v of a layer from ``linear_qkv`` into the fused
+    ``[q; k; v]`` buffer are one gather of rows."""
+    import torch
+
+    by_pair: dict[tuple, list[int]] = {}
+    for i, c in enumerate(copies):
+        if not c.contiguous():
+            by_pair.setdefault((id(c.src), c.dst.untyped_storage().data_ptr(), c.dst.dtype), []).append(i)
+    gathers: list[_Gather] = []
+    used: set[int] = set()
+    for idxs in by_pair.values():
+        cs = [copies[i] for i in idxs]
+        src = cs[0].src.detach()
+        if len(cs) < 2 or src.dtype != cs[0].dst.dtype:
+            continue
+        width = src.shape[-1] if src.dim() >= 2 else 1
+        step = torch.arange(width, dtype=torch.int64, device=src.device)
+        src_rows, dst_rows = [], []
+        for c in cs:
+            s_idx = _strided_index(c.shape, c.src_strides, c.src_offset, src.device)
+            d_idx = _strided_index(c.shape, c.dst_strides, c.dst_offset, src.device)
+            if s_idx.numel() % width:
+                break
+            s2, d2 = s_idx.view(-1, width), d_idx.view(-1, width)
+            if not (torch.equal(s2, s2[:, :1] + step) and torch.equal(d2, d2[:, :1] + step)
+                    and bool((s2[:, 0] % width == 0).all()) and bool((d2[:, 0] % width == 0).all())):
+                break
+            src_rows.append(s2[:, 0] // width)
+            dst_rows.append(d2[:, 0] // width)
+        else:
+            sr, dr = torch.cat(src_rows), torch.cat(dst_rows)
+            order = torch.argsort(dr)
+            sr, dr = sr[order], dr[order]
+            lo = int(dr[0])
+            if torch.equal(dr, torch.arange(lo, lo + dr.numel(), dtype=torch.int64, device=dr.device)):
+                gathers.append(_Gather(cs[0].src, cs[0].dst, width, sr.contiguous(), lo * width,
+                                       "+".join(c.hf_name for c in cs)))
+                used.update(idxs)
+    return gathers, [c for i, c in enumerate(copies) if i not in used]
 
 
 def _probe(shape: tuple[int, ...], device: Any) -> "torch.Tensor":
