@@ -20,7 +20,7 @@ gate/up, tied or padded vocabulary, stacked experts, custom rows):
    element each HF element is. The rollout side says, element by element, where each HF
    element lives in the served weights (a strided alias, a flat index or per-parameter parts).
 3. Both index arrays are ordered by destination and factored together into one strided shape
-   (:func:`joint_strides`; e.g. Qwen2's ``q_proj`` from Megatron's ``linear_qkv`` is
+   (:func:`ferrule.sync.strides.joint_strides`; e.g. Qwen2's ``q_proj`` from Megatron's ``linear_qkv`` is
    ``[groups, q_rows_per_group * hidden]`` with source strides ``[(q+2kv rows per group) *
    hidden, 1]``). Adjacent contiguous pairs are merged (``gate_proj`` + ``up_proj`` into the
    fused buffer is one copy).
@@ -59,14 +59,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ferrule.mapping import HFAssembler, MappingContext, MappingTable, StackExperts
+from ferrule.mapping import MappingContext, MappingTable, StackExperts
 from ferrule.specs import UpdateGroupTable
 from ferrule.sync.buckets import SyncPlan, WeightSyncError, plan_sync
+from ferrule.sync.strides import flat_index, joint_strides, strided_index
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DIRECT_ENV", "DirectPlan", "build_plan", "direct_sync", "direct_unavailable", "joint_strides", "log_once"]
+__all__ = ["DIRECT_ENV", "DirectPlan", "build_plan", "direct_sync", "direct_unavailable", "log_once"]
 
 log = logging.getLogger("ferrule.sync")
 
@@ -84,69 +85,14 @@ def log_once(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Index arithmetic
+# Destinations
 # ---------------------------------------------------------------------------------------
-
-
-def joint_strides(src: "torch.Tensor", dst: "torch.Tensor"
-                  ) -> tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...], int] | None:
-    """One strided shape covering two flat index arrays element for element, or None.
-
-    ``src[i]`` and ``dst[i]`` (1-D int64, same length ``n >= 1``) are flat element indices into a
-    source and a destination tensor. Returns ``(shape, src_strides, src_offset, dst_strides,
-    dst_offset)`` with ``src[i] == src_offset + sum_k idx_k(i) * src_strides[k]`` (row-major
-    ``idx`` over ``shape``) and the same for ``dst``, so that
-    ``dst_base.as_strided(shape, dst_strides, dst_offset).copy_(src_base.as_strided(shape,
-    src_strides, src_offset))`` moves every element where the arrays say. Dimensions are
-    merged as far as the runs allow (a contiguous block is one dimension). None if no such
-    shape exists or a stride would be negative.
-    """
-    import torch
-
-    n = src.numel()
-    if n == 0 or dst.numel() != n:
-        return None
-    s_off, d_off = int(src[0]), int(dst[0])
-    a, b = src - s_off, dst - d_off
-    dims: list[tuple[int, int, int]] = []  # innermost first: (size, src stride, dst stride)
-    while a.numel() > 1:
-        sa, sb = int(a[1] - a[0]), int(b[1] - b[0])
-        if sa < 0 or sb < 0:
-            return None
-        brk = ((torch.diff(a) != sa) | (torch.diff(b) != sb)).nonzero()
-        run = a.numel() if brk.numel() == 0 else int(brk[0]) + 1
-        if a.numel() % run:
-            return None
-        ra, rb = a.view(-1, run), b.view(-1, run)
-        step = torch.arange(run, dtype=a.dtype, device=a.device)
-        if not (torch.equal(ra, ra[:, :1] + step * sa) and torch.equal(rb, rb[:, :1] + step * sb)):
-            return None
-        dims.append((run, sa, sb))
-        a, b = ra[:, 0].contiguous(), rb[:, 0].contiguous()
-    if not dims:
-        dims.append((1, 1, 1))
-    dims.reverse()
-    return (tuple(d[0] for d in dims), tuple(d[1] for d in dims), s_off, tuple(d[2] for d in dims), d_off)
-
-
-def _flat_index(t: "torch.Tensor", base: "torch.Tensor") -> "torch.Tensor | None":
-    """Flat indices into contiguous ``base`` of every element of ``t`` (a view of ``base``'s memory), row-major."""
-    import torch
-
-    if not base.is_contiguous() or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-        return None
-    off = t.storage_offset() - base.storage_offset()
-    probe = torch.arange(base.numel(), dtype=torch.int64, device=base.device)
-    try:
-        return probe.as_strided(tuple(t.shape), tuple(t.stride()), off).reshape(-1)
-    except RuntimeError:  # outside base
-        return None
 
 
 def _dst_pieces(entry: Any) -> list[tuple["torch.Tensor", "torch.Tensor | None", "torch.Tensor"]] | None:
     """``[(base, HF flat positions or None for all, flat indices into base)]`` of a rollout checkpoint tensor."""
     if entry.view is not None:
-        idx = _flat_index(entry.view, entry.param)
+        idx = flat_index(entry.view, entry.param)
         return None if idx is None else [(entry.param, None, idx)]
     if entry.parts:
         return [(p, pos.reshape(-1), local.reshape(-1)) for p, pos, local in entry.parts]
@@ -208,7 +154,8 @@ class DirectPlan:
         targets: the rollout engine's checkpoint-tensor table the plan was resolved against
             (identity: a new table means the served weights moved, e.g. re-fused).
         nbytes / ntensors: bytes and count of the HF tensors a bucketed sync sends (its
-            :class:`~ferrule.sync.SyncStats`), fallback included.
+            :class:`~ferrule.sync.SyncStats`), fallback included except rows whose ``to_hf``
+            rejects the probe.
         verified: the first direct sync was compared with the bucketed export and matched.
     """
 
@@ -296,17 +243,6 @@ class _Gather:
     hf_names: str
 
 
-def _strided_index(shape: tuple[int, ...], strides: tuple[int, ...], offset: int, device: Any) -> "torch.Tensor":
-    import torch
-
-    idx = torch.full((1,) * len(shape), offset, dtype=torch.int64, device=device)
-    for k, (size, stride) in enumerate(zip(shape, strides)):
-        view = [1] * len(shape)
-        view[k] = size
-        idx = idx + (torch.arange(size, dtype=torch.int64, device=device) * stride).view(view)
-    return idx.reshape(-1)
-
-
 def _row_gathers(copies: list[_Copy]) -> tuple[list[_Gather], list[_Copy]]:
     """Strided copies of one parameter into one destination storage that move whole rows, as row gathers
     (``index_select``), and the copies left; e.g. q, k and v of a layer from ``linear_qkv`` into the fused
@@ -328,8 +264,8 @@ def _row_gathers(copies: list[_Copy]) -> tuple[list[_Gather], list[_Copy]]:
         step = torch.arange(width, dtype=torch.int64, device=src.device)
         src_rows, dst_rows = [], []
         for c in cs:
-            s_idx = _strided_index(c.shape, c.src_strides, c.src_offset, src.device)
-            d_idx = _strided_index(c.shape, c.dst_strides, c.dst_offset, src.device)
+            s_idx = strided_index(c.shape, c.src_strides, c.src_offset, src.device)
+            d_idx = strided_index(c.shape, c.dst_strides, c.dst_offset, src.device)
             if s_idx.numel() % width:
                 break
             s2, d2 = s_idx.view(-1, width), d_idx.view(-1, width)
@@ -416,8 +352,12 @@ def build_plan(chunks: Sequence[Any], table: MappingTable, groups: UpdateGroupTa
                 fallback[n] = "another expert of its stacked HF tensor falls back"
         names_left = set(fallback)
         copies = [c for c in copies if c.src_name not in names_left]
+    by_reason: dict[str, list[str]] = {}
     for n, why in fallback.items():
-        log_once(f"direct weight sync: {n} goes through update_weights every sync: {why}.")
+        by_reason.setdefault(why, []).append(n)
+    for why, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        log_once(f"direct weight sync: {shown} go(es) through update_weights every sync: {why}.")
     return DirectPlan(sp, _merge(copies), fallback, fallback_hf, targets, sum(hf_bytes.values()), len(hf_bytes))
 
 
@@ -436,9 +376,6 @@ def _plan_one(param: "torch.Tensor", live: Any, name: str, key: str, out: Any, t
     pieces = _dst_pieces(entry)
     if pieces is None:
         return f"the rollout engine's {key!r} is not addressable in place"
-    n_hf = 1
-    for s in entry.shape:
-        n_hf *= s
     src_flat = out.reshape(-1)
     if expert is None:
         if tuple(out.shape) != tuple(entry.shape):
@@ -474,7 +411,9 @@ def _plan_one(param: "torch.Tensor", live: Any, name: str, key: str, out: Any, t
 # Entry point (called by ferrule.sync.sync_weights)
 # ---------------------------------------------------------------------------------------
 
-_PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+#: rollout engine -> (key, DirectPlan or False (do not use), the key's objects); the plan (and through it
+#: the train engine's parameters) lives as long as the rollout engine or until another train engine syncs
+_PLANS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 def direct_unavailable(rollout_engine: Any, dtype: Any) -> str | None:
@@ -509,20 +448,32 @@ def direct_sync(chunks: Sequence[Any], rollout_engine: Any, version: int, table:
     if version < rollout_engine.weights_version:
         raise ValueError(f"sync_weights(version={version}) is older than the rollout engine's weights_version="
                          f"{rollout_engine.weights_version}; versions must not go backwards.")
-    cache = _PLANS.setdefault(rollout_engine, {})
+    first = next((p for c in chunks for p in c.parameters()), None)
+    if first is None or first.device != getattr(rollout_engine, "device", first.device):
+        log_once(f"direct weight sync not used: the rollout engine is on {getattr(rollout_engine, 'device', '?')}, the "
+                 f"train engine on {None if first is None else first.device}; the bucketed path runs.")
+        return None
+    # one plan per rollout engine, for the last train engine / tables synced into it (their ids are the key;
+    # the plan holds them, so an id cannot be reused while it lives)
     key = (tuple(id(c) for c in chunks), id(table), id(groups))
-    plan = cache.get(key)
+    held = _PLANS.get(rollout_engine)
+    plan = held[1] if held is not None and held[0] == key else None
     if plan is False:
         return None
     if plan is None or plan.targets is not targets:
-        plan = cache[key] = build_plan(chunks, table, groups, hf_config, targets)
+        plan = build_plan(chunks, table, groups, hf_config, targets)
+        _PLANS[rollout_engine] = (key, plan, (tuple(chunks), table, groups))
+        if not plan.copies:
+            _PLANS[rollout_engine] = (key, False, (tuple(chunks), table, groups))
+            log_once("direct weight sync not used: no tensor could be planned (see above); the bucketed path runs.")
+            return None
     plan.run()
     if plan.fallback:
         _send_fallback(plan, rollout_engine, version)
     if not plan.verified:
         problem = _verify(plan, rollout_engine)
         if problem:
-            cache[key] = False
+            _PLANS[rollout_engine] = (key, False, (tuple(chunks), table, groups))
             log_once(f"direct weight sync disabled for this engine pair: {problem}; every sync goes through buckets.")
             return None
         plan.verified = True
@@ -543,8 +494,20 @@ def _converted(plan: DirectPlan, names: set[str] | None):
 
 
 def _send_fallback(plan: DirectPlan, rollout_engine: Any, version: int) -> None:
-    pairs = [(k, t) for k, t in _converted(plan, set(plan.fallback)) if k in plan.fallback_hf]
-    rollout_engine.update_weights(pairs, version)
+    """The tensors the plan does not cover, converted and sent in buckets of at most DEFAULT_BUCKET_BYTES."""
+    from ferrule.sync.buckets import DEFAULT_BUCKET_BYTES, tensor_bytes
+
+    bucket, used = [], 0
+    for k, t in _converted(plan, set(plan.fallback)):
+        if k not in plan.fallback_hf:
+            continue
+        if bucket and used + tensor_bytes(t) > DEFAULT_BUCKET_BYTES:
+            rollout_engine.update_weights(bucket, version)
+            bucket, used = [], 0
+        bucket.append((k, t))
+        used += tensor_bytes(t)
+    if bucket:
+        rollout_engine.update_weights(bucket, version)
 
 
 def _verify(plan: DirectPlan, rollout_engine: Any) -> str | None:

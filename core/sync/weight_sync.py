@@ -4,7 +4,11 @@
 parameters, gathers full tensors collectively (TP all-gather, EP collection, PP broadcast:
 :mod:`ferrule.sync.buckets`), converts them to HF names and layouts through the family's
 mapping table, and sends byte-bounded buckets with
-``rollout_engine.update_weights(bucket, version)``.
+``rollout_engine.update_weights(bucket, version)``. In one process (world size 1) with an
+engine offering ``direct_weight_targets()`` (the embedded engine, awake, on the train engine's
+device) it takes the direct path instead (:mod:`ferrule.sync.direct`): strided copies straight
+into the served weights, planned once from the same tables; the served weights are the same
+bit for bit.
 
 Which rank talks to the rollout engine: **global rank 0** (:data:`SENDER_RANK`; it lies in
 data-parallel replica 0, expert-data-parallel replica 0 and pipeline stage 0). Every rank of
