@@ -253,3 +253,18 @@ def test_ferrule_check_family_is_the_family_of_the_conversion(qwen2_dir, tmp_pat
     assert [(r.step, r.status) for r in report.rows] == [
         ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")], \
         report.rows
+
+
+def test_bad_flag_values_are_refused_first_naming_the_flag(qwen2_dir, td_dir, tmp_path):
+    """``--tp 0`` & co.: exit 2 with one ``error: --FLAG VALUE: ...`` line, no progress bar drawn, nothing written;
+    a layout the model cannot split (found before any work too) draws no bar either."""
+    for direction, src, flags in [("hf-to-torch-dist", qwen2_dir, ["--tp", "0"]), ("hf-to-torch-dist", qwen2_dir, ["--ep", "-1"]),
+                                  ("hf-to-torch-dist", qwen2_dir, ["--pp", "0"]),
+                                  ("torch-dist-to-hf", td_dir, ["--max-shard-gb", "0"])]:
+        res = _convert(direction, str(src), str(tmp_path / "out"), *flags)
+        assert res.exit_code == 2, res.output
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flags[0]} {flags[1]}"), res.output
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "out"), "--tp", "3")
+    assert res.exit_code == 2 and "tp=3 must divide" in res.output and "torch_dist" not in res.output, res.output
+    _only(tmp_path)
