@@ -225,7 +225,9 @@ def test_asleep_versions_and_switch(tmp_path, monkeypatch):
 
     engine, ref, fast = _engines(_qwen("qwen3", "Qwen3ForCausalLM"), tmp_path)
     _move(engine, 51)
+    serial = fast._weights_serial
     assert sync_weights(engine, fast, 3).direct
+    assert fast._weights_serial == serial + 1  # a merged LoRA copy (fast decode path) knows to merge again
     with pytest.raises(ValueError, match="backwards"):
         sync_weights(engine, fast, 2)
     assert fast.weights_version == 3

@@ -24,7 +24,7 @@ class EmbeddedWeightUpdates:
     captured CUDA graphs stay valid)."""
 
     #: count of writes to the weights or the served adapter through the engine's API (weight and
-    #: adapter updates, wake); a merged adapter copy (:mod:`ferrule.rollout._lora_merge`) is
+    #: adapter updates, direct writes (set_weights_version), wake); a merged adapter copy (:mod:`ferrule.rollout._lora_merge`) is
     #: merged again when it changed
     _weights_serial = 0
 
@@ -138,6 +138,7 @@ class EmbeddedWeightUpdates:
         if version < self.weights_version:
             raise ValueError(f"set_weights_version({version}) is older than the loaded weights_version="
                              f"{self.weights_version}; versions must not go backwards.")
+        self._weights_serial += 1  # the weights were written (a merged adapter copy is merged again)
         self.weights_version = version
 
     def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
