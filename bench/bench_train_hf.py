@@ -49,6 +49,8 @@ from pathlib import Path
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  tie_word_embeddings=True)
+#: ferrule's opt-in train paths (read from the environment at engine build; unset in ``ferrule_plain``)
+OPT_IN_FLAGS = ("FERRULE_GRAD_ACCUM_FUSION", "FERRULE_LEAN_ACTIVATIONS", "FERRULE_FUSED_ADAM", "FERRULE_LOGPROB_CHUNK")
 #: H200 SXM dense bf16 peak (NVIDIA datasheet), FLOP/s.
 H200_PEAK = 989e12
 
@@ -182,6 +184,7 @@ def main() -> None:
         Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16).save_pretrained(hf_dir)
         n_params = None
         engine = None
+        saved_flags: dict[str, str | None] = {}
         for mode in modes:
             gc.collect()
             torch.cuda.empty_cache()
@@ -212,10 +215,19 @@ def main() -> None:
                             os.environ[k] = "0"
                         else:
                             os.environ.pop(k, None)
+                    for k in OPT_IN_FLAGS:  # the opt-in paths: as the caller's environment says, never in plain
+                        if want_plain:
+                            saved_flags.setdefault(k, os.environ.pop(k, None))
+                        elif saved_flags.get(k) is not None:
+                            os.environ[k] = saved_flags[k]
                     engine = _ferrule_engine(hf_dir, args.max_tokens)
                     engine._bench_plain = want_plain
                     print(f"{mode}: fused_logprobs={engine.fused_logprobs} cuda_fusions={engine.cuda_fusions} "
-                          f"packed_sequences={engine.packed_sequences}")
+                          f"packed_sequences={engine.packed_sequences} "
+                          f"grad_accum_fusion={getattr(engine, 'grad_accum_fusion', None)} "
+                          f"lean_activations={getattr(engine, 'lean_activations', None)} "
+                          f"fused_adam={getattr(engine, 'fused_adam', None)} "
+                          f"logprob_chunk={getattr(engine, 'logprob_chunk_tokens', None)}")
                     n_params = n_params or sum(p.numel() for c in engine.model for p in c.parameters())
                 if mode in ("ferrule", "ferrule_plain"):
                     batch = _ferrule_batch(list(tokens))

@@ -26,7 +26,11 @@ parallelism is off, which is how ferrule builds models).
 
 Numerics: logits are rounded to ``W``'s dtype (as the plain path's matmul output is) and every
 reduction is fp32; on CPU in fp32 the result equals the plain path to ~1e-6 (tested). ``dW`` is
-accumulated over chunks in fp32 and cast to ``W``'s dtype once.
+accumulated over chunks in fp32 and cast to ``W``'s dtype once; with ``main_grad`` (the
+weight's fp32 DDP gradient buffer) each chunk's ``dz^T h`` is accumulated straight into that buffer
+instead (:func:`~ferrule.megatron.gpu_fusions.wgrad_accumulate`: one fp32-accumulating GEMM on
+CUDA) and no ``[V, H]`` weight gradient is returned, which saves the fp32 ``[V, H]`` scratch, its
+bf16 cast and DDP's add.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import functools
 from typing import Optional
 
 import torch
+
+from .gpu_fusions import wgrad_accumulate
 
 __all__ = ["linear_logprobs", "DEFAULT_CHUNK_TOKENS"]
 
@@ -80,7 +86,7 @@ def _tp_group_and_rank(tp_group):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group):
+    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group, main_grad):
         import torch.distributed as dist
 
         group, rank = _tp_group_and_rank(tp_group)
@@ -112,6 +118,7 @@ class _LinearLogprobs(torch.autograd.Function):
             out[a:b] = tgt - lse[a:b]
         ctx.save_for_backward(hidden, weight, safe, in_range, lse)
         ctx.meta = (n_valid, chunk_tokens, group)
+        ctx.main_grad = main_grad  # not saved_tensors: it is written in place by backward
         return out
 
     @staticmethod
@@ -122,7 +129,10 @@ class _LinearLogprobs(torch.autograd.Function):
         n_valid, chunk_tokens, group = ctx.meta
         t = hidden.shape[0]
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        main_grad = ctx.main_grad if ctx.needs_input_grad[1] else None
+        grad_w32 = None
+        if ctx.needs_input_grad[1] and main_grad is None:
+            grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g = grad_out.float()
         w = weight[:n_valid]
         _, _, kgrad = _kernels(hidden.is_cuda)
@@ -134,14 +144,17 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad_h[a:b] = dz @ w
             if grad_w32 is not None:
                 grad_w32[:n_valid] += dz.t() @ hidden[a:b]  # matmul in W's dtype, summed over chunks in fp32
+            elif main_grad is not None and n_valid:
+                wgrad_accumulate(main_grad[:n_valid], dz, hidden[a:b])
         if grad_h is not None and group is not None:
             dist.all_reduce(grad_h, group=group)
         grad_w = grad_w32.to(weight.dtype) if grad_w32 is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, *,
-                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None) -> torch.Tensor:
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None,
+                    main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T)[labels]`` over the unpadded vocabulary, chunked.
 
     Args:
@@ -152,6 +165,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         vocab_size: the unpadded vocabulary size (HF ``config.vocab_size``).
         chunk_tokens: rows per chunk (memory ``chunk_tokens * V_local`` fp32 at a time).
         tp_group: the tensor-parallel process group (None or size 1: no communication).
+        main_grad: ``weight``'s gradient accumulation buffer (``[V_local, H]``, megatron DDP's
+            ``main_grad``): the weight gradient is added into it in backward and ``weight``
+            receives none through autograd. None: ``weight.grad`` as usual.
 
     Returns:
         ``[T]`` float32 logprobs, differentiable w.r.t. ``hidden`` and ``weight``.
@@ -164,6 +180,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          f"and {tuple(weight.shape)}.")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [T] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}.")
+    if main_grad is not None and main_grad.shape != weight.shape:
+        raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}.")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
-    return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group)
+    return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group,
+                                 main_grad)
