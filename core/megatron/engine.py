@@ -58,7 +58,8 @@ from .batching import Datum, FBOutput
 from .engine_inputs import prepare_batch
 from .engine_step import _unwrap_gpt
 from .fused_logprob import DEFAULT_CHUNK_TOKENS
-from .gpu_fusions import enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations, use_fused_adam
+from .gpu_fusions import (LEAN_ACTIVATIONS, enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
+                          use_fused_adam)
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
 from .towers import towers_of
@@ -190,10 +191,11 @@ class TrainEngine(EngineColocation):
             enable_grad_accum_fusion(self.model)
         #: cheaply recomputable activations (SwiGLU output, RMSNorm outputs, the QKV projection behind
         #: V) dropped from the saved tensors and recomputed bit-identically in backward
-        #: (:func:`.gpu_fusions.enable_lean_activations`); ``FERRULE_LEAN_ACTIVATIONS=1`` (CUDA; off by
-        #: default until measured on the GPU)
-        self.lean_activations = (enable_lean_activations(self.model)
-                                 if on_cuda and os.environ.get("FERRULE_LEAN_ACTIVATIONS") == "1" else [])
+        #: (:func:`.gpu_fusions.enable_lean_activations`); ``FERRULE_LEAN_ACTIVATIONS=1`` (all) or a
+        #: comma list of ``swiglu,norms,compact_v`` (CUDA; off by default until measured on the GPU)
+        env = (os.environ.get("FERRULE_LEAN_ACTIVATIONS") or "0").strip()
+        which = LEAN_ACTIVATIONS if env == "1" else tuple(w.strip() for w in env.split(",") if w.strip() not in ("", "0"))
+        self.lean_activations = enable_lean_activations(self.model, which) if on_cuda and which else []
         #: rows per chunk of the fused logprobs (``FERRULE_LOGPROB_CHUNK``; transient logits are
         #: ``chunk x vocab`` in the parameter dtype, twice in backward)
         self.logprob_chunk_tokens = int(os.environ.get("FERRULE_LOGPROB_CHUNK") or DEFAULT_CHUNK_TOKENS)

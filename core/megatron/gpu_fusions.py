@@ -267,7 +267,10 @@ def _recomputing(linear_forward):
     return forward
 
 
-def enable_lean_activations(chunks: list) -> list[str]:
+LEAN_ACTIVATIONS = ("swiglu", "norms", "compact_v")
+
+
+def enable_lean_activations(chunks: list, which=LEAN_ACTIVATIONS) -> list[str]:
     """Drop cheaply recomputable tensors from the saved activations of every transformer layer:
 
     - ``swiglu``: the fused SwiGLU's output (``linear_fc2``'s input, ``tokens x ffn_hidden``) is
@@ -280,8 +283,15 @@ def enable_lean_activations(chunks: list) -> list[str]:
 
     Every recompute reruns the same kernel on the same input, so values and gradients are
     bit-identical; the cost is one elementwise pass per tensor in backward. Qwen2-0.5B at 16k
-    tokens: 159 + 2 x 29 + 34 MB a layer, 6.0 GB over 24 layers. Returns what was switched on.
+    tokens: 159 + 2 x 29 + 34 MB a layer, 6.0 GB over 24 layers. ``which``: a subset of
+    :data:`LEAN_ACTIVATIONS`. Returns what was switched on.
+
+    Raises:
+        ValueError: an unknown name in ``which``.
     """
+    unknown = set(which) - set(LEAN_ACTIVATIONS)
+    if unknown:
+        raise ValueError(f"unknown lean activation(s) {sorted(unknown)}; choose from {list(LEAN_ACTIVATIONS)}.")
     from megatron.core.transformer import mlp as mlp_mod
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -291,13 +301,13 @@ def enable_lean_activations(chunks: list) -> list[str]:
     done = set()
     for chunk in chunks:
         for m in chunk.modules():
-            if isinstance(m, mlp_mod.MLP) and m.config.bias_activation_fusion and m.config.gated_linear_unit \
+            if "swiglu" in which and isinstance(m, mlp_mod.MLP) and m.config.bias_activation_fusion and m.config.gated_linear_unit \
                     and m.activation_func is F.silu and not getattr(m.linear_fc2.forward, "_ferrule_recomputing", False):
                 if not getattr(mlp_mod.bias_swiglu_impl, "_ferrule_tagging", False):
                     mlp_mod.bias_swiglu_impl = _tagging_swiglu(mlp_mod.bias_swiglu_impl)
                 m.linear_fc2.forward = _recomputing(m.linear_fc2.forward)
                 done.add("swiglu")
-            if isinstance(m, TransformerLayer):
+            if "norms" in which and isinstance(m, TransformerLayer):
                 pairs = [(m.input_layernorm, getattr(m.self_attention, "linear_qkv", None)),
                          (m.pre_mlp_layernorm, getattr(m.mlp, "linear_fc1", None))]
                 for norm, consumer in pairs:
@@ -307,7 +317,7 @@ def enable_lean_activations(chunks: list) -> list[str]:
                     if not getattr(consumer.forward, "_ferrule_recomputing", False):
                         consumer.forward = _recomputing(consumer.forward)
                     done.add("norms")
-            if isinstance(m, SDPAttention):
+            if "compact_v" in which and isinstance(m, SDPAttention):
                 m.compact_value = True
                 done.add("compact_v")
     return sorted(done)
