@@ -336,6 +336,10 @@ def test_train_fusions_bf16_exact_or_closer_to_fp32(tmp_path, monkeypatch):
         del engine
     for a, b in zip(res["plain"][0], res["all"][0]):
         assert torch.equal(a, b)
+    # the fused bf16 logprobs (one-pass compiled max + sum of exponentials) against the fp32 plain path
+    lp_err = torch.cat([(a - b).abs() for a, b in zip(res["plain"][0], res["fp32"][0])])
+    print(f"\nbf16 fused logprobs vs fp32 plain path: max {float(lp_err.max()):.3g}, mean {float(lp_err.mean()):.3g} nats")
+    assert float(lp_err.mean()) <= 0.02 and float(lp_err.max()) <= 0.15, lp_err
 
     def gdiff(a, b):  # max relative gradient difference of two runs
         return max(float((res[b][1][n] - g0).abs().max() / g0.abs().max().clamp_min(1e-12))

@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from .gpu_fusions import wgrad_accumulate
+from .gpu_fusions import compile_dynamic, wgrad_accumulate
 
 __all__ = ["linear_logprobs", "DEFAULT_CHUNK_TOKENS"]
 
@@ -58,6 +58,15 @@ def _chunk_sumexp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.exp(z.float() - m[:, None]).sum(dim=-1)
 
 
+def _chunk_max_sumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`_chunk_max`, :func:`_chunk_sumexp` at that max) in one function: one compiled kernel
+    on CUDA (inductor's online-softmax reduction reads the chunk's logits once), the same two
+    eager ops on CPU."""
+    zf = z.float()
+    m = zf.amax(dim=-1)
+    return m, torch.exp(zf - m[:, None]).sum(dim=-1)
+
+
 def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, y: torch.Tensor,
                 in_range: torch.Tensor) -> torch.Tensor:
     """``g * (onehot(y) - softmax(z))`` in z's dtype, ``[c, V]`` (one pass on CUDA when compiled)."""
@@ -68,12 +77,13 @@ def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, y: torch.Te
 
 @functools.cache
 def _kernels(cuda: bool):
-    """(max, sumexp, grad): ``torch.compile``-d on CUDA (each one fused pass over the chunk's
+    """(max, sumexp, grad, max + sumexp): ``torch.compile``-d on CUDA (each one fused pass over the chunk's
     logits instead of an fp32 copy plus several elementwise passes); eager on CPU, where the
     tests compare with fp64 references."""
+    fns = (_chunk_max, _chunk_sumexp, _chunk_grad, _chunk_max_sumexp)
     if not cuda:
-        return _chunk_max, _chunk_sumexp, _chunk_grad
-    return tuple(torch.compile(f, dynamic=True) for f in (_chunk_max, _chunk_sumexp, _chunk_grad))
+        return fns
+    return tuple(torch.compile(f, dynamic=compile_dynamic()) for f in fns)
 
 
 def _tp_group_and_rank(tp_group):
@@ -99,17 +109,20 @@ class _LinearLogprobs(torch.autograd.Function):
         local_labels = labels - start
         in_range = (local_labels >= 0) & (local_labels < n_valid)
         safe = torch.where(in_range, local_labels, torch.zeros_like(local_labels))
-        kmax, ksumexp, _ = _kernels(hidden.is_cuda)
+        kmax, ksumexp, _, kmaxsum = _kernels(hidden.is_cuda)
         for a in range(0, t, chunk_tokens):
             b = min(a + chunk_tokens, t)
             z = hidden[a:b] @ weight[:n_valid].t()  # [c, n_valid] in the parameter dtype
-            if n_valid:
-                m = kmax(z)
+            if group is None and n_valid:
+                m, s = kmaxsum(z)  # one pass over the logits
             else:
-                m = torch.full((b - a,), float("-inf"), device=z.device)
-            if group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            s = ksumexp(z, m) if n_valid else torch.zeros(b - a, device=z.device)
+                if n_valid:
+                    m = kmax(z)
+                else:
+                    m = torch.full((b - a,), float("-inf"), device=z.device)
+                if group is not None:
+                    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+                s = ksumexp(z, m) if n_valid else torch.zeros(b - a, device=z.device)
             tgt = z.gather(1, safe[a:b, None]).squeeze(1).float() * in_range[a:b]
             if group is not None:
                 dist.all_reduce(s, group=group)
@@ -135,7 +148,7 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g = grad_out.float()
         w = weight[:n_valid]
-        _, _, kgrad = _kernels(hidden.is_cuda)
+        kgrad = _kernels(hidden.is_cuda)[2]
         for a in range(0, t, chunk_tokens):
             b = min(a + chunk_tokens, t)
             z = hidden[a:b] @ w.t()

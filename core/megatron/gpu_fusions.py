@@ -47,6 +47,14 @@ def _rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp
     return _compiled_rope()(t.unsqueeze(1), freqs[positions]).squeeze(1)
 
 
+def compile_dynamic() -> bool | None:
+    """``torch.compile``'s ``dynamic`` for ferrule's compiled CUDA kernels (RoPE, the fused logprob
+    reductions): ``True`` (every dimension symbolic, one compile) unless ``FERRULE_COMPILE_DYNAMIC=auto``
+    (``None``: torch's automatic dynamic shapes, so only the dimensions that change between calls,
+    the token count, become symbolic and the head / vocabulary sizes stay compile-time constants)."""
+    return None if os.environ.get("FERRULE_COMPILE_DYNAMIC") == "auto" else True
+
+
 @functools.cache
 def _compiled_rope():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -55,7 +63,7 @@ def _compiled_rope():
         """``t`` ``[s, b, h, d]``, ``freqs`` ``[s, 1, 1, rot_dim]`` -> ``[s, b, h, d]`` (megatron's math)."""
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
 
-    return torch.compile(rope, dynamic=True)
+    return torch.compile(rope, dynamic=compile_dynamic())
 
 
 def enable_cuda_fusions(config: Any) -> list[str]:
