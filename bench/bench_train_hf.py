@@ -60,11 +60,14 @@ def _flops_per_token(cfg: dict, seq: int, n_params: int) -> float:
     return 6 * n_params + attn
 
 
-def _time_steps(step, warmup: int, iters: int) -> tuple[float, float]:
+def _time_steps(step, warmup: int, iters: int) -> tuple[float, float, float]:
+    """(median step seconds, peak GiB allocated over the steps, GiB allocated after the first step:
+    parameters, gradient buffers and optimizer state, the resident part)."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    resident = 0.0
     times = []
     for i in range(warmup + iters):
         torch.cuda.synchronize()
@@ -73,7 +76,9 @@ def _time_steps(step, warmup: int, iters: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+        if i == 0:
+            resident = torch.cuda.memory_allocated() / 2**30
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, resident
 
 
 def _hf_mode(hf_dir: Path, tokens, liger: bool):
@@ -238,10 +243,11 @@ def main() -> None:
                 def step(batch=batch):
                     engine.forward_backward(batch, "cross_entropy")
                     engine.optim_step()
-            med, peak = _time_steps(step, args.warmup, args.iters)
+            med, peak, resident = _time_steps(step, args.warmup, args.iters)
             tps = real / med
             mfu = tps * _flops_per_token(QWEN2_05B, args.seq, n_params) / H200_PEAK
             results[mode] = {"step_s": round(med, 4), "tok_s": round(tps), "peak_gib": round(peak, 1),
+                             "resident_gib": round(resident, 2),
                              "mfu": round(mfu, 3), "tokens": real}
             print(json.dumps({"mode": mode, **results[mode]}), flush=True)
             if mode in ("ferrule", "ferrule_plain") and args.profile:
