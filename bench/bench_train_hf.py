@@ -50,7 +50,8 @@ QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  tie_word_embeddings=True)
 #: ferrule's opt-in train paths (read from the environment at engine build; unset in ``ferrule_plain``)
-OPT_IN_FLAGS = ("FERRULE_GRAD_ACCUM_FUSION", "FERRULE_LEAN_ACTIVATIONS", "FERRULE_FUSED_ADAM", "FERRULE_LOGPROB_CHUNK")
+OPT_IN_FLAGS = ("FERRULE_GRAD_ACCUM_FUSION", "FERRULE_LEAN_ACTIVATIONS", "FERRULE_FUSED_ADAM", "FERRULE_LOGPROB_CHUNK",
+                "FERRULE_LOGPROB_ONEPASS", "FERRULE_COMPILE_DYNAMIC")
 #: H200 SXM dense bf16 peak (NVIDIA datasheet), FLOP/s.
 H200_PEAK = 989e12
 

@@ -36,6 +36,7 @@ bf16 cast and DDP's add.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -110,10 +111,13 @@ class _LinearLogprobs(torch.autograd.Function):
         in_range = (local_labels >= 0) & (local_labels < n_valid)
         safe = torch.where(in_range, local_labels, torch.zeros_like(local_labels))
         kmax, ksumexp, _, kmaxsum = _kernels(hidden.is_cuda)
+        # FERRULE_LOGPROB_ONEPASS=1: max and sum of exponentials in one compiled kernel (off by default
+        # on CUDA until measured there; on CPU the same two eager ops either way)
+        one_pass = not hidden.is_cuda or os.environ.get("FERRULE_LOGPROB_ONEPASS") == "1"
         for a in range(0, t, chunk_tokens):
             b = min(a + chunk_tokens, t)
             z = hidden[a:b] @ weight[:n_valid].t()  # [c, n_valid] in the parameter dtype
-            if group is None and n_valid:
+            if one_pass and group is None and n_valid:
                 m, s = kmaxsum(z)  # one pass over the logits
             else:
                 if n_valid:
