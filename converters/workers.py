@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -91,6 +92,34 @@ def _kill_all(processes) -> None:
         p.join()
 
 
+#: seconds the other ranks get to exit by themselves after one failed (they report the same, agreed error)
+#: before they are killed
+FAILED_RANK_GRACE_S = 5.0
+
+
+class _RankFailed(RuntimeError):
+    """A rank exited with a non-zero code (its report, if any, is in the errors folder)."""
+
+
+def _join(processes) -> None:
+    """Wait for every rank; on the first that fails, give the others :data:`FAILED_RANK_GRACE_S` to exit, then
+    raise :class:`_RankFailed` (the caller kills what is left). Instead of torch's ``ProcessContext.join``,
+    which logs a ``Terminating process N via signal SIGTERM`` warning for every rank still alive, so a
+    failed ``ferrule convert --pp 2`` printed that line above its own one-line error."""
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: p for p in processes}
+    while pending:
+        for sentinel in wait(list(pending)):
+            p = pending.pop(sentinel)
+            p.join()
+            if p.exitcode != 0:
+                deadline = time.monotonic() + FAILED_RANK_GRACE_S
+                for other in pending.values():
+                    other.join(max(0.0, deadline - time.monotonic()))
+                raise _RankFailed(f"a conversion rank (pid {p.pid}) exited with code {p.exitcode}")
+
+
 class _sigterm_as_exit:
     """While active in the main thread, a ``SIGTERM`` with the default action raises
     ``SystemExit(143)`` instead of ending the process at once, so the ranks are killed and the
@@ -143,8 +172,7 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
                                                              str(err_dir), os.getpid()),
                                          nprocs=world, join=False, start_method="spawn")
             try:
-                while not context.join():
-                    pass
+                _join(context.processes)
             except BaseException:
                 _kill_all(context.processes)
                 raise

@@ -23,6 +23,11 @@ class EmbeddedWeightUpdates:
     """``update_weights`` / ``get_hf_state_dict`` of the embedded engine (in-place copies, so
     captured CUDA graphs stay valid)."""
 
+    #: count of writes to the weights or the served adapter through the engine's API (weight and
+    #: adapter updates, wake); a merged adapter copy (:mod:`ferrule.rollout._lora_merge`) is
+    #: merged again when it changed
+    _weights_serial = 0
+
     def _checkpoint_tensors(self) -> dict[str, CheckpointTensor]:
         # Built once: the views alias the parameters, which update_weights only writes in place.
         if self._ck_tensors is None:
@@ -106,6 +111,7 @@ class EmbeddedWeightUpdates:
                                      non_blocking=async_ok and tensor.device.type == "cpu"))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._weights_serial += 1
         self.weights_version = version
 
     def get_hf_state_dict(self) -> dict[str, torch.Tensor]:

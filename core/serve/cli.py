@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from ferrule.lora.settings import MAX_LORA_RANK
+
 
 NO_KEYS = ("no API keys: give --api-keys FILE or set FERRULE_SERVE_API_KEYS=tml-... (the service never runs "
            "without authentication).")
@@ -122,7 +124,7 @@ def serve_command(
     max_tokens_per_request: Annotated[int, typer.Option(help="Most tokens one request may process: num_samples x "
                                                         "(prompt + max_tokens) for sample, the data's tokens for "
                                                         "forward_backward (400 above).")] = 1 << 20,
-    max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank of a training client (400 above).")] = 128,
+    max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank of a training client (400 above).")] = MAX_LORA_RANK,
     max_queued_per_tenant: Annotated[int, typer.Option(help="Requests one tenant may have queued or running (429 "
                                                        "above; the SDK retries).")] = 512,
     max_image_bytes: Annotated[int, typer.Option(help="Most encoded bytes of one image chunk (400 above).")] = 32 << 20,
