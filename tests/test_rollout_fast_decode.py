@@ -366,6 +366,10 @@ def test_merged_lora_matches_hf_peft_in_bf16_on_cuda(monkeypatch, capsys):
             print(f"\nbf16 LoRA logprob error vs HF + PEFT fp32 (mean, max), adapter {version}: {errs}")
         assert errs["merged"][0] <= 2 * errs["plain"][0] + 1e-3 and errs["merged"][0] < 0.05, errs
         assert fast._merged_lora.refreshes == version
+        ptrs = [w.data_ptr() for w in fast._merged_lora.layout.weights if w is not None]
+        if version == 1:
+            first_ptrs = ptrs
+    assert ptrs == first_ptrs  # the second adapter was merged into the same buffers
     assert fast.health()["captured_buckets"] == [[8, 128]]
 
 

@@ -144,7 +144,8 @@ class MergedLora:
     def version(self, serial: int) -> tuple[int, int]:
         """What the merge depends on: the engine's count of weight / adapter writes through its
         API (``serial``) and the sum of the parameters' in-place version counters (which also
-        counts writes through the aliases ``get_hf_state_dict`` / ``get_lora_state_dict`` return)."""
+        counts writes through the aliases ``get_hf_state_dict`` / ``get_lora_state_dict`` return;
+        not writes through ``param.data``, which has a counter of its own)."""
         return serial, sum(p._version for p in self._watched)
 
     @torch.no_grad()
