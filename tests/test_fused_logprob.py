@@ -1,4 +1,5 @@
-"""The fused (hidden-state, chunked) logprob path, ferrule.megatron.fused_logprob.
+"""The fused (hidden-state, chunked) logprob path, ferrule.megatron.fused_logprob, and the CPU-checkable
+parts of the opt-in CUDA train paths (ferrule.megatron.gpu_fusions).
 
 Referees: a float64 ``log_softmax`` of the explicit logits and float64 autograd for the gradients
 (unit level); the engine's plain logits path and HF transformers (engine level, fp32, CPU). The
@@ -183,3 +184,28 @@ def test_lean_activations_are_bit_identical_and_save_less(hf_dir):
     for n, ga in results[False][1].items():
         assert torch.equal(ga, results[True][1][n]), n
     assert results[True][2] < results[False][2], (results[True][2], results[False][2])
+
+
+def test_foreach_optimizer_helpers_match_megatron_fallbacks():
+    """The multi-tensor stand-ins for megatron's no-Apex grad-norm and scale helpers (used on CUDA
+    with ``FERRULE_FUSED_ADAM=1``): the scale / copy bit-identical, the norm within fp32 rounding
+    of a float64 reference."""
+    from megatron.core import utils as mutils
+
+    from ferrule.megatron.gpu_fusions import _foreach_l2_norm, _foreach_scale
+
+    gen = torch.Generator().manual_seed(4)
+    ts = [torch.randn(n, generator=gen) for n in (5, 1000, 37, 1)]
+    norm, _ = _foreach_l2_norm(0, None, [ts], False)
+    ref = torch.cat([t.double() for t in ts]).norm()
+    assert norm.shape == (1,) and abs(float(norm) - float(ref)) <= 1e-6 * float(ref)
+    for scale in (1.0, 0.37):
+        for cast in (torch.float32, torch.bfloat16):
+            ours = [torch.zeros_like(t, dtype=cast) for t in ts]
+            theirs = [torch.zeros_like(t, dtype=cast) for t in ts]
+            _foreach_scale(0, None, [ts, ours], scale)
+            mutils.local_multi_tensor_scale(0, None, [ts, theirs], scale)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        inplace = [t.clone() for t in ts]
+        _foreach_scale(0, None, [inplace, inplace], scale)
+        assert all(torch.equal(a, t * scale) for a, t in zip(inplace, ts))

@@ -59,7 +59,7 @@ from .engine_inputs import prepare_batch
 from .engine_step import _unwrap_gpt
 from .fused_logprob import DEFAULT_CHUNK_TOKENS
 from .gpu_fusions import (LEAN_ACTIVATIONS, enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
-                          use_fused_adam)
+                          use_foreach_optimizer_helpers, use_fused_adam)
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
 from .towers import towers_of
@@ -199,9 +199,13 @@ class TrainEngine(EngineColocation):
         #: rows per chunk of the fused logprobs (``FERRULE_LOGPROB_CHUNK``; transient logits are
         #: ``chunk x vocab`` in the parameter dtype, twice in backward)
         self.logprob_chunk_tokens = int(os.environ.get("FERRULE_LOGPROB_CHUNK") or DEFAULT_CHUNK_TOKENS)
-        #: torch Adam with ``fused=True`` over the fp32 masters (``FERRULE_FUSED_ADAM=1``; CUDA)
+        #: torch Adam with ``fused=True`` over the fp32 masters, and multi-tensor grad-norm / clip /
+        #: master-to-model copy in place of megatron's per-tensor no-Apex fallbacks
+        #: (``FERRULE_FUSED_ADAM=1``; CUDA; off by default until measured there)
         self.fused_adam = bool(on_cuda and os.environ.get("FERRULE_FUSED_ADAM") == "1"
                                and use_fused_adam(self.optimizer) > 0)
+        if self.fused_adam:
+            use_foreach_optimizer_helpers()
 
     def _check_packable(self, chunks: Sequence[Any], forced: bool) -> None:
         """Packed sequences need ferrule's SDPAttention as every layer's core attention."""

@@ -177,6 +177,53 @@ def disable_grad_accum_fusion(chunks: list) -> None:
                 m.gradient_accumulation_fusion = False
 
 
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for megatron's no-Apex ``local_multi_tensor_l2_norm`` (which runs one ``torch.norm``
+    per tensor and then copies every per-tensor norm to the host, one synchronisation each):
+    ``torch._foreach_norm`` and the norm of those norms, on the device. fp32 throughout; the
+    summation order differs, so the value can differ in the last bits. Returns ``([1] tensor, None)``."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for megatron's ``local_multi_tensor_scale`` (``dst.copy_(src * scale)`` per tensor,
+    through an fp32 temporary each): the same values (an fp32 product, then the cast into ``dst``'s
+    dtype) with multi-tensor ops."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_foreach_optimizer_helpers() -> list[str]:
+    """Replace megatron's no-Apex fallbacks of the optimizer step's helpers, where they are in
+    use, by multi-tensor torch ops: the grad-norm (:func:`_foreach_l2_norm`) and the scale / copy
+    used by clipping and by the fp32-master -> bf16-model copy (:func:`_foreach_scale`).
+    Process-wide (megatron's module globals); returns the names replaced."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt
+
+    done = []
+    if getattr(clip_grads, "l2_norm_impl", None) is mutils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+        done.append("l2_norm")
+    for mod in (clip_grads, mopt):
+        if getattr(mod, "multi_tensor_scale_impl", None) is mutils.local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = _foreach_scale
+            done.append(f"scale:{mod.__name__.rsplit('.', 1)[-1]}")
+    return done
+
+
 def use_fused_adam(optimizer) -> int:
     """Switch every torch Adam/AdamW under a megatron optimizer to ``fused=True`` (one multi-tensor
     CUDA kernel per dtype group instead of foreach's chain of passes over the fp32 masters); the
