@@ -284,6 +284,46 @@ def test_merged_lora_keeps_untargeted_rows_of_a_fused_buffer_current(monkeypatch
     assert _lora_logprob_error(engine, base_now) < 1e-5
 
 
+def test_serving_an_adapter_does_not_recompile_the_fast_step(monkeypatch):
+    """The merged layout's weights pass the guards of the step compiled for the base layout
+    (torch.compile with the eager backend on CPU: dynamo's guards, no inductor); before, the merged
+    copies were inference tensors and failed them, costing a second compile of the whole step."""
+    import copy
+
+    from test_rollout_lora import PROMPTS, peft_reference, tiny_qwen2
+    from torch._dynamo.utils import counters
+
+    from ferrule.rollout import SamplingParams, _fast_decode
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    compiled = {}
+
+    def eager_compiled(name):
+        if name not in compiled:
+            fn = {"step": _fast_decode._step, "first": _fast_decode._sample_record}[name]
+            compiled[name] = torch.compile(fn, backend="eager", dynamic=False)
+        return compiled[name]
+
+    monkeypatch.setattr(_fast_decode, "_compiled", eager_compiled)
+    monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
+                        lambda self, layout, greedy, raw, pool, kv_len=None, attn="eager": _EagerReplay(
+                            eager_compiled("step"), self._args(layout, greedy, raw, kv_len, attn)))
+    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "0")
+    monkeypatch.setenv("FERRULE_LORA_MERGED", "1")
+    base = tiny_qwen2()
+    engine = EmbeddedEngine(model=copy.deepcopy(base))
+    engine.fast_decode = True
+    engine._fuse_weights()
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    engine.generate(PROMPTS, params)
+    graphs = counters["stats"]["unique_graphs"]
+    _, tensors, cfg = peft_reference(base, seed=1)
+    engine.update_lora_adapter(tensors, cfg, version=1)
+    engine.generate(PROMPTS, params)
+    assert engine._merged_lora is not None
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fast decode path)")
 def test_merged_lora_matches_hf_peft_in_bf16_on_cuda(monkeypatch, capsys):
@@ -326,6 +366,10 @@ def test_merged_lora_matches_hf_peft_in_bf16_on_cuda(monkeypatch, capsys):
             print(f"\nbf16 LoRA logprob error vs HF + PEFT fp32 (mean, max), adapter {version}: {errs}")
         assert errs["merged"][0] <= 2 * errs["plain"][0] + 1e-3 and errs["merged"][0] < 0.05, errs
         assert fast._merged_lora.refreshes == version
+        ptrs = [w.data_ptr() for w in fast._merged_lora.layout.weights if w is not None]
+        if version == 1:
+            first_ptrs = ptrs
+    assert ptrs == first_ptrs  # the second adapter was merged into the same buffers
     assert fast.health()["captured_buckets"] == [[8, 128]]
 
 

@@ -99,9 +99,10 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from .fused_logprob import linear_logprobs
+    from .fused_logprob import DEFAULT_CHUNK_TOKENS, linear_logprobs
 
     fused = engine.fused_logprobs and not engine.config.sequence_parallel
+    grad_accum = getattr(engine, "grad_accum_fusion", False)
 
 
     def forward_step(data_iterator: Iterator[dict], model: Any):
@@ -131,8 +132,11 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
         def row_logprobs(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None)."""
             if weight is not None:
+                main_grad = getattr(weight, "main_grad", None) if grad_accum and weight.requires_grad else None
                 return linear_logprobs(select(out.transpose(0, 1)), weight, select(mb["labels"]), engine.vocab_size,
-                                       tp_group=ps.get_tensor_model_parallel_group()), None
+                                       tp_group=ps.get_tensor_model_parallel_group(),
+                                       chunk_tokens=getattr(engine, "logprob_chunk_tokens", DEFAULT_CHUNK_TOKENS),
+                                       main_grad=main_grad), None
             logits = out.float()
             mask = pad_mask(engine, logits)
             if mask is not None:

@@ -26,15 +26,22 @@ parallelism is off, which is how ferrule builds models).
 
 Numerics: logits are rounded to ``W``'s dtype (as the plain path's matmul output is) and every
 reduction is fp32; on CPU in fp32 the result equals the plain path to ~1e-6 (tested). ``dW`` is
-accumulated over chunks in fp32 and cast to ``W``'s dtype once.
+accumulated over chunks in fp32 and cast to ``W``'s dtype once; with ``main_grad`` (the
+weight's fp32 DDP gradient buffer) each chunk's ``dz^T h`` is accumulated straight into that buffer
+instead (:func:`~ferrule.megatron.gpu_fusions.wgrad_accumulate`: one fp32-accumulating GEMM on
+CUDA) and no ``[V, H]`` weight gradient is returned, which saves the fp32 ``[V, H]`` scratch, its
+bf16 cast and DDP's add.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
+
+from .gpu_fusions import compile_dynamic, wgrad_accumulate
 
 __all__ = ["linear_logprobs", "DEFAULT_CHUNK_TOKENS"]
 
@@ -52,6 +59,15 @@ def _chunk_sumexp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.exp(z.float() - m[:, None]).sum(dim=-1)
 
 
+def _chunk_max_sumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`_chunk_max`, :func:`_chunk_sumexp` at that max) in one function: one compiled kernel
+    on CUDA (inductor's online-softmax reduction reads the chunk's logits once), the same two
+    eager ops on CPU."""
+    zf = z.float()
+    m = zf.amax(dim=-1)
+    return m, torch.exp(zf - m[:, None]).sum(dim=-1)
+
+
 def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, y: torch.Tensor,
                 in_range: torch.Tensor) -> torch.Tensor:
     """``g * (onehot(y) - softmax(z))`` in z's dtype, ``[c, V]`` (one pass on CUDA when compiled)."""
@@ -62,12 +78,13 @@ def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, y: torch.Te
 
 @functools.cache
 def _kernels(cuda: bool):
-    """(max, sumexp, grad): ``torch.compile``-d on CUDA (each one fused pass over the chunk's
+    """(max, sumexp, grad, max + sumexp): ``torch.compile``-d on CUDA (each one fused pass over the chunk's
     logits instead of an fp32 copy plus several elementwise passes); eager on CPU, where the
     tests compare with fp64 references."""
+    fns = (_chunk_max, _chunk_sumexp, _chunk_grad, _chunk_max_sumexp)
     if not cuda:
-        return _chunk_max, _chunk_sumexp, _chunk_grad
-    return tuple(torch.compile(f, dynamic=True) for f in (_chunk_max, _chunk_sumexp, _chunk_grad))
+        return fns
+    return tuple(torch.compile(f, dynamic=compile_dynamic()) for f in fns)
 
 
 def _tp_group_and_rank(tp_group):
@@ -80,7 +97,7 @@ def _tp_group_and_rank(tp_group):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group):
+    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group, main_grad):
         import torch.distributed as dist
 
         group, rank = _tp_group_and_rank(tp_group)
@@ -93,17 +110,23 @@ class _LinearLogprobs(torch.autograd.Function):
         local_labels = labels - start
         in_range = (local_labels >= 0) & (local_labels < n_valid)
         safe = torch.where(in_range, local_labels, torch.zeros_like(local_labels))
-        kmax, ksumexp, _ = _kernels(hidden.is_cuda)
+        kmax, ksumexp, _, kmaxsum = _kernels(hidden.is_cuda)
+        # FERRULE_LOGPROB_ONEPASS=1: max and sum of exponentials in one compiled kernel (off by default
+        # on CUDA until measured there; on CPU the same two eager ops either way)
+        one_pass = not hidden.is_cuda or os.environ.get("FERRULE_LOGPROB_ONEPASS") == "1"
         for a in range(0, t, chunk_tokens):
             b = min(a + chunk_tokens, t)
             z = hidden[a:b] @ weight[:n_valid].t()  # [c, n_valid] in the parameter dtype
-            if n_valid:
-                m = kmax(z)
+            if one_pass and group is None and n_valid:
+                m, s = kmaxsum(z)  # one pass over the logits
             else:
-                m = torch.full((b - a,), float("-inf"), device=z.device)
-            if group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            s = ksumexp(z, m) if n_valid else torch.zeros(b - a, device=z.device)
+                if n_valid:
+                    m = kmax(z)
+                else:
+                    m = torch.full((b - a,), float("-inf"), device=z.device)
+                if group is not None:
+                    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+                s = ksumexp(z, m) if n_valid else torch.zeros(b - a, device=z.device)
             tgt = z.gather(1, safe[a:b, None]).squeeze(1).float() * in_range[a:b]
             if group is not None:
                 dist.all_reduce(s, group=group)
@@ -112,6 +135,7 @@ class _LinearLogprobs(torch.autograd.Function):
             out[a:b] = tgt - lse[a:b]
         ctx.save_for_backward(hidden, weight, safe, in_range, lse)
         ctx.meta = (n_valid, chunk_tokens, group)
+        ctx.main_grad = main_grad  # not saved_tensors: it is written in place by backward
         return out
 
     @staticmethod
@@ -122,10 +146,13 @@ class _LinearLogprobs(torch.autograd.Function):
         n_valid, chunk_tokens, group = ctx.meta
         t = hidden.shape[0]
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        main_grad = ctx.main_grad if ctx.needs_input_grad[1] else None
+        grad_w32 = None
+        if ctx.needs_input_grad[1] and main_grad is None:
+            grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g = grad_out.float()
         w = weight[:n_valid]
-        _, _, kgrad = _kernels(hidden.is_cuda)
+        kgrad = _kernels(hidden.is_cuda)[2]
         for a in range(0, t, chunk_tokens):
             b = min(a + chunk_tokens, t)
             z = hidden[a:b] @ w.t()
@@ -134,14 +161,17 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad_h[a:b] = dz @ w
             if grad_w32 is not None:
                 grad_w32[:n_valid] += dz.t() @ hidden[a:b]  # matmul in W's dtype, summed over chunks in fp32
+            elif main_grad is not None and n_valid:
+                wgrad_accumulate(main_grad[:n_valid], dz, hidden[a:b])
         if grad_h is not None and group is not None:
             dist.all_reduce(grad_h, group=group)
         grad_w = grad_w32.to(weight.dtype) if grad_w32 is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, *,
-                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None) -> torch.Tensor:
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None,
+                    main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T)[labels]`` over the unpadded vocabulary, chunked.
 
     Args:
@@ -152,6 +182,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         vocab_size: the unpadded vocabulary size (HF ``config.vocab_size``).
         chunk_tokens: rows per chunk (memory ``chunk_tokens * V_local`` fp32 at a time).
         tp_group: the tensor-parallel process group (None or size 1: no communication).
+        main_grad: ``weight``'s gradient accumulation buffer (``[V_local, H]``, megatron DDP's
+            ``main_grad``): the weight gradient is added into it in backward and ``weight``
+            receives none through autograd. None: ``weight.grad`` as usual.
 
     Returns:
         ``[T]`` float32 logprobs, differentiable w.r.t. ``hidden`` and ``weight``.
@@ -164,6 +197,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          f"and {tuple(weight.shape)}.")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [T] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}.")
+    if main_grad is not None and main_grad.shape != weight.shape:
+        raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}.")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
-    return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group)
+    return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group,
+                                 main_grad)

@@ -118,8 +118,9 @@ def init_adam_state(optimizer) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                if len(state) == 0:  # fused Adam keeps its step on the parameter's device
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32,
+                                                 device=p.device if group.get("fused") else None)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

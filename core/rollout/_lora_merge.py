@@ -87,6 +87,14 @@ class MergedLora:
     """
 
     def __init__(self, layout: "FusedLayout", adapter: Any, model: torch.nn.Module):
+        # the merged buffers are tensors of the base buffers' kind (ordinary ones, also when built inside
+        # generate's inference mode): an inference tensor has another dispatch key set, which fails the
+        # compiled step's guards (one more compile of the whole decode step, seen on CPU with
+        # backend="eager"; tests/test_rollout_fast_decode.py)
+        with torch.inference_mode(False), torch.no_grad():
+            self._build(layout, adapter, model)
+
+    def _build(self, layout: "FusedLayout", adapter: Any, model: torch.nn.Module) -> None:
         from ferrule.rollout._lora import ADAPTER_NAME
 
         weights = list(layout.weights)
@@ -101,7 +109,8 @@ class MergedLora:
                 raise ValueError(f"MergedLora: cannot merge the adapter on {name!r}")
             k, r0 = layout.block(int(parts[2]), parts[4])
             if k not in copies:
-                copies[k] = weights[k] = torch.empty_like(layout.weights[k])
+                with torch.inference_mode(layout.weights[k].is_inference()):  # the base buffer's kind of tensor
+                    copies[k] = weights[k] = torch.empty_like(layout.weights[k])
             a, b = m.lora_A[ADAPTER_NAME].weight, m.lora_B[ADAPTER_NAME].weight
             r1 = r0 + b.shape[0]
             self.plan.append((copies[k][r0:r1], layout.weights[k][r0:r1], a, b, float(m.scaling[ADAPTER_NAME])))
@@ -135,7 +144,8 @@ class MergedLora:
     def version(self, serial: int) -> tuple[int, int]:
         """What the merge depends on: the engine's count of weight / adapter writes through its
         API (``serial``) and the sum of the parameters' in-place version counters (which also
-        counts writes through the aliases ``get_hf_state_dict`` / ``get_lora_state_dict`` return)."""
+        counts writes through the aliases ``get_hf_state_dict`` / ``get_lora_state_dict`` return;
+        not writes through ``param.data``, which has a counter of its own)."""
         return serial, sum(p._version for p in self._watched)
 
     @torch.no_grad()
