@@ -34,7 +34,8 @@ values, a stacked-expert row with its own ``assemble``, a destination that is no
 after ordering) only that tensor goes through the old conversion and
 ``rollout_engine.update_weights`` every sync; where the whole path cannot apply (world size > 1,
 the rollout engine asleep or on another device, a ``dtype=`` cast, ``FERRULE_DIRECT_SYNC=0``)
-the bucketed path runs. Each reason is logged once (logger ``ferrule.sync``, WARNING).
+the bucketed path runs. Each reason is logged once (logger ``ferrule.sync``: WARNING where
+tensors or a plan fall back, INFO where the path does not apply by design).
 
 Copies, not aliases: the rollout weights are a snapshot of the train weights at the sync, so
 ``optim_step`` may run while the rollout engine generates (asynchronous RL) and colocation's
@@ -77,11 +78,13 @@ DIRECT_ENV = "FERRULE_DIRECT_SYNC"
 _LOGGED: set[str] = set()
 
 
-def log_once(msg: str) -> None:
-    """Log ``msg`` (WARNING, logger ``ferrule.sync``) the first time it occurs in this process."""
+def log_once(msg: str, level: int = logging.WARNING) -> None:
+    """Log ``msg`` (logger ``ferrule.sync``) the first time it occurs in this process. WARNING for
+    tensors or plans that fall back; INFO where the direct path does not apply by design (another
+    process, several ranks, a sleeping engine)."""
     if msg not in _LOGGED:
         _LOGGED.add(msg)
-        log.warning(msg)
+        log.log(level, msg)
 
 
 # ---------------------------------------------------------------------------------------
@@ -443,7 +446,7 @@ def direct_sync(chunks: Sequence[Any], rollout_engine: Any, version: int, table:
     targets = rollout_engine.direct_weight_targets()
     if targets is None:
         log_once(f"direct weight sync: {type(rollout_engine).__name__} is asleep (its weights are on the host); "
-                  "syncs while asleep go through update_weights.")
+                 "syncs while asleep go through update_weights.", logging.INFO)
         return None
     if version < rollout_engine.weights_version:
         raise ValueError(f"sync_weights(version={version}) is older than the rollout engine's weights_version="

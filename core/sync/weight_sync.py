@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from ferrule.sync.buckets import (
     plan_sync,
     tensor_bytes,
 )
-from ferrule.sync.direct import DIRECT_ENV, direct_sync, direct_unavailable, log_once
+from ferrule.sync.direct import direct_sync, direct_unavailable, log_once
 from ferrule.sync.groups import as_group_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -260,8 +261,8 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
         direct: the direct path (:mod:`ferrule.sync.direct`: in one process on one device,
             strided copies from the parameters straight into the served weights, resolved once;
             no buckets, no host synchronisation). None (default): used where it applies, unless
-            ``FERRULE_DIRECT_SYNC=0``; False: never (always buckets); True: as None, and a
-            reason it does not apply is logged even when it is ``FERRULE_DIRECT_SYNC=0``.
+            ``FERRULE_DIRECT_SYNC=0`` (the reason it does not apply logged once, INFO); False:
+            never (always buckets); True: as None, the reason logged as a WARNING.
             The rollout weights are equal bit for bit either way (tests/test_direct_sync.py).
 
     Returns:
@@ -285,8 +286,9 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
         why = direct_unavailable(rollout_engine, dtype)
         if why is None:
             done = direct_sync(chunks, rollout_engine, version, table, groups, cfg)
-        elif direct or not why.startswith(DIRECT_ENV):
-            log_once(f"direct weight sync not used: {why}; the bucketed path runs.")
+        else:  # by design (another process, several ranks, switched off): INFO, unless direct=True asked for it
+            log_once(f"direct weight sync not used: {why}; the bucketed path runs.",
+                     logging.WARNING if direct else logging.INFO)
     if done is not None:
         n_tensors, n_bytes = done
         return _finish(t0, version, 0, n_bytes, n_tensors, True, check_equal, chunks, rollout_engine, skip, family,
