@@ -303,9 +303,16 @@ def test_train_fusions_bf16_exact_or_closer_to_fp32(tmp_path, monkeypatch):
     from ferrule.megatron.batching import Datum
     from ferrule.megatron.engine import OptimizerSettings, TrainEngine
 
-    hf_dir = _hf_dir(tmp_path, "qwen2")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # Qwen2-0.5B's vocabulary and tied embeddings (the bench's shapes for the compiled logprob kernels)
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "qwen2_tied"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=True, rms_norm_eps=1e-6)).float().save_pretrained(hf_dir)
     g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, 4096, (n + 1,), generator=g) for n in (64, 200, 128, 31, 300, 90)]
+    seqs = [torch.randint(0, 151936, (n + 1,), generator=g) for n in (64, 200, 128, 31, 300, 90)]
     total = sum(len(s) - 1 for s in seqs)
     batch = [Datum(model_input=s[:-1].tolist(),
                    loss_fn_inputs={"target_tokens": s[1:], "weights": torch.full((len(s) - 1,), 1 / total)})
