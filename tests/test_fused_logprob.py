@@ -266,3 +266,28 @@ def test_engine_fused_path_into_main_grad_equals_plain_path(hf_dir, loss):
     for n, ga in results["plain"][1].items():
         gb = results["fused_main_grad"][1][n]
         assert float((ga - gb).abs().max()) <= 1e-5 * max(float(ga.abs().max()), 1e-12), n
+
+
+def test_grad_accum_fusion_wiring_equals_plain_path_on_cpu(hf_dir, monkeypatch):
+    """megatron's ``gradient_accumulation_fusion`` with ferrule's stand-in for Apex's wgrad kernel
+    (and the fused logprobs into ``main_grad``, lean activations) gives the plain path's gradients,
+    accumulated over two fb calls (fp32, CPU; megatron allocates its dummy weight gradient on the
+    current CUDA device, pointed at the CPU here)."""
+    from ferrule.megatron.gpu_fusions import enable_grad_accum_fusion, enable_lean_activations
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    res = {}
+    for mode in ("plain", "fused"):
+        e = TrainEngine.from_hf(hf_dir, ParallelLayout(), optimizer=OptimizerSettings(lr=w.LR))
+        if mode == "fused":
+            assert enable_grad_accum_fusion(e.model) == 9  # 2 layers x (qkv, proj, fc1, fc2) + output layer
+            assert enable_lean_activations(e.model) == ["compact_v", "norms"]
+            e.grad_accum_fusion = e.fused_logprobs = True
+        for seed, loss in ((8, "ppo"), (9, "cross_entropy")):
+            e.forward_backward(w.make_batch(seed=seed, loss=loss), loss, cfg if loss == "ppo" else None)
+        res[mode] = (_grads(e), e.optim_step()["grad_norm"])
+    for n, ga in res["plain"][0].items():
+        gb = res["fused"][0][n]
+        assert float((ga - gb).abs().max()) <= 1e-5 * max(float(ga.abs().max()), 1e-12), n
+    assert abs(res["plain"][1] - res["fused"][1]) <= 1e-5 * res["plain"][1]
