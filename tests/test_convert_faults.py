@@ -270,6 +270,19 @@ def test_bad_flag_values_are_refused_first_naming_the_flag(qwen2_dir, td_dir, tm
     _only(tmp_path)
 
 
+def test_check_flag_values_are_refused_first_naming_the_flag(qwen2_dir):
+    """``ferrule check --seqs 0`` ran config, convert and round trip, then reported a CRASH (IndexError) with exit
+    code 3, "plugin code crashed"; every bad number is now one ``error:`` line naming the flag, exit 2."""
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    for flag, value in (("--tp", "0"), ("--seqs", "0"), ("--seq-len", "0"), ("--atol", "-1")):
+        res = CliRunner().invoke(app, ["check", str(qwen2_dir), flag, value], env={"COLUMNS": "200"})
+        assert res.exit_code == 2 and res.output.startswith(f"error: {flag} {value}"), res.output
+        assert "convert" not in res.output, res.output
+
+
 def _refuse_on_rank0_hang_on_rank1(rank: int) -> None:
     """A conversion worker whose rank 0 fails at once while rank 1 is still busy (here: asleep)."""
     if rank == 0:
