@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferrule.rollout._decode_attn import KINDS, attend, uses_triton
+
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
 #: back to the plain path
@@ -47,13 +49,13 @@ MAX_STOP_IDS = 1024
 #: docs/benchmarks.md "Embedded decode: fast path"); 0: the whole cache every step
 #: (``FERRULE_FAST_KV_BUCKET`` overrides)
 KV_BUCKET = 64
-#: decode attention scores: "fp32" (default: ``q @ k^T`` kept in fp32, as SDPA's kernels keep it;
-#: ``bmm(..., out_dtype=float32)`` on CUDA) or "eager" (transformers' eager formula: ``q @ k^T``
-#: rounded to the model dtype, then the fp32 softmax). Same speed on an H200; on SmolLM2 in bf16
-#: (CPU, teacher-forced) fp32 scores put the logprobs 8% closer to an fp32 forward (docs/benchmarks.md).
-#: ``FERRULE_FAST_ATTN`` overrides
+#: decode attention (:mod:`ferrule.rollout._decode_attn`): "fp32" (default: ``q @ k^T`` kept in
+#: fp32, as SDPA's kernels keep it), "eager" (transformers' eager formula: ``q @ k^T`` rounded to the
+#: model dtype, then the fp32 softmax) or "triton" (the fp32 formula as one fused kernel on CUDA).
+#: "fp32" and "eager": same speed on an H200; on SmolLM2 in bf16 (CPU, teacher-forced) fp32 scores put
+#: the logprobs 8% closer to an fp32 forward (docs/benchmarks.md). ``FERRULE_FAST_ATTN`` overrides
 ATTN = "fp32"
-ATTN_KINDS = ("eager", "fp32")
+ATTN_KINDS = KINDS
 #: torch.compile recompile limit while the fast step compiles: one compile per (batch, cache)
 #: bucket, sampling kind, stop-id buffer size and attended length, more than dynamo's default 8
 RECOMPILE_LIMIT = 64
@@ -202,7 +204,6 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     """
     b = ids.shape[0]
     hq, hkv, d = layout.hq, layout.hkv, layout.head_dim
-    rep = hq // hkv
     n = len(layout.layer_idx)
     embed, norm_w, lm_head = weights[n * _PER_LAYER:]
     x = F.embedding(ids, embed)
@@ -213,7 +214,6 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
         raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (FERRULE_FAST_ATTN)")
     hidden = ~allowed[:, None, None, :L]
     rows = torch.arange(b, device=ids.device)
-    fp32_scores = attn == "fp32" and embed.dtype != torch.float32
     for i in range(n):
         ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
         e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
@@ -227,17 +227,7 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
         kc, vc = keys[i], values[i]
         kc[rows, :, slot] = k
         vc[rows, :, slot] = v
-        # query head h uses kv head h // rep (transformers' repeat_kv grouping)
-        if fp32_scores and q.is_cuda:
-            s = torch.bmm(q.reshape(b * hkv, rep, d), kc[:, :, :L].reshape(b * hkv, L, d).transpose(-1, -2),
-                          out_dtype=torch.float32).view(b, hkv, rep, L) * layout.scaling
-        elif fp32_scores:  # CPU has no bmm(out_dtype=): the same products from upcast operands
-            s = torch.matmul(q.view(b, hkv, rep, d).float(), kc[:, :, :L].transpose(-1, -2).float()) * layout.scaling
-        else:
-            s = torch.matmul(q.view(b, hkv, rep, d), kc[:, :, :L].transpose(-1, -2)) * layout.scaling
-        s = s.masked_fill(hidden, torch.finfo(s.dtype).min)
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, vc[:, :, :L]).reshape(b, hq * d)
+        o = attend(q, kc, vc, allowed, hidden, L, layout.scaling, attn)
         x = x + F.linear(o, o_w, o_b)
         g, u = F.linear(_rms(x, ln2, e2), gu_w).split(layout.inter, dim=-1)
         x = x + F.linear(F.silu(g) * u, down_w)
@@ -409,6 +399,8 @@ class FastStatic:
         # the cache only at slots the real steps write again before reading
         bucket = int(os.environ.get("FERRULE_FAST_KV_BUCKET", KV_BUCKET))
         attn = os.environ.get("FERRULE_FAST_ATTN", ATTN)
+        if uses_triton(attn, self.ids.device):
+            import ferrule.rollout._decode_attn_triton  # noqa: F401  (triton imported before the compile)
         max_len = self.state.max_len
         kv_len, graph = None, None
         for t in range(1, n_new):

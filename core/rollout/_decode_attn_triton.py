@@ -1,0 +1,140 @@
+"""Fused GQA decode attention for the fast decode step (:mod:`ferrule.rollout._fast_decode`), in Triton.
+
+Imported only by :func:`ferrule.rollout._decode_attn.attend` when ``FERRULE_FAST_ATTN=triton``
+asks for it (triton is not a dependency: CI's CPU install has none; the CUDA machines carry it
+with torch).
+
+The formula is the fast step's default "fp32" attention (:mod:`ferrule.rollout._decode_attn`), per
+batch row ``b``, query head ``h`` and its kv head ``h // rep`` (transformers' ``repeat_kv``
+grouping), over the key slots ``j < kv_len`` with ``allowed[b, j]``::
+
+    s_j = fp32(sum_d q[b, h, d] * k[b, h // rep, j, d]) * scaling     # bf16 products, fp32 sums
+    p_j = bf16(exp(s_j - max_j s) / sum_j exp(s_j - max_j s))          # fp32 softmax, then rounded
+    o[b, h] = bf16(sum_j fp32(p_j * v[b, h // rep, j]))                 # fp32 sums, rounded once
+
+which is what ``bmm(q, k^T, out_dtype=float32) * scaling``, ``masked_fill``, ``softmax(dtype=
+float32).to(bf16)`` and ``matmul(p, v)`` compute. The kernel keeps the normalised, bf16-rounded
+``p`` (not flash attention's unnormalised one), so it differs from that chain only in fp32
+summation order and in the softmax statistics: the max and the sum of exponentials come from one
+online pass (``l = l * exp(m_old - m_new) + sum exp(s - m_new)``), a relative difference in ``l``
+of a few fp32 ulps, which changes a ``p_j`` only where it lies that close to a bf16 rounding
+boundary. ``exp`` is Triton's (``ex2.approx`` on CUDA) where inductor's softmax uses its own.
+
+Work split: one program per (row, kv head, split); the ``rep`` query heads of a kv head are one
+``[REP_PAD, D]`` tile (``REP_PAD >= 16`` for ``tl.dot``; the padding rows are masked). Each
+program first sweeps the whole attended prefix for the softmax statistics, then multiplies ``p``
+with ``v`` over its own ``1 / splits`` of the prefix; with ``splits > 1`` the fp32 partial sums
+are added afterwards (one reduction kernel) and rounded once. The K/V cache is read in place
+(``[batch, kv_heads, max_len, head_dim]``, slots ``[0, kv_len)``): no copy, no gather.
+
+:func:`decode_attention` is a ``torch.library.triton_op``, so ``torch.compile`` keeps the kernel
+inside the one compiled step (no graph break) and CUDA graphs capture it with the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+#: key slots per loop iteration
+BLOCK_N = 64
+#: programs the splits aim for (an H200 has 132 SMs): splits = ceil(TARGET_PROGRAMS / (batch * kv_heads)),
+#: at most MAX_SPLITS
+TARGET_PROGRAMS = 264
+MAX_SPLITS = 8
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, scaling,
+                        sqb, sqh, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sab, sal,
+                        sob, soh, sod, spb, sph,
+                        REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                        SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    r = tl.arange(0, REP_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * REP + r
+    rmask = r < REP
+    q = tl.load(q_ptr + row * sqb + heads[:, None] * sqh + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+    k_base = k_ptr + row * skb + kvh * skh
+    v_base = v_ptr + row * svb + kvh * svh
+    a_base = a_ptr + row * sab
+    neg = -3.4028234663852886e38  # torch.finfo(torch.float32).min, the masked_fill value
+    m = tl.full([REP_PAD], neg, dtype=tl.float32)
+    l = tl.zeros([REP_PAD], dtype=tl.float32)
+    # sweep 1: softmax statistics over every attended slot
+    for start in range(0, kv_len, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        valid = n < kv_len
+        vis = tl.load(a_base + n * sal, mask=valid, other=0) != 0
+        k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(vis[None, :], s * scaling, neg)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        m = m_new
+    # sweep 2: p @ v over this program's share of the slots
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK) * BLOCK
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    acc = tl.zeros([REP_PAD, D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        valid = n < hi
+        vis = tl.load(a_base + n * sal, mask=valid, other=0) != 0
+        k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(vis[None, :], s * scaling, neg)
+        p = (tl.exp(s - m[:, None]) / l[:, None]).to(v_ptr.dtype.element_ty)
+        v = tl.load(v_base + n[:, None] * svl + d[None, :] * svd, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, v, acc)
+    if SPLITS == 1:
+        tl.store(o_ptr + row * sob + heads[:, None] * soh + d[None, :] * sod, acc.to(o_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
+    else:
+        tl.store(part_ptr + split * (spb * tl.num_programs(0)) + row * spb + heads[:, None] * sph + d[None, :],
+                 acc, mask=rmask[:, None])
+
+
+def splits_for(batch: int, kv_heads: int) -> int:
+    """Split count for ``batch * kv_heads`` (row, kv head) pairs: enough programs to fill the GPU."""
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (batch * kv_heads))))
+
+
+@triton_op("ferrule::decode_attention", mutates_args={})
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, kv_len: int,
+                     scaling: float, splits: int) -> torch.Tensor:
+    """One decode step's attention: ``q [batch, q_heads, head_dim]``, ``k``/``v`` caches
+    ``[batch, kv_heads, max_len, head_dim]`` (model dtype; slots ``[0, kv_len)`` read in place),
+    ``allowed [batch, max_len]`` bool (visible slots; every row has at least one below ``kv_len``)
+    -> ``[batch, q_heads, head_dim]`` in ``q``'s dtype; the formula in the module docstring.
+    ``splits`` (>= 1): programs per (row, kv head), see :func:`splits_for`."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    part = torch.empty((splits, b, hq, d) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    wrap_triton(_decode_attn_kernel)[(b, hkv, splits)](
+        q, k, v, allowed, out, part, kv_len, scaling,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3), allowed.stride(0), allowed.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), hq * d, d,
+        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK=BLOCK_N, SPLITS=splits,
+        IEEE=q.dtype == torch.float32)
+    if splits == 1:
+        return out
+    return part.sum(0).to(q.dtype)
+

@@ -1,0 +1,131 @@
+"""Decode attention (ferrule.rollout._decode_attn): the "fp32" formula against a float64 reference
+of the same formula on CPU, and on CUDA the fused Triton kernel (FERRULE_FAST_ATTN=triton) against
+that reference, eagerly and inside one compiled + CUDA-graphed function. The CPU tests need no triton.
+"""
+
+import pytest
+import torch
+
+from ferrule.rollout._decode_attn import TRITON_ON_CPU, attend, reference
+
+#: (batch, q heads, kv heads, head dim, max_len, attended kv_len): Qwen2-0.5B's 14/2 x 64, MHA, rep 4
+SHAPES = [(64, 14, 2, 64, 384, 320), (5, 14, 2, 64, 96, 65), (3, 8, 8, 32, 64, 64), (256, 8, 2, 128, 128, 128),
+          (1, 16, 4, 64, 1024, 1000)]
+
+
+def _inputs(b, hq, hkv, d, max_len, kv_len, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=g).to(device, dtype)
+    k = (2 * torch.randn(b, hkv, max_len, d, generator=g)).to(device, dtype)
+    v = torch.randn(b, hkv, max_len, d, generator=g).to(device, dtype)
+    allowed = torch.zeros(b, max_len, dtype=torch.bool)
+    for r in range(b):  # left padding of r % 7 slots, a hole, and the unfilled tail past kv_len - r % 3
+        allowed[r, r % 7:kv_len - r % 3] = True
+        allowed[r, (r % 7 + kv_len) // 2] = False
+    return q, k, v, allowed.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_formula_matches_float64_reference(dtype):
+    q, k, v, allowed = _inputs(4, 4, 2, 16, 40, 33, dtype, "cpu")
+    hidden = ~allowed[:, None, None, :33]
+    got = attend(q, k, v, allowed, hidden, 33, 0.25, "fp32").view(4, 4, 16)
+    want = reference(q, k, v, allowed, 33, 0.25)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8  # one rounding of the output to bf16
+    assert (got.double() - want).abs().max() <= tol * want.abs().max().clamp(min=1)
+    if not TRITON_ON_CPU:  # "triton" off CUDA is the fp32 formula, bit for bit
+        assert torch.equal(attend(q, k, v, allowed, hidden, 33, 0.25, "triton"), got.view(4, 64))
+
+
+def _errors(got, formula, want):
+    return (got.double() - want).abs().max().item(), (formula.double() - want).abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_kernel_matches_reference_on_cuda(shape, dtype):
+    """Every split count: within the cuBLAS "fp32" formula's own error against float64 (+ half a
+    bf16 ulp of the largest output, the output's single rounding), and the same for every split."""
+    from ferrule.rollout._decode_attn_triton import decode_attention
+
+    b, hq, hkv, d, max_len, kv_len = shape
+    q, k, v, allowed = _inputs(*shape, dtype, "cuda")
+    scaling = d ** -0.5
+    want = reference(q, k, v, allowed, kv_len, scaling)
+    formula = attend(q, k, v, allowed, ~allowed[:, None, None, :kv_len], kv_len, scaling, "fp32").view(b, hq, d)
+    slack = (2 ** -9 if dtype == torch.bfloat16 else 1e-6) * want.abs().max().item()
+    for splits in (1, 2, 3, 8):
+        got = decode_attention(q, k, v, allowed, kv_len, scaling, splits)
+        assert got.dtype == dtype and got.shape == (b, hq, d)
+        ours, theirs = _errors(got, formula, want)
+        assert ours <= theirs + slack, (splits, ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
+@torch.inference_mode()
+def test_triton_kernel_inside_compiled_graph_on_cuda():
+    """In one torch.compile(fullgraph=True) function after an in-place cache write (as the decode
+    step has it), with the attended length changing (symbolic after its second value), eager and
+    compiled + CUDA-graphed agree bit for bit, and the cache is not copied (written in place)."""
+    from ferrule.rollout._decode_attn_triton import decode_attention
+
+    b, hq, hkv, d, max_len = 16, 14, 2, 64, 256
+    q, k, v, allowed = _inputs(b, hq, hkv, d, max_len, max_len, torch.bfloat16, "cuda")
+    rows = torch.arange(b, device="cuda")
+
+    def step(q, k, v, allowed, slot, kv_len: int):
+        k[rows, :, slot] = q[:, :hkv] * 0.5
+        return decode_attention(q, k, v, allowed, kv_len, 0.125, 2) * 2
+
+    fn = torch.compile(step, fullgraph=True, dynamic=None)
+    for kv_len in (64, 128, 192):
+        slot = torch.full((b,), kv_len - 1, device="cuda")
+        k_eager = k.clone()
+        want = step(q, k_eager, v, allowed, slot, kv_len)
+        k_ptr = k.data_ptr()
+        for _ in range(2):
+            got = fn(q, k, v, allowed, slot, kv_len)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(q, k, v, allowed, slot, kv_len)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert k.data_ptr() == k_ptr and torch.equal(k, k_eager)
+        assert torch.equal(got, want) and torch.equal(out, want), kv_len
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
+@torch.inference_mode()
+def test_fast_decode_with_triton_attention_on_cuda(monkeypatch):
+    """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton: its
+    logprobs of its own tokens against an fp32 HF forward are at most 2x those of the same path with
+    the "fp32" matmul formula + 1e-3 (tests/test_gpu.py's criterion), greedy and sampled."""
+    import copy
+
+    from test_rollout_fast_decode import _fp32_logprobs, _model
+
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    model = _model("qwen2").to("cuda")
+    model32 = copy.deepcopy(model).float()
+    engine = EmbeddedEngine(model=model.to(torch.bfloat16), fast_decode=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
+    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "0")  # one graph per call: the whole 128-slot cache
+    for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)):
+        errs = {}
+        for attn in ("fp32", "triton"):
+            monkeypatch.setenv("FERRULE_FAST_ATTN", attn)
+            e = []
+            for r in engine.generate(prompts, params):
+                ref = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, params.temperature)
+                e.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
+            errs[attn] = torch.cat(e).mean().item()
+        print(f"mean |logprob - fp32|, temperature {params.temperature}: {errs}")
+        assert errs["triton"] <= 2 * errs["fp32"] + 1e-3 and errs["triton"] < 0.02, errs
