@@ -63,6 +63,55 @@ def test_triton_kernel_matches_reference_on_cuda(shape, dtype):
         assert ours <= theirs + slack, (splits, ours, theirs)
 
 
+def _rope_ref(x, cos, sin):
+    """transformers' apply_rotary_pos_emb in fp32, rounded once to ``x``'s dtype (as inductor's
+    fused kernel rounds the step's RoPE); ``x [batch, heads, d]``, ``cos``/``sin [batch, d]``."""
+    xf, c, s = x.float(), cos.float()[:, None], sin.float()[:, None]
+    half = x.shape[-1] // 2
+    return (xf * c + torch.cat((-xf[..., half:], xf[..., :half]), -1) * s).to(x.dtype)
+
+
+def _rope_inputs(b, hq, hkv, d, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to("cuda", dtype)  # the projection's layout
+    q = qkv[:, :hq * d].view(b, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+    ang = torch.rand(b, d // 2, generator=g) * 100
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    return q, k, v, cos.to("cuda", dtype), sin.to("cuda", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_triton_rope_kernel_matches_reference_on_cuda(shape):
+    """RoPE + cache write + attention in one kernel: the written key within one bf16 rounding of
+    the fp32 RoPE, the value written as is, the output as in the test above."""
+    from ferrule.rollout._decode_attn_triton import decode_attention_rope
+
+    b, hq, hkv, d, max_len, kv_len = shape
+    _, kc, vc, allowed = _inputs(*shape, torch.bfloat16, "cuda")
+    q, k, v, cos, sin = _rope_inputs(b, hq, hkv, d, torch.bfloat16)
+    slot = torch.tensor([kv_len - 1 - r % 3 for r in range(b)], device="cuda")
+    allowed[torch.arange(b), slot] = True
+    rows = torch.arange(b, device="cuda")
+    k_want, v_want = kc.clone(), vc.clone()
+    k_want[rows, :, slot] = _rope_ref(k, cos, sin)
+    v_want[rows, :, slot] = v
+    qr = _rope_ref(q, cos, sin)
+    want = reference(qr, k_want, v_want, allowed, kv_len, d ** -0.5)
+    formula = attend(qr, k_want, v_want, allowed, ~allowed[:, None, None, :kv_len], kv_len, d ** -0.5,
+                     "fp32").view(b, hq, d)
+    for splits in (1, 3):
+        k_got, v_got = kc.clone(), vc.clone()
+        got = decode_attention_rope(q, k, v, cos, sin, slot, k_got, v_got, allowed, kv_len, d ** -0.5, splits)
+        torch.testing.assert_close(k_got, k_want, rtol=2 ** -7, atol=1e-6)
+        assert torch.equal(v_got, v_want)
+        ours, theirs = _errors(got, formula, want)
+        assert ours <= theirs + 2 ** -9 * want.abs().max().item(), (splits, ours, theirs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
 @torch.inference_mode()
@@ -70,7 +119,7 @@ def test_triton_kernel_inside_compiled_graph_on_cuda():
     """In one torch.compile(fullgraph=True) function after an in-place cache write (as the decode
     step has it), with the attended length changing (symbolic after its second value), eager and
     compiled + CUDA-graphed agree bit for bit, and the cache is not copied (written in place)."""
-    from ferrule.rollout._decode_attn_triton import decode_attention
+    from ferrule.rollout._decode_attn_triton import decode_attention, decode_attention_rope
 
     b, hq, hkv, d, max_len = 16, 14, 2, 64, 256
     q, k, v, allowed = _inputs(b, hq, hkv, d, max_len, max_len, torch.bfloat16, "cuda")
@@ -80,28 +129,40 @@ def test_triton_kernel_inside_compiled_graph_on_cuda():
         k[rows, :, slot] = q[:, :hkv] * 0.5
         return decode_attention(q, k, v, allowed, kv_len, 0.125, 2) * 2
 
-    fn = torch.compile(step, fullgraph=True, dynamic=None)
-    for kv_len in (64, 128, 192):
-        slot = torch.full((b,), kv_len - 1, device="cuda")
-        k_eager = k.clone()
-        want = step(q, k_eager, v, allowed, slot, kv_len)
-        k_ptr = k.data_ptr()
-        for _ in range(2):
-            got = fn(q, k, v, allowed, slot, kv_len)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(q, k, v, allowed, slot, kv_len)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert k.data_ptr() == k_ptr and torch.equal(k, k_eager)
-        assert torch.equal(got, want) and torch.equal(out, want), kv_len
+    def step_rope(qkv, k, v, allowed, slot, kv_len: int):
+        x = qkv * 1.5  # a buffer of the graph, laid out as the qkv projection's output
+        qq, kn, vn = x[:, :hq * d].view(b, hq, d), x[:, hq * d:(hq + hkv) * d].view(b, hkv, d), \
+            x[:, (hq + hkv) * d:].view(b, hkv, d)
+        return decode_attention_rope(qq, kn, vn, x[:, :d].cos(), x[:, :d].sin(), slot, k, v, allowed, kv_len,
+                                     0.125, 3) * 2
+
+    from torch._inductor.utils import run_and_get_code
+
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda").bfloat16()
+    for fn_eager, q in ((step, q), (step_rope, qkv)):
+        fn = torch.compile(fn_eager, fullgraph=True, dynamic=None)
+        for kv_len in (64, 128, 192):
+            slot = torch.full((b,), kv_len - 1, device="cuda")
+            k_eager, v_eager = k.clone(), v.clone()
+            want = fn_eager(q, k_eager, v_eager, allowed, slot, kv_len)
+            k_ptr = k.data_ptr()
+            got, codes = run_and_get_code(fn, q, k, v, allowed, slot, kv_len)
+            # no cache-sized buffer (a functionalised copy of k or v) in the generated code
+            assert not any(f"({b}, {hkv}, {max_len}, {d})" in c for c in codes if "empty_strided" in c), fn_eager
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn(q, k, v, allowed, slot, kv_len)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert k.data_ptr() == k_ptr and torch.equal(k, k_eager) and torch.equal(v, v_eager)
+            assert torch.equal(got, want) and torch.equal(out, want), (fn_eager, kv_len)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
 @torch.inference_mode()
 def test_fast_decode_with_triton_attention_on_cuda(monkeypatch):
-    """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton: its
+    """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton / triton_rope: its
     logprobs of its own tokens against an fp32 HF forward are at most 2x those of the same path with
     the "fp32" matmul formula + 1e-3 (tests/test_gpu.py's criterion), greedy and sampled."""
     import copy
@@ -120,7 +181,7 @@ def test_fast_decode_with_triton_attention_on_cuda(monkeypatch):
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)):
         errs = {}
-        for attn in ("fp32", "triton"):
+        for attn in ("fp32", "triton", "triton_rope"):
             monkeypatch.setenv("FERRULE_FAST_ATTN", attn)
             e = []
             for r in engine.generate(prompts, params):
@@ -128,4 +189,5 @@ def test_fast_decode_with_triton_attention_on_cuda(monkeypatch):
                 e.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
             errs[attn] = torch.cat(e).mean().item()
         print(f"mean |logprob - fp32|, temperature {params.temperature}: {errs}")
-        assert errs["triton"] <= 2 * errs["fp32"] + 1e-3 and errs["triton"] < 0.02, errs
+        for attn in ("triton", "triton_rope"):
+            assert errs[attn] <= 2 * errs["fp32"] + 1e-3 and errs[attn] < 0.02, errs

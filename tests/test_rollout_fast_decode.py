@@ -30,7 +30,7 @@ def _model(kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind,attn", [("qwen2", "eager"), ("qwen3", "eager"), ("llama", "fp32"), ("qwen2", "triton")])
+@pytest.mark.parametrize("kind,attn", [("qwen2", "eager"), ("qwen3", "eager"), ("llama", "fp32"), ("qwen2", "triton"), ("llama", "triton_rope")])
 @torch.inference_mode()
 def test_decode_logits_matches_hf_forward(kind, attn):
     model = _model(kind)

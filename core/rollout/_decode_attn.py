@@ -11,7 +11,10 @@ that ``allowed`` marks visible, query head ``h`` reading kv head ``h // rep`` (t
   CUDA: model-dtype products summed in fp32, as SDPA's kernels keep them; upcast operands on CPU);
 - "triton": the "fp32" formula as one fused Triton kernel on CUDA
   (:mod:`ferrule.rollout._decode_attn_triton`, imported only here; its docstring states where it
-  can round differently); elsewhere the "fp32" formula.
+  can round differently); elsewhere the "fp32" formula;
+- "triton_rope": the same kernel also applying RoPE to q and the new key and writing the new
+  key/value into the cache (:func:`attend_rope`; the step's separate RoPE and cache-write kernels
+  go away); elsewhere the "fp32" formula.
 """
 
 from __future__ import annotations
@@ -20,14 +23,33 @@ import os
 
 import torch
 
-KINDS = ("eager", "fp32", "triton")
+KINDS = ("eager", "fp32", "triton", "triton_rope")
 #: run the Triton kernel on CPU tensors too (Triton's interpreter, ``TRITON_INTERPRET=1``): a dev aid
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def uses_triton(attn: str, device: torch.device) -> bool:
     """True when :func:`attend` runs the Triton kernel for this kind and device."""
-    return attn == "triton" and (device.type == "cuda" or TRITON_ON_CPU)
+    return attn in ("triton", "triton_rope") and (device.type == "cuda" or TRITON_ON_CPU)
+
+
+def fuses_rope(attn: str, device: torch.device) -> bool:
+    """True when :func:`attend_rope` replaces RoPE + cache write + :func:`attend` for this kind and device."""
+    return attn == "triton_rope" and uses_triton(attn, device)
+
+
+def attend_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slot: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, allowed: torch.Tensor, kv_len: int,
+                scaling: float) -> torch.Tensor:
+    """RoPE on ``q [batch, q_heads, head_dim]`` and the new key ``k [batch, kv_heads, head_dim]``
+    (``cos``/``sin [batch, head_dim]``), the rotated key and ``v`` written into ``kc``/``vc`` at
+    ``slot [batch]``, then :func:`attend`'s "fp32" formula, in one Triton kernel (CUDA;
+    :func:`fuses_rope` must hold) -> ``[batch, q_heads * head_dim]``."""
+    from ferrule.rollout._decode_attn_triton import decode_attention_rope, splits_for
+
+    b, hq, d = q.shape
+    return decode_attention_rope(q, k, v, cos, sin, slot, kc, vc, allowed, kv_len, scaling,
+                                 splits_for(b, kc.shape[1])).reshape(b, hq * d)
 
 
 def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, allowed: torch.Tensor, hidden: torch.Tensor,
@@ -44,7 +66,7 @@ def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, allowed: torch.T
 
         return decode_attention(q, kc, vc, allowed, kv_len, scaling, splits_for(b, hkv)).reshape(b, hq * d)
     L = kv_len
-    fp32_scores = attn in ("fp32", "triton") and q.dtype != torch.float32
+    fp32_scores = attn in ("fp32", "triton", "triton_rope") and q.dtype != torch.float32
     if fp32_scores and q.is_cuda:
         s = torch.bmm(q.reshape(b * hkv, rep, d), kc[:, :, :L].reshape(b * hkv, L, d).transpose(-1, -2),
                       out_dtype=torch.float32).view(b, hkv, rep, L) * scaling

@@ -50,8 +50,9 @@ MAX_SPLITS = 8
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, scaling,
                         sqb, sqh, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sab, sal,
                         sob, soh, sod, spb, sph,
+                        kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, sknb, sknh, svnb, svnh, scb, ssb,
                         REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                        SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                        SPLITS: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -59,10 +60,29 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
     d = tl.arange(0, D)
     heads = kvh * REP + r
     rmask = r < REP
-    q = tl.load(q_ptr + row * sqb + heads[:, None] * sqh + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+    q_rows = q_ptr + row * sqb + heads[:, None] * sqh
+    q = tl.load(q_rows + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
     k_base = k_ptr + row * skb + kvh * skh
     v_base = v_ptr + row * svb + kvh * svh
     a_base = a_ptr + row * sab
+    if ROPE:
+        # transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) =
+        # cat(-x[half:], x[:half]); fp32 arithmetic, rounded once (as inductor's kernel rounds it)
+        half: tl.constexpr = D // 2
+        d_rot = (d + half) % D
+        sign = tl.where(d < half, -1.0, 1.0)
+        c = tl.load(cos_ptr + row * scb + d).to(tl.float32)
+        sn = tl.load(sin_ptr + row * ssb + d).to(tl.float32)
+        q_rot = tl.load(q_rows + d_rot[None, :] * sqd, mask=rmask[:, None], other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * c[None, :] + sign[None, :] * q_rot * sn[None, :]).to(q_ptr.dtype.element_ty)
+        kn_row = kn_ptr + row * sknb + kvh * sknh
+        k_new = (tl.load(kn_row + d).to(tl.float32) * c + sign * tl.load(kn_row + d_rot).to(tl.float32) * sn
+                 ).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + row * svnb + kvh * svnh + d)
+        slot = tl.load(slot_ptr + row)
+        if split == 0:
+            tl.store(k_base + slot * skl + d * skd, k_new)
+            tl.store(v_base + slot * svl + d * svd, v_new)
     neg = -3.4028234663852886e38  # torch.finfo(torch.float32).min, the masked_fill value
     m = tl.full([REP_PAD], neg, dtype=tl.float32)
     l = tl.zeros([REP_PAD], dtype=tl.float32)
@@ -72,6 +92,8 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
         valid = n < kv_len
         vis = tl.load(a_base + n * sal, mask=valid, other=0) != 0
         k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+        if ROPE:  # this step's key, whether or not another program has written it yet
+            k = tl.where((n == slot)[:, None], k_new[None, :], k)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -90,13 +112,16 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
         valid = n < hi
         vis = tl.load(a_base + n * sal, mask=valid, other=0) != 0
         k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + n[:, None] * svl + d[None, :] * svd, mask=valid[:, None], other=0.0)
+        if ROPE:
+            k = tl.where((n == slot)[:, None], k_new[None, :], k)
+            v = tl.where((n == slot)[:, None], v_new[None, :], v)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(vis[None, :], s * scaling, neg)
         p = (tl.exp(s - m[:, None]) / l[:, None]).to(v_ptr.dtype.element_ty)
-        v = tl.load(v_base + n[:, None] * svl + d[None, :] * svd, mask=valid[:, None], other=0.0)
         if IEEE:
             acc = tl.dot(p, v, acc, input_precision="ieee")
         else:
@@ -114,27 +139,44 @@ def splits_for(batch: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (batch * kv_heads))))
 
 
-@triton_op("ferrule::decode_attention", mutates_args={})
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, kv_len: int,
-                     scaling: float, splits: int) -> torch.Tensor:
-    """One decode step's attention: ``q [batch, q_heads, head_dim]``, ``k``/``v`` caches
-    ``[batch, kv_heads, max_len, head_dim]`` (model dtype; slots ``[0, kv_len)`` read in place),
-    ``allowed [batch, max_len]`` bool (visible slots; every row has at least one below ``kv_len``)
-    -> ``[batch, q_heads, head_dim]`` in ``q``'s dtype; the formula in the module docstring.
-    ``splits`` (>= 1): programs per (row, kv head), see :func:`splits_for`."""
+def _launch(q, k, v, allowed, kv_len, scaling, splits, rope):
     b, hq, d = q.shape
     hkv = k.shape[1]
-    rep = hq // hkv
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     part = torch.empty((splits, b, hq, d) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    kn, vn, cos, sin, slot = rope if rope is not None else (q, q, q, q, q)
     wrap_triton(_decode_attn_kernel)[(b, hkv, splits)](
         q, k, v, allowed, out, part, kv_len, scaling,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), allowed.stride(0), allowed.stride(1),
         out.stride(0), out.stride(1), out.stride(2), hq * d, d,
-        REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BLOCK=BLOCK_N, SPLITS=splits,
-        IEEE=q.dtype == torch.float32)
+        kn, vn, cos, sin, slot, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
+        REP=hq // hkv, REP_PAD=max(16, triton.next_power_of_2(hq // hkv)), D=d, BLOCK=BLOCK_N, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, ROPE=rope is not None)
     if splits == 1:
         return out
     return part.sum(0).to(q.dtype)
 
+
+@triton_op("ferrule::decode_attention", mutates_args={})
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, kv_len: int,
+                     scaling: float, splits: int) -> torch.Tensor:
+    """One decode step's attention: ``q [batch, q_heads, head_dim]`` (rotated), ``k``/``v`` caches
+    ``[batch, kv_heads, max_len, head_dim]`` (model dtype; slots ``[0, kv_len)`` read in place,
+    this step's key/value already written), ``allowed [batch, max_len]`` bool (visible slots; every
+    row has at least one below ``kv_len``) -> ``[batch, q_heads, head_dim]`` in ``q``'s dtype, the
+    formula in the module docstring. ``splits`` (>= 1): programs per (row, kv head), see
+    :func:`splits_for`. Last dims contiguous."""
+    return _launch(q, k, v, allowed, kv_len, scaling, splits, None)
+
+
+@triton_op("ferrule::decode_attention_rope", mutates_args={"k", "v"})
+def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          allowed: torch.Tensor, kv_len: int, scaling: float, splits: int) -> torch.Tensor:
+    """:func:`decode_attention` with RoPE and the cache write in the same kernel: ``q [batch, q_heads,
+    head_dim]``, ``k_new``/``v_new [batch, kv_heads, head_dim]`` before RoPE (views of the qkv
+    projection are fine), ``cos``/``sin [batch, head_dim]`` (the model's ``rotary_emb`` at each row's
+    position), ``slot [batch]`` int64; writes the rotated key and ``v_new`` into ``k``/``v`` at
+    ``slot`` and attends over them (slot included; it must lie below ``kv_len``)."""
+    return _launch(q, k, v, allowed, kv_len, scaling, splits, (k_new, v_new, cos, sin, slot))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferrule.rollout._decode_attn import KINDS, attend, uses_triton
+from ferrule.rollout._decode_attn import KINDS, attend, attend_rope, fuses_rope, uses_triton
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
@@ -51,7 +51,8 @@ MAX_STOP_IDS = 1024
 KV_BUCKET = 64
 #: decode attention (:mod:`ferrule.rollout._decode_attn`): "fp32" (default: ``q @ k^T`` kept in
 #: fp32, as SDPA's kernels keep it), "eager" (transformers' eager formula: ``q @ k^T`` rounded to the
-#: model dtype, then the fp32 softmax) or "triton" (the fp32 formula as one fused kernel on CUDA).
+#: model dtype, then the fp32 softmax), "triton" (the fp32 formula as one fused kernel on CUDA) or
+#: "triton_rope" (that kernel also doing RoPE and the cache write).
 #: "fp32" and "eager": same speed on an H200; on SmolLM2 in bf16 (CPU, teacher-forced) fp32 scores put
 #: the logprobs 8% closer to an fp32 forward (docs/benchmarks.md). ``FERRULE_FAST_ATTN`` overrides
 ATTN = "fp32"
@@ -214,6 +215,7 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
         raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (FERRULE_FAST_ATTN)")
     hidden = ~allowed[:, None, None, :L]
     rows = torch.arange(b, device=ids.device)
+    rope_in_attn = fuses_rope(attn, ids.device)
     for i in range(n):
         ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
         e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
@@ -223,11 +225,14 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
         v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
         if qn is not None:
             q, k = _rms(q, qn, eqk), _rms(k, kn, eqk)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kc, vc = keys[i], values[i]
-        kc[rows, :, slot] = k
-        vc[rows, :, slot] = v
-        o = attend(q, kc, vc, allowed, hidden, L, layout.scaling, attn)
+        if rope_in_attn:
+            o = attend_rope(q, k, v, cos[:, 0], sin[:, 0], slot, kc, vc, allowed, L, layout.scaling)
+        else:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            kc[rows, :, slot] = k
+            vc[rows, :, slot] = v
+            o = attend(q, kc, vc, allowed, hidden, L, layout.scaling, attn)
         x = x + F.linear(o, o_w, o_b)
         g, u = F.linear(_rms(x, ln2, e2), gu_w).split(layout.inter, dim=-1)
         x = x + F.linear(F.silu(g) * u, down_w)
