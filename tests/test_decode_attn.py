@@ -160,11 +160,13 @@ def test_triton_kernel_inside_compiled_graph_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton decode attention)")
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+@pytest.mark.parametrize("attn", ["triton", "triton_rope"])
 @torch.inference_mode()
-def test_fast_decode_with_triton_attention_on_cuda(monkeypatch):
-    """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton / triton_rope: its
-    logprobs of its own tokens against an fp32 HF forward are at most 2x those of the same path with
-    the "fp32" matmul formula + 1e-3 (tests/test_gpu.py's criterion), greedy and sampled."""
+def test_fast_decode_with_triton_attention_on_cuda(monkeypatch, attn, sampling):
+    """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton /
+    triton_rope: its logprobs of its own tokens against an fp32 HF forward are at most 2x those of
+    the same path with the "fp32" matmul formula + 1e-3 (tests/test_gpu.py's criterion)."""
     import copy
 
     from test_rollout_fast_decode import _fp32_logprobs, _model
@@ -178,16 +180,15 @@ def test_fast_decode_with_triton_attention_on_cuda(monkeypatch):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
     monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "0")  # one graph per call: the whole 128-slot cache
-    for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
-                   SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)):
-        errs = {}
-        for attn in ("fp32", "triton", "triton_rope"):
-            monkeypatch.setenv("FERRULE_FAST_ATTN", attn)
-            e = []
-            for r in engine.generate(prompts, params):
-                ref = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, params.temperature)
-                e.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
-            errs[attn] = torch.cat(e).mean().item()
-        print(f"mean |logprob - fp32|, temperature {params.temperature}: {errs}")
-        for attn in ("triton", "triton_rope"):
-            assert errs[attn] <= 2 * errs["fp32"] + 1e-3 and errs[attn] < 0.02, errs
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True) if sampling == "greedy" else \
+        SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
+    errs = {}
+    for kind in ("fp32", attn):
+        monkeypatch.setenv("FERRULE_FAST_ATTN", kind)
+        e = []
+        for r in engine.generate(prompts, params):
+            ref = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, params.temperature)
+            e.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
+        errs[kind] = torch.cat(e).mean().item()
+    print(f"mean |logprob - fp32 forward| ({sampling}): {errs}")
+    assert errs[attn] <= 2 * errs["fp32"] + 1e-3 and errs[attn] < 0.02, errs
