@@ -42,12 +42,15 @@ def main():
     ap.add_argument("--heads", type=int, nargs=3, default=[14, 2, 64], help="q heads, kv heads, head dim")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8])
+    ap.add_argument("--blocks", type=int, nargs="*", default=[64], help="key slots per loop iteration (BLOCK_N)")
     ap.add_argument("--no-formula", action="store_true", help="skip the compiled matmul formula")
     args = ap.parse_args()
+    from ferrule.rollout import _decode_attn_triton as dat
     from ferrule.rollout._decode_attn import attend, reference
-    from ferrule.rollout._decode_attn_triton import decode_attention, splits_for
+    from ferrule.rollout._decode_attn_triton import decode_attention, decode_attention_rope, splits_for
 
     hq, hkv, d = args.heads
+    block0 = dat.BLOCK_N
     scaling = d ** -0.5
     formula = torch.compile(attend, fullgraph=True, dynamic=False)
     for b in args.batches:
@@ -64,11 +67,21 @@ def main():
             if not args.no_formula:
                 row["fp32 formula (inductor)"] = graph_us(lambda: formula(q, k, v, allowed, hidden, L, scaling, "fp32"),
                                                           args.layers)
-            for s in args.splits:
-                err = (decode_attention(q, k, v, allowed, L, scaling, s).double() - want).abs().max().item()
-                row[f"triton splits={s} (err {err:.1e})"] = graph_us(
-                    lambda: decode_attention(q, k, v, allowed, L, scaling, s), args.layers)
+            for blk in args.blocks:
+                dat.BLOCK_N = blk
+                for s in args.splits:
+                    err = (decode_attention(q, k, v, allowed, L, scaling, s).double() - want).abs().max().item()
+                    row[f"triton block={blk} splits={s} (err {err:.1e})"] = graph_us(
+                        lambda: decode_attention(q, k, v, allowed, L, scaling, s), args.layers)
+            dat.BLOCK_N = block0
             auto = splits_for(b, hkv)
+            qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", generator=g).bfloat16()
+            qn, kn, vn = qkv[:, :hq * d].view(b, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d), \
+                qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+            cos, sin = qkv[:, :d].float().cos().bfloat16(), qkv[:, :d].float().sin().bfloat16()
+            slot = torch.full((b,), L - 1, device="cuda")
+            row[f"triton_rope splits={auto}"] = graph_us(
+                lambda: decode_attention_rope(qn, kn, vn, cos, sin, slot, k, v, allowed, L, scaling, auto), args.layers)
             print(f"batch {b} kv_len {L} (auto splits {auto}): "
                   + ", ".join(f"{name} {us:.2f} us" for name, us in row.items()), flush=True)
 

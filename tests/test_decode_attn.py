@@ -165,16 +165,23 @@ def test_triton_kernel_inside_compiled_graph_on_cuda():
 @torch.inference_mode()
 def test_fast_decode_with_triton_attention_on_cuda(monkeypatch, attn, sampling):
     """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton /
-    triton_rope: its logprobs of its own tokens against an fp32 HF forward are at most 2x those of
-    the same path with the "fp32" matmul formula + 1e-3 (tests/test_gpu.py's criterion)."""
+    triton_rope and the chunked sampler (FERRULE_FAST_SAMPLER_CHUNKS=128: 4 chunks of this 4096
+    vocabulary): its logprobs of its own tokens against an fp32 HF forward are at most 2x those of
+    the default fast path ("fp32" matmul formula, one-pass sampler) + 1e-3 (tests/test_gpu.py's criterion)."""
     import copy
 
-    from test_rollout_fast_decode import _fp32_logprobs, _model
+    import transformers
+    from test_rollout_fast_decode import TINY, _fp32_logprobs
 
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    model = _model("qwen2").to("cuda")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(attn_implementation="sdpa", tie_word_embeddings=True, **{**TINY, "vocab_size": 4096})
+    model = transformers.Qwen2ForCausalLM(cfg).eval().to("cuda")
+    for p in model.parameters():  # non-trivial norms and biases
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
     model32 = copy.deepcopy(model).float()
     engine = EmbeddedEngine(model=model.to(torch.bfloat16), fast_decode=True)
     g = torch.Generator().manual_seed(0)
@@ -183,8 +190,9 @@ def test_fast_decode_with_triton_attention_on_cuda(monkeypatch, attn, sampling):
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True) if sampling == "greedy" else \
         SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
     errs = {}
-    for kind in ("fp32", attn):
+    for kind, chunks in (("fp32", "0"), (attn, "128")):
         monkeypatch.setenv("FERRULE_FAST_ATTN", kind)
+        monkeypatch.setenv("FERRULE_FAST_SAMPLER_CHUNKS", chunks)
         e = []
         for r in engine.generate(prompts, params):
             ref = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, params.temperature)

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrule.rollout._decode_attn import KINDS, attend, attend_rope, fuses_rope, uses_triton
+from ferrule.rollout._fast_sampling import CHUNKS_ENV, vocab_chunks
+from ferrule.rollout._fast_sampling import sample_record as _sample_record
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
@@ -243,43 +245,11 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
           slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
           temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
           lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
-          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager") -> None:
+          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager", chunks: int = 0) -> None:
     """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
     logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn)
     _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
-                   finished, stopped, ids, pos, slot, allowed)
-
-
-def _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
-                   finished, stopped, ids, pos, slot, allowed) -> None:
-    # the formulas of ferrule.rollout._fast_sampling (_plain / _greedy): same draw as torch.multinomial
-    raw = logits.float()
-    if noise is None:
-        x = raw
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        tok = torch.argmax(x, dim=-1)
-    else:
-        x = raw / temperature
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        tok = torch.argmax(torch.exp(x - lse) / noise, dim=-1)
-    lp = x.gather(-1, tok[:, None])[:, 0] - lse[:, 0]
-    c = col.view(1)
-    tokens_out.index_copy_(1, c, tok[:, None])
-    lp_out.index_copy_(1, c, lp[:, None])
-    if raw_out is not None:
-        rlp = lp if noise is None else raw.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
-        raw_out.index_copy_(1, c, rlp[:, None])
-    alive = ~finished
-    lengths.add_(alive.long())
-    hit = alive & torch.isin(tok, stop_t)
-    stopped.logical_or_(hit)
-    finished.logical_or_(hit)
-    # stage the next step: token `col` goes to key slot p + col at position prompt_len + col
-    ids.copy_(tok)
-    pos.copy_(prompt_len + col)
-    slot.copy_((p + col).expand_as(slot))
-    allowed[torch.arange(allowed.shape[0], device=allowed.device), slot] = True
-    col.add_(1)
+                   finished, stopped, ids, pos, slot, allowed, chunks)
 
 
 _COMPILED: dict[str, Any] = {}
@@ -330,6 +300,7 @@ class FastStatic:
         self.finished = torch.zeros(b, dtype=torch.bool, **z)
         self.stopped = torch.zeros(b, dtype=torch.bool, **z)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.chunks = 0  # sampler vocabulary chunks (FERRULE_FAST_SAMPLER_CHUNKS), set per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
@@ -346,14 +317,14 @@ class FastStatic:
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
-                self.stopped, kv_len, attn)
+                self.stopped, kv_len, attn, self.chunks)
 
     def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
                kv_len: int | None = None, attn: str = "eager") -> torch.cuda.CUDAGraph:
         if self.layout_key != layout.key():
             self.graphs.clear()
             self.layout_key = layout.key()
-        key = (greedy, want_raw, self.stop_t.numel(), attn, kv_len)
+        key = (greedy, want_raw, self.stop_t.numel(), attn, self.chunks, kv_len)
         if key in self.graphs:
             return self.graphs[key]
         args = self._args(layout, greedy, want_raw, kv_len, attn)
@@ -396,10 +367,13 @@ class FastStatic:
         noise = None if greedy else self.noise
         if noise is not None:
             noise.exponential_(1, generator=gen)
+        want_chunks = int(os.environ.get(CHUNKS_ENV, "0")) if logits.is_cuda else 0
+        self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
         with _recompile_limit():
             _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
                                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
-                               self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed)
+                               self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed,
+                               self.chunks)
         # graphs are captured after the first sample staged step 1's input: their warm-up runs write
         # the cache only at slots the real steps write again before reading
         bucket = int(os.environ.get("FERRULE_FAST_KV_BUCKET", KV_BUCKET))
