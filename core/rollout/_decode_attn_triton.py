@@ -80,6 +80,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
                  ).to(k_ptr.dtype.element_ty)
         v_new = tl.load(vn_ptr + row * svnb + kvh * svnh + d)
         slot = tl.load(slot_ptr + row)
+        kv_len = tl.minimum(kv_len, slot + 1)  # nothing past this step's slot is visible
         if split == 0:
             tl.store(k_base + slot * skl + d * skd, k_new)
             tl.store(v_base + slot * svl + d * svd, v_new)
@@ -178,5 +179,6 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     head_dim]``, ``k_new``/``v_new [batch, kv_heads, head_dim]`` before RoPE (views of the qkv
     projection are fine), ``cos``/``sin [batch, head_dim]`` (the model's ``rotary_emb`` at each row's
     position), ``slot [batch]`` int64; writes the rotated key and ``v_new`` into ``k``/``v`` at
-    ``slot`` and attends over them (slot included; it must lie below ``kv_len``)."""
+    ``slot`` and attends over slots ``[0, min(kv_len, slot + 1))`` of each row (no slot past this
+    step's is visible), so one ``kv_len`` (the whole cache) serves every step."""
     return _launch(q, k, v, allowed, kv_len, scaling, splits, (k_new, v_new, cos, sin, slot))

@@ -49,7 +49,7 @@ MODEL_TYPES = ("qwen2", "qwen3", "llama")
 MAX_STOP_IDS = 1024
 #: key slots attended per step: the filled prefix rounded up to this many (one graph per length,
 #: docs/benchmarks.md "Embedded decode: fast path"); 0: the whole cache every step
-#: (``FERRULE_FAST_KV_BUCKET`` overrides)
+#: (``FERRULE_FAST_KV_BUCKET`` overrides; "triton_rope" attention stops at each row's slot: always 0)
 KV_BUCKET = 64
 #: decode attention (:mod:`ferrule.rollout._decode_attn`): "fp32" (default: ``q @ k^T`` kept in
 #: fp32, as SDPA's kernels keep it), "eager" (transformers' eager formula: ``q @ k^T`` rounded to the
@@ -380,6 +380,8 @@ class FastStatic:
         attn = os.environ.get("FERRULE_FAST_ATTN", ATTN)
         if uses_triton(attn, self.ids.device):
             import ferrule.rollout._decode_attn_triton  # noqa: F401  (triton imported before the compile)
+        if fuses_rope(attn, self.ids.device):
+            bucket = 0  # its kernel attends up to each row's slot: one graph for the whole cache
         max_len = self.state.max_len
         kv_len, graph = None, None
         for t in range(1, n_new):
