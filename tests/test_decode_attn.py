@@ -94,7 +94,7 @@ def test_triton_rope_kernel_matches_reference_on_cuda(shape):
     _, kc, vc, allowed = _inputs(*shape, torch.bfloat16, "cuda")
     q, k, v, cos, sin = _rope_inputs(b, hq, hkv, d, torch.bfloat16)
     slot = torch.tensor([kv_len - 1 - r % 3 for r in range(b)], device="cuda")
-    allowed[torch.arange(b), slot] = True
+    allowed[torch.arange(b, device="cuda"), slot] = True
     rows = torch.arange(b, device="cuda")
     k_want, v_want = kc.clone(), vc.clone()
     k_want[rows, :, slot] = _rope_ref(k, cos, sin)
@@ -134,7 +134,7 @@ def test_triton_kernel_inside_compiled_graph_on_cuda():
         qq, kn, vn = x[:, :hq * d].view(b, hq, d), x[:, hq * d:(hq + hkv) * d].view(b, hkv, d), \
             x[:, (hq + hkv) * d:].view(b, hkv, d)
         return decode_attention_rope(qq, kn, vn, x[:, :d].cos(), x[:, :d].sin(), slot, k, v, allowed, kv_len,
-                                     0.125, 3) * 2
+                                     0.125, 2) * 2
 
     from torch._inductor.utils import run_and_get_code
 
