@@ -1,7 +1,7 @@
 """Fused GQA decode attention for the fast decode step (:mod:`ferrule.rollout._fast_decode`), in Triton.
 
-Imported only by :func:`ferrule.rollout._decode_attn.attend` when ``FERRULE_FAST_ATTN=triton``
-asks for it (triton is not a dependency: CI's CPU install has none; the CUDA machines carry it
+Imported only by :mod:`ferrule.rollout._decode_attn` when ``FERRULE_FAST_ATTN=triton`` or
+``triton_rope`` asks for it (triton is not a dependency: CI's CPU install has none; the CUDA machines carry it
 with torch).
 
 The formula is the fast step's default "fp32" attention (:mod:`ferrule.rollout._decode_attn`), per
@@ -18,7 +18,8 @@ float32).to(bf16)`` and ``matmul(p, v)`` compute. The kernel keeps the normalise
 summation order and in the softmax statistics: the max and the sum of exponentials come from one
 online pass (``l = l * exp(m_old - m_new) + sum exp(s - m_new)``), a relative difference in ``l``
 of a few fp32 ulps, which changes a ``p_j`` only where it lies that close to a bf16 rounding
-boundary. ``exp`` is Triton's (``ex2.approx`` on CUDA) where inductor's softmax uses its own.
+boundary. ``exp`` is Triton's ``tl.exp``; inductor's softmax kernel may evaluate it differently
+in the last bits.
 
 Work split: one program per (row, kv head, split); the ``rep`` query heads of a kv head are one
 ``[REP_PAD, D]`` tile (``REP_PAD >= 16`` for ``tl.dot``; the padding rows are masked). Each
@@ -27,8 +28,15 @@ with ``v`` over its own ``1 / splits`` of the prefix; with ``splits > 1`` the fp
 are added afterwards (one reduction kernel) and rounded once. The K/V cache is read in place
 (``[batch, kv_heads, max_len, head_dim]``, slots ``[0, kv_len)``): no copy, no gather.
 
-:func:`decode_attention` is a ``torch.library.triton_op``, so ``torch.compile`` keeps the kernel
-inside the one compiled step (no graph break) and CUDA graphs capture it with the rest.
+:func:`decode_attention_rope` (``FERRULE_FAST_ATTN=triton_rope``) is the same kernel also doing
+the step's RoPE on q and on the new key (fp32 arithmetic rounded once, as inductor's fused RoPE
+kernel rounds it) and writing the new key/value into the cache; every program of a row uses the
+new key/value from registers at the row's slot, so no program waits for another's write. It
+attends up to each row's slot (``slot + 1`` slots), so one compiled graph covers every step.
+
+Both are ``torch.library.triton_op``\ s, so ``torch.compile`` keeps the kernel inside the one
+compiled step (no graph break; the cache write is re-inplaced, no copy) and CUDA graphs capture it
+with the rest.
 """
 
 from __future__ import annotations
