@@ -49,6 +49,9 @@ from pathlib import Path
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  tie_word_embeddings=True)
+#: ferrule's opt-in train paths (read from the environment at engine build; unset in ``ferrule_plain``)
+OPT_IN_FLAGS = ("FERRULE_GRAD_ACCUM_FUSION", "FERRULE_LEAN_ACTIVATIONS", "FERRULE_FUSED_ADAM", "FERRULE_LOGPROB_CHUNK",
+                "FERRULE_LOGPROB_ONEPASS", "FERRULE_COMPILE_DYNAMIC")
 #: H200 SXM dense bf16 peak (NVIDIA datasheet), FLOP/s.
 H200_PEAK = 989e12
 
@@ -58,11 +61,14 @@ def _flops_per_token(cfg: dict, seq: int, n_params: int) -> float:
     return 6 * n_params + attn
 
 
-def _time_steps(step, warmup: int, iters: int) -> tuple[float, float]:
+def _time_steps(step, warmup: int, iters: int) -> tuple[float, float, float]:
+    """(median step seconds, peak GiB allocated over the steps, GiB allocated after the first step:
+    parameters, gradient buffers and optimizer state, the resident part)."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    resident = 0.0
     times = []
     for i in range(warmup + iters):
         torch.cuda.synchronize()
@@ -71,7 +77,9 @@ def _time_steps(step, warmup: int, iters: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+        if i == 0:
+            resident = torch.cuda.memory_allocated() / 2**30
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, resident
 
 
 def _hf_mode(hf_dir: Path, tokens, liger: bool):
@@ -182,6 +190,7 @@ def main() -> None:
         Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16).save_pretrained(hf_dir)
         n_params = None
         engine = None
+        saved_flags: dict[str, str | None] = {}
         for mode in modes:
             gc.collect()
             torch.cuda.empty_cache()
@@ -212,10 +221,19 @@ def main() -> None:
                             os.environ[k] = "0"
                         else:
                             os.environ.pop(k, None)
+                    for k in OPT_IN_FLAGS:  # the opt-in paths: as the caller's environment says, never in plain
+                        if want_plain:
+                            saved_flags.setdefault(k, os.environ.pop(k, None))
+                        elif saved_flags.get(k) is not None:
+                            os.environ[k] = saved_flags[k]
                     engine = _ferrule_engine(hf_dir, args.max_tokens)
                     engine._bench_plain = want_plain
                     print(f"{mode}: fused_logprobs={engine.fused_logprobs} cuda_fusions={engine.cuda_fusions} "
-                          f"packed_sequences={engine.packed_sequences}")
+                          f"packed_sequences={engine.packed_sequences} "
+                          f"grad_accum_fusion={getattr(engine, 'grad_accum_fusion', None)} "
+                          f"lean_activations={getattr(engine, 'lean_activations', None)} "
+                          f"fused_adam={getattr(engine, 'fused_adam', None)} "
+                          f"logprob_chunk={getattr(engine, 'logprob_chunk_tokens', None)}")
                     n_params = n_params or sum(p.numel() for c in engine.model for p in c.parameters())
                 if mode in ("ferrule", "ferrule_plain"):
                     batch = _ferrule_batch(list(tokens))
@@ -226,10 +244,11 @@ def main() -> None:
                 def step(batch=batch):
                     engine.forward_backward(batch, "cross_entropy")
                     engine.optim_step()
-            med, peak = _time_steps(step, args.warmup, args.iters)
+            med, peak, resident = _time_steps(step, args.warmup, args.iters)
             tps = real / med
             mfu = tps * _flops_per_token(QWEN2_05B, args.seq, n_params) / H200_PEAK
             results[mode] = {"step_s": round(med, 4), "tok_s": round(tps), "peak_gib": round(peak, 1),
+                             "resident_gib": round(resident, 2),
                              "mfu": round(mfu, 3), "tokens": real}
             print(json.dumps({"mode": mode, **results[mode]}), flush=True)
             if mode in ("ferrule", "ferrule_plain") and args.profile:

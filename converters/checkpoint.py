@@ -46,7 +46,8 @@ from .quantized import drop_quantization_config, mxfp8_bytes_saved, requantizer,
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
-           "hf_side_files", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES"]
+           "hf_side_files", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES",
+           "hf_to_torch_dist_bytes", "torch_dist_to_hf_bytes"]
 
 HF_SUBDIR = "hf"
 #: File in ``OUT_DIR/hf`` holding the tensors a family's mapping table passes through unchanged.
@@ -189,6 +190,43 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
 # ---------------------------------------------------------------------------------------
 
 
+def _loaded_bytes(reader: Any, table: Any) -> int:
+    """Bytes of the HF tensors a conversion loads into Megatron (each once; not the ignored or passed-through
+    ones), as ``reader`` reads them: what :func:`hf_to_torch_dist`'s ``progress`` calls add up to."""
+    return sum(reader.nbytes(k) for k in reader.keys() if not table.is_ignored(k))
+
+
+def _exported_bytes(reader: Any, table: Any, dtype: str, other_dtypes: dict[str, str]) -> int:
+    """Bytes of the HF tensors an export of this conversion writes before any requantization: every tensor but
+    the ignored ones, in ``dtype`` or its own (``other_dtypes``); the passed-through ones as stored. What
+    :func:`torch_dist_to_hf`'s ``progress`` calls add up to (recorded as ``export_bytes`` in the metadata)."""
+    import math
+
+    from .output_dir import _ITEMSIZE
+
+    total = 0
+    for k in reader.keys():
+        if table.is_passthrough(k):
+            total += reader.nbytes(k)
+        elif not table.is_ignored(k):
+            total += math.prod(reader.shape(k)) * _ITEMSIZE[other_dtypes.get(k, dtype)]
+    return total
+
+
+def hf_to_torch_dist_bytes(hf_dir: str | os.PathLike, *, dtype: str | None = None, family: str | None = None) -> int:
+    """The bytes :func:`hf_to_torch_dist` (same arguments) reports through ``progress`` in all: those of the
+    HF tensors it loads (each once, quantized ones dequantized in the conversion dtype), for a progress bar's total.
+
+    Raises: what :func:`hf_to_torch_dist` raises for a missing config, an unsupported model_type or unreadable shards.
+    """
+    hf_dir = Path(hf_dir)
+    hf_config = _read_config(hf_dir)
+    _, _, table = _family_parts(hf_config, family)
+    reader = open_hf_weights(hf_dir, hf_config, dtype=dtype)
+    # the worker reads at the model's dtype (load_hf_into_mcore): the sizes of dequantized tensors depend on it
+    return _loaded_bytes(open_hf_weights(hf_dir, hf_config, dtype=dtype or _dtype_name(reader)), table)
+
+
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              progress: Callable[[int], None] | None, family: str | None = None) -> None:
     from ferrule.megatron.checkpoint import save_sharded
@@ -224,7 +262,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
             checkpoint's main floating dtype (most bytes). Tensors stored in another floating dtype
             are recorded (``hf_dtypes`` in ``ferrule_checkpoint.json``) and exported in their own
             dtype again, so the conversion is bit-exact.
-        progress: ``progress(n_bytes)`` after each parameter (single-process runs only).
+        progress: ``progress(n_bytes)`` after each parameter (single-process runs only); the calls add up to
+            :func:`hf_to_torch_dist_bytes` (each HF tensor loaded counts once).
         notice: ``notice(message)`` for what was done besides the conversion (the removal of a
             killed conversion's temporary folder); default: a warning on the ``ferrule.converters`` logger.
 
@@ -271,7 +310,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
 
         meta = {"format": FORMAT, "family": spec.name, "model_type": hf_config.get("model_type"),
                 "dtype": dtype, "saved_layout": layout_kw, "source": str(hf_dir), "hf_files": copied,
-                "hf_bytes": reader.total_bytes(), "passthrough_tensors": kept,
+                "hf_bytes": reader.total_bytes(), "export_bytes": _exported_bytes(reader, table, dtype, other_dtypes),
+                "passthrough_tensors": kept,
                 "hf_dtypes": other_dtypes, "ferrule_version": __version__, "hf_quantization": quantization,
                 "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k) and not table.is_passthrough(k)),
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
@@ -341,11 +381,11 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
         if writer is None:
             continue
         out = tensor.to(getattr(torch, hf_dtypes.get(name, out_dtype or dtype)))
-        # --mxfp8: the source's quantized tensors are quantized again from the stored (exact) values
+        # --keep-quantized: the source's quantized tensors are quantized again from the stored (exact) values
         for n, t in (requantize(name, tensor.cpu(), out) if requantize is not None else [(name, out)]):
             writer.add(n, t.cpu())
-            if progress is not None:
-                progress(t.numel() * t.element_size())
+        if progress is not None:  # the tensor's bytes before any requantization: the unit of ``export_bytes``
+            progress(out.numel() * out.element_size())
     if writer is not None:
         passthrough = Path(ckpt_dir) / HF_SUBDIR / PASSTHROUGH_FILE
         if passthrough.is_file():  # tensors Megatron does not hold (MappingTable.passthrough), written back verbatim
@@ -353,7 +393,17 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
 
             for name, tensor in load_file(str(passthrough)).items():
                 writer.add(name, tensor)
+                if progress is not None:
+                    progress(tensor.numel() * tensor.element_size())
         writer.close()
+
+
+def torch_dist_to_hf_bytes(meta: dict) -> int | None:
+    """What :func:`torch_dist_to_hf`'s ``progress`` calls add up to (at the checkpoint's own dtype), from its
+    :func:`read_checkpoint_metadata` dict: ``export_bytes``, recorded by :func:`hf_to_torch_dist`. None when it
+    is not recorded (checkpoints of ``TrainEngine.save`` and of ferrule before 2026-12-02): a bar without a total."""
+    value = meta.get("export_bytes")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _recorded_family(meta: dict) -> str | None:
@@ -367,7 +417,8 @@ def _recorded_family(meta: dict) -> str | None:
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
                      progress: Callable[[int], None] | None = None, dtype: str | None = None,
-                     mxfp8: bool = False, notice: Notice | None = None, family: str | None = None) -> Path:
+                     keep_quantized: bool = False, notice: Notice | None = None, family: str | None = None,
+                     mxfp8: bool = False) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
@@ -384,14 +435,17 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         ``out_dir`` as an absolute path.
 
     A source checkpoint in MXFP8 (read dequantized, :mod:`ferrule.quantized_weights`) exports
-    dequantized in ``dtype`` with no ``quantization_config``; ``mxfp8=True`` writes the tensors it
-    stored quantized as MXFP8 again (same names, blocks and scale dtype; :mod:`ferrule.converters.quantized`)
-    and restores its ``quantization_config``.
+    dequantized in ``dtype`` with no ``quantization_config``; ``keep_quantized=True`` writes the tensors it
+    stored quantized in its format again (MXFP8: same names, blocks and scale dtype; NVFP4: the source's bytes,
+    for unchanged tensors; :mod:`ferrule.converters.quantized`) and restores its ``quantization_config``.
+    ``mxfp8=True`` is the older name of ``keep_quantized=True`` (the CLI's ``--mxfp8``), kept as an alias.
 
     Tensors of the source HF checkpoint that the mapping table ignores (``Ignore`` rows) are not in the
     export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
 
-    ``notice`` is :func:`hf_to_torch_dist`'s.
+    ``notice`` is :func:`hf_to_torch_dist`'s. ``progress(n_bytes)`` is called after each HF tensor written
+    (single-process runs only) with its bytes before any requantization (``keep_quantized``); the calls add up to
+    :func:`torch_dist_to_hf_bytes`.
 
     Raises:
         ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the export
@@ -426,7 +480,7 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if dtype is not None and dtype not in _FLOAT_NAMES.values():
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
     out_dtype = dtype or meta["dtype"]
-    requantize = requantizer(meta, mxfp8, ckpt_dir)  # refused before anything is written
+    requantize = requantizer(meta, keep_quantized or mxfp8, ckpt_dir)  # refused before anything is written
     needed = torch_dist_model_bytes(ckpt_dir, out_dtype, TRAINING_STATE_PREFIXES)
     if requantize is not None:
         needed -= mxfp8_bytes_saved(meta, ckpt_dir, out_dtype)

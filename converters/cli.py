@@ -3,7 +3,7 @@
 Commands::
 
     ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N] [--overwrite]
-    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite] [--mxfp8]
+    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite] [--max-shard-gb 5] [--keep-quantized]
 
 Errors are printed as one message (what was wrong and how to fix it) with exit code 2; no
 partial output is left behind. See docs/convert.md.
@@ -26,12 +26,39 @@ app = typer.Typer(
 )
 
 
-def _progress(total_bytes: int, label: str):
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+class _Bar:
+    """A rich bytes progress bar drawn from the first ``advance(n_bytes)`` on, so that an error found before
+    any work (a bad layout, a missing file) prints its one line without a bar above it.
+    ``with _Bar(total, label) as bar: ... bar.advance(n)``; ``total`` 0 or None: a bar without a total."""
 
-    progress = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
-    task = progress.add_task(label, total=total_bytes or None)
-    return progress, (lambda n: progress.advance(task, n))
+    def __init__(self, total_bytes: int | None, label: str) -> None:
+        self.total, self.label, self.progress, self.task = total_bytes or None, label, None, None
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def advance(self, n_bytes: int) -> None:
+        if self.progress is None:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+            self.progress = Progress(TextColumn(self.label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                     TimeElapsedColumn())
+            self.task = self.progress.add_task(self.label, total=self.total)
+            self.progress.start()
+        self.progress.advance(self.task, n_bytes)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _check_counts(**flags: int) -> None:
+    """Refuse a process count below 1 (``--tp 0``) before anything is read, drawn or written."""
+    what = {"tp": "tensor-parallel", "ep": "expert-parallel", "pp": "pipeline-parallel"}
+    for name, value in flags.items():
+        if value < 1:
+            raise typer.BadParameter(f"--{name} {value}: expected a whole number >= 1 ({what[name]} conversion "
+                                     f"processes; --tp 1 --ep 1 --pp 1, the default, converts in this process).")
 
 
 def _notice(message: str) -> None:
@@ -45,6 +72,9 @@ def _fail(exc: BaseException) -> None:
 
     if not isinstance(exc, Exception) and user_error_message(exc) is None:
         raise exc
+    if isinstance(exc, typer.BadParameter):  # a flag's value: the message names the flag
+        print_user_error(str(exc))
+        raise typer.Exit(code=2) from None
     print_user_error(user_error_message(exc) or f"{type(exc).__name__}: {exc}")
     raise typer.Exit(code=2) from None
 
@@ -63,17 +93,16 @@ def hf_to_torch_dist_cmd(
     Runs tp*ep*pp processes (gloo on CPU); the checkpoint loads under any layout afterwards.
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
-    from ferrule.converters.checkpoint import hf_to_torch_dist
-    from ferrule.quantized_weights import open_hf_weights
+    from ferrule.converters.checkpoint import hf_to_torch_dist, hf_to_torch_dist_bytes
 
     try:
+        _check_counts(tp=tp, ep=ep, pp=pp)
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
-        total = open_hf_weights(hf_dir).total_bytes() if (tp * ep * pp) == 1 else 0
-        progress, advance = _progress(total, "hf -> torch_dist")
-        with progress:
+        one_process = tp * ep * pp == 1  # the ranks of a multi-process conversion report no progress
+        with _Bar(hf_to_torch_dist_bytes(hf_dir) if one_process else None, "hf -> torch_dist") as bar:
             out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
-                                   progress=advance if total else None, notice=_notice)
+                                   progress=bar.advance if one_process else None, notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - every error becomes one clear message
         _fail(exc)
     typer.echo(f"wrote {out}")
@@ -85,24 +114,30 @@ def torch_dist_to_hf_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Output HF directory (must not exist).")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
     max_shard_gb: Annotated[float, typer.Option("--max-shard-gb", help="Safetensors shard size bound (GiB).")] = 5.0,
-    mxfp8: Annotated[bool, typer.Option("--mxfp8", help="Write the tensors an MXFP8 source stored quantized as "
-                                        "MXFP8 again, an NVFP4 source's as NVFP4 (unchanged tensors only) "
-                                        "(default: dequantized, in the checkpoint's dtype).")] = False,
+    keep_quantized: Annotated[bool, typer.Option(
+        "--keep-quantized", "--mxfp8",
+        help="Write the tensors the source stored quantized back in the source's format, with its "
+             "quantization_config: block-scaled FP8 such as MXFP8 with the same blocks and scale dtype (power-of-two "
+             "scales only), NVFP4 as its source bytes (unchanged tensors only). Default: dequantized, in the "
+             "checkpoint's dtype. --mxfp8 is its older name, from before NVFP4 sources.")] = False,
 ) -> None:
     """Convert a torch_dist checkpoint back to HF safetensors shards + index + config + tokenizer."""
     import json
 
     from ferrule.converters.checkpoint import _family_parts, _read_config, dropped_hf_tensors, read_checkpoint_metadata
-    from ferrule.converters.checkpoint import torch_dist_to_hf
+    from ferrule.converters.checkpoint import torch_dist_to_hf, torch_dist_to_hf_bytes
 
     try:
+        if not max_shard_gb > 0:
+            raise typer.BadParameter(f"--max-shard-gb {max_shard_gb}: expected a size > 0 (GiB per safetensors "
+                                     f"shard; default 5).")
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
         meta = read_checkpoint_metadata(ckpt_dir)
-        progress, advance = _progress(int(meta.get("hf_bytes", 0)), "torch_dist -> hf")
-        with progress:
+        with _Bar(torch_dist_to_hf_bytes(meta), "torch_dist -> hf") as bar:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
-                                   progress=advance, mxfp8=mxfp8, notice=_notice)
+                                   progress=bar.advance, keep_quantized=keep_quantized,
+                                   notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - see _fail
         _fail(exc)
     typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")

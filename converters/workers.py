@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -91,6 +92,34 @@ def _kill_all(processes) -> None:
         p.join()
 
 
+#: seconds the other ranks get to exit by themselves after one failed (they report the same, agreed error)
+#: before they are killed
+FAILED_RANK_GRACE_S = 5.0
+
+
+class _RankFailed(RuntimeError):
+    """A rank exited with a non-zero code (its report, if any, is in the errors folder)."""
+
+
+def _join(processes) -> None:
+    """Wait for every rank; on the first that fails, give the others :data:`FAILED_RANK_GRACE_S` to exit, then
+    raise :class:`_RankFailed` (the caller kills what is left). Instead of torch's ``ProcessContext.join``,
+    which logs a ``Terminating process N via signal SIGTERM`` warning for every rank still alive, so a
+    failed ``ferrule convert --pp 2`` printed that line above its own one-line error."""
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: p for p in processes}
+    while pending:
+        for sentinel in wait(list(pending)):
+            p = pending.pop(sentinel)
+            p.join()
+            if p.exitcode != 0:
+                deadline = time.monotonic() + FAILED_RANK_GRACE_S
+                for other in pending.values():
+                    other.join(max(0.0, deadline - time.monotonic()))
+                raise _RankFailed(f"a conversion rank (pid {p.pid}) exited with code {p.exitcode}")
+
+
 class _sigterm_as_exit:
     """While active in the main thread, a ``SIGTERM`` with the default action raises
     ``SystemExit(143)`` instead of ending the process at once, so the ranks are killed and the
@@ -115,7 +144,12 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
 
     No TCP port is taken: one rank runs in this process (an in-process store,
-    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in ``tmp``.
+    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in the sibling
+    folder ``<tmp>-ranks`` (beside the output folder ``tmp``, not in it: megatron's ``dist_checkpointing.save``
+    warns "Overwriting old incomplete / corrupted checkpoint..." into a non-empty folder, which every
+    ``ferrule convert --tp 2`` and ``ferrule check --tp 2`` printed; for a conversion it is named
+    ``.OUT.tmp-PID-ranks``, so a killed conversion's is removed with its ``.OUT.tmp-PID``), also holding the
+    ranks' error reports; it is removed at the end.
     """
     import torch.distributed as dist
 
@@ -135,7 +169,7 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
         return
     import torch.multiprocessing as mp
 
-    err_dir = tmp / ".errors"
+    err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
     err_dir.mkdir(exist_ok=True)
     try:
         with _sigterm_as_exit():
@@ -143,8 +177,7 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
                                                              str(err_dir), os.getpid()),
                                          nprocs=world, join=False, start_method="spawn")
             try:
-                while not context.join():
-                    pass
+                _join(context.processes)
             except BaseException:
                 _kill_all(context.processes)
                 raise

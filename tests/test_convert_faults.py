@@ -253,3 +253,62 @@ def test_ferrule_check_family_is_the_family_of_the_conversion(qwen2_dir, tmp_pat
     assert [(r.step, r.status) for r in report.rows] == [
         ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")], \
         report.rows
+
+
+def test_bad_flag_values_are_refused_first_naming_the_flag(qwen2_dir, td_dir, tmp_path):
+    """``--tp 0`` & co.: exit 2 with one ``error: --FLAG VALUE: ...`` line, no progress bar drawn, nothing written;
+    a layout the model cannot split (found before any work too) draws no bar either."""
+    for direction, src, flags in [("hf-to-torch-dist", qwen2_dir, ["--tp", "0"]), ("hf-to-torch-dist", qwen2_dir, ["--ep", "-1"]),
+                                  ("hf-to-torch-dist", qwen2_dir, ["--pp", "0"]),
+                                  ("torch-dist-to-hf", td_dir, ["--max-shard-gb", "0"])]:
+        res = _convert(direction, str(src), str(tmp_path / "out"), *flags)
+        assert res.exit_code == 2, res.output
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flags[0]} {flags[1]}"), res.output
+    res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "out"), "--tp", "3")
+    assert res.exit_code == 2 and "tp=3 must divide" in res.output and "torch_dist" not in res.output, res.output
+    _only(tmp_path)
+
+
+def test_check_flag_values_are_refused_first_naming_the_flag(qwen2_dir):
+    """``ferrule check --seqs 0`` ran config, convert and round trip, then reported a CRASH (IndexError) with exit
+    code 3, "plugin code crashed"; every bad number is now one ``error:`` line naming the flag, exit 2."""
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    for flag, value in (("--tp", "0"), ("--seqs", "0"), ("--seq-len", "0"), ("--atol", "-1")):
+        res = CliRunner().invoke(app, ["check", str(qwen2_dir), flag, value], env={"COLUMNS": "200"})
+        assert res.exit_code == 2 and res.output.startswith(f"error: {flag} {value}"), res.output
+        assert "convert" not in res.output, res.output
+
+
+def _refuse_on_rank0_hang_on_rank1(rank: int) -> None:
+    """A conversion worker whose rank 0 fails at once while rank 1 is still busy (here: asleep)."""
+    if rank == 0:
+        raise ValueError("rank 0 refuses")
+    time.sleep(120)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_ends_the_others_without_torchs_sigterm_line(tmp_path, capfd):
+    """When one rank of a multi-process conversion fails, the caller gets that rank's error and nothing else
+    is printed: torch's ``ProcessContext.join`` logged ``Terminating process N via signal SIGTERM`` for each
+    rank still alive (seen above the one-line error of ``ferrule convert --pp 2``); the busy rank is still
+    ended (bounded wait) and reaped."""
+    import psutil
+
+    from ferrule.converters.workers import FAILED_RANK_GRACE_S, _run
+
+    def ranks() -> set[int]:  # spawned ranks of this process (not multiprocessing's resource tracker)
+        return {c.pid for c in psutil.Process().children(recursive=True)
+                if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline())}
+
+    children_before = ranks()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^\[error-rank0\] rank 0 refuses$"):
+        _run(2, _refuse_on_rank0_hang_on_rank1, (), tmp_path)
+    assert time.monotonic() - start < 60 + FAILED_RANK_GRACE_S
+    assert ranks() - children_before == set()
+    err = capfd.readouterr().err
+    assert "SIGTERM" not in err and "Terminating process" not in err, err

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ferrule import conformance_numeric as cn
 from ferrule.converters import CheckpointError, SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
+from ferrule.converters.checkpoint import hf_to_torch_dist_bytes, read_checkpoint_metadata, torch_dist_to_hf_bytes
 from ferrule.quantized_weights import dequantize_block_fp8, open_hf_weights, quantize_mxfp8, requantize_exactly
 
 #: every Linear of the decoder has both dims a multiple of the 32-wide MXFP8 block
@@ -186,7 +187,7 @@ def test_bad_quantized_checkpoints_are_refused(mxfp8_dir, tmp_path):
         open_hf_weights(ragged)
     plain = cn.tiny_hf_dir("qwen3", tmp_path / "plain")
     ckpt = hf_to_torch_dist(plain, tmp_path / "td")
-    with pytest.raises(CheckpointError, match="--mxfp8: the source HF checkpoint .* was not quantized"):
+    with pytest.raises(CheckpointError, match="--keep-quantized: the source HF checkpoint .* was not quantized"):
         torch_dist_to_hf(ckpt, tmp_path / "back", mxfp8=True)
     assert not (tmp_path / "back").exists() and not (tmp_path / "out1").exists()
 
@@ -222,8 +223,14 @@ def test_inkling2_released_mxfp8_experts(tmp_path):
     shutil.copytree(src, ref_dir)
     save_file(dequantized, ref_dir / "model.safetensors", metadata={"format": "pt"})
 
-    ckpt = hf_to_torch_dist(mx, tmp_path / "td")
-    back = torch_dist_to_hf(ckpt, tmp_path / "back")
+    # the progress bars' units: each HF tensor once (a stacked-expert tensor is read once per expert), and
+    # an export counts the bytes of the dequantized tensors with or without --mxfp8; they add up to the totals
+    loaded, exported_bytes, requantized_bytes = [], [], []
+    ckpt = hf_to_torch_dist(mx, tmp_path / "td", progress=loaded.append)
+    back = torch_dist_to_hf(ckpt, tmp_path / "back", progress=exported_bytes.append)
+    assert sum(loaded) == hf_to_torch_dist_bytes(mx) == SafetensorsReader(ref_dir).total_bytes()
+    total = torch_dist_to_hf_bytes(read_checkpoint_metadata(ckpt))
+    assert sum(exported_bytes) == total == SafetensorsReader(back).total_bytes()
     a, b = SafetensorsReader(ref_dir), SafetensorsReader(back)
     assert a.keys() == b.keys(), sorted(set(a.keys()) ^ set(b.keys()))
     for k in a.keys():
@@ -232,7 +239,8 @@ def test_inkling2_released_mxfp8_experts(tmp_path):
     ids = cn.test_token_ids(90, 8)
     with torch.no_grad():
         assert torch.equal(reference(input_ids=ids).logits, exported(input_ids=ids).logits)
-    again = torch_dist_to_hf(ckpt, tmp_path / "mxfp8_back", mxfp8=True)
+    again = torch_dist_to_hf(ckpt, tmp_path / "mxfp8_back", keep_quantized=True, progress=requantized_bytes.append)
+    assert sum(requantized_bytes) == total
     a, b = SafetensorsReader(mx), SafetensorsReader(again)
     assert a.keys() == b.keys()
     for k in a.keys():

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from ferrule.lora import MAX_LORA_RANK
 from ferrule.rl.checkpoints import config_differences
 from ferrule.rl.config import ConfigError, config_from_dict, load_config
 from ferrule.rl.run_checks import lora_settings
+from ferrule.serve.limits import ServeLimits
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = {"model": {"hf_dir": "some/hf"}, "data": {"task": "basic_arithmetic"}}
@@ -55,6 +57,11 @@ def test_lora_config_errors_name_the_key():
     assert "names a parameter twice" in _problems(
         {**MINIMAL, "lora": {"rank": 8, "target_modules": [], "target_parameters": ["a.b", "a.b"]}})
     assert "lora.rank: expected int" in _problems({**MINIMAL, "lora": {"rank": 1.5}})
+    # up front, before any adapter is allocated: the limit ferrule serve's --max-lora-rank defaults to
+    assert ServeLimits().max_lora_rank == MAX_LORA_RANK == 128
+    assert ("lora.rank: 100000 is above the limit 128 (ferrule.lora.MAX_LORA_RANK, also the default of `ferrule serve "
+            "--max-lora-rank`); set lora.rank <= 128") in _problems({**MINIMAL, "lora": {"rank": 100000}})
+    assert config_from_dict({**MINIMAL, "lora": {"rank": MAX_LORA_RANK}}).lora.rank == MAX_LORA_RANK
     ok = config_from_dict({**MINIMAL, "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
                           ["lora.dropout=0.05"])
     assert ok.lora.target_modules == ["q_proj", "v_proj"] and ok.lora.dropout == 0.05

@@ -111,7 +111,7 @@ def test_sync_makes_rollout_logprobs_match_train_engine(tmp_path_factory, mod, c
     tokens, stale = _engine_continuation(rollout)
     assert (stale - _train_logprobs(engine, tokens)).abs().max() > 1e-2
 
-    stats = sync_weights(engine, rollout, version=TRAIN_STEPS, bucket_bytes=16 * 1024)
+    stats = sync_weights(engine, rollout, version=TRAIN_STEPS, bucket_bytes=16 * 1024, direct=False)
     assert stats.sender and stats.version == TRAIN_STEPS and rollout.weights_version == TRAIN_STEPS
     assert stats.buckets > 1 and stats.bytes > 16 * 1024
     tokens, synced = _engine_continuation(rollout)
@@ -130,9 +130,13 @@ def test_sync_makes_rollout_logprobs_match_train_engine(tmp_path_factory, mod, c
             check_weight_update_equal(engine, view)
         differing = re.findall(r"^  - (\S+):", str(exc.value), flags=re.M)
         assert differing == [corrupt], str(exc.value)
-    # a fresh sync with verification restores the tensor and passes
-    stats = sync_weights(engine, rollout, version=TRAIN_STEPS + 1, check_equal=True)
-    assert stats.checked and stats.buckets == 1
+    # a fresh sync with verification restores the tensor and passes: the bucketed path, then the direct one
+    stats = sync_weights(engine, rollout, version=TRAIN_STEPS + 1, check_equal=True, direct=False)
+    assert stats.checked and stats.buckets == 1 and not stats.direct
+    with torch.no_grad():
+        rollout.get_hf_state_dict()[corrupt].view(-1)[3] += 1e-3
+    stats = sync_weights(engine, rollout, version=TRAIN_STEPS + 2, check_equal=True)
+    assert stats.checked and stats.direct and stats.buckets == 0
 
 
 class _Recorder:

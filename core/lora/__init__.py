@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .settings import ALL_TARGETS, LoraSettings
+from .settings import ALL_TARGETS, MAX_LORA_RANK, LoraSettings
 
-__all__ = ["ALL_TARGETS", "LoraSettings", "apply_lora", "adapter_entries", "hf_adapter_state_dict", "peft_config",
+__all__ = ["ALL_TARGETS", "MAX_LORA_RANK", "LoraSettings", "apply_lora", "adapter_entries", "hf_adapter_state_dict", "peft_config",
            "load_hf_adapter", "AdapterFormatError", "LoraTargetError", "read_peft_dir", "settings_from_peft_config",
            "checkpoint_settings"]
 

@@ -9,12 +9,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["LoraSettings", "ALL_TARGETS", "checkpoint_settings"]
+__all__ = ["LoraSettings", "ALL_TARGETS", "MAX_LORA_RANK", "checkpoint_settings"]
 
 #: The ``target_modules`` sentinel: every linear module a registered applier handles, except the
 #: output layer (PEFT's ``"all-linear"`` also leaves ``lm_head`` out); name ``output_layer`` /
 #: ``lm_head`` explicitly to adapt it.
 ALL_TARGETS = "all"
+
+#: The largest LoRA rank ferrule accepts up front: ``ferrule train``'s ``lora.rank`` (config
+#: validation, :mod:`ferrule.rl.config_checks`) and the default of ``ferrule serve --max-lora-rank``
+#: (:class:`ferrule.serve.limits.ServeLimits`). Past it a typo (``lora.rank=100000``) would
+#: otherwise allocate ``[rank, in]`` + ``[out, rank]`` per adapted linear before anything failed.
+MAX_LORA_RANK = 128
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,11 @@ class SDPAttention(DotProductAttention):
     dropout with packed sequences on CUDA, soft-capping with packed sequences.
     """
 
+    #: copy V out of the fused QKV projection before attention (which saves V for backward): a
+    #: view would keep the whole ``[tokens, (np + 2 ng) hn]`` projection alive until backward
+    #: (:func:`ferrule.megatron.gpu_fusions.enable_lean_activations`)
+    compact_value = False
+
     def __init__(self, *args, softcap: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: attention logit soft-cap ``c``: scores become ``c * tanh(scores / c)`` (None: off).
@@ -92,6 +97,9 @@ class SDPAttention(DotProductAttention):
         """query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``."""
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention_bias.")
+        if self.compact_value and torch.is_grad_enabled() and \
+                value.untyped_storage().nbytes() > 2 * value.numel() * value.element_size():
+            value = value.contiguous()
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         sq, b, np_, hn = query.shape

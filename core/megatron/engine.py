@@ -57,7 +57,9 @@ from .engine_colocation import EngineColocation
 from .batching import Datum, FBOutput
 from .engine_inputs import prepare_batch
 from .engine_step import _unwrap_gpt
-from .gpu_fusions import enable_cuda_fusions
+from .fused_logprob import DEFAULT_CHUNK_TOKENS
+from .gpu_fusions import (LEAN_ACTIVATIONS, enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
+                          use_foreach_optimizer_helpers, use_fused_adam)
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
 from .towers import towers_of
@@ -156,7 +158,9 @@ class TrainEngine(EngineColocation):
         self._set_fast_paths(chunks, lora)
 
     def _set_fast_paths(self, chunks: Sequence[Any], lora: Any) -> None:
-        """The GPU fast paths (docs/engine.md): fused logprobs, megatron's CUDA fusions, packed sequences."""
+        """The GPU fast paths (docs/engine.md "GPU fast paths"): fused logprobs, megatron's CUDA fusions,
+        packed sequences; gradient-accumulation fusion, lean activations, the logprob chunk size and
+        fused Adam (issue 25's train step)."""
         config = self.config
         #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
         #: ``[tokens, vocab]`` logits. On by default on CUDA; off on CPU, where the plain path is the
@@ -178,6 +182,32 @@ class TrainEngine(EngineColocation):
         self.packed_sequences = (env == "1") if env in ("0", "1") else on_cuda
         if self.packed_sequences:
             self._check_packable(chunks, forced=env == "1")
+        #: weight gradients accumulated in fp32 straight into DDP's ``main_grad`` buffers by one GEMM
+        #: (megatron's ``gradient_accumulation_fusion`` with :func:`.gpu_fusions.wgrad_accumulate`
+        #: in Apex's slot; the fused logprobs' output-weight gradient likewise), instead of a bf16
+        #: ``weight.grad`` plus DDP's add. CUDA, full-parameter training only;
+        #: ``FERRULE_GRAD_ACCUM_FUSION=1`` turns it on (off by default until measured on the GPU).
+        env = os.environ.get("FERRULE_GRAD_ACCUM_FUSION")
+        self.grad_accum_fusion = bool(on_cuda and lora is None and env == "1")
+        if self.grad_accum_fusion:
+            enable_grad_accum_fusion(self.model)
+        #: cheaply recomputable activations (SwiGLU output, RMSNorm outputs, the QKV projection behind
+        #: V) dropped from the saved tensors and recomputed bit-identically in backward
+        #: (:func:`.gpu_fusions.enable_lean_activations`); ``FERRULE_LEAN_ACTIVATIONS=1`` (all) or a
+        #: comma list of ``swiglu,norms,compact_v`` (CUDA; off by default until measured on the GPU)
+        env = (os.environ.get("FERRULE_LEAN_ACTIVATIONS") or "0").strip()
+        which = LEAN_ACTIVATIONS if env == "1" else tuple(w.strip() for w in env.split(",") if w.strip() not in ("", "0"))
+        self.lean_activations = enable_lean_activations(self.model, which) if on_cuda and which else []
+        #: rows per chunk of the fused logprobs (``FERRULE_LOGPROB_CHUNK``; transient logits are
+        #: ``chunk x vocab`` in the parameter dtype, twice in backward)
+        self.logprob_chunk_tokens = int(os.environ.get("FERRULE_LOGPROB_CHUNK") or DEFAULT_CHUNK_TOKENS)
+        #: torch Adam with ``fused=True`` over the fp32 masters, and multi-tensor grad-norm / clip /
+        #: master-to-model copy in place of megatron's per-tensor no-Apex fallbacks
+        #: (``FERRULE_FUSED_ADAM=1``; CUDA; off by default until measured there)
+        self.fused_adam = bool(on_cuda and os.environ.get("FERRULE_FUSED_ADAM") == "1"
+                               and use_fused_adam(self.optimizer) > 0)
+        if self.fused_adam:
+            use_foreach_optimizer_helpers()
 
     def _check_packable(self, chunks: Sequence[Any], forced: bool) -> None:
         """Packed sequences need ferrule's SDPAttention as every layer's core attention."""

@@ -160,10 +160,12 @@ def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mappi
             ``{hf_key: full tensor}`` dict.
         table: the family's mapping table.
         hf_config: the parsed ``config.json`` (head counts, vocab size, tying); or ``ctx``.
-        progress: optional callable ``progress(n_bytes)`` called after each parameter.
+        progress: optional callable ``progress(n_bytes)`` called after each parameter with the bytes
+            of the HF tensors read for it that no earlier parameter read (an HF tensor counts once), so
+            on one rank the calls add up to the bytes of every HF tensor the table does not ignore.
 
     Returns:
-        ``{"params": n parameters loaded, "bytes": HF bytes read on this rank}``.
+        ``{"params": n parameters loaded, "bytes": HF bytes read on this rank (each tensor once)}``.
 
     Raises:
         MappingError: a live parameter without a mapping, HF keys missing or unknown
@@ -200,11 +202,14 @@ def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mappi
         raise MappingError("\n".join(everyone))
 
     n_bytes = 0
+    counted: set[str] = set()  # an HF tensor read for several parameters (StackExperts: one per expert) counts once
     with torch.no_grad():
         for bp in params:
-            hf = [src.get(k) for k in bp.mapping.hf_keys(bp.global_name, ctx)]
+            keys = bp.mapping.hf_keys(bp.global_name, ctx)
+            hf = [src.get(k) for k in keys]
             bp.param.data.copy_(bp.mapping.shard(bp.mapping.to_mcore(hf, ctx, bp.wildcards), *bp.split(ranks)))
-            b = sum(t.numel() * t.element_size() for t in hf)
+            b = sum(t.numel() * t.element_size() for k, t in zip(keys, hf) if k not in counted)
+            counted.update(keys)
             n_bytes += b
             del hf
             if progress is not None:

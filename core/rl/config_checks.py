@@ -279,11 +279,15 @@ def _logging_problems(cfg: RLConfig) -> list[str]:
 
 def _lora_problems(cfg: RLConfig) -> list[str]:
     """Range and consistency of the ``lora`` section (``rank == 0``: LoRA off, other keys must stay default)."""
+    from ferrule.lora.settings import MAX_LORA_RANK
     from ferrule.rl.config_schema import LoraConfig
 
     lo, p = cfg.lora, []
     if isinstance(lo.rank, bool) or lo.rank < 0:
         return [f"lora.rank: must be >= 0 (0: full-parameter training), got {lo.rank}"]
+    if lo.rank > MAX_LORA_RANK:
+        return [f"lora.rank: {lo.rank} is above the limit {MAX_LORA_RANK} (ferrule.lora.MAX_LORA_RANK, also the "
+                f"default of `ferrule serve --max-lora-rank`); set lora.rank <= {MAX_LORA_RANK} (8-64 is usual)"]
     if lo.rank == 0:
         changed = [f.name for f in dataclasses.fields(LoraConfig)
                    if f.name != "rank" and getattr(lo, f.name) != getattr(LoraConfig(), f.name)]

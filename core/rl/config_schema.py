@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from ferrule.fsutil import apply_default_mode
+from ferrule.lora.settings import MAX_LORA_RANK
 from ferrule.rl.config_types import ConfigError
 from ferrule.run_layout import CONFIG_FILE_NAME
 
@@ -185,7 +186,8 @@ class LoraConfig:
     """LoRA: train an HF PEFT-compatible adapter on the frozen base; only the adapter is synced (docs/lora.md)."""
 
     rank: int = _f(0, "LoRA rank r; 0: full-parameter training (no adapter). > 0 trains lora_A [r, in] / "
-                      "lora_B [out, r] on the frozen base and syncs only the adapter to the rollout engine.")
+                      "lora_B [out, r] on the frozen base and syncs only the adapter to the rollout engine; at most "
+                      f"{MAX_LORA_RANK} (ferrule.lora.MAX_LORA_RANK).")
     alpha: float = _f(32.0, "lora_alpha; the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) "
                             "with use_rslora).")
     dropout: float = _f(0.0, "Dropout on the adapter's input during training, in [0, 1); rollout never drops.")

@@ -63,6 +63,12 @@ ATTN_KINDS = KINDS
 #: bucket, sampling kind, stop-id buffer size and attended length, more than dynamo's default 8
 RECOMPILE_LIMIT = 64
 _PER_LAYER = 11  # tensors per layer in the flat weight list, see FusedLayout.weights
+#: projection -> (index in a layer's weights, first row in the fused buffer as a function of the layout)
+_PROJ_ROWS = {
+    "q_proj": (1, lambda lay: 0), "k_proj": (1, lambda lay: lay.hq * lay.head_dim),
+    "v_proj": (1, lambda lay: (lay.hq + lay.hkv) * lay.head_dim), "o_proj": (5, lambda lay: 0),
+    "gate_proj": (8, lambda lay: 0), "up_proj": (8, lambda lay: lay.inter), "down_proj": (9, lambda lay: 0),
+}
 
 
 @dataclasses.dataclass
@@ -84,6 +90,12 @@ class FusedLayout:
     def key(self) -> tuple[int, ...]:
         """Device addresses of every weight: a captured graph is valid while this is unchanged."""
         return tuple(0 if w is None else w.data_ptr() for w in self.weights)
+
+    def block(self, layer: int, proj: str) -> tuple[int, int]:
+        """Where projection ``proj`` (``q_proj`` ... ``down_proj``) of decoder layer ``layer`` lives:
+        ``(index in weights, first row in that fused buffer)``; KeyError for another name."""
+        w_index, first = _PROJ_ROWS[proj]
+        return layer * _PER_LAYER + w_index, first(self)
 
 
 def _adjacent(parts: list[torch.Tensor]) -> bool:
@@ -402,61 +414,6 @@ class FastStatic:
                  "stop" if stopped_h[r] else "length") for r in range(real)]
 
 
-#: projection -> (index in a layer's weights, first row in the fused buffer as a function of the layout)
-_PROJ_ROWS = {
-    "q_proj": (1, lambda lay: 0), "k_proj": (1, lambda lay: lay.hq * lay.head_dim),
-    "v_proj": (1, lambda lay: (lay.hq + lay.hkv) * lay.head_dim), "o_proj": (5, lambda lay: 0),
-    "gate_proj": (8, lambda lay: 0), "up_proj": (8, lambda lay: lay.inter), "down_proj": (9, lambda lay: 0),
-}
-
-
-class MergedLora:
-    """Decode weights with the served LoRA adapter merged into a copy: ``W + scaling * B @ A``
-    (PEFT's ``lora.Linear`` forward ``base(x) + lora_B(lora_A(x)) * scaling`` with the product
-    taken first), rounded once to the weight dtype. Only the targeted fused buffers are copied.
-
-    :meth:`refresh` recomputes every merged block from the live base weights and adapter factors
-    (both updated in place by weight and adapter syncs), so the engine calls it before each
-    fast-path ``generate``; the merged buffers keep their addresses, so captured graphs stay valid.
-
-    Args:
-        layout: the base :class:`FusedLayout`. adapter: :class:`ferrule.rollout._lora.ServedLoraAdapter`.
-
-    Raises:
-        ValueError: a wrapped module that is not one of a layer's seven projections (the caller
-            then keeps the plain, unmerged path).
-    """
-
-    def __init__(self, layout: FusedLayout, adapter: Any):
-        from ferrule.rollout._lora import ADAPTER_NAME
-
-        weights = list(layout.weights)
-        copies: dict[int, torch.Tensor] = {}
-        self.plan: list[tuple] = []
-        for name, m in adapter._wrapped.items():
-            parts = name.split(".")
-            if (len(parts) != 5 or parts[:2] != ["model", "layers"] or parts[4] not in _PROJ_ROWS
-                    or ADAPTER_NAME not in getattr(m, "lora_A", {})):
-                raise ValueError(f"MergedLora: cannot merge the adapter on {name!r}")
-            w_index, first = _PROJ_ROWS[parts[4]]
-            k = int(parts[2]) * _PER_LAYER + w_index
-            if k not in copies:
-                copies[k] = weights[k] = layout.weights[k].clone()
-            a, b = m.lora_A[ADAPTER_NAME].weight, m.lora_B[ADAPTER_NAME].weight
-            r0 = first(layout)
-            r1 = r0 + b.shape[0]
-            self.plan.append((copies[k][r0:r1], layout.weights[k][r0:r1], a, b, float(m.scaling[ADAPTER_NAME])))
-        self.adapter = adapter
-        self.base_key = layout.key()
-        self.layout = dataclasses.replace(layout, weights=weights)
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Merged block = base block + scaling * B @ A, for every targeted projection."""
-        for dst, base, a, b, scaling in self.plan:
-            torch.addmm(base, b, a, alpha=scaling, out=dst)
-
-
 def base_ptrs(model: torch.nn.Module) -> tuple[int, ...]:
     """Addresses of the model's own parameters (a served adapter's factors left out)."""
     return tuple(p.data_ptr() for n, p in model.named_parameters() if "lora_" not in n)
@@ -469,26 +426,33 @@ def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, m
 
     Re-fuses when a base parameter moved since the last call (e.g. a wake), except under a served
     adapter, whose PEFT wrappers hide the checkpoint names the engine would have to rebuild (then
-    the plain path). With an adapter, returns the :class:`MergedLora` layout, refreshed.
+    the plain path). With an adapter, returns the layout of its
+    :class:`~ferrule.rollout._lora_merge.MergedLora` (``engine._merged_lora``), merged again only
+    when the weights or the adapter changed since the last merge (every call with
+    ``FERRULE_LORA_MERGED=0``).
     """
     from ferrule.rollout._fast_sampling import fused_applies
+    from ferrule.rollout._lora_merge import MergedLora, merged_mode
 
     if not (engine.fast_decode and matcher is None and not media_inputs and len(stop_ids) <= MAX_STOP_IDS
             and fused_applies(params) and not engine._towers()):
         return None
-    if engine._fused is None or engine._fused[0] != base_ptrs(engine.model):
+    merged = getattr(engine, "_merged_lora", None)
+    if merged is not None and merged.adapter is not engine._lora:
+        merged = engine._merged_lora = None  # another adapter, or none: free the merged buffers first
+    ptrs = base_ptrs(engine.model) if merged is None else merged.base_ptrs()
+    if engine._fused is None or engine._fused[0] != ptrs:
         if engine._lora is not None:
             return None
         engine._fuse_weights()
     layout = engine._fused[1]
     if engine._lora is None:
-        engine._merged_lora = None
         return layout
-    merged = getattr(engine, "_merged_lora", None)
-    if merged is None or merged.adapter is not engine._lora or merged.base_key != layout.key():
+    if merged is None or merged.base_key != layout.key():
+        engine._merged_lora = None
         try:
-            merged = engine._merged_lora = MergedLora(layout, engine._lora)
+            merged = engine._merged_lora = MergedLora(layout, engine._lora, engine.model)
         except ValueError:
             return None
-    merged.refresh()
+    merged.refresh(merged.version(engine._weights_serial) if merged_mode() else None)
     return merged.layout

@@ -236,11 +236,14 @@ class EmbeddedLoraServing:
     """The LoRA methods of :class:`ferrule.rollout.embedded.EmbeddedEngine` (a mixin; see the module docstring).
 
     It uses the engine's ``model``, ``device``, ``weights_version``, ``_closed``, ``_states``
-    (decode states, dropped when the forward changes) and ``_checkpoint_tensors()``.
+    (decode states, dropped when the forward changes), ``_weights_serial`` (counted up by every
+    adapter update), ``_merged_lora`` (the fast decode path's merged copy, dropped on unload) and
+    ``_checkpoint_tensors()``.
     """
 
     _lora: ServedLoraAdapter | None = None
     _lora_name: str | None = None
+    _merged_lora = None  # ferrule.rollout._lora_merge.MergedLora
 
     def update_lora_adapter(self, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any],
                             version: int) -> None:
@@ -300,6 +303,7 @@ class EmbeddedLoraServing:
             self._lora.config = dict(peft_config)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._weights_serial += 1
         self.weights_version = version
 
     def unload_lora_adapter(self, name: str | None = None) -> None:
@@ -317,6 +321,7 @@ class EmbeddedLoraServing:
             raise ValueError(f"unload_lora_adapter({name!r}): the served adapter is {self._lora_name!r}.")
         self._lora.remove()
         self._lora, self._lora_name = None, None
+        self._merged_lora = None  # its merged weight copies (fast decode path)
         self._states.clear()
 
     def get_lora_state_dict(self) -> dict[str, torch.Tensor]:

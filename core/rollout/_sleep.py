@@ -2,8 +2,9 @@
 
 A mixin of :class:`ferrule.rollout.embedded.EmbeddedEngine`: it uses the engine's ``model``,
 ``device``, ``cuda_graph``, ``_states`` (decode states: KV caches and captured CUDA graphs),
-``_graph_pool``, ``_lora`` and ``_closed``, and the attributes ``_asleep``, ``_stash`` and
-``_last_stash`` the engine initialises.
+``_graph_pool``, ``_lora``, ``_merged_lora`` (dropped by :meth:`EmbeddedSleep.sleep`),
+``_weights_serial`` (counted up by :meth:`EmbeddedSleep.wake`) and ``_closed``, and the attributes
+``_asleep``, ``_stash`` and ``_last_stash`` the engine initialises.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class EmbeddedSleep:
             raise RuntimeError(f"EmbeddedEngine.sleep(): the engine is {'shut down' if self._closed else 'asleep'}.")
         t0 = time.perf_counter()
         self._states.clear()
+        self._merged_lora = None  # the fast path's merged adapter copy: rebuilt after wake
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         moved = 0
         if weights:
@@ -93,5 +95,6 @@ class EmbeddedSleep:
         if self._stash is not None:
             self._stash.onload()
             self._last_stash, self._stash, moved = self._stash, None, self._stash.nbytes
+        self._weights_serial += 1
         self._asleep = False
         return {"wake_s": time.perf_counter() - t0, "wake_bytes": float(moved)}

@@ -23,6 +23,11 @@ class EmbeddedWeightUpdates:
     """``update_weights`` / ``get_hf_state_dict`` of the embedded engine (in-place copies, so
     captured CUDA graphs stay valid)."""
 
+    #: count of writes to the weights or the served adapter through the engine's API (weight and
+    #: adapter updates, direct writes (set_weights_version), wake); a merged adapter copy (:mod:`ferrule.rollout._lora_merge`) is
+    #: merged again when it changed
+    _weights_serial = 0
+
     def _checkpoint_tensors(self) -> dict[str, CheckpointTensor]:
         # Built once: the views alias the parameters, which update_weights only writes in place.
         if self._ck_tensors is None:
@@ -106,6 +111,34 @@ class EmbeddedWeightUpdates:
                                      non_blocking=async_ok and tensor.device.type == "cpu"))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._weights_serial += 1
+        self.weights_version = version
+
+    def direct_weight_targets(self) -> dict[str, CheckpointTensor] | None:
+        """Where each HF checkpoint tensor lives in the served weights, for a writer in this process
+        (:mod:`ferrule.sync.direct`), or None while asleep (the weights are on the host: use
+        :meth:`update_weights`).
+
+        The entries alias the served weights (for the fast decode path, the fused q/k/v and gate/up
+        buffers); writing them in place is what :meth:`update_weights` does, without its validation,
+        casts and stream synchronisation. The dict is replaced (a new object) whenever the weights
+        move (re-fusing), so a writer that caches views compares it by identity. The writer must
+        call :meth:`set_weights_version` after its copies.
+        """
+        if self._stash is not None or self._asleep or self._closed:
+            return None
+        return self._checkpoint_tensors()
+
+    def set_weights_version(self, version: int) -> None:
+        """Record ``version`` after a direct write (:meth:`direct_weight_targets`).
+
+        Raises:
+            ValueError: ``version`` lower than ``weights_version``.
+        """
+        if version < self.weights_version:
+            raise ValueError(f"set_weights_version({version}) is older than the loaded weights_version="
+                             f"{self.weights_version}; versions must not go backwards.")
+        self._weights_serial += 1  # the weights were written (a merged adapter copy is merged again)
         self.weights_version = version
 
     def get_hf_state_dict(self) -> dict[str, torch.Tensor]:

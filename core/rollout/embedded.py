@@ -22,13 +22,17 @@ translated to transformers' in-memory layout (e.g. Qwen3-MoE's stacked experts) 
 
 LoRA: ``update_lora_adapter`` serves the base plus one HF PEFT adapter, unmerged, through PEFT's
 own LoRA layers (:mod:`ferrule.rollout._lora`); later updates copy the adapter in place. On the
-fast decode path the prefill stays unmerged and the decode steps run on a merged copy of the
-targeted weights (:class:`ferrule.rollout._fast_decode.MergedLora`, refreshed every call).
+fast decode path the decode steps run on a merged copy of the targeted weights
+(:class:`ferrule.rollout._lora_merge.MergedLora`; the base weights are never written); with
+``FERRULE_LORA_MERGED=1`` the prefill runs on it too and it is merged again only after a weight or
+adapter update, else (the default until verified on a GPU) it is merged on every call and the
+prefill runs through PEFT's unmerged layers.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import secrets
@@ -39,6 +43,7 @@ import torch
 from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
+from ferrule.rollout._lora_merge import merged_mode
 from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
 from ferrule.rollout._sleep import EmbeddedSleep
@@ -118,8 +123,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             the compiled graph).
         fast_decode: decode supported dense models (:data:`ferrule.rollout._fast_decode.MODEL_TYPES`)
             through :mod:`ferrule.rollout._fast_decode` (fused q/k/v and gate/up weights, sampler and
-            bookkeeping inside one CUDA graph per step) when no stop strings, LoRA adapter, media
-            or top-k/top-p/min-p are involved. Default on wherever it applies (CUDA) unless
+            bookkeeping inside one CUDA graph per step) when no stop strings, media or
+            top-k/top-p/min-p are involved (a served LoRA adapter is merged into a copy of the
+            weights it targets, :mod:`ferrule.rollout._lora_merge`). Default on wherever it
+            applies (CUDA) unless
             ``FERRULE_FAST_DECODE=0``: faster on an H200 and matching the plain path there
             (docs/benchmarks.md "Embedded decode: fast path"; ``tests/test_rollout_fast_decode.py``,
             gpu marker). Needs ``compile_decode`` and ``cuda_graph`` (so never on CPU, which keeps
@@ -222,6 +229,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self._ck_tensors: dict[str, CheckpointTensor] | None = None
         self._lora = None  # ferrule.rollout._lora.ServedLoraAdapter while an adapter is served
+        self._merged_lora = None  # ferrule.rollout._lora_merge.MergedLora of it on the fast decode path
         self._lora_name: str | None = None
         self._closed = False
         self._asleep = False
@@ -438,7 +446,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         state = self._state(batch, max_len)
         layout = self._fast_layout(params, stop_ids, matcher, media_inputs)
         if layout is not None:
-            logits = state.prefill(input_ids, position_ids, prompt_mask)
+            # one adapter serves every row: the prefill runs on the merged weights the decode steps use
+            merged = self._merged_lora if self._lora is not None and merged_mode() else None
+            with merged.merged_modules() if merged is not None else contextlib.nullcontext():
+                logits = state.prefill(input_ids, position_ids, prompt_mask)
             fast = getattr(state, "fast", None)
             if fast is None:
                 fast = state.fast = FastStatic(state, logits.shape[-1], dev)

@@ -8,10 +8,13 @@ with code 2.
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from ferrule.lora.settings import MAX_LORA_RANK
 
 
 NO_KEYS = ("no API keys: give --api-keys FILE or set FERRULE_SERVE_API_KEYS=tml-... (the service never runs "
@@ -122,7 +125,7 @@ def serve_command(
     max_tokens_per_request: Annotated[int, typer.Option(help="Most tokens one request may process: num_samples x "
                                                         "(prompt + max_tokens) for sample, the data's tokens for "
                                                         "forward_backward (400 above).")] = 1 << 20,
-    max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank of a training client (400 above).")] = 128,
+    max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank of a training client (400 above).")] = MAX_LORA_RANK,
     max_queued_per_tenant: Annotated[int, typer.Option(help="Requests one tenant may have queued or running (429 "
                                                        "above; the SDK retries).")] = 512,
     max_image_bytes: Annotated[int, typer.Option(help="Most encoded bytes of one image chunk (400 above).")] = 32 << 20,
@@ -156,6 +159,36 @@ def serve_command(
     bases = app.state.bases
     waiting = [n for n in bases.names if n not in bases.loaded()]
     later = f"; {', '.join(waiting)} load on first use" if waiting else ""
-    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models {', '.join(bases.names)}; "
-                                   f"{', '.join(bases.loaded())} loaded in {time.monotonic() - t0:.0f} s{later}); "
-                                   f"Ctrl-C stops it").run()
+    server = _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models "
+                                            f"{', '.join(bases.names)}; {', '.join(bases.loaded())} loaded in "
+                                            f"{time.monotonic() - t0:.0f} s{later}); Ctrl-C stops it")
+    # uvicorn handles SIGINT / SIGTERM (graceful shutdown), then raises the signal again with the handler it
+    # found: SIGINT's is Python's KeyboardInterrupt, SIGTERM's (default) would end the process before the line
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) \
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else None
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(stopped_line(app, storage), flush=True)
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stopped_line(app, storage: Path) -> str:
+    """The line ``ferrule serve`` prints when it stops: what stays in ``storage`` (the database, the saved
+    checkpoints ``checkpoints/<model_id>/<kind>/<name>``) and how many training clients' state was in memory only."""
+    from .store import DB_FILE
+
+    root = Path(storage).absolute()
+    saved = sum(1 for d in (root / "checkpoints").glob("*/*/*") if d.is_dir())
+    bases = app.state.bases
+    live = sum(len(bases.get(name).engines) for name in bases.names)
+    lost = (f"; {live} training client(s) held their state in memory only (gone; resume from a saved state with "
+            f"create_training_client_from_state_with_optimizer)" if live else "")
+    return f"ferrule serve: stopped; {root} keeps {DB_FILE} and {saved} saved checkpoint(s){lost}."

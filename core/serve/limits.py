@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferrule.lora.settings import MAX_LORA_RANK
+
 __all__ = ["ServeLimits"]
 
 
@@ -29,7 +31,8 @@ class ServeLimits:
             ``num_samples * (prompt tokens + max_tokens)``; for ``forward`` / ``forward_backward``,
             the sum of the data's ``model_input`` lengths (the SDK splits larger batches into
             chunks of ``fwdbwd_max_chunk_len`` data, each one request).
-        max_lora_rank: ``lora_config.rank`` of a training client.
+        max_lora_rank: ``lora_config.rank`` of a training client (default
+            :data:`ferrule.lora.settings.MAX_LORA_RANK`, the limit ``ferrule train`` applies to ``lora.rank``).
         max_queued_per_tenant: requests of one tenant queued or running at once (all its clients).
         max_image_bytes: encoded bytes of one ``ImageChunk`` (checked before decoding).
         max_image_pixels: width x height of one image, read from its header before its pixels
@@ -40,7 +43,7 @@ class ServeLimits:
 
     max_samples_per_request: int = 256
     max_tokens_per_request: int = 1 << 20
-    max_lora_rank: int = 128
+    max_lora_rank: int = MAX_LORA_RANK
     max_queued_per_tenant: int = 512
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 2048 * 2048

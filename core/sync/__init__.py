@@ -7,6 +7,9 @@
   :mod:`ferrule.megatron.weights`'s and the HF assembly :class:`ferrule.mapping.HFAssembler`'s.
 - :mod:`ferrule.sync.weight_sync`: :func:`sync_weights` and the verification mode
   :func:`check_weight_update_equal`.
+- :mod:`ferrule.sync.direct`: the direct path of :func:`sync_weights` (one process, one device,
+  an embedded rollout engine): strided copies from the mcore parameters into the served weights,
+  planned once, no buckets.
 - :mod:`ferrule.sync.lora_sync`: adapter-only sync of a LoRA train engine,
   :func:`sync_lora_adapter` (HF PEFT tensors -> ``update_lora_adapter``) and
   :func:`check_lora_adapter_equal`.

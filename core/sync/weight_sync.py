@@ -4,7 +4,11 @@
 parameters, gathers full tensors collectively (TP all-gather, EP collection, PP broadcast:
 :mod:`ferrule.sync.buckets`), converts them to HF names and layouts through the family's
 mapping table, and sends byte-bounded buckets with
-``rollout_engine.update_weights(bucket, version)``.
+``rollout_engine.update_weights(bucket, version)``. In one process (world size 1) with an
+engine offering ``direct_weight_targets()`` (the embedded engine, awake, on the train engine's
+device) it takes the direct path instead (:mod:`ferrule.sync.direct`): strided copies straight
+into the served weights, planned once from the same tables; the served weights are the same
+bit for bit.
 
 Which rank talks to the rollout engine: **global rank 0** (:data:`SENDER_RANK`; it lies in
 data-parallel replica 0, expert-data-parallel replica 0 and pipeline stage 0). Every rank of
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +52,7 @@ from ferrule.sync.buckets import (
     plan_sync,
     tensor_bytes,
 )
+from ferrule.sync.direct import direct_sync, direct_unavailable, log_once
 from ferrule.sync.groups import as_group_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,6 +94,8 @@ class SyncStats:
         device_memory_before / device_memory_after: CUDA bytes allocated at the start and at the
             end of the call (:func:`ferrule.sync.sync_lora_adapter` records them; equal when the
             export left nothing behind); None on CPU or where not measured.
+        direct: True if the direct path (:mod:`ferrule.sync.direct`) moved the weights (then
+            ``buckets`` is 0).
     """
 
     version: int
@@ -99,6 +107,7 @@ class SyncStats:
     checked: bool = False
     device_memory_before: int | None = None
     device_memory_after: int | None = None
+    direct: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,7 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
                  family: str | None = None, hf_config: Mapping[str, Any] | None = None,
                  mapping: MappingTable | None = None,
                  update_groups: UpdateGroupTable | Sequence[UpdateGroup] | None = None,
-                 dtype: "torch.dtype | None" = None) -> SyncStats:
+                 dtype: "torch.dtype | None" = None, direct: bool | None = None) -> SyncStats:
     """Send the train engine's weights to the rollout engine as HF-named buckets.
 
     Collective: call on every rank of the training job. Global rank 0 calls
@@ -249,6 +258,12 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
         hf_config: the parsed HF config (required with bare model chunks).
         dtype: cast floating tensors before sending (default: parameter dtype; the engine
             casts to its own dtype anyway).
+        direct: the direct path (:mod:`ferrule.sync.direct`: in one process on one device,
+            strided copies from the parameters straight into the served weights, resolved once;
+            no buckets, no host synchronisation). None (default): used where it applies, unless
+            ``FERRULE_DIRECT_SYNC=0`` (the reason it does not apply logged once, INFO); False:
+            never (always buckets); True: as None, the reason logged as a WARNING.
+            The rollout weights are equal bit for bit either way (tests/test_direct_sync.py).
 
     Returns:
         :class:`SyncStats` for this rank.
@@ -266,6 +281,18 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
     chunks, cfg, family, table, groups = _sync_inputs(train_engine_or_model_chunks, family, mapping, update_groups,
                                                       hf_config)
     _check_sender(rollout_engine, "update_weights")
+    done = None
+    if direct is not False and _rank() == SENDER_RANK:
+        why = direct_unavailable(rollout_engine, dtype)
+        if why is None:
+            done = direct_sync(chunks, rollout_engine, version, table, groups, cfg)
+        else:  # by design (another process, several ranks, switched off): INFO, unless direct=True asked for it
+            log_once(f"direct weight sync not used: {why}; the bucketed path runs.",
+                     logging.WARNING if direct else logging.INFO)
+    if done is not None:
+        n_tensors, n_bytes = done
+        return _finish(t0, version, 0, n_bytes, n_tensors, True, check_equal, chunks, rollout_engine, skip, family,
+                       cfg, table, groups, direct=True)
     plan = plan_sync(chunks, table, groups, cfg)
     sender = _rank() == SENDER_RANK
     n_buckets = n_bytes = n_tensors = 0
@@ -279,13 +306,20 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
     else:
         for _ in units:  # take part in the collectives, drop the tensors
             pass
+    return _finish(t0, version, n_buckets, n_bytes, n_tensors, sender, check_equal, chunks, rollout_engine, skip,
+                   family, cfg, table, groups, direct=False)
+
+
+def _finish(t0: float, version: int, n_buckets: int, n_bytes: int, n_tensors: int, sender: bool, check_equal: bool,
+            chunks: list, rollout_engine: Any, skip: Iterable[str], family: str, cfg: Mapping[str, Any],
+            table: MappingTable, groups: UpdateGroupTable, *, direct: bool) -> SyncStats:
     checked = False
     if check_equal:
         check_weight_update_equal(chunks, rollout_engine, skip=skip, family=family, hf_config=cfg, mapping=table,
                                   update_groups=groups)
         checked = True
     return SyncStats(version=version, buckets=n_buckets, bytes=n_bytes, tensors=n_tensors,
-                     seconds=time.perf_counter() - t0, sender=sender, checked=checked)
+                     seconds=time.perf_counter() - t0, sender=sender, checked=checked, direct=direct)
 
 
 # ---------------------------------------------------------------------------------------
