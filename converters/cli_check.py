@@ -36,6 +36,11 @@ def check_command(
 
     warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers
+    # transformers' "Loading weights" bar of each HF reference load, above the report (here and in the workers)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     err = Console(stderr=True)
     bad = [f"--{name} {value}: expected {want}" for name, value, ok, want in (
         ("tp", tp, tp >= 1, "a whole number >= 1 (tensor-parallel processes; default 1)"),

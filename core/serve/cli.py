@@ -29,6 +29,9 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per base / client model load, between the log lines
 
 
 def _ready_server(app, host: str, port: int, line: str):
