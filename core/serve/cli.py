@@ -159,6 +159,10 @@ def serve_command(
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C while the first base loads: the server never listened
+        print(f"ferrule serve: stopped while loading the base model, before it was ready "
+              f"({time.monotonic() - t0:.0f} s); nothing was served.", flush=True)
+        raise typer.Exit(130) from None
     bases = app.state.bases
     waiting = [n for n in bases.names if n not in bases.loaded()]
     later = f"; {', '.join(waiting)} load on first use" if waiting else ""
