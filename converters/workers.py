@@ -144,7 +144,12 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
 
     No TCP port is taken: one rank runs in this process (an in-process store,
-    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in ``tmp``.
+    :func:`ferrule.megatron.parallel.init_distributed`), several meet through a ``FileStore`` in the sibling
+    folder ``<tmp>-ranks`` (beside the output folder ``tmp``, not in it: megatron's ``dist_checkpointing.save``
+    warns "Overwriting old incomplete / corrupted checkpoint..." into a non-empty folder, which every
+    ``ferrule convert --tp 2`` and ``ferrule check --tp 2`` printed; for a conversion it is named
+    ``.OUT.tmp-PID-ranks``, so a killed conversion's is removed with its ``.OUT.tmp-PID``), also holding the
+    ranks' error reports; it is removed at the end.
     """
     import torch.distributed as dist
 
@@ -164,7 +169,7 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
         return
     import torch.multiprocessing as mp
 
-    err_dir = tmp / ".errors"
+    err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
     err_dir.mkdir(exist_ok=True)
     try:
         with _sigterm_as_exit():

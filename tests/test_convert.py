@@ -183,9 +183,12 @@ def test_not_a_checkpoint_and_bad_layout(qwen2_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_conversion_spawns_two_processes(qwen2_dir, tmp_path):
-    """tp=2 runs two gloo workers; the result round-trips exactly; an impossible TP fails cleanly."""
+def test_tp2_conversion_spawns_two_processes(qwen2_dir, tmp_path, capfd):
+    """tp=2 runs two gloo workers; the result round-trips exactly; an impossible TP fails cleanly.
+    megatron's save finds an empty folder (the ranks' rendezvous folder is beside it): it printed
+    "Overwriting old incomplete / corrupted checkpoint..." for every multi-process conversion."""
     ckpt = hf_to_torch_dist(qwen2_dir, tmp_path / "td_tp2", tp=2)
+    assert "Overwriting" not in capfd.readouterr().err
     assert json.loads((ckpt / "ferrule_checkpoint.json").read_text())["saved_layout"] == {"tp": 2, "pp": 1, "ep": 1}
     assert (ckpt / "__1_0.distcp").is_file()  # rank 1 wrote its shard
     _assert_same_files(qwen2_dir, torch_dist_to_hf(ckpt, tmp_path / "back_tp2"))  # loaded at TP=1

@@ -209,3 +209,85 @@ def test_foreach_optimizer_helpers_match_megatron_fallbacks():
         inplace = [t.clone() for t in ts]
         _foreach_scale(0, None, [inplace, inplace], scale)
         assert all(torch.equal(a, t * scale) for a, t in zip(inplace, ts))
+
+
+def test_linear_logprobs_expected_grad_formed_in_forward():
+    """``expected_grad`` + ``main_grad``: the gradients are formed in the forward pass; when the
+    upstream gradient is the expected one the result is bit-identical to the recompute path, and
+    when it is not, the difference is applied by linearity (float64 reference)."""
+    gen = torch.Generator().manual_seed(2)
+    hidden0 = torch.randn(T, H, generator=gen)
+    weight0 = torch.randn(V_PADDED, H, generator=gen)
+    labels = torch.randint(0, VOCAB, (T,), generator=gen)
+    expected = -torch.rand(T, generator=gen)
+
+    def run(upstream, expected_grad):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        main_grad = torch.zeros(V_PADDED, H)
+        lp = linear_logprobs(hidden, weight, labels, VOCAB, chunk_tokens=5, main_grad=main_grad,
+                             expected_grad=expected_grad)
+        (lp * upstream).sum().backward()
+        return lp.detach(), hidden.grad, main_grad
+
+    plain = run(expected, None)
+    pre = run(expected, expected)
+    for a, b in zip(plain, pre):
+        assert torch.equal(a, b)
+    other = expected * 2 + 0.1 * torch.randn(T, generator=gen)  # not what the forward pass assumed
+    lp, gh, gw = run(other, expected)
+    ref_lp, ref_h, ref_w = _reference(hidden0, weight0, labels, other)
+    assert float((lp.double() - ref_lp).abs().max()) <= 1e-5
+    assert float((gh.double() - ref_h).abs().max()) <= 1e-5
+    assert float((gw.double() - ref_w).abs().max()) <= 1e-5
+    with torch.no_grad():  # no backward will follow: nothing is written into main_grad
+        mg = torch.zeros(V_PADDED, H)
+        linear_logprobs(hidden0, weight0, labels, VOCAB, main_grad=mg, expected_grad=expected)
+        assert float(mg.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="expected_grad"):
+        linear_logprobs(hidden0, weight0, labels, VOCAB, expected_grad=torch.zeros(3))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])
+def test_engine_fused_path_into_main_grad_equals_plain_path(hf_dir, loss):
+    """The fused path writing the output weight's gradient into ``main_grad`` (CUDA's
+    ``grad_accum_fusion``; for cross entropy formed in the forward pass) gives the plain path's
+    logprobs and gradients (fp32, CPU)."""
+    batch = w.make_batch(seed=8, loss=loss)
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2} if loss == "ppo" else None
+    results = {}
+    for mode in ("plain", "fused_main_grad"):
+        e = TrainEngine.from_hf(hf_dir, ParallelLayout(), optimizer=OptimizerSettings(lr=w.LR))
+        if mode != "plain":
+            e.fused_logprobs, e.grad_accum_fusion = True, True
+        out = e.forward_backward(batch, loss, cfg)
+        results[mode] = ([o["logprobs"] for o in out.loss_fn_outputs], _grads(e))
+    for a, b in zip(results["plain"][0], results["fused_main_grad"][0]):
+        assert float((a - b).abs().max()) <= 1e-6
+    for n, ga in results["plain"][1].items():
+        gb = results["fused_main_grad"][1][n]
+        assert float((ga - gb).abs().max()) <= 1e-5 * max(float(ga.abs().max()), 1e-12), n
+
+
+def test_grad_accum_fusion_wiring_equals_plain_path_on_cpu(hf_dir, monkeypatch):
+    """megatron's ``gradient_accumulation_fusion`` with ferrule's stand-in for Apex's wgrad kernel
+    (and the fused logprobs into ``main_grad``, lean activations) gives the plain path's gradients,
+    accumulated over two fb calls (fp32, CPU; megatron allocates its dummy weight gradient on the
+    current CUDA device, pointed at the CPU here)."""
+    from ferrule.megatron.gpu_fusions import enable_grad_accum_fusion, enable_lean_activations
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    res = {}
+    for mode in ("plain", "fused"):
+        e = TrainEngine.from_hf(hf_dir, ParallelLayout(), optimizer=OptimizerSettings(lr=w.LR))
+        if mode == "fused":
+            assert enable_grad_accum_fusion(e.model) == 9  # 2 layers x (qkv, proj, fc1, fc2) + output layer
+            assert enable_lean_activations(e.model) == ["compact_v", "norms"]
+            e.grad_accum_fusion = e.fused_logprobs = True
+        for seed, loss in ((8, "ppo"), (9, "cross_entropy")):
+            e.forward_backward(w.make_batch(seed=seed, loss=loss), loss, cfg if loss == "ppo" else None)
+        res[mode] = (_grads(e), e.optim_step()["grad_norm"])
+    for n, ga in res["plain"][0].items():
+        gb = res["fused"][0][n]
+        assert float((ga - gb).abs().max()) <= 1e-5 * max(float(ga.abs().max()), 1e-12), n
+    assert abs(res["plain"][1] - res["fused"][1]) <= 1e-5 * res["plain"][1]

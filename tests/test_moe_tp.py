@@ -205,3 +205,33 @@ def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
     plain = torch.load(refs["qwen_odd"])["grads"]
     routers = [k for k in plain if k.endswith("mlp.gate.weight")]
     assert routers and min(((aux[k] - plain[k]).abs().max() / plain[k].abs().max()).item() for k in routers) > 1e-2
+
+
+class _ForeignMLP(torch.nn.Module):
+    """An MLP class megatron does not know and ferrule does not vouch for (no MoELayer / MLP subclass)."""
+
+    def __init__(self, config):
+        super().__init__()
+
+
+def test_moe_layers_build_without_megatrons_unknown_mlp_warning(tmp_path, caplog):
+    """megatron-core 0.16's TransformerLayer logged "Unknown MLP type: <class '...ModuleSpec'>. Using default kwargs."
+    once per MoE layer of Qwen3-MoE (its MLP is ferrule's TokenSplitMoELayer, a MoELayer subclass, which takes the
+    same default process groups): it is gone, while an MLP class that is neither a MoELayer nor an MLP still gets it."""
+    import logging
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from ferrule import registry
+    from ferrule.conformance_numeric import single_rank, tiny_hf_dir
+    from ferrule.megatron.moe import TokenSplitMoELayer
+    from ferrule.megatron.parallel import ParallelLayout
+
+    hf_config = json.loads((tiny_hf_dir("qwen3_moe", tmp_path / "hf") / "config.json").read_text())
+    with single_rank(), caplog.at_level(logging.WARNING, logger="megatron"):
+        (model,) = registry.provider_build("qwen3_moe")(hf_config, ParallelLayout())
+        assert all(isinstance(layer.mlp, TokenSplitMoELayer) for layer in model.decoder.layers)
+        assert "Unknown MLP type" not in caplog.text
+        TransformerLayer(model.config, TransformerLayerSubmodules(mlp=ModuleSpec(module=_ForeignMLP)))
+        assert caplog.text.count("Unknown MLP type") == 1, caplog.text

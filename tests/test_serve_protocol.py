@@ -215,9 +215,18 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
         assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] < first
         text = httpx.get(url + "/metrics").text
         assert 'ferrule_serve_ops_total{op="forward_backward",status="ok"} 1.0' in text
+        tc.save_state("kept").result()
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        rc = proc.wait(timeout=60)
+    # Ctrl-C: exit code 0 and one line saying what stays on disk (it printed nothing and exited 130)
+    stopped = [ln for ln in log.read_text().splitlines() if ln.startswith("ferrule serve: stopped")]
+    assert rc == 0 and stopped == [f"ferrule serve: stopped; {tmp_path / 's'} keeps serve.sqlite3 and 1 saved "
+                                   "checkpoint(s); 1 training client(s) held their state in memory only (gone; resume "
+                                   "from a saved state with create_training_client_from_state_with_optimizer)."], \
+        (rc, log.read_text()[-3000:])
+    assert "Traceback" not in log.read_text()
+    assert "Loading weights" not in log.read_text()  # transformers' bar of each model load, between the log lines
     lines = [ln for ln in log.read_text().splitlines() if "op=forward_backward" in ln]
     assert len(lines) == 1 and "client=carol" in lines[0] and "data=2" in lines[0] and "tokens=12" in lines[0] \
         and "run_s=" in lines[0], lines

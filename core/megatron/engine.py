@@ -158,7 +158,9 @@ class TrainEngine(EngineColocation):
         self._set_fast_paths(chunks, lora)
 
     def _set_fast_paths(self, chunks: Sequence[Any], lora: Any) -> None:
-        """The GPU fast paths (docs/engine.md): fused logprobs, megatron's CUDA fusions, packed sequences."""
+        """The GPU fast paths (docs/engine.md "GPU fast paths"): fused logprobs, megatron's CUDA fusions,
+        packed sequences; gradient-accumulation fusion, lean activations, the logprob chunk size and
+        fused Adam (issue 25's train step)."""
         config = self.config
         #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
         #: ``[tokens, vocab]`` logits. On by default on CUDA; off on CPU, where the plain path is the

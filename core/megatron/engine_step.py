@@ -129,14 +129,17 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
             """``[b, s, ...]`` -> the data's tokens concatenated, ``[T, ...]``."""
             return torch.cat([x[row, a:a + n] for row, a, n in mb["spans"]])
 
-        def row_logprobs(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None)."""
+        def row_logprobs(out: torch.Tensor, expected_grad: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+            """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None).
+            ``expected_grad``: the loss's known d loss / d logprobs (cross entropy), fused path only."""
             if weight is not None:
                 main_grad = getattr(weight, "main_grad", None) if grad_accum and weight.requires_grad else None
                 return linear_logprobs(select(out.transpose(0, 1)), weight, select(mb["labels"]), engine.vocab_size,
                                        tp_group=ps.get_tensor_model_parallel_group(),
                                        chunk_tokens=getattr(engine, "logprob_chunk_tokens", DEFAULT_CHUNK_TOKENS),
-                                       main_grad=main_grad), None
+                                       main_grad=main_grad,
+                                       expected_grad=expected_grad if main_grad is not None else None), None
             logits = out.float()
             mask = pad_mask(engine, logits)
             if mask is not None:
@@ -145,11 +148,11 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
             return select(full), full
 
         def loss_func(out: torch.Tensor):
-            t, full = row_logprobs(out)
             n_tokens = torch.tensor(sum(mb["lengths"]), dtype=torch.int)
-            if mb["idx"] is None:
-                return (full if full is not None else t).sum() * 0.0, n_tokens, {}
-            if loss is None:
+            if mb["idx"] is None or loss is None:
+                t, full = row_logprobs(out)
+                if mb["idx"] is None:
+                    return (full if full is not None else t).sum() * 0.0, n_tokens, {}
                 for i, lp in zip(mb["idx"], t.detach().cpu().split(mb["lengths"])):
                     records.append((i, lp, None))
                 return t.sum().detach() * 0.0, n_tokens, {}
@@ -159,7 +162,10 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
                 for i, n in zip(mb["idx"], mb["lengths"]):
                     v = data[i].inputs[key]
                     parts.append(v.reshape(1).expand(n) if v.numel() == 1 and n != 1 else v.reshape(n))
-                inputs[key] = torch.cat(parts).to(t.device)
+                inputs[key] = torch.cat(parts).to(out.device)
+            # cross entropy is linear in the logprobs (l = -weights * t): its gradient is known up front
+            expected = -inputs["weights"].float() if loss_fn == "cross_entropy" and "weights" in inputs else None
+            t, full = row_logprobs(out, expected)
             if loss_fn in SEQUENCE_LEVEL:  # the loss couples each datum's tokens: say where data start
                 inputs["segment_ids"] = torch.repeat_interleave(
                     torch.arange(len(mb["idx"])), torch.tensor(mb["lengths"])).to(t.device)

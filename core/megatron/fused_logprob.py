@@ -97,7 +97,7 @@ def _tp_group_and_rank(tp_group):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group, main_grad):
+    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group, main_grad, expected_grad):
         import torch.distributed as dist
 
         group, rank = _tp_group_and_rank(tp_group)
@@ -110,7 +110,11 @@ class _LinearLogprobs(torch.autograd.Function):
         local_labels = labels - start
         in_range = (local_labels >= 0) & (local_labels < n_valid)
         safe = torch.where(in_range, local_labels, torch.zeros_like(local_labels))
-        kmax, ksumexp, _, kmaxsum = _kernels(hidden.is_cuda)
+        kmax, ksumexp, kgrad, kmaxsum = _kernels(hidden.is_cuda)
+        # gradients formed here, from the logits at hand, when the caller knows the upstream gradient
+        pre = expected_grad is not None and main_grad is not None and ctx.needs_input_grad[1]
+        pre_grad_h = torch.zeros_like(hidden) if pre else None
+        g_pre = expected_grad.float() if pre else None
         # FERRULE_LOGPROB_ONEPASS=1: max and sum of exponentials in one compiled kernel (off by default
         # on CUDA until measured there; on CPU the same two eager ops either way)
         one_pass = not hidden.is_cuda or os.environ.get("FERRULE_LOGPROB_ONEPASS") == "1"
@@ -133,9 +137,13 @@ class _LinearLogprobs(torch.autograd.Function):
                 dist.all_reduce(tgt, group=group)
             lse[a:b] = m + torch.log(s)
             out[a:b] = tgt - lse[a:b]
+            if pre and n_valid:
+                _chunk_backward(z, kgrad, lse, g_pre, safe, in_range, a, b, weight[:n_valid], hidden, pre_grad_h,
+                                None, main_grad)
         ctx.save_for_backward(hidden, weight, safe, in_range, lse)
         ctx.meta = (n_valid, chunk_tokens, group)
         ctx.main_grad = main_grad  # not saved_tensors: it is written in place by backward
+        ctx.pre = (pre_grad_h, g_pre) if pre else None
         return out
 
     @staticmethod
@@ -145,33 +153,56 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, safe, in_range, lse = ctx.saved_tensors
         n_valid, chunk_tokens, group = ctx.meta
         t = hidden.shape[0]
-        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        main_grad = ctx.main_grad if ctx.needs_input_grad[1] else None
-        grad_w32 = None
-        if ctx.needs_input_grad[1] and main_grad is None:
-            grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g = grad_out.float()
-        w = weight[:n_valid]
-        kgrad = _kernels(hidden.is_cuda)[2]
-        for a in range(0, t, chunk_tokens):
-            b = min(a + chunk_tokens, t)
-            z = hidden[a:b] @ w.t()
-            dz = kgrad(z, lse[a:b], g[a:b], safe[a:b], in_range[a:b])  # [c, n_valid], W's dtype
-            if grad_h is not None:
-                grad_h[a:b] = dz @ w
-            if grad_w32 is not None:
-                grad_w32[:n_valid] += dz.t() @ hidden[a:b]  # matmul in W's dtype, summed over chunks in fp32
-            elif main_grad is not None and n_valid:
-                wgrad_accumulate(main_grad[:n_valid], dz, hidden[a:b])
+        main_grad = ctx.main_grad if ctx.needs_input_grad[1] else None
+        grad_h = None
+        if ctx.pre is not None:
+            # the forward pass already added dW(expected) to main_grad and formed dh(expected); both are
+            # linear in the upstream gradient, so only a difference (if any) is left to apply
+            grad_h, g_pre = ctx.pre
+            ctx.pre = None
+            if torch.equal(g, g_pre):
+                g = None
+            else:
+                g = g - g_pre
+        if g is not None:
+            if grad_h is None and ctx.needs_input_grad[0]:
+                grad_h = torch.zeros_like(hidden)
+            grad_w32 = None
+            if ctx.needs_input_grad[1] and main_grad is None:
+                grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            w = weight[:n_valid]
+            kgrad = _kernels(hidden.is_cuda)[2]
+            for a in range(0, t, chunk_tokens):
+                b = min(a + chunk_tokens, t)
+                _chunk_backward(hidden[a:b] @ w.t(), kgrad, lse, g, safe, in_range, a, b, w, hidden, grad_h,
+                                grad_w32, main_grad)
+        else:
+            grad_w32 = None
+        if not ctx.needs_input_grad[0]:
+            grad_h = None
         if grad_h is not None and group is not None:
             dist.all_reduce(grad_h, group=group)
         grad_w = grad_w32.to(weight.dtype) if grad_w32 is not None else None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _chunk_backward(z, kgrad, lse, g, safe, in_range, a, b, w, hidden, grad_h, grad_w32, main_grad) -> None:
+    """Rows ``a:b``: ``dz = g * (onehot - softmax(z))`` (W's dtype), then ``grad_h[a:b] += dz @ w`` and
+    ``dz^T h`` into ``grad_w32`` (fp32 scratch) or straight into ``main_grad``."""
+    dz = kgrad(z, lse[a:b], g[a:b], safe[a:b], in_range[a:b])  # [c, n_valid], W's dtype
+    if grad_h is not None:
+        grad_h[a:b] += dz @ w
+    if grad_w32 is not None:
+        grad_w32[:w.shape[0]] += dz.t() @ hidden[a:b]  # matmul in W's dtype, summed over chunks in fp32
+    elif main_grad is not None and w.shape[0]:
+        wgrad_accumulate(main_grad[:w.shape[0]], dz, hidden[a:b])
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, *,
                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None,
-                    main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    main_grad: Optional[torch.Tensor] = None,
+                    expected_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T)[labels]`` over the unpadded vocabulary, chunked.
 
     Args:
@@ -185,6 +216,12 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         main_grad: ``weight``'s gradient accumulation buffer (``[V_local, H]``, megatron DDP's
             ``main_grad``): the weight gradient is added into it in backward and ``weight``
             receives none through autograd. None: ``weight.grad`` as usual.
+        expected_grad: ``[T]`` the upstream gradient the caller expects for the logprobs (cross
+            entropy: ``-weights``); with ``main_grad``, both gradients are formed in the forward
+            pass from the logits already computed there (no recompute in backward, the scheme of
+            Liger's fused linear cross entropy), and the backward pass applies only the
+            difference between the actual and the expected upstream gradient (both gradients
+            are linear in it), so any upstream gradient stays correct.
 
     Returns:
         ``[T]`` float32 logprobs, differentiable w.r.t. ``hidden`` and ``weight``.
@@ -199,7 +236,11 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         raise ValueError(f"labels must be [T] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}.")
     if main_grad is not None and main_grad.shape != weight.shape:
         raise ValueError(f"main_grad must have weight's shape {tuple(weight.shape)}, got {tuple(main_grad.shape)}.")
+    if expected_grad is not None and expected_grad.shape != labels.shape:
+        raise ValueError(f"expected_grad must be [T] = {tuple(labels.shape)}, got {tuple(expected_grad.shape)}.")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    if expected_grad is not None and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        expected_grad = None  # no backward will come: nothing may be written into main_grad
     return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group,
-                                 main_grad)
+                                 main_grad, expected_grad)

@@ -45,11 +45,62 @@ Inkling-2), which call :meth:`TokenSplitMoELayer.routed_experts` with their own 
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 __all__ = ["TokenSplitMoELayer", "replicated_over_tp", "token_split_group", "with_token_split"]
+
+
+class _DefaultGroupsMLPFilter(logging.Filter):
+    """Drops megatron-core 0.16's ``Unknown MLP type: <class '...ModuleSpec'>. Using default kwargs.`` for the
+    layers where it is benign; every other record passes.
+
+    ``TransformerLayer.__init__`` passes its process groups to the MLP only when the MLP class *is* one of
+    ``MoELayer`` / ``GroupedMLP`` / ``SequentialMLP`` / ``MLP`` / ``TEFusedMLP`` (``in`` a tuple: identity),
+    and logs that line for any other class, once per layer: for every :class:`TokenSplitMoELayer` (each MoE
+    layer of Qwen3-MoE and Inkling) and plugin ``MLP`` subclass (Inkling's dense MLP). Built without them, a
+    ``MoELayer`` takes ``get_default_pg_collection()`` and an ``MLP`` the default TP group: megatron's
+    ``parallel_state`` groups, the ones the layer holds unless someone built it with another
+    ``pg_collection``. So the record is dropped when the layer being built (read from the
+    ``TransformerLayer.__init__`` frame that logs it) has a ``MoELayer`` / ``MLP`` subclass and the
+    ``parallel_state`` TP (and EP) groups; otherwise (a foreign MLP class, custom groups) it stays.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Unknown MLP type"):
+            return True
+        frame = sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_name == "__init__" and "submodules" in frame.f_locals
+                                         and "pg_collection" in frame.f_locals):
+            frame = frame.f_back
+        if frame is None:
+            return True
+        module = getattr(getattr(frame.f_locals["submodules"], "mlp", None), "module", None)
+        if not (isinstance(module, type) and issubclass(module, (MoELayer, MLP))):
+            return True
+        from megatron.core import parallel_state as ps
+
+        try:
+            default = {"tp": ps.get_tensor_model_parallel_group(), "ep": ps.get_expert_model_parallel_group()}
+        except (AssertionError, RuntimeError):  # parallel_state not initialized: keep the record
+            return True
+        groups = frame.f_locals["pg_collection"]
+        return any(getattr(groups, name, group) is not group for name, group in default.items())
+
+
+def _quiet_default_groups_mlp_warning() -> None:
+    """Install :class:`_DefaultGroupsMLPFilter` on megatron's ``transformer_layer`` logger (once per process)."""
+    log = logging.getLogger("megatron.core.transformer.transformer_layer")
+    if not any(isinstance(f, _DefaultGroupsMLPFilter) for f in log.filters):
+        log.addFilter(_DefaultGroupsMLPFilter())
+
+
+_quiet_default_groups_mlp_warning()  # this module defines the MoE layer every MoE family builds on
 
 
 def replicated_over_tp(layer) -> bool:

@@ -140,10 +140,15 @@ def adam_step_count(optimizer) -> int:
 def set_adam_step(optimizer, step: int) -> None:
     """Set torch Adam's per-parameter ``state["step"]`` to ``step`` (float32 CPU scalar, torch's layout)."""
     for opt in _torch_optimizers(optimizer):
-        for s in opt.state.values():
-            if "step" in s or "exp_avg" in s:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                s = opt.state.get(p)
+                if not s or not ("step" in s or "exp_avg" in s):
+                    continue
                 old = s.get("step")
                 device = old.device if isinstance(old, torch.Tensor) else torch.device("cpu")
+                if group.get("fused"):  # fused Adam keeps its step on the parameter's device
+                    device = p.device
                 s["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
 
 

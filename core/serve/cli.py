@@ -8,6 +8,7 @@ with code 2.
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +29,9 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per base / client model load, between the log lines
 
 
 def _ready_server(app, host: str, port: int, line: str):
@@ -155,9 +159,43 @@ def serve_command(
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C while the first base loads: the server never listened
+        print(f"ferrule serve: stopped while loading the base model, before it was ready "
+              f"({time.monotonic() - t0:.0f} s); nothing was served.", flush=True)
+        raise typer.Exit(130) from None
     bases = app.state.bases
     waiting = [n for n in bases.names if n not in bases.loaded()]
     later = f"; {', '.join(waiting)} load on first use" if waiting else ""
-    _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models {', '.join(bases.names)}; "
-                                   f"{', '.join(bases.loaded())} loaded in {time.monotonic() - t0:.0f} s{later}); "
-                                   f"Ctrl-C stops it").run()
+    server = _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models "
+                                            f"{', '.join(bases.names)}; {', '.join(bases.loaded())} loaded in "
+                                            f"{time.monotonic() - t0:.0f} s{later}); Ctrl-C stops it")
+    # uvicorn handles SIGINT / SIGTERM (graceful shutdown), then raises the signal again with the handler it
+    # found: SIGINT's is Python's KeyboardInterrupt, SIGTERM's (default) would end the process before the line
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) \
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else None
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(stopped_line(app, storage), flush=True)
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stopped_line(app, storage: Path) -> str:
+    """The line ``ferrule serve`` prints when it stops: what stays in ``storage`` (the database, the saved
+    checkpoints ``checkpoints/<model_id>/<kind>/<name>``) and how many training clients' state was in memory only."""
+    from .store import DB_FILE
+
+    root = Path(storage).absolute()
+    saved = sum(1 for d in (root / "checkpoints").glob("*/*/*") if d.is_dir())
+    bases = app.state.bases
+    live = sum(len(bases.get(name).engines) for name in bases.names)
+    lost = (f"; {live} training client(s) held their state in memory only (gone; resume from a saved state with "
+            f"create_training_client_from_state_with_optimizer)" if live else "")
+    return f"ferrule serve: stopped; {root} keeps {DB_FILE} and {saved} saved checkpoint(s){lost}."
