@@ -135,8 +135,8 @@ def bench_grid(model, args) -> list[dict]:
     for batch in args.batches:
         prompts, hf = prompts_of(batch), hf_rates[batch]
         limit = step_limit_ms(model, batch, args.prompt_len + args.new_tokens / 2)
-        runs = [("plain", None, None, False)] + [(f"fast kv_bucket={k} attn={a}", k, a, True)
-                                                  for k, a in fast_variants(args)]
+        runs = [] if args.no_plain else [("plain", None, None, False)]
+        runs += [(f"fast kv_bucket={k} attn={a}", k, a, True) for k, a in fast_variants(args)]
         plain = float("nan")
         for mode, k, a, fast in runs:
             if fast:
@@ -244,6 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-fast", action="store_true",
                     help="also time the embedded engine with fast_decode=False (the plain compiled path)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate anchor (ratio prints nan)")
+    ap.add_argument("--no-plain", action="store_true", help="grid mode: skip the plain path (x plain prints nan)")
     ap.add_argument("--skip-fixed", action="store_true", help="skip the fixed-length HF vs embedded comparison")
     ap.add_argument("--batches", type=int, nargs="*", default=None,
                     help="grid mode: time every batch size (HF, plain, each fast variant) in this process")

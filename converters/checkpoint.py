@@ -381,7 +381,7 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
         if writer is None:
             continue
         out = tensor.to(getattr(torch, hf_dtypes.get(name, out_dtype or dtype)))
-        # --mxfp8: the source's quantized tensors are quantized again from the stored (exact) values
+        # --keep-quantized: the source's quantized tensors are quantized again from the stored (exact) values
         for n, t in (requantize(name, tensor.cpu(), out) if requantize is not None else [(name, out)]):
             writer.add(n, t.cpu())
         if progress is not None:  # the tensor's bytes before any requantization: the unit of ``export_bytes``
@@ -417,7 +417,8 @@ def _recorded_family(meta: dict) -> str | None:
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                      overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
                      progress: Callable[[int], None] | None = None, dtype: str | None = None,
-                     mxfp8: bool = False, notice: Notice | None = None, family: str | None = None) -> Path:
+                     keep_quantized: bool = False, notice: Notice | None = None, family: str | None = None,
+                     mxfp8: bool = False) -> Path:
     """Convert a checkpoint written by :func:`hf_to_torch_dist` or ``TrainEngine.save`` (e.g. the
     ``engine/`` folder of a ``ferrule train`` checkpoint) back to HF safetensors.
 
@@ -434,15 +435,16 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         ``out_dir`` as an absolute path.
 
     A source checkpoint in MXFP8 (read dequantized, :mod:`ferrule.quantized_weights`) exports
-    dequantized in ``dtype`` with no ``quantization_config``; ``mxfp8=True`` writes the tensors it
-    stored quantized as MXFP8 again (same names, blocks and scale dtype; :mod:`ferrule.converters.quantized`)
-    and restores its ``quantization_config``.
+    dequantized in ``dtype`` with no ``quantization_config``; ``keep_quantized=True`` writes the tensors it
+    stored quantized in its format again (MXFP8: same names, blocks and scale dtype; NVFP4: the source's bytes,
+    for unchanged tensors; :mod:`ferrule.converters.quantized`) and restores its ``quantization_config``.
+    ``mxfp8=True`` is the older name of ``keep_quantized=True`` (the CLI's ``--mxfp8``), kept as an alias.
 
     Tensors of the source HF checkpoint that the mapping table ignores (``Ignore`` rows) are not in the
     export; :func:`dropped_hf_tensors` names them (``ferrule convert`` prints them).
 
     ``notice`` is :func:`hf_to_torch_dist`'s. ``progress(n_bytes)`` is called after each HF tensor written
-    (single-process runs only) with its bytes before any requantization (``mxfp8``); the calls add up to
+    (single-process runs only) with its bytes before any requantization (``keep_quantized``); the calls add up to
     :func:`torch_dist_to_hf_bytes`.
 
     Raises:
@@ -478,7 +480,7 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if dtype is not None and dtype not in _FLOAT_NAMES.values():
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
     out_dtype = dtype or meta["dtype"]
-    requantize = requantizer(meta, mxfp8, ckpt_dir)  # refused before anything is written
+    requantize = requantizer(meta, keep_quantized or mxfp8, ckpt_dir)  # refused before anything is written
     needed = torch_dist_model_bytes(ckpt_dir, out_dtype, TRAINING_STATE_PREFIXES)
     if requantize is not None:
         needed -= mxfp8_bytes_saved(meta, ckpt_dir, out_dtype)

@@ -3,7 +3,7 @@
 Commands::
 
     ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N] [--overwrite]
-    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite] [--mxfp8]
+    ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite] [--max-shard-gb 5] [--keep-quantized]
 
 Errors are printed as one message (what was wrong and how to fix it) with exit code 2; no
 partial output is left behind. See docs/convert.md.
@@ -114,9 +114,12 @@ def torch_dist_to_hf_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Output HF directory (must not exist).")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
     max_shard_gb: Annotated[float, typer.Option("--max-shard-gb", help="Safetensors shard size bound (GiB).")] = 5.0,
-    mxfp8: Annotated[bool, typer.Option("--mxfp8", help="Write the tensors an MXFP8 source stored quantized as "
-                                        "MXFP8 again, an NVFP4 source's as NVFP4 (unchanged tensors only) "
-                                        "(default: dequantized, in the checkpoint's dtype).")] = False,
+    keep_quantized: Annotated[bool, typer.Option(
+        "--keep-quantized", "--mxfp8",
+        help="Write the tensors the source stored quantized back in the source's format, with its "
+             "quantization_config: block-scaled FP8 such as MXFP8 with the same blocks and scale dtype (power-of-two "
+             "scales only), NVFP4 as its source bytes (unchanged tensors only). Default: dequantized, in the "
+             "checkpoint's dtype. --mxfp8 is its older name, from before NVFP4 sources.")] = False,
 ) -> None:
     """Convert a torch_dist checkpoint back to HF safetensors shards + index + config + tokenizer."""
     import json
@@ -133,7 +136,8 @@ def torch_dist_to_hf_cmd(
         meta = read_checkpoint_metadata(ckpt_dir)
         with _Bar(torch_dist_to_hf_bytes(meta), "torch_dist -> hf") as bar:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
-                                   progress=bar.advance, mxfp8=mxfp8, notice=_notice)
+                                   progress=bar.advance, keep_quantized=keep_quantized,
+                                   notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - see _fail
         _fail(exc)
     typer.echo(f"wrote {out} ({json.dumps(meta.get('family'))})")

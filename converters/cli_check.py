@@ -36,7 +36,20 @@ def check_command(
 
     warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers
+    # transformers' "Loading weights" bar of each HF reference load, above the report (here and in the workers)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     err = Console(stderr=True)
+    bad = [f"--{name} {value}: expected {want}" for name, value, ok, want in (
+        ("tp", tp, tp >= 1, "a whole number >= 1 (tensor-parallel processes; default 1)"),
+        ("seqs", seqs, seqs >= 1, "a whole number >= 1 (random test sequences; default 2)"),
+        ("seq-len", seq_len, seq_len >= 1, "a whole number >= 1 (tokens per test sequence; default 32)"),
+        ("atol", atol, atol >= 0, "a tolerance >= 0 (default 1e-05)")) if not ok]
+    if bad:  # before any work: --seqs 0 ran three steps, then reported a CRASH (IndexError) with exit code 3
+        err.print(f"[bold red]error:[/] {'; '.join(bad)}.", highlight=False)
+        raise typer.Exit(code=EXIT_BAD_INPUT)
     try:
         report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
     except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2

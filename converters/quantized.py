@@ -12,11 +12,12 @@ an NVFP4 source (:mod:`ferrule.nvfp4`) its block scales, one byte per 16 weights
 ``_amax`` / ``_outer_scale_denominator``). An NVFP4 tensor's entry in ``tensors`` also has
 ``"format": "nvfp4"``, ``"amax"``, ``"denominator"`` (their keys) and ``"shape"`` (the dequantized one).
 
-With ``mxfp8=True`` an NVFP4 source's tensors are written back NVFP4 when they still hold the source's
+With ``keep_quantized=True`` (``--keep-quantized``; ``mxfp8=True`` / ``--mxfp8`` is its older name, from
+before NVFP4 sources) an NVFP4 source's tensors are written back NVFP4 when they still hold the source's
 values (:func:`ferrule.nvfp4.requantize_nvfp4_exactly`: the source's bytes and side tensors come back);
 a changed (trained) one is refused, named (ferrule has no NVFP4 quantizer; docs/convert.md "NVFP4").
 
-``torch-dist-to-hf`` writes the dequantized (e.g. bf16) folder by default; with ``mxfp8=True`` it
+``torch-dist-to-hf`` writes the dequantized (e.g. bf16) folder by default; with ``keep_quantized=True`` it
 quantizes again every tensor the source stored quantized (same names, block grid and scale dtype)
 and puts ``quantization_config`` back. A tensor that still holds the source's values is written
 with the source's own scales (:func:`ferrule.quantized_weights.requantize_exactly`: the source's
@@ -58,7 +59,7 @@ def source_quantization(reader: Any, hf_side_dir: Path) -> dict | None:
 
 
 def mxfp8_bytes_saved(meta: dict, ckpt_dir: Path, out_dtype: str) -> int:
-    """Bytes an ``--mxfp8`` export writes fewer than a ``out_dtype`` one: each tensor the source quantized
+    """Bytes a ``--keep-quantized`` export writes fewer than a ``out_dtype`` one: each tensor the source quantized
     is 1 byte per value instead of ``out_dtype``'s itemsize (its scales are already counted with the
     ``hf/`` side files). Value counts come from the source scales' shapes times their block
     (:data:`SCALES_FILE` header only); 0 when that file is absent (the estimate then stays the bf16 size, an over-estimate)."""
@@ -95,13 +96,15 @@ def requantizer(meta: dict, mxfp8: bool, ckpt_dir: Path) -> Callable[..., Iterat
         return None
     quant = meta.get("hf_quantization")
     if not quant:
-        raise CheckpointError("--mxfp8: the source HF checkpoint of this torch_dist checkpoint was not quantized "
-                              "(ferrule_checkpoint.json has no hf_quantization); export it without --mxfp8.")
+        raise CheckpointError("--keep-quantized: the source HF checkpoint of this torch_dist checkpoint was not "
+                              "quantized (ferrule_checkpoint.json has no hf_quantization); export it without "
+                              "--keep-quantized.")
     tensors = quant["tensors"]
     other = sorted({t["scale_dtype"] for t in tensors.values() if t.get("format") != "nvfp4"} - {"U8", "F8_E8M0"})
     if other:
-        raise CheckpointError(f"--mxfp8: the source's scales are {other}, not power-of-two E8M0 (U8 / F8_E8M0), so "
-                              f"re-quantizing would not give its values back; export without --mxfp8 (dequantized).")
+        raise CheckpointError(f"--keep-quantized: the source's scales are {other}, not power-of-two E8M0 (U8 / "
+                              f"F8_E8M0), so re-quantizing would not give its values back; export without "
+                              f"--keep-quantized (dequantized).")
 
     source_scales = {}
     if (Path(ckpt_dir) / "hf" / SCALES_FILE).is_file():
@@ -143,16 +146,17 @@ def _nvfp4_back(name: str, info: dict, stored: "torch.Tensor", source: dict) -> 
     sides = [source.get(info[role]) for role in ("scale", "amax", "denominator")]
     codes = None if any(t is None for t in sides) else requantize_nvfp4_exactly(stored, *sides)
     if codes is None:
-        raise CheckpointError(f"--mxfp8: {name} no longer holds the source's NVFP4 values (changed since the import, "
-                              f"e.g. trained; or {SCALES_FILE} lacks its scales) and ferrule has no NVFP4 quantizer; "
-                              f"export without --mxfp8 (dequantized).")
+        raise CheckpointError(f"--keep-quantized: {name} no longer holds the source's NVFP4 values (changed since "
+                              f"the import, e.g. trained; or {SCALES_FILE} lacks its scales) and ferrule has no NVFP4 "
+                              f"quantizer; "
+                              f"export without --keep-quantized (dequantized).")
     yield name, codes
     for role, tensor in zip(("scale", "amax", "denominator"), sides):
         yield info[role], tensor
 
 
 def restore_quantization_config(config_path: Path, meta: dict) -> None:
-    """Put the source's ``quantization_config`` back into a ``--mxfp8`` export's ``config.json`` (none when the
+    """Put the source's ``quantization_config`` back into a ``--keep-quantized`` export's ``config.json`` (none when the
     source had none: an NVFP4 checkpoint read by its tensor names)."""
     config = json.loads(config_path.read_text())
     if not meta["hf_quantization"]["config"]:

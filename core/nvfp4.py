@@ -24,7 +24,7 @@ result is generally not representable in bfloat16: the values depend on the outp
 ``from_pretrained(dtype=...)``'s do, and ferrule dequantizes straight into the dtype it stores.
 
 :func:`requantize_nvfp4_exactly` is the exact reverse for values that came from the checkpoint
-(``torch-dist-to-hf --mxfp8`` writes the source's bytes back with it); ferrule has no NVFP4 quantizer
+(``torch-dist-to-hf --keep-quantized`` writes the source's bytes back with it); ferrule has no NVFP4 quantizer
 for changed (trained) values (docs/convert.md "NVFP4").
 """
 

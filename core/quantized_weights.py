@@ -33,7 +33,7 @@ weight returned dequantized in the checkpoint's ``dtype``); :func:`open_hf_weigh
 plain :class:`~ferrule.safetensors_io.SafetensorsReader` from the directory's ``config.json``.
 :func:`quantize_mxfp8` is the reverse (transformers' ``Fp8Quantize`` with ``scale_fmt="ue8m0"``:
 the scale is the smallest power of two with ``amax / scale <= 448``), used by ``torch-dist-to-hf
---mxfp8``; on values that came from the checkpoint it gives back the same bytes wherever the
+--keep-quantized``; on values that came from the checkpoint it gives back the same bytes wherever the
 source scale was that smallest power of two (transformers' quantizer and the OCP floor rule both
 are), and the same values always.
 """

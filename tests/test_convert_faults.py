@@ -266,8 +266,23 @@ def test_bad_flag_values_are_refused_first_naming_the_flag(qwen2_dir, td_dir, tm
         lines = res.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {flags[0]} {flags[1]}"), res.output
     res = _convert("hf-to-torch-dist", str(qwen2_dir), str(tmp_path / "out"), "--tp", "3")
-    assert res.exit_code == 2 and "tp=3 must divide" in res.output and "torch_dist" not in res.output, res.output
+    # one line, no bar, no "ValueError:" before ferrule's own message (it is a ParallelLayoutError)
+    assert res.exit_code == 2 and res.output.startswith("error: tp=3 must divide") and "torch_dist" not in res.output, \
+        res.output
     _only(tmp_path)
+
+
+def test_check_flag_values_are_refused_first_naming_the_flag(qwen2_dir):
+    """``ferrule check --seqs 0`` ran config, convert and round trip, then reported a CRASH (IndexError) with exit
+    code 3, "plugin code crashed"; every bad number is now one ``error:`` line naming the flag, exit 2."""
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    for flag, value in (("--tp", "0"), ("--seqs", "0"), ("--seq-len", "0"), ("--atol", "-1")):
+        res = CliRunner().invoke(app, ["check", str(qwen2_dir), flag, value], env={"COLUMNS": "200"})
+        assert res.exit_code == 2 and res.output.startswith(f"error: {flag} {value}"), res.output
+        assert "convert" not in res.output, res.output
 
 
 def _refuse_on_rank0_hang_on_rank1(rank: int) -> None:

@@ -187,7 +187,7 @@ def test_bad_quantized_checkpoints_are_refused(mxfp8_dir, tmp_path):
         open_hf_weights(ragged)
     plain = cn.tiny_hf_dir("qwen3", tmp_path / "plain")
     ckpt = hf_to_torch_dist(plain, tmp_path / "td")
-    with pytest.raises(CheckpointError, match="--mxfp8: the source HF checkpoint .* was not quantized"):
+    with pytest.raises(CheckpointError, match="--keep-quantized: the source HF checkpoint .* was not quantized"):
         torch_dist_to_hf(ckpt, tmp_path / "back", mxfp8=True)
     assert not (tmp_path / "back").exists() and not (tmp_path / "out1").exists()
 
@@ -239,7 +239,7 @@ def test_inkling2_released_mxfp8_experts(tmp_path):
     ids = cn.test_token_ids(90, 8)
     with torch.no_grad():
         assert torch.equal(reference(input_ids=ids).logits, exported(input_ids=ids).logits)
-    again = torch_dist_to_hf(ckpt, tmp_path / "mxfp8_back", mxfp8=True, progress=requantized_bytes.append)
+    again = torch_dist_to_hf(ckpt, tmp_path / "mxfp8_back", keep_quantized=True, progress=requantized_bytes.append)
     assert sum(requantized_bytes) == total
     a, b = SafetensorsReader(mx), SafetensorsReader(again)
     assert a.keys() == b.keys()

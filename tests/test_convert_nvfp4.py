@@ -160,9 +160,17 @@ def test_nvfp4_source_reads_converts_and_exports_as_transformers_loads_it(nvfp4_
     _assert_same_tensors(bf16_ref, SafetensorsReader(back))
     assert "quantization_config" not in json.loads((back / "config.json").read_text())
     _hf(back)
-    # --mxfp8: the tensors the source stored quantized come back as it stored them, byte for byte
-    again = torch_dist_to_hf(ckpt, tmp_path / "quantized_back", mxfp8=True)
-    _assert_same_tensors(raw, SafetensorsReader(again))
+    # --keep-quantized (the CLI; --mxfp8 is its older name, which NVFP4 outgrew): the tensors the source stored
+    # quantized come back as it stored them, byte for byte
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    for flag in ("--keep-quantized", "--mxfp8"):
+        res = CliRunner().invoke(app, ["convert", "torch-dist-to-hf", str(ckpt), str(tmp_path / flag), flag])
+        assert res.exit_code == 0, res.output
+        _assert_same_tensors(raw, SafetensorsReader(tmp_path / flag))
+    again = tmp_path / "--keep-quantized"
     assert "quantization_config" not in json.loads((again / "config.json").read_text())
     _assert_same_tensors(bf16_ref, open_hf_weights(again))
     _hf(again)

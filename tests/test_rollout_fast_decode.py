@@ -30,7 +30,7 @@ def _model(kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind,attn", [("qwen2", "eager"), ("qwen3", "eager"), ("llama", "fp32")])
+@pytest.mark.parametrize("kind,attn", [("qwen2", "eager"), ("qwen3", "eager"), ("llama", "fp32"), ("qwen2", "triton"), ("llama", "triton_rope")])
 @torch.inference_mode()
 def test_decode_logits_matches_hf_forward(kind, attn):
     model = _model(kind)
@@ -64,6 +64,24 @@ def test_decode_logits_matches_hf_forward(kind, attn):
         for i, k in zip(layout.layer_idx, keys):
             torch.testing.assert_close(k[:, :, p + t], state.cache.keys[i][:, :, p + t], atol=1e-6, rtol=1e-5)
         logits = ref.float()
+
+
+def test_chunked_sampler_reductions_match_one_pass():
+    """The fast step's chunked sampler reductions (FERRULE_FAST_SAMPLER_CHUNKS, CUDA): the same
+    argmax, first maximum on ties included, and the same log-sum-exp up to fp32 rounding."""
+    from ferrule.rollout._fast_sampling import argmax_chunked, logsumexp_chunked, vocab_chunks
+
+    assert vocab_chunks(151936, 128) == 128 and vocab_chunks(151936, 256) == 128
+    assert vocab_chunks(97, 128) == 1 and vocab_chunks(49152, 64) == 32  # chunks of >= 1024 entries
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8192, generator=g) * 4
+    x[1, 100] = x[1, 5000] = x[1].max() + 1  # a tie across chunks: the first index wins
+    x[2, 7000] = x[2, 7001] = x[2].max() + 1  # a tie inside a chunk
+    for chunks in (1, 8, 64):
+        got = argmax_chunked(x, chunks)
+        assert torch.equal(got, torch.argmax(x, -1)) and got[1] == 100 and got[2] == 7000
+        torch.testing.assert_close(logsumexp_chunked(x, chunks), torch.logsumexp(x.double(), -1, keepdim=True).float(),
+                                   atol=2e-6, rtol=1e-6)
 
 
 @torch.inference_mode()

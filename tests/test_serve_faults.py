@@ -65,6 +65,26 @@ def test_serve_help_shows_the_full_api_keys_format():
         assert "FERRULE_SERVE_API_KEYS" in text and "…" not in res.output, res.output
 
 
+def test_ctrl_c_while_the_base_loads_prints_one_line(tmp_path, monkeypatch):
+    """A Ctrl-C before the server listens (here: raised where the base model loads) ends with one line and exit 130,
+    no traceback, and nothing in --storage (it exited 130 silently)."""
+    from typer.testing import CliRunner
+
+    import ferrule.serve.cli as serve_cli
+    from ferrule.cli import app
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_cli, "build_app", interrupted)
+    res = CliRunner().invoke(app, ["serve", "--base-model", str(tmp_path), "--storage", str(tmp_path / "s")],
+                             env={"FERRULE_SERVE_API_KEYS": "tml-ctrl-c-key"})
+    assert res.exit_code == 130 and not isinstance(res.exception, KeyboardInterrupt), res.output
+    assert re.fullmatch(r"ferrule serve: stopped while loading the base model, before it was ready \(\d+ s\); "
+                        r"nothing was served\.\n", res.output), res.output
+    assert not (tmp_path / "s").exists()
+
+
 # ---------------------------------------------------------------------------- Qwen3-MoE LoRA sampler weights
 
 @pytest.fixture(scope="module")

@@ -226,6 +226,7 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
                                    "from a saved state with create_training_client_from_state_with_optimizer)."], \
         (rc, log.read_text()[-3000:])
     assert "Traceback" not in log.read_text()
+    assert "Loading weights" not in log.read_text()  # transformers' bar of each model load, between the log lines
     lines = [ln for ln in log.read_text().splitlines() if "op=forward_backward" in ln]
     assert len(lines) == 1 and "client=carol" in lines[0] and "data=2" in lines[0] and "tokens=12" in lines[0] \
         and "run_s=" in lines[0], lines

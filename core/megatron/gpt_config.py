@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from .parallel import ParallelLayout
+from .parallel import ParallelLayout, ParallelLayoutError
 
 __all__ = ["ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_layout_fits", "gelu_tanh",
            "make_transformer_config", "padded_vocab_size"]
@@ -117,7 +117,8 @@ def make_transformer_config(
 
 
 def check_layout_fits(config_kwargs: Mapping[str, Any], layout: ParallelLayout) -> None:
-    """Raise ``ValueError`` if ``layout`` cannot split the model described by ``config_kwargs``.
+    """Raise :class:`~ferrule.megatron.parallel.ParallelLayoutError` (a ``ValueError``; the CLI prints it as one
+    line) if ``layout`` cannot split the model described by ``config_kwargs``.
 
     ``config_kwargs`` are TransformerConfig kwargs (``num_attention_heads``, ``num_query_groups``,
     ``num_layers``, ``num_moe_experts``), as a family's config translation produces them. Cheap
@@ -127,17 +128,17 @@ def check_layout_fits(config_kwargs: Mapping[str, Any], layout: ParallelLayout) 
     groups = int(config_kwargs.get("num_query_groups") or heads)
     if heads % layout.tp or groups % layout.tp:
         ok = [d for d in range(1, groups + 1) if heads % d == 0 and groups % d == 0]
-        raise ValueError(
+        raise ParallelLayoutError(
             f"tp={layout.tp} must divide num_attention_heads={heads} and num_query_groups (KV heads)={groups}; "
             f"valid tp: {ok}."
         )
     layers = int(config_kwargs["num_layers"])
     if layers % layout.pp:
-        raise ValueError(f"pp={layout.pp} must divide num_layers={layers}; valid pp: "
-                         f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
+        raise ParallelLayoutError(f"pp={layout.pp} must divide num_layers={layers}; valid pp: "
+                                  f"{[d for d in range(1, layers + 1) if layers % d == 0]}.")
     experts = config_kwargs.get("num_moe_experts")
     if experts and experts % layout.ep:
-        raise ValueError(f"ep={layout.ep} must divide the number of routed experts {experts}; valid ep: "
-                         f"{[d for d in range(1, experts + 1) if experts % d == 0]}.")
+        raise ParallelLayoutError(f"ep={layout.ep} must divide the number of routed experts {experts}; "
+                                  f"valid ep: {[d for d in range(1, experts + 1) if experts % d == 0]}.")
     if layout.ep > 1 and not experts:
-        raise ValueError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")
+        raise ParallelLayoutError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")

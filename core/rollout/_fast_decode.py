@@ -39,21 +39,26 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ferrule.rollout._decode_attn import KINDS, attend, attend_rope, fuses_rope, uses_triton
+from ferrule.rollout._fast_sampling import CHUNKS_ENV, vocab_chunks
+from ferrule.rollout._fast_sampling import sample_record as _sample_record
+
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
 #: back to the plain path
 MAX_STOP_IDS = 1024
 #: key slots attended per step: the filled prefix rounded up to this many (one graph per length,
 #: docs/benchmarks.md "Embedded decode: fast path"); 0: the whole cache every step
-#: (``FERRULE_FAST_KV_BUCKET`` overrides)
+#: (``FERRULE_FAST_KV_BUCKET`` overrides; "triton_rope" attention stops at each row's slot: always 0)
 KV_BUCKET = 64
-#: decode attention scores: "fp32" (default: ``q @ k^T`` kept in fp32, as SDPA's kernels keep it;
-#: ``bmm(..., out_dtype=float32)`` on CUDA) or "eager" (transformers' eager formula: ``q @ k^T``
-#: rounded to the model dtype, then the fp32 softmax). Same speed on an H200; on SmolLM2 in bf16
-#: (CPU, teacher-forced) fp32 scores put the logprobs 8% closer to an fp32 forward (docs/benchmarks.md).
-#: ``FERRULE_FAST_ATTN`` overrides
+#: decode attention (:mod:`ferrule.rollout._decode_attn`): "fp32" (default: ``q @ k^T`` kept in
+#: fp32, as SDPA's kernels keep it), "eager" (transformers' eager formula: ``q @ k^T`` rounded to the
+#: model dtype, then the fp32 softmax), "triton" (the fp32 formula as one fused kernel on CUDA) or
+#: "triton_rope" (that kernel also doing RoPE and the cache write).
+#: "fp32" and "eager": same speed on an H200; on SmolLM2 in bf16 (CPU, teacher-forced) fp32 scores put
+#: the logprobs 8% closer to an fp32 forward (docs/benchmarks.md). ``FERRULE_FAST_ATTN`` overrides
 ATTN = "fp32"
-ATTN_KINDS = ("eager", "fp32")
+ATTN_KINDS = KINDS
 #: torch.compile recompile limit while the fast step compiles: one compile per (batch, cache)
 #: bucket, sampling kind, stop-id buffer size and attended length, more than dynamo's default 8
 RECOMPILE_LIMIT = 64
@@ -214,7 +219,6 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     """
     b = ids.shape[0]
     hq, hkv, d = layout.hq, layout.hkv, layout.head_dim
-    rep = hq // hkv
     n = len(layout.layer_idx)
     embed, norm_w, lm_head = weights[n * _PER_LAYER:]
     x = F.embedding(ids, embed)
@@ -225,7 +229,7 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
         raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (FERRULE_FAST_ATTN)")
     hidden = ~allowed[:, None, None, :L]
     rows = torch.arange(b, device=ids.device)
-    fp32_scores = attn == "fp32" and embed.dtype != torch.float32
+    rope_in_attn = fuses_rope(attn, ids.device)
     for i in range(n):
         ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
         e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
@@ -235,21 +239,14 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
         v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
         if qn is not None:
             q, k = _rms(q, qn, eqk), _rms(k, kn, eqk)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kc, vc = keys[i], values[i]
-        kc[rows, :, slot] = k
-        vc[rows, :, slot] = v
-        # query head h uses kv head h // rep (transformers' repeat_kv grouping)
-        if fp32_scores and q.is_cuda:
-            s = torch.bmm(q.reshape(b * hkv, rep, d), kc[:, :, :L].reshape(b * hkv, L, d).transpose(-1, -2),
-                          out_dtype=torch.float32).view(b, hkv, rep, L) * layout.scaling
-        elif fp32_scores:  # CPU has no bmm(out_dtype=): the same products from upcast operands
-            s = torch.matmul(q.view(b, hkv, rep, d).float(), kc[:, :, :L].transpose(-1, -2).float()) * layout.scaling
+        if rope_in_attn:
+            o = attend_rope(q, k, v, cos[:, 0], sin[:, 0], slot, kc, vc, allowed, L, layout.scaling)
         else:
-            s = torch.matmul(q.view(b, hkv, rep, d), kc[:, :, :L].transpose(-1, -2)) * layout.scaling
-        s = s.masked_fill(hidden, torch.finfo(s.dtype).min)
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, vc[:, :, :L]).reshape(b, hq * d)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            kc[rows, :, slot] = k
+            vc[rows, :, slot] = v
+            o = attend(q, kc, vc, allowed, hidden, L, layout.scaling, attn)
         x = x + F.linear(o, o_w, o_b)
         g, u = F.linear(_rms(x, ln2, e2), gu_w).split(layout.inter, dim=-1)
         x = x + F.linear(F.silu(g) * u, down_w)
@@ -260,43 +257,11 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
           slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
           temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
           lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
-          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager") -> None:
+          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager", chunks: int = 0) -> None:
     """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
     logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn)
     _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
-                   finished, stopped, ids, pos, slot, allowed)
-
-
-def _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
-                   finished, stopped, ids, pos, slot, allowed) -> None:
-    # the formulas of ferrule.rollout._fast_sampling (_plain / _greedy): same draw as torch.multinomial
-    raw = logits.float()
-    if noise is None:
-        x = raw
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        tok = torch.argmax(x, dim=-1)
-    else:
-        x = raw / temperature
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        tok = torch.argmax(torch.exp(x - lse) / noise, dim=-1)
-    lp = x.gather(-1, tok[:, None])[:, 0] - lse[:, 0]
-    c = col.view(1)
-    tokens_out.index_copy_(1, c, tok[:, None])
-    lp_out.index_copy_(1, c, lp[:, None])
-    if raw_out is not None:
-        rlp = lp if noise is None else raw.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
-        raw_out.index_copy_(1, c, rlp[:, None])
-    alive = ~finished
-    lengths.add_(alive.long())
-    hit = alive & torch.isin(tok, stop_t)
-    stopped.logical_or_(hit)
-    finished.logical_or_(hit)
-    # stage the next step: token `col` goes to key slot p + col at position prompt_len + col
-    ids.copy_(tok)
-    pos.copy_(prompt_len + col)
-    slot.copy_((p + col).expand_as(slot))
-    allowed[torch.arange(allowed.shape[0], device=allowed.device), slot] = True
-    col.add_(1)
+                   finished, stopped, ids, pos, slot, allowed, chunks)
 
 
 _COMPILED: dict[str, Any] = {}
@@ -347,6 +312,7 @@ class FastStatic:
         self.finished = torch.zeros(b, dtype=torch.bool, **z)
         self.stopped = torch.zeros(b, dtype=torch.bool, **z)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.chunks = 0  # sampler vocabulary chunks (FERRULE_FAST_SAMPLER_CHUNKS), set per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
@@ -363,14 +329,14 @@ class FastStatic:
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
-                self.stopped, kv_len, attn)
+                self.stopped, kv_len, attn, self.chunks)
 
     def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
                kv_len: int | None = None, attn: str = "eager") -> torch.cuda.CUDAGraph:
         if self.layout_key != layout.key():
             self.graphs.clear()
             self.layout_key = layout.key()
-        key = (greedy, want_raw, self.stop_t.numel(), attn, kv_len)
+        key = (greedy, want_raw, self.stop_t.numel(), attn, self.chunks, kv_len)
         if key in self.graphs:
             return self.graphs[key]
         args = self._args(layout, greedy, want_raw, kv_len, attn)
@@ -413,14 +379,21 @@ class FastStatic:
         noise = None if greedy else self.noise
         if noise is not None:
             noise.exponential_(1, generator=gen)
+        want_chunks = int(os.environ.get(CHUNKS_ENV, "0")) if logits.is_cuda else 0
+        self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
         with _recompile_limit():
             _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
                                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
-                               self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed)
+                               self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed,
+                               self.chunks)
         # graphs are captured after the first sample staged step 1's input: their warm-up runs write
         # the cache only at slots the real steps write again before reading
         bucket = int(os.environ.get("FERRULE_FAST_KV_BUCKET", KV_BUCKET))
         attn = os.environ.get("FERRULE_FAST_ATTN", ATTN)
+        if uses_triton(attn, self.ids.device):
+            import ferrule.rollout._decode_attn_triton  # noqa: F401  (triton imported before the compile)
+        if fuses_rope(attn, self.ids.device):
+            bucket = 0  # its kernel attends up to each row's slot: one graph for the whole cache
         max_len = self.state.max_len
         kv_len, graph = None, None
         for t in range(1, n_new):

@@ -19,6 +19,8 @@ truncation is asked for, :func:`sample_plain` computes the same quantities in on
   convention of :mod:`ferrule.rollout.base` (before truncation, which this case has none of).
 
 Anything with truncation keeps the eager :func:`~ferrule.rollout._sampling.sample_next`.
+:func:`sample_record` is the same formulas plus the per-step bookkeeping, compiled into the fast
+decode step (:mod:`ferrule.rollout._fast_decode`), optionally with chunked reductions on CUDA.
 """
 
 from __future__ import annotations
@@ -30,6 +32,38 @@ import torch
 from ferrule.rollout.base import SamplingParams
 
 _COMPILED: dict[str, Any] = {}
+
+#: ``FERRULE_FAST_SAMPLER_CHUNKS``: the fast decode step's sampler reduces each row in this many
+#: vocabulary chunks, then over the chunks (CUDA only; 0: one pass per row, the default)
+CHUNKS_ENV = "FERRULE_FAST_SAMPLER_CHUNKS"
+
+
+def vocab_chunks(vocab: int, want: int) -> int:
+    """The largest power of two ``<= want`` dividing ``vocab`` with chunks of at least 1024
+    entries (1: no chunking). 151,936 (Qwen2) -> 128 for ``want=128``."""
+    c = 1
+    while c * 2 <= want and vocab % (c * 2) == 0 and vocab // (c * 2) >= 1024:
+        c *= 2
+    return c
+
+
+def logsumexp_chunked(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``torch.logsumexp(x, -1, keepdim=True)`` for ``x [batch, vocab]`` fp32, as ``chunks`` partial
+    log-sum-exps combined by a second one (the same quantity; fp32 rounding in another order): at
+    batch 64 and Qwen's vocabulary one program per row leaves most of an H200 idle (docs/benchmarks.md)."""
+    if chunks <= 1:
+        return torch.logsumexp(x, dim=-1, keepdim=True)
+    return torch.logsumexp(torch.logsumexp(x.view(x.shape[0], chunks, -1), dim=-1), dim=-1, keepdim=True)
+
+
+def argmax_chunked(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``torch.argmax(x, -1)`` for ``x [batch, vocab]``, per chunk and then over the chunk maxima:
+    the same index (the first maximum, as argmax returns it), ``[batch]`` int64."""
+    if chunks <= 1:
+        return torch.argmax(x, dim=-1)
+    best, idx = x.view(x.shape[0], chunks, -1).max(dim=-1)
+    c = torch.argmax(best, dim=-1)
+    return c * (x.shape[-1] // chunks) + idx.gather(-1, c[:, None])[:, 0]
 
 
 def fused_applies(params: SamplingParams) -> bool:
@@ -86,3 +120,41 @@ class FusedSampler:
             return _fn("greedy")(logits, want_raw)
         self.noise.exponential_(1, generator=generator)
         return _fn("plain")(logits, self.temperature, self.noise, want_raw)
+
+
+def sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
+                  finished, stopped, ids, pos, slot, allowed, chunks: int = 0) -> None:
+    """The fast decode step's sampler and bookkeeping (:class:`ferrule.rollout._fast_decode.FastStatic`,
+    compiled into its step): from ``logits [batch, vocab]`` sample token ``col`` (greedy when
+    ``noise`` is None), record it and its logprob at column ``col`` of ``tokens_out`` / ``lp_out`` /
+    ``raw_out``, count ``lengths``, mark rows hitting ``stop_t`` ids as stopped and finished, stage
+    the next step's ``ids`` / ``pos`` / ``slot`` / ``allowed``, ``col += 1``. All in place."""
+    # the formulas of _plain / _greedy: same draw as torch.multinomial;
+    # with chunks > 1 its reductions go per vocabulary chunk first (argmax_chunked, logsumexp_chunked)
+    raw = logits.float()
+    if noise is None:
+        x = raw
+        lse = logsumexp_chunked(x, chunks)
+        tok = argmax_chunked(x, chunks)
+    else:
+        x = raw / temperature
+        lse = logsumexp_chunked(x, chunks)
+        tok = argmax_chunked(torch.exp(x - lse) / noise, chunks)
+    lp = x.gather(-1, tok[:, None])[:, 0] - lse[:, 0]
+    c = col.view(1)
+    tokens_out.index_copy_(1, c, tok[:, None])
+    lp_out.index_copy_(1, c, lp[:, None])
+    if raw_out is not None:
+        rlp = lp if noise is None else raw.gather(-1, tok[:, None])[:, 0] - logsumexp_chunked(raw, chunks)[:, 0]
+        raw_out.index_copy_(1, c, rlp[:, None])
+    alive = ~finished
+    lengths.add_(alive.long())
+    hit = alive & torch.isin(tok, stop_t)
+    stopped.logical_or_(hit)
+    finished.logical_or_(hit)
+    # stage the next step: token `col` goes to key slot p + col at position prompt_len + col
+    ids.copy_(tok)
+    pos.copy_(prompt_len + col)
+    slot.copy_((p + col).expand_as(slot))
+    allowed[torch.arange(allowed.shape[0], device=allowed.device), slot] = True
+    col.add_(1)

@@ -29,6 +29,9 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per base / client model load, between the log lines
 
 
 def _ready_server(app, host: str, port: int, line: str):
@@ -156,6 +159,10 @@ def serve_command(
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C while the first base loads: the server never listened
+        print(f"ferrule serve: stopped while loading the base model, before it was ready "
+              f"({time.monotonic() - t0:.0f} s); nothing was served.", flush=True)
+        raise typer.Exit(130) from None
     bases = app.state.bases
     waiting = [n for n in bases.names if n not in bases.loaded()]
     later = f"; {', '.join(waiting)} load on first use" if waiting else ""
