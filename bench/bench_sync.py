@@ -102,7 +102,7 @@ def main() -> None:
         os.environ["FERRULE_DIRECT_SYNC_FOREACH"] = "0"
         out["direct_loop_ms"], _ = _time(lambda: sync(), args.iters)
         os.environ["FERRULE_DIRECT_SYNC_FOREACH"] = "1"
-        rows_default = os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "0")
+        rows_default = os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "1")
         os.environ["FERRULE_DIRECT_SYNC_ROWS"] = "0" if rows_default == "1" else "1"
         out["direct_other_rows_ms"], _ = _time(lambda: sync(), args.iters)
         os.environ["FERRULE_DIRECT_SYNC_ROWS"] = rows_default
@@ -120,7 +120,7 @@ def main() -> None:
         out.update(
             copies=len(plan.copies), strided_copies=sum(not c.contiguous() for c in plan.copies),
             fallback=len(plan.fallback), row_gathers=len(plan.gathers),
-            rows_default=os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "0"),
+            rows_default=os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "1"),
             bucketed_over_direct=round(out["bucketed_ms"] / out["direct_ms"], 2),
             direct_over_copy_limit=round(out["direct_ms"] / out["copy_limit_ms"], 2),
             fused=rollout.fast_decode, build_s=round(build_s, 1),

@@ -280,3 +280,20 @@ def test_direct_sync_on_cuda_into_fused_buffers(tmp_path, monkeypatch):
     assert plan.fallback == {} and plan.copies[0].dst.device.type == "cuda"
     if fast.fast_decode:  # fused at construction: gate + up are one copy per layer
         assert sum("+" in c.hf_name for c in plan.copies) == fast.model.config.num_hidden_layers
+
+
+@pytest.mark.timeout(120)
+def test_a_second_train_engine_gets_its_own_plan(tmp_path):
+    """One rollout engine synced from two train engines in turn: the plan follows the engine it is given."""
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.sync import sync_weights
+
+    engine, ref, fast = _engines(_qwen("qwen3", "Qwen3ForCausalLM"), tmp_path)
+    other = TrainEngine.from_hf(tmp_path / "hf")
+    _move(engine, 71)
+    _move(other, 72)
+    for version, src in enumerate((engine, other, engine), start=1):
+        sync_weights(src, ref, version, direct=False)
+        assert sync_weights(src, fast, version).direct
+        _assert_same(_snapshot(fast), _snapshot(ref))
+        assert _plan(fast).copies[0].src is next(src.model[0].parameters())

@@ -23,10 +23,9 @@ translated to transformers' in-memory layout (e.g. Qwen3-MoE's stacked experts) 
 LoRA: ``update_lora_adapter`` serves the base plus one HF PEFT adapter, unmerged, through PEFT's
 own LoRA layers (:mod:`ferrule.rollout._lora`); later updates copy the adapter in place. On the
 fast decode path the decode steps run on a merged copy of the targeted weights
-(:class:`ferrule.rollout._lora_merge.MergedLora`; the base weights are never written); with
-``FERRULE_LORA_MERGED=1`` the prefill runs on it too and it is merged again only after a weight or
-adapter update, else (the default until verified on a GPU) it is merged on every call and the
-prefill runs through PEFT's unmerged layers.
+(:class:`ferrule.rollout._lora_merge.MergedLora`; the base weights are never written); the prefill
+runs on it too and it is merged again only after a weight or adapter update
+(``FERRULE_LORA_MERGED=0``: merged on every call, prefill through PEFT's unmerged layers).
 """
 
 from __future__ import annotations
