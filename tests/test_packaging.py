@@ -86,6 +86,8 @@ def test_fresh_venv_imports_every_module_and_lists_plugins(fresh_venv):
         "import importlib, pkgutil, ferrule, sys\n"
         "assert 'site-packages' in ferrule.__file__ and '/core/' not in ferrule.__file__, ferrule.__file__\n"
         "mods = [m.name for m in pkgutil.walk_packages(ferrule.__path__, 'ferrule.')]\n"
+        # the Triton decode-attention kernels need triton (GPU machines only; CI's CPU install has none)
+        "mods = [m for m in mods if m != 'ferrule.rollout._decode_attn_triton']\n"
         "for m in mods: importlib.import_module(m)\n"
         "print(len(mods))\n"
     )
