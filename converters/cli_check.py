@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 __all__ = ["check_command"]
+
+
+@contextlib.contextmanager
+def _quiet_check() -> Iterator[None]:
+    """Silence, for the check's duration only, what would bury its report: warnings (megatron's deprecation
+    chatter; ``PYTHONWARNINGS`` for the --tp conversion workers) and transformers' "Loading weights" bar of
+    each HF reference load (``HF_HUB_DISABLE_PROGRESS_BARS`` in the workers). Everything is restored on exit:
+    a caller's process (a notebook, a test session calling the command in-process) keeps its own warning
+    filters, environment and progress bars; before, later subprocesses inherited ``PYTHONWARNINGS=ignore``."""
+    from transformers.utils import logging as hf_logging
+
+    saved_env = {k: os.environ.get(k) for k in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    bars = hf_logging.is_progress_bar_enabled()
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def check_command(
@@ -29,18 +61,8 @@ def check_command(
     from rich.console import Console
     from rich.table import Table
 
-    import os
-    import warnings
-
     from ferrule.converters.check import EXIT_BAD_INPUT, run_check
 
-    warnings.filterwarnings("ignore")  # megatron's deprecation chatter would bury the report
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # ... also in the --tp conversion workers
-    # transformers' "Loading weights" bar of each HF reference load, above the report (here and in the workers)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     err = Console(stderr=True)
     bad = [f"--{name} {value}: expected {want}" for name, value, ok, want in (
         ("tp", tp, tp >= 1, "a whole number >= 1 (tensor-parallel processes; default 1)"),
@@ -51,7 +73,8 @@ def check_command(
         err.print(f"[bold red]error:[/] {'; '.join(bad)}.", highlight=False)
         raise typer.Exit(code=EXIT_BAD_INPUT)
     try:
-        report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
+        with _quiet_check():
+            report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
     except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2
         err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
         raise typer.Exit(code=EXIT_BAD_INPUT) from None

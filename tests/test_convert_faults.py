@@ -285,6 +285,26 @@ def test_check_flag_values_are_refused_first_naming_the_flag(qwen2_dir):
         assert "convert" not in res.output, res.output
 
 
+def test_check_in_process_leaves_the_callers_warnings_and_environment_alone(tmp_path, monkeypatch):
+    """The check silences warnings and HF's progress bars for its own run only. Before, it set
+    ``PYTHONWARNINGS=ignore`` in the caller's os.environ for good: every later subprocess of a test session (or a
+    notebook) ran with warnings off (CI: ``ferrule plugins`` stopped printing SharedRowOverlapWarning)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    filters, bars = list(warnings.filters), hf_logging.is_progress_bar_enabled()
+    res = CliRunner().invoke(app, ["check", str(tmp_path / "missing")], env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and res.output.startswith("error:"), res.output
+    assert "PYTHONWARNINGS" not in os.environ and "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    assert warnings.filters == filters and hf_logging.is_progress_bar_enabled() == bars
+
+
 def _refuse_on_rank0_hang_on_rank1(rank: int) -> None:
     """A conversion worker whose rank 0 fails at once while rank 1 is still busy (here: asleep)."""
     if rank == 0:
