@@ -39,6 +39,11 @@ from inkling_fixtures import CONFIGS as INKLING_CONFIGS
 from inkling_fixtures import tiny_inkling_dir
 
 GRAD_RTOL = 1e-5
+# the loop model runs its layers 3 times (inkling2_loop, loop_2_6_x3): fp32 against the fp64 HF reference its
+# gradients carry about 3x the rounding of a plain stack; measured 1.14e-5 (model.llm.attn_res.attn_queries.2,
+# torch 2.13 CPU, 2 ranks; the same with core/megatron as of caf7691, so rounding and not a regression). A real
+# fault is orders larger (the unsplit case below: relative error 1).
+LOOP_GRAD_RTOL = 3e-5
 REPO = Path(__file__).resolve().parents[1]
 ODD, EVEN = (3, 9), (2, 9)  # [batch, seq]: 27 tokens (not divisible by tp=2) and 18
 AUX = {"router_aux_loss_coef": 0.02}
@@ -197,7 +202,7 @@ def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
     for case, r in results.items():
         assert r["grad_keys_match"], (case, r)
         assert r["replicated_spread"] == 0.0, (case, r)
-        assert r["grad_rel_worst"] <= GRAD_RTOL, (case, r)
+        assert r["grad_rel_worst"] <= (LOOP_GRAD_RTOL if "loop" in case else GRAD_RTOL), (case, r)
     # the old path's token double-counting: every routed expert's gradient tp=2 times HF's (relative error 1)
     assert abs(unsplit["grad_rel_experts"] - 1.0) < 1e-4, unsplit
     # the aux / z losses move the router gradients far beyond the tolerance (so 1/tp of them would show)
