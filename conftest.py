@@ -13,16 +13,69 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,inkling2,llama")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's share of threads per worker
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 pytest_plugins = ["ferrule.testing"]
 
 # Fixture plugin packages carry their own kit tests; tests/test_fixture_families.py runs them in a
 # subprocess where the fixtures are discoverable (tests/fixture_plugins.py).
 collect_ignore_glob = ["tests/fixtures/*"]
+
+
+ROOT = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """The session's 2-rank gloo worker pool (tests/dist_pool.py): ``dist_pool.run([WORKER, *args])``
+    replaces a ``torchrun --nproc-per-node 2 WORKER args`` launch, without its two interpreter starts."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_pool import DistPool
+
+    pool = DistPool()
+    yield pool
+    pool.close()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per core, at most one per 6 GiB of memory (a worker
+    with torch, transformers and megatron-core loaded, plus the 2-rank pool it may start, holds 3-5 GiB)."""
+    import psutil
+
+    return max(1, min(os.cpu_count() or 1, psutil.virtual_memory().total // (6 << 30)))
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Schedule whole files: every test gets ``xdist_group(<its file>)`` (``--dist loadgroup``: a file's
+    tests run in one worker, in file order, sharing its module fixtures), and the files known to take
+    longest go first (:data:`SLOW_FILES`; ``--no-loadscope-reorder`` keeps this order), so that the
+    last file to finish is a short one."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept
+    _check_gpu_markers(items)
+
+
+# the longest files, longest first (from `pytest --durations=0`); a new slow file belongs here
+SLOW_FILES: list[str] = []
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +87,7 @@ def _fresh_registry():
     registry.reset_registry()
 
 
-def pytest_collection_modifyitems(config, items):
+def _check_gpu_markers(items):
     """Every test that skips for want of CUDA carries the ``gpu`` marker, so that ``pytest -m gpu``
     on a GPU machine runs all of them (README "Tests"). Checked where such a skip fires (machines
     without CUDA, CI): a ``skipif`` whose condition holds and whose reason names CUDA or a GPU."""

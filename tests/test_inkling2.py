@@ -290,12 +290,9 @@ def test_embedded_rollout_logprobs_and_weight_sync(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ep2_logits_gradients_and_export_over_two_gloo_processes(tmp_path):
+def test_ep2_logits_gradients_and_export_over_two_gloo_processes(dist_pool, tmp_path):
     """One torchrun launch: Inkling-2 and Inkling-2-Loop at EP=2 (alltoall dispatcher): export exact, logits within
     1e-5 of HF, gradients (experts gathered over EP by the mapping table) within the TP=1 tolerances."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -317,10 +314,8 @@ def test_ep2_logits_gradients_and_export_over_two_gloo_processes(tmp_path):
                     "grads": load_file(tmp_path / f"{case}_grads" / "model.safetensors")}, tmp_path / f"{case}.ref.pt")
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(repo / "tests" / "dist" / "inkling2_parity_worker.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=repo)
+    proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling2_parity_worker.py"), str(tmp_path)],
+                         timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == set(cases)

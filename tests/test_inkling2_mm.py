@@ -170,22 +170,17 @@ def test_update_groups_cover_the_model_with_its_tower(tiny_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_image_prompt_at_tp2_and_ep2_over_two_gloo_processes(tmp_path):
+def test_image_prompt_at_tp2_and_ep2_over_two_gloo_processes(dist_pool, tmp_path):
     """One torchrun launch: the image prompt's logits at TP=2 and EP=2 == HF within 1e-5, export bit-exact (tower
     included), the tower identical on both ranks."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from inkling2_vision_fixtures import TEXT
 
     hf_model(config_dict(text=dict(TEXT, num_key_value_heads=2))).save_pretrained(tmp_path / "mm")  # TP=2 splits KV
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(repo / "tests" / "dist" / "inkling2_mm_worker.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=repo)
+    proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling2_mm_worker.py"), str(tmp_path)],
+                         timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == {"tp2", "ep2"}

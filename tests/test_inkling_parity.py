@@ -105,13 +105,10 @@ def test_gradients_match_hf_autograd_tp1(name, overrides, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tp2_ep2_and_resharding_over_two_gloo_processes(tmp_path):
+def test_tp2_ep2_and_resharding_over_two_gloo_processes(dist_pool, tmp_path):
     """One torchrun launch: TP=2 logits/export for four configs, TP=2 gradients (dense, and MoE with
     the tokens split over TP around the dispatcher) vs HF autograd, TP=2 refused for 1 KV head, EP=2 (alltoall, allgather) with router + shared experts replicated over EP,
     torch_dist resharding."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from ferrule.converters import hf_to_torch_dist
@@ -120,10 +117,8 @@ def test_tp2_ep2_and_resharding_over_two_gloo_processes(tmp_path):
         tiny_inkling_dir(tmp_path / name, overrides)
     hf_to_torch_dist(tmp_path / "moe_2_shared", tmp_path / "moe_2_shared_td")
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(repo / "tests" / "dist" / "inkling_parity_worker.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=repo)
+    proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling_parity_worker.py"), str(tmp_path)],
+                         timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results.pop("shared_experts_replicated_over_ep") is True

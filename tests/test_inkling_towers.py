@@ -267,12 +267,9 @@ def test_tmlv0_media_parts_expand_to_tml_renderers_token_counts(name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_logits_with_towers_at_tp2_over_two_gloo_processes(tmp_path):
+def test_logits_with_towers_at_tp2_over_two_gloo_processes(dist_pool, tmp_path):
     """Text model split over TP=2, towers replicated: logits with an image and an audio clip match HF, the
     export (towers included) is bit-exact, and the towers are identical on both TP ranks."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     tiny_inkling_mm_dir(tmp_path / "mm")
@@ -280,10 +277,8 @@ def test_logits_with_towers_at_tp2_over_two_gloo_processes(tmp_path):
     torch.save({"ids": _prompt(pixel_values.shape[0], dmel.shape[0]), "pixel_values": pixel_values, "dmel": dmel},
                tmp_path / "media.pt")
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(repo / "tests" / "dist" / "inkling_towers_tp2_worker.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=repo)
+    proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling_towers_tp2_worker.py"), str(tmp_path)],
+                         timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["export_exact"] and results["tower_tensors_exported"] == 6, results

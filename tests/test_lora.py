@@ -343,7 +343,7 @@ def test_load_refreshes_fp32_master_copies(dirs):
         assert float((after[k].float() - loaded[k].float()).abs().max()) < 0.02, k
 
 
-def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
+def test_tp2_matches_world_size_1_and_resumes(dist_pool, dirs, tmp_path):
     work = tmp_path
     (work / "qwen2").symlink_to(dirs["qwen2"])
     engine = lw.lora_engine(dirs["qwen2"])
@@ -381,9 +381,7 @@ def test_tp2_matches_world_size_1_and_resumes(dirs, tmp_path):
     ink2.forward_backward(tw.make_batch(seed=3), "cross_entropy")
     ink2_norm = ink2.optim_step()["grad_norm"]
     ink2_after = {k: v.cpu() for k, v in hf_adapter_state_dict(ink2).items()}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)],
-                          capture_output=True, text=True, timeout=280, cwd=REPO)
+    proc = dist_pool.run([str(REPO / "tests" / "dist" / "lora_worker.py"), str(work)], timeout=280, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((work / "results.json").read_text())
     assert res["tp2_roundtrip"]

@@ -354,7 +354,7 @@ def test_seed_all_is_deterministic(mcore):
 # ------------------------------------------------------------------ 2 gloo processes (one launch)
 
 
-def test_two_process_tp_pp_ep_optimizer_checkpoint(tmp_path):
+def test_two_process_tp_pp_ep_optimizer_checkpoint(dist_pool, tmp_path):
     cfgs = {"qwen3": qwen3_cfg(num_key_value_heads=2, tie_word_embeddings=False).to_dict(),
             "qwen3_moe": qwen3_moe_cfg().to_dict()}
     (tmp_path / "cfgs.json").write_text(json.dumps(cfgs))
@@ -363,9 +363,8 @@ def test_two_process_tp_pp_ep_optimizer_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), str(tmp_path / "cfgs.json"), str(tmp_path / "out.json"), str(ckpt)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = dist_pool.run([str(WORKER), str(tmp_path / "cfgs.json"), str(tmp_path / "out.json"), str(ckpt)],
+                         cwd=ROOT, env=env, timeout=240)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     out = json.loads((tmp_path / "out.json").read_text())
 

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -150,7 +147,7 @@ def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
+def test_moe_families_train_at_tp2_with_hf_gradients(dist_pool, tmp_path):
     from ferrule import conformance_numeric as cn
     from test_inkling2 import CONFIGS as INKLING2_CONFIGS
     from test_inkling2 import tiny_inkling2_dir
@@ -190,10 +187,8 @@ def test_moe_families_train_at_tp2_with_hf_gradients(tmp_path):
     }
     (tmp_path / "cases.json").write_text(json.dumps({k: {n: str(v) if isinstance(v, Path) else v
                                                          for n, v in c.items()} for k, c in cases.items()}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(REPO / "tests" / "dist" / "moe_tp_worker.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=380, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
+    proc = dist_pool.run([str(REPO / "tests" / "dist" / "moe_tp_worker.py"), str(tmp_path)],
+                         timeout=380, env={"OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     print(json.dumps(results, indent=1))  # the figures (pytest -s shows them)

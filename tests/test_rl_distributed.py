@@ -167,21 +167,24 @@ def _one_process(work: Path, jobs: list[list[str]]) -> list:
     return json.loads(out.read_text())
 
 
-def _launch_worker(work: Path, layouts: str | None = None, *, cpu: bool = False) -> dict:
+def _launch_worker(dist_pool, work: Path, layouts: str | None = None, *, cpu: bool = False) -> dict:
     env = _cpu_env() if cpu else _env()
     if layouts:
         env[w.LAYOUTS_ENV] = layouts
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(REPO / "tests" / "dist" / "rl_worker.py"), str(work)],
-                          capture_output=True, text=True, timeout=560, env=env, cwd=REPO)
+    worker = [str(REPO / "tests" / "dist" / "rl_worker.py"), str(work)]
+    if dist_pool is None:  # NCCL over two GPUs: its own launch (the pool's ranks are gloo / CPU)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               *worker], capture_output=True, text=True, timeout=560, env=env, cwd=REPO)
+    else:
+        proc = dist_pool.run(worker, timeout=560, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     return json.loads((work / "results.json").read_text())
 
 
 @pytest.mark.timeout(600)
-def test_layouts_match_one_process_and_resume_bit_identically(work, tmp_path):
+def test_layouts_match_one_process_and_resume_bit_identically(dist_pool, work, tmp_path):
     # gloo on the CPU on any machine (GPUs hidden from the workers and the referee); NCCL: test_dp2_on_two_gpus
-    results = _launch_worker(work, cpu=True)
+    results = _launch_worker(dist_pool, work, cpu=True)
     print({name: round(runs["seconds"], 1) for name, runs in results.items()}, "seconds per layout (2 ranks)")
 
     # resume each layout's step-2 checkpoint in one process (DP 2 -> 1, TP 2 -> 1, PP 2 -> 1: the torch_dist
@@ -350,7 +353,7 @@ def test_dp2_on_two_gpus_matches_one_gpu(work, tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (NCCL DP=2); CPU machines run the gloo layouts test")
-    results = _launch_worker(work, ",".join(GPU_LAYOUTS))
+    results = _launch_worker(None, work, ",".join(GPU_LAYOUTS))
     base = json.loads((work / "overrides.json").read_text())
     common = base + [f"train.steps={w.STEPS}", f"checkpoint.interval={w.CKPT_EVERY}", "checkpoint.keep=0"]
     for name in GPU_LAYOUTS:

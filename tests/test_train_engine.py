@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -215,12 +214,11 @@ def test_exact_resume_world_size_1(hf_dirs, tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_two_process_checks_and_cross_dp_load(hf_dirs, tmp_path):
+def test_two_process_checks_and_cross_dp_load(dist_pool, hf_dirs, tmp_path):
     os.symlink(hf_dirs["qwen2"], tmp_path / "qwen2")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(REPO / "tests" / "dist" / "train_engine_worker.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    proc = dist_pool.run([str(REPO / "tests" / "dist" / "train_engine_worker.py"), str(tmp_path)],
+                         timeout=180, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r = json.loads((tmp_path / "results.json").read_text())
     ws1 = w.split_invariance(hf_dirs["qwen2"], ParallelLayout())["grad_norm"]

@@ -201,14 +201,12 @@ WORKER = ROOT / "tests" / "dist" / "weight_sync_worker.py"
 
 
 @pytest.mark.timeout(200)
-def test_sync_under_tp_ep_pp(tmp_path):
+def test_sync_under_tp_ep_pp(dist_pool, tmp_path):
     """2 gloo ranks: TP=2 (qwen3), PP=2 (qwen3), EP=2 (qwen3_moe; dense DP=2). The synced tensors
     equal the HF checkpoint loaded into the sharded model bit for bit; only rank 0 sends; a
     corrupted engine tensor is named by the check on every rank."""
     import json
     import os
-    import subprocess
-    import sys
 
     torch.manual_seed(SEED)
     cfg = dict(qwen3.TINY_HF_CONFIG, num_key_value_heads=2, tie_word_embeddings=False)  # tp=2 needs 2 KV groups
@@ -218,9 +216,7 @@ def test_sync_under_tp_ep_pp(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = dist_pool.run([str(WORKER), str(tmp_path)], cwd=ROOT, env=env, timeout=180)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
     for case in ("tp2", "pp2", "ep2"):

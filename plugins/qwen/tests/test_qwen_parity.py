@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +34,7 @@ def test_logits_match_hf_tp1(family, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(280)
-def test_tp2_ep2_pp2_and_resharding_over_two_gloo_processes(tmp_path):
+def test_tp2_ep2_pp2_and_resharding_over_two_gloo_processes(dist_pool, tmp_path):
     from ferrule.converters import hf_to_torch_dist
 
     cn.tiny_hf_dir("qwen2", tmp_path / "qwen2")
@@ -46,10 +44,7 @@ def test_tp2_ep2_pp2_and_resharding_over_two_gloo_processes(tmp_path):
     cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe")
     hf_to_torch_dist(tmp_path / "qwen3_untied", tmp_path / "qwen3_untied_td")  # saved at TP=1
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(WORKER), str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    proc = dist_pool.run([str(WORKER), str(tmp_path)], timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     expected_cases = {"qwen2_tp2", "qwen3_tied_tp2", "qwen3_moe_tp2", "qwen3_moe_ep2", "qwen3_moe_ep2_allgather",

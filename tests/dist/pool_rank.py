@@ -1,0 +1,174 @@
+"""One rank of the test session's 2-process gloo pool (:mod:`dist_pool`); started under torchrun.
+
+Instead of a ``torchrun`` per test (two interpreters importing torch, transformers and megatron-core:
+20-30 s on a loaded 2-core machine before the first line of the test runs), the session starts this
+program once and hands it *jobs*: a worker script (or ``-m module``) with its argv and environment,
+run here exactly as torchrun would run it (``runpy`` with ``__name__ == "__main__"``, the torchrun
+environment variables already set), in both ranks at once.
+
+Protocol (all through files in CONTROL_DIR, written atomically by renaming):
+
+- ``job-N.json`` (from the client): ``{"argv": [...], "env": {...}, "cwd": "..."}``; ``argv`` is
+  what follows ``torchrun --nproc-per-node 2``: ``[SCRIPT, *args]`` or ``["-m", MODULE, *args]``.
+- ``job-N.rankR.out`` / ``.err``: the job's stdout / stderr in rank R (file descriptors 1 and 2
+  are pointed there, so C-level output is caught too).
+- ``job-N.rankR.done`` (from rank R): ``{"rc": int}``: 0, the ``SystemExit`` code, or 1 for an
+  exception (its traceback is in ``.err``).
+- ``stop`` (from the client): both ranks leave their loop.
+
+Between jobs each rank tears down megatron's model-parallel groups (keeping the default process
+group), resets ferrule's plugin registry, restores ``os.environ``, ``sys.argv`` and ``sys.path``, and
+meets the other rank at a barrier. A job that calls ``dist.init_process_group`` or
+``dist.destroy_process_group`` on the default group (as a standalone worker does) finds the group
+already there / kept: both are no-ops here. A job that fails or hangs in one rank while the other
+waits in a collective is the client's business: it kills the pool and starts a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+POLL_S = 0.02
+# set by torchrun for this rank: a job's environment (often a copy of the test's, with these popped) never changes them
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _patch_process_group_calls() -> None:
+    """Make a job's own init / destroy of the *default* process group no-ops (the pool owns it)."""
+    import torch.distributed as dist
+
+    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+
+    def init_process_group(*args, **kwargs):
+        if dist.is_initialized():
+            return None
+        return real_init(*args, **kwargs)
+
+    def destroy_process_group(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return None
+        return real_destroy(group)
+
+    dist.init_process_group = init_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+def _reset_between_jobs() -> None:
+    import gc
+
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    try:
+        from megatron.core import num_microbatches_calculator as nmc
+
+        nmc.destroy_num_microbatches_calculator()
+    except (ImportError, AttributeError):  # pragma: no cover - megatron layout changed
+        pass
+    try:
+        from ferrule import registry
+
+        registry.reset_registry()
+    except ImportError:  # pragma: no cover
+        pass
+    gc.collect()
+
+
+def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
+    import torch
+
+    argv = list(job["argv"])
+    saved_env, saved_argv, saved_path, saved_cwd = dict(os.environ), list(sys.argv), list(sys.path), os.getcwd()
+    saved_threads = torch.get_num_threads()
+    sys.stdout.flush(), sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            os.environ.update({k: v for k, v in (job.get("env") or {}).items()
+                               if k not in TORCHRUN_KEYS and not k.startswith("TORCHELASTIC_")})
+            for entry in reversed([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]):
+                if entry not in sys.path:
+                    sys.path.insert(0, entry)
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+            if job.get("cwd"):
+                os.chdir(job["cwd"])
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                script = str(Path(argv[0]).resolve())
+                sys.argv = [script, *argv[1:]]
+                sys.path.insert(0, str(Path(script).parent))
+                runpy.run_path(script, run_name="__main__")
+            rc = 0
+        except SystemExit as exc:
+            code = exc.code
+            rc = code if isinstance(code, int) else (0 if code is None else 1)
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported to the client as the job's failure
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved_fds[0], 1), os.dup2(saved_fds[1], 2)
+            os.close(saved_fds[0]), os.close(saved_fds[1])
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            torch.set_num_threads(saved_threads)
+    return rc
+
+
+def main(control: Path) -> None:
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # import what every job needs once, before the first job (this is the time the pool saves)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from megatron.core import parallel_state  # noqa: F401
+
+    import ferrule.megatron  # noqa: F401
+
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    _patch_process_group_calls()
+    (control / f"ready.rank{rank}").write_text(str(os.getpid()))
+    n = 0
+    while True:
+        job_file = control / f"job-{n}.json"
+        while not job_file.exists():
+            if (control / "stop").exists():
+                return
+            time.sleep(POLL_S)
+        job = json.loads(job_file.read_text())
+        rc = _run_job(job, control / f"job-{n}.rank{rank}.out", control / f"job-{n}.rank{rank}.err")
+        try:
+            _reset_between_jobs()
+        except Exception:  # noqa: BLE001 - a pool that cannot reset is replaced by the client
+            traceback.print_exc()
+            rc = rc or 70
+        tmp = control / f".job-{n}.rank{rank}.done"
+        tmp.write_text(json.dumps({"rc": rc}))
+        tmp.rename(control / f"job-{n}.rank{rank}.done")
+        if rc != 0:  # the other rank may be stuck in a collective: the client replaces the pool
+            return
+        dist.barrier()
+        n += 1
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

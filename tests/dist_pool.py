@@ -1,0 +1,172 @@
+"""The test session's 2-process gloo worker pool: a ``torchrun`` launch shared by every 2-rank test.
+
+A test that needs two ranks used to start ``python -m torch.distributed.run --nproc-per-node 2
+WORKER ARGS`` itself: two interpreters importing torch, transformers and megatron-core each time
+(20-30 s on a loaded 2-core machine). The ``dist_pool`` fixture (root ``conftest.py``) starts one
+launch of ``tests/dist/pool_rank.py`` per test session, lazily, and :meth:`DistPool.run` runs a worker
+in both of its ranks with the same argv, environment and torchrun variables, returning a
+:class:`subprocess.CompletedProcess` like the ``subprocess.run`` call it replaces::
+
+    proc = dist_pool.run([str(WORKER), str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+Isolation between jobs: megatron's model-parallel groups, ferrule's registry, ``os.environ``,
+``sys.argv`` and ``sys.path`` are reset in the ranks after each job (``pool_rank.py``). A job that
+fails or times out takes the pool down with it (killed as a process group); the next job starts a
+fresh one. Tests about process behaviour itself (a rank that dies, signals, torchrun's own exit
+codes) keep their own ``torchrun`` (``tests/test_process_policy.py`` lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK_PROGRAM = ROOT / "tests" / "dist" / "pool_rank.py"
+NPROC = 2
+START_TIMEOUT_S = 240.0
+FAILED_RANK_GRACE_S = 5.0
+POLL_S = 0.02
+
+
+class DistPoolError(RuntimeError):
+    """The pool could not start (its launch's output is in the message)."""
+
+
+class DistPool:
+    """A lazily started ``torchrun --nproc-per-node 2`` of ``pool_rank.py``, reused across jobs."""
+
+    def __init__(self, nproc: int = NPROC) -> None:
+        self.nproc = nproc
+        self.proc: subprocess.Popen | None = None
+        self.control: Path | None = None
+        self.next_job = 0
+        self.starts = 0
+        self.jobs_run = 0
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self.control = Path(tempfile.mkdtemp(prefix="ferrule-dist-pool-"))
+        self.next_job = 0
+        log = open(self.control / "launch.log", "w")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
+             str(RANK_PROGRAM), str(self.control)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        self.starts += 1
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all((self.control / f"ready.rank{r}").exists() for r in range(self.nproc)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = (self.control / "launch.log").read_text()[-4000:]
+                self.close()
+                raise DistPoolError(f"the 2-rank test pool did not start:\n{text}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop the ranks (kill the launch's process group) and remove the control folder."""
+        if self.proc is not None:
+            if self.proc.poll() is None and self.control is not None:
+                (self.control / "stop").write_text("")
+                try:
+                    self.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self.proc = None
+        if self.control is not None:
+            shutil.rmtree(self.control, ignore_errors=True)
+            self.control = None
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.close()
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def run(self, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 300.0,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        """Run ``argv`` (what follows ``torchrun --nproc-per-node 2``) in every rank of the pool.
+
+        Args:
+            argv: ``[SCRIPT, *args]`` or ``["-m", MODULE, *args]``.
+            env: variables set for the job (on top of the pool's environment; only these are
+                applied, so pass the few the worker needs, e.g. ``{"OMP_NUM_THREADS": "1"}``).
+            timeout: seconds for the job; past it the pool is killed and ``subprocess.TimeoutExpired``
+                is raised, as ``subprocess.run`` would.
+            cwd: working directory for the job (default: the repository root).
+
+        Returns:
+            ``CompletedProcess`` whose ``returncode`` is the first non-zero rank's code (else 0) and
+            whose ``stdout`` / ``stderr`` are every rank's output, rank 0 first.
+        """
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._start()
+        assert self.control is not None
+        n = self.next_job
+        self.next_job += 1
+        job = {"argv": [str(a) for a in argv], "env": {k: str(v) for k, v in (env or {}).items()},
+               "cwd": str(cwd or ROOT)}
+        tmp = self.control / f".job-{n}.json"
+        tmp.write_text(json.dumps(job))
+        tmp.rename(self.control / f"job-{n}.json")
+        deadline = time.monotonic() + timeout
+        done: dict[int, int] = {}
+        failed_at: float | None = None
+        while len(done) < self.nproc:
+            for r in range(self.nproc):
+                f = self.control / f"job-{n}.rank{r}.done"
+                if r not in done and f.exists():
+                    done[r] = json.loads(f.read_text())["rc"]
+                    if done[r] != 0 and failed_at is None:
+                        failed_at = time.monotonic()
+            if len(done) == self.nproc:
+                break
+            now = time.monotonic()
+            if failed_at is not None and now - failed_at > FAILED_RANK_GRACE_S:
+                break  # the other rank waits in a collective for the failed one
+            if self.proc.poll() is not None and failed_at is None:
+                failed_at = now  # the launch ended (a rank crashed hard): collect what is there
+            if now > deadline:
+                out, err = self._collect(n)
+                self._kill()
+                raise subprocess.TimeoutExpired(["dist_pool", *job["argv"]], timeout, output=out, stderr=err)
+            time.sleep(POLL_S)
+        out, err = self._collect(n)
+        rc = next((done[r] for r in sorted(done) if done[r] != 0), 0)
+        if len(done) < self.nproc:
+            rc = rc or 1
+            missing = sorted(set(range(self.nproc)) - set(done))
+            launch = (self.control / "launch.log").read_text()[-3000:]
+            err += f"\n[dist_pool] rank(s) {missing} did not finish; launch log:\n{launch}"
+        if rc != 0:
+            self._kill()
+        self.jobs_run += 1
+        return subprocess.CompletedProcess(["dist_pool", *job["argv"]], rc, out, err)
+
+    def _collect(self, n: int) -> tuple[str, str]:
+        assert self.control is not None
+        outs, errs = [], []
+        for r in range(self.nproc):
+            for suffix, acc in (("out", outs), ("err", errs)):
+                f = self.control / f"job-{n}.rank{r}.{suffix}"
+                if f.exists():
+                    acc.append(f.read_text(errors="replace"))
+        return "".join(outs), "".join(errs)
