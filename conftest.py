@@ -31,13 +31,13 @@ collect_ignore_glob = ["tests/fixtures/*"]
 
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tests"))  # the shared helpers (inproc, dist_pool, fixture_plugins) for every test folder
 
 
 @pytest.fixture(scope="session")
 def dist_pool():
     """The session's 2-rank gloo worker pool (tests/dist_pool.py): ``dist_pool.run([WORKER, *args])``
     replaces a ``torchrun --nproc-per-node 2 WORKER args`` launch, without its two interpreter starts."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from dist_pool import DistPool
 
     pool = DistPool()

@@ -22,8 +22,56 @@ import signal
 import subprocess
 import sys
 import traceback
-from contextlib import redirect_stderr, redirect_stdout
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
+
+
+@contextmanager
+def environment(env: dict[str, str] | None) -> Iterator[None]:
+    """Run a block as a child process started with ``env`` would see it, then undo it.
+
+    ``os.environ`` is replaced by ``env`` (None: kept), the entries of its ``PYTHONPATH`` go in front of
+    ``sys.path`` (so plugin packages made discoverable by ``tests/fixture_plugins.plugin_env`` load),
+    ferrule's plugin registry is rebuilt from it; afterwards the environment, ``sys.path``, the registry,
+    the working directory, torch's thread count and the SIGINT / SIGTERM handlers are restored, and
+    every module imported from those ``PYTHONPATH`` entries is dropped from ``sys.modules`` (a fixture
+    plugin that reads a variable at import time reads it again next time).
+    """
+    import torch
+
+    from ferrule import registry
+
+    saved_env, saved_path, saved_cwd = dict(os.environ), list(sys.path), os.getcwd()
+    saved_threads = torch.get_num_threads()
+    saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    extra = []
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+            extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+            sys.path[:0] = extra
+            if extra:
+                import importlib
+
+                importlib.invalidate_caches()
+        registry.reset_registry()
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        torch.set_num_threads(saved_threads)
+        for s, h in saved_handlers.items():
+            signal.signal(s, h)
+        roots = tuple(str(Path(p).resolve()) for p in extra)
+        if roots:
+            for name, module in list(sys.modules.items()):
+                if str(getattr(module, "__file__", None) or "").startswith(roots):
+                    del sys.modules[name]
+        registry.reset_registry()
 
 
 def run_ferrule(args: list[str | Path], *, env: dict[str, str] | None = None,
@@ -40,47 +88,32 @@ def run_ferrule(args: list[str | Path], *, env: dict[str, str] | None = None,
         returncode: 0, the ``SystemExit`` code (2 for a user error), or 1 for an uncaught exception
         (its traceback in ``stderr``, as Python prints it).
     """
-    import torch
-
-    from ferrule import registry
     from ferrule.cli import main
 
     argv = ["ferrule", *[str(a) for a in args]]
-    saved_env, saved_argv, saved_cwd = dict(os.environ), list(sys.argv), os.getcwd()
-    saved_threads = torch.get_num_threads()
-    saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_argv = list(sys.argv)
     out, err = io.StringIO(), io.StringIO()
     rc = 0
-    try:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
-        registry.reset_registry()
+    with environment(env):
         if cwd is not None:
             os.chdir(cwd)
         sys.argv = argv
-        with redirect_stdout(out), redirect_stderr(err):
-            try:
-                main()
-            except SystemExit as exc:
-                code = exc.code
-                if code is None:
-                    rc = 0
-                elif isinstance(code, int):
-                    rc = code
-                else:
-                    print(code, file=sys.stderr)
+        try:
+            with redirect_stdout(out), redirect_stderr(err):
+                try:
+                    main()
+                except SystemExit as exc:
+                    code = exc.code
+                    if code is None:
+                        rc = 0
+                    elif isinstance(code, int):
+                        rc = code
+                    else:
+                        print(code, file=sys.stderr)
+                        rc = 1
+                except Exception:  # what an uncaught exception does to a process (pytest's own
+                    traceback.print_exc()  # BaseExceptions, a timeout's Failed and Ctrl-C, pass through)
                     rc = 1
-            except BaseException:  # noqa: BLE001 - what an uncaught exception does to a process
-                traceback.print_exc()
-                rc = 1
-    finally:
-        sys.argv = saved_argv
-        os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-        torch.set_num_threads(saved_threads)
-        for s, h in saved_handlers.items():
-            signal.signal(s, h)
-        registry.reset_registry()
+        finally:
+            sys.argv = saved_argv
     return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())

@@ -21,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import test_rl_e2e as e2e  # noqa: E402
+from inproc import run_ferrule  # noqa: E402
 
 #: Runs ``ferrule train`` (``ferrule.cli.main``) after the patches named by environment variables:
 #: FAULT_SLOW_WRITE=MARKER makes every torch_dist tensor write touch MARKER, then sleep.
@@ -194,8 +195,7 @@ def test_export_of_a_distcp_with_64_zeroed_bytes_is_refused_naming_the_file(trai
     shards = sorted(engine.glob("*.distcp"), key=lambda p: p.stat().st_size)
     _damage(shards[-1], "zero64")
     out = tmp_path / "exported"
-    res = subprocess.run([sys.executable, "-m", "ferrule", "export", str(run_dir), str(out)], env=_env(),
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    res = run_ferrule(["export", run_dir, out], env=_env(), cwd=tmp_path)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
     assert lines[-1].startswith(f"error: checkpoint file {shards[-1]} is damaged: its content differs"), lines[-3:]

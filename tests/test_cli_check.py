@@ -7,13 +7,12 @@ safetensors files (round trip).
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from ferrule import conformance_numeric as cn
 from fixture_plugins import ROOT, plugin_env
+from inproc import environment, run_ferrule
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +46,10 @@ def test_check_passes_on_a_multimodal_family_with_text_logits(tmp_path):
 def test_check_locates_a_dropped_sliding_window(tmp_path):
     """A plugin that drops Mistral's window: exit 1, and the report names layer 0's attention."""
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
-    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
-                           "cn.tiny_hf_dir('mistral', sys.argv[1])", str(tmp_path / "hf")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert make.returncode == 0, make.stderr[-2000:]
+    with environment(env):
+        cn.tiny_hf_dir('mistral', tmp_path / "hf")
     env["FERRULE_SWA_FIXTURE_BAD_WINDOW"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(tmp_path / "hf"), "--seq-len", "16"],
-                          env=dict(env, COLUMNS="200"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    proc = run_ferrule(["check", tmp_path / "hf", "--seq-len", "16"], env=dict(env, COLUMNS="200"), cwd=ROOT)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     import re
 
@@ -66,10 +62,8 @@ def test_check_locates_a_dropped_sliding_window(tmp_path):
 
 def _olmo2_dir(tmp_path):
     env = plugin_env(tmp_path, ("ferrule-olmo2-fixture",))
-    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
-                           "cn.tiny_hf_dir('olmo2', sys.argv[1])", str(tmp_path / "hf")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert make.returncode == 0, make.stderr[-2000:]
+    with environment(env):
+        cn.tiny_hf_dir('olmo2', tmp_path / "hf")
     return env, tmp_path / "hf"
 
 
@@ -81,8 +75,7 @@ def olmo2(tmp_path_factory):
 
 def _check(env, hf, *args, bug=""):
     env = dict(env, COLUMNS="200", FERRULE_OLMO2_FIXTURE_BUG=bug)
-    return subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(hf), "--seq-len", "16", *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=580)
+    return run_ferrule(["check", hf, "--seq-len", "16", *args], env=env, cwd=ROOT)
 
 
 #: planted OLMo-2 plugin mistake -> the layer and op `ferrule check` must name first.
@@ -148,13 +141,10 @@ def test_check_warns_when_the_test_sequence_cannot_reach_the_window(tmp_path):
     """A window as long as the test sequence never binds: a plugin that ignores it passes, with a WARN row
     naming the --seq-len that reaches it."""
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
-    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
-                           "cn.tiny_hf_dir('mistral', sys.argv[1])", str(tmp_path / "hf")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert make.returncode == 0, make.stderr[-2000:]
+    with environment(env):
+        cn.tiny_hf_dir('mistral', tmp_path / "hf")
     env = dict(env, FERRULE_SWA_FIXTURE_BAD_WINDOW="1", COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(tmp_path / "hf"), "--seq-len", "4"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    proc = run_ferrule(["check", tmp_path / "hf", "--seq-len", "4"], env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"reach\s*│ WARN", proc.stdout), proc.stdout
     assert "sliding_window=4 >= the 4-token test sequence" in proc.stdout and "--seq-len 5" in proc.stdout
@@ -211,12 +201,9 @@ def test_hf_capture_points_follow_the_layer_shape_and_the_family_override():
 def test_check_warns_when_a_soft_cap_never_binds(tmp_path):
     """A final-logit cap far above the logits changes nothing on the test tokens: WARN, naming the key."""
     env = plugin_env(tmp_path, ("ferrule-gemma2-fixture",))
-    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
-                           "cn.tiny_hf_dir('gemma2', sys.argv[1], overrides={'final_logit_softcapping': 1e4})",
-                           str(tmp_path / "hf")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert make.returncode == 0, make.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(tmp_path / "hf"), "--seq-len", "16"],
-                          env=dict(env, COLUMNS="250"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    with environment(env):
+        cn.tiny_hf_dir('gemma2', tmp_path / "hf", overrides={'final_logit_softcapping': 1e4})
+    proc = run_ferrule(["check", tmp_path / "hf", "--seq-len", "16"], env=dict(env, COLUMNS="250"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())
     assert "WARN" in out and "final_logit_softcapping changes HF's logits by only" in out, out

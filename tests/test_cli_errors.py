@@ -1,6 +1,6 @@
 """User errors leave the ``ferrule`` CLI as one ``error:`` line and exit code 2 (issue 9).
 
-Through the real console entry (``ferrule.cli.main`` in a subprocess): a torch_dist checkpoint
+Through the real console entry (``ferrule.cli.main``, run in-process by tests/inproc.py): a torch_dist checkpoint
 whose tensors do not match its ``hf/config.json`` used to print ~97 traceback lines with exit
 code 1, because torch's ``CheckpointException`` derives from ``BaseException`` and the
 converter's ``except Exception`` missed it. (The ``ferrule train --resume`` case with a data set
@@ -18,14 +18,13 @@ import pytest
 
 from ferrule import conformance_numeric as cn
 from ferrule.cli_errors import USER_ERRORS, user_error_message
+from inproc import run_ferrule
 
-LAUNCHER = "from ferrule.cli import main; main()"
 
 
-def _ferrule(*args: str, timeout: int = 150) -> subprocess.CompletedProcess:
-    env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
-    return subprocess.run([sys.executable, "-c", LAUNCHER, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def _ferrule(*args: str) -> subprocess.CompletedProcess:
+    """The console entry point (``ferrule.cli.main``), in-process (tests/inproc.py)."""
+    return run_ferrule(list(args), env=dict(os.environ, FERRULE_PLUGINS="qwen,inkling"))
 
 
 @pytest.mark.timeout(200)

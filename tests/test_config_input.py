@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ferrule.rl.config import ConfigError, load_config
+from inproc import run_ferrule
 
 MINIMAL = "model: {hf_dir: some/hf}\ndata: {task: basic_arithmetic}\n"
 
@@ -31,9 +30,7 @@ def _problems(tmp_path: Path, text: bytes | str, overrides=(), name="c.yaml") ->
 def test_non_utf8_config_is_one_line_naming_the_line(tmp_path):
     text = _problems(tmp_path, MINIMAL.encode() + b"logging: {run_dir: caf\xe9}\n")
     assert text == "line 3: byte b'\\xe9' is not UTF-8; save the file as UTF-8"
-    res = subprocess.run([sys.executable, "-c", "from ferrule.cli import main; main()", "train", str(tmp_path / "c.yaml")],
-                         env=dict(os.environ, FERRULE_PLUGINS="qwen,inkling"), capture_output=True, text=True,
-                         timeout=120)
+    res = run_ferrule(["train", tmp_path / "c.yaml"], env=dict(os.environ, FERRULE_PLUGINS="qwen,inkling"))
     assert res.returncode == 2 and "Traceback" not in res.stderr and "not UTF-8" in res.stderr, res.stderr[-2000:]
     assert len(res.stderr.strip().splitlines()) <= 2  # "1 config error in FILE:" + the problem
 

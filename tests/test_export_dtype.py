@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -75,10 +74,9 @@ def _run(root: Path, run_dir: Path, extra: str = "") -> object:
 
 
 def _export_cli(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    launcher = "from ferrule.cli import main; main()"
-    return subprocess.run([sys.executable, "-c", launcher, "export", str(run_dir), str(out), *args],
-                          env=dict(os.environ, FERRULE_PLUGINS="qwen,inkling"), capture_output=True, text=True,
-                          timeout=240)
+    from inproc import run_ferrule
+
+    return run_ferrule(["export", run_dir, out, *args], env=dict(os.environ, FERRULE_PLUGINS="qwen,inkling"))
 
 
 @pytest.mark.timeout(300)

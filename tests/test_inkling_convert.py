@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from inkling_fixtures import PERTURB, tiny_inkling_dir
+from inproc import run_ferrule
 
 ATOL = 1e-5
 
@@ -43,8 +42,7 @@ def test_inkling_text_cli_round_trip_loads_in_transformers(tmp_path):
     env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
     for cmd in (["hf-to-torch-dist", str(src), str(tmp_path / "td")],
                 ["torch-dist-to-hf", str(tmp_path / "td"), str(tmp_path / "back")]):
-        proc = subprocess.run([sys.executable, "-m", "ferrule.cli", "convert", *cmd], capture_output=True, text=True,
-                              env=env, timeout=280)
+        proc = run_ferrule(["convert", *cmd], env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     _same_tensors(src, tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((src / "config.json").read_text())

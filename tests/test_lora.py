@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import train_engine_worker as tw  # noqa: E402
 
 from ferrule.lora import AdapterFormatError, LoraSettings, LoraTargetError  # noqa: E402
 from ferrule.lora import hf_adapter_state_dict, load_hf_adapter, peft_config  # noqa: E402
+from inproc import run_ferrule  # noqa: E402
 
 peft = pytest.importorskip("peft", reason="peft (the dev extra) is the HF PEFT referee")
 
@@ -442,8 +442,6 @@ def test_cli_export_and_import(dirs, tmp_path):
                                                                target_modules=tuple(model.peft_config["default"].target_modules)))
     assert all(torch.equal(a, b) for a, b in zip(ours, back.forward_logprobs(batch)))
     # user errors: one line on stderr, exit code 2, no traceback
-    ferrule = Path(sys.executable).parent / "ferrule"
-    proc = subprocess.run([str(ferrule), "lora", "export", str(dirs["qwen2"]), str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_ferrule(["lora", "export", dirs["qwen2"], tmp_path / "x"])
     assert proc.returncode == 2 and "not a LoRA checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x").exists()

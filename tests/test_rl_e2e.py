@@ -28,6 +28,7 @@ import pytest
 
 # transformers' modeling code must be imported before ferrule's megatron CPU patches
 from transformers import AutoConfig, GenerationMixin, PreTrainedTokenizerFast, Qwen3ForCausalLM  # noqa: F401
+from inproc import run_ferrule  # noqa: E402
 
 SEED = 0
 STEPS = 30
@@ -210,15 +211,13 @@ def test_cli_ctrl_c_saves_and_resumes(assets, config_file, tmp_path):
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == [f"step_{done:06d}"], out
 
-    res = subprocess.run([sys.executable, "-c", launcher, "--resume", "--run-dir", str(run_dir),
-                          "--set", f"train.steps={done + 2}"], env=env, capture_output=True, text=True, timeout=150)
+    res = run_ferrule(["train", "--resume", "--run-dir", run_dir, "--set", f"train.steps={done + 2}"], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()]
     assert steps == list(range(1, done + 3))
     assert f"resumed from {ckpts[0]}" in res.stderr
 
-    bad = subprocess.run([sys.executable, "-c", launcher, str(config_file), "rollout.temprature=2"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    bad = run_ferrule(["train", config_file, "rollout.temprature=2"], env=env)
     assert bad.returncode == 2
     assert "did you mean 'rollout.temperature'" in bad.stderr
 
@@ -271,10 +270,8 @@ def test_resume_with_more_steps_replans_the_decay_and_a_shrunk_data_set_is_a_cli
     assert lrs[4:] == pytest.approx([lr * (1 + math.cos(math.pi * n / 6)) / 2 for n in (4, 5)], rel=1e-12)
 
     task.write_text("".join(task.read_text().splitlines(keepends=True)[:40]))  # 64 -> 40 prompts
-    launcher = "from ferrule.cli import main; main()"
-    env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
-    res = subprocess.run([sys.executable, "-c", launcher, "train", "--resume", "--run-dir", str(run_dir),
-                          "train.steps=8"], env=env, capture_output=True, text=True, timeout=150)
+    res = run_ferrule(["train", "--resume", "--run-dir", run_dir, "train.steps=8"],
+                      env=dict(os.environ, FERRULE_PLUGINS="qwen,inkling"))
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
@@ -410,9 +407,7 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
 
     out = tmp_path / "exported"
     env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
-    launcher = "import typer; from ferrule.converters.export import export_command; typer.run(export_command)"
-    res = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
-                         text=True, timeout=240)
+    res = run_ferrule(["export", run_dir, out], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "exported step 2" in res.stderr
 
@@ -428,6 +423,5 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
     original = load_file(src / "model.safetensors")
     assert any(not torch.equal(original[k], exported[k]) for k in exported)  # training moved the weights
 
-    again = subprocess.run([sys.executable, "-c", launcher, str(run_dir), str(out)], env=env, capture_output=True,
-                           text=True, timeout=60)
+    again = run_ferrule(["export", run_dir, out], env=env)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr

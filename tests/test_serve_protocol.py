@@ -153,15 +153,12 @@ def test_api_keys_and_tinker_paths_are_checked(tmp_path, monkeypatch):
 
 
 def test_cli_refuses_missing_keys_in_one_line(base, tmp_path, monkeypatch):
-    import subprocess
+    from inproc import run_ferrule
 
     monkeypatch.delenv("FERRULE_SERVE_API_KEYS", raising=False)
-    exe = Path(sys.executable).with_name("ferrule")
-    r = subprocess.run([str(exe), "serve", "--base-model", str(base), "--storage", str(tmp_path / "s")],
-                       capture_output=True, text=True, timeout=120)
+    r = run_ferrule(["serve", "--base-model", base, "--storage", tmp_path / "s"])
     assert r.returncode == 2 and "API keys" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([str(exe), "serve", "--base-model", str(tmp_path / "nope"), "--api-keys", str(tmp_path / "k")],
-                       capture_output=True, text=True, timeout=120)
+    r = run_ferrule(["serve", "--base-model", tmp_path / "nope", "--api-keys", tmp_path / "k"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     # the keys are checked before the model loads (minutes for a real one): an unloadable model is not
     # even opened when no key is given
@@ -170,8 +167,7 @@ def test_cli_refuses_missing_keys_in_one_line(base, tmp_path, monkeypatch):
     broken = shutil.copytree(base, tmp_path / "broken")
     for f in broken.glob("*.safetensors"):
         f.write_bytes(b"not a safetensors file")
-    r = subprocess.run([str(exe), "serve", "--base-model", str(broken), "--storage", str(tmp_path / "s")],
-                       capture_output=True, text=True, timeout=120)
+    r = run_ferrule(["serve", "--base-model", broken, "--storage", tmp_path / "s"])
     assert r.returncode == 2 and "no API keys" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
