@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from fixture_plugins import FIXTURES, ROOT, plugin_env
+from inproc import environment
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +37,13 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(tmp_path):
+def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(dist_pool, tmp_path):
     """o_proj split on the wrong axis: the kit's TP=2 launch fails and names the plugin's TP split."""
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
     env["FERRULE_SWA_FIXTURE_BAD_TP"] = "1"
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "ferrule.conformance_tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
-                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=550)
+    dist_pool.run(["-m", "ferrule.conformance_tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
+                  cwd=ROOT, env=env, timeout=550)
     result = json.loads(out.read_text())["mistral"]
     assert not result["ok"]
     assert "self_attention.linear_proj.weight" in result["error"]
@@ -53,40 +53,27 @@ def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(tmp_path):
 @pytest.mark.timeout(300)
 def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_path):
     """transformers refuses attn_implementation='sdpa' for Gemma-2; the family chose 'eager'."""
+    from ferrule import conformance_numeric as cn
+    from ferrule.rollout.embedded import EmbeddedEngine
+
     env = plugin_env(tmp_path, ("ferrule-gemma2-fixture",))
-    code = (
-        "import sys, warnings; warnings.filterwarnings('ignore')\n"
-        "from ferrule import conformance_numeric as cn\n"
-        "from ferrule.rollout.embedded import EmbeddedEngine\n"
-        "src = cn.tiny_hf_dir('gemma2', sys.argv[1])\n"
-        "engine = EmbeddedEngine(hf_dir=src)\n"
-        "print('ATTN', engine.model.config._attn_implementation)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ATTN eager" in proc.stdout
+    with environment(env):
+        engine = EmbeddedEngine(hf_dir=cn.tiny_hf_dir("gemma2", tmp_path / "hf"))
+        assert engine.model.config._attn_implementation == "eager"
 
 
 @pytest.mark.timeout(300)
 def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
     """A window as long as the test sequence never bites: the kit says so and names the fix."""
+    from ferrule import conformance_numeric as cn
+
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
-    code = (
-        "import json, sys, warnings; warnings.filterwarnings('ignore')\n"
-        "from ferrule import conformance_numeric as cn\n"
-        "print('EFFECTS', json.dumps(cn.check_features_reached('mistral', sys.argv[1] + '/ok')))\n"
-        "try:\n"
-        "    cn.check_features_reached('mistral', sys.argv[1] + '/short', seq_len=4)\n"
-        "except AssertionError as exc:\n"
-        "    print('REFUSED', exc)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    effects = json.loads(proc.stdout.split("EFFECTS ", 1)[1].splitlines()[0])
+    with environment(env):
+        effects = cn.check_features_reached("mistral", str(tmp_path / "ok"))
+        with pytest.raises(AssertionError) as refused:
+            cn.check_features_reached("mistral", str(tmp_path / "short"), seq_len=4)
     assert effects["sliding_window"] > 1e-2
-    assert "REFUSED" in proc.stdout and "sliding_window=4" in proc.stdout and "TINY_TEST_SEQ_LEN" in proc.stdout
+    assert "sliding_window=4" in str(refused.value) and "TINY_TEST_SEQ_LEN" in str(refused.value)
 
 
 def test_token_ids_outside_the_vocabulary_are_named():
@@ -101,21 +88,11 @@ def test_token_ids_outside_the_vocabulary_are_named():
 def test_kit_compares_rotary_tables_per_layer_type(tmp_path):
     """Gemma-3: the kit compares each layer's RoPE with HF's table for its layer type (before: TypeError,
     rotary_emb needs layer_type); a plugin giving every layer one RoPE fails naming the full-attention layer."""
+    from ferrule import conformance_numeric as cn
+
     env = plugin_env(tmp_path, ("ferrule-gemma3-fixture",))
-    code = (
-        "import sys, warnings; warnings.filterwarnings('ignore')\n"
-        "from ferrule import conformance_numeric as cn\n"
-        "try:\n"
-        "    print('DIFF', cn.check_translation_matches_hf('gemma3', sys.argv[1]))\n"
-        "except AssertionError as exc:\n"
-        "    print('REFUSED', exc)\n"
-    )
-    ok = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ok")], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=190)
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    assert float(ok.stdout.split("DIFF ", 1)[1].split()[0]) <= 1e-6, ok.stdout
-    bad = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bad")], cwd=ROOT,
-                         env=dict(env, FERRULE_GEMMA3_FIXTURE_BUG="one_rope"), capture_output=True, text=True,
-                         timeout=190)
-    assert bad.returncode == 0, bad.stderr[-3000:]
-    assert "REFUSED gemma3: layer 1 (full_attention): rotary cos/sin differ" in bad.stdout, bad.stdout
+    with environment(env):
+        assert cn.check_translation_matches_hf("gemma3", str(tmp_path / "ok")) <= 1e-6
+    with environment(dict(env, FERRULE_GEMMA3_FIXTURE_BUG="one_rope")), pytest.raises(AssertionError) as bad:
+        cn.check_translation_matches_hf("gemma3", str(tmp_path / "bad"))
+    assert "gemma3: layer 1 (full_attention): rotary cos/sin differ" in str(bad.value), str(bad.value)

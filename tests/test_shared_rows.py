@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 from fixture_plugins import ROOT, plugin_env
+from inproc import environment, run_ferrule
 
 
 def _window(hf):
@@ -53,10 +54,11 @@ def test_two_family_rows_for_one_value_are_named_by_their_keys():
 
 
 def _mistral_dir(env, tmp_path):
-    make = subprocess.run([sys.executable, "-c", "import sys; from ferrule import conformance_numeric as cn; "
-                           "cn.tiny_hf_dir('mistral', sys.argv[1])", str(tmp_path / "hf")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert make.returncode == 0, make.stderr[-2000:]
+    from ferrule import conformance_numeric as cn
+
+    with environment(env), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the overlap warning: asserted on `ferrule plugins`' stderr
+        cn.tiny_hf_dir("mistral", tmp_path / "hf")
     return tmp_path / "hf"
 
 
@@ -71,8 +73,7 @@ def test_last_rounds_mistral_plugin_loads_with_a_warning_and_passes_check(tmp_pa
     assert "load failures: none" in plugins.stdout
     assert "SharedRowOverlapWarning" in plugins.stderr and "the family's row wins" in plugins.stderr
     hf = _mistral_dir(env, tmp_path)
-    check = subprocess.run([sys.executable, "-m", "ferrule.cli", "check", str(hf), "--seq-len", "16"], env=env,
-                           cwd=ROOT, capture_output=True, text=True, timeout=500)
+    check = run_ferrule(["check", hf, "--seq-len", "16"], env=env, cwd=ROOT)
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
     assert re.search(r"logits \(tp=1, fp32\)\s*│ ok", check.stdout), check.stdout
 

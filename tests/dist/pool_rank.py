@@ -86,6 +86,7 @@ def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
     import torch
 
     argv = list(job["argv"])
+    extra: list[str] = []
     saved_env, saved_argv, saved_path, saved_cwd = dict(os.environ), list(sys.argv), list(sys.path), os.getcwd()
     saved_threads = torch.get_num_threads()
     sys.stdout.flush(), sys.stderr.flush()
@@ -95,9 +96,12 @@ def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
         try:
             os.environ.update({k: v for k, v in (job.get("env") or {}).items()
                                if k not in TORCHRUN_KEYS and not k.startswith("TORCHELASTIC_")})
-            for entry in reversed([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]):
-                if entry not in sys.path:
-                    sys.path.insert(0, entry)
+            extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+            sys.path[:0] = extra
+            if extra:
+                import importlib
+
+                importlib.invalidate_caches()
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
             if job.get("cwd"):
                 os.chdir(job["cwd"])
@@ -126,6 +130,10 @@ def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
             os.environ.clear()
             os.environ.update(saved_env)
             sys.argv, sys.path[:] = saved_argv, saved_path
+            roots = tuple(str(Path(p).resolve()) for p in extra)
+            for name, module in list(sys.modules.items()) if roots else ():
+                if str(getattr(module, "__file__", None) or "").startswith(roots):
+                    del sys.modules[name]  # a plugin fixture reading a variable at import reads it anew
             torch.set_num_threads(saved_threads)
     return rc
 
