@@ -25,12 +25,13 @@ import pytest
 from transformers import GenerationMixin, Qwen3ForCausalLM  # noqa: F401  (before megatron's CPU patches)
 
 ENV = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
-LAUNCHER = "from ferrule.cli import main; main()"
 
 
-def _cli(*args: str, timeout: int = 200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", LAUNCHER, *args], env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``ferrule ARGS`` in-process (tests/inproc.py); the lock holders below are real processes."""
+    from inproc import run_ferrule
+
+    return run_ferrule(list(args), env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_a_run_that_died_before_its_first_checkpoint_continues_with_resume(tiny,
 
 
 def test_bare_ferrule_train_prints_a_usage_line():
-    res = _cli("train", timeout=60)
+    res = _cli("train")
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("usage: ferrule train CONFIG"), res.stderr

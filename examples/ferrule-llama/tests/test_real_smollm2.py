@@ -1,8 +1,8 @@
-"""Opt-in: the llama plugin on the real SmolLM2-135M-Instruct checkpoint (not run in CI).
+"""Opt-in: the llama plugin on the real SmolLM2-135M-Instruct checkpoint (CI opts in: ``.ci/run`` sets the variable).
 
 Set ``FERRULE_LLAMA_SMOLLM2_DIR`` to a directory made by ``ferrule assets smollm2 DIR``
 (``DIR/hf`` required; ``DIR/torch_dist`` is used if present, else converted into a temp dir).
-Checks, in a fresh interpreter (megatron's parallel state is process-global):
+Checks (megatron's parallel state is set up and torn down around the model, ``single_rank``):
 
 1. torch_dist -> HF reproduces every safetensors tensor of ``DIR/hf`` bit-exactly;
 2. Megatron (built by the llama provider, fp32, weights loaded from the torch_dist checkpoint)
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -81,10 +80,7 @@ def test_smollm2_round_trip_and_logits(tmp_path):
     asset_dir = os.environ[ENV]
     if not (Path(asset_dir) / "hf" / "config.json").is_file():
         pytest.fail(f"{ENV}={asset_dir} has no hf/config.json; run `ferrule assets smollm2 {asset_dir}` first.")
-    out = subprocess.run([sys.executable, __file__, asset_dir, str(tmp_path)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = _check(asset_dir, str(tmp_path))
     print(result)
     assert result["max_abs_diff"] <= REAL_ATOL, result
     assert result["argmax_equal"], result
