@@ -57,7 +57,8 @@ class DistPool:
         self.control = Path(tempfile.mkdtemp(prefix="ferrule-dist-pool-"))
         self.next_job = 0
         log = open(self.control / "launch.log", "w")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # 2 gloo ranks on the CPU, also on a GPU machine (one GPU cannot hold two NCCL ranks)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
              str(RANK_PROGRAM), str(self.control)],

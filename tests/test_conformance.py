@@ -35,32 +35,14 @@ def test_mistyped_update_group_suffix_is_named(monkeypatch):
     assert "decoder.layers.0.self_attention.linear_qkv.weight" in message, message  # the orphaned parameter
 
 
-_BROKEN_TOWER = """
-import json, sys, warnings
-warnings.filterwarnings('ignore')
-from ferrule.plugins.inkling import towers
-from ferrule.conformance_media import check_media_logits_parity
-if __name__ == '__main__':
-    results = {}
-    for eps in (0.5, 1e-6):  # the towers' RMSNorm epsilon; transformers' is 1e-6
-        towers.TOWER_NORM_EPS = eps
-        try:
-            results[str(eps)] = check_media_logits_parity('inkling', sys.argv[1] + '/' + str(eps))
-        except AssertionError as exc:
-            results[str(eps)] = {'error': str(exc)}
-    print(json.dumps(results))
-"""
-
-
-def test_media_case_catches_a_wrong_tower(tmp_path):
+def test_media_case_catches_a_wrong_tower(tmp_path, monkeypatch):
     """The kit's media case fails when a tower computes something else than transformers' (here: its norms'
     epsilon); with the right epsilon the same run passes."""
-    import json
-    import subprocess
-    import sys
+    from ferrule.conformance_media import check_media_logits_parity
+    from ferrule.plugins.inkling import towers
 
-    out = subprocess.run([sys.executable, "-c", _BROKEN_TOWER, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "Megatron+towers vs HF logits with media" in results["0.5"].get("error", ""), results
-    assert results["1e-06"]["logits_max_abs_diff"] <= 1e-5, results
+    monkeypatch.setattr(towers, "TOWER_NORM_EPS", 0.5)  # transformers' is 1e-6
+    with pytest.raises(AssertionError, match="Megatron\\+towers vs HF logits with media"):
+        check_media_logits_parity("inkling", str(tmp_path / "0.5"))
+    monkeypatch.setattr(towers, "TOWER_NORM_EPS", 1e-6)
+    assert check_media_logits_parity("inkling", str(tmp_path / "1e-06"))["logits_max_abs_diff"] <= 1e-5

@@ -399,15 +399,13 @@ def test_the_sglang_wiring_gives_the_embedded_runs_metrics_with_the_embedded_eng
 
 
 @pytest.mark.timeout(420)
-def test_two_ranks_roll_out_on_the_driver_only_and_match_one_embedded_process(tiny, tmp_path):
+def test_two_ranks_roll_out_on_the_driver_only_and_match_one_embedded_process(dist_pool, tiny, tmp_path):
     """DP=2 (gloo, CPU) with the embedded engine behind the client interface: rank 0 builds the only
     engine and gets every sync, rank 1 builds none; responses equal one embedded process's, metrics
     within tests/test_rl_distributed.py's DP tolerance (gradients summed over two ranks)."""
     steps = 3
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).resolve().parent / "dist" / "rl_sglang_worker.py"), str(tiny),
-                           str(tmp_path / "dp2"), f"train.steps={steps}"],
-                          capture_output=True, text=True, timeout=400, env=td._cpu_env(), cwd=td.REPO)
+    proc = dist_pool.run([str(Path(__file__).resolve().parent / "dist" / "rl_sglang_worker.py"), str(tiny),
+                          str(tmp_path / "dp2"), f"train.steps={steps}"], timeout=400, env=td._cpu_env(), cwd=td.REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     out = json.loads((tiny / "sglang_results.json").read_text())
     (rank0,), rank1 = out["engines"]
