@@ -35,6 +35,7 @@ import traceback
 from pathlib import Path
 
 POLL_S = 0.02
+_real_destroy = None  # torch.distributed.destroy_process_group, before the patch below
 # set by torchrun for this rank: a job's environment (often a copy of the test's, with these popped) never changes them
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                  "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -44,7 +45,9 @@ def _patch_process_group_calls() -> None:
     """Make a job's own init / destroy of the *default* process group no-ops (the pool owns it)."""
     import torch.distributed as dist
 
+    global _real_destroy
     real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+    _real_destroy = real_destroy
 
     def init_process_group(*args, **kwargs):
         if dist.is_initialized():
@@ -60,6 +63,21 @@ def _patch_process_group_calls() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one. megatron's ``destroy_model_parallel`` forgets its
+    groups without destroying them, and torch keeps each in its registry with its gloo threads: measured,
+    ~1,080 threads per rank after a dozen layouts, which a fresh process per job used to hide."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = dist.GroupMember.WORLD
+    for group in [g for g in list(c10d._world.pg_map) if g is not world]:
+        try:
+            _real_destroy(group)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
 def _reset_between_jobs() -> None:
     import gc
 
@@ -67,6 +85,7 @@ def _reset_between_jobs() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _destroy_subgroups()
     try:
         from megatron.core import num_microbatches_calculator as nmc
 
