@@ -18,6 +18,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
 from .paths import PathError, parse_tinker_path
 from .service import HTTPError, Service
@@ -49,6 +50,11 @@ def training_run_json(svc: Service, row: dict) -> dict:
             "is_lora": row["lora_rank"] is not None, "corrupted": False, "lora_rank": row["lora_rank"],
             "last_request_time": _iso(lrt), "last_checkpoint": last["weights"],
             "last_sampler_checkpoint": last["sampler_weights"], "user_metadata": info["user_metadata"]}
+
+
+def _write_tar(tar_path: Path, directory: Path, arcname: str) -> None:
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(directory, arcname=arcname)
 
 
 def add_rest_routes(app: FastAPI, svc: Service) -> None:
@@ -103,12 +109,17 @@ def add_rest_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
     async def checkpoint_archive(model_id: str, checkpoint_id: str, request: Request):
-        """The checkpoint's directory as an uncompressed tar (``<name>/...`` inside)."""
+        """The checkpoint's directory as an uncompressed tar (``<name>/...`` inside), built in a
+        worker thread of the event loop's pool (a 538 MB archive held ``/healthz`` for 0.55 s when
+        it was built on the loop)."""
         row, directory = own_checkpoint_row(request, model_id, checkpoint_id)
         tmp = Path(tempfile.mkdtemp(prefix="archive-", dir=svc.storage))
         tar_path = tmp / f"{row['name']}.tar"
-        with tarfile.open(tar_path, "w") as tar:
-            tar.add(directory, arcname=row["name"])
+        try:
+            await run_in_threadpool(_write_tar, tar_path, directory, row["name"])
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return FileResponse(tar_path, media_type="application/x-tar", filename=tar_path.name,
                             background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True))
 

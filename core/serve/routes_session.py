@@ -17,8 +17,11 @@ router = APIRouter()
 
 
 @router.get("/api/v1/healthz")
-async def healthz():
-    return {"status": "ok"}
+async def healthz(request: Request):
+    """``{"status": "ok", "samplers": {base name: {"device", "dtype", "loaded", ...}}}``: where each
+    base's sampler runs (:meth:`EngineBackend.sampler_info`); open, no key needed."""
+    svc = service(request)
+    return {"status": "ok", "samplers": {name: svc.bases.get(name).sampler_info() for name in svc.bases.names}}
 
 
 @router.get("/metrics")
@@ -42,8 +45,10 @@ async def dynamic_config(request: Request):
 @router.get("/api/v1/get_server_capabilities")
 async def capabilities(request: Request):
     svc = service(request)
+    # "sampler" (device, dtype) is ferrule's own field: the SDK's SupportedModel ignores extra fields
     return {"supported_models": [{"model_name": name, "max_context_length": svc.bases.get(name).max_positions,
-                                  "trainable": True, "sampleable": True} for name in svc.bases.names]}
+                                  "trainable": True, "sampleable": True, "sampler": svc.bases.get(name).sampler_info()}
+                                 for name in svc.bases.names]}
 
 
 @router.post("/api/v1/create_session")
