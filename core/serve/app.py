@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from .backend import EngineBackend
 from .registry import BaseRegistry
 from .limits import ServeLimits
-from . import routes_openai, routes_rest, routes_sample, routes_session, routes_state, routes_train
+from . import routes_openai, routes_rest, routes_sample, routes_session, routes_state, routes_train, unserved
 from .scheduler import Scheduler
 from .service import HTTPError, Service
 from .store import Store
@@ -41,12 +41,16 @@ log = logging.getLogger("ferrule.serve")
 
 def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_keys: dict[str, str], *,
                long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
-               limits: ServeLimits | None = None, worker_threads: int | None = None) -> FastAPI:
+               limits: ServeLimits | None = None, worker_threads: int | None = None,
+               event_loop_threads: int | None = None) -> FastAPI:
     """Build the service for one base (an :class:`EngineBackend`) or several (a
     :class:`BaseRegistry`). ``api_keys`` maps each ``tml-`` key to its tenant name; ``limits``
     bound each request and each tenant's queue (:class:`~ferrule.serve.limits.ServeLimits`);
-    ``worker_threads``: torch threads of the worker (None: torch's default; ``ferrule serve``
-    passes ``--worker-threads``), while the event loop's thread uses 1 (:mod:`ferrule.serve.placement`).
+    ``worker_threads``: torch threads of the worker (None: the calling thread's count; ``ferrule
+    serve`` passes ``--worker-threads``); ``event_loop_threads``: the event loop thread's, set when
+    the app starts (None: unchanged; ``ferrule serve`` passes 1). Both per thread
+    (:mod:`ferrule.serve.placement`); an in-process test server leaves them None, so the worker
+    computes with the test's own thread count (bit-identical comparisons with in-test references).
 
     Raises:
         ValueError: no API keys (the service refuses to run open).
@@ -66,12 +70,13 @@ def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_k
     if lost:
         log.warning("%d request(s) were unfinished when the server last stopped; polls for them now fail.", lost)
 
-    @app.on_event("startup")
-    def _event_loop_threads() -> None:
-        # the handlers' own tensor work is small (input checks); torch's count is per thread
-        from .placement import set_thread_count
+    if event_loop_threads is not None:
+        @app.on_event("startup")
+        def _event_loop_threads() -> None:
+            # the handlers' own tensor work is small (input checks); torch's count is per thread
+            from .placement import set_thread_count
 
-        set_thread_count(1)
+            set_thread_count(event_loop_threads)
 
     @app.on_event("shutdown")
     def _shutdown() -> None:
@@ -89,7 +94,8 @@ def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_k
         start = time.monotonic()
         path = request.url.path
         open_paths = ("/api/v1/healthz", "/metrics")
-        if (path.startswith("/api/") and path not in open_paths) or path.startswith("/oai/"):
+        signed = path.startswith(routes_rest.EXTERNAL_FILES + "/")   # a signed download URL is its own credential
+        if (path.startswith("/api/") and path not in open_paths and not signed) or path.startswith("/oai/"):
             key = request.headers.get("x-api-key", "")
             bearer = request.headers.get("authorization", "")
             if not key and bearer[:7].lower() == "bearer ":   # what OpenAI clients send
@@ -115,4 +121,5 @@ def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_k
                    routes_openai.router):
         app.include_router(router)
     routes_rest.add_rest_routes(app, app.state.service)
+    unserved.install(app)   # the SDK's other routes: a message naming each, not a bare 404
     return app

@@ -49,6 +49,9 @@ __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 MAX_SNAPSHOTS = 4
 #: file in a sampler-weights directory naming the save that wrote it (a fresh id per save)
 GENERATION_FILE = "GENERATION"
+#: files of the base's HF folder an external-weights export copies besides ``tokenizer*`` (the weights are new)
+_HF_FILES = ("config.json", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+             "chat_template.jinja", "added_tokens.json")
 #: evicted snapshot keys remembered, so a request for one is told what evicted it
 _EVICTED_KEPT = 4096
 
@@ -340,6 +343,31 @@ class EngineBackend:
         try:
             save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
             (tmp / GENERATION_FILE).write_text(uuid.uuid4().hex)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        return _du(directory)
+
+    def save_external_weights(self, model_id: str, directory: Path) -> int:
+        """The client's model as an HF checkpoint folder that ``transformers`` loads as it is
+        (``save_weights_external``, what ``tinker checkpoint download`` fetches): ``model.safetensors``
+        (the full model under HF names, LoRA adapters merged as PEFT merges them: :meth:`sampler_tensors`),
+        the base's ``config.json``, ``generation_config.json`` and tokenizer files; written to a
+        temporary folder and renamed when complete. Returns bytes."""
+        from safetensors.torch import save_file
+
+        source = self.base_dir if self.kind == "hf" else self.base_dir / "hf"
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            save_file({k: v.contiguous() for k, v in self.sampler_tensors(model_id).items()},
+                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            for f in source.iterdir():
+                if f.is_file() and (f.name in _HF_FILES or f.name.startswith("tokenizer")):
+                    shutil.copy2(f, tmp / f.name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -82,11 +82,12 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
               model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
               max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
-              worker_threads: int | None = None):
+              worker_threads: int | None = None, event_loop_threads: int | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
     as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
     (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
-    ``sampler_dtype``; the worker uses ``worker_threads`` torch threads (:mod:`ferrule.serve.placement`).
+    ``sampler_dtype``; the worker uses ``worker_threads`` torch threads, the event loop's thread
+    ``event_loop_threads`` (None: unchanged; :mod:`ferrule.serve.placement`).
 
     Raises:
         FileNotFoundError: a base directory, the models file or ``api_keys`` does not exist.
@@ -110,7 +111,7 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
                            max_snapshots=max_snapshots or MAX_SNAPSHOTS, sampler_dtype=sampler_dtype)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
-                      limits=limits, worker_threads=worker_threads)
+                      limits=limits, worker_threads=worker_threads, event_loop_threads=event_loop_threads)
 
 
 def serve_command(
@@ -172,7 +173,8 @@ def serve_command(
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
                         max_loaded_bases=max_loaded_bases, sampler_dtype=sampler_dtype,
-                        worker_threads=default_worker_threads() if worker_threads is None else worker_threads)
+                        worker_threads=default_worker_threads() if worker_threads is None else worker_threads,
+                        event_loop_threads=1)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None

@@ -12,6 +12,8 @@ worker and of the event loop.
   own torch intra-op thread count at start (default: the CPUs this process may use, minus one
   for the event loop; at least 1); the event-loop thread uses 1. torch's OpenMP thread count is
   per thread, so neither setting changes the other's, and neither depends on ``OMP_NUM_THREADS``.
+  (An in-process server, as the tests start, sets neither: its worker keeps the count of the thread
+  that built it, so its results are bit-identical to references computed in the test's thread.)
   Measured before this (issue 46, 2-core machine): the 8 x 200 load test ran at 3.14 requests/s
   with the default thread count and 31.5 with ``OMP_NUM_THREADS=1``.
 """

@@ -60,6 +60,26 @@ async def create_session(request: Request):
     return {"session_id": sid, "type": "create_session"}
 
 
+@router.get("/api/v1/sessions")
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned"):
+    """``RestClient.list_sessions``: the ids of the key's tenant's sessions, oldest first (``access_scope``
+    is accepted; a tenant owns exactly what it can access here)."""
+    svc = service(request)
+    if limit < 0 or offset < 0:
+        raise HTTPError(400, f"limit = {limit}, offset = {offset}; both must be >= 0.")
+    rows = svc.store.sessions(request.state.tenant)
+    return {"sessions": [r["session_id"] for r in rows[offset:offset + limit]]}
+
+
+@router.get("/api/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, access_scope: str = "owned"):
+    """``RestClient.get_session``: the session's training runs (model ids) and sampling sessions."""
+    svc = service(request)
+    svc.own_session(request, session_id)
+    return {"training_run_ids": svc.store.session_models(session_id),
+            "sampler_ids": svc.store.session_samplers(session_id), "user_metadata": None}
+
+
 @router.post("/api/v1/session_heartbeat")
 async def heartbeat(request: Request):
     svc = service(request)

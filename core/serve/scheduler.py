@@ -79,13 +79,18 @@ class Scheduler:
         store: :class:`ferrule.serve.store.Store` (results and failures are written there).
         observe: ``observe(job, status, seconds, batch_size)`` called after each job (metrics, logging).
         threads: torch intra-op threads of the worker thread (``torch.set_num_threads`` there, which
-            changes no other thread's count); None leaves torch's default.
+            changes no other thread's count); None: the count of the thread that builds the scheduler
+            (a fresh thread would otherwise take the count last set by any thread, e.g. the event loop's 1).
     """
 
     def __init__(self, store: Any, observe: Callable[[Job, str, float, int], None] | None = None,
                  threads: int | None = None):
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"--worker-threads {threads!r}: expected an int >= 1.")
+        if threads is None:
+            import torch
+
+            threads = torch.get_num_threads()
         self.store = store
         self.observe = observe
         self.threads = threads
@@ -171,10 +176,9 @@ class Scheduler:
         return group
 
     def _loop(self) -> None:
-        if self.threads is not None:
-            from .placement import set_thread_count
+        from .placement import set_thread_count
 
-            set_thread_count(self.threads)
+        set_thread_count(self.threads)
         while True:
             with self._cv:
                 jobs = self._ready()
