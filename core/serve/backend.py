@@ -289,8 +289,12 @@ class EngineBackend:
 
     # ---------------------------------------------------------------- checkpoints
     def save_state(self, model_id: str, directory: Path) -> int:
-        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes."""
-        self.engine(model_id).save(directory, overwrite=True)
+        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes. A LoRA
+        client's checkpoint stores what changed: the adapter, its Adam state, scheduler and RNG, and
+        the frozen base's fingerprint instead of the base (``TrainEngine.save(omit_frozen_base=True)``;
+        :meth:`load_state` builds the engine from this base and checks the fingerprint)."""
+        engine = self.engine(model_id)
+        engine.save(directory, overwrite=True, omit_frozen_base=getattr(engine, "lora", None) is not None)
         return _du(directory)
 
     def load_state(self, model_id: str, directory: Path, optimizer: bool) -> None:
