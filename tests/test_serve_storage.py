@@ -63,3 +63,50 @@ def test_lora_save_state_stores_the_adapter_and_its_optimizer_not_the_base(tmp_p
             other.load(folder, load_optimizer=True)
     finally:
         srv.stop()
+
+
+def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_path):
+    """``--sampler-checkpoints adapter``: save_weights_for_sampler writes the PEFT adapter only, and
+    sampling it (interleaved with the base and a merged snapshot) equals HF + PEFT on that folder."""
+    from peft import PeftModel
+    from tinker import types
+    from transformers import Qwen2ForCausalLM
+
+    from ferrule.serve.backend import EngineBackend
+
+    base = _wide_base(tmp_path / "wide", seed=0)
+    srv = RunningServer(EngineBackend(base, model_name=MODEL_NAME, sampler_checkpoints="adapter"),
+                        tmp_path / "storage", chunk_len=1024)
+    try:
+        sc = srv.client()
+        tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+        tc.forward_backward(sdk_data(seed=6, lengths=(7, 5)), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+        path = tc.save_weights_for_sampler("a1").result(timeout=120).path
+        folder = srv.storage / "checkpoints" / tc.model_id / "sampler_weights" / "a1"
+        names = {f.name for f in folder.iterdir()}
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= names and "model.safetensors" not in names
+        engine = srv.backend.engines[tc.model_id]
+        adapter = sum(p.numel() * p.element_size() for p in engine.model[0].parameters() if p.requires_grad)
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        print(f"adapter sampler checkpoint: {size} bytes; adapter {adapter} bytes")
+        assert size <= 2 * adapter, (size, adapter)
+        prompt = types.ModelInput.from_ints([5, 9, 33, 2, 71, 14, 8])
+        hf = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ids = torch.tensor([prompt.to_ints()])
+            def ref_of(model):
+                lp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+                return lp.gather(-1, ids[0, 1:, None])[:, 0]
+            ref_base = ref_of(hf)
+            ref_adapter = ref_of(PeftModel.from_pretrained(hf, folder).eval())
+        assert float((ref_adapter - ref_base).abs().max()) > 1e-3          # the adapter changes the model
+        by_path = sc.create_sampling_client(model_path=path)
+        plain = sc.create_sampling_client(base_model=MODEL_NAME)
+        snapshot = tc.save_weights_and_get_sampling_client()                # merged weights, same values
+        for client, ref in ((by_path, ref_adapter), (plain, ref_base), (snapshot, ref_adapter),
+                            (by_path, ref_adapter), (plain, ref_base)):     # swaps both ways
+            got = torch.tensor(client.compute_logprobs(prompt).result(timeout=120)[1:], dtype=torch.float64)
+            assert float((got - ref).abs().max()) < 1e-5
+    finally:
+        srv.stop()
