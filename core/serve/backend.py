@@ -12,7 +12,9 @@ memory (:meth:`EngineBackend._share_frozen_base`: each new LoRA engine's frozen 
 pointed at the storage of an existing LoRA engine's identical ones). Sampler weights are the base with the adapters merged
 (:func:`merged_hf_state`), so the embedded rollout engine serves them like any full model.
 
-Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`. Before a request it
+Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`, on the training device in
+the sampler dtype (:mod:`ferrule.serve.placement`: bfloat16 on CUDA, float32 on CPU, or
+``--sampler-dtype``; :attr:`EngineBackend.placement`). Before a request it
 holds the weights the sampling session names (the base model, or a ``save_weights_for_sampler``
 snapshot, written as HF-named safetensors) and swaps them in place when another session
 samples (``update_weights``; the last-loaded weights are remembered so consecutive requests of
@@ -45,8 +47,13 @@ __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
 #: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory per tenant
 MAX_SNAPSHOTS = 4
+#: the PEFT adapter file of an adapter sampler checkpoint (``--sampler-checkpoints adapter``)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: file in a sampler-weights directory naming the save that wrote it (a fresh id per save)
 GENERATION_FILE = "GENERATION"
+#: files of the base's HF folder an external-weights export copies besides ``tokenizer*`` (the weights are new)
+_HF_FILES = ("config.json", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+             "chat_template.jinja", "added_tokens.json")
 #: evicted snapshot keys remembered, so a request for one is told what evicted it
 _EVICTED_KEPT = 4096
 
@@ -87,13 +94,28 @@ class EngineBackend:
             (the per-step Adam hyper-parameters come from each ``optim_step`` request).
         eager: load the rollout engine now (the first base of a server); otherwise the weights
             load on first use (:attr:`on_load` is called first, so the registry can make room).
+        sampler_dtype: ``--sampler-dtype`` (:func:`ferrule.serve.placement.sampler_placement`:
+            ``auto`` = bfloat16 on CUDA, float32 on CPU); the device is the training device.
+        sampler_checkpoints: ``--sampler-checkpoints``: ``merged`` (the full model) or ``adapter`` (a
+            LoRA client's PEFT adapter; :meth:`save_sampler_weights`).
 
     Raises:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
+        ValueError: an unknown ``sampler_dtype`` or ``sampler_checkpoints``.
     """
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
-                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True):
+                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True, sampler_dtype: str | None = "auto",
+                 sampler_checkpoints: str = "merged"):
+        from .placement import sampler_placement
+
+        if sampler_checkpoints not in ("merged", "adapter"):
+            raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged (the full model) or adapter "
+                             "(a LoRA client's PEFT adapter, served on the base).")
+        #: what ``save_weights_for_sampler`` writes for a LoRA client (:meth:`save_sampler_weights`)
+        self.sampler_checkpoints = sampler_checkpoints
+        #: the sampler's device and dtype (:mod:`ferrule.serve.placement`)
+        self.placement = sampler_placement(sampler_dtype)
         self.base_dir = Path(base_model).absolute()
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
@@ -114,8 +136,10 @@ class EngineBackend:
         self.engines: dict[str, Any] = {}
         self.lora_ranks: dict[str, int | None] = {}
         self._rollout = None
+        self._tokenizer = None
         self._base_state: dict | None = None
-        self._loaded: str | None = None  # which weights the rollout engine holds: None = base
+        self._loaded: str | None = None  # which weights the rollout engine serves: None = base
+        self._params: str | None = None  # which full weights its parameters hold (an adapter is served on the base)
         self.max_snapshots = max_snapshots
         self._snapshots: dict[str, dict] = {}   # key -> tensors
         self._tenant_snapshots: dict[str, collections.OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
@@ -158,7 +182,7 @@ class EngineBackend:
             self._evicted[key] = why
         self._snapshots.clear()
         self._tenant_snapshots.clear()
-        self._rollout = self._base_state = self._loaded = self._merge_layout = None
+        self._rollout = self._base_state = self._loaded = self._params = self._merge_layout = None
 
     # ---------------------------------------------------------------- training clients
     def _new_engine(self, lora: Any = None) -> Any:
@@ -276,8 +300,12 @@ class EngineBackend:
 
     # ---------------------------------------------------------------- checkpoints
     def save_state(self, model_id: str, directory: Path) -> int:
-        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes."""
-        self.engine(model_id).save(directory, overwrite=True)
+        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes. A LoRA
+        client's checkpoint stores what changed: the adapter, its Adam state, scheduler and RNG, and
+        the frozen base's fingerprint instead of the base (``TrainEngine.save(omit_frozen_base=True)``;
+        :meth:`load_state` builds the engine from this base and checks the fingerprint)."""
+        engine = self.engine(model_id)
+        engine.save(directory, overwrite=True, omit_frozen_base=getattr(engine, "lora", None) is not None)
         return _du(directory)
 
     def load_state(self, model_id: str, directory: Path, optimizer: bool) -> None:
@@ -321,15 +349,53 @@ class EngineBackend:
         return merged_hf_state(engine, *self._merge_layout)
 
     def save_sampler_weights(self, model_id: str, directory: Path) -> int:
-        """The full model as HF-named safetensors (``model.safetensors``) for sampling; returns bytes."""
+        """Sampler weights for ``model_id``; returns bytes. Merged (default): the full model as
+        HF-named safetensors (``model.safetensors``). With ``sampler_checkpoints="adapter"`` a LoRA
+        client's checkpoint is its PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
+        what ``PeftModel.from_pretrained`` reads) and ``base.json`` naming this base; sampling serves it
+        on the base, unmerged (:meth:`_hold`)."""
         from safetensors.torch import save_file
 
+        engine = self.engine(model_id)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
+            if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
+                from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
+
+                tensors = {k: v.detach().cpu().contiguous() for k, v in hf_adapter_state_dict(engine).items()}
+                save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+                (tmp / "adapter_config.json").write_text(json.dumps(peft_config(engine, self.model_name), indent=2))
+                (tmp / "base.json").write_text(json.dumps({"base_model": self.model_name}) + "\n")
+            else:
+                save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
             (tmp / GENERATION_FILE).write_text(uuid.uuid4().hex)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        return _du(directory)
+
+    def save_external_weights(self, model_id: str, directory: Path) -> int:
+        """The client's model as an HF checkpoint folder that ``transformers`` loads as it is
+        (``save_weights_external``, what ``tinker checkpoint download`` fetches): ``model.safetensors``
+        (the full model under HF names, LoRA adapters merged as PEFT merges them: :meth:`sampler_tensors`),
+        the base's ``config.json``, ``generation_config.json`` and tokenizer files; written to a
+        temporary folder and renamed when complete. Returns bytes."""
+        from safetensors.torch import save_file
+
+        source = self.base_dir if self.kind == "hf" else self.base_dir / "hf"
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            save_file({k: v.contiguous() for k, v in self.sampler_tensors(model_id).items()},
+                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            for f in source.iterdir():
+                if f.is_file() and (f.name in _HF_FILES or f.name.startswith("tokenizer")):
+                    shutil.copy2(f, tmp / f.name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -348,16 +414,59 @@ class EngineBackend:
         return SavedWeights(directory, f"mtime-{weights.stat().st_mtime_ns if weights.is_file() else 0}")
 
     # ---------------------------------------------------------------- sampling
+    # ---------------------------------------------------------------- text (OpenAI-compatible routes)
+    def tokenizer(self) -> Any:
+        """The base's HF tokenizer (its checkpoint's tokenizer files; the rollout engine's when it
+        holds one), loaded once.
+
+        Raises:
+            LookupError: the checkpoint has no tokenizer files.
+        """
+        if self._tokenizer is None:
+            engine = self._rollout
+            if engine is not None and engine.tokenizer is not None:
+                self._tokenizer = engine.tokenizer
+            else:
+                folder = self.base_dir if self.kind == "hf" else self.base_dir / "hf"
+                if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                    raise LookupError(f"base model {self.model_name!r} has no tokenizer files in {folder} "
+                                      "(tokenizer.json / tokenizer_config.json), which text requests need; add them, "
+                                      "or sample with token ids through the Tinker routes.")
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        return self._tokenizer
+
+    def chat_template(self) -> Any:
+        """The chat template of this base's family (its first registered :class:`~ferrule.specs.ChatTemplateSpec`,
+        as ``ferrule train`` picks it), or None when the family registers none."""
+        from ferrule import registry
+
+        templates = registry.chat_templates_for(registry.family_for_hf_config(self.hf_config).name)
+        return templates[0] if templates else None
+
+    def sampler_info(self) -> dict:
+        """The sampler as ``/api/v1/healthz`` and ``get_server_capabilities`` report it:
+        ``{"device", "dtype", "loaded"}``, plus ``fast_decode`` / ``cuda_graph`` once it is loaded
+        (the engine's own attributes)."""
+        engine = self._rollout   # read once: the worker may unload it meanwhile
+        info: dict = {**self.placement.as_json(), "loaded": engine is not None}
+        if engine is not None:  # attributes only: health() walks state the worker may be changing
+            info.update(device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+                        fast_decode=engine.fast_decode, cuda_graph=engine.cuda_graph)
+        return info
+
     @property
     def rollout(self) -> Any:
+        """The embedded rollout engine of this base on :attr:`placement`'s device and dtype (built on first use)."""
         if self._rollout is None:
             self._using()
-            import torch
 
             from ferrule.rollout.embedded import EmbeddedEngine
 
+            place = dict(device=self.placement.device, dtype=self.placement.torch_dtype)
             if self.kind == "hf":
-                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, dtype=torch.float32)
+                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, **place)
             else:
                 from transformers import AutoConfig, AutoTokenizer
 
@@ -366,7 +475,7 @@ class EngineBackend:
                 tok = None
                 if (self.base_dir / "hf" / "tokenizer_config.json").is_file():
                     tok = AutoTokenizer.from_pretrained(self.base_dir / "hf")
-                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok)
+                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok, **place)
             self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
         return self._rollout
 
@@ -420,19 +529,43 @@ class EngineBackend:
                                   "request was admitted, so the weights it was admitted for are gone; resubmit it to "
                                   "sample the new weights.")
         if key != self._loaded:
-            if source is None:
-                tensors = self._base_state
-            elif isinstance(source, str):
-                tensors = self._snapshot_tensors(source)
-            else:
-                from safetensors.torch import load_file
+            adapter = isinstance(source, SavedWeights) and (source.directory / ADAPTER_WEIGHTS).is_file()
+            if adapter:   # an adapter checkpoint: the base weights plus the adapter, served unmerged
+                from ferrule.lora.peft_format import read_peft_dir
 
-                tensors = load_file(str(source.directory / "model.safetensors"))
-            targets = engine.get_hf_state_dict()
-            self._version += 1
-            engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
+                self._hold_params(engine, None)
+                tensors, config = read_peft_dir(source.directory)
+                self._version += 1
+                try:
+                    engine.update_lora_adapter(tensors, config, version=self._version)
+                except ValueError:   # another rank / targets than the served adapter: inject it afresh
+                    if engine.lora_config is None:
+                        raise
+                    engine.unload_lora_adapter()
+                    engine.update_lora_adapter(tensors, config, version=self._version)
+            else:
+                if engine.lora_config is not None:
+                    engine.unload_lora_adapter()
+                self._hold_params(engine, key, source)
             self._loaded = key
         return engine
+
+    def _hold_params(self, engine: Any, key: str | None, source: Any = None) -> None:
+        """Swap the rollout engine's parameters to ``key``'s full weights (None: the base) unless they hold them."""
+        if key == self._params:
+            return
+        if key is None:
+            tensors = self._base_state
+        elif isinstance(source, str):
+            tensors = self._snapshot_tensors(source)
+        else:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(source.directory / "model.safetensors"))
+        targets = engine.get_hf_state_dict()
+        self._version += 1
+        engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
+        self._params = key
 
     def sampling_params(self, body: Mapping[str, Any], prompt_len: int, n: int) -> Any:
         """Tinker ``SamplingParams`` JSON -> ferrule ``SamplingParams`` for this base's context

@@ -182,8 +182,9 @@ class Service:
 
     def enqueue(self, request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
                 num_data: int = 0, num_tokens: int = 0, extra: dict | None = None,
-                batch: tuple | None = None) -> JSONResponse:
-        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``.
+                batch: tuple | None = None, base: str | None = None) -> JSONResponse:
+        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``;
+        ``base``: the base model it runs on, for the op log (default: the training client's base).
 
         Raises:
             HTTPError: 429 when the tenant has ``limits.max_queued_per_tenant`` requests queued or
@@ -205,9 +206,39 @@ class Service:
                 raise
             return hit
         key, batch_run, payload = batch or (None, None, None)
+        if base is None and model_id is not None:
+            row = self.store.model(model_id)
+            base = None if row is None else row["base_model"]
         self.scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens,
-                                  batch_key=key, batch_run=batch_run, payload=payload))
+                                  batch_key=key, batch_run=batch_run, payload=payload, base=base))
         return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
+
+    async def run_and_wait(self, request: Request, op: str, run, num_data: int = 0,
+                           num_tokens: int = 0, base: str | None = None) -> tuple[str, bytes]:
+        """Queue ``run`` as a job of the request's tenant (:meth:`enqueue`: its future, fairness, the
+        per-tenant limit) and wait for its result without blocking the event loop: for routes that
+        answer in the same HTTP response (the OpenAI-compatible ones).
+
+        Returns:
+            ``(content_type, body)`` of ``run``.
+
+        Raises:
+            HTTPError: 429 (the tenant's queue is full), 400 (the job failed for a reason the client
+                controls: a user error), 500 (any other failure).
+        """
+        import asyncio
+
+        answer = self.enqueue(request, op, run, num_data=num_data, num_tokens=num_tokens, base=base)
+        rid = json.loads(answer.body)["request_id"]
+        while (ev := self.scheduler.event(rid)) is not None and not ev.is_set():
+            await asyncio.sleep(0.01)
+        row = self.store.future(rid)
+        while row["status"] == "pending":   # the event fires after the row is written; a short grace
+            await asyncio.sleep(0.01)
+            row = self.store.future(rid)
+        if row["status"] == "failed":
+            raise HTTPError(400 if row["category"] == "user" else 500, row["error"])
+        return row["content_type"], row["result"]
 
     def refuse(self, model_id: str, seq_id: int, status: int, message: str) -> HTTPError:
         self.scheduler.skip(model_id, seq_id)
