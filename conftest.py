@@ -71,8 +71,8 @@ def pytest_collection_modifyitems(session, config, items):
         path = item.nodeid.split("::")[0]
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(path))
-        if (path in INTEGRATION_FILES or "dist_pool" in getattr(item, "fixturenames", ())
-                or item.get_closest_marker("slow") is not None):
+        if (path in INTEGRATION_FILES or path.startswith("tests/test_serve")  # live in-process servers
+                or "dist_pool" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow") is not None):
             item.add_marker(pytest.mark.integration)
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept
     _check_gpu_markers(items)
@@ -81,13 +81,14 @@ def pytest_collection_modifyitems(session, config, items):
 # the longest files, longest first (from `pytest --durations=0`); a new slow file belongs here
 SLOW_FILES: list[str] = []
 
-#: files of end-to-end runs (GRPO through the launcher, the conformance kit over whole families, live
-#: servers, packaging into a fresh venv): marked ``integration`` with every test that uses the 2-rank
-#: pool or is marked ``slow``; ``pytest -m "not integration"`` is the fast development loop (README)
+#: files of end-to-end runs (GRPO through the launcher, the conformance kit over whole families, killed
+#: multi-rank conversions, packaging into a fresh venv): marked ``integration`` with the service's files
+#: (``tests/test_serve*``: a live server each), every test that uses the 2-rank pool and every test
+#: marked ``slow``; ``pytest -m "not integration"`` is the fast development loop (README)
 INTEGRATION_FILES = frozenset({
     "tests/test_rl_e2e.py", "tests/test_rl_distributed.py", "tests/test_rl_lora.py", "tests/test_rl_sglang.py",
     "tests/test_inkling_rl.py", "tests/test_inkling_mm_rl.py", "tests/test_inkling2_mm_rl.py",
-    "tests/test_checkpoint_faults.py", "tests/test_run_folder.py", "tests/test_train_ux.py",
+    "tests/test_checkpoint_faults.py", "tests/test_convert_faults.py", "tests/test_run_folder.py", "tests/test_train_ux.py",
     "tests/test_metrics_sinks.py", "tests/test_export_dtype.py", "tests/test_colocate.py",
     "tests/test_fixture_families.py", "tests/test_conformance.py", "tests/test_packaging.py",
     "tests/test_cli_check.py", "tests/test_serve_protocol.py", "tests/test_serve_load.py",

@@ -10,10 +10,13 @@ in both of its ranks with the same argv, environment and torchrun variables, ret
     proc = dist_pool.run([str(WORKER), str(tmp_path)], env={"OMP_NUM_THREADS": "1"}, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
-Isolation between jobs: megatron's model-parallel groups, ferrule's registry, ``os.environ``,
-``sys.argv`` and ``sys.path`` are reset in the ranks after each job (``pool_rank.py``). A job that
-fails or times out takes the pool down with it (killed as a process group); the next job starts a
-fresh one. Tests about process behaviour itself (a rank that dies, signals, torchrun's own exit
+One pool per test process (each pytest-xdist worker starts its own on first use). Isolation between
+jobs: megatron's model-parallel groups, every process group but the default one, ferrule's registry,
+``os.environ``, ``sys.argv`` and ``sys.path`` are reset in the ranks after each job (``pool_rank.py``).
+A job that fails, or a test that ends while its job runs (a timeout, Ctrl-C), takes the pool down with
+it (killed as a process group); the next job starts a fresh one. The pool never outlives the test
+process: torchrun's agent gets SIGKILL when it dies (``PR_SET_PDEATHSIG``) and the ranks leave when
+its pid is gone. Tests about process behaviour itself (a rank that dies, signals, torchrun's own exit
 codes) keep their own ``torchrun`` (``tests/test_process_policy.py`` lists them).
 """
 
@@ -37,6 +40,16 @@ FAILED_RANK_GRACE_S = 5.0
 POLL_S = 0.02
 
 
+def _die_with_parent() -> None:
+    """In the launched torchrun agent, before exec: SIGKILL when the test process dies (Linux prctl)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the ranks' own watch of client.pid still ends them
+        pass
+
+
 class DistPoolError(RuntimeError):
     """The pool could not start (its launch's output is in the message)."""
 
@@ -56,13 +69,15 @@ class DistPool:
     def _start(self) -> None:
         self.control = Path(tempfile.mkdtemp(prefix="ferrule-dist-pool-"))
         self.next_job = 0
-        log = open(self.control / "launch.log", "w")
+        (self.control / "client.pid").write_text(str(os.getpid()))  # the ranks leave when this process is gone
         # 2 gloo ranks on the CPU, also on a GPU machine (one GPU cannot hold two NCCL ranks)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
-             str(RANK_PROGRAM), str(self.control)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        with open(self.control / "launch.log", "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
+                 str(RANK_PROGRAM), str(self.control)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent)
         self.starts += 1
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all((self.control / f"ready.rank{r}").exists() for r in range(self.nproc)):
@@ -117,6 +132,13 @@ class DistPool:
             ``CompletedProcess`` whose ``returncode`` is the first non-zero rank's code (else 0) and
             whose ``stdout`` / ``stderr`` are every rank's output, rank 0 first.
         """
+        try:
+            return self._run(argv, env=env, timeout=timeout, cwd=cwd)
+        except BaseException:  # a timeout (ours or pytest-timeout's), Ctrl-C: no job may go on behind the test
+            self._kill()
+            raise
+
+    def _run(self, argv, *, env, timeout, cwd) -> subprocess.CompletedProcess:
         if self.proc is None or self.proc.poll() is not None:
             self.close()
             self._start()

@@ -5,8 +5,8 @@ machine, so a test runs a CLI in-process (tests/inproc.py: ``run_ferrule``, ``en
 2-rank job in the session's pool (tests/dist_pool.py: the ``dist_pool`` fixture). A process of its
 own is for tests whose subject is process behaviour: signals and kills, what a fresh interpreter
 imports, a fresh venv, torchrun's or the product's own launcher, a real server. :data:`ALLOWED`
-lists each such place with its reason; the scan below (every ``subprocess.run / Popen / call /
-check_call / check_output`` in the test folders) fails on a place missing from the list, and on a
+lists each such place with its reason; the scan below (every subprocess / os.system / fork / exec /
+spawn / multiprocessing / asyncio launch in the test folders, under any import alias) fails on a place missing from the list, and on a
 listed place that no longer starts a process, so the list stays the truth.
 """
 
@@ -18,7 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_FOLDERS = ("tests", "plugins", "examples")
-LAUNCHERS = {"run", "Popen", "call", "check_call", "check_output"}
 
 #: "file::top-level function" -> why that place needs a process of its own.
 ALLOWED: dict[str, str] = {
@@ -64,20 +63,61 @@ ALLOWED: dict[str, str] = {
 }
 
 
+#: module -> the calls of it that start a process
+LAUNCH_CALLS = {
+    "subprocess": {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"},
+    "os": {"system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp",
+           "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl",
+           "spawnle", "spawnlp", "spawnlpe"},
+    "multiprocessing": {"Process", "Pool", "get_context"},
+    "torch.multiprocessing": {"Process", "Pool", "get_context", "spawn", "start_processes"},
+    "asyncio": {"create_subprocess_exec", "create_subprocess_shell"},
+}
+
+
+def _launch_names(tree: ast.AST) -> tuple[dict[str, set[str]], set[str]]:
+    """This file's names for the modules of :data:`LAUNCH_CALLS` (``import subprocess as sp``) and the
+    launch functions it imported by name (``from subprocess import run``)."""
+    modules: dict[str, set[str]] = {}
+    functions: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in LAUNCH_CALLS:
+                    modules[alias.asname or alias.name] = LAUNCH_CALLS[alias.name]
+        elif isinstance(node, ast.ImportFrom) and node.module in LAUNCH_CALLS:
+            for alias in node.names:
+                if alias.name in LAUNCH_CALLS[node.module]:
+                    functions.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "multiprocessing"
+                                                                               for a in node.names):
+            for alias in node.names:
+                if alias.name == "multiprocessing":
+                    modules[alias.asname or alias.name] = LAUNCH_CALLS["torch.multiprocessing"]
+    return modules, functions
+
+
 def _process_launches() -> set[str]:
-    """``file::top-level function`` of every subprocess launch in the test folders (test fixtures'
-    own packages and the 2-rank worker programs under ``dist/``, which run inside a launch, excluded)."""
+    """``file::top-level function`` of every process launch in the test folders (subprocess, os.system /
+    fork / exec / spawn, multiprocessing, asyncio subprocesses; under any import alias), the test fixtures'
+    own packages and the 2-rank worker programs under ``dist/`` (which run inside a launch) excluded."""
     found = set()
     for folder in TEST_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if "/tests/" not in f"/{rel}" or "/fixtures/" in rel or "/dist/" in rel or "/build/" in rel:
                 continue
-            for node in ast.parse(path.read_text()).body:
+            tree = ast.parse(path.read_text())
+            modules, functions = _launch_names(tree)
+            for node in tree.body:
                 for call in ast.walk(node):
-                    func = getattr(call, "func", None)
-                    if (isinstance(call, ast.Call) and isinstance(func, ast.Attribute) and func.attr in LAUNCHERS
-                            and isinstance(func.value, ast.Name) and func.value.id == "subprocess"):
+                    if not isinstance(call, ast.Call):
+                        continue
+                    func = call.func
+                    hit = (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                           and func.attr in modules.get(func.value.id, ())) or (
+                           isinstance(func, ast.Name) and func.id in functions)
+                    if hit:
                         found.add(f"{rel}::{getattr(node, 'name', '<module>')}")
     return found
 
@@ -93,9 +133,19 @@ def test_only_process_behaviour_tests_start_a_process():
 
 
 def test_the_scan_sees_a_launch(tmp_path, monkeypatch):
-    """The scan is not blind: a planted ``subprocess.run`` in a test file is found under its function."""
+    """The scan is not blind: planted launches under other names are found under their functions, and
+    calls that start nothing are not."""
     planted = tmp_path / "tests" / "test_planted.py"
     planted.parent.mkdir()
-    planted.write_text("import subprocess\n\ndef test_x():\n    subprocess.run(['true'])\n")
+    planted.write_text(
+        "import os\nimport subprocess as sp\nfrom subprocess import Popen as P\nimport multiprocessing as mp\n"
+        "from torch import multiprocessing as tmp\nimport asyncio\n\n"
+        "def test_a():\n    sp.run(['true'])\n\n"
+        "def test_b():\n    P(['true'])\n\n"
+        "def test_c():\n    os.system('true')\n\n"
+        "def test_d():\n    mp.get_context('spawn').Process(target=print)\n\n"
+        "def test_e():\n    tmp.start_processes(print)\n\n"
+        "async def test_f():\n    await asyncio.create_subprocess_exec('true')\n\n"
+        "def test_quiet():\n    os.getcwd(); sp.CompletedProcess([], 0)\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert _process_launches() == {"tests/test_planted.py::test_x"}
+    assert _process_launches() == {f"tests/test_planted.py::test_{x}" for x in "abcdef"}

@@ -38,7 +38,8 @@ POLL_S = 0.02
 _real_destroy = None  # torch.distributed.destroy_process_group, before the patch below
 # set by torchrun for this rank: a job's environment (often a copy of the test's, with these popped) never changes them
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "CUDA_VISIBLE_DEVICES")  # the pool's ranks are gloo on the CPU on any machine
 
 
 def _patch_process_group_calls() -> None:
@@ -157,6 +158,16 @@ def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
     return rc
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(control: Path) -> None:
     import torch.distributed as dist
 
@@ -174,11 +185,16 @@ def main(control: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     _patch_process_group_calls()
     (control / f"ready.rank{rank}").write_text(str(os.getpid()))
+    client = int((control / "client.pid").read_text())
     n = 0
     while True:
         job_file = control / f"job-{n}.json"
+        idle = 0
         while not job_file.exists():
             if (control / "stop").exists():
+                return
+            idle += 1
+            if idle % 50 == 0 and not _alive(client):  # the test process died without stopping the pool
                 return
             time.sleep(POLL_S)
         job = json.loads(job_file.read_text())
