@@ -87,14 +87,18 @@ class EngineBackend:
             (the per-step Adam hyper-parameters come from each ``optim_step`` request).
         eager: load the rollout engine now (the first base of a server); otherwise the weights
             load on first use (:attr:`on_load` is called first, so the registry can make room).
+        engine_settings: ``{"train_engine": TrainEngineSettings, "rollout_engine": RolloutEngineSettings}``
+            (:mod:`ferrule.engine_settings`; ``ferrule serve --engine-setting``); a missing one: its defaults.
 
     Raises:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
     """
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
-                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True):
+                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True,
+                 engine_settings: Mapping[str, Any] | None = None):
         self.base_dir = Path(base_model).absolute()
+        self.engine_settings = dict(engine_settings or {})
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
             self.hf_config = json.loads((self.base_dir / "config.json").read_text())
@@ -357,7 +361,8 @@ class EngineBackend:
             from ferrule.rollout.embedded import EmbeddedEngine
 
             if self.kind == "hf":
-                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, dtype=torch.float32)
+                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, dtype=torch.float32,
+                                               settings=self.engine_settings.get("rollout_engine"))
             else:
                 from transformers import AutoConfig, AutoTokenizer
 
@@ -366,7 +371,8 @@ class EngineBackend:
                 tok = None
                 if (self.base_dir / "hf" / "tokenizer_config.json").is_file():
                     tok = AutoTokenizer.from_pretrained(self.base_dir / "hf")
-                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok)
+                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok,
+                                               settings=self.engine_settings.get("rollout_engine"))
             self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
         return self._rollout
 

@@ -78,17 +78,43 @@ def served_bases(base_model: Path | list[Path] | None, model_name: str | list[st
     return out
 
 
+#: the config sections ``ferrule serve --engine-setting`` may set
+SERVE_SETTING_SECTIONS = ("train_engine", "rollout_engine")
+
+
+def parse_engine_settings(items: list[str]) -> dict[str, Any]:
+    """``--engine-setting section.key=value`` items -> ``{section: settings object}`` of
+    :data:`SERVE_SETTING_SECTIONS` (typed and checked as the ``ferrule train`` config checks them).
+
+    Raises:
+        ValueError: every bad item at once, each naming the key and what it expects.
+    """
+    from ferrule.rl.config import ConfigError, config_from_dict
+
+    wrong = [i for i in items if i.split(".", 1)[0] not in SERVE_SETTING_SECTIONS]
+    if wrong:
+        raise ValueError(f"--engine-setting {wrong[0]!r}: expected SECTION.KEY=VALUE with SECTION one of "
+                         f"{', '.join(SERVE_SETTING_SECTIONS)} (e.g. rollout_engine.kv_bucket=128).")
+    try:
+        cfg = config_from_dict({}, items, origin="--engine-setting", validate=False)
+    except ConfigError as exc:
+        raise ValueError("--engine-setting: " + "; ".join(exc.problems)) from None
+    return {s: getattr(cfg, s) for s in SERVE_SETTING_SECTIONS}
+
+
 def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Path | None = None,
               model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
-              max_loaded_bases: int | None = None):
+              max_loaded_bases: int | None = None, engine_settings: list[str] | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
     as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
-    (:class:`~ferrule.serve.registry.BaseRegistry`).
+    (:class:`~ferrule.serve.registry.BaseRegistry`). ``engine_settings``: ``section.key=value`` items of the
+    ``train_engine`` / ``rollout_engine`` sections of a ``ferrule train`` config (:func:`parse_engine_settings`).
 
     Raises:
         FileNotFoundError: a base directory, the models file or ``api_keys`` does not exist.
-        ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name.
+        ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name, a bad
+            ``--engine-setting``.
     """
     from .app import create_app
     from .backend import MAX_SNAPSHOTS
@@ -98,9 +124,10 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
     keys = load_api_keys(api_keys)
     if not keys:  # before the model loads (minutes for a real one)
         raise ValueError(NO_KEYS)
+    settings = parse_engine_settings(engine_settings or [])
     bases = served_bases(base_model, model_name, models_file)
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
-                           max_snapshots=max_snapshots or MAX_SNAPSHOTS)
+                           max_snapshots=max_snapshots or MAX_SNAPSHOTS, engine_settings=settings)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                       limits=limits)
 
@@ -138,6 +165,10 @@ def serve_command(
                                                   "above).")] = 36_000,
     max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (made by save weights and "
                                                "get sampling client) kept in memory per tenant.")] = 4,
+    engine_setting: Annotated[list[str] | None, typer.Option(
+        "--engine-setting", help="SECTION.KEY=VALUE of the train_engine or rollout_engine settings (the keys of "
+                                 "docs/train.md's config reference, e.g. rollout_engine.kv_bucket=128); "
+                                 "repeatable.")] = None,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
@@ -155,7 +186,7 @@ def serve_command(
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
-                        max_loaded_bases=max_loaded_bases)
+                        max_loaded_bases=max_loaded_bases, engine_settings=engine_setting)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
