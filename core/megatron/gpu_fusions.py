@@ -16,7 +16,7 @@ megatron-core routes two elementwise chains to fused kernels when its config ask
 
 Both are flags read at forward time, so the engine turns them on after the model is built, on
 CUDA only: on CPU the unfused eager path stays the bit-exact reference the tests pin.
-``FERRULE_CUDA_FUSIONS=0`` turns them off (for benchmarks and debugging).
+``TrainEngineSettings(cuda_fusions=False)`` turns them off (for benchmarks and debugging).
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     cos, sin = cos[:, 0, None, :], sin[:, 0, None, :]  # [b, 1, d]
     L = keys[0].shape[2] if kv_len is None else kv_len
     if attn not in ATTN_KINDS:
-        raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (FERRULE_FAST_ATTN)")
+        raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (rollout_engine.attention)")
     hidden = ~allowed[:, None, None, :L]
     rows = torch.arange(b, device=ids.device)
     rope_in_attn = fuses_rope(attn, ids.device)
@@ -313,7 +313,7 @@ class FastStatic:
         self.finished = torch.zeros(b, dtype=torch.bool, **z)
         self.stopped = torch.zeros(b, dtype=torch.bool, **z)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.chunks = 0  # sampler vocabulary chunks (FERRULE_FAST_SAMPLER_CHUNKS), set per run
+        self.chunks = 0  # sampler vocabulary chunks (rollout_engine.sampler_chunks), set per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ Where a tensor cannot be planned (a row whose ``to_hf`` rejects an integer probe
 values, a stacked-expert row with its own ``assemble``, a destination that is no strided view
 after ordering) only that tensor goes through the old conversion and
 ``rollout_engine.update_weights`` every sync; where the whole path cannot apply (world size > 1,
-the rollout engine asleep or on another device, a ``dtype=`` cast, ``FERRULE_DIRECT_SYNC=0``)
+the rollout engine asleep or on another device, a ``dtype=`` cast, ``weight_sync.direct: false``)
 the bucketed path runs. Each reason is logged once (logger ``ferrule.sync``: WARNING where
 tensors or a plan fall back, INFO where the path does not apply by design).
 
