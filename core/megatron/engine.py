@@ -450,12 +450,20 @@ class TrainEngine(EngineColocation):
                 "dp_size": self.dp_size, "layout": asdict(self.layout), "optimizer": asdict(self.settings),
                 "params_dtype": str(self.params_dtype).removeprefix("torch.")}
 
-    def save(self, path: str | Path, *, overwrite: bool = True) -> Path:
+    def save(self, path: str | Path, *, overwrite: bool = True, omit_frozen_base: bool = False) -> Path:
         """Save model, optimizer (incl. Adam's step), scheduler, RNG and counters atomically
         (torch_dist; :mod:`ferrule.megatron.checkpoint`), with the source's generation config and
         tokenizer files (:attr:`hf_files_dir`) under ``hf/``, so ``ferrule export`` /
         ``torch_dist_to_hf`` make a complete HF folder of it. Gradients of an open accumulation
-        window are not saved. All ranks call it. Returns the absolute path."""
+        window are not saved. All ranks call it. Returns the absolute path.
+
+        ``omit_frozen_base`` (LoRA engines): leave the frozen base out, keeping the adapter, its
+        optimizer state, scheduler and RNG, plus the base's fingerprint; :meth:`load` then needs an
+        engine of the same base (``ferrule serve``'s ``save_state``; such a folder is no complete
+        model for ``ferrule export``).
+
+        Raises:
+            ValueError: ``omit_frozen_base`` on a full-parameter engine."""
         from .checkpoint import save_training_state
 
         meta = {"format": "ferrule-torch_dist-v1", "family": self.family, "model_type": self.hf_config.get("model_type"),
@@ -468,11 +476,16 @@ class TrainEngine(EngineColocation):
                 lora_state, lora_files = self.lora.save_payload(self)
             meta["contents"] = "engine (frozen base model, scheduler, rng) + LoRA adapter and optimizer (lora/)"
             meta["lora"] = engine_state["lora"] = asdict(self.lora)
+            if omit_frozen_base:
+                meta["contents"] = ("LoRA adapter and optimizer (lora/), scheduler, rng; the frozen base is not stored "
+                                    "(engine_state.json frozen_base: its fingerprint): load into an engine of that base")
+        elif omit_frozen_base:
+            raise ValueError("omit_frozen_base: a full-parameter engine has no frozen base to leave out.")
         with self._temporarily_onloaded():  # a save while offloaded (colocation) reads the real bytes
             return save_training_state(path, model_chunks=self.model, optimizer=self.optimizer,
                                        scheduler=self.scheduler, engine_state=engine_state, checkpoint_meta=meta,
                                        hf_config=self.hf_config, overwrite=overwrite, hf_files_dir=self.hf_files_dir,
-                                       lora_state=lora_state, lora_files=lora_files)
+                                       lora_state=lora_state, lora_files=lora_files, omit_frozen=omit_frozen_base)
 
     def load(self, path: str | Path, *, load_optimizer: bool = True) -> dict:
         """Load a :meth:`save` checkpoint (any TP/PP/DP for the weights; the distributed

@@ -107,7 +107,7 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
               max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
               worker_threads: int | None = None, event_loop_threads: int | None = None,
-              engine_settings: list[str] | None = None):
+              sampler_checkpoints: str = "merged", engine_settings: list[str] | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
     as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
     (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
@@ -132,13 +132,15 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
     if not keys:  # before the model loads (minutes for a real one)
         raise ValueError(NO_KEYS)
     sampler_placement(sampler_dtype)  # a bad --sampler-dtype before any model loads
+    if sampler_checkpoints not in ("merged", "adapter"):
+        raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged or adapter.")
     if worker_threads is not None and worker_threads < 1:
         raise ValueError(f"--worker-threads {worker_threads}: expected an int >= 1.")
     settings = parse_engine_settings(engine_settings or [])
     bases = served_bases(base_model, model_name, models_file)
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
                            max_snapshots=max_snapshots or MAX_SNAPSHOTS, sampler_dtype=sampler_dtype,
-                           engine_settings=settings)
+                           sampler_checkpoints=sampler_checkpoints, engine_settings=settings)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                       limits=limits, worker_threads=worker_threads, event_loop_threads=event_loop_threads)
 
@@ -179,6 +181,10 @@ def serve_command(
     sampler_dtype: Annotated[str, typer.Option(help="dtype of every base's sampler, which runs on the training "
                                                "device (the GPU on a CUDA machine): auto (bfloat16 on CUDA, float32 "
                                                "on CPU), bfloat16, float16 or float32.")] = "auto",
+    sampler_checkpoints: Annotated[str, typer.Option(help="What save_weights_for_sampler writes for a LoRA client: "
+                                                     "merged (the full model, HF safetensors) or adapter (its PEFT "
+                                                     "adapter, served on the base unmerged; a few MB instead of the "
+                                                     "model).")] = "merged",
     worker_threads: Annotated[int | None, typer.Option(help="torch CPU threads of the worker that runs every "
                                                        "operation (default: the CPUs this process may use minus one, "
                                                        "at least 1; the event loop's thread uses 1).")] = None,
@@ -207,7 +213,8 @@ def serve_command(
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
                         max_loaded_bases=max_loaded_bases, sampler_dtype=sampler_dtype,
                         worker_threads=default_worker_threads() if worker_threads is None else worker_threads,
-                        event_loop_threads=1, engine_settings=engine_setting)
+                        event_loop_threads=1, sampler_checkpoints=sampler_checkpoints,
+                        engine_settings=engine_setting)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None
