@@ -176,7 +176,14 @@ def train_command(
         if nproc > 1:
             from ferrule.rl.distributed import check_layout
 
-            check_layout(cfg, json.loads((Path(cfg.model.hf_dir) / "config.json").read_text()), nproc)
+            from ferrule.rl.config import ConfigError
+            from ferrule.rl.run_checks import model_folder_problems
+
+            cfg.check_paths()
+            hf_config, damaged = model_folder_problems(cfg.model.hf_dir)
+            if damaged:
+                raise ConfigError(damaged)
+            check_layout(cfg, hf_config, nproc)
     except BaseException as exc:  # noqa: BLE001
         message = user_error_message(exc)
         if message is None:
