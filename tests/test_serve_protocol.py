@@ -79,7 +79,13 @@ def test_auth_wrong_or_missing_key_is_401_and_touches_nothing(server):
     with pytest.raises(tinker.AuthenticationError):
         server.client("tml-unknown-key").create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
     assert count() == before
-    assert httpx.get(server.url + "/api/v1/healthz").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/api/v1/healthz").json()   # open: no key needed
+    assert health["status"] == "ok"
+    # where the sampler runs (issue 46): this CPU machine's sampler is the exact fp32 CPU path
+    assert health["samplers"][MODEL_NAME] == {"device": "cpu", "dtype": "float32", "loaded": True,
+                                              "fast_decode": False, "cuda_graph": False}
+    caps = httpx.get(server.url + "/api/v1/get_server_capabilities", headers={"X-API-Key": ALICE}).json()
+    assert caps["supported_models"][0]["sampler"] == health["samplers"][MODEL_NAME]
 
 
 def test_bad_input_is_4xx_and_leaves_the_model_unchanged(server):

@@ -84,3 +84,78 @@ def test_ttl_seconds_expires_a_checkpoint(server):
         sc.create_sampling_client(model_path=path).result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
         tc.save_weights_for_sampler("bad", ttl_seconds=0).result(timeout=60)
+
+
+def test_sessions_ttl_and_unserved_sdk_routes_answer_naming_them(server):
+    """list_sessions / get_session and set_checkpoint_ttl are served; every other SDK route answers with a
+    message naming the SDK call (before: a bare 404 Not Found / 405 Method Not Allowed)."""
+    sc = server.client(ALICE)
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    session_id = tc.model_id.split(":train:")[0]
+    rest = sc.create_rest_client()
+    assert session_id in rest.list_sessions(limit=1000).result(timeout=60).sessions
+    info = rest.get_session(session_id).result(timeout=60)
+    assert tc.model_id in info.training_run_ids
+    assert session_id not in server.client(BOB).create_rest_client().list_sessions(limit=1000).result(timeout=60) \
+        .sessions
+    with pytest.raises(tinker.NotFoundError):
+        server.client(BOB).create_rest_client().get_session(session_id).result(timeout=60)
+    # ttl: set, then removed; the checkpoint's user_metadata stays
+    path = tc.save_weights_for_sampler("ttl-1").result(timeout=120).path
+    store = server.app.state.store
+    store.set_checkpoint_info(path, None, {"k": "v"})
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result(timeout=60)
+    cp = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints}[path]
+    assert cp.expires_at is not None and cp.user_metadata == {"k": "v"}
+    rest.set_checkpoint_ttl_from_tinker_path(path, None).result(timeout=60)
+    assert store.checkpoint_info(path) == {"expires_at": None, "user_metadata": {"k": "v"}}
+    model_id, kind, name = path.removeprefix("tinker://").split("/")
+    for method, route, call in (
+            ("POST", f"training_runs/{model_id}/checkpoints/{kind}/{name}/publish", "publish_checkpoint"),
+            ("DELETE", f"training_runs/{model_id}/checkpoints/{kind}/{name}/publish", "unpublish_checkpoint"),
+            ("POST", "copy_weights", "copy_weights"), ("POST", "sessions/search", "search_sessions"),
+            ("GET", "billing/usage/events", "billing"), ("POST", "retrieve_futures", "retrieve_futures")):
+        r = httpx.request(method, f"{server.url}/api/v1/{route}", headers={"X-API-Key": ALICE}, json={}, timeout=30)
+        assert r.status_code in (400, 404, 405) and f"does not serve {method} /api/v1/{route}" in r.json()["detail"] \
+            and call in r.json()["detail"], (method, route, r.status_code, r.text)
+    r = httpx.get(f"{server.url}/api/v1/no_such_call", headers={"X-API-Key": ALICE}, timeout=30)
+    assert r.status_code == 404 and "docs/serve.md" in r.json()["detail"]
+    assert (server.storage / "checkpoints" / model_id / kind / name).is_dir()   # nothing was touched
+
+
+def test_tinker_checkpoint_download_gives_a_folder_transformers_loads(server, tmp_path, monkeypatch):
+    """`tinker checkpoint download` (the 0.38 CLI, in process) of a LoRA client's save_state: it exports
+    through save_weights_external + signed URLs; the folder loads in transformers and computes the
+    client's own logprobs."""
+    import torch
+    from click.testing import CliRunner
+    from serve_helpers import adam, sdk_data
+    from tinker.cli.__main__ import main_cli
+    from transformers import AutoModelForCausalLM
+
+    sc = server.client(ALICE)
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    data = sdk_data(seed=8, lengths=(6, 9))
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(adam()).result()
+    state = tc.save_state("dl").result(timeout=120).path
+    served = tc.forward(data, "cross_entropy").result(timeout=120)
+    monkeypatch.setenv("TINKER_BASE_URL", server.url)
+    monkeypatch.setenv("TINKER_API_KEY", ALICE)
+    r = CliRunner().invoke(main_cli, ["checkpoint", "download", state, "--output", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / state.removeprefix("tinker://").replace("/", "_")
+    assert {"config.json", "model.safetensors"} <= {f.name for f in folder.iterdir()}
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for d, o in zip(data, served.loss_fn_outputs):
+            lp = torch.log_softmax(hf(torch.tensor([d.model_input.to_ints()])).logits[0].double(), -1)
+            ref = lp.gather(-1, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())[:, None])[:, 0]
+            assert float((ref - torch.tensor(o["logprobs"].tolist()).double()).abs().max()) < 1e-5
+    # the CLI deleted its temporary export; a signed URL does not open another file or outlive its signature
+    rest = sc.create_rest_client()
+    assert not [c for c in rest.list_user_checkpoints().result(timeout=60).checkpoints
+                if c.checkpoint_type == "external"]
+    r = httpx.get(f"{server.url}/api/v1/external_weights_files/{tc.model_id}/download/config.json?expires=9999999999"
+                  "&signature=00", timeout=30)
+    assert r.status_code == 403 and "not signed" in r.json()["detail"]

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["DeviceBackend", "get_backend"]
+__all__ = ["DeviceBackend", "get_backend", "default_kind"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,13 @@ class DeviceBackend:
         """Reset the CUDA peak counter; a no-op on CPU (``ru_maxrss`` cannot be reset)."""
         if self.kind == "cuda":
             torch.cuda.reset_peak_memory_stats()
+
+
+def default_kind() -> Literal["cuda", "cpu"]:
+    """The device kind :func:`get_backend` picks on this machine (``'cuda'`` when CUDA is
+    available), without choosing the backend or applying any patch: for code that places
+    tensors beside the train engine (``ferrule serve``'s sampler) before or without one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 _BACKEND: DeviceBackend | None = None

@@ -81,28 +81,37 @@ def served_bases(base_model: Path | list[Path] | None, model_name: str | list[st
 def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Path | None = None,
               model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
-              max_loaded_bases: int | None = None):
+              max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
+              worker_threads: int | None = None, event_loop_threads: int | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
     as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
-    (:class:`~ferrule.serve.registry.BaseRegistry`).
+    (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
+    ``sampler_dtype``; the worker uses ``worker_threads`` torch threads, the event loop's thread
+    ``event_loop_threads`` (None: unchanged; :mod:`ferrule.serve.placement`).
 
     Raises:
         FileNotFoundError: a base directory, the models file or ``api_keys`` does not exist.
-        ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name.
+        ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name,
+            an unknown ``sampler_dtype``, ``worker_threads < 1``.
     """
     from .app import create_app
     from .backend import MAX_SNAPSHOTS
     from .paths import load_api_keys
     from .registry import DEFAULT_MAX_LOADED, BaseRegistry
 
+    from .placement import sampler_placement
+
     keys = load_api_keys(api_keys)
     if not keys:  # before the model loads (minutes for a real one)
         raise ValueError(NO_KEYS)
+    sampler_placement(sampler_dtype)  # a bad --sampler-dtype before any model loads
+    if worker_threads is not None and worker_threads < 1:
+        raise ValueError(f"--worker-threads {worker_threads}: expected an int >= 1.")
     bases = served_bases(base_model, model_name, models_file)
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
-                           max_snapshots=max_snapshots or MAX_SNAPSHOTS)
+                           max_snapshots=max_snapshots or MAX_SNAPSHOTS, sampler_dtype=sampler_dtype)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
-                      limits=limits)
+                      limits=limits, worker_threads=worker_threads, event_loop_threads=event_loop_threads)
 
 
 def serve_command(
@@ -138,6 +147,12 @@ def serve_command(
                                                   "above).")] = 36_000,
     max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (made by save weights and "
                                                "get sampling client) kept in memory per tenant.")] = 4,
+    sampler_dtype: Annotated[str, typer.Option(help="dtype of every base's sampler, which runs on the training "
+                                               "device (the GPU on a CUDA machine): auto (bfloat16 on CUDA, float32 "
+                                               "on CPU), bfloat16, float16 or float32.")] = "auto",
+    worker_threads: Annotated[int | None, typer.Option(help="torch CPU threads of the worker that runs every "
+                                                       "operation (default: the CPUs this process may use minus one, "
+                                                       "at least 1; the event loop's thread uses 1).")] = None,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
@@ -153,9 +168,13 @@ def serve_command(
                              max_image_bytes, max_image_pixels, max_audio_frames)
         if max_snapshots < 1:
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
+        from .placement import default_worker_threads
+
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
-                        max_loaded_bases=max_loaded_bases)
+                        max_loaded_bases=max_loaded_bases, sampler_dtype=sampler_dtype,
+                        worker_threads=default_worker_threads() if worker_threads is None else worker_threads,
+                        event_loop_threads=1)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None

@@ -1,8 +1,8 @@
 """API keys and ``tinker://`` checkpoint paths, confined to the storage root.
 
 Path format (the SDK's ``ParsedCheckpointTinkerPath``): ``tinker://<model_id>/<kind>/<name>``,
-exactly three ``/``-separated parts, ``kind`` in ``weights`` (``save_state``) or
-``sampler_weights`` (``save_weights_for_sampler``). On disk it is
+exactly three ``/``-separated parts, ``kind`` in ``weights`` (``save_state``),
+``sampler_weights`` (``save_weights_for_sampler``) or ``external_weights`` (``save_weights_external``). On disk it is
 ``<storage>/checkpoints/<model_id>/<kind>/<name>``. A model id is ``<session_id>:train:<n>``;
 names and ids are limited to ``[A-Za-z0-9._:-]`` with no leading dot, so ``..``, absolute
 paths, separators and hidden files are refused before any filesystem call, and the resolved
@@ -20,7 +20,7 @@ from pathlib import Path
 __all__ = ["PathError", "CheckpointPath", "parse_tinker_path", "check_name", "load_api_keys", "KEYS_ENV"]
 
 KEYS_ENV = "FERRULE_SERVE_API_KEYS"
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights", "external_weights")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$")
 
 

@@ -9,20 +9,29 @@ expired checkpoints are deleted (files and records) whenever checkpoints are lis
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import shutil
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
-from .paths import PathError, parse_tinker_path
+from .paths import PathError, check_name, parse_tinker_path
 from .service import HTTPError, Service
 
-__all__ = ["add_rest_routes", "checkpoint_json"]
+__all__ = ["add_rest_routes", "checkpoint_json", "EXTERNAL_FILES", "EXTERNAL_URL_TTL_S"]
+
+#: route prefix of signed external-weights file downloads (no API key: the signature is the credential)
+EXTERNAL_FILES = "/api/v1/external_weights_files"
+#: lifetime of a signed download URL, seconds
+EXTERNAL_URL_TTL_S = 3600
 
 
 def _iso(t: float | None) -> str | None:
@@ -33,7 +42,7 @@ def checkpoint_json(svc: Service, row: dict) -> dict:
     """A checkpoint row as the SDK's ``Checkpoint``."""
     info = svc.store.checkpoint_info(row["path"])
     return {"checkpoint_id": f"{row['kind']}/{row['name']}", "tinker_path": row["path"],
-            "checkpoint_type": "training" if row["kind"] == "weights" else "sampler",
+            "checkpoint_type": {"weights": "training", "sampler_weights": "sampler"}.get(row["kind"], "external"),
             "time": _iso(row["created"]), "size_bytes": row["size_bytes"], "public": False,
             "user_metadata": info["user_metadata"], "expires_at": _iso(info["expires_at"])}
 
@@ -49,6 +58,11 @@ def training_run_json(svc: Service, row: dict) -> dict:
             "is_lora": row["lora_rank"] is not None, "corrupted": False, "lora_rank": row["lora_rank"],
             "last_request_time": _iso(lrt), "last_checkpoint": last["weights"],
             "last_sampler_checkpoint": last["sampler_weights"], "user_metadata": info["user_metadata"]}
+
+
+def _write_tar(tar_path: Path, directory: Path, arcname: str) -> None:
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(directory, arcname=arcname)
 
 
 def add_rest_routes(app: FastAPI, svc: Service) -> None:
@@ -97,18 +111,74 @@ def add_rest_routes(app: FastAPI, svc: Service) -> None:
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str, request: Request):
+        if checkpoint_id.endswith("/publish"):   # unpublish_checkpoint, not a checkpoint named 'publish'
+            from .unserved import explain
+
+            raise HTTPError(400, explain("DELETE", request.url.path))
         row, directory = own_checkpoint_row(request, model_id, checkpoint_id)
         svc.delete_checkpoint(row["path"], directory)
         return {}
 
+    secret = secrets.token_bytes(32)   # signs download URLs; they die with the process
+
+    def signature(model_id: str, name: str, file: str, expires: int) -> str:
+        msg = f"{model_id}/{name}/{file}|{expires}".encode()
+        return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request):
+        """``RestClient.get_external_weights_urls``: a signed URL per file of an ``external_weights``
+        checkpoint (:data:`EXTERNAL_URL_TTL_S` seconds; fetched without a key, as the SDK's downloader does)."""
+        row, directory = own_checkpoint_row(request, model_id, checkpoint_id)
+        if row["kind"] != "external_weights" or not directory.is_dir():
+            raise HTTPError(400, f"{row['path']} is a {row['kind']} checkpoint; get_external_weights_urls takes "
+                                 "external_weights ones (TrainingClient.save_weights_external makes those).")
+        expires = int(time.time()) + EXTERNAL_URL_TTL_S
+        base = str(request.base_url).rstrip("/")
+        urls = {f.name: (f"{base}{EXTERNAL_FILES}/{model_id}/{row['name']}/{f.name}?expires={expires}"
+                         f"&signature={signature(model_id, row['name'], f.name, expires)}")
+                for f in sorted(directory.iterdir()) if f.is_file()}
+        return {"urls": urls, "expires": _iso(expires)}
+
+    @app.get(EXTERNAL_FILES + "/{model_id}/{name}/{file}")
+    async def external_file(model_id: str, name: str, file: str, expires: int, signature_: str = Query(
+            alias="signature")):
+        """One file of an external-weights checkpoint, for a URL :func:`external_weights_urls` signed."""
+        if not hmac.compare_digest(signature(model_id, name, file, expires), signature_) or expires < time.time():
+            raise HTTPError(403, "this download URL is not signed by this server or has expired; ask "
+                                 "get_external_weights_urls for new ones.")
+        try:
+            cp = parse_tinker_path(f"tinker://{model_id}/external_weights/{name}")
+            path = cp.directory(svc.storage) / check_name(file, "file name")
+        except PathError as exc:
+            raise HTTPError(400, str(exc)) from None
+        if not path.is_file():
+            raise HTTPError(404, f"{cp.uri} has no file {file!r} (deleted or expired).")
+        return FileResponse(path, filename=file)
+
+    @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request):
+        """``RestClient.set_checkpoint_ttl_from_tinker_path``: ``{"ttl_seconds": int >= 1 or null}`` from
+        now (null: never expires); the checkpoint's ``user_metadata`` is kept."""
+        row, _ = own_checkpoint_row(request, model_id, checkpoint_id)
+        body = await svc.body_json(request)
+        expires_at, _ = svc.checkpoint_extras({"ttl_seconds": body.get("ttl_seconds")})
+        svc.store.set_checkpoint_info(row["path"], expires_at, svc.store.checkpoint_info(row["path"])["user_metadata"])
+        return {}
+
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/archive")
     async def checkpoint_archive(model_id: str, checkpoint_id: str, request: Request):
-        """The checkpoint's directory as an uncompressed tar (``<name>/...`` inside)."""
+        """The checkpoint's directory as an uncompressed tar (``<name>/...`` inside), built in a
+        worker thread of the event loop's pool (a 538 MB archive held ``/healthz`` for 0.55 s when
+        it was built on the loop)."""
         row, directory = own_checkpoint_row(request, model_id, checkpoint_id)
         tmp = Path(tempfile.mkdtemp(prefix="archive-", dir=svc.storage))
         tar_path = tmp / f"{row['name']}.tar"
-        with tarfile.open(tar_path, "w") as tar:
-            tar.add(directory, arcname=row["name"])
+        try:
+            await run_in_threadpool(_write_tar, tar_path, directory, row["name"])
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return FileResponse(tar_path, media_type="application/x-tar", filename=tar_path.name,
                             background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True))
 

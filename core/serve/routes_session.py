@@ -17,8 +17,11 @@ router = APIRouter()
 
 
 @router.get("/api/v1/healthz")
-async def healthz():
-    return {"status": "ok"}
+async def healthz(request: Request):
+    """``{"status": "ok", "samplers": {base name: {"device", "dtype", "loaded", ...}}}``: where each
+    base's sampler runs (:meth:`EngineBackend.sampler_info`); open, no key needed."""
+    svc = service(request)
+    return {"status": "ok", "samplers": {name: svc.bases.get(name).sampler_info() for name in svc.bases.names}}
 
 
 @router.get("/metrics")
@@ -42,8 +45,10 @@ async def dynamic_config(request: Request):
 @router.get("/api/v1/get_server_capabilities")
 async def capabilities(request: Request):
     svc = service(request)
+    # "sampler" (device, dtype) is ferrule's own field: the SDK's SupportedModel ignores extra fields
     return {"supported_models": [{"model_name": name, "max_context_length": svc.bases.get(name).max_positions,
-                                  "trainable": True, "sampleable": True} for name in svc.bases.names]}
+                                  "trainable": True, "sampleable": True, "sampler": svc.bases.get(name).sampler_info()}
+                                 for name in svc.bases.names]}
 
 
 @router.post("/api/v1/create_session")
@@ -53,6 +58,26 @@ async def create_session(request: Request):
     sid = f"sess-{uuid.uuid4().hex[:16]}"
     svc.store.add_session(sid, request.state.tenant, list(body.get("tags") or []))
     return {"session_id": sid, "type": "create_session"}
+
+
+@router.get("/api/v1/sessions")
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned"):
+    """``RestClient.list_sessions``: the ids of the key's tenant's sessions, oldest first (``access_scope``
+    is accepted; a tenant owns exactly what it can access here)."""
+    svc = service(request)
+    if limit < 0 or offset < 0:
+        raise HTTPError(400, f"limit = {limit}, offset = {offset}; both must be >= 0.")
+    rows = svc.store.sessions(request.state.tenant)
+    return {"sessions": [r["session_id"] for r in rows[offset:offset + limit]]}
+
+
+@router.get("/api/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, access_scope: str = "owned"):
+    """``RestClient.get_session``: the session's training runs (model ids) and sampling sessions."""
+    svc = service(request)
+    svc.own_session(request, session_id)
+    return {"training_run_ids": svc.store.session_models(session_id),
+            "sampler_ids": svc.store.session_samplers(session_id), "user_metadata": None}
 
 
 @router.post("/api/v1/session_heartbeat")

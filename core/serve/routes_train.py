@@ -199,6 +199,37 @@ async def save_weights_for_sampler(request: Request):
     return svc.enqueue(request, "save_weights_for_sampler", run, model_id, seq_id)
 
 
+@router.post("/api/v1/save_weights_external")
+async def save_weights_external(request: Request):
+    """``TrainingClient.save_weights_external(name)``: the model as an HF folder at
+    ``tinker://<model_id>/external_weights/<name>`` (:meth:`EngineBackend.save_external_weights`), whose
+    files ``external_weights_urls`` signs for download (``tinker checkpoint download``)."""
+    svc = service(request)
+    body = await svc.body_json(request)
+    model_id, seq_id = svc.need(body, "model_id"), svc.need(body, "seq_id", int)
+    row, hit = svc.admit(request, model_id, seq_id)
+    if hit is not None:
+        return hit
+    backend = svc.base(row["base_model"])
+    try:
+        if body.get("age_encryption_recipients"):
+            raise PathError("age_encryption_recipients is not supported (files are stored unencrypted on this "
+                            "server); leave it unset.")
+        cp = CheckpointPath(model_id, "external_weights", check_name(svc.need(body, "path")))
+        directory = cp.directory(svc.storage)
+        expires_at, meta = svc.checkpoint_extras(body)
+    except (PathError, HTTPError) as exc:
+        raise svc.refuse(model_id, seq_id, 400, f"save_weights_external: {getattr(exc, 'message', exc)}") from None
+    tenant = request.state.tenant
+
+    def run():
+        size = backend.save_external_weights(model_id, directory)
+        svc.store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
+        svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
+        return json_body({"path": cp.uri, "size_bytes": size, "type": "save_weights_external"})
+    return svc.enqueue(request, "save_weights_external", run, model_id, seq_id)
+
+
 @router.post("/api/v1/load_weights")
 async def load_weights(request: Request):
     svc = service(request)

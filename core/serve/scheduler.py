@@ -20,6 +20,9 @@ Rules (reference/tinker_protocol.md §5, §6.5, §6.6):
   one batched ``generate`` call (at most :data:`MAX_BATCH_JOBS`); a seeded request always runs
   alone, so its result depends only on its own prompt and seed.
 
+The worker sets its own torch intra-op thread count when it starts (``threads``; ``ferrule serve``
+passes ``--worker-threads``, :mod:`ferrule.serve.placement`).
+
 Results are written to the store (JSON or protobuf bytes) before the job counts as done, so a
 poll after a restart is answered from the database.
 """
@@ -75,11 +78,22 @@ class Scheduler:
     Args:
         store: :class:`ferrule.serve.store.Store` (results and failures are written there).
         observe: ``observe(job, status, seconds, batch_size)`` called after each job (metrics, logging).
+        threads: torch intra-op threads of the worker thread (``torch.set_num_threads`` there, which
+            changes no other thread's count); None: the count of the thread that builds the scheduler
+            (a fresh thread would otherwise take the count last set by any thread, e.g. the event loop's 1).
     """
 
-    def __init__(self, store: Any, observe: Callable[[Job, str, float, int], None] | None = None):
+    def __init__(self, store: Any, observe: Callable[[Job, str, float, int], None] | None = None,
+                 threads: int | None = None):
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"--worker-threads {threads!r}: expected an int >= 1.")
+        if threads is None:
+            import torch
+
+            threads = torch.get_num_threads()
         self.store = store
         self.observe = observe
+        self.threads = threads
         self._cv = threading.Condition()
         self._pending: list[Job] = []
         self._next_seq: dict[str, int] = {}
@@ -162,6 +176,9 @@ class Scheduler:
         return group
 
     def _loop(self) -> None:
+        from .placement import set_thread_count
+
+        set_thread_count(self.threads)
         while True:
             with self._cv:
                 jobs = self._ready()

@@ -209,6 +209,33 @@ class Service:
                                   batch_key=key, batch_run=batch_run, payload=payload))
         return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
 
+    async def run_and_wait(self, request: Request, op: str, run, num_data: int = 0,
+                           num_tokens: int = 0) -> tuple[str, bytes]:
+        """Queue ``run`` as a job of the request's tenant (:meth:`enqueue`: its future, fairness, the
+        per-tenant limit) and wait for its result without blocking the event loop: for routes that
+        answer in the same HTTP response (the OpenAI-compatible ones).
+
+        Returns:
+            ``(content_type, body)`` of ``run``.
+
+        Raises:
+            HTTPError: 429 (the tenant's queue is full), 400 (the job failed for a reason the client
+                controls: a user error), 500 (any other failure).
+        """
+        import asyncio
+
+        answer = self.enqueue(request, op, run, num_data=num_data, num_tokens=num_tokens)
+        rid = json.loads(answer.body)["request_id"]
+        while (ev := self.scheduler.event(rid)) is not None and not ev.is_set():
+            await asyncio.sleep(0.01)
+        row = self.store.future(rid)
+        while row["status"] == "pending":   # the event fires after the row is written; a short grace
+            await asyncio.sleep(0.01)
+            row = self.store.future(rid)
+        if row["status"] == "failed":
+            raise HTTPError(400 if row["category"] == "user" else 500, row["error"])
+        return row["content_type"], row["result"]
+
     def refuse(self, model_id: str, seq_id: int, status: int, message: str) -> HTTPError:
         self.scheduler.skip(model_id, seq_id)
         self.telemetry.refused.inc()

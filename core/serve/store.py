@@ -137,6 +137,15 @@ class Store:
     def session(self, session_id: str) -> dict | None:
         return self._one(sessions.select().where(sessions.c.session_id == session_id))
 
+    def sessions(self, tenant: str) -> list[dict]:
+        """The tenant's sessions, oldest first."""
+        return self._all(sessions.select().where(sessions.c.tenant == tenant).order_by(sessions.c.created))
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        """Ids of the sampling sessions created in ``session_id``."""
+        return [r["sampling_session_id"] for r in self._all(
+            sampling_sessions.select().where(sampling_sessions.c.session_id == session_id))]
+
     def heartbeat(self, session_id: str) -> None:
         self._write(sessions.update().where(sessions.c.session_id == session_id).values(last_heartbeat=time.time()))
 
