@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from ferrule import envs
 from ferrule.fsutil import sigterm_as_exit
 from ferrule.safetensors_io import CheckpointError
 
@@ -74,8 +75,8 @@ def _spawn_entry(rank: int, world: int, init_file: str, fn: Callable, args: tupl
                  parent_pid: int | None = None) -> None:
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      FERRULE_DIST_INIT_METHOD=f"file://{init_file}")
+    envs.set_vars(dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       FERRULE_DIST_INIT_METHOD=f"file://{init_file}"))
     try:
         fn(rank, *args)
     except BaseException as exc:  # report the worker's error text to the parent
@@ -135,18 +136,13 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     import torch.distributed as dist
 
     if world == 1 and not dist.is_initialized():
-        saved = {k: os.environ.pop(k, None) for k in _DIST_KEYS}  # the single-process branch, whatever the env
-        try:
-            fn(0, *args)
-        finally:
-            from ferrule.megatron.parallel import destroy_distributed
+        with envs.scoped(dict.fromkeys(_DIST_KEYS)):  # the single-process branch, whatever the env
+            try:
+                fn(0, *args)
+            finally:
+                from ferrule.megatron.parallel import destroy_distributed
 
-            destroy_distributed()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+                destroy_distributed()
         return
     import torch.multiprocessing as mp
 

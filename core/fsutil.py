@@ -9,6 +9,8 @@ import threading
 import uuid
 from pathlib import Path
 
+from ferrule import envs
+
 __all__ = ["commit_dir", "apply_default_mode", "default_cache_dir", "find_package_file", "fsync_tree", "fsync_dir",
            "DiskFullError", "check_free_space", "disk_full_message", "is_disk_full", "remove_stale_temp_dirs",
            "temp_dir_name", "sigterm_as_exit"]
@@ -97,7 +99,7 @@ def commit_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
 def default_cache_dir() -> Path:
     """Where ferrule and its plugins cache downloads: ``$FERRULE_CACHE_DIR`` if set, else ``~/.cache/ferrule``."""
-    env = os.environ.get("FERRULE_CACHE_DIR")
+    env = envs.get("FERRULE_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrule"
 
 
@@ -114,7 +116,7 @@ def find_package_file(env_var: str, candidates, *, missing_hint: str) -> Path:
     """
     import importlib.util
 
-    override = os.environ.get(env_var)
+    override = envs.get(env_var)
     if override:
         if not Path(override).is_file():
             raise FileNotFoundError(f"{env_var}={override!r} is not a file; {missing_hint}")

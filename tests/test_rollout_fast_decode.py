@@ -122,6 +122,7 @@ def test_fast_decode_matches_plain_path_on_cuda(monkeypatch):
     import copy
 
     from ferrule.rollout import SamplingParams
+    from ferrule.engine_settings import RolloutEngineSettings
     from ferrule.rollout.embedded import EmbeddedEngine
 
     model = _model("qwen2").to("cuda")
@@ -129,10 +130,10 @@ def test_fast_decode_matches_plain_path_on_cuda(monkeypatch):
     model = model.to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
-    fast = EmbeddedEngine(model=model, fast_decode=True)
-    plain = EmbeddedEngine(model=model, fast_decode=False)
+    bucket = RolloutEngineSettings(kv_bucket=32)  # attended prefix 32, 64, then the whole cache
+    fast = EmbeddedEngine(model=model, fast_decode=True, settings=bucket)
+    plain = EmbeddedEngine(model=model, fast_decode=False, settings=bucket)
     assert fast.fast_decode and not plain.fast_decode
-    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "32")  # attended prefix 32, 64, then the whole cache
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=3, stop_token_ids=(5, 7, 11),
                                   return_raw_logprobs=True)):

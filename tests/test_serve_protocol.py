@@ -235,6 +235,7 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
     assert "Loading weights" not in log.read_text()  # transformers' bar of each model load, between the log lines
     lines = [ln for ln in log.read_text().splitlines() if "op=forward_backward" in ln]
     assert len(lines) == 1 and "client=carol" in lines[0] and "data=2" in lines[0] and "tokens=12" in lines[0] \
+        and f"base={MODEL_NAME} " in lines[0] \
         and "run_s=" in lines[0], lines
     # a ready line once it listens; megatron's per-parameter INFO lines for each new client's engine stay out
     text = log.read_text()

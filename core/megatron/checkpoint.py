@@ -63,7 +63,7 @@ from ferrule.integrity import record_checksums, verify_checksums
 
 from .ckpt_writer import in_process_writer
 
-__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state",
+__all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state", "frozen_fingerprint",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
            "CheckpointMismatchError"]
 
@@ -262,8 +262,15 @@ def _broadcast_str(value: str | None) -> str:
 def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimizer, scheduler,
                         engine_state: dict, checkpoint_meta: dict, hf_config: dict,
                         overwrite: bool = True, hf_files_dir: str | os.PathLike | None = None,
-                        lora_state: dict | None = None, lora_files: dict[str, Any] | None = None) -> Path:
+                        lora_state: dict | None = None, lora_files: dict[str, Any] | None = None,
+                        omit_frozen: bool = False) -> Path:
     """Write model + optimizer + scheduler + RNG + counters to ``path`` atomically (all ranks call).
+
+    ``omit_frozen`` (LoRA only): the frozen base's tensors are not written; ``engine_state``
+    records ``frozen_base = {"omitted": True, "fingerprint": ..., "tensors": N}``
+    (:func:`frozen_fingerprint` of them), and :func:`load_training_state` loads such a checkpoint
+    only into an engine whose frozen tensors have that fingerprint (the same base). The checkpoint
+    is then the adapter, its optimizer state, the scheduler and RNG: what changed.
 
     LoRA (``lora_state`` given): the torch_dist part holds the frozen base model and the
     scheduler only; every global rank writes its ``lora_state`` (adapter shards and the
@@ -292,6 +299,11 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         _barrier()
         init_adam_state(optimizer)  # before the first step: give the template a (zero) step
         state = model_sharded_state_dict(model_chunks)
+        if omit_frozen:
+            if lora_state is None:
+                raise ValueError("omit_frozen: only a LoRA engine's frozen base can be left out of its checkpoint.")
+            engine_state = dict(engine_state, frozen_base={"omitted": True, **frozen_fingerprint(model_chunks)})
+            state = _without_frozen(state, model_chunks)
         model_sd = state["model"] if len(model_chunks) == 1 else {}
         for i in range(len(model_chunks) if len(model_chunks) > 1 else 0):
             model_sd.update(state[f"model{i}"])
@@ -332,6 +344,39 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
                                 "on device)") from exc
         raise
     return path
+
+
+def _frozen_names(chunk: Any) -> set[str]:
+    return {n for n, p in _unwrap(chunk).named_parameters() if not p.requires_grad}
+
+
+def _without_frozen(state: dict, model_chunks: list) -> dict:
+    """``state`` (:func:`model_sharded_state_dict` keys) without the frozen parameters' entries."""
+    out = dict(state)
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        frozen = _frozen_names(chunk)
+        out[key] = {k: v for k, v in state[key].items() if k not in frozen}
+    return out
+
+
+def frozen_fingerprint(model_chunks: list) -> dict:
+    """``{"fingerprint": XXH3-64 hex, "tensors": N}`` of this rank's frozen parameters (names,
+    shapes, dtypes and bytes, in name order): the identity of the base a LoRA checkpoint that
+    omits it refers to (:func:`save_training_state` ``omit_frozen``)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    n = 0
+    for i, chunk in enumerate(model_chunks):
+        for name, p in sorted(_unwrap(chunk).named_parameters()):
+            if p.requires_grad:
+                continue
+            t = p.detach().contiguous().cpu()
+            h.update(f"{i}:{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            n += 1
+    return {"fingerprint": h.hexdigest(), "tensors": n}
 
 
 def _state_bytes(tree: Any) -> int:
@@ -441,6 +486,16 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         raise ValueError(f"{path} holds no LoRA adapter (lora/ is missing): load it with load_optimizer=False to "
                          f"start LoRA training from its weights.")
     template = model_sharded_state_dict(model_chunks)
+    omitted = (engine_state.get("frozen_base") or {}).get("omitted", False)
+    if omitted:   # the base is not in the checkpoint: it must be the one this engine holds
+        saved = engine_state["frozen_base"]
+        mine = frozen_fingerprint(model_chunks)
+        if mine["fingerprint"] != saved.get("fingerprint") or mine["tensors"] != saved.get("tensors"):
+            raise CheckpointMismatchError(
+                f"{path} stores a LoRA adapter without its frozen base (base fingerprint {saved.get('fingerprint')}, "
+                f"{saved.get('tensors')} tensors); this engine's frozen base is {mine['fingerprint']} "
+                f"({mine['tensors']} tensors). Load it into an engine built from the base it was trained on.")
+        template = _without_frozen(template, model_chunks)
     if load_optimizer and lora_load is None:
         _check_expert_optimizer_layout(model_chunks, engine_state, path)
         init_adam_state(optimizer)
@@ -451,7 +506,14 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     loaded = load_sharded(template, path, verify=False)  # verified above
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if omitted:   # the frozen tensors stay the engine's own (checked equal above)
+            result = _unwrap(chunk).load_state_dict(loaded[key], strict=False)
+            missing = set(result.missing_keys) - _frozen_names(chunk)
+            if missing or result.unexpected_keys:
+                raise CheckpointMismatchError(f"{path}: tensors that do not fit this model: missing "
+                                              f"{sorted(missing)[:5]}, unexpected {list(result.unexpected_keys)[:5]}.")
+        else:
+            _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     opt_state = loaded.get("optimizer")
     if lora_load is not None and is_lora_ckpt:
         opt_state = lora_load(path, load_optimizer)

@@ -17,13 +17,14 @@ saving a checkpoint when ``checkpoint.save_on_interrupt``; :data:`ferrule.rl.dri
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from ferrule import envs
 
 
 def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = False,
@@ -163,7 +164,7 @@ def train_command(
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
         raise typer.Exit(2)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    under_torchrun = envs.under_torchrun()
     if nproc < 1 or (nproc > 1 and under_torchrun):
         print_user_error(f"--nproc {nproc}: " + ("expected >= 1" if nproc < 1 else "this process is already a "
                                                  "torchrun rank; drop --nproc (torchrun's --nproc-per-node sets it)"))
@@ -197,7 +198,7 @@ def train_command(
                     stop_after=stop_after)
     if result is None:  # --resume of a run that is already complete: nothing to do
         return
-    if int(os.environ.get("RANK", "0") or 0) != 0:  # the run summary comes from rank 0
+    if envs.rank() != 0:  # the run summary comes from rank 0
         return
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
 
@@ -238,7 +239,7 @@ def run_is_complete(trainer, found: list, console) -> bool:
         return False
     if done < steps:
         return False
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if envs.rank() == 0:
         console.print(f"run {run_dir} is complete: {where} of train.steps={steps}; nothing to do (to train on, "
                       f"raise it: ferrule train --resume --run-dir {run_dir} train.steps={steps + done})",
                       markup=False, highlight=False)
@@ -251,9 +252,9 @@ EXIT_DIR_ENV = "FERRULE_TRAIN_EXIT_DIR"
 
 
 def _record_exit(code: int, message: str) -> None:
-    folder = os.environ.get(EXIT_DIR_ENV)
+    folder = envs.get(EXIT_DIR_ENV)
     if folder:
-        rank = int(os.environ.get("RANK", "0") or 0)
+        rank = envs.rank()
         Path(folder, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": message}))
 
 
@@ -284,7 +285,7 @@ def launch_torchrun(nproc: int, argv: list[str] | None = None) -> int:
 
     args = _argv_without_nproc(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ferrule-train-exit-") as exit_dir:
-        env = dict(os.environ, **{EXIT_DIR_ENV: exit_dir})
+        env = envs.child_env(**{EXIT_DIR_ENV: exit_dir})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "ferrule", *args]
         try:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ferrule.engine_settings import RolloutEngineSettings, TrainEngineSettings, WeightSyncSettings
 from ferrule.fsutil import apply_default_mode
 from ferrule.lora.settings import MAX_LORA_RANK
 from ferrule.rl.config_types import ConfigError
@@ -277,6 +278,9 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train_engine: TrainEngineSettings = field(default_factory=TrainEngineSettings)
+    rollout_engine: RolloutEngineSettings = field(default_factory=RolloutEngineSettings)
+    weight_sync: WeightSyncSettings = field(default_factory=WeightSyncSettings)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested plain dict (sections -> keys -> values), reloadable with :func:`config_from_dict`."""

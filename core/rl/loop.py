@@ -56,13 +56,13 @@ drives an SGLang server and runs every shard (:mod:`ferrule.rl.sglang_rollout`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ferrule import envs
 from ferrule.rl import build
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import sglang_rollout
@@ -112,7 +112,7 @@ class GRPOTrainer(RunDriver):
             raise
         self.cfg = cfg
         #: only global rank 0 prints (the others' errors still reach stderr through the CLI)
-        self._quiet = int(os.environ.get("RANK", "0") or 0) != 0
+        self._quiet = envs.rank() != 0
         self.roles = rl_dist.RankRoles(0, 1, (0,))
         self.check_equal = check_weight_update_equal
         self.console = console or Console(stderr=True, soft_wrap=True)
@@ -184,6 +184,7 @@ class GRPOTrainer(RunDriver):
             self._log(f"ferrule train: family {self.family}, template {self.template.name}, "
                       f"{len(self.source)} prompts ({self.source.name}){build.layout_note(cfg, self.roles)}, "
                       f"setup {time.perf_counter() - t0:.1f} s")
+            self._log(build.engine_settings_report(self.engine, self.rollout, cfg))
         self._setup_done = True
 
     def _build_data(self) -> None:
@@ -246,7 +247,8 @@ class GRPOTrainer(RunDriver):
 
     def _sync(self) -> float:
         """Weights (or the LoRA adapter) to every rollout engine (:mod:`ferrule.rl.stages.sync`)."""
-        self.last_sync, seconds = sync_policy(self.engine, self.rollout, self.roles, check_equal=self.check_equal)
+        self.last_sync, seconds = sync_policy(self.engine, self.rollout, self.roles, check_equal=self.check_equal,
+                                              settings=self.cfg.weight_sync)
         return seconds
 
     def _evaluate(self, step: int) -> dict[str, float]:

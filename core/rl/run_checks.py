@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ferrule import envs
 from ferrule.rl.config import ConfigError, RLConfig
 
 __all__ = ["RUN_LOCK_FILE", "check_supported", "lock_run_dir", "lora_settings", "model_folder_problems", "preflight",
@@ -276,7 +277,7 @@ def lock_run_dir(cfg: RLConfig) -> Path | None:
 
     from ferrule import locks
 
-    if int(os.environ.get("RANK", "0") or 0) != 0:
+    if envs.rank() != 0:
         return None
     run_dir = Path(cfg.logging.run_dir)
     path = run_dir / RUN_LOCK_FILE

@@ -47,6 +47,8 @@ __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
 #: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory per tenant
 MAX_SNAPSHOTS = 4
+#: the PEFT adapter file of an adapter sampler checkpoint (``--sampler-checkpoints adapter``)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: file in a sampler-weights directory naming the save that wrote it (a fresh id per save)
 GENERATION_FILE = "GENERATION"
 #: files of the base's HF folder an external-weights export copies besides ``tokenizer*`` (the weights are new)
@@ -92,21 +94,32 @@ class EngineBackend:
             (the per-step Adam hyper-parameters come from each ``optim_step`` request).
         eager: load the rollout engine now (the first base of a server); otherwise the weights
             load on first use (:attr:`on_load` is called first, so the registry can make room).
+        engine_settings: ``{"train_engine": TrainEngineSettings, "rollout_engine": RolloutEngineSettings}``
+            (:mod:`ferrule.engine_settings`; ``ferrule serve --engine-setting``); a missing one: its defaults.
         sampler_dtype: ``--sampler-dtype`` (:func:`ferrule.serve.placement.sampler_placement`:
             ``auto`` = bfloat16 on CUDA, float32 on CPU); the device is the training device.
+        sampler_checkpoints: ``--sampler-checkpoints``: ``merged`` (the full model) or ``adapter`` (a
+            LoRA client's PEFT adapter; :meth:`save_sampler_weights`).
 
     Raises:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
-        ValueError: an unknown ``sampler_dtype``.
+        ValueError: an unknown ``sampler_dtype`` or ``sampler_checkpoints``.
     """
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
-                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True, sampler_dtype: str | None = "auto"):
+                 max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True, sampler_dtype: str | None = "auto",
+                 sampler_checkpoints: str = "merged", engine_settings: Mapping[str, Any] | None = None):
         from .placement import sampler_placement
 
+        if sampler_checkpoints not in ("merged", "adapter"):
+            raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged (the full model) or adapter "
+                             "(a LoRA client's PEFT adapter, served on the base).")
+        #: what ``save_weights_for_sampler`` writes for a LoRA client (:meth:`save_sampler_weights`)
+        self.sampler_checkpoints = sampler_checkpoints
         #: the sampler's device and dtype (:mod:`ferrule.serve.placement`)
         self.placement = sampler_placement(sampler_dtype)
         self.base_dir = Path(base_model).absolute()
+        self.engine_settings = dict(engine_settings or {})
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
             self.hf_config = json.loads((self.base_dir / "config.json").read_text())
@@ -128,7 +141,8 @@ class EngineBackend:
         self._rollout = None
         self._tokenizer = None
         self._base_state: dict | None = None
-        self._loaded: str | None = None  # which weights the rollout engine holds: None = base
+        self._loaded: str | None = None  # which weights the rollout engine serves: None = base
+        self._params: str | None = None  # which full weights its parameters hold (an adapter is served on the base)
         self.max_snapshots = max_snapshots
         self._snapshots: dict[str, dict] = {}   # key -> tensors
         self._tenant_snapshots: dict[str, collections.OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
@@ -171,7 +185,7 @@ class EngineBackend:
             self._evicted[key] = why
         self._snapshots.clear()
         self._tenant_snapshots.clear()
-        self._rollout = self._base_state = self._loaded = self._merge_layout = None
+        self._rollout = self._base_state = self._loaded = self._params = self._merge_layout = None
 
     # ---------------------------------------------------------------- training clients
     def _new_engine(self, lora: Any = None) -> Any:
@@ -289,8 +303,12 @@ class EngineBackend:
 
     # ---------------------------------------------------------------- checkpoints
     def save_state(self, model_id: str, directory: Path) -> int:
-        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes."""
-        self.engine(model_id).save(directory, overwrite=True)
+        """Model + optimizer + scheduler + RNG (torch_dist) into ``directory``; returns bytes. A LoRA
+        client's checkpoint stores what changed: the adapter, its Adam state, scheduler and RNG, and
+        the frozen base's fingerprint instead of the base (``TrainEngine.save(omit_frozen_base=True)``;
+        :meth:`load_state` builds the engine from this base and checks the fingerprint)."""
+        engine = self.engine(model_id)
+        engine.save(directory, overwrite=True, omit_frozen_base=getattr(engine, "lora", None) is not None)
         return _du(directory)
 
     def load_state(self, model_id: str, directory: Path, optimizer: bool) -> None:
@@ -334,14 +352,27 @@ class EngineBackend:
         return merged_hf_state(engine, *self._merge_layout)
 
     def save_sampler_weights(self, model_id: str, directory: Path) -> int:
-        """The full model as HF-named safetensors (``model.safetensors``) for sampling; returns bytes."""
+        """Sampler weights for ``model_id``; returns bytes. Merged (default): the full model as
+        HF-named safetensors (``model.safetensors``). With ``sampler_checkpoints="adapter"`` a LoRA
+        client's checkpoint is its PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
+        what ``PeftModel.from_pretrained`` reads) and ``base.json`` naming this base; sampling serves it
+        on the base, unmerged (:meth:`_hold`)."""
         from safetensors.torch import save_file
 
+        engine = self.engine(model_id)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
+            if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
+                from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
+
+                tensors = {k: v.detach().cpu().contiguous() for k, v in hf_adapter_state_dict(engine).items()}
+                save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+                (tmp / "adapter_config.json").write_text(json.dumps(peft_config(engine, self.model_name), indent=2))
+                (tmp / "base.json").write_text(json.dumps({"base_model": self.model_name}) + "\n")
+            else:
+                save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
             (tmp / GENERATION_FILE).write_text(uuid.uuid4().hex)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -438,7 +469,8 @@ class EngineBackend:
 
             place = dict(device=self.placement.device, dtype=self.placement.torch_dtype)
             if self.kind == "hf":
-                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, **place)
+                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, **place,
+                                               settings=self.engine_settings.get("rollout_engine"))
             else:
                 from transformers import AutoConfig, AutoTokenizer
 
@@ -447,7 +479,8 @@ class EngineBackend:
                 tok = None
                 if (self.base_dir / "hf" / "tokenizer_config.json").is_file():
                     tok = AutoTokenizer.from_pretrained(self.base_dir / "hf")
-                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok, **place)
+                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok, **place,
+                                               settings=self.engine_settings.get("rollout_engine"))
             self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
         return self._rollout
 
@@ -501,19 +534,43 @@ class EngineBackend:
                                   "request was admitted, so the weights it was admitted for are gone; resubmit it to "
                                   "sample the new weights.")
         if key != self._loaded:
-            if source is None:
-                tensors = self._base_state
-            elif isinstance(source, str):
-                tensors = self._snapshot_tensors(source)
-            else:
-                from safetensors.torch import load_file
+            adapter = isinstance(source, SavedWeights) and (source.directory / ADAPTER_WEIGHTS).is_file()
+            if adapter:   # an adapter checkpoint: the base weights plus the adapter, served unmerged
+                from ferrule.lora.peft_format import read_peft_dir
 
-                tensors = load_file(str(source.directory / "model.safetensors"))
-            targets = engine.get_hf_state_dict()
-            self._version += 1
-            engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
+                self._hold_params(engine, None)
+                tensors, config = read_peft_dir(source.directory)
+                self._version += 1
+                try:
+                    engine.update_lora_adapter(tensors, config, version=self._version)
+                except ValueError:   # another rank / targets than the served adapter: inject it afresh
+                    if engine.lora_config is None:
+                        raise
+                    engine.unload_lora_adapter()
+                    engine.update_lora_adapter(tensors, config, version=self._version)
+            else:
+                if engine.lora_config is not None:
+                    engine.unload_lora_adapter()
+                self._hold_params(engine, key, source)
             self._loaded = key
         return engine
+
+    def _hold_params(self, engine: Any, key: str | None, source: Any = None) -> None:
+        """Swap the rollout engine's parameters to ``key``'s full weights (None: the base) unless they hold them."""
+        if key == self._params:
+            return
+        if key is None:
+            tensors = self._base_state
+        elif isinstance(source, str):
+            tensors = self._snapshot_tensors(source)
+        else:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(source.directory / "model.safetensors"))
+        targets = engine.get_hf_state_dict()
+        self._version += 1
+        engine.update_weights([(k, v) for k, v in tensors.items() if k in targets], version=self._version)
+        self._params = key
 
     def sampling_params(self, body: Mapping[str, Any], prompt_len: int, n: int) -> Any:
         """Tinker ``SamplingParams`` JSON -> ferrule ``SamplingParams`` for this base's context

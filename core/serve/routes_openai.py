@@ -119,6 +119,8 @@ def resolve_model(svc: Service, request: Request, model: Any) -> tuple[EngineBac
 def _check_unsupported(body: dict) -> None:
     for key, default in _UNSUPPORTED.items():
         value = body.get(key)
+        if key == "tool_choice" and value in ("none", "auto") and not body.get("tools"):
+            continue   # some clients send it without tools: nothing to choose from
         if value is not None and value != default and value not in ([], {}):
             raise _bad(f"{key} = {value!r} is not supported by ferrule serve's OpenAI-compatible routes; leave it "
                        "unset.")
@@ -375,7 +377,7 @@ async def _complete(request: Request, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     _, out = await svc.run_and_wait(
         request, "oai_chat" if chat else "oai_completion", lambda: json_body(_run(plan, model, rid)),
-        num_data=params.n * len(prompts), num_tokens=sum(len(p) for p in prompts))
+        num_data=params.n * len(prompts), num_tokens=sum(len(p) for p in prompts), base=backend.model_name)
     response = json.loads(out)
     if body.get("stream"):
         return StreamingResponse(_sse(response, chat), media_type="text/event-stream")

@@ -113,4 +113,5 @@ async def asample(request: Request):
     # unseeded requests with the same weights and parameters may share one generate call
     key = None if params.seed is not None else f"sample|{source}|{params!r}"
     return svc.enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),
-                   extra={"sample_sequence_ids": rid_seq}, batch=(key, run_batch, (spec, last_n)))
+                   extra={"sample_sequence_ids": rid_seq}, batch=(key, run_batch, (spec, last_n)),
+                   base=backend.model_name)

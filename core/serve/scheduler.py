@@ -70,6 +70,8 @@ class Job:
     batch_key: str | None = None
     batch_run: Callable[[list["Job"]], list[tuple[str, bytes]]] | None = None
     payload: Any = None
+    #: the served base model the job runs on (the op log names it), or None
+    base: str | None = None
 
 
 class Scheduler:

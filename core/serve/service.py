@@ -182,8 +182,9 @@ class Service:
 
     def enqueue(self, request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
                 num_data: int = 0, num_tokens: int = 0, extra: dict | None = None,
-                batch: tuple | None = None) -> JSONResponse:
-        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``.
+                batch: tuple | None = None, base: str | None = None) -> JSONResponse:
+        """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``;
+        ``base``: the base model it runs on, for the op log (default: the training client's base).
 
         Raises:
             HTTPError: 429 when the tenant has ``limits.max_queued_per_tenant`` requests queued or
@@ -205,12 +206,15 @@ class Service:
                 raise
             return hit
         key, batch_run, payload = batch or (None, None, None)
+        if base is None and model_id is not None:
+            row = self.store.model(model_id)
+            base = None if row is None else row["base_model"]
         self.scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens,
-                                  batch_key=key, batch_run=batch_run, payload=payload))
+                                  batch_key=key, batch_run=batch_run, payload=payload, base=base))
         return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
 
     async def run_and_wait(self, request: Request, op: str, run, num_data: int = 0,
-                           num_tokens: int = 0) -> tuple[str, bytes]:
+                           num_tokens: int = 0, base: str | None = None) -> tuple[str, bytes]:
         """Queue ``run`` as a job of the request's tenant (:meth:`enqueue`: its future, fairness, the
         per-tenant limit) and wait for its result without blocking the event loop: for routes that
         answer in the same HTTP response (the OpenAI-compatible ones).
@@ -224,7 +228,7 @@ class Service:
         """
         import asyncio
 
-        answer = self.enqueue(request, op, run, num_data=num_data, num_tokens=num_tokens)
+        answer = self.enqueue(request, op, run, num_data=num_data, num_tokens=num_tokens, base=base)
         rid = json.loads(answer.body)["request_id"]
         while (ev := self.scheduler.event(rid)) is not None and not ev.is_set():
             await asyncio.sleep(0.01)

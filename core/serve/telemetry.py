@@ -2,7 +2,7 @@
 
 One log line per operation when it finishes (logger ``ferrule.serve``, INFO)::
 
-    op=forward_backward client=alice model=sess-..:train:0 seq=3 data=8 tokens=412 queued_s=0.001 run_s=0.214 batch=1 status=ok
+    op=forward_backward client=alice base=smollm2 model=sess-..:train:0 seq=3 data=8 tokens=412 queued_s=0.001 run_s=0.214 batch=1 status=ok
 
 (``batch``: how many sampling requests shared one ``generate`` call; ``run_s`` is that call's time.)
 
@@ -65,8 +65,8 @@ class Telemetry:
         self.queue_seconds.labels(job.op).observe(queued)
         self.tokens.labels(job.op).inc(job.num_tokens)
         self.data.labels(job.op).inc(job.num_data)
-        log.info("op=%s client=%s model=%s seq=%s data=%d tokens=%d queued_s=%.3f run_s=%.3f batch=%d status=%s",
-                 job.op, job.tenant, job.model_id or "-", "-" if job.seq_id is None else job.seq_id, job.num_data,
+        log.info("op=%s client=%s base=%s model=%s seq=%s data=%d tokens=%d queued_s=%.3f run_s=%.3f batch=%d "
+                 "status=%s", job.op, job.tenant, getattr(job, "base", None) or "-", job.model_id or "-", "-" if job.seq_id is None else job.seq_id, job.num_data,
                  job.num_tokens, queued, seconds, batch, status)
 
     def render(self) -> bytes:

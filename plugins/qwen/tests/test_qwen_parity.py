@@ -14,13 +14,13 @@ Referee: transformers' Qwen2/Qwen3/Qwen3-MoE forward in fp32. Tolerance 1e-5 max
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ferrule import envs
 from ferrule import conformance_numeric as cn
 
 ATOL = 1e-5
@@ -45,7 +45,7 @@ def test_tp2_ep2_pp2_and_resharding_over_two_gloo_processes(tmp_path):
                    overrides={"num_key_value_heads": 2, "tie_word_embeddings": False})
     cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe")
     hf_to_torch_dist(tmp_path / "qwen3_untied", tmp_path / "qwen3_untied_td")  # saved at TP=1
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = envs.child_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          str(WORKER), str(tmp_path)],

@@ -1,0 +1,112 @@
+"""``ferrule serve`` stores what changed (issue 46): a LoRA client's ``save_state`` holds the adapter,
+its Adam state, scheduler and RNG, and the frozen base's fingerprint, not the base.
+
+A base wide enough (hidden 256, 1.5 M parameters, 6 MB) that the adapter (rank 4, ~32 k parameters)
+and the base differ by far more than the checkpoint's fixed files. Referees: the adapter's own
+parameter count (bytes of adapter + Adam's two moments, computed here from the shapes), the
+client's own ``forward`` before the save, and a different base that must be refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+tinker = pytest.importorskip("tinker", reason="the tinker SDK (serve extra) is not installed")
+from serve_helpers import MODEL_NAME, RunningServer, adam, sdk_data  # noqa: E402
+
+
+def _wide_base(out: Path, seed: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).float().save_pretrained(out)
+    return out
+
+
+def test_lora_save_state_stores_the_adapter_and_its_optimizer_not_the_base(tmp_path):
+    from ferrule.megatron.checkpoint import CheckpointMismatchError
+    from ferrule.megatron.engine import TrainEngine
+
+    base = _wide_base(tmp_path / "wide", seed=0)
+    srv = RunningServer(base, tmp_path / "storage", chunk_len=1024)
+    try:
+        tc = srv.client().create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+        data = sdk_data(seed=4, lengths=(7, 5))
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(adam()).result()
+        before = tc.forward(data, "cross_entropy").result(timeout=120)
+        path = tc.save_state("s1").result(timeout=120).path
+        folder = srv.storage / "checkpoints" / tc.model_id / "weights" / "s1"
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        engine = srv.backend.engines[tc.model_id]
+        adapter = sum(p.numel() * p.element_size() for p in engine.model[0].parameters() if p.requires_grad)
+        frozen = sum(p.numel() * p.element_size() for p in engine.model[0].parameters() if not p.requires_grad)
+        print(f"save_state: {size} bytes on disk; adapter {adapter} bytes (+ Adam: {3 * adapter}); frozen base {frozen}")
+        assert frozen > 10 * 3 * adapter                  # the case the issue measured: a base far larger
+        assert size <= 2 * 3 * adapter, (size, adapter)   # adapter + Adam's exp_avg, exp_avg_sq, within 2x
+        # it resumes exactly, on this base
+        again = srv.client().create_training_client_from_state_with_optimizer(path).result(timeout=120)
+        after = again.forward(data, "cross_entropy").result(timeout=120)
+        for a, b in zip(before.loss_fn_outputs, after.loss_fn_outputs):
+            assert a["logprobs"].tolist() == b["logprobs"].tolist()
+        # on another base (other values, same shapes) it is refused, naming the fingerprints
+        other = TrainEngine.from_hf(_wide_base(tmp_path / "other", seed=1), lora=engine.lora)
+        with pytest.raises(CheckpointMismatchError, match="without its frozen base"):
+            other.load(folder, load_optimizer=True)
+    finally:
+        srv.stop()
+
+
+def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_path):
+    """``--sampler-checkpoints adapter``: save_weights_for_sampler writes the PEFT adapter only, and
+    sampling it (interleaved with the base and a merged snapshot) equals HF + PEFT on that folder."""
+    from peft import PeftModel
+    from tinker import types
+    from transformers import Qwen2ForCausalLM
+
+    from ferrule.serve.backend import EngineBackend
+
+    base = _wide_base(tmp_path / "wide", seed=0)
+    srv = RunningServer(EngineBackend(base, model_name=MODEL_NAME, sampler_checkpoints="adapter"),
+                        tmp_path / "storage", chunk_len=1024)
+    try:
+        sc = srv.client()
+        tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+        tc.forward_backward(sdk_data(seed=6, lengths=(7, 5)), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+        path = tc.save_weights_for_sampler("a1").result(timeout=120).path
+        folder = srv.storage / "checkpoints" / tc.model_id / "sampler_weights" / "a1"
+        names = {f.name for f in folder.iterdir()}
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= names and "model.safetensors" not in names
+        engine = srv.backend.engines[tc.model_id]
+        adapter = sum(p.numel() * p.element_size() for p in engine.model[0].parameters() if p.requires_grad)
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        print(f"adapter sampler checkpoint: {size} bytes; adapter {adapter} bytes")
+        assert size <= 2 * adapter, (size, adapter)
+        prompt = types.ModelInput.from_ints([5, 9, 33, 2, 71, 14, 8])
+        hf = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ids = torch.tensor([prompt.to_ints()])
+            def ref_of(model):
+                lp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+                return lp.gather(-1, ids[0, 1:, None])[:, 0]
+            ref_base = ref_of(hf)
+            ref_adapter = ref_of(PeftModel.from_pretrained(hf, folder).eval())
+        assert float((ref_adapter - ref_base).abs().max()) > 1e-3          # the adapter changes the model
+        by_path = sc.create_sampling_client(model_path=path)
+        plain = sc.create_sampling_client(base_model=MODEL_NAME)
+        snapshot = tc.save_weights_and_get_sampling_client()                # merged weights, same values
+        for client, ref in ((by_path, ref_adapter), (plain, ref_base), (snapshot, ref_adapter),
+                            (by_path, ref_adapter), (plain, ref_base)):     # swaps both ways
+            got = torch.tensor(client.compute_logprobs(prompt).result(timeout=120)[1:], dtype=torch.float64)
+            assert float((got - ref).abs().max()) < 1e-5
+    finally:
+        srv.stop()
