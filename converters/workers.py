@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ferrule import envs
+from ferrule.fsutil import sigterm_as_exit
 from ferrule.safetensors_io import CheckpointError
 
 __all__ = ["ConversionError"]
@@ -121,26 +122,6 @@ def _join(processes) -> None:
                 raise _RankFailed(f"a conversion rank (pid {p.pid}) exited with code {p.exitcode}")
 
 
-class _sigterm_as_exit:
-    """While active in the main thread, a ``SIGTERM`` with the default action raises
-    ``SystemExit(143)`` instead of ending the process at once, so the ranks are killed and the
-    temporary output removed (:func:`_run`); any other handler, or another thread, is left alone."""
-
-    def __enter__(self):
-        self.saved = None
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            def on_term(signum, frame):
-                raise SystemExit(128 + signum)
-
-            self.saved = signal.signal(signal.SIGTERM, on_term)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.saved is not None:
-            signal.signal(signal.SIGTERM, self.saved)
-
-
 def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
 
@@ -168,7 +149,7 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
     err_dir.mkdir(exist_ok=True)
     try:
-        with _sigterm_as_exit():
+        with sigterm_as_exit():
             context = mp.start_processes(_spawn_entry, args=(world, str(err_dir / "rendezvous"), fn, args,
                                                              str(err_dir), os.getpid()),
                                          nprocs=world, join=False, start_method="spawn")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import uuid
 from pathlib import Path
 
@@ -11,7 +13,7 @@ from ferrule import envs
 
 __all__ = ["commit_dir", "apply_default_mode", "default_cache_dir", "find_package_file", "fsync_tree", "fsync_dir",
            "DiskFullError", "check_free_space", "disk_full_message", "is_disk_full", "remove_stale_temp_dirs",
-           "temp_dir_name"]
+           "temp_dir_name", "sigterm_as_exit"]
 
 
 def _umask() -> int:
@@ -226,3 +228,26 @@ def remove_stale_temp_dirs(root: str | os.PathLike, depth: int = 2) -> list[tupl
 def temp_dir_name(name: str) -> str:
     """The hidden temporary sibling name of ``name`` for a write by this process: ``.NAME.tmp-PID-HEX``."""
     return f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class sigterm_as_exit:
+    """``with sigterm_as_exit():`` a ``SIGTERM`` (a scheduler's preemption, ``kill``, torchrun's stop) with
+    the default action raises ``SystemExit(143)`` in the main thread instead of ending the process at
+    once, so the ``finally`` blocks of a writer run: its temporary output is removed and its lock
+    released (``ferrule convert`` / ``export`` / ``lora export``). Any other handler, or another
+    thread, is left alone; the previous handler is restored on exit. Re-entrant.
+    """
+
+    def __enter__(self) -> "sigterm_as_exit":
+        self.saved = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def on_term(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self.saved = signal.signal(signal.SIGTERM, on_term)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            signal.signal(signal.SIGTERM, self.saved)

@@ -10,8 +10,8 @@ user error, whose message it repeats last). ``torchrun ... -m ferrule train`` wo
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
 the run; a bad path or checkpoint; a reward function refused at set-up (it raises on or mis-scores
 the task's reference answers):
-:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C (after saving a checkpoint when
-``checkpoint.save_on_interrupt``); 1 other errors.
+:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
+saving a checkpoint when ``checkpoint.save_on_interrupt``; :data:`ferrule.rl.driver.STOP_SIGNALS`); 1 other errors.
 """
 
 from __future__ import annotations
@@ -60,8 +60,38 @@ USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train exam
 
 def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool, stop_after: int | None) -> Any:
     """Build the trainer and run it (None: a ``--resume`` of a run that is already complete); user
-    errors exit 2 (printed, recorded), Ctrl-C exits 130."""
+    errors exit 2 (printed, recorded), Ctrl-C exits 130; SIGTERM / SIGUSR1 before the loop starts (model
+    loading) exit ``128 + signal`` at once (nothing to save yet); in the loop they stop it as Ctrl-C does
+    (:data:`ferrule.rl.driver.STOP_SIGNALS`).
+    """
+    import signal
+    import threading
+
+    from ferrule.rl.driver import STOP_SIGNALS, StopSignal
+
+    def before_the_loop(signum: int, frame: Any) -> None:  # the loop installs its own (finish the step, save)
+        raise StopSignal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, before_the_loop) for s in STOP_SIGNALS if s != signal.SIGINT}
+    try:
+        return _run_trainer(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
+                            stop_after=stop_after)
+    except StopSignal as exc:
+        console.print(f"aborted by {signal.Signals(exc.signum).name}; the current step was not saved (the last "
+                      "checkpoint stays valid)", markup=False, highlight=False)
+        raise typer.Exit(128 + exc.signum) from None
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def _run_trainer(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool,
+                 stop_after: int | None) -> Any:
+    """The body of :func:`_train` (inside its signal handlers)."""
     from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.rl.driver import StopSignal
 
     try:
         from ferrule.rl.loop import GRPOTrainer
@@ -78,6 +108,8 @@ def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: b
             trainer.close()
             return
         result = trainer.run(stop_after=stop_after)
+    except StopSignal:
+        raise
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
@@ -108,6 +140,9 @@ def train_command(
         help="After every weight sync verify that the rollout engine holds exactly the trained weights.")] = False,
     stop_after: Annotated[int | None, typer.Option(
         "--stop-after", help="Stop (with a checkpoint) once this many steps are complete, as Ctrl-C would.")] = None,
+    allow_model_change: Annotated[bool, typer.Option(
+        "--allow-model-change", help="With --resume: continue even though the weights or tokenizer files of "
+                                     "model.hf_dir changed since the checkpoint (checkpoint.allow_model_change).")] = False,
     nproc: Annotated[int, typer.Option(
         "--nproc", help="Ranks to launch on this machine through torchrun (one per GPU on CUDA); the config's "
                         "parallel: section sets tp/pp/ep and DP = nproc / (tp*pp).")] = 1,
@@ -135,12 +170,21 @@ def train_command(
                                                  "torchrun rank; drop --nproc (torchrun's --nproc-per-node sets it)"))
         raise typer.Exit(2)
     try:
-        cfg = resolve_config(config if config is not None else config_opt, [*(overrides or []), *(set_ or [])],
+        cfg = resolve_config(config if config is not None else config_opt,
+                             [*(overrides or []), *(set_ or []),
+                              *(["checkpoint.allow_model_change=true"] if allow_model_change else [])],
                              resume=resume, run_dir=run_dir)
         if nproc > 1:
             from ferrule.rl.distributed import check_layout
 
-            check_layout(cfg, json.loads((Path(cfg.model.hf_dir) / "config.json").read_text()), nproc)
+            from ferrule.rl.config import ConfigError
+            from ferrule.rl.run_checks import model_folder_problems
+
+            cfg.check_paths()
+            hf_config, damaged = model_folder_problems(cfg.model.hf_dir)
+            if damaged:
+                raise ConfigError(damaged)
+            check_layout(cfg, hf_config, nproc)
     except BaseException as exc:  # noqa: BLE001
         message = user_error_message(exc)
         if message is None:
@@ -163,6 +207,8 @@ def train_command(
     if result.plot:
         summary += f"; reward curve {result.plot}"
     console.print(summary, highlight=False, markup=False)
+    if result.stop_signal is not None:
+        raise typer.Exit(128 + result.stop_signal)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)
 

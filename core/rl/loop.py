@@ -119,6 +119,11 @@ class GRPOTrainer(RunDriver):
         self.run_dir = Path(cfg.logging.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self._stop_requested = False
+        self._stop_at_step_end = False  # the stop request agreed by every rank at the end of a step (distributed)
+        self._stop_signal: int | None = None
+        #: :func:`ferrule.rl.model_identity.model_files` of model.hf_dir at the run's start (checkpoints
+        #: record it, --resume compares it); filled by the driver's run before the model loads
+        self.model_files: dict | None = None
         self._setup_done = False
         self.score = Scorer(cfg.reward.failure_reward, self._log)
         self.last_sync: Any = None  # SyncStats of the latest weight sync
@@ -347,7 +352,8 @@ class GRPOTrainer(RunDriver):
             for j, key in enumerate(("time_rollout_s", "time_train_s", "time_sync_s")):
                 metrics[key + "_max"] = max(x[j] for x in times)
                 metrics[key + "_min"] = min(x[j] for x in times)
-            self._stop_requested = any(x[3] for x in times)  # Ctrl-C on any rank stops all at this step
+            self._stop_requested = any(x[3] for x in times)  # a stop signal on any rank stops all at this step
+            self._stop_at_step_end = self._stop_requested  # what the driver reads: one value on every rank
         if self.roles.is_driver and self.eval_source is not None and step % self.cfg.eval.interval == 0:
             self._rollout_phase()
             t_eval = time.perf_counter()
@@ -359,10 +365,11 @@ class GRPOTrainer(RunDriver):
     def save_checkpoint(self, step: int) -> Path:
         """Write ``CKPT_DIR/step_NNNNNN`` (engine + loop state) and prune to ``checkpoint.keep``."""
         return checkpoint.save_checkpoint(self.engine, self.roles, self.ckpt_dir, step, sampler=self.sampler,
-                                          cfg=self.cfg)
+                                          cfg=self.cfg, model_files=self.model_files)
 
     def _resume_point(self) -> int:
-        return checkpoint.resume_point(self.engine, self.sampler, self.cfg, self.ckpt_dir, self._log)
+        return checkpoint.resume_point(self.engine, self.sampler, self.cfg, self.ckpt_dir, self._log,
+                                       model_files=self.model_files)
 
 def train(cfg: RLConfig, *, check_weight_update_equal: bool = False, stop_after: int | None = None,
           console: Any = None) -> RunResult:
