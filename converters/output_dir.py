@@ -187,4 +187,5 @@ def disk_full_from(exc: BaseException, out_dir: str | os.PathLike, needed_bytes:
             return None
     elif not is_disk_full(exc):
         return None
-    return DiskFullError(disk_full_message(out_dir, needed_bytes) + " (a write failed: No space left on device)")
+    return DiskFullError(disk_full_message(out_dir, needed_bytes, write_failed=True)
+                         + " (a write failed: No space left on device)")

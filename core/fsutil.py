@@ -138,10 +138,21 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
 
 
-def disk_full_message(path: str | os.PathLike, needed_bytes: int | None) -> str:
-    """``"no space left on PATH (needed ~N MB, free M MB)"`` with the free space of ``path``'s filesystem now."""
+def disk_full_message(path: str | os.PathLike, needed_bytes: int | None, *, write_failed: bool = False) -> str:
+    """``"no space left on PATH (needed ~N MB, free M MB)"`` with the free space of ``path``'s filesystem now.
+
+    ``write_failed``: the message is for a write that failed with ``ENOSPC`` (not for the check before
+    writing). When the filesystem has room for ``needed_bytes`` again by the time the message is made
+    (the disk was full only for an instant: another process was writing, or this write's own
+    partial output, since removed, filled it), the message says so instead of only printing a free
+    space that contradicts "no space left".
+    """
     free = shutil.disk_usage(_existing(path)).free
     need = f"needed ~{_mb(needed_bytes)} MB, " if needed_bytes else ""
+    if write_failed and (needed_bytes is None or free >= needed_bytes):
+        return (f"no space left on {path} ({need}free {_mb(free)} MB): the filesystem was full at the moment of a "
+                "write and has room again now (another process filling it, or this write's own partial output, since "
+                "removed); check what else writes there, then retry")
     return f"no space left on {path} ({need}free {_mb(free)} MB): free some space or write elsewhere"
 
 
