@@ -92,17 +92,31 @@ def step_limit_ms(model, batch: int, filled: float) -> float:
     return max((weight_bytes + kv_bytes) / 4.3e12, flops / 790e12) * 1e3
 
 
+def settings_of(variant: tuple[str | None, str | None] | None):
+    """The engine's :class:`RolloutEngineSettings`: the product defaults, with a fast-path variant's
+    ``(kv bucket, attention)`` where ``--kv-buckets`` / ``--attn`` name one (None: the default)."""
+    from ferrule.engine_settings import RolloutEngineSettings
+
+    k, a = variant or (None, None)
+    given = {**({} if k is None else {"kv_bucket": int(k)}), **({} if a is None else {"attention": a})}
+    return RolloutEngineSettings(**given)
+
+
 def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bool,
-                   compile_decode: bool | None = None, fast_decode: bool | None = None) -> tuple[float, bool]:
+                   compile_decode: bool | None = None, fast_decode: bool | None = None,
+                   variant: tuple[str | None, str | None] | None = None) -> tuple[float, bool]:
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(model=model, cuda_graph=cuda_graph, compile_decode=compile_decode,
-                            fast_decode=fast_decode)
+                            fast_decode=fast_decode, settings=settings_of(variant))
     reqs = prompts.tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    t0 = time.perf_counter()
     engine.generate(reqs, params)  # warm-up: same bucket, captures the CUDA graph
     sync(str(engine.device))
+    print(f"first call {len(reqs)} x {new_tokens} (warm-up, compiles included): {time.perf_counter() - t0:.1f} s",
+          flush=True)
     t0 = time.perf_counter()
     res = engine.generate(reqs, params)
     sync(str(engine.device))
@@ -114,9 +128,10 @@ def bench_embedded(model, prompts: torch.Tensor, new_tokens: int, cuda_graph: bo
     return produced / dt, graph
 
 
-def fast_variants(args) -> list[tuple[str, str]]:
-    """(kv bucket, attention) pairs of the fast path to time, from ``--kv-buckets`` x ``--attn``."""
-    return [(str(k), a) for k in args.kv_buckets for a in args.attn]
+def fast_variants(args) -> list[tuple[str | None, str | None]]:
+    """(kv bucket, attention) pairs of the fast path to time, from ``--kv-buckets`` x ``--attn``
+    (None: the product default of ``RolloutEngineSettings``)."""
+    return [(k, a) for k in (args.kv_buckets or [None]) for a in (args.attn or [None])]
 
 
 def bench_grid(model, args) -> list[dict]:
@@ -136,13 +151,12 @@ def bench_grid(model, args) -> list[dict]:
         prompts, hf = prompts_of(batch), hf_rates[batch]
         limit = step_limit_ms(model, batch, args.prompt_len + args.new_tokens / 2)
         runs = [] if args.no_plain else [("plain", None, None, False)]
-        runs += [(f"fast kv_bucket={k} attn={a}", k, a, True) for k, a in fast_variants(args)]
+        runs += [(f"fast kv_bucket={k or 'default'} attn={a or 'default'}", k, a, True) for k, a in fast_variants(args)]
         plain = float("nan")
         for mode, k, a, fast in runs:
-            if fast:
-                os.environ["FERRULE_FAST_KV_BUCKET"], os.environ["FERRULE_FAST_ATTN"] = k, a
             try:
-                rate, _ = bench_embedded(model, prompts, args.new_tokens, True, fast_decode=fast)
+                rate, _ = bench_embedded(model, prompts, args.new_tokens, True, fast_decode=fast,
+                                         variant=(k, a) if fast else None)
             except Exception as exc:  # one failing variant must not hide the others' rows
                 print(f"batch {batch} {mode}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
                 continue
@@ -175,14 +189,15 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
     out = []
     modes = [] if args.rl_skip_plain else [("static, plain decode", None, False, None)]
     modes += [
-        (f"static, fast kv_bucket={k} attn={a}", None, True, (k, a)) for k, a in fast_variants(args)]
+        (f"static, fast kv_bucket={k or 'default'} attn={a or 'default'}", None, True, (k, a))
+        for k, a in fast_variants(args)]
     for mode, mb, fast, var in modes + [(f"continuous max_batch={m}", m, None, None) for m in args.rl_max_batch]:
-        if var is not None:
-            os.environ["FERRULE_FAST_KV_BUCKET"], os.environ["FERRULE_FAST_ATTN"] = var
-        engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast)
+        engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast, settings=settings_of(var))
         try:
+            t0 = time.perf_counter()
             engine.generate(reqs, params)  # warm-up: compile + capture this bucket
             sync(str(engine.device))
+            print(f"RL-shaped {mode}: first call (warm-up) {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
             res = engine.generate(reqs, params)
             sync(str(engine.device))
@@ -197,6 +212,55 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
               f"{dt:6.2f} s", flush=True)
         engine.shutdown()
     return out
+
+
+def warmup_sequence(model, args) -> list[dict]:
+    """Issue 40's warm-up rows: one engine with the product defaults (what ``ferrule train`` and
+    ``ferrule serve`` build) meets, in turn, 256 x 256 (prompt ``--prompt-len``, EOS ignored), the RL-shaped
+    load (``--rl-prompts`` x ``--rl-n``, prompts U[32, 256], a stop id every ``--rl-stop-every``, at most
+    512 new tokens), then 64 x 128 (a new batch size). For each: the first call (compiles and graph
+    captures included), the steady rate of a second identical call, and ``EmbeddedEngine.info()``'s counts.
+    Run twice in a row, the second process shows what the on-disk compile caches save."""
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    t_build = time.perf_counter()
+    engine = EmbeddedEngine(model=model)
+    print(f"engine built in {time.perf_counter() - t_build:.1f} s; settings {engine.settings.describe()}; "
+          f"fast_decode={engine.fast_decode}; compile cache {engine.info()['compile_cache']}", flush=True)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    fixed = torch.randint(1, vocab, (256, args.prompt_len), generator=g).tolist()
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(32, 257, (args.rl_prompts,), generator=g).tolist()
+    rl = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+    stops = tuple(range(args.rl_stop_every, vocab, args.rl_stop_every))
+    shapes = [("256 x 256", fixed, SamplingParams(temperature=1.0, max_new_tokens=256, ignore_eos=True, seed=0)),
+              (f"RL-shaped {args.rl_prompts} x {args.rl_n}", rl,
+               SamplingParams(temperature=1.0, max_new_tokens=512, n=args.rl_n, seed=0, stop_token_ids=stops)),
+              ("64 x 128", fixed[:64], SamplingParams(temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=0))]
+    rows, total_first = [], 0.0
+    for label, reqs, params in shapes:
+        times = []
+        for _ in range(2):
+            sync(args.device)
+            t0 = time.perf_counter()
+            res = engine.generate(reqs, params)
+            sync(args.device)
+            times.append(time.perf_counter() - t0)
+        produced = sum(len(r.token_ids) for r in res)
+        info = engine.info()
+        total_first += times[0]
+        row = dict(shape=label, first_s=round(times[0], 2), steady_s=round(times[1], 3),
+                   steady_tok_s=round(produced / times[1], 1), mean_len=round(produced / len(res), 1),
+                   warmup_s=round(times[0] - times[1], 2), decode_shapes=info["decode_shapes"],
+                   graph_captures=info["graph_captures"], distinct_shapes=info["distinct_shapes"])
+        rows.append(row)
+        print(row, flush=True)
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    print(f"{device}: first calls {total_first:.1f} s in all (engine build {time.perf_counter() - t_build:.1f} s "
+          "before the first call excluded)", flush=True)
+    return rows
 
 
 def append_row(path: str, row: str) -> None:
@@ -248,8 +312,13 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-fixed", action="store_true", help="skip the fixed-length HF vs embedded comparison")
     ap.add_argument("--batches", type=int, nargs="*", default=None,
                     help="grid mode: time every batch size (HF, plain, each fast variant) in this process")
-    ap.add_argument("--kv-buckets", nargs="*", default=["0"], help="fast path FERRULE_FAST_KV_BUCKET values")
-    ap.add_argument("--attn", nargs="*", default=["eager"], help="fast path FERRULE_FAST_ATTN values")
+    ap.add_argument("--kv-buckets", nargs="*", default=None,
+                    help="fast path RolloutEngineSettings.kv_bucket values (default: the product's)")
+    ap.add_argument("--attn", nargs="*", default=None,
+                    help="fast path RolloutEngineSettings.attention values (default: the product's)")
+    ap.add_argument("--warmup-sequence", action="store_true",
+                    help="issue 40's sequence on ONE engine with the product defaults: 256 x 256, the RL-shaped "
+                         "load, then 64 x 128 (a new batch size); first call and steady rate of each")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     import torch._dynamo as dynamo
@@ -258,6 +327,9 @@ def main(argv=None) -> int:
     dynamo.config.recompile_limit = 64
 
     model, name = build_model(args)
+    if args.warmup_sequence:
+        warmup_sequence(model, args)
+        return 0
     if args.rl_shaped:
         bench_rl_shaped(model, args)
         if args.skip_fixed:

@@ -14,14 +14,16 @@ batch + global-norm clip (1.0) + AdamW:
   accumulation, one step; reported as real tokens per second.
 - ``ferrule``: ``TrainEngine.forward_backward(batch, "cross_entropy")`` + ``optim_step()`` (bf16
   parameters with fp32 master weights and fp32 gradients, megatron's mixed-precision optimizer).
-- ``ferrule_plain``: the same with the CUDA fast paths off (``FERRULE_FUSED_LOGPROBS=0``,
-  ``FERRULE_CUDA_FUSIONS=0``, ``FERRULE_PACKED_SEQUENCES=0``): plain fp32 logits, unfused
-  SwiGLU / RoPE, padded micro-batches.
+- ``ferrule``: the product's defaults (:class:`ferrule.engine_settings.TrainEngineSettings()`: every
+  verified CUDA path on), unless ``--train-setting KEY=VALUE`` changes one.
+- ``ferrule_plain``: the same with every fast path of ``TrainEngineSettings`` off: plain fp32 logits,
+  unfused SwiGLU / RoPE, padded micro-batches, no lean activations, megatron's Adam.
 - ``ferrule_rl``: the RL-shaped batch (``--rl-batch`` sequences, lengths uniform in
   ``[--rl-min, --rl-max]``); reported as *real* (unpadded) tokens per second and as a share of
   ferrule's fixed-length rate.
 
-Each mode runs ``--warmup`` + ``--iters`` steps; the median step time is reported, with
+Each mode runs ``--warmup`` + ``--iters`` steps; the first step's time (compiles included) and the
+median step time are reported, with
 ``torch.cuda.max_memory_allocated`` over the mode's steps (reset between modes). MFU counts
 ``6 * params * tokens`` plus attention (``12 * layers * hidden * seq`` per token, causal halved)
 against the H200's 989 TFLOP/s dense bf16 peak.
@@ -39,7 +41,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import platform
 import statistics
 import tempfile
@@ -49,9 +50,9 @@ from pathlib import Path
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  tie_word_embeddings=True)
-#: ferrule's opt-in train paths (read from the environment at engine build; unset in ``ferrule_plain``)
-OPT_IN_FLAGS = ("FERRULE_GRAD_ACCUM_FUSION", "FERRULE_LEAN_ACTIVATIONS", "FERRULE_FUSED_ADAM", "FERRULE_LOGPROB_CHUNK",
-                "FERRULE_LOGPROB_ONEPASS", "FERRULE_COMPILE_DYNAMIC")
+#: TrainEngineSettings of ``ferrule_plain``: every fast path off
+PLAIN = dict(fused_logprobs=False, cuda_fusions=False, packed_sequences=False, grad_accum_fusion=False,
+             lean_activations=False, logprob_one_pass=False, fused_adam=False)
 #: H200 SXM dense bf16 peak (NVIDIA datasheet), FLOP/s.
 H200_PEAK = 989e12
 
@@ -61,9 +62,9 @@ def _flops_per_token(cfg: dict, seq: int, n_params: int) -> float:
     return 6 * n_params + attn
 
 
-def _time_steps(step, warmup: int, iters: int) -> tuple[float, float, float]:
+def _time_steps(step, warmup: int, iters: int) -> tuple[float, float, float, float]:
     """(median step seconds, peak GiB allocated over the steps, GiB allocated after the first step:
-    parameters, gradient buffers and optimizer state, the resident part)."""
+    parameters, gradient buffers and optimizer state, the resident part; the first step's seconds)."""
     import torch
 
     torch.cuda.synchronize()
@@ -79,7 +80,8 @@ def _time_steps(step, warmup: int, iters: int) -> tuple[float, float, float]:
             times.append(time.perf_counter() - t0)
         if i == 0:
             resident = torch.cuda.memory_allocated() / 2**30
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, resident
+            first = time.perf_counter() - t0
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, resident, first
 
 
 def _hf_mode(hf_dir: Path, tokens, liger: bool):
@@ -138,7 +140,7 @@ def _hf_padded_mode(hf_dir: Path, seqs, per_micro: int):
     return step, sum(p.numel() for p in model.parameters())
 
 
-def _ferrule_engine(hf_dir: Path, max_tokens: int | None):
+def _ferrule_engine(hf_dir: Path, max_tokens: int | None, settings):
     import torch
 
     from ferrule.megatron.engine import OptimizerSettings, TrainEngine
@@ -146,7 +148,7 @@ def _ferrule_engine(hf_dir: Path, max_tokens: int | None):
 
     return TrainEngine.from_hf(hf_dir, ParallelLayout(), params_dtype=torch.bfloat16,
                                optimizer=OptimizerSettings(lr=1e-5, clip_grad=1.0),
-                               max_tokens_per_microbatch=max_tokens)
+                               max_tokens_per_microbatch=max_tokens, settings=settings)
 
 
 def _ferrule_batch(seqs):
@@ -173,7 +175,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA ops of one ferrule step")
     ap.add_argument("--append-docs", action="store_true")
+    ap.add_argument("--train-setting", action="append", default=[], metavar="KEY=VALUE",
+                    help="a train_engine setting for the ferrule modes (default: the product defaults), repeatable")
     args = ap.parse_args()
+    from ferrule.engine_settings import TrainEngineSettings
+    from ferrule.rl.config import config_from_dict
+
+    product = config_from_dict({}, [f"train_engine.{kv}" for kv in args.train_setting], validate=False).train_engine
+    print(f"ferrule train_engine settings: {product.describe()}", flush=True)
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -190,7 +199,6 @@ def main() -> None:
         Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16).save_pretrained(hf_dir)
         n_params = None
         engine = None
-        saved_flags: dict[str, str | None] = {}
         for mode in modes:
             gc.collect()
             torch.cuda.empty_cache()
@@ -216,17 +224,8 @@ def main() -> None:
                     engine = None
                     gc.collect()
                     torch.cuda.empty_cache()
-                    for k in ("FERRULE_FUSED_LOGPROBS", "FERRULE_CUDA_FUSIONS", "FERRULE_PACKED_SEQUENCES"):
-                        if want_plain:
-                            os.environ[k] = "0"
-                        else:
-                            os.environ.pop(k, None)
-                    for k in OPT_IN_FLAGS:  # the opt-in paths: as the caller's environment says, never in plain
-                        if want_plain:
-                            saved_flags.setdefault(k, os.environ.pop(k, None))
-                        elif saved_flags.get(k) is not None:
-                            os.environ[k] = saved_flags[k]
-                    engine = _ferrule_engine(hf_dir, args.max_tokens)
+                    settings = TrainEngineSettings(**PLAIN) if want_plain else product
+                    engine = _ferrule_engine(hf_dir, args.max_tokens, settings)
                     engine._bench_plain = want_plain
                     print(f"{mode}: fused_logprobs={engine.fused_logprobs} cuda_fusions={engine.cuda_fusions} "
                           f"packed_sequences={engine.packed_sequences} "
@@ -244,11 +243,11 @@ def main() -> None:
                 def step(batch=batch):
                     engine.forward_backward(batch, "cross_entropy")
                     engine.optim_step()
-            med, peak, resident = _time_steps(step, args.warmup, args.iters)
+            med, peak, resident, first = _time_steps(step, args.warmup, args.iters)
             tps = real / med
             mfu = tps * _flops_per_token(QWEN2_05B, args.seq, n_params) / H200_PEAK
             results[mode] = {"step_s": round(med, 4), "tok_s": round(tps), "peak_gib": round(peak, 1),
-                             "resident_gib": round(resident, 2),
+                             "resident_gib": round(resident, 2), "first_step_s": round(first, 2),
                              "mfu": round(mfu, 3), "tokens": real}
             print(json.dumps({"mode": mode, **results[mode]}), flush=True)
             if mode in ("ferrule", "ferrule_plain") and args.profile:

@@ -94,13 +94,15 @@ def hf_to_torch_dist_cmd(
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
     from ferrule.converters.checkpoint import hf_to_torch_dist, hf_to_torch_dist_bytes
+    from ferrule.fsutil import sigterm_as_exit
 
     try:
         _check_counts(tp=tp, ep=ep, pp=pp)
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
         one_process = tp * ep * pp == 1  # the ranks of a multi-process conversion report no progress
-        with _Bar(hf_to_torch_dist_bytes(hf_dir) if one_process else None, "hf -> torch_dist") as bar:
+        with sigterm_as_exit(), _Bar(hf_to_torch_dist_bytes(hf_dir) if one_process else None,
+                                     "hf -> torch_dist") as bar:  # SIGTERM: temp output and lock removed
             out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
                                    progress=bar.advance if one_process else None, notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - every error becomes one clear message
@@ -126,6 +128,7 @@ def torch_dist_to_hf_cmd(
 
     from ferrule.converters.checkpoint import _family_parts, _read_config, dropped_hf_tensors, read_checkpoint_metadata
     from ferrule.converters.checkpoint import torch_dist_to_hf, torch_dist_to_hf_bytes
+    from ferrule.fsutil import sigterm_as_exit
 
     try:
         if not max_shard_gb > 0:
@@ -134,7 +137,7 @@ def torch_dist_to_hf_cmd(
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
         meta = read_checkpoint_metadata(ckpt_dir)
-        with _Bar(torch_dist_to_hf_bytes(meta), "torch_dist -> hf") as bar:
+        with sigterm_as_exit(), _Bar(torch_dist_to_hf_bytes(meta), "torch_dist -> hf") as bar:
             out = torch_dist_to_hf(ckpt_dir, out_dir, overwrite=overwrite, max_shard_bytes=int(max_shard_gb * 1024**3),
                                    progress=bar.advance, keep_quantized=keep_quantized,
                                    notice=_notice)

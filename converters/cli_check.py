@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from ferrule import envs
 
 __all__ = ["check_command"]
 
@@ -23,21 +24,14 @@ def _quiet_check() -> Iterator[None]:
     filters, environment and progress bars; before, later subprocesses inherited ``PYTHONWARNINGS=ignore``."""
     from transformers.utils import logging as hf_logging
 
-    saved_env = {k: os.environ.get(k) for k in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    quiet = {k: envs.get(k) or v for k, v in (("PYTHONWARNINGS", "ignore"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))}
     bars = hf_logging.is_progress_bar_enabled()
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     hf_logging.disable_progress_bar()
     try:
-        with warnings.catch_warnings():
+        with envs.scoped(quiet), warnings.catch_warnings():
             warnings.filterwarnings("ignore")
             yield
     finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         if bars:
             hf_logging.enable_progress_bar()
 

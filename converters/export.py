@@ -191,10 +191,13 @@ def export_command(
     from ferrule.locks import LockedError
     from ferrule.safetensors_io import CheckpointError
 
+    from ferrule.fsutil import sigterm_as_exit
+
     console = Console(stderr=True, soft_wrap=True)
     try:
-        found_step, out, merge = export_run(run_dir, out_dir, step=step, overwrite=overwrite, dtype=dtype,
-                                            notice=lambda m: console.print(m, markup=False, highlight=False))
+        with sigterm_as_exit():  # SIGTERM: the staging folders and the lock are removed
+            found_step, out, merge = export_run(run_dir, out_dir, step=step, overwrite=overwrite, dtype=dtype,
+                                                notice=lambda m: console.print(m, markup=False, highlight=False))
     except (ExportError, FileExistsError, CheckpointError, ValueError, LockedError, DiskFullError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None

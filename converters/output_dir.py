@@ -81,7 +81,9 @@ def _pid_of(tag: str) -> int | None:
 
 def remove_stale_outputs(out_dir: str | os.PathLike) -> list[tuple[Path, int]]:
     """Delete the hidden siblings that killed writers of ``out_dir`` left: ``.NAME.tmp-PID...`` and
-    ``.NAME.merge-PID-HEX`` whose PID is dead, and ``.NAME.old-HEX`` (:func:`ferrule.fsutil.commit_dir`).
+    ``.NAME.merge-PID-HEX`` whose PID is dead, ``.NAME.old-HEX`` (:func:`ferrule.fsutil.commit_dir`), and
+    the merge folder's own temporary sibling and lock file (``..NAME.merge-PID-HEX.tmp-PID``,
+    ``..NAME.merge-PID-HEX.lock``; the lock files are counted in the result too).
     Call it holding :func:`lock_output` (no other writer of ``out_dir`` is alive then).
 
     Returns:
@@ -104,6 +106,19 @@ def remove_stale_outputs(out_dir: str | os.PathLike) -> list[tuple[Path, int]]:
             continue
         size = sum(f.stat().st_size for f in sub.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(sub, ignore_errors=True)
+        removed.append((sub, size))
+    # a LoRA export converts the base into .NAME.merge-PID-HEX as a conversion of its own, whose temporary
+    # sibling and lock are ..NAME.merge-PID-HEX.tmp-PID and ..NAME.merge-PID-HEX.lock (fp32: the model's size)
+    for sub in sorted(out_dir.parent.glob(f"..{out_dir.name}.merge-*")):
+        pid = _pid_of(sub.name[len(out_dir.name) + len("..") + len(".merge-"):])
+        if sub.is_symlink() or pid == os.getpid() or (pid is not None and psutil.pid_exists(pid)):
+            continue
+        if sub.is_dir():
+            size = sum(f.stat().st_size for f in sub.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(sub, ignore_errors=True)
+        else:
+            size = sub.stat().st_size
+            sub.unlink(missing_ok=True)
         removed.append((sub, size))
     return removed
 
@@ -172,4 +187,5 @@ def disk_full_from(exc: BaseException, out_dir: str | os.PathLike, needed_bytes:
             return None
     elif not is_disk_full(exc):
         return None
-    return DiskFullError(disk_full_message(out_dir, needed_bytes) + " (a write failed: No space left on device)")
+    return DiskFullError(disk_full_message(out_dir, needed_bytes, write_failed=True)
+                         + " (a write failed: No space left on device)")

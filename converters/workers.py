@@ -22,6 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from ferrule import envs
+from ferrule.fsutil import sigterm_as_exit
 from ferrule.safetensors_io import CheckpointError
 
 __all__ = ["ConversionError"]
@@ -73,8 +75,8 @@ def _spawn_entry(rank: int, world: int, init_file: str, fn: Callable, args: tupl
                  parent_pid: int | None = None) -> None:
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      FERRULE_DIST_INIT_METHOD=f"file://{init_file}")
+    envs.set_vars(dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       FERRULE_DIST_INIT_METHOD=f"file://{init_file}"))
     try:
         fn(rank, *args)
     except BaseException as exc:  # report the worker's error text to the parent
@@ -120,26 +122,6 @@ def _join(processes) -> None:
                 raise _RankFailed(f"a conversion rank (pid {p.pid}) exited with code {p.exitcode}")
 
 
-class _sigterm_as_exit:
-    """While active in the main thread, a ``SIGTERM`` with the default action raises
-    ``SystemExit(143)`` instead of ending the process at once, so the ranks are killed and the
-    temporary output removed (:func:`_run`); any other handler, or another thread, is left alone."""
-
-    def __enter__(self):
-        self.saved = None
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            def on_term(signum, frame):
-                raise SystemExit(128 + signum)
-
-            self.saved = signal.signal(signal.SIGTERM, on_term)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.saved is not None:
-            signal.signal(signal.SIGTERM, self.saved)
-
-
 def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     """Run ``fn(rank, *args)`` on ``world`` ranks; re-raise the first worker error in the caller.
 
@@ -154,25 +136,20 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
     import torch.distributed as dist
 
     if world == 1 and not dist.is_initialized():
-        saved = {k: os.environ.pop(k, None) for k in _DIST_KEYS}  # the single-process branch, whatever the env
-        try:
-            fn(0, *args)
-        finally:
-            from ferrule.megatron.parallel import destroy_distributed
+        with envs.scoped(dict.fromkeys(_DIST_KEYS)):  # the single-process branch, whatever the env
+            try:
+                fn(0, *args)
+            finally:
+                from ferrule.megatron.parallel import destroy_distributed
 
-            destroy_distributed()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+                destroy_distributed()
         return
     import torch.multiprocessing as mp
 
     err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
     err_dir.mkdir(exist_ok=True)
     try:
-        with _sigterm_as_exit():
+        with sigterm_as_exit():
             context = mp.start_processes(_spawn_entry, args=(world, str(err_dir / "rendezvous"), fn, args,
                                                              str(err_dir), os.getpid()),
                                          nprocs=world, join=False, start_method="spawn")

@@ -8,13 +8,14 @@ stay fast and torch-free.
 from __future__ import annotations
 
 import importlib
-import os
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 import ferrule
+
+from ferrule import envs
 
 app = typer.Typer(
     name="ferrule",
@@ -106,8 +107,8 @@ def plugins_cmd(
                 console.print(fl.traceback, markup=False, highlight=False)
     else:
         console.print("load failures: none")
-    if os.environ.get(registry.ALLOW_ENV):
-        console.print(f"(allow-list {registry.ALLOW_ENV}={os.environ[registry.ALLOW_ENV]})")
+    if envs.get(registry.ALLOW_ENV):
+        console.print(f"(allow-list {registry.ALLOW_ENV}={envs.get(registry.ALLOW_ENV)})")
 
 
 #: Errors met while mounting plugin commands; :func:`main` reports them (one line, exit 2).

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import warnings
 from pathlib import Path
+
+from ferrule import envs
 
 __all__ = ["check_family_tp", "main"]
 
@@ -142,5 +143,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    envs.setdefault("OMP_NUM_THREADS", "1")
     raise SystemExit(main())

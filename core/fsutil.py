@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import uuid
 from pathlib import Path
 
+from ferrule import envs
+
 __all__ = ["commit_dir", "apply_default_mode", "default_cache_dir", "find_package_file", "fsync_tree", "fsync_dir",
            "DiskFullError", "check_free_space", "disk_full_message", "is_disk_full", "remove_stale_temp_dirs",
-           "temp_dir_name"]
+           "temp_dir_name", "sigterm_as_exit"]
 
 
 def _umask() -> int:
@@ -95,7 +99,7 @@ def commit_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
 def default_cache_dir() -> Path:
     """Where ferrule and its plugins cache downloads: ``$FERRULE_CACHE_DIR`` if set, else ``~/.cache/ferrule``."""
-    env = os.environ.get("FERRULE_CACHE_DIR")
+    env = envs.get("FERRULE_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "ferrule"
 
 
@@ -112,7 +116,7 @@ def find_package_file(env_var: str, candidates, *, missing_hint: str) -> Path:
     """
     import importlib.util
 
-    override = os.environ.get(env_var)
+    override = envs.plugin_file_override(env_var)
     if override:
         if not Path(override).is_file():
             raise FileNotFoundError(f"{env_var}={override!r} is not a file; {missing_hint}")
@@ -134,10 +138,21 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f}"
 
 
-def disk_full_message(path: str | os.PathLike, needed_bytes: int | None) -> str:
-    """``"no space left on PATH (needed ~N MB, free M MB)"`` with the free space of ``path``'s filesystem now."""
+def disk_full_message(path: str | os.PathLike, needed_bytes: int | None, *, write_failed: bool = False) -> str:
+    """``"no space left on PATH (needed ~N MB, free M MB)"`` with the free space of ``path``'s filesystem now.
+
+    ``write_failed``: the message is for a write that failed with ``ENOSPC`` (not for the check before
+    writing). When the filesystem has room for ``needed_bytes`` again by the time the message is made
+    (the disk was full only for an instant: another process was writing, or this write's own
+    partial output, since removed, filled it), the message says so instead of only printing a free
+    space that contradicts "no space left".
+    """
     free = shutil.disk_usage(_existing(path)).free
     need = f"needed ~{_mb(needed_bytes)} MB, " if needed_bytes else ""
+    if write_failed and (needed_bytes is None or free >= needed_bytes):
+        return (f"no space left on {path} ({need}free {_mb(free)} MB): the filesystem was full at the moment of a "
+                "write and has room again now (another process filling it, or this write's own partial output, since "
+                "removed); check what else writes there, then retry")
     return f"no space left on {path} ({need}free {_mb(free)} MB): free some space or write elsewhere"
 
 
@@ -224,3 +239,26 @@ def remove_stale_temp_dirs(root: str | os.PathLike, depth: int = 2) -> list[tupl
 def temp_dir_name(name: str) -> str:
     """The hidden temporary sibling name of ``name`` for a write by this process: ``.NAME.tmp-PID-HEX``."""
     return f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class sigterm_as_exit:
+    """``with sigterm_as_exit():`` a ``SIGTERM`` (a scheduler's preemption, ``kill``, torchrun's stop) with
+    the default action raises ``SystemExit(143)`` in the main thread instead of ending the process at
+    once, so the ``finally`` blocks of a writer run: its temporary output is removed and its lock
+    released (``ferrule convert`` / ``export`` / ``lora export``). Any other handler, or another
+    thread, is left alone; the previous handler is restored on exit. Re-entrant.
+    """
+
+    def __enter__(self) -> "sigterm_as_exit":
+        self.saved = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def on_term(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self.saved = signal.signal(signal.SIGTERM, on_term)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            signal.signal(signal.SIGTERM, self.saved)

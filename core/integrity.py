@@ -119,11 +119,26 @@ def _read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
     return files
 
 
+def _edited_json(path: Path) -> bool:
+    """Whether ``path`` is a ``.json`` file that still parses (so an edit, not a torn write, changed its size)."""
+    if path.suffix != ".json":
+        return False
+    try:
+        json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError):
+        return False
+    return True
+
+
 def _check_one(directory: Path, name: str, want: dict[str, Any]) -> str | None:
     path = directory / name
     if not path.is_file():
         return f"checkpoint file {path} is missing (the save wrote {want.get('bytes')} bytes; {CHECKSUMS_FILE})"
     size = path.stat().st_size
+    if size != want.get("bytes") and _edited_json(path):
+        return (f"checkpoint file {path} was changed since the save: it is valid JSON of {size} bytes where the "
+                f"save wrote {want.get('bytes')} (edited by hand?); restore the saved version, or, to load the edited "
+                f"one on purpose, delete its entry \"{name}\" from {directory / CHECKSUMS_FILE}")
     if size != want.get("bytes"):
         how = "truncated" if isinstance(want.get("bytes"), int) and size < want["bytes"] else "resized"
         return (f"checkpoint file {path} is damaged ({how}): {size} bytes, the save wrote {want.get('bytes')} "

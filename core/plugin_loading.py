@@ -12,7 +12,6 @@ Imports neither torch nor megatron.
 
 from __future__ import annotations
 
-import os
 import traceback
 from dataclasses import dataclass
 from importlib import metadata
@@ -20,6 +19,7 @@ from typing import Any
 
 import pluggy
 
+from ferrule import envs
 from ferrule import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from ferrule.hook_parts import ALL_HOOKS
 
@@ -56,7 +56,7 @@ class IncompleteFamilyError(PluginError):
 
 
 def _strict() -> bool:
-    return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return envs.flag(STRICT_ENV)
 
 
 def strict_plugins() -> bool:
@@ -65,7 +65,7 @@ def strict_plugins() -> bool:
 
 
 def _allow_list() -> set[str] | None:
-    raw = os.environ.get(ALLOW_ENV, "").strip()
+    raw = (envs.get(ALLOW_ENV) or "").strip()
     if not raw:
         return None
     return {x.strip() for x in raw.split(",") if x.strip()}

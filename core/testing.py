@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pickle
 import re
 import subprocess
@@ -47,6 +46,7 @@ import sys
 
 import pytest
 
+from ferrule import envs
 from ferrule import registry
 from ferrule.hook_parts import HOOK_PARTS, part_for_spec
 from ferrule.specs import FamilyStatus, resolve_ref
@@ -173,7 +173,7 @@ class FamilyConformance:
         families = cls._class_families(request.config)
         work = tmp_path_factory.mktemp("kit_tp1")
         out = subprocess.run([sys.executable, "-c", TP1_CODE, str(work), *families], capture_output=True, text=True,
-                             timeout=600 + 300 * len(families), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                             timeout=600 + 300 * len(families), env=envs.child_env(PYTHONWARNINGS="ignore"))
         return _last_json(out, "the TP=1 conformance run")
 
     def test_numeric_conformance(self, ferrule_family: str, tp1_results) -> None:
@@ -258,7 +258,7 @@ class FamilyConformance:
         out_file = work / "results.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "ferrule.conformance_tp", "--work", str(work), "--out", str(out_file), *families]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = envs.child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         if not out_file.is_file():
             pytest.fail("the TP=2 conformance launch wrote no results:\n" + readable_failure(proc.stderr),

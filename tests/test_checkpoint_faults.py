@@ -320,3 +320,23 @@ def test_temporary_folders_of_killed_saves_are_removed_on_the_next_run(assets, t
           console=Console(file=out, width=400))
     assert not any(d.exists() for d in stale) and live.is_dir()
     assert "removed 2 temporary folder(s) of interrupted checkpoint saves (3.0 MB)" in out.getvalue(), out.getvalue()
+
+
+def test_a_hand_edited_json_file_of_a_checkpoint_is_called_changed_not_truncated(tmp_path):
+    """Issue 45.7: a shorter but valid ``hf/config.json`` (a key removed by hand) was reported "damaged (truncated)"."""
+    from ferrule.integrity import CheckpointIntegrityError, record_checksums, verify_checksums
+
+    (tmp_path / "hf").mkdir()
+    config = {"model_type": "qwen3", "vocab_size": 32, "rope_theta": 1e6}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp_path / "common.pt").write_bytes(b"\1" * 100)
+    record_checksums(tmp_path)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rope_theta"}))
+    with pytest.raises(CheckpointIntegrityError) as exc:
+        verify_checksums(tmp_path)
+    said = str(exc.value)
+    assert f"checkpoint file {tmp_path / 'hf' / 'config.json'} was changed since the save: it is valid JSON" in said
+    assert "truncated" not in said and 'delete its entry "hf/config.json"' in said, said
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config, indent=2)[:20])  # a torn write stays "truncated"
+    with pytest.raises(CheckpointIntegrityError, match=r"is damaged \(truncated\)"):
+        verify_checksums(tmp_path)

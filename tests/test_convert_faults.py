@@ -337,3 +337,100 @@ def test_a_failed_rank_ends_the_others_without_torchs_sigterm_line(tmp_path, cap
     assert ranks() - children_before == set()
     err = capfd.readouterr().err
     assert "SIGTERM" not in err and "Terminating process" not in err, err
+
+
+# ------------------------------------------------------------------ SIGTERM, ferrule lora export (issue 45.1, 45.3, 45.4)
+@pytest.mark.timeout(240)
+def test_a_one_rank_conversion_stopped_by_sigterm_leaves_no_temporary_folder_or_lock(qwen2_dir, tmp_path):
+    """SIGTERM (a scheduler's preemption) inside the torch_dist write of ``ferrule convert`` (one rank, in
+    process): exit 143, no OUT, no ``.out.tmp-PID``, no ``.out.lock``. Before: the process died at once and
+    left both (docs/convert.md said it does not)."""
+    (tmp_path / "runner.py").write_text(RUNNER)
+    prefix, out = tmp_path / "writing-", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), "convert", "hf-to-torch-dist",
+                             str(qwen2_dir), str(out)], env=_env(FAULT_SLOW_WRITE=str(prefix)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not list(tmp_path.glob("writing-*")) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert list(tmp_path.glob("writing-*")), f"the conversion never wrote: {proc.stderr.read()[-3000:]}"
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        _only(tmp_path, "runner.py", *(p.name for p in tmp_path.glob("writing-*")))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _lora_checkpoint(folder: Path) -> Path:
+    """The smallest ``TrainEngine.save`` folder ``ferrule lora export`` accepts: ``lora/`` with one PEFT pair."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    (folder / "lora").mkdir(parents=True)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    save_file({key.format("A"): torch.ones(2, 8), key.format("B"): torch.zeros(8, 2)},
+              folder / "lora" / "adapter_model.safetensors")
+    (folder / "lora" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    return folder
+
+
+def _lora_export(*args: str):
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    return CliRunner().invoke(app, ["lora", "export", *args])
+
+
+def test_lora_export_into_an_out_another_writer_holds_is_refused_naming_it(tmp_path):
+    """Before: two ``ferrule lora export`` into one OUT both exited 0 and one adapter silently replaced the other."""
+    ckpt, out = _lora_checkpoint(tmp_path / "ckpt"), tmp_path / "peft"
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / ".peft.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = _lora_export(str(ckpt), str(out))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.exit_code == 2, res.output
+    assert f"output directory {out.absolute()} (another conversion or export writes it) is in use" in \
+        " ".join(res.output.split()), res.output
+    assert not out.exists() and not list(tmp_path.glob(".peft.tmp-*"))
+    res = _lora_export(str(ckpt), str(out))  # the holder is gone: the kernel dropped its lock
+    assert res.exit_code == 0 and (out / "adapter_model.safetensors").is_file(), res.output
+    _only(tmp_path, "ckpt", "peft")
+
+
+def test_the_next_writer_removes_every_leftover_of_killed_exports_and_says_how_much(tmp_path):
+    """Leftovers no command removed before: ``ferrule lora export``'s ``.OUT.tmp-<uuid>``, and the LoRA merge of
+    ``ferrule export`` (a conversion into ``.OUT.merge-PID-HEX``): its ``..OUT.merge-PID-HEX.tmp-PID`` (the fp32
+    base, ~28 GB per kill on a 7B) and ``..OUT.merge-PID-HEX.lock``. A live writer's are kept."""
+    import psutil
+
+    ckpt, out = _lora_checkpoint(tmp_path / "ckpt"), tmp_path / "peft"
+    dead = next(pid for pid in range(999_999, 900_000, -1) if not psutil.pid_exists(pid))
+    stale = [tmp_path / ".peft.tmp-0a1b2c3d", tmp_path / f"..peft.merge-{dead}-0123abcd.tmp-{dead}"]
+    for d in stale:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+    lock = tmp_path / f"..peft.merge-{dead}-0123abcd.lock"
+    lock.write_text("{}")
+    alive = tmp_path / f"..peft.merge-{os.getppid()}-4567abcd.tmp-{os.getppid()}"
+    alive.mkdir()
+    res = _lora_export(str(ckpt), str(out))
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert f"removed 3 temporary folder(s) of interrupted writes of {out.absolute()} (2.0 MB)" in said, said
+    assert not any(p.exists() for p in (*stale, lock)) and alive.is_dir()

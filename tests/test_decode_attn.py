@@ -1,7 +1,9 @@
 """Decode attention (ferrule.rollout._decode_attn): the "fp32" formula against a float64 reference
-of the same formula on CPU, and on CUDA the fused Triton kernel (FERRULE_FAST_ATTN=triton) against
+of the same formula on CPU, and on CUDA the fused Triton kernel (rollout_engine.attention: triton) against
 that reference, eagerly and inside one compiled + CUDA-graphed function. The CPU tests need no triton.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -164,8 +166,8 @@ def test_triton_kernel_inside_compiled_graph_on_cuda():
 @pytest.mark.parametrize("attn", ["triton", "triton_rope"])
 @torch.inference_mode()
 def test_fast_decode_with_triton_attention_on_cuda(monkeypatch, attn, sampling):
-    """The engine's fast path (bf16, compiled + CUDA-graphed) with FERRULE_FAST_ATTN=triton /
-    triton_rope and the chunked sampler (FERRULE_FAST_SAMPLER_CHUNKS=128: 4 chunks of this 4096
+    """The engine's fast path (bf16, compiled + CUDA-graphed) with settings.attention triton /
+    triton_rope and the chunked sampler (sampler_chunks=128: 4 chunks of this 4096
     vocabulary): its logprobs of its own tokens against an fp32 HF forward are at most 2x those of
     the default fast path ("fp32" matmul formula, one-pass sampler) + 1e-3 (tests/test_gpu.py's criterion)."""
     import copy
@@ -186,13 +188,12 @@ def test_fast_decode_with_triton_attention_on_cuda(monkeypatch, attn, sampling):
     engine = EmbeddedEngine(model=model.to(torch.bfloat16), fast_decode=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
-    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "0")  # one graph per call: the whole 128-slot cache
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True) if sampling == "greedy" else \
         SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
     errs = {}
     for kind, chunks in (("fp32", "0"), (attn, "128")):
-        monkeypatch.setenv("FERRULE_FAST_ATTN", kind)
-        monkeypatch.setenv("FERRULE_FAST_SAMPLER_CHUNKS", chunks)
+        # kv_bucket 0: one graph per call, the whole 128-slot cache
+        engine.settings = dataclasses.replace(engine.settings, kv_bucket=0, attention=kind, sampler_chunks=int(chunks))
         e = []
         for r in engine.generate(prompts, params):
             ref = _fp32_logprobs(model32, prompts[r.prompt_index], r.token_ids, params.temperature)

@@ -67,3 +67,27 @@ def test_find_package_file_env_then_package_location(tmp_path, monkeypatch):
     monkeypatch.delenv("FERRULE_TEST_VOCAB")
     with pytest.raises(FileNotFoundError, match="^install it$"):
         find_package_file("FERRULE_TEST_VOCAB", cands[:1], missing_hint="install it")
+
+
+def test_a_disk_full_for_an_instant_is_not_reported_with_a_contradicting_free_space(tmp_path, monkeypatch):
+    """Issue 45.7: a write that failed with ENOSPC on a disk that has room again by the time the message is made
+    printed "no space left on OUT (needed ~1.0 MB, free 209.7 MB): free some space" and nothing else."""
+    import errno
+    import shutil
+
+    from ferrule.converters.output_dir import disk_full_from
+
+    real = shutil.disk_usage
+
+    def disk_usage(path, free=209_700_000):
+        u = real(path)
+        return type(u)(u.total, u.total - free, free)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    said = str(disk_full_from(enospc, tmp_path / "out", 1_000_000))
+    assert said.startswith(f"no space left on {tmp_path / 'out'} (needed ~1.0 MB, free 209.7 MB): the filesystem "
+                           "was full at the moment of a write and has room again now"), said
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: disk_usage(p, free=10_000))  # still full: the old advice
+    said = str(disk_full_from(enospc, tmp_path / "out", 1_000_000))
+    assert "(needed ~1.0 MB, free 0.0 MB): free some space or write elsewhere" in said, said

@@ -89,6 +89,35 @@ def test_sliding_window_moe_and_stop_strings():
             assert "e" not in CharTokenizer.decode(r.token_ids[:-1])
 
 
+def test_batch_ladder_a_new_batch_size_prepares_no_new_decode_shape_and_matches_hf():
+    """Issue 40: with the batch ladder (on with CUDA graphs; forced here on CPU), rows are padded to the
+    next rung, so a second and third batch size reuse the first call's decode state (on CUDA: its compiled
+    step and graphs; counted by ``info()``), and rows past the largest rung go through continuous batching
+    at that size. Padding changes no sample: each is checked against a full HF forward."""
+    from ferrule.engine_settings import RolloutEngineSettings
+
+    model = tiny_qwen3(seed=7)
+    engine = EmbeddedEngine(model=model, settings=RolloutEngineSettings(pad_batches=True, batch_ladder=[4, 8]))
+    plain = EmbeddedEngine(model=model)
+    assert engine.info()["decode_shapes"] == 0 and engine.info()["batch_ladder"] == [4, 8]
+    assert plain.info()["batch_ladder"] == []  # CPU default: no padding
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=STOPS)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3, stop_token_ids=STOPS)
+    calls = [(PROMPTS[:3], greedy), (PROMPTS[:2], greedy), (PROMPTS[:4], greedy),   # 3, 2, 4 rows: rung 4
+             (PROMPTS[:3], sampled),                                               # 6 rows: rung 8
+             (PROMPTS[:1], greedy), (PROMPTS * 2, sampled)]                        # 1: rung 4; 24 rows: 8 + refills
+    shapes = []
+    for prompts, params in calls:
+        results = engine.generate(prompts, params)
+        check_against_hf(model, results, prompts, params, STOPS)
+        if params.greedy:
+            assert [r.token_ids for r in results] == [r.token_ids for r in plain.generate(prompts, params)]
+        shapes.append(engine.info()["decode_shapes"])
+    assert shapes == [1, 1, 1, 2, 2, 2]  # one decode state per rung, none for a new batch size after that
+    assert engine.info()["distinct_shapes"] == [[4, 128], [8, 128]]
+    assert engine.info()["graph_captures"] == 0  # CPU
+
+
 def test_max_batch_validation():
     with pytest.raises(ValueError, match="max_batch"):
         EmbeddedEngine(model=tiny_qwen3(), max_batch=0)

@@ -127,6 +127,41 @@ def test_errors_found_before_any_model_is_loaded(hf_dir, tmp_path):
         GRPOTrainer(_cfg(hf_dir, tmp_path / "fresh"))
 
 
+def _tokenizer_json(n_tokens: int) -> str:
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({f"t{i}": i for i in range(n_tokens)}, unk_token="t0")).to_str()
+
+
+@pytest.mark.parametrize("damage, file, says", [
+    ("truncated tokenizer.json", "tokenizer.json", "is not valid JSON at line 1"),
+    ("config.json that is not JSON", "config.json", "is not valid JSON at line 1"),
+    ("tokenizer ids beyond vocab_size", "tokenizer.json", "has token ids up to 39 but"),
+])
+def test_a_damaged_model_folder_is_one_line_naming_the_file_before_any_model_loads(hf_dir, tmp_path, damage, file,
+                                                                                    says):
+    """Issue 45.5: before, the first two were 214- and 89-line tracebacks, the third failed at the first rollout."""
+    from typer.testing import CliRunner
+
+    from ferrule.cli import app
+
+    (hf_dir / "tokenizer.json").write_text(_tokenizer_json(32))
+    if damage == "truncated tokenizer.json":
+        text = (hf_dir / "tokenizer.json").read_text()
+        (hf_dir / "tokenizer.json").write_text(text[: len(text) // 2])
+    elif damage == "config.json that is not JSON":
+        (hf_dir / "config.json").write_text("model_type: qwen3\nvocab_size: 32\n")
+    else:
+        (hf_dir / "tokenizer.json").write_text(_tokenizer_json(40))
+    res = CliRunner().invoke(app, ["train", f"model.hf_dir={hf_dir}", "data.task=basic_arithmetic",
+                                   f"logging.run_dir={tmp_path / 'run'}"])
+    assert res.exit_code == 2, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and str(hf_dir / file) in errors[0] and says in errors[0], res.output
+    assert "Traceback" not in res.output
+    assert "copy it again from the model's source" in errors[0] or "the model's own tokenizer files" in errors[0]
+
+
 def test_nonexistent_hf_path_says_does_not_exist(tmp_path):
     from ferrule.converters.safetensors_io import CheckpointError, SafetensorsReader
     from ferrule.rl.config import ConfigError

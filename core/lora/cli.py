@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from pathlib import Path
 from typing import Annotated
 
@@ -66,8 +65,12 @@ def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
 
 
 def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None = None,
-                   overwrite: bool = False, step: int | None = None) -> Path:
+                   overwrite: bool = False, step: int | None = None, notice=None) -> Path:
     """Copy the PEFT adapter of LoRA checkpoint ``ckpt`` to ``out`` (atomic); returns ``out``.
+
+    ``out`` is written as the converters write theirs (:func:`ferrule.converters.output_dir.prepare_out`):
+    under the kernel lock ``.OUT.lock`` through the temporary sibling ``.OUT.tmp-PID``; leftovers of
+    killed writers of ``out`` are removed first and ``notice(message)`` says how much that freed.
 
     ``ckpt``: a run folder (latest checkpoint, or ``step``'s), a ``step_NNNNNN/`` checkpoint or a
     ``TrainEngine.save`` folder (:func:`resolve_lora_checkpoint`).
@@ -75,9 +78,12 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
     Raises:
         FileNotFoundError: ``ckpt`` is not a LoRA train checkpoint (the message says what is missing).
         FileExistsError: ``out`` exists and not ``overwrite``.
+        ferrule.locks.LockedError: another export or conversion is writing ``out`` (names its pid).
+        ferrule.fsutil.DiskFullError: the adapter does not fit on ``out``'s filesystem.
     """
     from safetensors import safe_open
 
+    from ferrule.converters.output_dir import prepare_out, unlock_output
     from ferrule.fsutil import commit_dir
 
     from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
@@ -92,9 +98,9 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
     config = json.loads((src / PEFT_CONFIG).read_text())
     if base_model is not None:
         config["base_model_name_or_path"] = base_model
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    # one writer of OUT (a second export or conversion into it is refused naming this one); the temporary
+    # sibling .OUT.tmp-PID is removed by the next writer of OUT if this process is killed
+    tmp = prepare_out(out, overwrite, (src / PEFT_WEIGHTS).stat().st_size, notice)
     try:
         shutil.copy2(src / PEFT_WEIGHTS, tmp / PEFT_WEIGHTS)
         (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -102,6 +108,8 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        unlock_output(out)
 
 
 def _peft_module_of(key: str) -> str:
@@ -196,8 +204,11 @@ def export_command(
     """Write a LoRA checkpoint's adapter as HF PEFT (adapter_model.safetensors + adapter_config.json)."""
     from ferrule.cli_errors import exit_on_user_errors
 
-    with exit_on_user_errors():
-        path = export_adapter(ckpt, out, base_model=base_model, overwrite=overwrite, step=step)
+    from ferrule.fsutil import sigterm_as_exit
+
+    with exit_on_user_errors(), sigterm_as_exit():  # SIGTERM: the temporary folder and the lock are removed
+        path = export_adapter(ckpt, out, base_model=base_model, overwrite=overwrite, step=step,
+                              notice=lambda m: typer.echo(m, err=True))
     typer.echo(f"exported the adapter of {ckpt} to {path}")
 
 

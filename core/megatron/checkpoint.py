@@ -340,7 +340,8 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, DiskFullError) and is_disk_full(exc):  # ENOSPC inside megatron / torch.save
-            raise DiskFullError(disk_full_message(path, needed) + " (a write of the save failed: No space left "
+            raise DiskFullError(disk_full_message(path, needed, write_failed=True) + " (a write of the save failed: "
+                                "No space left "
                                 "on device)") from exc
         raise
     return path

@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from ferrule import envs
+
 __all__ = ["DeviceBackend", "get_backend", "default_kind"]
 
 
@@ -129,7 +131,7 @@ def get_backend(kind: str | None = None) -> DeviceBackend:
         ValueError: an unknown kind.
     """
     global _BACKEND
-    kind = kind or os.environ.get("FERRULE_DEVICE") or None
+    kind = kind or envs.get("FERRULE_DEVICE")
     if kind not in (None, "cuda", "cpu"):
         raise ValueError(f"device kind {kind!r} is unknown; use 'cuda' or 'cpu' (or unset FERRULE_DEVICE).")
     with _LOCK:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -57,14 +56,14 @@ from .engine_colocation import EngineColocation
 from .batching import Datum, FBOutput
 from .engine_inputs import prepare_batch
 from .engine_step import _unwrap_gpt
-from .fused_logprob import DEFAULT_CHUNK_TOKENS
-from .gpu_fusions import (LEAN_ACTIVATIONS, enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
+from ferrule.engine_settings import TrainEngineSettings
+from .gpu_fusions import (enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
                           use_foreach_optimizer_helpers, use_fused_adam)
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
 from .towers import towers_of
 
-__all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings"]
+__all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings", "TrainEngineSettings"]
 
 
 class TrainEngine(EngineColocation):
@@ -91,7 +90,7 @@ class TrainEngine(EngineColocation):
     def __init__(self, model_chunks: Sequence[Any], *, hf_config: Mapping[str, Any], family: str,
                  mapping_table: Any, layout: ParallelLayout, optimizer: OptimizerSettings | None = None,
                  params_dtype: torch.dtype = torch.float32, max_tokens_per_microbatch: int | None = None,
-                 update_groups: Any = None, lora: Any = None) -> None:
+                 update_groups: Any = None, lora: Any = None, settings: TrainEngineSettings | None = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.utils import get_model_config
@@ -102,6 +101,9 @@ class TrainEngine(EngineColocation):
             raise NotImplementedError("TrainEngine does not support virtual pipeline stages (vpp) yet; use vpp=None.")
         self.layout = layout
         self.settings = optimizer or OptimizerSettings()
+        #: the :class:`~ferrule.engine_settings.TrainEngineSettings` in force (deprecated FERRULE_* variables
+        #: applied, with a FutureWarning); ``fused_logprobs`` etc. below are what they resolved to here
+        self.fast_paths = (settings or TrainEngineSettings()).with_env()
         self.params_dtype = params_dtype
         self.hf_config = dict(hf_config)
         self.family = family
@@ -158,54 +160,46 @@ class TrainEngine(EngineColocation):
         self._set_fast_paths(chunks, lora)
 
     def _set_fast_paths(self, chunks: Sequence[Any], lora: Any) -> None:
-        """The GPU fast paths (docs/engine.md "GPU fast paths"): fused logprobs, megatron's CUDA fusions,
-        packed sequences; gradient-accumulation fusion, lean activations, the logprob chunk size and
-        fused Adam (issue 25's train step)."""
-        config = self.config
-        #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
-        #: ``[tokens, vocab]`` logits. On by default on CUDA; off on CPU, where the plain path is the
-        #: bit-exact reference the tests pin. Settable; ``FERRULE_FUSED_LOGPROBS=0|1`` overrides.
-        env = os.environ.get("FERRULE_FUSED_LOGPROBS")
+        """The GPU fast paths of :attr:`fast_paths` (docs/engine.md "GPU fast paths"): fused logprobs,
+        megatron's CUDA fusions, packed sequences, gradient-accumulation fusion, lean activations, the
+        logprob chunk size, the one-pass logprob reduction and fused Adam (issue 25's train step)."""
+        from .gpu_fusions import set_compile_dynamic
+
+        s, config = self.fast_paths, self.config
         on_cuda = next(chunks[0].parameters()).device.type == "cuda"
-        self.fused_logprobs = (env == "1") if env in ("0", "1") else on_cuda
+        set_compile_dynamic(s.compile_dynamic)
+        #: logprobs straight from the last hidden states (:mod:`.fused_logprob`), never holding fp32
+        #: ``[tokens, vocab]`` logits (``fused_logprobs``; off with an adapter on the output layer)
+        self.fused_logprobs = s.resolve("fused_logprobs", on_cuda)
         if self.fused_logprobs and lora is not None and any(
                 hasattr(getattr(_unwrap_gpt(c), "output_layer", None), "lora") for c in self.model):
             self.fused_logprobs = False  # the fused path reads output_layer.weight and would skip its adapter
         #: megatron's fused SwiGLU / RoPE paths switched on for CUDA (:mod:`.gpu_fusions`)
-        self.cuda_fusions = enable_cuda_fusions(config) if on_cuda else []
+        self.cuda_fusions = enable_cuda_fusions(config, s.resolve("cuda_fusions", on_cuda)) if on_cuda else []
         #: with a micro-batch budget, data are concatenated into one row (megatron's ``thd``
         #: packed format; attention stays within each datum, see :mod:`.attention`) instead of
-        #: padded to the longest: RL batches of mixed lengths pay for real tokens only. On by
-        #: default on CUDA; off on CPU (the padded path is the pinned reference).
-        #: ``FERRULE_PACKED_SEQUENCES=0|1`` overrides; needs SDPAttention in every layer.
-        env = os.environ.get("FERRULE_PACKED_SEQUENCES")
-        self.packed_sequences = (env == "1") if env in ("0", "1") else on_cuda
+        #: padded to the longest: RL batches of mixed lengths pay for real tokens only
+        self.packed_sequences = s.resolve("packed_sequences", on_cuda)
         if self.packed_sequences:
-            self._check_packable(chunks, forced=env == "1")
+            self._check_packable(chunks, forced=s.packed_sequences is True)
         #: weight gradients accumulated in fp32 straight into DDP's ``main_grad`` buffers by one GEMM
         #: (megatron's ``gradient_accumulation_fusion`` with :func:`.gpu_fusions.wgrad_accumulate`
-        #: in Apex's slot; the fused logprobs' output-weight gradient likewise), instead of a bf16
-        #: ``weight.grad`` plus DDP's add. CUDA, full-parameter training only;
-        #: ``FERRULE_GRAD_ACCUM_FUSION=1`` turns it on (off by default until measured on the GPU).
-        env = os.environ.get("FERRULE_GRAD_ACCUM_FUSION")
-        self.grad_accum_fusion = bool(on_cuda and lora is None and env == "1")
+        #: in Apex's slot; the fused logprobs' output-weight gradient likewise); CUDA, full-parameter only
+        self.grad_accum_fusion = bool(on_cuda and lora is None and s.resolve("grad_accum_fusion", on_cuda))
         if self.grad_accum_fusion:
             enable_grad_accum_fusion(self.model)
-        #: cheaply recomputable activations (SwiGLU output, RMSNorm outputs, the QKV projection behind
-        #: V) dropped from the saved tensors and recomputed bit-identically in backward
-        #: (:func:`.gpu_fusions.enable_lean_activations`); ``FERRULE_LEAN_ACTIVATIONS=1`` (all) or a
-        #: comma list of ``swiglu,norms,compact_v`` (CUDA; off by default until measured on the GPU)
-        env = (os.environ.get("FERRULE_LEAN_ACTIVATIONS") or "0").strip()
-        which = LEAN_ACTIVATIONS if env == "1" else tuple(w.strip() for w in env.split(",") if w.strip() not in ("", "0"))
-        self.lean_activations = enable_lean_activations(self.model, which) if on_cuda and which else []
-        #: rows per chunk of the fused logprobs (``FERRULE_LOGPROB_CHUNK``; transient logits are
-        #: ``chunk x vocab`` in the parameter dtype, twice in backward)
-        self.logprob_chunk_tokens = int(os.environ.get("FERRULE_LOGPROB_CHUNK") or DEFAULT_CHUNK_TOKENS)
+        #: the activations recomputed bit-identically in backward instead of saved
+        #: (:func:`.gpu_fusions.enable_lean_activations`; CUDA)
+        which = s.lean_kinds(on_cuda)
+        self.lean_activations = enable_lean_activations(self.model, which) if which else []
+        #: rows per chunk of the fused logprobs (transient logits are ``chunk x vocab`` in the parameter
+        #: dtype, twice in backward)
+        self.logprob_chunk_tokens = int(s.logprob_chunk_tokens)
+        #: each logprob chunk's max and sum of exponentials in one compiled kernel (CUDA)
+        self.logprob_one_pass = s.resolve("logprob_one_pass", on_cuda)
         #: torch Adam with ``fused=True`` over the fp32 masters, and multi-tensor grad-norm / clip /
-        #: master-to-model copy in place of megatron's per-tensor no-Apex fallbacks
-        #: (``FERRULE_FUSED_ADAM=1``; CUDA; off by default until measured there)
-        self.fused_adam = bool(on_cuda and os.environ.get("FERRULE_FUSED_ADAM") == "1"
-                               and use_fused_adam(self.optimizer) > 0)
+        #: master-to-model copy in place of megatron's per-tensor no-Apex fallbacks (CUDA)
+        self.fused_adam = bool(on_cuda and s.resolve("fused_adam", on_cuda) and use_fused_adam(self.optimizer) > 0)
         if self.fused_adam:
             use_foreach_optimizer_helpers()
 
@@ -221,8 +215,9 @@ class TrainEngine(EngineColocation):
         if cores and all(isinstance(m, SDPAttention) for m in cores) and not self.config.sequence_parallel:
             return
         if forced:
-            raise ValueError("FERRULE_PACKED_SEQUENCES=1 needs SDPAttention as the core attention of every layer "
-                             "(core_attention='sdpa') and no sequence parallelism; unset it to pad instead.")
+            raise ValueError("train_engine.packed_sequences: true needs SDPAttention as the core attention of every "
+                             "layer (core_attention='sdpa') and no sequence parallelism; set it to auto or false to "
+                             "pad instead.")
         self.packed_sequences = False
 
     @property
@@ -276,13 +271,15 @@ class TrainEngine(EngineColocation):
     def from_hf(cls, hf_dir: str | Path, layout: ParallelLayout | None = None, *,
                 optimizer: OptimizerSettings | None = None, params_dtype: torch.dtype = torch.float32,
                 seed: int = 1234, max_tokens_per_microbatch: int | None = None,
-                provider_options: Mapping[str, Any] | None = None, lora: Any = None) -> "TrainEngine":
+                provider_options: Mapping[str, Any] | None = None, lora: Any = None,
+                settings: TrainEngineSettings | None = None) -> "TrainEngine":
         """Build the family's model at ``layout`` and load an HF safetensors checkpoint into it.
 
         Initializes the process group and megatron's parallel state if needed
         (:func:`ferrule.megatron.parallel.init_distributed`). ``provider_options`` go to the
         family provider (e.g. ``core_attention='local'``). ``lora``: a
-        :class:`~ferrule.lora.LoraSettings` to train adapters on the frozen checkpoint.
+        :class:`~ferrule.lora.LoraSettings` to train adapters on the frozen checkpoint. ``settings``:
+        the fast paths (:class:`~ferrule.engine_settings.TrainEngineSettings`; default: its defaults).
 
         Raises:
             ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
@@ -296,7 +293,7 @@ class TrainEngine(EngineColocation):
         load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config)
         engine = cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
                      optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                     lora=lora)
+                     lora=lora, settings=settings)
         engine.hf_files_dir = Path(hf_dir).absolute()
         return engine
 
@@ -305,7 +302,8 @@ class TrainEngine(EngineColocation):
                         optimizer: OptimizerSettings | None = None, params_dtype: torch.dtype = torch.float32,
                         seed: int = 1234, max_tokens_per_microbatch: int | None = None,
                         load_optimizer: bool | None = None,
-                        provider_options: Mapping[str, Any] | None = None, lora: Any = None) -> "TrainEngine":
+                        provider_options: Mapping[str, Any] | None = None, lora: Any = None,
+                        settings: TrainEngineSettings | None = None) -> "TrainEngine":
         """Build from a torch_dist checkpoint: a converter output (``ferrule convert``, weights
         only) or a :meth:`save` directory (with ``load_optimizer`` None/True also optimizer,
         scheduler, counters and RNG). Reads the HF config from ``ckpt_dir/hf/config.json``.
@@ -324,7 +322,7 @@ class TrainEngine(EngineColocation):
         family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
         engine = cls(chunks, hf_config=hf_config, family=family, mapping_table=table, layout=layout,
                      optimizer=optimizer, params_dtype=params_dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                     lora=lora)
+                     lora=lora, settings=settings)
         if load_optimizer is None:
             load_optimizer = (ckpt_dir / ENGINE_STATE_FILE).is_file() and (lora is None or (ckpt_dir / "lora").is_dir())
         engine.load(ckpt_dir, load_optimizer=load_optimizer)

@@ -138,7 +138,7 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
                 return linear_logprobs(select(out.transpose(0, 1)), weight, select(mb["labels"]), engine.vocab_size,
                                        tp_group=ps.get_tensor_model_parallel_group(),
                                        chunk_tokens=getattr(engine, "logprob_chunk_tokens", DEFAULT_CHUNK_TOKENS),
-                                       main_grad=main_grad,
+                                       main_grad=main_grad, one_pass=getattr(engine, "logprob_one_pass", True),
                                        expected_grad=expected_grad if main_grad is not None else None), None
             logits = out.float()
             mask = pad_mask(engine, logits)

@@ -15,8 +15,9 @@ vendors' dense (no sparsity) bf16 tensor-core figures; ``FERRULE_PEAK_TFLOPS`` o
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Sequence
+
+from ferrule import envs
 
 __all__ = ["PEAK_BF16_TFLOPS", "forward_flops", "peak_flops", "training_mfu"]
 
@@ -83,7 +84,7 @@ def forward_flops(hf_config: Mapping[str, Any], seq_lens: Sequence[int]) -> int 
 def peak_flops(device: Any = None) -> float | None:
     """Peak dense bf16 FLOP/s of ``device`` (a CUDA device), ``FERRULE_PEAK_TFLOPS`` if set, else None
     (CPU, or a GPU missing from :data:`PEAK_BF16_TFLOPS`)."""
-    env = os.environ.get("FERRULE_PEAK_TFLOPS")
+    env = envs.get("FERRULE_PEAK_TFLOPS")
     if env:
         return float(env) * 1e12
     import torch

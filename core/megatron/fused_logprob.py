@@ -36,7 +36,6 @@ bf16 cast and DDP's add.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -45,8 +44,10 @@ from .gpu_fusions import compile_dynamic, wgrad_accumulate
 
 __all__ = ["linear_logprobs", "DEFAULT_CHUNK_TOKENS"]
 
-#: Rows per chunk: 4096 tokens x 151936 vocab in bf16 is 1.2 GB of transient logits.
-DEFAULT_CHUNK_TOKENS = 4096
+#: Rows per chunk: 1024 tokens x 151936 vocab in bf16 is 0.31 GB of transient logits (the train engine's
+#: default, :class:`~ferrule.engine_settings.TrainEngineSettings` ``logprob_chunk_tokens``; 4096 before
+#: issue 40 measured the same speed with 3.58 GB of transients on an H200)
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 def _chunk_max(z: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ def _tp_group_and_rank(tp_group):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group, main_grad, expected_grad):
+    def forward(ctx, hidden, weight, labels, vocab_size, chunk_tokens, tp_group, main_grad, expected_grad, one_pass):
         import torch.distributed as dist
 
         group, rank = _tp_group_and_rank(tp_group)
@@ -115,9 +116,9 @@ class _LinearLogprobs(torch.autograd.Function):
         pre = expected_grad is not None and main_grad is not None and ctx.needs_input_grad[1]
         pre_grad_h = torch.zeros_like(hidden) if pre else None
         g_pre = expected_grad.float() if pre else None
-        # FERRULE_LOGPROB_ONEPASS=1: max and sum of exponentials in one compiled kernel (off by default
-        # on CUDA until measured there; on CPU the same two eager ops either way)
-        one_pass = not hidden.is_cuda or os.environ.get("FERRULE_LOGPROB_ONEPASS") == "1"
+        # one_pass (TrainEngineSettings.logprob_one_pass): max and sum of exponentials in one compiled kernel
+        # on CUDA (on CPU the same two eager ops either way)
+        one_pass = not hidden.is_cuda or one_pass
         for a in range(0, t, chunk_tokens):
             b = min(a + chunk_tokens, t)
             z = hidden[a:b] @ weight[:n_valid].t()  # [c, n_valid] in the parameter dtype
@@ -184,7 +185,7 @@ class _LinearLogprobs(torch.autograd.Function):
         if grad_h is not None and group is not None:
             dist.all_reduce(grad_h, group=group)
         grad_w = grad_w32.to(weight.dtype) if grad_w32 is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _chunk_backward(z, kgrad, lse, g, safe, in_range, a, b, w, hidden, grad_h, grad_w32, main_grad) -> None:
@@ -202,7 +203,7 @@ def _chunk_backward(z, kgrad, lse, g, safe, in_range, a, b, w, hidden, grad_h, g
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, *,
                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tp_group: Optional[object] = None,
                     main_grad: Optional[torch.Tensor] = None,
-                    expected_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    expected_grad: Optional[torch.Tensor] = None, one_pass: bool = True) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T)[labels]`` over the unpadded vocabulary, chunked.
 
     Args:
@@ -222,6 +223,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             Liger's fused linear cross entropy), and the backward pass applies only the
             difference between the actual and the expected upstream gradient (both gradients
             are linear in it), so any upstream gradient stays correct.
+        one_pass: on CUDA, each chunk's max and sum of exponentials in one compiled kernel
+            (:class:`~ferrule.engine_settings.TrainEngineSettings` ``logprob_one_pass``); False: two.
 
     Returns:
         ``[T]`` float32 logprobs, differentiable w.r.t. ``hidden`` and ``weight``.
@@ -243,4 +246,4 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if expected_grad is not None and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         expected_grad = None  # no backward will come: nothing may be written into main_grad
     return _LinearLogprobs.apply(hidden, weight, labels.long(), int(vocab_size), int(chunk_tokens), tp_group,
-                                 main_grad, expected_grad)
+                                 main_grad, expected_grad, bool(one_pass))

@@ -16,13 +16,12 @@ megatron-core routes two elementwise chains to fused kernels when its config ask
 
 Both are flags read at forward time, so the engine turns them on after the model is built, on
 CUDA only: on CPU the unfused eager path stays the bit-exact reference the tests pin.
-``FERRULE_CUDA_FUSIONS=0`` turns them off (for benchmarks and debugging).
+``TrainEngineSettings(cuda_fusions=False)`` turns them off (for benchmarks and debugging).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -47,12 +46,26 @@ def _rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp
     return _compiled_rope()(t.unsqueeze(1), freqs[positions]).squeeze(1)
 
 
+#: ``TrainEngineSettings.compile_dynamic`` of the process: the compiled kernels below are process-wide
+#: caches, so the first train engine's setting holds (:func:`set_compile_dynamic`)
+_COMPILE_DYNAMIC = "all"
+
+
+def set_compile_dynamic(mode: str) -> None:
+    """Set ``"all"`` or ``"auto"`` (:func:`compile_dynamic`) before the first compile of this process."""
+    global _COMPILE_DYNAMIC
+    if mode not in ("all", "auto"):
+        raise ValueError(f"compile_dynamic={mode!r}; expected 'all' or 'auto'.")
+    _COMPILE_DYNAMIC = mode
+
+
 def compile_dynamic() -> bool | None:
     """``torch.compile``'s ``dynamic`` for ferrule's compiled CUDA kernels (RoPE, the fused logprob
-    reductions): ``True`` (every dimension symbolic, one compile) unless ``FERRULE_COMPILE_DYNAMIC=auto``
-    (``None``: torch's automatic dynamic shapes, so only the dimensions that change between calls,
-    the token count, become symbolic and the head / vocabulary sizes stay compile-time constants)."""
-    return None if os.environ.get("FERRULE_COMPILE_DYNAMIC") == "auto" else True
+    reductions): ``True`` (every dimension symbolic, one compile) unless the train engine's
+    ``compile_dynamic`` is ``"auto"`` (``None``: torch's automatic dynamic shapes, so only the dimensions
+    that change between calls, the token count, become symbolic and the head / vocabulary sizes stay
+    compile-time constants)."""
+    return None if _COMPILE_DYNAMIC == "auto" else True
 
 
 @functools.cache
@@ -66,18 +79,18 @@ def _compiled_rope():
     return torch.compile(rope, dynamic=compile_dynamic())
 
 
-def enable_cuda_fusions(config: Any) -> list[str]:
+def enable_cuda_fusions(config: Any, enabled: bool = True) -> list[str]:
     """Turn on the fused SwiGLU and RoPE paths of a built model's ``TransformerConfig`` (in place).
 
     Only where they apply: SwiGLU for ``gated_linear_unit`` with SiLU (megatron's fused kernel
     has no other gated activation without TE); RoPE for ``position_embedding_type='rope'``
     without multi-latent attention (not YaRN: ``apply_rotary_pos_emb``'s fused ``thd`` path
-    ignores its ``mscale``). Does nothing when ``FERRULE_CUDA_FUSIONS=0``.
+    ignores its ``mscale``). Does nothing when not ``enabled`` (``TrainEngineSettings.cuda_fusions``).
 
     Returns:
         The names of the fusions now on (``'swiglu'``, ``'rope'``).
     """
-    if os.environ.get("FERRULE_CUDA_FUSIONS") == "0":
+    if not enabled:
         return []
     from megatron.core.models.common.embeddings import rope_utils
 

@@ -8,9 +8,10 @@ changed silently: a world size it does not divide is an error.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
+
+from ferrule import envs
 
 __all__ = [
     "ParallelLayout",
@@ -141,14 +142,14 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, *, timeout_s: flo
     backend = get_backend()
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:  # torchrun (or another launcher that sets the env protocol)
-            world = int(os.environ["WORLD_SIZE"])
+        if envs.get("RANK") is not None:  # torchrun (or another launcher that sets the env protocol)
+            world = envs.world_size()
             layout.validate(world)
-            backend.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            method = os.environ.get(INIT_METHOD_ENV)
+            backend.set_device(envs.local_rank())
+            method = envs.get(INIT_METHOD_ENV)
             if method:
                 dist.init_process_group(backend=backend.dist_backend, init_method=method,
-                                        rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+                                        rank=envs.rank(), world_size=world, timeout=timeout)
             else:
                 dist.init_process_group(backend=backend.dist_backend, timeout=timeout)
         else:  # a single local process: an in-process store, no TCP port (nothing to race for)

@@ -9,7 +9,7 @@ from typing import Any
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import lora_settings
 
-__all__ = ["optimizer_settings", "build_train_engine", "chat_template", "stop_tokens", "check_media_support",
+__all__ = ["optimizer_settings", "build_train_engine", "engine_settings_report", "chat_template", "stop_tokens", "check_media_support",
            "layout_note"]
 
 
@@ -30,12 +30,12 @@ def optimizer_settings(cfg: RLConfig) -> Any:
 def build_train_engine(cfg: RLConfig, layout: Any, dtype: Any) -> Any:
     """The policy's :class:`~ferrule.megatron.engine.TrainEngine`: from ``model.torch_dist_dir``
     (weights only) when set, else from ``model.hf_dir``; LoRA adapters on the frozen base when
-    ``lora.rank > 0`` (the sync then sends only the adapter)."""
+    ``lora.rank > 0`` (the sync then sends only the adapter); its fast paths are ``cfg.train_engine``."""
     from ferrule.megatron.engine import TrainEngine
 
     t = cfg.train
     kwargs = dict(optimizer=optimizer_settings(cfg), params_dtype=dtype, seed=t.seed,
-                  max_tokens_per_microbatch=t.micro_batch_tokens)
+                  max_tokens_per_microbatch=t.micro_batch_tokens, settings=cfg.train_engine)
     lora = lora_settings(cfg)
     if lora is not None:
         kwargs["lora"] = lora
@@ -99,3 +99,18 @@ def layout_note(cfg: RLConfig, roles: Any) -> str:
     p = cfg.parallel
     return (f", {roles.world_size} ranks (tp {p.tp}, pp {p.pp}, ep {p.ep}, dp {roles.world_size // (p.tp * p.pp)}; "
             f"rollout on ranks {list(roles.rollout_ranks)})")
+
+
+def engine_settings_report(engine: Any, rollout: Any, cfg: RLConfig) -> str:
+    """The start-up lines of the engine settings: each section as configured, then what its switches
+    resolved to on this device (``auto`` -> on / off)."""
+    lines = [f"{s}: {getattr(cfg, s).describe()}" for s in ("train_engine", "rollout_engine", "weight_sync")]
+    on = [k for k in ("fused_logprobs", "packed_sequences", "grad_accum_fusion", "logprob_one_pass", "fused_adam")
+          if getattr(engine, k, False)]
+    on += [f"cuda_fusions {'+'.join(engine.cuda_fusions)}"] if getattr(engine, "cuda_fusions", None) else []
+    on += [f"lean_activations {'+'.join(engine.lean_activations)}"] if getattr(engine, "lean_activations", None) else []
+    lines.append("train engine paths on: " + (", ".join(on) or "none (plain path)"))
+    if rollout is not None and getattr(rollout, "kind", None) == "embedded":
+        ro = [k for k in ("cuda_graph", "compile_decode", "fast_decode") if getattr(rollout, k, False)]
+        lines.append("rollout engine paths on: " + (", ".join(ro) or "none (eager path)"))
+    return "\n".join(lines)

@@ -22,7 +22,10 @@ from ferrule.run_layout import (LOOP_STATE_FILE, RunCheckpointError, find_run_ch
 #: Keys that may change between a run and its resume (everything else must match).
 #: ``parallel.*`` may change: the train engine's torch_dist checkpoint reshards (or its load
 #: names what cannot be), and the rollout depends on ``rollout.prompts_per_shard``, not the layout.
-RESUME_MUTABLE = ("train.steps", "train.colocate", "checkpoint.", "logging.", "eval.", "parallel.")
+#: The engine settings (``train_engine.*``, ``rollout_engine.*``, ``weight_sync.*``) change speed and
+#: memory, and at most the rounding of bf16 results, so a resume may pick other ones.
+RESUME_MUTABLE = ("train.steps", "train.colocate", "checkpoint.", "logging.", "eval.", "parallel.", "train_engine.",
+                  "rollout_engine.", "weight_sync.")
 
 
 def atomic_write(path: Path, text: str) -> None:

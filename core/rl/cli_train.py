@@ -10,20 +10,21 @@ user error, whose message it repeats last). ``torchrun ... -m ferrule train`` wo
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
 the run; a bad path or checkpoint; a reward function refused at set-up (it raises on or mis-scores
 the task's reference answers):
-:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C (after saving a checkpoint when
-``checkpoint.save_on_interrupt``); 1 other errors.
+:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
+saving a checkpoint when ``checkpoint.save_on_interrupt``; :data:`ferrule.rl.driver.STOP_SIGNALS`); 1 other errors.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from ferrule import envs
 
 
 def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = False,
@@ -59,8 +60,38 @@ USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train exam
 
 def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool, stop_after: int | None) -> Any:
     """Build the trainer and run it (None: a ``--resume`` of a run that is already complete); user
-    errors exit 2 (printed, recorded), Ctrl-C exits 130."""
+    errors exit 2 (printed, recorded), Ctrl-C exits 130; SIGTERM / SIGUSR1 before the loop starts (model
+    loading) exit ``128 + signal`` at once (nothing to save yet); in the loop they stop it as Ctrl-C does
+    (:data:`ferrule.rl.driver.STOP_SIGNALS`).
+    """
+    import signal
+    import threading
+
+    from ferrule.rl.driver import STOP_SIGNALS, StopSignal
+
+    def before_the_loop(signum: int, frame: Any) -> None:  # the loop installs its own (finish the step, save)
+        raise StopSignal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, before_the_loop) for s in STOP_SIGNALS if s != signal.SIGINT}
+    try:
+        return _run_trainer(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
+                            stop_after=stop_after)
+    except StopSignal as exc:
+        console.print(f"aborted by {signal.Signals(exc.signum).name}; the current step was not saved (the last "
+                      "checkpoint stays valid)", markup=False, highlight=False)
+        raise typer.Exit(128 + exc.signum) from None
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def _run_trainer(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool,
+                 stop_after: int | None) -> Any:
+    """The body of :func:`_train` (inside its signal handlers)."""
     from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.rl.driver import StopSignal
 
     try:
         from ferrule.rl.loop import GRPOTrainer
@@ -77,6 +108,8 @@ def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: b
             trainer.close()
             return
         result = trainer.run(stop_after=stop_after)
+    except StopSignal:
+        raise
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
@@ -107,6 +140,9 @@ def train_command(
         help="After every weight sync verify that the rollout engine holds exactly the trained weights.")] = False,
     stop_after: Annotated[int | None, typer.Option(
         "--stop-after", help="Stop (with a checkpoint) once this many steps are complete, as Ctrl-C would.")] = None,
+    allow_model_change: Annotated[bool, typer.Option(
+        "--allow-model-change", help="With --resume: continue even though the weights or tokenizer files of "
+                                     "model.hf_dir changed since the checkpoint (checkpoint.allow_model_change).")] = False,
     nproc: Annotated[int, typer.Option(
         "--nproc", help="Ranks to launch on this machine through torchrun (one per GPU on CUDA); the config's "
                         "parallel: section sets tp/pp/ep and DP = nproc / (tp*pp).")] = 1,
@@ -128,18 +164,27 @@ def train_command(
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
         raise typer.Exit(2)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    under_torchrun = envs.under_torchrun()
     if nproc < 1 or (nproc > 1 and under_torchrun):
         print_user_error(f"--nproc {nproc}: " + ("expected >= 1" if nproc < 1 else "this process is already a "
                                                  "torchrun rank; drop --nproc (torchrun's --nproc-per-node sets it)"))
         raise typer.Exit(2)
     try:
-        cfg = resolve_config(config if config is not None else config_opt, [*(overrides or []), *(set_ or [])],
+        cfg = resolve_config(config if config is not None else config_opt,
+                             [*(overrides or []), *(set_ or []),
+                              *(["checkpoint.allow_model_change=true"] if allow_model_change else [])],
                              resume=resume, run_dir=run_dir)
         if nproc > 1:
             from ferrule.rl.distributed import check_layout
 
-            check_layout(cfg, json.loads((Path(cfg.model.hf_dir) / "config.json").read_text()), nproc)
+            from ferrule.rl.config import ConfigError
+            from ferrule.rl.run_checks import model_folder_problems
+
+            cfg.check_paths()
+            hf_config, damaged = model_folder_problems(cfg.model.hf_dir)
+            if damaged:
+                raise ConfigError(damaged)
+            check_layout(cfg, hf_config, nproc)
     except BaseException as exc:  # noqa: BLE001
         message = user_error_message(exc)
         if message is None:
@@ -153,7 +198,7 @@ def train_command(
                     stop_after=stop_after)
     if result is None:  # --resume of a run that is already complete: nothing to do
         return
-    if int(os.environ.get("RANK", "0") or 0) != 0:  # the run summary comes from rank 0
+    if envs.rank() != 0:  # the run summary comes from rank 0
         return
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
 
@@ -162,6 +207,8 @@ def train_command(
     if result.plot:
         summary += f"; reward curve {result.plot}"
     console.print(summary, highlight=False, markup=False)
+    if result.stop_signal is not None:
+        raise typer.Exit(128 + result.stop_signal)
     if result.interrupted and stop_after is None:
         raise typer.Exit(130)
 
@@ -192,7 +239,7 @@ def run_is_complete(trainer, found: list, console) -> bool:
         return False
     if done < steps:
         return False
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if envs.rank() == 0:
         console.print(f"run {run_dir} is complete: {where} of train.steps={steps}; nothing to do (to train on, "
                       f"raise it: ferrule train --resume --run-dir {run_dir} train.steps={steps + done})",
                       markup=False, highlight=False)
@@ -205,9 +252,9 @@ EXIT_DIR_ENV = "FERRULE_TRAIN_EXIT_DIR"
 
 
 def _record_exit(code: int, message: str) -> None:
-    folder = os.environ.get(EXIT_DIR_ENV)
+    folder = envs.get(EXIT_DIR_ENV)
     if folder:
-        rank = int(os.environ.get("RANK", "0") or 0)
+        rank = envs.rank()
         Path(folder, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": message}))
 
 
@@ -238,7 +285,7 @@ def launch_torchrun(nproc: int, argv: list[str] | None = None) -> int:
 
     args = _argv_without_nproc(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ferrule-train-exit-") as exit_dir:
-        env = dict(os.environ, **{EXIT_DIR_ENV: exit_dir})
+        env = envs.child_env(**{EXIT_DIR_ENV: exit_dir})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "ferrule", *args]
         try:

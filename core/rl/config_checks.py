@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import difflib
 import math
 import string
@@ -44,9 +45,31 @@ def validate_config(cfg: RLConfig) -> list[str]:
     problems: list[str] = []
     for check in (_model_and_parallel_layout_problems, _rollout_problems, sglang_config_problems, _data_problems,
                   _reward_problems, _algorithm_problems, _optimizer_problems, _lora_problems, _train_problems,
-                  _checkpoint_problems, _eval_problems, _logging_problems):
+                  _checkpoint_problems, _eval_problems, _logging_problems, _engine_settings_problems):
         problems += check(cfg)
     return problems
+
+
+def _engine_settings_problems(cfg: RLConfig) -> list[str]:
+    """The train_engine / rollout_engine sections (ferrule.engine_settings)."""
+    from ferrule.engine_settings import LEAN_ACTIVATION_KINDS
+
+    te, re_ = cfg.train_engine, cfg.rollout_engine
+    p: list[str] = []
+    if isinstance(te.lean_activations, list):
+        bad = [k for k in te.lean_activations if k not in LEAN_ACTIVATION_KINDS]
+        if bad or not te.lean_activations:
+            p.append(f"train_engine.lean_activations: {bad or '[]'} not allowed; expected true, false, auto or a "
+                     f"non-empty list of {', '.join(LEAN_ACTIVATION_KINDS)}")
+    if te.logprob_chunk_tokens < 1:
+        p.append(f"train_engine.logprob_chunk_tokens: must be >= 1 tokens, got {te.logprob_chunk_tokens}")
+    for key in ("kv_bucket", "sampler_chunks", "max_batch"):
+        if getattr(re_, key) < 0:
+            p.append(f"rollout_engine.{key}: must be >= 0, got {getattr(re_, key)}")
+    ladder = re_.batch_ladder
+    if not ladder or any(b < 1 for b in ladder) or list(ladder) != sorted(set(ladder)):
+        p.append(f"rollout_engine.batch_ladder: expected increasing positive batch sizes, got {ladder}")
+    return p
 
 
 def _model_and_parallel_layout_problems(cfg: RLConfig) -> list[str]:
@@ -342,7 +365,7 @@ def config_reference_markdown() -> str:
     lines = [DOCS_BEGIN, ""]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
-        lines += [f"### `{section}`", "", (cls.__doc__ or "").strip(), "",
+        lines += [f"### `{section}`", "", inspect.cleandoc(cls.__doc__ or ""), "",
                   "| key | type | default | unit | description |", "|---|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ferrule.engine_settings import RolloutEngineSettings, TrainEngineSettings, WeightSyncSettings
 from ferrule.fsutil import apply_default_mode
 from ferrule.lora.settings import MAX_LORA_RANK
 from ferrule.rl.config_types import ConfigError
@@ -227,8 +228,11 @@ class CheckpointConfig:
     dir: str = _f("", "Checkpoint folder; empty: RUN_DIR/checkpoints.", "path")
     interval: int = _f(50, "Save every this many steps (and at the last step).", "steps")
     keep: int = _f(2, "Checkpoints kept (oldest deleted first); 0 keeps all.", "checkpoints")
-    save_on_interrupt: bool = _f(True, "Ctrl-C saves a checkpoint before exiting.")
+    save_on_interrupt: bool = _f(True, "Ctrl-C, SIGTERM and SIGUSR1 save a checkpoint before exiting.")
     resume: bool = _f(False, "Continue from the latest checkpoint in dir (data order and RNG included).")
+    allow_model_change: bool = _f(False, "Resume even though the weights or tokenizer files of model.hf_dir "
+                                         "changed since the checkpoint (each named in the log); false refuses "
+                                         "such a resume naming the files.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +278,9 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train_engine: TrainEngineSettings = field(default_factory=TrainEngineSettings)
+    rollout_engine: RolloutEngineSettings = field(default_factory=RolloutEngineSettings)
+    weight_sync: WeightSyncSettings = field(default_factory=WeightSyncSettings)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested plain dict (sections -> keys -> values), reloadable with :func:`config_from_dict`."""
@@ -310,6 +317,9 @@ class RLConfig:
                 hint = ("; build it first (an example config's header comment gives the command: `ferrule assets "
                         "smollm2 assets/smollm2` for smollm2_*.yaml, `python -m ferrule.plugins.inkling2.synthetic "
                         "runs/inkling2_tiny/assets` for inkling2_tiny.yaml), or set model.hf_dir"
+                        if key == "model.hf_dir" and not self.checkpoint.resume else
+                        "; if the model folder moved, give its new path: ferrule train --resume --run-dir RUN_DIR "
+                        "model.hf_dir=NEW_PATH (the resume checks that its files are the checkpoint's)"
                         if key == "model.hf_dir" else "")
                 problems.append(f"{key}: {value!r} does not exist{rel}{hint}")
         hf = Path(self.model.hf_dir).expanduser()

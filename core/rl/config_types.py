@@ -1,12 +1,14 @@
 """Strict value typing for :mod:`ferrule.rl.config` (file values and ``key=value`` overrides).
 
 Supported field types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` of strings,
-``list[str]``, ``list[float]``, ``list[int]``, ``dict[str, Any]`` and ``Any``.
+``list[str]``, ``list[float]``, ``list[int]``, ``dict[str, Any]``, ``Any``, and unions of these
+(``bool | Literal["auto"]``: the first member that takes the value wins).
 """
 
 from __future__ import annotations
 
 import math
+import types
 import typing
 from typing import Any, Literal
 
@@ -35,6 +37,8 @@ class ConfigError(ValueError):
 def type_name(tp: Any) -> str:
     """Human-readable name of a field type (``int``, ``one of 'a', 'b'``, ``list[str]``)."""
     origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (list, dict):
@@ -57,6 +61,13 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if origin in (types.UnionType, typing.Union):
+        for member in typing.get_args(tp):
+            try:
+                return coerce_value(value, member, key)
+            except ConfigError:
+                continue
+        raise bad()
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

@@ -38,10 +38,10 @@ raises after ``parallel.timeout_s`` seconds (the process-group timeout).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ferrule import envs
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.seeds import rollout_seed
 
@@ -55,7 +55,7 @@ FAN_OUT_BUCKET_BYTES = 256 * 2**20
 def launch_world_size() -> int:
     """World size of this launch: ``WORLD_SIZE`` under torchrun, else 1."""
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return envs.world_size()
     except ValueError:
         return 1
 

@@ -1,7 +1,8 @@
 """The run driver of :class:`ferrule.rl.loop.GRPOTrainer`: the step loop around the GRPO step.
 
 :class:`RunDriver` owns what turns one GRPO step (``train_step``, in :mod:`ferrule.rl.loop`) into a
-run: resume point, metrics logger, the initial weight sync, Ctrl-C handling, checkpoints at the
+run: resume point, metrics logger, the initial weight sync, the stop signals (Ctrl-C = SIGINT, and
+SIGTERM / SIGUSR1, which cluster schedulers send to preempt a job or before its time limit), checkpoints at the
 interval, the final plot and releasing the run folder's lock. It is a mixin: it uses the trainer's
 ``cfg``, ``roles``, ``run_dir``, ``ckpt_dir`` and its phase methods (``setup``, ``_sync``,
 ``train_step``, ``save_checkpoint``, ``_resume_point``, ``_evaluate``).
@@ -19,7 +20,23 @@ from ferrule.rl.config import ConfigError
 from ferrule.rl.run_checks import unlock_run_dir
 from ferrule.rl.stages import record
 
-__all__ = ["RunDriver", "RunResult"]
+__all__ = ["RunDriver", "RunResult", "StopSignal", "STOP_SIGNALS"]
+
+#: The signals that stop a run like Ctrl-C: finish the current step, save a checkpoint, exit
+#: ``128 + signal number`` (SIGINT 130, SIGTERM 143, SIGUSR1 138). SIGTERM is the preemption signal
+#: of Slurm and Kubernetes (and torchrun's way of stopping its ranks); Slurm sends SIGUSR1 before a
+#: job's time limit when asked (``#SBATCH --signal=USR1@120``).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
+class StopSignal(KeyboardInterrupt):
+    """A second stop signal (or one before the loop started): abort at once without saving the step
+    in progress. ``signum``: the signal; a ``KeyboardInterrupt`` so that ``finally`` blocks and
+    Ctrl-C handlers treat it alike."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass
@@ -31,6 +48,7 @@ class RunResult:
         last_step: completed steps at exit. interrupted: stopped early (Ctrl-C or ``stop_after``).
         checkpoint: last checkpoint written (None if none). plot: reward-curve PNG (or None).
         metrics: the entries logged by this process (``metrics.jsonl`` has all of them).
+        stop_signal: the signal that stopped the run (:data:`STOP_SIGNALS`), None otherwise.
     """
 
     run_dir: Path
@@ -40,6 +58,7 @@ class RunResult:
     checkpoint: Path | None
     plot: Path | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    stop_signal: int | None = None
 
 
 class RunDriver:
@@ -49,12 +68,18 @@ class RunDriver:
         """Finish the current step, save a checkpoint (``checkpoint.save_on_interrupt``) and return."""
         self._stop_requested = True
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        """A :data:`STOP_SIGNALS` handler: the first asks for a stop at the end of the step, a second aborts."""
         if self._stop_requested:
-            raise KeyboardInterrupt
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise StopSignal(signum)
         self._stop_requested = True
-        self._log("\nCtrl-C: finishing the current step, then saving a checkpoint and exiting "
-                  "(press Ctrl-C again to abort without saving)")
+        self._stop_signal = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self._log(f"\n{name}: finishing the current step, then saving a checkpoint and exiting "
+                  f"({'press Ctrl-C' if signum == signal.SIGINT else 'a second ' + name} again to abort without "
+                  "saving)")
 
     def run(self, *, stop_after: int | None = None) -> RunResult:
         """Run (or resume) the loop up to ``train.steps``; then :meth:`close` (also on an error).
@@ -96,6 +121,16 @@ class RunDriver:
         cfg.dump(self.run_dir)
         return logger
 
+    def _stop_agreed(self) -> bool:
+        """Whether a stop was requested on any rank (one all-gather when distributed, so every rank
+        stops at the same step)."""
+        if not self.roles.distributed:
+            return self._stop_requested
+        from ferrule.rl import distributed as rl_dist
+
+        self._stop_requested = any(rl_dist.all_gather_objects(self._stop_requested))
+        return self._stop_requested
+
     def _remove_stale_temp_dirs(self) -> None:
         """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
         (:func:`ferrule.fsutil.remove_stale_temp_dirs`) and say so; the driver only."""
@@ -112,6 +147,10 @@ class RunDriver:
         import threading
 
         cfg = self.cfg
+        if cfg.checkpoint.enabled or cfg.checkpoint.resume:  # the files as this run reads them (before setup)
+            from ferrule.rl.model_identity import model_files
+
+            self.model_files = model_files(cfg.model.hf_dir)
         self.setup()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temp_dirs()
@@ -120,23 +159,25 @@ class RunDriver:
         t_sync = self._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
         self._log(f"initial weight sync {t_sync:.2f} s{' (verified equal)' if self.check_equal else ''}; "
                   f"steps {start + 1}..{cfg.train.steps}, run dir {self.run_dir}")
-        old_handler = None
+        old_handlers = {}
         if threading.current_thread() is threading.main_thread():
-            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+            old_handlers = {s: signal.signal(s, self._on_stop_signal) for s in STOP_SIGNALS}
         try:
             step, ckpt, interrupted, logged = self._steps(start, stop_after, logger)
         finally:
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
+            for s, old in old_handlers.items():
+                signal.signal(s, old)
         plot = None
         if cfg.logging.plot_at_end and step > 0 and self.roles.is_driver:
             from ferrule.rl.plot import plot_run
 
             plot = plot_run(self.run_dir)
         if interrupted:
-            self._log(f"stopped after step {step}" + (f"; resume with --resume (checkpoint {ckpt})" if ckpt else ""))
+            self._log(f"stopped after step {step}" + (f" (checkpoint {ckpt}); continue with: ferrule train --resume "
+                                                      f"--run-dir {self.run_dir}" if ckpt else ""))
         return RunResult(run_dir=self.run_dir, start_step=start, last_step=step, interrupted=interrupted,
-                         checkpoint=ckpt, plot=plot, metrics=logged)
+                         checkpoint=ckpt, plot=plot, metrics=logged,
+                         stop_signal=getattr(self, "_stop_signal", None) if interrupted else None)
 
     def _steps(self, start: int, stop_after: int | None, logger: Any) -> tuple[int, Path | None, bool, list]:
         """Steps ``start + 1 ..`` with logging, samples, checkpoints and the stop request;
@@ -162,11 +203,13 @@ class RunDriver:
                 if samples and driver:
                     record.append_samples(self.run_dir, samples)
                 bar.update(step, metrics)
-                stop = self._stop_requested or (stop_after is not None and step >= stop_after)
+                requested = self._stop_at_step_end if self.roles.distributed else self._stop_requested
+                stop = requested or (stop_after is not None and step >= stop_after)
                 last = step == cfg.train.steps
                 if cfg.checkpoint.enabled and (step % cfg.checkpoint.interval == 0 or last or
                                                (stop and cfg.checkpoint.save_on_interrupt)):
                     ckpt = self.save_checkpoint(step)
+                    stop = stop or self._stop_agreed()  # a signal during the save: this checkpoint is the stop's
                 if stop and not last:
                     return step, ckpt, True, logged
         return step, ckpt, False, logged

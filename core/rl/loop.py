@@ -56,13 +56,13 @@ drives an SGLang server and runs every shard (:mod:`ferrule.rl.sglang_rollout`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ferrule import envs
 from ferrule.rl import build
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import sglang_rollout
@@ -112,13 +112,18 @@ class GRPOTrainer(RunDriver):
             raise
         self.cfg = cfg
         #: only global rank 0 prints (the others' errors still reach stderr through the CLI)
-        self._quiet = int(os.environ.get("RANK", "0") or 0) != 0
+        self._quiet = envs.rank() != 0
         self.roles = rl_dist.RankRoles(0, 1, (0,))
         self.check_equal = check_weight_update_equal
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.run_dir = Path(cfg.logging.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self._stop_requested = False
+        self._stop_at_step_end = False  # the stop request agreed by every rank at the end of a step (distributed)
+        self._stop_signal: int | None = None
+        #: :func:`ferrule.rl.model_identity.model_files` of model.hf_dir at the run's start (checkpoints
+        #: record it, --resume compares it); filled by the driver's run before the model loads
+        self.model_files: dict | None = None
         self._setup_done = False
         self.score = Scorer(cfg.reward.failure_reward, self._log)
         self.last_sync: Any = None  # SyncStats of the latest weight sync
@@ -179,6 +184,7 @@ class GRPOTrainer(RunDriver):
             self._log(f"ferrule train: family {self.family}, template {self.template.name}, "
                       f"{len(self.source)} prompts ({self.source.name}){build.layout_note(cfg, self.roles)}, "
                       f"setup {time.perf_counter() - t0:.1f} s")
+            self._log(build.engine_settings_report(self.engine, self.rollout, cfg))
         self._setup_done = True
 
     def _build_data(self) -> None:
@@ -241,7 +247,8 @@ class GRPOTrainer(RunDriver):
 
     def _sync(self) -> float:
         """Weights (or the LoRA adapter) to every rollout engine (:mod:`ferrule.rl.stages.sync`)."""
-        self.last_sync, seconds = sync_policy(self.engine, self.rollout, self.roles, check_equal=self.check_equal)
+        self.last_sync, seconds = sync_policy(self.engine, self.rollout, self.roles, check_equal=self.check_equal,
+                                              settings=self.cfg.weight_sync)
         return seconds
 
     def _evaluate(self, step: int) -> dict[str, float]:
@@ -345,7 +352,8 @@ class GRPOTrainer(RunDriver):
             for j, key in enumerate(("time_rollout_s", "time_train_s", "time_sync_s")):
                 metrics[key + "_max"] = max(x[j] for x in times)
                 metrics[key + "_min"] = min(x[j] for x in times)
-            self._stop_requested = any(x[3] for x in times)  # Ctrl-C on any rank stops all at this step
+            self._stop_requested = any(x[3] for x in times)  # a stop signal on any rank stops all at this step
+            self._stop_at_step_end = self._stop_requested  # what the driver reads: one value on every rank
         if self.roles.is_driver and self.eval_source is not None and step % self.cfg.eval.interval == 0:
             self._rollout_phase()
             t_eval = time.perf_counter()
@@ -357,10 +365,11 @@ class GRPOTrainer(RunDriver):
     def save_checkpoint(self, step: int) -> Path:
         """Write ``CKPT_DIR/step_NNNNNN`` (engine + loop state) and prune to ``checkpoint.keep``."""
         return checkpoint.save_checkpoint(self.engine, self.roles, self.ckpt_dir, step, sampler=self.sampler,
-                                          cfg=self.cfg)
+                                          cfg=self.cfg, model_files=self.model_files)
 
     def _resume_point(self) -> int:
-        return checkpoint.resume_point(self.engine, self.sampler, self.cfg, self.ckpt_dir, self._log)
+        return checkpoint.resume_point(self.engine, self.sampler, self.cfg, self.ckpt_dir, self._log,
+                                       model_files=self.model_files)
 
 def train(cfg: RLConfig, *, check_weight_update_equal: bool = False, stop_after: int | None = None,
           console: Any = None) -> RunResult:

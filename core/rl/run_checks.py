@@ -2,7 +2,8 @@
 before anything is loaded, so these errors come in a second rather than after model loading.
 
 - :func:`check_supported`: settings the loop does not implement (yet);
-- :func:`preflight`: the run folder, the model family, the chat template;
+- :func:`preflight`: the run folder, the model folder's files (:func:`model_folder_problems`), the
+  model family, the chat template;
 - :func:`lora_settings`: the ``lora`` section as :class:`ferrule.lora.LoraSettings` (or None);
 - :func:`lock_run_dir`: one trainer per run folder.
 """
@@ -13,9 +14,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ferrule import envs
 from ferrule.rl.config import ConfigError, RLConfig
 
-__all__ = ["RUN_LOCK_FILE", "check_supported", "lock_run_dir", "lora_settings", "preflight", "unlock_run_dir"]
+__all__ = ["RUN_LOCK_FILE", "check_supported", "lock_run_dir", "lora_settings", "model_folder_problems", "preflight",
+           "unlock_run_dir"]
+
+#: JSON files of an HF model folder that transformers reads when present
+MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "added_tokens.json")
 
 #: the lock file of a run folder, held by its one trainer (:mod:`ferrule.locks`)
 RUN_LOCK_FILE = ".ferrule.lock"
@@ -59,6 +66,9 @@ def preflight(cfg: RLConfig) -> None:
 
     problems = []
     run_dir = Path(cfg.logging.run_dir)
+    hf_config, damaged = model_folder_problems(cfg.model.hf_dir)
+    if damaged:  # nothing below can be checked on a damaged folder
+        raise ConfigError(damaged)
     if not cfg.checkpoint.resume:
         done = read_metrics(run_dir / METRICS_FILE)
         if done:
@@ -71,7 +81,6 @@ def preflight(cfg: RLConfig) -> None:
         except registry.UnknownModelError as exc:
             problems.append(f"model.family: {exc.args[0] if exc.args else exc}")
     else:
-        hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
         try:
             registry.family_for_hf_config(hf_config)
         except registry.UnknownModelError as exc:
@@ -81,9 +90,61 @@ def preflight(cfg: RLConfig) -> None:
             registry.get_chat_template(cfg.data.chat_template)
         except registry.UnknownModelError as exc:
             problems.append(f"data.chat_template: {exc.args[0] if exc.args else exc}")
-    problems += size_problems(cfg, json.loads((Path(cfg.model.hf_dir) / "config.json").read_text()))
+    problems += size_problems(cfg, hf_config)
     if problems:
         raise ConfigError(problems)
+
+
+def model_folder_problems(hf_dir: str | Path) -> tuple[dict, list[str]]:
+    """The files of an HF model folder that cannot be used, found before any model loads:
+    ``(config.json as a dict, problems)``, one problem per file, each naming it and the fix.
+
+    - a JSON file transformers reads (:data:`MODEL_JSON_FILES`) that is not valid JSON (truncated
+      by a killed download, hand-edited) or not an object;
+    - ``tokenizer.json`` that the ``tokenizers`` library cannot load;
+    - a tokenizer whose ids (added tokens included) reach ``vocab_size`` of ``config.json`` (its
+      ``text_config`` for a multimodal model): the first rollout would index past the embedding
+      table; the tokenizer belongs to another model.
+
+    A folder without ``config.json`` is ``RLConfig.check_paths``'s to report (here: ``({}, [])``).
+    """
+    folder = Path(hf_dir)
+    problems, parsed = [], {}
+    for name in MODEL_JSON_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+            problems.append(f"model.hf_dir: {path} is not valid JSON{where} ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:80]}): it is truncated or was edited; copy it again "
+                            "from the model's source")
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"model.hf_dir: {path} holds a JSON {type(value).__name__}, not an object; copy it again "
+                            "from the model's source")
+            continue
+        parsed[name] = value
+    config = parsed.get("config.json", {})
+    if "tokenizer.json" in parsed:
+        from tokenizers import Tokenizer
+
+        path = folder / "tokenizer.json"
+        try:
+            n_ids = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to load is a damaged file to the user
+            problems.append(f"model.hf_dir: {path} cannot be loaded by the tokenizers library ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:100]}); copy it again from the model's source")
+        else:
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+            vocab = text.get("vocab_size", config.get("vocab_size"))
+            if isinstance(vocab, int) and n_ids > vocab:
+                problems.append(f"model.hf_dir: {path} has token ids up to {n_ids - 1} but {folder / 'config.json'} "
+                                f"has vocab_size {vocab} (ids 0..{vocab - 1}): the tokenizer belongs to another model; "
+                                "put the model's own tokenizer files in the folder")
+    return config, problems
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -216,7 +277,7 @@ def lock_run_dir(cfg: RLConfig) -> Path | None:
 
     from ferrule import locks
 
-    if int(os.environ.get("RANK", "0") or 0) != 0:
+    if envs.rank() != 0:
         return None
     run_dir = Path(cfg.logging.run_dir)
     path = run_dir / RUN_LOCK_FILE

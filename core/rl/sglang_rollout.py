@@ -305,7 +305,8 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
     from ferrule.rollout import get_rollout_engine
 
     if cfg.rollout.engine == "embedded":
-        engine = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype, device=device)
+        engine = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype, device=device,
+                                    settings=cfg.rollout_engine)
         return engine, engine.tokenizer
     _check_transport(cfg, device)
     tokenizer = load_tokenizer(cfg.model.hf_dir)

@@ -2,7 +2,7 @@
 
 One query token per batch row attends over the key slots ``[0, kv_len)`` of a static KV cache
 that ``allowed`` marks visible, query head ``h`` reading kv head ``h // rep`` (transformers'
-``repeat_kv`` grouping). The kinds (:data:`KINDS`, picked by ``FERRULE_FAST_ATTN``):
+``repeat_kv`` grouping). The kinds (:data:`KINDS`, picked by ``RolloutEngineSettings.attention``):
 
 - "eager": transformers' ``eager_attention_forward`` (``modeling_qwen2.py``): ``q @ k^T`` in the
   model dtype, times ``scaling``, masked with the dtype's minimum, ``softmax(dtype=float32)``
@@ -19,13 +19,13 @@ that ``allowed`` marks visible, query head ``h`` reading kv head ``h // rep`` (t
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ferrule import envs
 
 KINDS = ("eager", "fp32", "triton", "triton_rope")
 #: run the Triton kernel on CPU tensors too (Triton's interpreter, ``TRITON_INTERPRET=1``): a dev aid
-TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_ON_CPU = envs.get("TRITON_INTERPRET") == "1"
 
 
 def uses_triton(attn: str, device: torch.device) -> bool:

@@ -1,6 +1,6 @@
 """Fused GQA decode attention for the fast decode step (:mod:`ferrule.rollout._fast_decode`), in Triton.
 
-Imported only by :mod:`ferrule.rollout._decode_attn` when ``FERRULE_FAST_ATTN=triton`` or
+Imported only by :mod:`ferrule.rollout._decode_attn` when ``rollout_engine.attention`` is ``triton`` or
 ``triton_rope`` asks for it (triton is not a dependency: CI's CPU install has none; the CUDA machines carry it
 with torch).
 
@@ -28,7 +28,7 @@ with ``v`` over its own ``1 / splits`` of the prefix; with ``splits > 1`` the fp
 are added afterwards (one reduction kernel) and rounded once. The K/V cache is read in place
 (``[batch, kv_heads, max_len, head_dim]``, slots ``[0, kv_len)``): no copy, no gather.
 
-:func:`decode_attention_rope` (``FERRULE_FAST_ATTN=triton_rope``) is the same kernel also doing
+:func:`decode_attention_rope` (``attention: triton_rope``) is the same kernel also doing
 the step's RoPE on q and on the new key (fp32 arithmetic rounded once, as inductor's fused RoPE
 kernel rounds it) and writing the new key/value into the cache; every program of a row uses the
 new key/value from registers at the row's slot, so no program waits for another's write. It

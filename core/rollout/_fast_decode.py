@@ -33,14 +33,13 @@ forward on CPU.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ferrule.rollout._decode_attn import KINDS, attend, attend_rope, fuses_rope, uses_triton
-from ferrule.rollout._fast_sampling import CHUNKS_ENV, vocab_chunks
+from ferrule.rollout._fast_sampling import vocab_chunks
 from ferrule.rollout._fast_sampling import sample_record as _sample_record
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -49,14 +48,15 @@ MODEL_TYPES = ("qwen2", "qwen3", "llama")
 MAX_STOP_IDS = 1024
 #: key slots attended per step: the filled prefix rounded up to this many (one graph per length,
 #: docs/benchmarks.md "Embedded decode: fast path"); 0: the whole cache every step
-#: (``FERRULE_FAST_KV_BUCKET`` overrides; "triton_rope" attention stops at each row's slot: always 0)
+#: (``RolloutEngineSettings.kv_bucket``, whose default this is; "triton_rope" attention stops at each
+#: row's slot: always 0)
 KV_BUCKET = 64
 #: decode attention (:mod:`ferrule.rollout._decode_attn`): "fp32" (default: ``q @ k^T`` kept in
 #: fp32, as SDPA's kernels keep it), "eager" (transformers' eager formula: ``q @ k^T`` rounded to the
 #: model dtype, then the fp32 softmax), "triton" (the fp32 formula as one fused kernel on CUDA) or
 #: "triton_rope" (that kernel also doing RoPE and the cache write).
 #: "fp32" and "eager": same speed on an H200; on SmolLM2 in bf16 (CPU, teacher-forced) fp32 scores put
-#: the logprobs 8% closer to an fp32 forward (docs/benchmarks.md). ``FERRULE_FAST_ATTN`` overrides
+#: the logprobs 8% closer to an fp32 forward (docs/benchmarks.md). ``RolloutEngineSettings.attention``
 ATTN = "fp32"
 ATTN_KINDS = KINDS
 #: torch.compile recompile limit while the fast step compiles: one compile per (batch, cache)
@@ -226,7 +226,7 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     cos, sin = cos[:, 0, None, :], sin[:, 0, None, :]  # [b, 1, d]
     L = keys[0].shape[2] if kv_len is None else kv_len
     if attn not in ATTN_KINDS:
-        raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (FERRULE_FAST_ATTN)")
+        raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (rollout_engine.attention)")
     hidden = ~allowed[:, None, None, :L]
     rows = torch.arange(b, device=ids.device)
     rope_in_attn = fuses_rope(attn, ids.device)
@@ -277,10 +277,11 @@ def _recompile_limit() -> Any:
 
 def _compiled(name: str) -> Any:
     if name not in _COMPILED:
-        # "step_kv" sees a new attended length per KV_BUCKET slots: automatic dynamic shapes make that
-        # int symbolic at its second value (one recompile) instead of one compile per length
+        # "step_kv" sees a new attended length per KV_BUCKET slots, and every step a new batch size (a rung of
+        # the engine's batch ladder): automatic dynamic shapes make a dimension symbolic at its second value
+        # (one recompile) instead of one compile per length and batch size (issue 40)
         _COMPILED[name] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record}[name],
-                                        dynamic=None if name == "step_kv" else False)
+                                        dynamic=None)
     return _COMPILED[name]
 
 
@@ -312,7 +313,7 @@ class FastStatic:
         self.finished = torch.zeros(b, dtype=torch.bool, **z)
         self.stopped = torch.zeros(b, dtype=torch.bool, **z)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.chunks = 0  # sampler vocabulary chunks (FERRULE_FAST_SAMPLER_CHUNKS), set per run
+        self.chunks = 0  # sampler vocabulary chunks (rollout_engine.sampler_chunks), set per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
@@ -356,12 +357,20 @@ class FastStatic:
         for t, s in zip(small, saved):  # the warm-up and capture ran the step three times: undo
             t.copy_(s)
         self.graphs[key] = graph
+        if getattr(self.state, "counters", None) is not None:  # the engine's (EmbeddedEngine.info)
+            self.state.counters["graph_captures"] += 1
         return graph
 
     def run(self, layout: FusedLayout, logits: torch.Tensor, real: int, p: int, prompt_len: torch.Tensor,
-            params: Any, stop_ids: list[int], gen: torch.Generator | None, pool: Any):
+            params: Any, stop_ids: list[int], gen: torch.Generator | None, pool: Any, settings: Any = None):
         """The static decode loop after the prefill (``logits [batch, vocab]`` of the last prompt slot);
-        returns what ``EmbeddedEngine._run`` returns."""
+        returns what ``EmbeddedEngine._run`` returns. ``settings``: the engine's
+        :class:`~ferrule.engine_settings.RolloutEngineSettings` (``kv_bucket``, ``attention``,
+        ``sampler_chunks``; None: their defaults)."""
+        if settings is None:
+            from ferrule.engine_settings import RolloutEngineSettings
+
+            settings = RolloutEngineSettings()
         greedy, want_raw = bool(params.greedy), bool(params.return_raw_logprobs)
         n_new = params.max_new_tokens
         self.prompt_len.copy_(prompt_len)
@@ -379,7 +388,7 @@ class FastStatic:
         noise = None if greedy else self.noise
         if noise is not None:
             noise.exponential_(1, generator=gen)
-        want_chunks = int(os.environ.get(CHUNKS_ENV, "0")) if logits.is_cuda else 0
+        want_chunks = int(settings.sampler_chunks) if logits.is_cuda else 0
         self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
         with _recompile_limit():
             _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
@@ -388,8 +397,7 @@ class FastStatic:
                                self.chunks)
         # graphs are captured after the first sample staged step 1's input: their warm-up runs write
         # the cache only at slots the real steps write again before reading
-        bucket = int(os.environ.get("FERRULE_FAST_KV_BUCKET", KV_BUCKET))
-        attn = os.environ.get("FERRULE_FAST_ATTN", ATTN)
+        bucket, attn = int(settings.kv_bucket), settings.attention
         if uses_triton(attn, self.ids.device):
             import ferrule.rollout._decode_attn_triton  # noqa: F401  (triton imported before the compile)
         if fuses_rope(attn, self.ids.device):
@@ -429,10 +437,10 @@ def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, m
     the plain path). With an adapter, returns the layout of its
     :class:`~ferrule.rollout._lora_merge.MergedLora` (``engine._merged_lora``), merged again only
     when the weights or the adapter changed since the last merge (every call with
-    ``FERRULE_LORA_MERGED=0``).
+    ``engine.settings.lora_merged`` false).
     """
     from ferrule.rollout._fast_sampling import fused_applies
-    from ferrule.rollout._lora_merge import MergedLora, merged_mode
+    from ferrule.rollout._lora_merge import MergedLora
 
     if not (engine.fast_decode and matcher is None and not media_inputs and len(stop_ids) <= MAX_STOP_IDS
             and fused_applies(params) and not engine._towers()):
@@ -454,5 +462,5 @@ def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, m
             merged = engine._merged_lora = MergedLora(layout, engine._lora, engine.model)
         except ValueError:
             return None
-    merged.refresh(merged.version(engine._weights_serial) if merged_mode() else None)
+    merged.refresh(merged.version(engine._weights_serial) if engine.settings.lora_merged else None)
     return merged.layout

@@ -33,11 +33,6 @@ from ferrule.rollout.base import SamplingParams
 
 _COMPILED: dict[str, Any] = {}
 
-#: ``FERRULE_FAST_SAMPLER_CHUNKS``: the fast decode step's sampler reduces each row in this many
-#: vocabulary chunks, then over the chunks (CUDA only; 0: one pass per row, the default)
-CHUNKS_ENV = "FERRULE_FAST_SAMPLER_CHUNKS"
-
-
 def vocab_chunks(vocab: int, want: int) -> int:
     """The largest power of two ``<= want`` dividing ``vocab`` with chunks of at least 1024
     entries (1: no chunking). 151,936 (Qwen2) -> 128 for ``want=128``."""

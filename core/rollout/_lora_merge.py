@@ -22,10 +22,10 @@ written in place afterwards, so captured CUDA graphs stay valid and device memor
 across adapter syncs. Its cost is one copy of the targeted weights (for an all-linear adapter,
 every layer's projection weights).
 
-``FERRULE_LORA_MERGED`` (:func:`merged_mode`): ``1`` (default, :data:`LORA_MERGED`) as above; ``0``:
+``RolloutEngineSettings.lora_merged``: true (default, :data:`LORA_MERGED`) as above; false:
 the behaviour before (merge on every call, prefill through PEFT's unmerged layers). H200, Qwen2-0.5B
 shape, r16 all-linear, greedy 64 x 128 (docs/benchmarks.md "LoRA"): 1.017x the base decode time
-with ``1``, 1.129x with ``0``; mean |logprob error| against fp32 HF + PEFT 0.0075 (base bf16 path
+with true, 1.129x with false; mean |logprob error| against fp32 HF + PEFT 0.0075 (base bf16 path
 against fp32 HF: 0.0067).
 
 The plain path (CPU, continuous batching, stop strings, truncated sampling, ...) keeps PEFT's
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -44,18 +43,12 @@ import torch
 if TYPE_CHECKING:
     from ferrule.rollout._fast_decode import FusedLayout
 
-__all__ = ["LORA_MERGED", "MergedLora", "merged_mode"]
+__all__ = ["LORA_MERGED", "MergedLora"]
 
-#: default of ``FERRULE_LORA_MERGED`` (see the module docstring)
+#: default of ``RolloutEngineSettings.lora_merged`` (see the module docstring)
 LORA_MERGED = True  # verified on an H200, 2026-12-02 (docs/benchmarks.md "LoRA")
 #: the projections a decoder layer of the fast path has (``FusedLayout.block`` places each)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def merged_mode() -> bool:
-    """True if the adapter is merged once per version and the prefill runs on the merged copy
-    (``FERRULE_LORA_MERGED``, default :data:`LORA_MERGED`); False: merge every call, PEFT prefill."""
-    return os.environ.get("FERRULE_LORA_MERGED", "1" if LORA_MERGED else "0") != "0"
 
 
 def _stand_in(base: torch.nn.Linear, weight: torch.Tensor) -> torch.nn.Linear:

@@ -271,6 +271,8 @@ class DecodeState:
         with torch.cuda.graph(graph, pool=self.graph_pool):
             self.static_logits = self._eager_step()
         self.graph = graph
+        if getattr(self, "counters", None) is not None:  # the engine's (EmbeddedEngine.info)
+            self.counters["graph_captures"] += 1
 
 
 def _decode_forward(model: torch.nn.Module, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: StaticKVCache,

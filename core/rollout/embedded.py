@@ -25,13 +25,14 @@ own LoRA layers (:mod:`ferrule.rollout._lora`); later updates copy the adapter i
 fast decode path the decode steps run on a merged copy of the targeted weights
 (:class:`ferrule.rollout._lora_merge.MergedLora`; the base weights are never written); the prefill
 runs on it too and it is merged again only after a weight or adapter update
-(``FERRULE_LORA_MERGED=0``: merged on every call, prefill through PEFT's unmerged layers).
+(``RolloutEngineSettings(lora_merged=False)``: merged on every call, prefill through PEFT's unmerged layers).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -39,10 +40,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from ferrule import envs
+from ferrule.engine_settings import RolloutEngineSettings
 from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
-from ferrule.rollout._lora_merge import merged_mode
 from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
 from ferrule.rollout._sleep import EmbeddedSleep
@@ -114,7 +116,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             (False) on CPU.
         compile_decode: run the decode forward through ``torch.compile`` and sample with the
             fused sampler of :mod:`ferrule.rollout._fast_sampling` when no top-k/top-p/min-p is
-            asked; default True on CUDA unless ``FERRULE_COMPILE_DECODE=0``. Ignored (False) on
+            asked; default (None): ``settings.compile_decode``, on with CUDA. Ignored (False) on
             CPU, which keeps the exact eager path. The first call per bucket compiles (20-30 s
             for a 0.5B model on an H200). Only ``"sdpa"`` models are compiled; their
             ``config._attn_implementation`` becomes
@@ -126,7 +128,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             top-k/top-p/min-p are involved (a served LoRA adapter is merged into a copy of the
             weights it targets, :mod:`ferrule.rollout._lora_merge`). Default on wherever it
             applies (CUDA) unless
-            ``FERRULE_FAST_DECODE=0``: faster on an H200 and matching the plain path there
+            ``settings.fast_decode`` is false: faster on an H200 and matching the plain path there
             (docs/benchmarks.md "Embedded decode: fast path"; ``tests/test_rollout_fast_decode.py``,
             gpu marker). Needs ``compile_decode`` and ``cuda_graph`` (so never on CPU, which keeps
             the exact eager path), and falls back to the plain path for other families.
@@ -134,6 +136,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             (``len(requests) * n``), finished rows free their slot for waiting prompts
             (:mod:`ferrule.rollout._continuous`); None (default): all rows in one batch.
         model_class: override the transformers class used for ``hf_dir`` / ``hf_config``.
+        settings: the decode paths (:class:`~ferrule.engine_settings.RolloutEngineSettings`; default: its
+            defaults, deprecated ``FERRULE_*`` variables applied with a FutureWarning); ``cuda_graph``,
+            ``compile_decode``, ``fast_decode`` and ``max_batch`` given here override its fields.
+            ``self.settings`` keeps what is in force.
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
@@ -157,7 +163,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  tokenizer: Any = None, cuda_graph: bool | None = None, model_class: Any = None,
                  compile_decode: bool | None = None, max_batch: int | None = None,
-                 fast_decode: bool | None = None):
+                 fast_decode: bool | None = None, settings: RolloutEngineSettings | None = None):
         sources = [x is not None for x in (model, hf_dir, hf_config)]
         if sum(sources) != 1:
             raise ValueError("EmbeddedEngine needs exactly one of model=, hf_dir=, hf_config= "
@@ -201,22 +207,30 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             # Inkling-style layers (ShortConv states): transformers' own cache, exact (rows grouped by
             # prompt length, no CUDA graphs); see ferrule.rollout._hf_cache_decode
             self._windows = None
-        self.cuda_graph = bool(self.device.type == "cuda" and (cuda_graph is None or cuda_graph)
-                               and self._windows is not None)
-        if compile_decode is None:
-            compile_decode = os.environ.get("FERRULE_COMPILE_DECODE", "1") != "0"
-        self.compile_decode = bool(compile_decode and self.device.type == "cuda" and self._windows is not None
-                                   and use_opaque_sdpa(self.model))
-        if fast_decode is None:
-            fast_decode = os.environ.get("FERRULE_FAST_DECODE", "1") != "0"
-        self.fast_decode = bool(fast_decode and self.compile_decode and self.cuda_graph
-                                and supported(self.model))
+        given = {k: v for k, v in (("cuda_graph", cuda_graph), ("compile_decode", compile_decode),
+                                   ("fast_decode", fast_decode), ("max_batch", max_batch)) if v is not None}
+        if "max_batch" in given and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+            raise ValueError(f"EmbeddedEngine(max_batch={max_batch!r}): expected a positive int or None.")
+        #: the :class:`~ferrule.engine_settings.RolloutEngineSettings` in force
+        self.settings = dataclasses.replace((settings or RolloutEngineSettings()).with_env(), **given)
+        on_cuda = self.device.type == "cuda"
+        self.cuda_graph = bool(on_cuda and self.settings.resolve("cuda_graph", on_cuda) and self._windows is not None)
+        self.compile_decode = bool(on_cuda and self.settings.resolve("compile_decode", on_cuda)
+                                   and self._windows is not None and use_opaque_sdpa(self.model))
+        self.fast_decode = bool(self.settings.resolve("fast_decode", on_cuda) and self.compile_decode
+                                and self.cuda_graph and supported(self.model))
         self._fused: tuple | None = None  # (parameter addresses, FusedLayout) of the fast decode path
         if self.fast_decode:  # before any adapter or checkpoint-name view exists
             self._fuse_weights()
-        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
-            raise ValueError(f"EmbeddedEngine(max_batch={max_batch!r}): expected a positive int or None.")
-        self.max_batch = max_batch
+        self.max_batch = self.settings.max_batch or None
+        #: batches padded to the rungs of ``settings.batch_ladder`` (on with CUDA graphs; ``pad_batches``)
+        self._pad_batches = bool(self.settings.resolve("pad_batches", self.cuda_graph))
+        self._counters = collections.Counter(decode_shapes=0, graph_captures=0)
+        self._shapes_seen: set[tuple[int, int]] = set()
+        if self.compile_decode:  # compiled kernels and autotune results on disk: a second process reuses them
+            from ferrule.fsutil import default_cache_dir
+
+            envs.set_compile_cache_dirs(default_cache_dir() / "compile")
         self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.weights_version = 0
@@ -331,10 +345,11 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                 for k, row in zip(ks, self._run([prompts[k] for k in ks], params, sorted(stop_ids), matcher,
                                                 extra)):
                     rows[k] = row
-        elif self.max_batch is not None and len(prompts) > self.max_batch:
+        elif (limit := self.max_batch or self._largest_rung()) is not None and len(prompts) > limit:
+            # more rows than max_batch (or than the largest prepared batch): continuous batching at that size
             from ferrule.rollout._continuous import run_continuous
 
-            rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, self.max_batch)
+            rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, limit)
         else:
             rows = self._run(prompts, params, sorted(stop_ids), matcher)
         out = []
@@ -379,13 +394,24 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         state = DecodeState(self.model, batch, max_len, self._windows, self.device, self._additive_dtype,
                             self.cuda_graph, graph_pool=self._graph_pool, compile_model=self.compile_decode)
         self._states[key] = state
+        state.counters = self._counters  # DecodeState / FastStatic count their graph captures in it
+        self._counters["decode_shapes"] += 1
+        self._shapes_seen.add(key)
         return state
 
     def _bucket(self, rows: int, need: int) -> tuple[int, int]:
-        """``(batch, max_len)`` of the decode state for ``rows`` rows of ``need`` slots."""
-        if self.cuda_graph:
-            return _round_up(rows, _BATCH_BUCKET), _round_up(need, _LEN_BUCKET)
+        """``(batch, max_len)`` of the decode state for ``rows`` rows of ``need`` slots: on CUDA (or with
+        ``settings.pad_batches`` true) the batch is the next rung of ``settings.batch_ladder`` (a multiple of
+        8 past the largest, which :meth:`generate` avoids by continuous batching) and the length a multiple
+        of 128, so that a new batch size reuses a prepared decode state and its compiled step."""
+        if self._pad_batches:
+            rung = next((b for b in self.settings.batch_ladder if b >= rows), _round_up(rows, _BATCH_BUCKET))
+            return rung, _round_up(need, _LEN_BUCKET)
         return rows, need
+
+    def _largest_rung(self) -> int | None:
+        """The largest batch of the ladder where batches are padded to it (None: no ladder)."""
+        return self.settings.batch_ladder[-1] if self._pad_batches and self.settings.batch_ladder else None
 
     def _sampler(self, params: SamplingParams, batch: int) -> Callable:
         """``sampler(logits, generator) -> (tokens, logprobs, raw_logprobs)`` for ``[batch, vocab]`` logits."""
@@ -446,13 +472,13 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         layout = self._fast_layout(params, stop_ids, matcher, media_inputs)
         if layout is not None:
             # one adapter serves every row: the prefill runs on the merged weights the decode steps use
-            merged = self._merged_lora if self._lora is not None and merged_mode() else None
+            merged = self._merged_lora if self._lora is not None and self.settings.lora_merged else None
             with merged.merged_modules() if merged is not None else contextlib.nullcontext():
                 logits = state.prefill(input_ids, position_ids, prompt_mask)
             fast = getattr(state, "fast", None)
             if fast is None:
                 fast = state.fast = FastStatic(state, logits.shape[-1], dev)
-            return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool)
+            return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool, self.settings)
         sampler = self._sampler(params, batch)
         logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
                   else state.prefill(input_ids, position_ids, prompt_mask))
@@ -507,6 +533,24 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                                                      "lora_alpha": self._lora.config.get("lora_alpha"),
                                                      "tensors": len(self._lora.targets), "bytes": self._lora.nbytes()},
         }
+
+    def info(self) -> dict[str, Any]:
+        """What the engine prepared so far, for warm-up accounting (counts since construction):
+
+        - ``decode_shapes``: decode states built, one per ``(batch, max_len)`` bucket (a rebuilt
+          evicted one counts again); on CUDA each new one is a ``torch.compile`` of the decode step for
+          its shape (or a cache hit where torch already compiled it) and its graph captures;
+        - ``distinct_shapes``: the ``[batch, max_len]`` buckets seen, sorted;
+        - ``graph_captures``: CUDA graphs captured (plain and fast paths; 0 on CPU);
+        - ``batch_ladder``: the rungs a call's rows are padded to (empty: no padding, e.g. on CPU);
+        - ``compile_cache``: ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` in force (compiled only).
+        """
+        return {"decode_shapes": self._counters["decode_shapes"],
+                "distinct_shapes": sorted(list(k) for k in self._shapes_seen),
+                "graph_captures": self._counters["graph_captures"],
+                "batch_ladder": list(self.settings.batch_ladder) if self._pad_batches else [],
+                "compile_cache": {k: envs.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+                if self.compile_decode else {}}
 
     def shutdown(self) -> None:
         """Drop decode states (KV caches, CUDA graphs); further ``generate`` calls raise."""

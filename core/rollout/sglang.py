@@ -32,6 +32,7 @@ import tempfile
 import time
 from typing import Any, Iterable, Sequence
 
+from ferrule import envs
 from ferrule.rollout.base import GenerateRequest, GenerateResult, RolloutError, SamplingParams, as_requests
 
 WEIGHT_TRANSPORTS = ("tensor", "disk")
@@ -282,7 +283,7 @@ class SGLangEngine:
             os.close(fd)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})}, start_new_session=True)
+                                        env=envs.child_env(**(env or {})), start_new_session=True)
         self.command = cmd
 
     def log_tail(self, lines: int = 40) -> str:

@@ -94,6 +94,8 @@ class EngineBackend:
             (the per-step Adam hyper-parameters come from each ``optim_step`` request).
         eager: load the rollout engine now (the first base of a server); otherwise the weights
             load on first use (:attr:`on_load` is called first, so the registry can make room).
+        engine_settings: ``{"train_engine": TrainEngineSettings, "rollout_engine": RolloutEngineSettings}``
+            (:mod:`ferrule.engine_settings`; ``ferrule serve --engine-setting``); a missing one: its defaults.
         sampler_dtype: ``--sampler-dtype`` (:func:`ferrule.serve.placement.sampler_placement`:
             ``auto`` = bfloat16 on CUDA, float32 on CPU); the device is the training device.
         sampler_checkpoints: ``--sampler-checkpoints``: ``merged`` (the full model) or ``adapter`` (a
@@ -106,7 +108,7 @@ class EngineBackend:
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
                  max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True, sampler_dtype: str | None = "auto",
-                 sampler_checkpoints: str = "merged"):
+                 sampler_checkpoints: str = "merged", engine_settings: Mapping[str, Any] | None = None):
         from .placement import sampler_placement
 
         if sampler_checkpoints not in ("merged", "adapter"):
@@ -117,6 +119,7 @@ class EngineBackend:
         #: the sampler's device and dtype (:mod:`ferrule.serve.placement`)
         self.placement = sampler_placement(sampler_dtype)
         self.base_dir = Path(base_model).absolute()
+        self.engine_settings = dict(engine_settings or {})
         if (self.base_dir / "config.json").is_file():
             self.kind = "hf"
             self.hf_config = json.loads((self.base_dir / "config.json").read_text())
@@ -466,7 +469,8 @@ class EngineBackend:
 
             place = dict(device=self.placement.device, dtype=self.placement.torch_dtype)
             if self.kind == "hf":
-                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, **place)
+                self._rollout = EmbeddedEngine(hf_dir=self.base_dir, **place,
+                                               settings=self.engine_settings.get("rollout_engine"))
             else:
                 from transformers import AutoConfig, AutoTokenizer
 
@@ -475,7 +479,8 @@ class EngineBackend:
                 tok = None
                 if (self.base_dir / "hf" / "tokenizer_config.json").is_file():
                     tok = AutoTokenizer.from_pretrained(self.base_dir / "hf")
-                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok, **place)
+                self._rollout = EmbeddedEngine(hf_config=cfg, state_dict=state, tokenizer=tok, **place,
+                                               settings=self.engine_settings.get("rollout_engine"))
             self._base_state = {k: v.clone() for k, v in self._rollout.get_hf_state_dict().items()}
         return self._rollout
 

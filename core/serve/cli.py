@@ -78,22 +78,48 @@ def served_bases(base_model: Path | list[Path] | None, model_name: str | list[st
     return out
 
 
+#: the config sections ``ferrule serve --engine-setting`` may set
+SERVE_SETTING_SECTIONS = ("train_engine", "rollout_engine")
+
+
+def parse_engine_settings(items: list[str]) -> dict[str, Any]:
+    """``--engine-setting section.key=value`` items -> ``{section: settings object}`` of
+    :data:`SERVE_SETTING_SECTIONS` (typed and checked as the ``ferrule train`` config checks them).
+
+    Raises:
+        ValueError: every bad item at once, each naming the key and what it expects.
+    """
+    from ferrule.rl.config import ConfigError, config_from_dict
+
+    wrong = [i for i in items if i.split(".", 1)[0] not in SERVE_SETTING_SECTIONS]
+    if wrong:
+        raise ValueError(f"--engine-setting {wrong[0]!r}: expected SECTION.KEY=VALUE with SECTION one of "
+                         f"{', '.join(SERVE_SETTING_SECTIONS)} (e.g. rollout_engine.kv_bucket=128).")
+    try:
+        cfg = config_from_dict({}, items, origin="--engine-setting", validate=False)
+    except ConfigError as exc:
+        raise ValueError("--engine-setting: " + "; ".join(exc.problems)) from None
+    return {s: getattr(cfg, s) for s in SERVE_SETTING_SECTIONS}
+
+
 def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Path | None = None,
               model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
               max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
               worker_threads: int | None = None, event_loop_threads: int | None = None,
-              sampler_checkpoints: str = "merged"):
+              sampler_checkpoints: str = "merged", engine_settings: list[str] | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
     as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
     (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
     ``sampler_dtype``; the worker uses ``worker_threads`` torch threads, the event loop's thread
-    ``event_loop_threads`` (None: unchanged; :mod:`ferrule.serve.placement`).
+    ``event_loop_threads`` (None: unchanged; :mod:`ferrule.serve.placement`). ``engine_settings``:
+    ``section.key=value`` items of the ``train_engine`` / ``rollout_engine`` sections of a ``ferrule train``
+    config (:func:`parse_engine_settings`).
 
     Raises:
         FileNotFoundError: a base directory, the models file or ``api_keys`` does not exist.
         ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name,
-            an unknown ``sampler_dtype``, ``worker_threads < 1``.
+            an unknown ``sampler_dtype``, ``worker_threads < 1``, a bad ``--engine-setting``.
     """
     from .app import create_app
     from .backend import MAX_SNAPSHOTS
@@ -110,10 +136,11 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
         raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged or adapter.")
     if worker_threads is not None and worker_threads < 1:
         raise ValueError(f"--worker-threads {worker_threads}: expected an int >= 1.")
+    settings = parse_engine_settings(engine_settings or [])
     bases = served_bases(base_model, model_name, models_file)
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
                            max_snapshots=max_snapshots or MAX_SNAPSHOTS, sampler_dtype=sampler_dtype,
-                           sampler_checkpoints=sampler_checkpoints)
+                           sampler_checkpoints=sampler_checkpoints, engine_settings=settings)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                       limits=limits, worker_threads=worker_threads, event_loop_threads=event_loop_threads)
 
@@ -161,6 +188,10 @@ def serve_command(
     worker_threads: Annotated[int | None, typer.Option(help="torch CPU threads of the worker that runs every "
                                                        "operation (default: the CPUs this process may use minus one, "
                                                        "at least 1; the event loop's thread uses 1).")] = None,
+    engine_setting: Annotated[list[str] | None, typer.Option(
+        "--engine-setting", help="SECTION.KEY=VALUE of the train_engine or rollout_engine settings (the keys of "
+                                 "docs/train.md's config reference, e.g. rollout_engine.kv_bucket=128); "
+                                 "repeatable.")] = None,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
@@ -182,7 +213,8 @@ def serve_command(
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
                         max_loaded_bases=max_loaded_bases, sampler_dtype=sampler_dtype,
                         worker_threads=default_worker_threads() if worker_threads is None else worker_threads,
-                        event_loop_threads=1, sampler_checkpoints=sampler_checkpoints)
+                        event_loop_threads=1, sampler_checkpoints=sampler_checkpoints,
+                        engine_settings=engine_setting)
     except (FileNotFoundError, ValueError) as exc:
         print_user_error(str(exc))
         raise typer.Exit(2) from None

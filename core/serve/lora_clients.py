@@ -74,9 +74,10 @@ def build_engine(backend: Any, lora: Any = None) -> Any:
 
     def build(settings):
         if backend.kind == "hf":
-            return TrainEngine.from_hf(backend.base_dir, optimizer=backend.optimizer, lora=settings)
+            return TrainEngine.from_hf(backend.base_dir, optimizer=backend.optimizer, lora=settings,
+                                       settings=backend.engine_settings.get("train_engine"))
         return TrainEngine.from_torch_dist(backend.base_dir, optimizer=backend.optimizer, load_optimizer=False,
-                                           lora=settings)
+                                           lora=settings, settings=backend.engine_settings.get("train_engine"))
 
     unembed = lora is not None and "output_layer" in (lora.target_modules or ())
     if unembed and backend.unembed_refused is not None:

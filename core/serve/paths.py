@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ferrule import envs
+
 __all__ = ["PathError", "CheckpointPath", "parse_tinker_path", "check_name", "load_api_keys", "KEYS_ENV"]
 
 KEYS_ENV = "FERRULE_SERVE_API_KEYS"
@@ -99,7 +101,7 @@ def load_api_keys(path: str | os.PathLike | None = None, env: str | None = None)
             if line:
                 fields = line.split()
                 entries.append((fields[0], fields[1] if len(fields) > 1 else None, f"{path}:{n}"))
-    raw = os.environ.get(KEYS_ENV, "") if env is None else env
+    raw = (envs.get(KEYS_ENV) or "") if env is None else env
     for item in filter(None, (x.strip() for x in raw.split(","))):
         key, _, tenant = item.partition("=")
         entries.append((key.strip(), tenant.strip() or None, KEYS_ENV))

@@ -65,7 +65,8 @@ class BaseRegistry:
         bases: ``(name or None, directory)`` per base, the first being the default
             (``get_server_capabilities`` lists them in this order).
         max_loaded: most bases holding weights at once (>= 1).
-        optimizer, max_snapshots, sampler_dtype, sampler_checkpoints: passed to every :class:`EngineBackend`.
+        optimizer, max_snapshots, sampler_dtype, sampler_checkpoints, engine_settings: passed to every
+            :class:`EngineBackend`.
 
     Raises:
         ValueError: no base, two bases with one name, or ``max_loaded < 1``.
@@ -74,7 +75,8 @@ class BaseRegistry:
 
     def __init__(self, bases: Sequence[tuple[str | None, str | Path] | EngineBackend], *,
                  max_loaded: int = DEFAULT_MAX_LOADED, optimizer: Any = None, max_snapshots: int = MAX_SNAPSHOTS,
-                 sampler_dtype: str | None = "auto", sampler_checkpoints: str = "merged"):
+                 sampler_dtype: str | None = "auto", sampler_checkpoints: str = "merged",
+                 engine_settings: Any = None):
         if not bases:
             raise ValueError("no base model: give --base-model DIR (repeatable) or --models-file FILE.")
         if max_loaded < 1:
@@ -84,7 +86,8 @@ class BaseRegistry:
         for i, base in enumerate(bases):
             backend = base if isinstance(base, EngineBackend) else EngineBackend(
                 base[1], model_name=base[0], optimizer=optimizer, max_snapshots=max_snapshots, eager=i == 0,
-                sampler_dtype=sampler_dtype, sampler_checkpoints=sampler_checkpoints)
+                sampler_dtype=sampler_dtype, sampler_checkpoints=sampler_checkpoints,
+                engine_settings=engine_settings)
             if backend.model_name in self._backends:
                 raise ValueError(f"two base models are named {backend.model_name!r}; give each its own name "
                                  "(--model-name per --base-model, or NAME in the models file).")

@@ -33,7 +33,7 @@ Where a tensor cannot be planned (a row whose ``to_hf`` rejects an integer probe
 values, a stacked-expert row with its own ``assemble``, a destination that is no strided view
 after ordering) only that tensor goes through the old conversion and
 ``rollout_engine.update_weights`` every sync; where the whole path cannot apply (world size > 1,
-the rollout engine asleep or on another device, a ``dtype=`` cast, ``FERRULE_DIRECT_SYNC=0``)
+the rollout engine asleep or on another device, a ``dtype=`` cast, ``weight_sync.direct: false``)
 the bucketed path runs. Each reason is logged once (logger ``ferrule.sync``: WARNING where
 tensors or a plan fall back, INFO where the path does not apply by design).
 
@@ -54,7 +54,6 @@ without a host synchronisation. Importing this module imports no torch.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,12 +67,9 @@ from ferrule.sync.strides import flat_index, joint_strides, strided_index
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["DIRECT_ENV", "DirectPlan", "build_plan", "direct_sync", "direct_unavailable", "log_once"]
+__all__ = ["DirectPlan", "build_plan", "direct_sync", "direct_unavailable", "log_once"]
 
 log = logging.getLogger("ferrule.sync")
-
-#: ``FERRULE_DIRECT_SYNC=0`` turns the direct path off (every sync goes through buckets).
-DIRECT_ENV = "FERRULE_DIRECT_SYNC"
 
 _LOGGED: set[str] = set()
 
@@ -212,19 +208,23 @@ class DirectPlan:
         self._bound = {rows: (key, (copies, gathers))}
         return copies, gathers
 
-    def run(self) -> None:
-        """The copies (asynchronous on CUDA, ordered on the current stream).
+    def run(self, settings: Any = None) -> None:
+        """The copies (asynchronous on CUDA, ordered on the current stream); ``settings``: a
+        :class:`~ferrule.engine_settings.WeightSyncSettings` (None: its defaults).
 
         The strided copies of one parameter into one destination buffer (Megatron's ``linear_qkv``
         into the fused q/k/v buffer) run as one ``index_select`` of rows each
-        (``FERRULE_DIRECT_SYNC_ROWS=0``: as strided copies; H200, Qwen2-0.5B shape: 1.15 ms vs
-        1.49 ms per sync); ``FERRULE_DIRECT_SYNC_FOREACH=0``: one ``copy_`` per copy instead of
+        (``row_gathers`` false: as strided copies; H200, Qwen2-0.5B shape: 1.15 ms vs
+        1.49 ms per sync); ``foreach_copies`` false: one ``copy_`` per copy instead of
         ``torch._foreach_copy_`` (2.65 ms; both switches for measurements, bench/bench_sync.py).
         """
         import torch
 
-        copies, gathers = self.bind(os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "1") != "0")
-        loop = os.environ.get("FERRULE_DIRECT_SYNC_FOREACH", "1") == "0"
+        from ferrule.engine_settings import WeightSyncSettings
+
+        settings = settings or WeightSyncSettings()
+        copies, gathers = self.bind(settings.row_gathers)
+        loop = not settings.foreach_copies
         for dsts, srcs in copies:
             if loop:
                 for d, s in zip(dsts, srcs):
@@ -420,12 +420,13 @@ def _plan_one(param: "torch.Tensor", live: Any, name: str, key: str, out: Any, t
 _PLANS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
-def direct_unavailable(rollout_engine: Any, dtype: Any) -> str | None:
-    """Why the direct path cannot serve this sync (None: it can)."""
+def direct_unavailable(rollout_engine: Any, dtype: Any, settings: Any = None) -> str | None:
+    """Why the direct path cannot serve this sync (None: it can); ``settings``: a
+    :class:`~ferrule.engine_settings.WeightSyncSettings` (None: its defaults)."""
     import torch.distributed as dist
 
-    if os.environ.get(DIRECT_ENV, "1") == "0":
-        return f"{DIRECT_ENV}=0"
+    if settings is not None and not settings.direct:
+        return "weight_sync.direct is false"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "the job has more than one rank (the direct path is for one process, TP = PP = EP = DP = 1)"
     if not callable(getattr(rollout_engine, "direct_weight_targets", None)):
@@ -436,7 +437,7 @@ def direct_unavailable(rollout_engine: Any, dtype: Any) -> str | None:
 
 
 def direct_sync(chunks: Sequence[Any], rollout_engine: Any, version: int, table: MappingTable,
-                groups: UpdateGroupTable, hf_config: Mapping[str, Any]) -> tuple[int, int] | None:
+                groups: UpdateGroupTable, hf_config: Mapping[str, Any], settings: Any = None) -> tuple[int, int] | None:
     """Sync through the cached :class:`DirectPlan`; ``(tensors, bytes)`` sent, or None if the
     bucketed path must run (reason logged once). The caller checked :func:`direct_unavailable`.
 
@@ -471,7 +472,7 @@ def direct_sync(chunks: Sequence[Any], rollout_engine: Any, version: int, table:
             _PLANS[rollout_engine] = (key, False, (tuple(chunks), table, groups))
             log_once("direct weight sync not used: no tensor could be planned (see above); the bucketed path runs.")
             return None
-    plan.run()
+    plan.run(settings)
     if plan.fallback:
         _send_fallback(plan, rollout_engine, version)
     if not plan.verified:

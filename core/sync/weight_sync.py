@@ -52,6 +52,7 @@ from ferrule.sync.buckets import (
     plan_sync,
     tensor_bytes,
 )
+from ferrule.engine_settings import WeightSyncSettings
 from ferrule.sync.direct import direct_sync, direct_unavailable, log_once
 from ferrule.sync.groups import as_group_table
 
@@ -233,7 +234,8 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
                  family: str | None = None, hf_config: Mapping[str, Any] | None = None,
                  mapping: MappingTable | None = None,
                  update_groups: UpdateGroupTable | Sequence[UpdateGroup] | None = None,
-                 dtype: "torch.dtype | None" = None, direct: bool | None = None) -> SyncStats:
+                 dtype: "torch.dtype | None" = None, direct: bool | None = None,
+                 settings: WeightSyncSettings | None = None) -> SyncStats:
     """Send the train engine's weights to the rollout engine as HF-named buckets.
 
     Collective: call on every rank of the training job. Global rank 0 calls
@@ -261,9 +263,11 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
         direct: the direct path (:mod:`ferrule.sync.direct`: in one process on one device,
             strided copies from the parameters straight into the served weights, resolved once;
             no buckets, no host synchronisation). None (default): used where it applies, unless
-            ``FERRULE_DIRECT_SYNC=0`` (the reason it does not apply logged once, INFO); False:
+            ``settings.direct`` is false (the reason it does not apply logged once, INFO); False:
             never (always buckets); True: as None, the reason logged as a WARNING.
             The rollout weights are equal bit for bit either way (tests/test_direct_sync.py).
+        settings: :class:`~ferrule.engine_settings.WeightSyncSettings` (None: its defaults, deprecated
+            ``FERRULE_DIRECT_SYNC*`` variables applied with a FutureWarning).
 
     Returns:
         :class:`SyncStats` for this rank.
@@ -281,11 +285,12 @@ def sync_weights(train_engine_or_model_chunks: Any, rollout_engine: Any, version
     chunks, cfg, family, table, groups = _sync_inputs(train_engine_or_model_chunks, family, mapping, update_groups,
                                                       hf_config)
     _check_sender(rollout_engine, "update_weights")
+    settings = (settings or WeightSyncSettings()).with_env()
     done = None
     if direct is not False and _rank() == SENDER_RANK:
-        why = direct_unavailable(rollout_engine, dtype)
+        why = direct_unavailable(rollout_engine, dtype, settings)
         if why is None:
-            done = direct_sync(chunks, rollout_engine, version, table, groups, cfg)
+            done = direct_sync(chunks, rollout_engine, version, table, groups, cfg, settings)
         else:  # by design (another process, several ranks, switched off): INFO, unless direct=True asked for it
             log_once(f"direct weight sync not used: {why}; the bucketed path runs.",
                      logging.WARNING if direct else logging.INFO)

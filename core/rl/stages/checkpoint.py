@@ -14,18 +14,22 @@ from ferrule.integrity import CheckpointIntegrityError, text_digest
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RunCheckpointError, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError
+from ferrule.rl.model_identity import MODEL_FILES_KEY, model_changes
 
-__all__ = ["save_checkpoint", "resume_point", "read_loop_state", "CHECKSUM_KEY"]
+__all__ = ["save_checkpoint", "resume_point", "check_model_identity", "read_loop_state", "CHECKSUM_KEY"]
 
 #: Key of ``loop_state.json`` holding the XXH3-64 of the rest (sorted-key JSON; ferrule.integrity).
 CHECKSUM_KEY = "checksum"
 
 
-def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampler: Any, cfg: Any) -> Path:
+def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampler: Any, cfg: Any,
+                    model_files: dict | None = None) -> Path:
     """Write ``ckpt_dir/step_NNNNNN`` (engine + loop state) and prune to ``cfg.checkpoint.keep``.
 
     Collective: every rank writes its engine shards; the driver alone writes the loop state
-    (``{"step", "sampler", "engine_step", "config", "world_size"}``) and prunes. Returns the folder.
+    (``{"step", "sampler", "engine_step", "config", "world_size", "model_files"}``; ``model_files``:
+    :func:`ferrule.rl.model_identity.model_files` of ``model.hf_dir`` at the run's start) and prunes.
+    Returns the folder.
     """
     path = Path(ckpt_dir) / f"step_{step:06d}"
     if roles.is_driver:
@@ -40,6 +44,8 @@ def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampl
         return path
     state = {"step": step, "sampler": sampler.state_dict(), "engine_step": engine.step,
              "config": cfg.to_dict(), "world_size": roles.world_size}
+    if model_files is not None:
+        state[MODEL_FILES_KEY] = model_files
     state[CHECKSUM_KEY] = text_digest(_canonical(state))  # read_loop_state verifies it
     atomic_write(path / LOOP_STATE_FILE, json.dumps(state, indent=2) + "\n")
     keep = cfg.checkpoint.keep
@@ -50,16 +56,21 @@ def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampl
     return path
 
 
-def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Callable[[str], None]) -> int:
+def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Callable[[str], None],
+                 model_files: dict | None = None) -> int:
     """Load the latest complete checkpoint of ``ckpt_dir`` into ``engine`` and ``sampler``; return
     its step (0 when there is none: a run that died before its first checkpoint restarts, and the
     log says so).
+
+    ``model_files``: :func:`ferrule.rl.model_identity.model_files` of ``model.hf_dir`` now, compared with
+    the checkpoint's record (:func:`check_model_identity`); None skips the comparison.
 
     Raises:
         RunCheckpointError: a file of the latest checkpoint is missing, truncated or damaged
             (:mod:`ferrule.integrity`): the message names it and the previous complete checkpoint.
         ConfigError: the checkpoint's config differs in a key that must not change
-            (:data:`~ferrule.rl.checkpoints.RESUME_MUTABLE`), the data changed, a LoRA run resumes
+            (:data:`~ferrule.rl.checkpoints.RESUME_MUTABLE`), the data changed, the model folder's
+            weights or tokenizer changed (:func:`check_model_identity`), a LoRA run resumes
             at another layout, or the engine state does not fit (e.g. MoE Adam state across ep).
     """
     found = list_checkpoints(ckpt_dir)
@@ -76,6 +87,7 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
     except CheckpointIntegrityError as exc:
         raise _offer_previous(exc, path, found) from None
     diffs = config_differences(state.get("config", {}), cfg.to_dict())
+    diffs = check_model_identity(state, cfg, model_files, diffs, path, log)
     if diffs:
         raise ConfigError(diffs + ["resume must keep the data, model, rollout and algorithm settings of the "
                                    "checkpointed run (only train.steps, train.colocate, checkpoint.*, eval.*, "
@@ -93,6 +105,40 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
         log("optimizer settings differ from the checkpoint; this config's are used from step "
             f"{engine.step} on: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
     return int(step)
+
+
+def check_model_identity(state: dict, cfg: Any, model_files: dict | None, diffs: list[str], path: Path,
+                         log: Callable[[str], None]) -> list[str]:
+    """Compare the checkpoint's record of the model folder (:data:`MODEL_FILES_KEY`) with ``model_files``
+    (the folder now); returns ``diffs`` (the config differences), less a ``model.hf_dir`` that only moved.
+
+    A folder given at another path (``model.hf_dir=NEW``) whose files are the recorded ones is the same
+    model: the difference is dropped and the log says so. With ``checkpoint.allow_model_change`` a
+    changed folder is used as it is (logged, each file named). A checkpoint without the record (written
+    before it existed) is not compared.
+
+    Raises:
+        ConfigError: a file changed, is missing or is new: one line naming each and the two ways on.
+    """
+    recorded = state.get(MODEL_FILES_KEY)
+    if recorded is None or model_files is None:
+        return diffs
+    changes = model_changes(recorded, model_files)
+    old_dir = state.get("config", {}).get("model", {}).get("hf_dir")
+    moved = [d for d in diffs if d.startswith("model.hf_dir:")]
+    if changes and cfg.checkpoint.allow_model_change:
+        log(f"checkpoint.allow_model_change: resuming on a changed model folder {cfg.model.hf_dir}: "
+            + "; ".join(changes))
+        return [d for d in diffs if d not in moved]
+    if changes:
+        where = cfg.model.hf_dir + (f" (the run started from {old_dir})" if moved else "")
+        raise ConfigError([f"model.hf_dir: the model folder {where} is not the one the checkpoint was trained from: "
+                           + "; ".join(changes) + ". Restore the original files (or give the folder they moved to: "
+                           "model.hf_dir=PATH), or resume on the changed model on purpose with --allow-model-change "
+                           "(checkpoint.allow_model_change=true)"], origin=str(path))
+    if moved:
+        log(f"model.hf_dir: the model folder moved from {old_dir} to {cfg.model.hf_dir} (same files); resuming")
+    return [d for d in diffs if d not in moved]
 
 
 def _load_engine(engine: Any, path: Path, state: dict) -> dict:

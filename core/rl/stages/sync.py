@@ -17,9 +17,10 @@ from ferrule.rl import distributed as rl_dist
 __all__ = ["sync_policy"]
 
 
-def sync_policy(engine: Any, rollout: Any, roles: Any, *, check_equal: bool) -> tuple[Any, float]:
+def sync_policy(engine: Any, rollout: Any, roles: Any, *, check_equal: bool, settings: Any = None) -> tuple[Any, float]:
     """Send the policy at ``engine.step`` to the rollout engines; collective. ``check_equal``
-    verifies every tensor after the sync. Returns ``(SyncStats, seconds)``."""
+    verifies every tensor after the sync; ``settings``: the run's
+    :class:`~ferrule.engine_settings.WeightSyncSettings` (``weight_sync``). Returns ``(SyncStats, seconds)``."""
     from ferrule.sync import sync_lora_adapter, sync_weights
 
     t0 = time.perf_counter()
@@ -28,7 +29,7 @@ def sync_policy(engine: Any, rollout: Any, roles: Any, *, check_equal: bool) -> 
         # the other replicas' rollout engines get the adapter the driver's engine now serves
         rl_dist.fan_out_lora_adapter(roles, rollout, engine.step, check_equal=check_equal)
     else:
-        stats = sync_weights(engine, rollout, version=engine.step, check_equal=check_equal)
+        stats = sync_weights(engine, rollout, version=engine.step, check_equal=check_equal, settings=settings)
         # the other replicas' rollout engines get the driver engine's tensors (gathered once)
         rl_dist.fan_out_rollout_weights(roles, rollout, engine.step)
     return stats, time.perf_counter() - t0

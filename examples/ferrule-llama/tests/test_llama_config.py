@@ -7,6 +7,8 @@ and of Llama-3.1 (``rope_type='llama3'``), written here by hand.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from ferrule.config_translation import ConfigTranslationError
@@ -76,3 +78,36 @@ def test_other_model_type_is_refused():
     hf["model_type"] = "mistral"
     with pytest.raises(ConfigTranslationError, match="model_type"):
         CONFIG_TRANSLATION.to_mcore(hf)
+
+
+@pytest.mark.parametrize("where", ["top level", "rope_parameters"])
+def test_partial_rotary_factor_is_refused_because_hf_llama_ignores_it(where):
+    """Issue 45.6: before, 0.5 became megatron's rotary_percent=0.5, 5.1e-2 off HF's logits. The reference is
+    HF itself: LlamaForCausalLM's logits are the same with and without the key (it rotates the whole head)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from ferrule_llama.llama import TINY_HF_CONFIG
+
+    def kw():  # a fresh copy each time: LlamaConfig writes partial_rotary_factor into the rope_parameters it is given
+        return copy.deepcopy({k: v for k, v in TINY_HF_CONFIG.items() if k != "model_type"})
+
+    plain = transformers.LlamaConfig(**kw())
+    if where == "top level":
+        partial = transformers.LlamaConfig(**kw(), partial_rotary_factor=0.5)
+    else:
+        args = kw()
+        args["rope_parameters"]["partial_rotary_factor"] = 0.5
+        partial = transformers.LlamaConfig(**args)
+    assert partial.to_dict()["rope_parameters"].get("partial_rotary_factor", partial.to_dict().get(
+        "partial_rotary_factor")) == 0.5
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(plain).eval()
+    other = transformers.LlamaForCausalLM(partial).eval()
+    other.load_state_dict(model.state_dict())
+    ids = torch.arange(1, 33)[None] % TINY_HF_CONFIG["vocab_size"]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, other(ids).logits)
+    with pytest.raises(ConfigTranslationError, match=r"partial_rotary_factor=0.5; transformers' LlamaForCausalLM "
+                                                      r"ignores it"):
+        CONFIG_TRANSLATION.to_mcore(partial.to_dict())
+    assert CONFIG_TRANSLATION.to_mcore(plain.to_dict())[1]["rotary_percent"] == 1.0  # without the key: accepted

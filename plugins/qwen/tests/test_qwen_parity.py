@@ -14,11 +14,11 @@ Referee: transformers' Qwen2/Qwen3/Qwen3-MoE forward in fp32. Tolerance 1e-5 max
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from ferrule import envs
 from ferrule import conformance_numeric as cn
 
 ATOL = 1e-5
@@ -43,7 +43,7 @@ def test_tp2_ep2_pp2_and_resharding_over_two_gloo_processes(dist_pool, tmp_path)
                    overrides={"num_key_value_heads": 2, "tie_word_embeddings": False})
     cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe")
     hf_to_torch_dist(tmp_path / "qwen3_untied", tmp_path / "qwen3_untied_td")  # saved at TP=1
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = envs.child_env(OMP_NUM_THREADS="1")
     proc = dist_pool.run([str(WORKER), str(tmp_path)], timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())

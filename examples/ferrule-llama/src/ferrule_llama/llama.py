@@ -17,7 +17,12 @@ building a different model:
   public API has no hook to rescale the inverse frequencies;
 - ``attention_bias: true`` (HF then adds biases to q/k/v *and* o_proj; Megatron's
   ``add_bias_linear`` would also add MLP biases) and ``mlp_bias: true``;
-- ``hidden_act`` other than ``silu``.
+- ``hidden_act`` other than ``silu``;
+- ``partial_rotary_factor`` other than 1 (top level or in ``rope_parameters``): transformers'
+  ``LlamaForCausalLM`` ignores it (``LlamaRotaryEmbedding.compute_default_rope_parameters`` builds
+  frequencies over the whole ``head_dim``, transformers 5.25), while megatron's ``rotary_percent``
+  would rotate only that fraction (5.1e-2 off HF's logits on the tiny model). Which of the two the
+  checkpoint was trained with cannot be read from the config, so it is refused.
 
 ``pretraining_tp`` is listed as ``Harmless``: transformers >= 5 ignores it, and in older versions
 it only sliced the same matmuls (numerically the same model). It stays in ``config.json``
@@ -63,7 +68,8 @@ def llama_rope_theta_from_hf(hf: Mapping[str, Any]) -> float:
 
     Raises:
         ConfigTranslationError: ``rope_type`` is not ``'default'`` (e.g. Llama-3.1's
-            ``'llama3'``), or the config has no RoPE base.
+            ``'llama3'``), ``partial_rotary_factor`` is not 1 (module docstring), or the config has
+            no RoPE base.
     """
     for key in ("rope_parameters", "rope_scaling"):
         params = hf.get(key)
@@ -77,6 +83,15 @@ def llama_rope_theta_from_hf(hf: Mapping[str, Any]) -> float:
                     f"Megatron builder (ferrule.megatron.gpt_builder, plain RoPE from rotary_base) "
                     f"cannot express. Use a checkpoint with default RoPE (Llama-2, Llama-3.0, SmolLM2)."
                 )
+    for params in (hf, hf.get("rope_parameters"), hf.get("rope_scaling")):
+        factor = params.get("partial_rotary_factor") if isinstance(params, Mapping) else None
+        if factor is not None and factor != 1:
+            raise ConfigTranslationError(
+                f"llama: HF config has partial_rotary_factor={factor!r}; transformers' LlamaForCausalLM ignores it "
+                f"and rotates every channel of each head, while megatron's rotary_percent would rotate only "
+                f"{factor!r} of them: the two models differ and the config does not say which one the checkpoint "
+                f"was trained as. Remove the key (or set it to 1.0) if the model is an HF Llama (full rotary); a "
+                f"model trained with partial rotary needs a family whose HF model applies it.")
     return rope_theta_from_hf(hf)
 
 
