@@ -28,6 +28,11 @@ ALLOWED: dict[str, str] = {
         "the console script's own exit code and traceback for an uncaught exception (a command added to the app)",
     "tests/test_convert_faults.py::test_no_rank_outlives_a_killed_multi_rank_conversion":
         "kill of a multi-rank `ferrule convert`: no rank may outlive it",
+    "tests/test_convert_faults.py::test_a_one_rank_conversion_stopped_by_sigterm_leaves_no_temporary_folder_or_lock":
+        "SIGTERM to `ferrule convert`",
+    "tests/test_convert_faults.py::test_lora_export_into_an_out_another_writer_holds_is_refused_naming_it":
+        "another process holding OUT's lock",
+    "tests/test_preemption.py::_start": "SIGTERM / SIGUSR1 to `ferrule train` (preemption)",
     "tests/test_engine_save_script.py::test_save_and_load_without_main_guard":
         "a user's plain script without `if __name__ == '__main__'` (the script is __main__)",
     "tests/test_fixture_families.py::test_fixture_families_pass_the_kit_at_tp1_and_tp2":
