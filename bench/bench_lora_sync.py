@@ -15,7 +15,7 @@ up there), and the ratio full / LoRA.
 
 With ``--decode`` (default), on the LoRA mode's rollout engine: greedy ``batch x new_tokens``
 (median of ``--decode-reps`` calls) of the base before the adapter is served, then with it, in
-both LoRA modes of the fast path (``FERRULE_LORA_MERGED=1``: merged once per adapter version,
+both LoRA modes of the fast path (``RolloutEngineSettings.lora_merged`` true: merged once per adapter version,
 prefill on the merged copy; ``=0``: merged every call, prefill through PEFT's unmerged layers),
 each with the ratio to the base and one call split into the fast-layout step (the merge), the
 prefill and the rest (the decode loop). Then, on CUDA, a random all-linear adapter with non-zero
@@ -31,6 +31,7 @@ base bf16 path's error against fp32 HF.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -182,9 +183,8 @@ def _logprob_error(model32, results, batch_prompts, rows: int) -> dict:
 
 def _decode_section(rollout, hf_dir, args, cuda: bool, serve_adapter, version: int) -> dict:
     """Base decode, then LoRA decode on the same engine: merged once + prefill on the merged copy
-    (``FERRULE_LORA_MERGED=1``) and the previous behaviour (``=0``: merge every call, PEFT prefill),
+    (``lora_merged`` true) and the previous behaviour (false: merge every call, PEFT prefill),
     and the logprob error of each against fp32 HF (+ PEFT, unmerged) forwards."""
-    import os
 
     import torch
 
@@ -200,25 +200,22 @@ def _decode_section(rollout, hf_dir, args, cuda: bool, serve_adapter, version: i
                    else torch.randn(t.shape, generator=g) * 0.02) for n, t in rollout.get_lora_state_dict().items()}
     cfg = rollout.lora_config
     lora = {}
-    old = os.environ.get("FERRULE_LORA_MERGED")
-    try:
+    settings = rollout.settings
+    try:  # the two LoRA modes of the fast path on the same engine (RolloutEngineSettings.lora_merged, read per call)
         for mode in ("1", "0"):
-            os.environ["FERRULE_LORA_MERGED"] = mode
+            rollout.settings = dataclasses.replace(settings, lora_merged=mode == "1")
             lora[mode] = _decode(rollout, args.batch, args.new_tokens, args.decode_reps, cuda)
-            _log(f"LoRA decode (FERRULE_LORA_MERGED={mode}) {lora[mode]['median_s']} s")
+            _log(f"LoRA decode (lora_merged={mode == '1'}) {lora[mode]['median_s']} s")
         if args.logprob_error:
             # timing above used the served adapter; the error needs one that changes the logits
             version += 1
             rollout.update_lora_adapter(tensors, cfg, version)
             for mode in ("1", "0"):
-                os.environ["FERRULE_LORA_MERGED"] = mode
+                rollout.settings = dataclasses.replace(settings, lora_merged=mode == "1")
                 lora[mode]["results_random"] = rollout.generate(_prompts(args.batch), SamplingParams(
                     temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True))
     finally:
-        if old is None:
-            os.environ.pop("FERRULE_LORA_MERGED", None)
-        else:
-            os.environ["FERRULE_LORA_MERGED"] = old
+        rollout.settings = settings
     strip = lambda d: {k: v for k, v in d.items() if not k.startswith("results")}  # noqa: E731
     out["decode_base"] = strip(base)
     out["decode_lora_merged"] = strip(lora["1"])

@@ -10,8 +10,8 @@ buffers as destinations). Side by side in one run, median of ``--iters`` after o
   HF-named buckets -> ``update_weights``), the path for SGLang and other processes;
 - ``direct``: ``sync_weights(engine, rollout, version)``: the plan of strided copies resolved once
   (:mod:`ferrule.sync.direct`), ``torch._foreach_copy_`` per sync;
-- ``direct_loop``: the same copies one ``copy_`` each (``FERRULE_DIRECT_SYNC_FOREACH=0``);
-- ``direct_other_rows``: ``direct`` with the other setting of ``FERRULE_DIRECT_SYNC_ROWS`` (the
+- ``direct_loop``: the same copies one ``copy_`` each (``WeightSyncSettings(foreach_copies=False)``);
+- ``direct_other_rows``: ``direct`` with the other setting of ``WeightSyncSettings.row_gathers`` (the
   strided q/k/v copies of a layer as one ``index_select`` of rows into the fused buffer, or not).
 
 Both warm-ups run with ``check_equal=True`` (every tensor compared). Prints one JSON line with the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -84,6 +83,8 @@ def main() -> None:
         build_s = time.perf_counter() - t0
         version = [0]
 
+        from ferrule.engine_settings import WeightSyncSettings
+
         def sync(**kw):
             version[0] += 1
             return sync_weights(engine, rollout, version[0], **kw)
@@ -99,13 +100,10 @@ def main() -> None:
         before = torch.cuda.memory_allocated() if cuda else 0
         out["bucketed_ms"], out["bucketed_min_ms"] = _time(lambda: sync(direct=False), args.iters)
         out["direct_ms"], out["direct_min_ms"] = _time(lambda: sync(), args.iters)
-        os.environ["FERRULE_DIRECT_SYNC_FOREACH"] = "0"
-        out["direct_loop_ms"], _ = _time(lambda: sync(), args.iters)
-        os.environ["FERRULE_DIRECT_SYNC_FOREACH"] = "1"
-        rows_default = os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "1")
-        os.environ["FERRULE_DIRECT_SYNC_ROWS"] = "0" if rows_default == "1" else "1"
-        out["direct_other_rows_ms"], _ = _time(lambda: sync(), args.iters)
-        os.environ["FERRULE_DIRECT_SYNC_ROWS"] = rows_default
+        out["direct_loop_ms"], _ = _time(lambda: sync(settings=WeightSyncSettings(foreach_copies=False)), args.iters)
+        rows_default = WeightSyncSettings().row_gathers
+        out["direct_other_rows_ms"], _ = _time(
+            lambda: sync(settings=WeightSyncSettings(row_gathers=not rows_default)), args.iters)
         _sync_device()
         after = torch.cuda.memory_allocated() if cuda else 0
         assert sync(check_equal=True).checked  # still every tensor equal after the timed calls
@@ -120,7 +118,7 @@ def main() -> None:
         out.update(
             copies=len(plan.copies), strided_copies=sum(not c.contiguous() for c in plan.copies),
             fallback=len(plan.fallback), row_gathers=len(plan.gathers),
-            rows_default=os.environ.get("FERRULE_DIRECT_SYNC_ROWS", "1"),
+            rows_default=int(rows_default),
             bucketed_over_direct=round(out["bucketed_ms"] / out["direct_ms"], 2),
             direct_over_copy_limit=round(out["direct_ms"] / out["copy_limit_ms"], 2),
             fused=rollout.fast_decode, build_s=round(build_s, 1),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 __all__ = ["ENV_VARS", "DEPRECATED", "get", "flag", "rank", "world_size", "local_rank", "under_torchrun",
-           "child_env", "scoped", "set_vars", "setdefault", "set_compile_cache_dirs"]
+           "plugin_file_override", "child_env", "scoped", "set_vars", "setdefault", "set_compile_cache_dirs"]
 
 #: name -> meaning of every environment variable ferrule reads (besides :data:`DEPRECATED`)
 ENV_VARS: dict[str, str] = {
@@ -90,6 +90,12 @@ def get(name: str, default: str | None = None) -> str | None:
         raise KeyError(f"{name} is not a listed environment variable; add it to ferrule.envs.ENV_VARS with its meaning")
     value = os.environ.get(name)
     return value if value else default
+
+
+def plugin_file_override(name: str) -> str | None:
+    """A plugin's own file-override variable (``ferrule.fsutil.find_package_file``'s ``env_var``, e.g.
+    ``FERRULE_QWEN_TIKTOKEN``): any name a plugin declares, so not checked against :data:`ENV_VARS`."""
+    return os.environ.get(name) or None
 
 
 def flag(name: str) -> bool:

@@ -116,7 +116,7 @@ def find_package_file(env_var: str, candidates, *, missing_hint: str) -> Path:
     """
     import importlib.util
 
-    override = envs.get(env_var)
+    override = envs.plugin_file_override(env_var)
     if override:
         if not Path(override).is_file():
             raise FileNotFoundError(f"{env_var}={override!r} is not a file; {missing_hint}")

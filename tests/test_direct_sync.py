@@ -141,19 +141,20 @@ def test_direct_sync_equals_bucketed_sync(build, tmp_path):
 @pytest.mark.timeout(120)
 def test_direct_sync_into_fused_buffers(tmp_path, monkeypatch):
     """The fast decode path's fused q/k/v and gate/up buffers (fused by hand on CPU) are written in place:
-    gate and up become one copy per layer, q/k/v one row gather per layer (``FERRULE_DIRECT_SYNC_ROWS=1``),
+    gate and up become one copy per layer, q/k/v one row gather per layer (``WeightSyncSettings.row_gathers``),
     and the fused buffers hold the synced weights."""
     from ferrule.rollout._fast_decode import fuse_weights
     from ferrule.sync import sync_weights
 
     engine, ref, fast = _engines(_qwen("qwen2", "Qwen2ForCausalLM"), tmp_path)
     fast._fuse_weights()
-    for version, (rows, loop) in enumerate((("0", "1"), ("1", "1"), ("1", "0"), ("0", "0")), start=1):
-        monkeypatch.setenv("FERRULE_DIRECT_SYNC_ROWS", rows)
-        monkeypatch.setenv("FERRULE_DIRECT_SYNC_FOREACH", loop)
+    from ferrule.engine_settings import WeightSyncSettings
+
+    for version, (rows, foreach) in enumerate(((False, True), (True, True), (True, False), (False, False)), start=1):
+        settings = WeightSyncSettings(row_gathers=rows, foreach_copies=foreach)
         _move(engine, 20 + version)
         sync_weights(engine, ref, version, direct=False)
-        assert sync_weights(engine, fast, version).direct
+        assert sync_weights(engine, fast, version, settings=settings).direct
         _assert_same(_snapshot(fast), _snapshot(ref))
     layers = fast.model.config.num_hidden_layers
     plan = _plan(fast)
@@ -239,8 +240,9 @@ def test_asleep_versions_and_switch(tmp_path, monkeypatch):
     _assert_same(_snapshot(fast), _snapshot(ref))
     _move(engine, 53)
     assert sync_weights(engine, fast, 5).direct  # awake again: the cached plan, still valid
-    monkeypatch.setenv("FERRULE_DIRECT_SYNC", "0")
-    assert not sync_weights(engine, ref, 5).direct
+    from ferrule.engine_settings import WeightSyncSettings
+
+    assert not sync_weights(engine, ref, 5, settings=WeightSyncSettings(direct=False)).direct
     _assert_same(_snapshot(fast), _snapshot(ref))
 
 
@@ -269,11 +271,12 @@ def test_direct_sync_on_cuda_into_fused_buffers(tmp_path, monkeypatch):
     hf_dir = _qwen("qwen2", "Qwen2ForCausalLM")(tmp_path / "hf")
     engine = TrainEngine.from_hf(hf_dir, params_dtype=torch.bfloat16)
     ref, fast = (EmbeddedEngine(hf_dir=hf_dir, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    for version, rows in ((1, "0"), (2, "1")):
-        monkeypatch.setenv("FERRULE_DIRECT_SYNC_ROWS", rows)
+    from ferrule.engine_settings import WeightSyncSettings
+
+    for version, rows in ((1, False), (2, True)):
         _move(engine, 60 + version)
         sync_weights(engine, ref, version, direct=False)
-        stats = sync_weights(engine, fast, version, check_equal=True)
+        stats = sync_weights(engine, fast, version, check_equal=True, settings=WeightSyncSettings(row_gathers=rows))
         assert stats.direct and stats.checked
         _assert_same(_snapshot(fast), _snapshot(ref))
     plan = _plan(fast)

@@ -132,10 +132,12 @@ def test_packed_sequences_equal_padded_microbatches(hf_dir, monkeypatch, fused):
     batch = w.make_batch(seed=6, loss="ppo")
     cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     results = {}
+    from ferrule.engine_settings import TrainEngineSettings
+
     for packed in ("0", "1"):
-        monkeypatch.setenv("FERRULE_PACKED_SEQUENCES", packed)
         e = TrainEngine.from_hf(hf_dir, ParallelLayout(), optimizer=OptimizerSettings(lr=w.LR),
-                                max_tokens_per_microbatch=40)
+                                max_tokens_per_microbatch=40,
+                                settings=TrainEngineSettings(packed_sequences=packed == "1"))
         assert e.packed_sequences is (packed == "1")
         e.fused_logprobs = fused
         out = e.forward_backward(batch, "ppo", cfg)
@@ -197,7 +199,7 @@ def _lean_runs(hf, batch, cfg, results, enable_lean_activations):
 
 def test_foreach_optimizer_helpers_match_megatron_fallbacks():
     """The multi-tensor stand-ins for megatron's no-Apex grad-norm and scale helpers (used on CUDA
-    with ``FERRULE_FUSED_ADAM=1``): the scale / copy bit-identical, the norm within fp32 rounding
+    with ``train_engine.fused_adam``): the scale / copy bit-identical, the norm within fp32 rounding
     of a float64 reference."""
     from megatron.core import utils as mutils
 

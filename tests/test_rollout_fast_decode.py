@@ -5,6 +5,8 @@ fusing q/k/v and gate/up must leave values, weight updates and state dicts as th
 CUDA end-to-end check (fast path vs plain path logprobs) carries the gpu marker.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -166,7 +168,10 @@ class _EagerReplay:
 
 
 def _eager_fast_path(monkeypatch):
-    """Run FastStatic on CPU: compiled functions -> the plain ones, the graph -> one call per replay."""
+    """Run FastStatic on CPU: compiled functions -> the plain ones, the graph -> one call per replay.
+    Returns the engines' settings: several attended-prefix lengths per call (kv_bucket 4)."""
+    from ferrule.engine_settings import RolloutEngineSettings
+
     from ferrule.rollout import _fast_decode
 
     monkeypatch.setattr(_fast_decode, "_compiled", lambda name: {"step": _fast_decode._step,
@@ -174,7 +179,7 @@ def _eager_fast_path(monkeypatch):
     monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
                         lambda self, layout, greedy, raw, pool, kv_len=None, attn="eager": _EagerReplay(
                             _fast_decode._step, self._args(layout, greedy, raw, kv_len, attn)))
-    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "4")  # several attended-prefix lengths per call
+    return RolloutEngineSettings(kv_bucket=4)
 
 
 @torch.inference_mode()
@@ -185,10 +190,10 @@ def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    _eager_fast_path(monkeypatch)
+    settings = _eager_fast_path(monkeypatch)
     model = _model("qwen2")
-    plain = EmbeddedEngine(model=model)
-    fast = EmbeddedEngine(model=model)
+    plain = EmbeddedEngine(model=model, settings=settings)
+    fast = EmbeddedEngine(model=model, settings=settings)
     fast.fast_decode = True
     fast._fuse_weights()
     prompts = [[3, 4, 5, 6], [9], [10, 11, 12, 13, 14, 15, 16]]
@@ -228,7 +233,7 @@ def _lora_logprob_error(engine, ref, params=None) -> float:
 def test_merged_lora_decode_matches_hf_peft_across_updates(monkeypatch, mode):
     """An adapter served on the fast path decodes on a merged copy (MergedLora): logprobs match
     HF + PEFT (unmerged) in fp32 on CPU, also after the adapter and a base weight are updated.
-    With FERRULE_LORA_MERGED=1 the prefill runs on the merged copy too (PEFT's LoRA layers are
+    With lora_merged true the prefill runs on the merged copy too (PEFT's LoRA layers are
     not called) and the adapter is merged once per weight / adapter version."""
     import copy
 
@@ -236,10 +241,9 @@ def test_merged_lora_decode_matches_hf_peft_across_updates(monkeypatch, mode):
 
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    _eager_fast_path(monkeypatch)
-    monkeypatch.setenv("FERRULE_LORA_MERGED", mode)
+    settings = dataclasses.replace(_eager_fast_path(monkeypatch), lora_merged=mode == "1")
     base = tiny_qwen3()
-    engine = EmbeddedEngine(model=copy.deepcopy(base))
+    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=settings)
     engine.fast_decode = True
     engine._fuse_weights()  # what the constructor does when fast_decode is on (CUDA)
     for seed in (1, 2):
@@ -281,10 +285,9 @@ def test_merged_lora_keeps_untargeted_rows_of_a_fused_buffer_current(monkeypatch
 
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    _eager_fast_path(monkeypatch)
-    monkeypatch.setenv("FERRULE_LORA_MERGED", "1")
+    settings = dataclasses.replace(_eager_fast_path(monkeypatch), lora_merged=True)
     base = tiny_qwen2()
-    engine = EmbeddedEngine(model=copy.deepcopy(base))
+    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=settings)
     engine.fast_decode = True
     engine._fuse_weights()
     ref, tensors, cfg = peft_reference(base, seed=3, targets=("q_proj", "v_proj", "down_proj"))
@@ -327,10 +330,10 @@ def test_serving_an_adapter_does_not_recompile_the_fast_step(monkeypatch):
     monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
                         lambda self, layout, greedy, raw, pool, kv_len=None, attn="eager": _EagerReplay(
                             eager_compiled("step"), self._args(layout, greedy, raw, kv_len, attn)))
-    monkeypatch.setenv("FERRULE_FAST_KV_BUCKET", "0")
-    monkeypatch.setenv("FERRULE_LORA_MERGED", "1")
+    from ferrule.engine_settings import RolloutEngineSettings
+
     base = tiny_qwen2()
-    engine = EmbeddedEngine(model=copy.deepcopy(base))
+    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=RolloutEngineSettings(kv_bucket=0, lora_merged=True))
     engine.fast_decode = True
     engine._fuse_weights()
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
