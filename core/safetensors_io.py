@@ -111,6 +111,16 @@ class SafetensorsReader:
                     f"{path / INDEX_FILE} lists {len(absent)} keys that are not in their shard, e.g. {sorted(absent)[:5]}; "
                     f"the checkpoint is inconsistent."
                 )
+            omitted = {f.name: sorted(k for k in self._headers[f] if k != "__metadata__" and weight_map.get(k) != f.name)
+                       for f in files}
+            omitted = {name: keys for name, keys in omitted.items() if keys}
+            if omitted:  # transformers loads by the index and drops them silently: a model missing a tensor
+                name, keys = next(iter(omitted.items()))
+                raise CheckpointError(
+                    f"{path / name} holds {len(keys)} tensor(s) that {path / INDEX_FILE} does not map to it, e.g. "
+                    f"{keys[:5]}; transformers loads by the index and would drop them silently, and so would a "
+                    f"conversion: add them to the index's weight_map if the model needs them, or re-save the model "
+                    f"(save_pretrained) to write a consistent folder.")
             self._key_to_file = {k: path / f for k, f in weight_map.items()}
             return
         elif (path / SINGLE_FILE).is_file():

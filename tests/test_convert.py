@@ -116,6 +116,27 @@ def test_missing_shard(qwen2_dir, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
+def test_a_shard_tensor_the_index_omits_is_refused_naming_it(qwen2_dir, tmp_path):
+    """Issue 45.7: a 1-d tensor in a shard that model.safetensors.index.json omits was dropped silently (as
+    transformers, which loads by the index, drops it)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from ferrule.safetensors_io import SafetensorsReader
+
+    bad = tmp_path / "hf"
+    AutoModelForCausalLM.from_pretrained(qwen2_dir).save_pretrained(bad, max_shard_size="20KB")
+    shard = sorted(bad.glob("model-*.safetensors"))[0]
+    tensors = load_file(shard)
+    save_file({**tensors, "model.extra_bias": torch.ones(8)}, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{shard.name} holds 1 tensor\(s\) that .*index.json does not map to "
+                                              r"it, e.g. \['model.extra_bias'\]; transformers loads by the index"):
+        SafetensorsReader(bad)
+    with pytest.raises(CheckpointError, match="model.extra_bias"):
+        hf_to_torch_dist(bad, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
 def test_unsupported_model_type(qwen2_dir, tmp_path):
     from ferrule.registry import UnknownModelError
 
