@@ -63,14 +63,15 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
     """Schedule whole files: every test gets ``xdist_group(<its file>)`` (``--dist loadgroup``: a file's
-    tests run in one worker, in file order, sharing its module fixtures), and the files known to take
-    longest go first (:data:`SLOW_FILES`; ``--no-loadscope-reorder`` keeps this order), so that the
-    last file to finish is a short one."""
+    tests run in one worker, in file order, sharing its module fixtures; the tests of
+    :data:`SPLIT_FILES` are scheduled one by one), and the files known to take longest go first
+    (:data:`SLOW_FILES`; ``--no-loadscope-reorder`` keeps this order), so that the last file to
+    finish is a short one. Tests of end-to-end files get the ``integration`` marker."""
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     for item in items:
         path = item.nodeid.split("::")[0]
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(path))
+            item.add_marker(pytest.mark.xdist_group(item.nodeid if path in SPLIT_FILES else path))
         if (path in INTEGRATION_FILES or path.startswith("tests/test_serve")  # live in-process servers
                 or "dist_pool" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow") is not None):
             item.add_marker(pytest.mark.integration)
@@ -78,8 +79,23 @@ def pytest_collection_modifyitems(session, config, items):
     _check_gpu_markers(items)
 
 
-# the longest files, longest first (from `pytest --durations=0`); a new slow file belongs here
-SLOW_FILES: list[str] = []
+#: the longest files, longest first (summed from `pytest --durations=80` of a full run on the 2-core
+#: machine, 2026-12-06); a new file that takes more than a minute belongs here
+SLOW_FILES: list[str] = [
+    "tests/test_cli_check.py", "tests/test_conformance.py", "tests/test_rl_distributed.py",
+    "tests/test_convert_faults.py", "tests/test_fixture_families.py", "tests/test_preemption.py",
+    "tests/test_convert_mxfp8.py", "tests/test_inkling_convert.py", "tests/test_packaging.py", "tests/test_convert.py",
+    "tests/test_inkling_parity.py", "tests/test_rl_e2e.py", "tests/test_export_dtype.py",
+    "tests/test_megatron_cpu_compat.py", "tests/test_rl_sglang.py", "tests/test_side_files.py",
+    "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_convert_nvfp4.py",
+    "tests/test_serve_inkling2.py", "tests/test_shared_rows.py", "tests/test_rollout_continuous.py",
+    "tests/test_train_engine.py", "examples/ferrule-llama/tests/test_assets.py", "tests/test_lora_inkling2.py",
+    "tests/test_inkling2_mm.py", "tests/test_engine_save_script.py", "tests/test_lora.py", "tests/test_cli_errors.py",
+]
+
+#: long files whose tests share no costly module fixture: each test is scheduled on its own (the
+#: file's tests together would be the run's long pole: test_cli_check.py took ~970 s of one worker)
+SPLIT_FILES = frozenset({"tests/test_cli_check.py", "tests/test_convert_faults.py", "tests/test_rl_distributed.py"})
 
 #: files of end-to-end runs (GRPO through the launcher, the conformance kit over whole families, killed
 #: multi-rank conversions, packaging into a fresh venv): marked ``integration`` with the service's files

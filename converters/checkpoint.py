@@ -20,7 +20,7 @@ Both directions write into a temporary sibling directory (``.OUT_DIR.tmp-<pid>``
 renamed to ``OUT_DIR`` only once complete; on any error it is deleted, so nothing that looks
 like a checkpoint is left behind. An existing ``OUT_DIR`` is refused unless ``overwrite``.
 The free space is checked before anything is written, and the leftovers of killed conversions
-into ``OUT_DIR`` are removed first (:mod:`ferrule.converters.output_dir`).
+into ``OUT_DIR`` are removed first (:mod:`ferrule.output_dir`).
 Layouts with more than one rank run that many gloo (CPU) or NCCL (GPU) processes via
 ``torch.multiprocessing`` spawn; the requested layout is never changed.
 """
@@ -40,7 +40,7 @@ from ferrule.quantized_weights import open_hf_weights
 from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
-from .output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
+from ferrule.output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
                          prepare_out, torch_dist_model_bytes, unlock_output)
 from .quantized import drop_quantization_config, mxfp8_bytes_saved, requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
@@ -202,7 +202,7 @@ def _exported_bytes(reader: Any, table: Any, dtype: str, other_dtypes: dict[str,
     :func:`torch_dist_to_hf`'s ``progress`` calls add up to (recorded as ``export_bytes`` in the metadata)."""
     import math
 
-    from .output_dir import _ITEMSIZE
+    from ferrule.output_dir import _ITEMSIZE
 
     total = 0
     for k in reader.keys():

@@ -129,7 +129,7 @@ def test_mxfp8_source_converts_like_transformers_loads_it(case, tmp_path):
     _hf_model(again)
     # the free-space check sizes an --mxfp8 export as MXFP8 (within 10% of the bytes written; the check adds a 5% margin),
     # not as the bf16 export, which would refuse a disk the MXFP8 folder fits on
-    from ferrule.converters.output_dir import torch_dist_model_bytes
+    from ferrule.output_dir import torch_dist_model_bytes
     from ferrule.converters.quantized import mxfp8_bytes_saved
     from ferrule.converters.checkpoint import TRAINING_STATE_PREFIXES
 

@@ -75,7 +75,7 @@ def test_a_disk_full_for_an_instant_is_not_reported_with_a_contradicting_free_sp
     import errno
     import shutil
 
-    from ferrule.converters.output_dir import disk_full_from
+    from ferrule.output_dir import disk_full_from
 
     real = shutil.disk_usage
 

@@ -68,7 +68,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
                    overwrite: bool = False, step: int | None = None, notice=None) -> Path:
     """Copy the PEFT adapter of LoRA checkpoint ``ckpt`` to ``out`` (atomic); returns ``out``.
 
-    ``out`` is written as the converters write theirs (:func:`ferrule.converters.output_dir.prepare_out`):
+    ``out`` is written as the converters write theirs (:func:`ferrule.output_dir.prepare_out`):
     under the kernel lock ``.OUT.lock`` through the temporary sibling ``.OUT.tmp-PID``; leftovers of
     killed writers of ``out`` are removed first and ``notice(message)`` says how much that freed.
 
@@ -83,7 +83,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
     """
     from safetensors import safe_open
 
-    from ferrule.converters.output_dir import prepare_out, unlock_output
+    from ferrule.output_dir import prepare_out, unlock_output
     from ferrule.fsutil import commit_dir
 
     from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS

@@ -6,8 +6,9 @@ A conversion writes ``OUT`` through a hidden temporary sibling ``.OUT.tmp-PID`` 
 to ``.OUT.old-HEX`` first); a LoRA export stages its merge in ``.OUT.merge-PID-HEX``. A
 ``kill -9`` leaves those behind (up to the model's size each); the next writer of ``OUT``
 removes them once it holds the lock and says so, keeping any whose PID is alive.
-Used by :mod:`ferrule.converters.checkpoint` (which re-exports these names) and
-:mod:`ferrule.converters.export`.
+Used by :mod:`ferrule.converters.checkpoint` (which re-exports these names),
+:mod:`ferrule.converters.export` and ``ferrule lora export`` (:mod:`ferrule.lora.cli`); a foundation
+module (it needs only :mod:`ferrule.fsutil`), so that the LoRA layer may use it.
 """
 
 from __future__ import annotations
