@@ -112,6 +112,22 @@ INTEGRATION_FILES = frozenset({
 })
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_from_an_earlier_file():
+    """Each file starts as a fresh process would: without a default process group or megatron groups that
+    an earlier file in this worker left initialized (an engine built in-process keeps them). With pytest-xdist
+    the files a worker runs, and their order, vary; a leftover group made ``hf_to_torch_dist`` take its
+    multi-process branch (it never joins a caller's group) and lose its ``progress`` calls in
+    tests/test_convert_mxfp8.py. Tests of one file keep what the file's fixtures set up."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_registry():
     from ferrule import registry

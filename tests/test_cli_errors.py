@@ -38,9 +38,11 @@ def test_torch_dist_not_matching_its_config_is_one_error_line(tmp_path):
     cfg["intermediate_size"] = cfg["intermediate_size"] * 2  # the stored tensors keep the old size
     cfg_file.write_text(json.dumps(cfg))
 
-    # the checkpoint's checksums (ferrule.integrity) name the edited file first
+    # the checkpoint's checksums (ferrule.integrity) name the edited file first: still valid JSON, so "changed since
+    # the save" with how to load it on purpose (issue 45.7), not "damaged (truncated)"
     res = _ferrule("convert", "torch-dist-to-hf", str(ckpt), str(tmp_path / "out"))
-    assert res.returncode == 2 and f"error: checkpoint file {cfg_file} is damaged" in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 2 and f"error: checkpoint file {cfg_file} was changed since the save" in res.stderr \
+        and "checksums.json" in res.stderr, res.stderr[-3000:]
     (ckpt / "checksums.json").unlink()  # a folder without checksums (older): the mismatch itself is the error
     res = _ferrule("convert", "torch-dist-to-hf", str(ckpt), str(tmp_path / "out"))
     assert res.returncode == 2, res.stderr[-3000:]

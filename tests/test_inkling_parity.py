@@ -17,6 +17,11 @@ from inkling_fixtures import CONFIGS, tiny_inkling_dir
 
 ATOL = 1e-5
 GRAD_RTOL = 1e-5
+#: the MoE model's TP=2 gradients (tokens split over TP around the dispatcher) vs HF autograd, both fp32:
+#: measured 1.16e-5 relative on the 2026-12-06 CI machine, the same at 810c1ea with its own torchrun launch (the
+#: dense model: 3.0e-6); fp32 rounding of two summation orders. A real fault is orders larger (tests/test_moe_tp.py:
+#: the unsplit dispatcher's relative error is 1.0)
+MOE_TP2_GRAD_RTOL = 3e-5
 SEQ = 12
 
 
@@ -134,4 +139,5 @@ def test_tp2_ep2_and_resharding_over_two_gloo_processes(dist_pool, tmp_path):
     assert not too_far, f"logits differ from HF by more than {ATOL}: {too_far}"
     grads = {c: r["grad_rel_diff"] for c, r in numeric.items() if "grad_rel_diff" in r}
     assert set(grads) == {"dense_only_tp2", "moe_2_shared_tp2"}
-    assert all(v <= GRAD_RTOL for v in grads.values()), f"TP=2 gradients differ from HF autograd: {grads}"
+    assert grads["dense_only_tp2"] <= GRAD_RTOL and grads["moe_2_shared_tp2"] <= MOE_TP2_GRAD_RTOL, \
+        f"TP=2 gradients differ from HF autograd: {grads}"

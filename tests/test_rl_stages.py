@@ -192,7 +192,7 @@ def test_sync_sends_the_adapter_alone_for_lora_and_every_weight_otherwise(monkey
     from ferrule.rl import distributed as rl_dist
 
     calls = []
-    monkeypatch.setattr(fsync, "sync_weights", lambda e, r, version, check_equal: calls.append(
+    monkeypatch.setattr(fsync, "sync_weights", lambda e, r, version, check_equal, settings=None: calls.append(
         ("weights", version, check_equal)) or "w-stats")
     monkeypatch.setattr(fsync, "sync_lora_adapter", lambda e, r, version, check_equal: calls.append(
         ("adapter", version, check_equal)) or "a-stats")

@@ -190,8 +190,8 @@ def serve_command(
                                                        "at least 1; the event loop's thread uses 1).")] = None,
     engine_setting: Annotated[list[str] | None, typer.Option(
         "--engine-setting", help="SECTION.KEY=VALUE of the train_engine or rollout_engine settings (the keys of "
-                                 "docs/train.md's config reference, e.g. rollout_engine.kv_bucket=128); "
-                                 "repeatable.")] = None,
+                                 "docs/train.md's config reference; for example rollout_engine.kv_bucket = 128, "
+                                 "written without spaces); repeatable.")] = None,
 ) -> None:
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
