@@ -66,7 +66,8 @@ class DistPool:
         self.jobs_run = 0
 
     # -- life cycle ------------------------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self) -> Path:
+        """Launch the ranks; returns the control folder once both are ready."""
         self.control = Path(tempfile.mkdtemp(prefix="ferrule-dist-pool-"))
         self.next_job = 0
         (self.control / "client.pid").write_text(str(os.getpid()))  # the ranks leave when this process is gone
@@ -86,6 +87,7 @@ class DistPool:
                 self.close()
                 raise DistPoolError(f"the 2-rank test pool did not start:\n{text}")
             time.sleep(0.1)
+        return self.control
 
     def close(self) -> None:
         """Stop the ranks (kill the launch's process group) and remove the control folder."""
@@ -139,23 +141,24 @@ class DistPool:
             raise
 
     def _run(self, argv, *, env, timeout, cwd) -> subprocess.CompletedProcess:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None or self.proc.poll() is not None or self.control is None:
             self.close()
-            self._start()
-        assert self.control is not None
+            control = self._start()
+        else:
+            control = self.control
         n = self.next_job
         self.next_job += 1
         job = {"argv": [str(a) for a in argv], "env": {k: str(v) for k, v in (env or {}).items()},
                "cwd": str(cwd or ROOT)}
-        tmp = self.control / f".job-{n}.json"
+        tmp = control / f".job-{n}.json"
         tmp.write_text(json.dumps(job))
-        tmp.rename(self.control / f"job-{n}.json")
+        tmp.rename(control / f"job-{n}.json")
         deadline = time.monotonic() + timeout
         done: dict[int, int] = {}
         failed_at: float | None = None
         while len(done) < self.nproc:
             for r in range(self.nproc):
-                f = self.control / f"job-{n}.rank{r}.done"
+                f = control / f"job-{n}.rank{r}.done"
                 if r not in done and f.exists():
                     done[r] = json.loads(f.read_text())["rc"]
                     if done[r] != 0 and failed_at is None:
@@ -168,28 +171,27 @@ class DistPool:
             if self.proc.poll() is not None and failed_at is None:
                 failed_at = now  # the launch ended (a rank crashed hard): collect what is there
             if now > deadline:
-                out, err = self._collect(n)
+                out, err = self._collect(control, n)
                 self._kill()
                 raise subprocess.TimeoutExpired(["dist_pool", *job["argv"]], timeout, output=out, stderr=err)
             time.sleep(POLL_S)
-        out, err = self._collect(n)
+        out, err = self._collect(control, n)
         rc = next((done[r] for r in sorted(done) if done[r] != 0), 0)
         if len(done) < self.nproc:
             rc = rc or 1
             missing = sorted(set(range(self.nproc)) - set(done))
-            launch = (self.control / "launch.log").read_text()[-3000:]
+            launch = (control / "launch.log").read_text()[-3000:]
             err += f"\n[dist_pool] rank(s) {missing} did not finish; launch log:\n{launch}"
         if rc != 0:
             self._kill()
         self.jobs_run += 1
         return subprocess.CompletedProcess(["dist_pool", *job["argv"]], rc, out, err)
 
-    def _collect(self, n: int) -> tuple[str, str]:
-        assert self.control is not None
+    def _collect(self, control: Path, n: int) -> tuple[str, str]:
         outs, errs = [], []
         for r in range(self.nproc):
             for suffix, acc in (("out", outs), ("err", errs)):
-                f = self.control / f"job-{n}.rank{r}.{suffix}"
+                f = control / f"job-{n}.rank{r}.{suffix}"
                 if f.exists():
                     acc.append(f.read_text(errors="replace"))
         return "".join(outs), "".join(errs)
