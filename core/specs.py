@@ -33,6 +33,8 @@ __all__ = [
     "TowerSpec",
     "TOWER_MODALITIES",
     "CommandSpec",
+    "EnvironmentSpec",
+    "ToolParserSpec",
     "DEFAULT_PROVIDER_BUILD",
     "FAMILY_FEATURES",
     "resolve_ref",
@@ -584,6 +586,48 @@ class CommandSpec:
         if not isinstance(self.name, str) or not re.match(r"^[a-z][a-z0-9_-]*$", self.name):
             raise SpecError(f"CommandSpec.name={self.name!r}; use a lowercase command name such as 'assets'.")
         _check_ref(f"CommandSpec({self.name})", "app", self.app)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvironmentSpec:
+    """A named multi-turn environment for the RL launcher (``register_environments``).
+
+    Attributes:
+        name: the environment's name (``agent.environment`` in a train config), lower-case
+            letters, digits and ``_``; unique across plugins.
+        factory: lazy reference to ``factory(**agent.environment_kwargs) -> Environment`` (the
+            protocol of :mod:`ferrule.rl.envs`): one object that serves every episode of a run.
+        description: one line for ``ferrule plugins`` and the docs.
+    """
+
+    name: str
+    factory: str
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("EnvironmentSpec", "name", self.name)
+        _check_ref(f"EnvironmentSpec({self.name})", "factory", self.factory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolParserSpec:
+    """How one family's model writes tool calls (``register_tool_parsers``).
+
+    Attributes:
+        family: the family whose turns this parser reads, or ``"*"`` (the default for families
+            without their own parser).
+        parse: lazy reference to ``parse(text: str) -> ferrule.tool_calls.ParsedTurn``; ``text`` is
+            one model turn decoded with its special tokens kept (the stop token removed). A
+            malformed call must come back in ``ParsedTurn.errors``, never as an exception.
+    """
+
+    family: str
+    parse: str
+
+    def __post_init__(self) -> None:
+        if self.family != "*":
+            _check_name("ToolParserSpec", "family", self.family)
+        _check_ref(f"ToolParserSpec({self.family})", "parse", self.parse)
 
 
 def spec_field_names(spec_type: type) -> tuple[str, ...]:
