@@ -34,6 +34,14 @@ def _qwen3_moe_with(monkeypatch, layouts: LayoutSupport) -> None:
     registry.reset_registry()
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """The kit's tiny random Qwen3-MoE checkpoint (read only), made once for this module."""
+    from ferrule import conformance_numeric as cn
+
+    return cn.tiny_hf_dir("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe") / "hf")
+
+
 def test_layout_support_refuses_in_one_line_naming_degree_values_and_flag():
     from ferrule.megatron.parallel import ParallelLayout
 
@@ -62,14 +70,13 @@ def test_moe_biases_need_expert_tp_1():
     check_layout_fits(dict(kw, add_bias_linear=False), ParallelLayout(tp=2))
 
 
-def test_train_config_parallel_etp_reaches_the_layout_and_the_family_check(tmp_path, monkeypatch):
-    from ferrule import conformance_numeric as cn
+def test_train_config_parallel_etp_reaches_the_layout_and_the_family_check(qwen3_moe_dir, monkeypatch):
     from ferrule.rl.config import ConfigError, config_from_dict
     from ferrule.rl.distributed import check_layout, layout_of
 
     import json
 
-    hf = json.loads((cn.tiny_hf_dir("qwen3_moe", tmp_path / "hf") / "config.json").read_text())
+    hf = json.loads((qwen3_moe_dir / "config.json").read_text())
     _qwen3_moe_with(monkeypatch, ETP_ONLY_1)
 
     def cfg(**parallel):
@@ -82,13 +89,12 @@ def test_train_config_parallel_etp_reaches_the_layout_and_the_family_check(tmp_p
     check_layout(cfg(tp=2, etp=1), hf, 2)
 
 
-def test_check_and_convert_refuse_an_unsupported_layout_alike(tmp_path, monkeypatch):
+def test_check_and_convert_refuse_an_unsupported_layout_alike(qwen3_moe_dir, tmp_path, monkeypatch):
     """The same refusal: one line, exit code 2, from ``ferrule check`` and ``ferrule convert`` (it was 3 from
     check, a crash row, and 2 from convert); nothing written."""
-    from ferrule import conformance_numeric as cn
     from inproc import run_ferrule
 
-    src = cn.tiny_hf_dir("qwen3_moe", tmp_path / "hf")
+    src = qwen3_moe_dir
     _qwen3_moe_with(monkeypatch, ETP_ONLY_1)
     want = "family 'qwen3_moe' supports etp in [1] (MoE biases), not etp=2; set --etp / parallel.etp to one of [1]."
     import os
