@@ -235,7 +235,7 @@ def hf_to_torch_dist_bytes(hf_dir: str | os.PathLike, *, dtype: str | None = Non
 
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              progress: Callable[[int], None] | None, family: str | None = None) -> None:
-    from ferrule.megatron.checkpoint import save_sharded
+    from ferrule.megatron.checkpoint import check_sharded_coverage, save_sharded
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -244,7 +244,9 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
     _, build, table = _family_parts(hf_config, family)
     chunks = _build(build, hf_config, layout, dtype)
     load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config, progress=progress if rank == 0 else None)
-    save_sharded(_sharded_state_dict(chunks), tmp)  # no __main__ guard needed in the caller
+    sharded = _sharded_state_dict(chunks)
+    check_sharded_coverage(chunks, sharded)  # a parameter the save would drop: an error now, not at the load
+    save_sharded(sharded, tmp)  # no __main__ guard needed in the caller
 
 
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,
@@ -281,7 +283,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the
             conversion writes (checked first), or a write failed with ``ENOSPC``: "no space left on
             OUT_DIR (needed ~N MB, free M MB)"; nothing is left behind.
-        CheckpointError: missing ``config.json``, missing/truncated shard.
+        CheckpointError: missing ``config.json``, missing/truncated shard; a provider parameter its model's
+            ``sharded_state_dict()`` does not return (named: the checkpoint would lack it).
         ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
         ferrule.megatron.parallel.ParallelLayoutError: an invalid layout.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
