@@ -43,6 +43,7 @@ from ..config_translation import ConfigTranslation, ConfigTranslationError
 from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module)
     ACTIVATIONS,
     DEFAULT_VOCAB_DIVISIBLE_BY,
+    check_family_layout,
     check_layout_fits,
     gelu_tanh,
     make_transformer_config,
@@ -282,7 +283,7 @@ _BUILDER_READ_OPTIONS = ("activation",)
 
 
 def _check_live_layout(layout: ParallelLayout) -> None:
-    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep."""
+    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep, etp."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -291,10 +292,12 @@ def _check_live_layout(layout: ParallelLayout) -> None:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
     )
-    if live != (layout.tp, layout.pp, layout.ep):
+    wanted = (layout.tp, layout.pp, layout.ep, layout.etp if layout.etp is not None else layout.tp)
+    if live != wanted:
         raise RuntimeError(
-            f"build_from_hf_config: layout asks tp,pp,ep={(layout.tp, layout.pp, layout.ep)} but megatron "
+            f"build_from_hf_config: layout asks tp,pp,ep,etp={wanted} but megatron "
             f"was initialized with {live}; re-run init_distributed with this layout."
         )
 
