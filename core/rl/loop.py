@@ -168,6 +168,11 @@ class GRPOTrainer(RunDriver):
         if self.roles.is_driver:
             self.template = build.chat_template(cfg, self.family, self.tokenizer)
             self.stop_ids, self.stop_strings = build.stop_tokens(cfg, self.template, self.tokenizer)
+            if self.agent is not None:
+                self.agent.bind(self.family, self.template, self.tokenizer, self.stop_ids)
+        if self.agent is not None and self.roles.distributed:
+            raise ConfigError(["agent.environment: multi-turn episodes run on one process for now; launch without "
+                               "torchrun (parallel.tp = pp = ep = 1)"])
         self._setup_colocation()
         self.towers = registry.get_towers(self.family)
         self.prompts = rollout.PromptRenderer(self.template, self.tokenizer, self.towers, self.engine.hf_config,
@@ -193,6 +198,15 @@ class GRPOTrainer(RunDriver):
         from ferrule.rl.tasks import PromptSampler, build_prompt_source
 
         cfg = self.cfg
+        self.agent = None
+        if cfg.agent.environment:  # multi-turn episodes: the environment supplies the items and the rewards
+            from ferrule.rl.envs.launcher import AgentRollout
+
+            self.agent = AgentRollout(cfg)
+            self.source = self.agent.source
+            self.sampler = PromptSampler(self.source, cfg.train.seed, cfg.data.shuffle)
+            self.reward_fn = self.eval_source = self.eval_reward_fn = None
+            return
         self.source = build_prompt_source(cfg.data)
         self.sampler = PromptSampler(self.source, cfg.train.seed, cfg.data.shuffle)
         self.reward_fn = build_reward_fn_from_config(cfg, self.source)
@@ -283,7 +297,7 @@ class GRPOTrainer(RunDriver):
         cfg, driver, n = self.cfg, self.roles.is_driver, self.cfg.rollout.n_samples_per_prompt
         t_step = time.perf_counter()
         record.reset_peak_memory()
-        prompts = prompt_ids = media = results = texts = rewards = None
+        prompts = prompt_ids = media = results = texts = rewards = agent_step = None
         self._rollout_phase()
         self.meter.record_now("memory_offloaded_bytes")
         self.meter.start()
@@ -291,10 +305,17 @@ class GRPOTrainer(RunDriver):
         # 1. rollout: the driver takes the next prompts; every rollout rank generates its shards
         if driver:
             prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
-            prompt_ids = [self.prompts.ids(p, "train") for p in prompts]
-            media = [self._media_of(p) for p in prompts]
-        results = self._rollout(step, prompts, prompt_ids)
-        if driver:
+            if self.agent is None:
+                prompt_ids = [self.prompts.ids(p, "train") for p in prompts]
+                media = [self._media_of(p) for p in prompts]
+        if self.agent is not None:  # multi-turn episodes (ferrule.rl.envs.launcher): one process, no shards
+            agent_step = self.agent.run_step(self.rollout, prompts, self._sampling_params(
+                n=1, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens, seed=None),
+                step, self._log)
+            prompt_ids, media = agent_step.prompt_ids, [None] * len(prompts)
+        else:
+            results = self._rollout(step, prompts, prompt_ids)
+        if driver and agent_step is None:
             texts = rollout.decode(self.tokenizer, results)
         t_rollout = time.perf_counter() - t_roll0
         self.meter.stop("rollout")
@@ -302,12 +323,13 @@ class GRPOTrainer(RunDriver):
         self.meter.start()
         # 2. score (the driver), then every rank builds the same batch from the driver's rollout
         if driver:
-            rewards = self.score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}")
+            rewards = (agent_step.rewards if agent_step is not None else
+                       self.score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}"))
         if self.roles.distributed:
             prompt_ids, results, rewards, media = rl_dist.broadcast_object(
                 (prompt_ids, results, rewards, media) if driver else None)
         # 3. advantages: group-normalized, one per sample
-        samples = advantages.build_samples(prompt_ids, results, media)
+        samples = agent_step.samples if agent_step is not None else advantages.build_samples(prompt_ids, results, media)
         adv = advantages.group_advantages(samples, rewards, cfg.algorithm, n)
         rollout_lp = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
         # 4. train: old / reference logprobs, forward_backward + optim_step per mini-batch of groups
@@ -321,13 +343,19 @@ class GRPOTrainer(RunDriver):
         if self.colocation is not None:
             self.colocation.offload_train()
         # 6. record: metrics (evaluation on its interval) and the logged samples
+        if agent_step is not None:  # logprob metrics over the model's tokens only
+            rollout_lp, outcome.trainer_logprobs = agent_step.model_token_logprobs(rollout_lp, outcome.trainer_logprobs)
         metrics = self._step_metrics(step, samples, rewards, adv, rollout_lp, outcome, media,
                                      t_rollout=t_rollout, t_sync=t_sync)
+        if agent_step is not None:
+            metrics.update(agent_step.metrics)
         t_total = time.perf_counter() - t_step
         metrics["time_step_s"] = t_total
         metrics["tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(t_total, 1e-9)
         if not driver:
             return metrics, []
+        if agent_step is not None:
+            return metrics, agent_step.logged
         return metrics, record.logged_samples(step, prompts, results, texts, rewards, adv.values,
                                               cfg.logging.log_samples)
 
