@@ -217,12 +217,19 @@ def test_train_engine_logprobs_equal_rollout_logprobs_and_environment_tokens_get
     assert any(not torch.equal(control[n], base[n]) for n in base), "a model position's inputs must matter"
 
 
-CONFIGS = ["smollm2_tool_arithmetic.yaml", "smollm2_guess_number.yaml"]
+CONFIGS = [pytest.param("smollm2_tool_arithmetic.yaml", [], id="tool_arithmetic"),
+           pytest.param("smollm2_guess_number.yaml", [], id="guess_number"),
+           # a textarena game, unmodified, through the same launcher (the optional extra 'agents')
+           pytest.param("smollm2_guess_number.yaml", ["agent.environment=textarena",
+                                                      "agent.environment_kwargs={env_id: GuessTheNumber-v0}"],
+                        id="textarena")]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("config", CONFIGS)
-def test_example_configs_train_two_steps_on_the_tiny_model(config, hf_dir, tmp_path):
+@pytest.mark.parametrize("config,extra", CONFIGS)
+def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir, tmp_path):
+    if "agent.environment=textarena" in extra:
+        pytest.importorskip("textarena", reason="textarena is the optional extra 'agents' (pip install 'ferrule[agents]')")
     from ferrule.rl.config import load_config
     from ferrule.rl.loop import train
     from ferrule.rl.metrics import read_metrics
@@ -233,7 +240,7 @@ def test_example_configs_train_two_steps_on_the_tiny_model(config, hf_dir, tmp_p
                       [f"model.hf_dir={hf_dir}", f"logging.run_dir={run_dir}", "train.steps=2",
                        "train.prompts_per_step=1", "algorithm.use_tis=false", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8",
                        "agent.max_turns=2", "logging.plot_at_end=false", "checkpoint.enabled=false",
-                       "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1024"])
+                       "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1024", *extra])
     train(cfg)
     entries = read_metrics(run_dir / "metrics.jsonl")
     assert [e["step"] for e in entries] == [1, 2]
