@@ -161,8 +161,9 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = _f(
         "k3", "KL estimator (Schulman 2020, 'Approximating KL divergence'): k1 = log r, "
               "k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p. The loss implements k3 only.")
-    entropy_coef: float = _f(0.0, "Weight of the entropy bonus; not implemented by the train engine yet, "
-                                  "must be 0 (entropy is always reported).")
+    entropy_coef: float = _f(0.0, "Weight c of the entropy bonus: each response token's loss gets -c * H, H the "
+                                  "policy's exact entropy (nats) from the train engine's logits (this disables "
+                                  "the fused logprob path on GPU: full logits are formed). 0: off.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,6 +93,8 @@ def train_step_metrics(outcome: Any, rollout_lp: Sequence[Any], advantages: Any,
         "zero_std_group_fraction": zero_std_group_fraction(advantages.rewards, group_size,
                                                            sample_mask=advantages.trainable),
     }
+    if "entropy:mean" in lm:  # algorithm.entropy_coef > 0: the exact entropy the bonus used
+        metrics["policy_entropy"] = lm["entropy:mean"]
     if use_tis:
         metrics["tis_weight_mean"] = lm.get("tis_weight:mean")
         metrics["tis_truncated_fraction"] = lm.get("tis_truncated_fraction:mean")
