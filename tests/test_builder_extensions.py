@@ -224,3 +224,23 @@ def test_unknown_model_option_names_the_option(mcore):
     hf_config = dict(cn.tiny_hf_config("qwen2"))
     with pytest.raises(ConfigTranslationError, match=r"\['zero_centred_norms'\].*did you mean 'zero_centered_norms'"):
         build_from_hf_config(hf_config, ParallelLayout(), typo)
+
+
+def test_core_attention_from_a_translation_row(mcore):
+    """``Constant("core_attention", "local", target="option")`` in a family's translation chooses megatron's
+    attention (before: refused as an unknown option, forcing a custom provider); an explicit keyword still wins."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from ferrule.config_translation import ConfigTranslation, Constant
+    from ferrule.megatron.attention import SDPAttention
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION
+
+    local = ConfigTranslation("qwen2-local", CONFIG_TRANSLATION.entries + (Constant("core_attention", "local",
+                                                                                     target="option"),))
+    hf_config = dict(cn.tiny_hf_config("qwen2"))
+    (model,) = build_from_hf_config(hf_config, ParallelLayout(), local)
+    assert type(model.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+    (model,) = build_from_hf_config(hf_config, ParallelLayout(), local, core_attention="sdpa")
+    assert type(model.decoder.layers[0].self_attention.core_attention) is SDPAttention

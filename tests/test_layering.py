@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                     "ferrule.envs", "ferrule.engine_settings", "ferrule.output_dir"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
     ("registry", {"ferrule.registry", "ferrule.plugin_loading"}),
-    ("mapping", {"ferrule.mapping", "ferrule.mapping_table", "ferrule.media", "ferrule.chat"}),
+    ("mapping", {"ferrule.mapping", "ferrule.mapping_table", "ferrule.media", "ferrule.chat", "ferrule.tool_calls"}),
     ("engines", {"ferrule.megatron", "ferrule.rollout"}),
     ("lora", {"ferrule.lora"}),
     ("sync", {"ferrule.sync"}),

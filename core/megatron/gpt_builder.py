@@ -43,6 +43,7 @@ from ..config_translation import ConfigTranslation, ConfigTranslationError
 from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module)
     ACTIVATIONS,
     DEFAULT_VOCAB_DIVISIBLE_BY,
+    check_family_layout,
     check_layout_fits,
     gelu_tanh,
     make_transformer_config,
@@ -277,12 +278,13 @@ _MODEL_OPTION_KEYS = (
     "attn_logit_softcapping", "final_logit_softcapping", "extra_norms", "zero_centered_norms",
     "pre_norms", "qk_norm", "layer_rope",
 )
-#: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model`).
-_BUILDER_READ_OPTIONS = ("activation",)
+#: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model` as model
+#: options): ``activation``, and ``core_attention`` (the default when the caller passes none).
+_BUILDER_READ_OPTIONS = ("activation", "core_attention")
 
 
 def _check_live_layout(layout: ParallelLayout) -> None:
-    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep."""
+    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep, etp."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -291,10 +293,12 @@ def _check_live_layout(layout: ParallelLayout) -> None:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
     )
-    if live != (layout.tp, layout.pp, layout.ep):
+    wanted = (layout.tp, layout.pp, layout.ep, layout.etp if layout.etp is not None else layout.tp)
+    if live != wanted:
         raise RuntimeError(
-            f"build_from_hf_config: layout asks tp,pp,ep={(layout.tp, layout.pp, layout.ep)} but megatron "
+            f"build_from_hf_config: layout asks tp,pp,ep,etp={wanted} but megatron "
             f"was initialized with {live}; re-run init_distributed with this layout."
         )
 
@@ -325,7 +329,7 @@ def build_from_hf_config(
     translation: ConfigTranslation,
     *,
     params_dtype: torch.dtype = torch.float32,
-    core_attention: str = "sdpa",
+    core_attention: str | None = None,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     parallel_output: bool = True,
     moe_token_dispatcher_type: str = "alltoall",
@@ -341,7 +345,9 @@ def build_from_hf_config(
         layout: the parallel layout (must match megatron's initialized state).
         translation: the family variant's :class:`ConfigTranslation`.
         params_dtype, use_cpu_initialization, config_overrides: see :func:`make_transformer_config`.
-        core_attention, make_vocab_size_divisible_by, parallel_output: see :func:`build_gpt_model`.
+        core_attention, make_vocab_size_divisible_by, parallel_output: see :func:`build_gpt_model`;
+            ``core_attention`` None: the translation's ``core_attention`` model option (a family's
+            ``Constant("core_attention", "local", target="option")`` row), else ``"sdpa"``.
         moe_token_dispatcher_type: ``'alltoall'`` or ``'allgather'`` (MoE only).
 
     Returns:
@@ -375,7 +381,7 @@ def build_from_hf_config(
     return [
         build_gpt_model(
             config,
-            core_attention=core_attention,
+            core_attention=core_attention if core_attention is not None else options.get("core_attention", "sdpa"),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             parallel_output=parallel_output,
             vp_stage=(i if layout.vpp else None),

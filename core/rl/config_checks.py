@@ -82,6 +82,8 @@ def _model_and_parallel_layout_problems(cfg: RLConfig) -> list[str]:
     for key in ("tp", "pp", "ep", "vpp"):
         if getattr(cfg.parallel, key) < 1:
             p.append(f"parallel.{key}: must be >= 1, got {getattr(cfg.parallel, key)}")
+    if cfg.parallel.etp < 0:
+        p.append(f"parallel.etp: must be >= 1 (or 0: = parallel.tp), got {cfg.parallel.etp}")
     if not (t.colocate is True or t.colocate is False or t.colocate == "auto"):
         p.append(f"train.colocate: expected true, false or auto, got {t.colocate!r}")
     elif t.colocate is True and ro.engine != "embedded":

@@ -51,6 +51,8 @@ class ParallelConfig:
     pp: int = _f(1, "Pipeline-model-parallel size (Megatron pipeline_model_parallel_size).", "ranks")
     ep: int = _f(1, "Expert-model-parallel size for MoE families (Megatron expert_model_parallel_size).",
                  "ranks")
+    etp: int = _f(0, "Expert-tensor-parallel size for MoE families (Megatron expert_tensor_parallel_size); "
+                     "0: megatron's default, = tp. MoE families with biases (gpt-oss) need 1.", "ranks")
     vpp: int = _f(1, "Virtual pipeline stages per pipeline rank (Megatron "
                      "virtual_pipeline_model_parallel_size); only 1 (no interleaving) is supported.", "stages")
     timeout_s: float = _f(600.0, "Collective timeout: a rank that waits this long in a collective (another "

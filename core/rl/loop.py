@@ -176,7 +176,7 @@ class GRPOTrainer(RunDriver):
         # replace torch.cuda.Stream, as when the rollout engine was built first
         registry.hf_model_class(hf_config)
         # the process group first (torchrun env or one local process), with the config's timeout
-        layout = ParallelLayout(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep)
+        layout = rl_dist.layout_of(cfg)
         init_distributed(layout, seed=cfg.train.seed, timeout_s=cfg.parallel.timeout_s)
         self.engine = build.build_train_engine(cfg, layout, dtype)
         self.roles = rl_dist.rank_roles(driver_only_rollout=cfg.rollout.engine == "sglang")

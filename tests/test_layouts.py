@@ -1,0 +1,111 @@
+"""Expert tensor parallelism and a family's declared layouts: settable and refused the same way everywhere.
+
+``ferrule check``, ``ferrule convert``, the train config's ``parallel`` section and the conformance kit take
+``etp`` (and ``ep``); a layout the family does not support (``ModelFamilySpec.layouts``) or that megatron-core
+cannot build (MoE biases at expert TP > 1: ``TransformerConfig.__post_init__``'s assertion, megatron-core
+0.16.1) is one line, exit code 2, from every command, before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ferrule.specs import LayoutSupport, ModelFamilySpec, SpecError
+
+#: the tiny Qwen3-MoE checkpoint's own head / expert counts split at TP 2 and EP 2 (TINY_HF_CONFIG)
+ETP_ONLY_1 = LayoutSupport(etp=(1,), reason="MoE biases")
+
+
+def _qwen3_moe_with(monkeypatch, layouts: LayoutSupport) -> None:
+    """Declare ``layouts`` on the in-tree qwen3_moe family of every registry built during the test (the
+    in-process CLI builds its own)."""
+    from ferrule import registry
+
+    build = registry.Registry.build.__func__
+
+    def patched(cls, *args, **kwargs):
+        reg = build(cls, *args, **kwargs)
+        reg.families["qwen3_moe"] = dataclasses.replace(reg.families["qwen3_moe"], layouts=layouts)
+        return reg
+
+    monkeypatch.setattr(registry.Registry, "build", classmethod(patched))
+    registry.reset_registry()
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """The kit's tiny random Qwen3-MoE checkpoint (read only), made once for this module."""
+    from ferrule import conformance_numeric as cn
+
+    return cn.tiny_hf_dir("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe") / "hf")
+
+
+def test_layout_support_refuses_in_one_line_naming_degree_values_and_flag():
+    from ferrule.megatron.parallel import ParallelLayout
+
+    assert ETP_ONLY_1.refusal("fam", ParallelLayout(tp=2, etp=1)) is None
+    line = ETP_ONLY_1.refusal("fam", ParallelLayout(tp=2))  # etp unset: megatron's default, = tp
+    assert line == ("family 'fam' supports etp in [1] (MoE biases), not etp=2; set --etp / parallel.etp to one "
+                    "of [1].")
+    assert LayoutSupport(tp=(1, 2)).refusal("fam", ParallelLayout(tp=4)).startswith("family 'fam' supports tp in [1, 2]")
+    with pytest.raises(SpecError, match=r"LayoutSupport.etp=\(0,\)"):
+        LayoutSupport(etp=(0,))
+    with pytest.raises(SpecError, match="use a LayoutSupport"):
+        ModelFamilySpec(name="fam", model_types=("fam",), status="validated", layouts={"etp": 1})  # type: ignore[arg-type]
+
+
+def test_moe_biases_need_expert_tp_1():
+    """megatron-core asserts "Bias in Moe is only supported when ETP==1" inside the build; ferrule says it first."""
+    from ferrule.megatron.gpt_builder import check_layout_fits
+    from ferrule.megatron.parallel import ParallelLayout, ParallelLayoutError
+
+    kw = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2, "num_moe_experts": 4,
+          "add_bias_linear": True}
+    with pytest.raises(ParallelLayoutError, match=r"expert tensor-parallel size 2 \(the default: etp = tp\): "
+                                                  r"megatron-core builds MoE layers with biases .* set --etp 1"):
+        check_layout_fits(kw, ParallelLayout(tp=2))
+    check_layout_fits(kw, ParallelLayout(tp=2, etp=1))
+    check_layout_fits(dict(kw, add_bias_linear=False), ParallelLayout(tp=2))
+
+
+def test_train_config_parallel_etp_reaches_the_layout_and_the_family_check(qwen3_moe_dir, monkeypatch):
+    from ferrule.rl.config import ConfigError, config_from_dict
+    from ferrule.rl.distributed import check_layout, layout_of
+
+    import json
+
+    hf = json.loads((qwen3_moe_dir / "config.json").read_text())
+    _qwen3_moe_with(monkeypatch, ETP_ONLY_1)
+
+    def cfg(**parallel):
+        return config_from_dict({"model": {"hf_dir": "unused"}, "parallel": parallel}, validate=False)
+
+    assert layout_of(cfg(tp=2, etp=1)).etp == 1 and layout_of(cfg(tp=2)).etp is None
+    with pytest.raises(ConfigError, match=r"parallel: family 'qwen3_moe' supports etp in \[1\] \(MoE biases\), "
+                                          r"not etp=2"):
+        check_layout(cfg(tp=2), hf, 2)
+    check_layout(cfg(tp=2, etp=1), hf, 2)
+
+
+def test_check_and_convert_refuse_an_unsupported_layout_alike(qwen3_moe_dir, tmp_path, monkeypatch):
+    """The same refusal: one line, exit code 2, from ``ferrule check`` and ``ferrule convert`` (it was 3 from
+    check, a crash row, and 2 from convert); nothing written."""
+    from inproc import run_ferrule
+
+    src = qwen3_moe_dir
+    _qwen3_moe_with(monkeypatch, ETP_ONLY_1)
+    want = "family 'qwen3_moe' supports etp in [1] (MoE biases), not etp=2; set --etp / parallel.etp to one of [1]."
+    import os
+
+    env = dict(os.environ, COLUMNS="250")
+    check = run_ferrule(["check", src, "--tp", "2"], env=env)
+    convert = run_ferrule(["convert", "hf-to-torch-dist", src, tmp_path / "td", "--tp", "2"], env=env)
+    for proc in (check, convert):
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert lines == [f"error: {want}"], proc.stderr
+    assert not (tmp_path / "td").exists()
+    bad = run_ferrule(["check", src, "--etp", "0"])
+    assert bad.returncode == 2 and "--etp 0: expected a whole number >= 1" in bad.stderr
