@@ -147,6 +147,7 @@ def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
     from ferrule import registry
     from ferrule.config_translation import parse_hf_config
     from ferrule.megatron.gpt_builder import check_family_layout
+    from ferrule.specs import DEFAULT_PROVIDER_BUILD
     from ferrule.megatron.parallel import ParallelLayout
 
     if not (hf_dir / "config.json").is_file():
@@ -157,6 +158,17 @@ def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
     layout = ParallelLayout(**layout_kw)
     layout.validate(layout.tp * layout.ep)
     check_family_layout(spec.name, tc_kwargs, layout)
+    if registry.get_provider(spec.name).build in (None, DEFAULT_PROVIDER_BUILD):
+        # the default build's model options, checked here: an option it does not know was reported as a build
+        # failure (exit 1 at tp=1, a crash, exit 3, at tp=2) after a config row that said "ok"
+        import warnings
+
+        from ferrule.megatron.gpt_builder import _model_kwargs, migrate_model_options
+
+        translation = registry.get_converter(spec.name).resolved_config_translation()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the build warns, once, for a deprecated option
+            _model_kwargs(translation, migrate_model_options(translation.name, tc_kwargs, opts))
     values, _ = parse_hf_config(hf_config, spec.name)
     return spec, hf_config, values, tc_kwargs, opts
 

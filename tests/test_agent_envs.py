@@ -52,14 +52,14 @@ def _registry_with(*objs) -> Registry:
 
 def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     names = [s.name for s in registry.list_environments()]
-    assert names == ["guess_number", "tool_arithmetic"]
+    assert names == ["guess_number", "textarena", "tool_arithmetic"]
     from ferrule.specs import resolve_ref
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
     assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"
     assert registry.get_tool_parser("inkling").parse == "ferrule.plugins.inkling.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
-    with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, tool_arithmetic"):
+    with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic"):
         registry.get_environment("nope")
 
 
@@ -212,3 +212,32 @@ def test_python_tool_prints_and_stops_at_its_time_memory_and_network_limits():
     assert run_python("x = bytearray(512 << 20)", memory_mb=128) == "error: memory limit (128 MiB) exceeded"
     assert "network access is disabled" in run_python("import socket; socket.create_connection(('1.1.1.1', 80))")
     assert run_python("1/0") == "error: ZeroDivisionError: division by zero"
+
+
+def test_a_textarena_game_runs_unmodified_through_the_adapter():
+    ta = pytest.importorskip("textarena", reason="textarena is the optional extra 'agents' (pip install 'ferrule[agents]')")
+    from ferrule.rl.envs.textarena_games import TextArenaGame
+
+    env = TextArenaGame("GuessTheNumber-v0")
+    (item,) = env.dataset(1, seed=5)
+    obs = env.reset(item, seed=0)
+    ref = ta.make("GuessTheNumber-v0-raw")  # the reference: the game played directly, same seed, same moves
+    ref.reset(num_players=1, seed=item["game_seed"])
+    _, ref_obs = ref.get_observation()
+    assert obs.messages == [{"role": "user", "content": ref_obs[0][1]}] and "Guess The Number" in ref_obs[0][1]
+    target = ref.state.game_state["game_number"]
+    moves = ["no idea", f"[{target % 20 + 1}]", f"I guess [{target}]"]
+    for k, move in enumerate(moves):
+        res = env.step(obs.state, _turn(move))
+        done, _ = ref.step(action=move)
+        assert res.done == done
+        if done:
+            rewards, _ = ref.close()
+            assert res.reward == rewards[0] == 1 and res.info == {"invalid_move": 0.0, "turn_count": 2.0}
+            break
+        _, ref_obs = ref.get_observation()
+        assert res.messages == [{"role": "user", "content": "\n".join(m for s, m, _ in ref_obs if s != 0)}]
+        assert ("invalid move" in res.messages[0]["content"]) == (k == 0)
+    assert k == len(moves) - 1
+    with pytest.raises(ValueError, match="no textarena environment; did you mean"):
+        TextArenaGame("GuessTheNumbr-v0")

@@ -9,6 +9,7 @@ cannot build (MoE biases at expert TP > 1: ``TransformerConfig.__post_init__``'s
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -109,3 +110,41 @@ def test_check_and_convert_refuse_an_unsupported_layout_alike(qwen3_moe_dir, tmp
     assert not (tmp_path / "td").exists()
     bad = run_ferrule(["check", src, "--etp", "0"])
     assert bad.returncode == 2 and "--etp 0: expected a whole number >= 1" in bad.stderr
+
+
+def _qwen2_typo():
+    from ferrule.config_translation import ConfigTranslation, Constant
+    from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION
+
+    return ConfigTranslation("qwen2-typo", CONFIG_TRANSLATION.entries + (Constant("zero_centred_norms", True,
+                                                                                    target="option"),))
+
+
+def test_check_refuses_an_unknown_model_option_at_the_config_step(tmp_path, monkeypatch):
+    """A translation producing an option the default build does not know: the config row said "ok" and the build
+    failed later (exit 1 at tp=1, a crash, exit 3, at tp=2); now the config step refuses it, exit 2, at any tp."""
+    import json
+    import os
+
+    from ferrule import conformance_numeric as cn
+    from ferrule import registry
+    from inproc import run_ferrule
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(cn.tiny_hf_config("qwen2"))))
+    build = registry.Registry.build.__func__
+
+    def patched(cls, *args, **kwargs):
+        reg = build(cls, *args, **kwargs)
+        reg.converters["qwen2"] = dataclasses.replace(reg.converters["qwen2"],
+                                                      config_translation="test_layouts:QWEN2_TYPO")
+        return reg
+
+    monkeypatch.setattr(registry.Registry, "build", classmethod(patched))
+    monkeypatch.setattr(sys.modules[__name__], "QWEN2_TYPO", _qwen2_typo(), raising=False)
+    registry.reset_registry()
+    for tp in ("1", "2"):
+        proc = run_ferrule(["check", tmp_path / "hf", "--tp", tp], env=dict(os.environ, COLUMNS="250"))
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "['zero_centred_norms'] that the builder does not know" in proc.stderr, proc.stderr
+        assert "did you mean 'zero_centered_norms'" in proc.stderr

@@ -283,6 +283,57 @@ _MODEL_OPTION_KEYS = (
 _BUILDER_READ_OPTIONS = ("activation", "core_attention")
 
 
+def _local_rotary_base_to_layer_rope(config_kwargs: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """``local_rotary_base`` (an earlier release's Gemma-3 spelling: the RoPE base of the sliding-window layers)
+    as the ``layer_rope`` option: sliding layers (megatron's ``is_layer_window_attention`` over
+    ``window_size`` / ``window_attn_skip_freq``) get ``local_rotary_base`` without scaling, the others the
+    model-wide ``rotary_base`` and ``rope_scaling`` (Gemma-3: local layers plain RoPE at base 10 000, global
+    layers the config's base and scaling)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    options = dict(options)
+    local = float(options.pop("local_rotary_base"))
+    if "layer_rope" in options:
+        return options  # the family already translates one RoPE per layer type: the old option adds nothing
+    percent = options.get("rotary_percent", 1.0)
+    layer_rope = []
+    for number in range(1, int(config_kwargs["num_layers"]) + 1):
+        if is_layer_window_attention(config_kwargs.get("window_size"), config_kwargs.get("window_attn_skip_freq"),
+                                     number):
+            layer_rope.append({"layer_type": "sliding_attention", "rotary_base": local, "rope_scaling": None,
+                               "rotary_percent": percent})
+        else:
+            layer_rope.append({"layer_type": "full_attention", "rotary_base": float(options.get("rotary_base", 10000.0)),
+                               "rope_scaling": options.get("rope_scaling"), "rotary_percent": percent})
+    options["layer_rope"] = tuple(layer_rope)
+    options.pop("rope_scaling", None)  # carried per layer now (the model-wide table goes unused)
+    return options
+
+
+#: Model options of earlier releases that still build, with a ``FutureWarning`` naming the replacement:
+#: ``old name -> (replacement, migrate(config_kwargs, options) -> options)``. Removed one release after.
+DEPRECATED_MODEL_OPTIONS: dict[str, tuple[str, Any]] = {
+    "local_rotary_base": ("the layer_rope option (ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES in the "
+                          "translation, instead of a local_rotary_base row)", _local_rotary_base_to_layer_rope),
+}
+
+
+def migrate_model_options(translation_name: str, config_kwargs: Mapping[str, Any],
+                          options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with every :data:`DEPRECATED_MODEL_OPTIONS` entry rewritten to its replacement, each with a
+    ``FutureWarning`` (shown by default) naming the translation, the old option and the replacement."""
+    import warnings
+
+    out = dict(options)
+    for old, (replacement, migrate) in DEPRECATED_MODEL_OPTIONS.items():
+        if old in out:
+            warnings.warn(f"translation {translation_name!r} produces the model option {old!r}, deprecated: use "
+                          f"{replacement}. It is migrated for this release and will be refused in the next.",
+                          FutureWarning, stacklevel=3)
+            out = migrate(config_kwargs, out)
+    return out
+
+
 def _check_live_layout(layout: ParallelLayout) -> None:
     """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep, etp."""
     from megatron.core import parallel_state
@@ -362,6 +413,7 @@ def build_from_hf_config(
     """
     _check_live_layout(layout)
     config_kwargs, options = translation.to_mcore(hf_config)
+    options = migrate_model_options(translation.name, config_kwargs, options)
     missing = [k for k in ("vocab_size", "max_sequence_length") if k not in options]
     if missing:
         raise ConfigTranslationError(f"translation {translation.name!r} produced no model option(s) {missing}.")

@@ -44,6 +44,9 @@ class Sample:
             *untempered* model distribution (natural log).
         truncated: generation stopped at ``max_new_tokens`` (finish reason ``"length"``).
         media: the prompt's media (``{modality: [item, ...]}``, :mod:`ferrule.media`) or None.
+        loss_mask: ``[R]`` 0/1 per response token, or None (all 1). A multi-turn episode
+            (:mod:`ferrule.rl.envs.episodes`) puts its environment turns in ``response_ids`` with
+            mask 0: they get weight 0 (no loss, no gradient) and are not counted by ``token_mean``.
     """
 
     group: int
@@ -52,6 +55,14 @@ class Sample:
     rollout_logprobs: tuple[float, ...]
     truncated: bool
     media: Any = field(default=None, compare=False)
+    loss_mask: tuple[int, ...] | None = None
+
+    @property
+    def mask(self) -> np.ndarray:
+        """``[R]`` float64 loss mask (ones without ``loss_mask``)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.response_ids))
+        return np.asarray(self.loss_mask, dtype=np.float64)
 
     @property
     def num_tokens(self) -> int:
@@ -116,14 +127,15 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
         seq = list(s.prompt_ids) + list(s.response_ids)
         r = len(s.response_ids)
         try:
+            w = np.asarray(weights[i], dtype=np.float64)
             inputs = {
                 "target_tokens": torch.tensor(seq[1:], dtype=torch.int64),
-                "weights": _pad_response(weights[i], s),
+                "weights": _pad_response(w * s.mask if s.loss_mask is not None else w, s),
                 "advantages": _pad_response(np.full(r, float(advantages[i])), s),
                 "logprobs": _pad_response(behaviour_logprobs[i], s),
             }
             if sequence_ratio:
-                inputs["sequence_ratio_mask"] = _pad_response(np.ones(r), s)
+                inputs["sequence_ratio_mask"] = _pad_response(s.mask, s)
             if use_tis and not sequence_ratio:
                 inputs["rollout_logprobs"] = _pad_response(s.rollout_logprobs, s)
             if ref_logprobs is not None and not sequence_ratio:

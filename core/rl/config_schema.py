@@ -291,6 +291,22 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Multi-turn episodes against an environment plugin (docs/agents.md); off while environment is empty."""
+
+    environment: str = _f("", "Environment name (register_environments: tool_arithmetic, guess_number, a "
+                              "plugin's); empty: single-turn prompts from data.task / data.jsonl_path.")
+    environment_kwargs: dict[str, Any] = _f({}, "Keyword arguments of the environment's factory.")
+    max_turns: int = _f(8, "Model turns per episode; an episode still running after them is truncated.", "turns")
+    max_episode_tokens: int = _f(1024, "Tokens after the prompt per episode (model and environment turns); "
+                                       "rollout.max_new_tokens bounds each model turn.", "tokens")
+    step_timeout_s: float = _f(30.0, "Wall-clock bound of one round of environment reset / step calls; an "
+                                     "episode whose call raises, hangs or returns a malformed result ends with "
+                                     "failure_reward and its error is reported.", "s")
+    failure_reward: float = _f(0.0, "Reward of an episode whose environment failed.", "reward")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RLConfig:
     """The whole ``ferrule train`` config; one attribute per section."""
 
@@ -306,6 +322,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     train_engine: TrainEngineSettings = field(default_factory=TrainEngineSettings)
     rollout_engine: RolloutEngineSettings = field(default_factory=RolloutEngineSettings)
     weight_sync: WeightSyncSettings = field(default_factory=WeightSyncSettings)

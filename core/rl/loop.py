@@ -190,6 +190,11 @@ class GRPOTrainer(RunDriver):
         if self.roles.is_driver:
             self.template = build.chat_template(cfg, self.family, self.tokenizer)
             self.stop_ids, self.stop_strings = build.stop_tokens(cfg, self.template, self.tokenizer)
+            if self.agent is not None:
+                self.agent.bind(self.family, self.template, self.tokenizer, self.stop_ids)
+        if self.agent is not None and self.roles.distributed:
+            raise ConfigError(["agent.environment: multi-turn episodes run on one process for now; launch without "
+                               "torchrun (parallel.tp = pp = ep = 1)"])
         self._setup_colocation()
         self.towers = registry.get_towers(self.family)
         self.prompts = rollout.PromptRenderer(self.template, self.tokenizer, self.towers, self.engine.hf_config,
@@ -215,6 +220,15 @@ class GRPOTrainer(RunDriver):
         from ferrule.rl.tasks import PromptSampler, build_prompt_source
 
         cfg = self.cfg
+        self.agent = None
+        if cfg.agent.environment:  # multi-turn episodes: the environment supplies the items and the rewards
+            from ferrule.rl.envs.launcher import AgentRollout
+
+            self.agent = AgentRollout(cfg)
+            self.source = self.agent.source
+            self.sampler = PromptSampler(self.source, cfg.train.seed, cfg.data.shuffle)
+            self.reward_fn = self.eval_source = self.eval_reward_fn = None
+            return
         self.source = build_prompt_source(cfg.data)
         self.sampler = PromptSampler(self.source, cfg.train.seed, cfg.data.shuffle)
         self.reward_fn = build_reward_fn_from_config(cfg, self.source)
@@ -286,13 +300,27 @@ class GRPOTrainer(RunDriver):
         return RolloutBatch(prompts, prompt_ids, [self._media_of(p) for p in prompts], results, texts, rewards,
                             weight_version=version, sampler_state=state)
 
+    def _agent_round(self, step: int) -> RolloutBatch:
+        """One step of multi-turn episodes (:mod:`ferrule.rl.envs.launcher`; one process, no shards): the
+        batch carries the episodes' samples and rewards (``agent``) instead of engine results."""
+        cfg = self.cfg
+        prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
+        state = self.sampler.state_dict()
+        params = self._sampling_params(n=1, temperature=cfg.rollout.temperature,
+                                       max_new_tokens=cfg.rollout.max_new_tokens, seed=None)
+        with self.rollout_lock:
+            version = self.synced_version
+            agent_step = self.agent.run_step(self.rollout, prompts, params, step, self._log)
+        return RolloutBatch(prompts, agent_step.prompt_ids, [None] * len(prompts), [], [], agent_step.rewards,
+                            weight_version=version, sampler_state=state, agent=agent_step)
+
     def produce(self, step: int) -> RolloutBatch | None:
         """Stages 1-2 (rollout, score): the step's scored rollout on the driver (None elsewhere),
         with ``algorithm.dynamic_sampling`` over several rounds
         (:mod:`ferrule.rl.stages.dynamic_sampling`); collective (every rank runs the same rounds)."""
         a, t = self.cfg.algorithm, time.perf_counter()
-        if not a.dynamic_sampling:
-            batch = self._rollout_round(step, 0)
+        if not a.dynamic_sampling:  # (config checks refuse dynamic sampling with agent episodes)
+            batch = self._agent_round(step) if self.agent is not None else self._rollout_round(step, 0)
             self._rollout_seconds = time.perf_counter() - t
             return None if batch is None else dataclasses.replace(batch, seconds=self._rollout_seconds)
         selector, last = dynamic_sampling.GroupSelector(self.cfg.train.prompts_per_step), None
@@ -383,6 +411,8 @@ class GRPOTrainer(RunDriver):
         metrics["tokens_per_s"] = sum(len(s.response_ids) for s in rec.samples) / max(t_total, 1e-9)
         if not self.roles.is_driver:
             return metrics, []
+        if batch.agent is not None:
+            return metrics, batch.agent.logged
         return metrics, record.logged_samples(step, batch.prompts, batch.results, batch.texts, batch.rewards,
                                               rec.advantages.values, self.cfg.logging.log_samples)
 
@@ -392,8 +422,9 @@ class GRPOTrainer(RunDriver):
         import torch
 
         cfg = self.cfg
-        samples = advantages.build_samples(batch.prompt_ids, batch.results, batch.media)
-        staleness = staleness_of(batch, self.engine.step, cfg.train.optim_steps_per_rollout)
+        samples = (batch.agent.samples if batch.agent is not None else
+                   advantages.build_samples(batch.prompt_ids, batch.results, batch.media))
+        staleness = staleness_of(batch, self.engine.step, cfg.train.optim_steps_per_rollout, len(samples))
         stale = [s > max_staleness(cfg.train) for s in staleness]
         adv = advantages.group_advantages(samples, batch.rewards, cfg.algorithm, cfg.rollout.n_samples_per_prompt,
                                           cfg.rollout.max_new_tokens, exclude=stale)
@@ -401,6 +432,9 @@ class GRPOTrainer(RunDriver):
         outcome = train_stage.train_policy(self.engine, samples, adv.values, rollout_lp, cfg=cfg,
                                            reference=self.reference, roles=self.roles,
                                            num_groups=len(batch.prompt_ids), trainable=adv.trainable)
+        if batch.agent is not None:  # logprob metrics over the model's tokens only
+            rollout_lp, outcome.trainer_logprobs = batch.agent.model_token_logprobs(rollout_lp,
+                                                                                    outcome.trainer_logprobs)
         return StepRecord(step, batch, samples, adv, rollout_lp, outcome, staleness, sum(stale))
 
     def _step_metrics(self, rec: StepRecord, *, t_sync: float) -> dict[str, Any]:
@@ -423,6 +457,8 @@ class GRPOTrainer(RunDriver):
         metrics.update(record.sync_memory_metrics(self.last_sync))
         metrics.update(record.version_metrics(rec))
         metrics.update(rec.batch.selection)
+        if rec.batch.agent is not None:
+            metrics.update(rec.batch.agent.metrics)
         if self.roles.distributed:  # per-rank timings: the slowest and fastest rank of each phase
             times = rl_dist.all_gather_objects((self._rollout_seconds, t_train, t_sync, self._stop_requested))
             for j, key in enumerate(("time_rollout_s", "time_train_s", "time_sync_s")):

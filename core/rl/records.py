@@ -45,6 +45,9 @@ class RolloutBatch:
             metrics (empty without it). sampler_state: the prompt sampler's ``state_dict()`` right
             after this batch drew its prompts (what a checkpoint of its step records: an
             asynchronous schedule has drawn later prompts by then).
+        agent: multi-turn episodes (``agent.environment``): the
+            :class:`~ferrule.rl.envs.launcher.AgentStep` whose samples, rewards, metrics and logged
+            entries the step trains on; ``results`` and ``texts`` are then empty.
     """
 
     prompts: list[Prompt]
@@ -58,6 +61,7 @@ class RolloutBatch:
     seconds: float = 0.0
     selection: dict[str, int] = field(default_factory=dict)
     sampler_state: dict[str, Any] | None = None
+    agent: Any = None
 
     @property
     def group_size(self) -> int:
@@ -120,12 +124,14 @@ class StepRecord:
     stale_dropped: int = 0
 
 
-def staleness_of(batch: RolloutBatch, train_version: int, steps_per_version: int) -> list[int]:
-    """Per sample of ``batch``: ``(train_version - v) // steps_per_version``, ``v`` the
-    ``weights_version`` its result carries (the batch's when the engine recorded none), i.e. the
-    train steps of ``steps_per_version`` optimizer steps each since the weights that sampled it."""
-    return [max(0, train_version - (r.weights_version if r.weights_version is not None else batch.weight_version))
-            // steps_per_version for r in batch.results]
+def staleness_of(batch: RolloutBatch, train_version: int, steps_per_version: int, num_samples: int) -> list[int]:
+    """Per sample of ``batch`` (``num_samples`` of them): ``(train_version - v) // steps_per_version``,
+    ``v`` the ``weights_version`` its result carries (the batch's when the engine recorded none, or for
+    agent episodes), i.e. the train steps of ``steps_per_version`` optimizer steps each since the
+    weights that sampled it."""
+    versions = ([r.weights_version if r.weights_version is not None else batch.weight_version for r in batch.results]
+                if batch.agent is None else [batch.weight_version] * num_samples)
+    return [max(0, train_version - v) // steps_per_version for v in versions]
 
 
 def max_staleness(train: Any) -> int:

@@ -83,7 +83,7 @@ class ModelTurn:
         parsed: the family's tool parser's reading (:mod:`ferrule.tool_calls`), from the turn
             decoded with special tokens kept and its stop token removed.
         token_ids: the sampled ids ``[T]`` (stop token included), exactly as generated.
-        truncated: the turn hit ``agent.max_turn_tokens`` without a stop token.
+        truncated: the turn hit ``rollout.max_new_tokens`` without a stop token.
         index: 0-based turn number in the episode.
     """
 

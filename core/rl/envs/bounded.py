@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["CallOutcome", "call_bounded"]
+__all__ = ["CallOutcome", "call_bounded", "call_bounded_all"]
 
 
 @dataclass(frozen=True)
@@ -41,28 +41,47 @@ def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str
         ``"{what} raised {Type}: {message}"`` or ``"{what} returned ...: {contract error}"``. Never raises
         (except KeyboardInterrupt / SystemExit in the waiting thread).
     """
-    box: dict[str, Any] = {}
+    return call_bounded_all([(fn, args, what)], timeout_s=timeout_s, check=check)[0]
 
-    def run() -> None:
-        try:
-            value = fn(*args)
-            box["value"] = check(value) if check is not None else value
-        except BaseException as exc:  # noqa: BLE001 -- the environment's failure is data for its episode
-            box["exc"] = exc
 
+def call_bounded_all(calls: list[tuple[Callable[..., Any], tuple, str]], *, timeout_s: float,
+                     check: Callable[[Any], Any] | None = None) -> list[CallOutcome]:
+    """:func:`call_bounded` for several calls at once: all start together (one daemon thread each),
+    and all share one deadline ``timeout_s`` seconds after the start, so ``k`` slow tool calls cost
+    one timeout, not ``k``. Returns one :class:`CallOutcome` per call, in order."""
     t0 = time.perf_counter()
-    th = threading.Thread(target=run, name=f"ferrule-env: {what}"[:60], daemon=True)
-    th.start()
-    th.join(timeout_s)
-    dt = time.perf_counter() - t0
-    if th.is_alive():
-        return CallOutcome(None, f"{what} timed out after {timeout_s:g} s (raise agent.step_timeout_s if the "
-                                 "environment is slow by design)", dt)
-    if "exc" in box:
-        exc = box["exc"]
-        from ferrule.rl.envs.base import EnvironmentContractError
+    boxes: list[dict[str, Any]] = []
+    threads = []
+    for fn, args, what in calls:
+        box: dict[str, Any] = {}
 
-        kind = "returned a malformed result" if isinstance(exc, EnvironmentContractError) else f"raised {type(exc).__name__}"
-        msg = " ".join(str(exc).split())[:300]
-        return CallOutcome(None, f"{what} {kind}: {msg}", dt)
-    return CallOutcome(box.get("value"), None, dt)
+        def run(fn=fn, args=args, box=box) -> None:
+            try:
+                value = fn(*args)
+                box["value"] = check(value) if check is not None else value
+            except BaseException as exc:  # noqa: BLE001 -- the environment's failure is data for its episode
+                box["exc"] = exc
+            box["t"] = time.perf_counter()
+
+        th = threading.Thread(target=run, name=f"ferrule-env: {what}"[:60], daemon=True)
+        th.start()
+        boxes.append(box)
+        threads.append(th)
+    out = []
+    for (fn, args, what), th, box in zip(calls, threads, boxes):
+        th.join(max(0.0, t0 + timeout_s - time.perf_counter()))
+        if th.is_alive():
+            out.append(CallOutcome(None, f"{what} timed out after {timeout_s:g} s (raise agent.step_timeout_s if "
+                                         "the environment is slow by design)", time.perf_counter() - t0))
+            continue
+        dt = box["t"] - t0
+        if "exc" in box:
+            exc = box["exc"]
+            from ferrule.rl.envs.base import EnvironmentContractError
+
+            kind = ("returned a malformed result" if isinstance(exc, EnvironmentContractError)
+                    else f"raised {type(exc).__name__}")
+            out.append(CallOutcome(None, f"{what} {kind}: {' '.join(str(exc).split())[:300]}", dt))
+        else:
+            out.append(CallOutcome(box.get("value"), None, dt))
+    return out

@@ -14,4 +14,6 @@ def register_environments():
     return [EnvironmentSpec(name="tool_arithmetic", factory=f"{b}:ToolArithmetic",
                             description="arithmetic through a calculator or a sandboxed Python tool"),
             EnvironmentSpec(name="guess_number", factory=f"{b}:GuessNumber",
-                            description="guess an integer with higher/lower replies (multi-turn)")]
+                            description="guess an integer with higher/lower replies (multi-turn)"),
+            EnvironmentSpec(name="textarena", factory="ferrule.rl.envs.textarena_games:TextArenaGame",
+                            description="a single-player textarena 0.7 game, unmodified (extra: agents)")]

@@ -111,7 +111,8 @@ def version_metrics(rec: Any) -> dict[str, Any]:
     its samples), ``staleness_mean`` / ``staleness_max`` (train steps), ``staleness_histogram``
     (``{"k": samples}``) and ``stale_dropped_samples``."""
     batch = rec.batch
-    versions = {r.weights_version if r.weights_version is not None else batch.weight_version for r in batch.results}
+    versions = {r.weights_version if r.weights_version is not None else batch.weight_version
+                for r in batch.results} or {batch.weight_version}
     hist: dict[str, int] = {}
     for s in sorted(rec.staleness):
         hist[str(s)] = hist.get(str(s), 0) + 1
