@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("engines", {"ferrule.megatron", "ferrule.rollout"}),
     ("lora", {"ferrule.lora"}),
     ("sync", {"ferrule.sync"}),
-    ("assembly", {"ferrule.plugins", "ferrule.conformance_numeric", "ferrule.conformance_tp",
+    ("assembly", {"ferrule.plugins", "ferrule.conformance_numeric", "ferrule.conformance_tp", "ferrule.conformance_build",
                   "ferrule.conformance_fields", "ferrule.conformance_media", "ferrule.testing"}),
     ("converters", {"ferrule.converters"}),
     ("launchers", {"ferrule.rl", "ferrule.serve"}),

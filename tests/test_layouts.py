@@ -148,3 +148,38 @@ def test_check_refuses_an_unknown_model_option_at_the_config_step(tmp_path, monk
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "['zero_centred_norms'] that the builder does not know" in proc.stderr, proc.stderr
         assert "did you mean 'zero_centered_norms'" in proc.stderr
+
+
+def test_plugins_shows_a_family_that_cannot_build_as_broken_and_an_old_option_as_deprecated(monkeypatch):
+    """``ferrule plugins`` listed a package whose translation produces an option the builder refuses as
+    healthy (round 3's Gemma-3 and 13 variants); now its cheap build check (no torch) shows it broken, and
+    a deprecated option (still built, with a warning) is named with its replacement."""
+    import os
+
+    from ferrule import conformance_numeric as cn
+    from ferrule import registry
+    from ferrule.config_translation import ConfigTranslation, Constant
+    from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION
+    from inproc import run_ferrule
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "TINY_HF_CONFIG", cn.tiny_hf_config("qwen2"), raising=False)
+    monkeypatch.setattr(module, "QWEN2_TYPO", _qwen2_typo(), raising=False)
+    monkeypatch.setattr(module, "QWEN2_OLD", ConfigTranslation("qwen2-old", CONFIG_TRANSLATION.entries + (
+        Constant("local_rotary_base", 10000.0, target="option"),)), raising=False)
+    build = registry.Registry.build.__func__
+
+    def patched(cls, *args, **kwargs):
+        reg = build(cls, *args, **kwargs)
+        for family, ref in (("qwen2", "test_layouts:QWEN2_TYPO"), ("qwen3", "test_layouts:QWEN2_OLD")):
+            reg.converters[family] = dataclasses.replace(reg.converters[family], config_translation=ref)
+        return reg
+
+    monkeypatch.setattr(registry.Registry, "build", classmethod(patched))
+    registry.reset_registry()
+    proc = run_ferrule(["plugins"], env=dict(os.environ, COLUMNS="400"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("│ qwen")}
+    assert "broken" in rows["qwen2"] and "['zero_centred_norms']" in rows["qwen2"], rows["qwen2"]
+    assert "validated" in rows["qwen3"] and "'local_rotary_base' is deprecated: use the layer_rope" in rows["qwen3"]
+    assert "broken" not in rows["qwen3_moe"] and "validated" in rows["qwen3_moe"]

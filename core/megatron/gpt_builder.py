@@ -49,6 +49,7 @@ from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module
     make_transformer_config,
     padded_vocab_size,
 )
+from .option_names import BUILDER_READ_OPTIONS, DEPRECATED_OPTION_NAMES, MODEL_OPTION_KEYS
 from .parallel import ParallelLayout
 
 __all__ = [
@@ -272,15 +273,10 @@ def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
     return cast
 
 
-_MODEL_OPTION_KEYS = (
-    "vocab_size", "max_sequence_length", "share_embeddings_and_output_weights", "rotary_base",
-    "position_embedding_type", "rotary_percent", "rope_scaling", "layer_spec", "embedding_multiplier",
-    "attn_logit_softcapping", "final_logit_softcapping", "extra_norms", "zero_centered_norms",
-    "pre_norms", "qk_norm", "layer_rope",
-)
+_MODEL_OPTION_KEYS = MODEL_OPTION_KEYS
 #: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model` as model
 #: options): ``activation``, and ``core_attention`` (the default when the caller passes none).
-_BUILDER_READ_OPTIONS = ("activation", "core_attention")
+_BUILDER_READ_OPTIONS = BUILDER_READ_OPTIONS
 
 
 def _local_rotary_base_to_layer_rope(config_kwargs: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -313,8 +309,7 @@ def _local_rotary_base_to_layer_rope(config_kwargs: Mapping[str, Any], options: 
 #: Model options of earlier releases that still build, with a ``FutureWarning`` naming the replacement:
 #: ``old name -> (replacement, migrate(config_kwargs, options) -> options)``. Removed one release after.
 DEPRECATED_MODEL_OPTIONS: dict[str, tuple[str, Any]] = {
-    "local_rotary_base": ("the layer_rope option (ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES in the "
-                          "translation, instead of a local_rotary_base row)", _local_rotary_base_to_layer_rope),
+    "local_rotary_base": (DEPRECATED_OPTION_NAMES["local_rotary_base"], _local_rotary_base_to_layer_rope),
 }
 
 
