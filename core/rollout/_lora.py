@@ -285,6 +285,10 @@ class EmbeddedLoraServing:
                 "update_lora_adapter: serving a routed-expert adapter (peft_config target_parameters="
                 f"{peft_config.get('target_parameters')!r}) under CUDA-graph decode is not verified; build the engine "
                 "with EmbeddedEngine(..., cuda_graph=False), or adapt only attention / dense modules.")
+        if self._lora is None and getattr(self, "_multi", None) is not None:
+            raise ValueError("update_lora_adapter: this engine holds adapters for batched multi-adapter decode "
+                             f"({', '.join(self._multi.names())}); remove_lora_adapter() them first to serve one "
+                             "adapter to every row.")
         if self._lora is None and getattr(self, "_asleep", False):
             raise RuntimeError("update_lora_adapter: the first adapter cannot be injected while the engine is asleep; "
                                "call wake() first (later updates of a served adapter work asleep).")
