@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=["base", "batched", "one_by_one"])
+    ap.add_argument("--check", action="store_true", help="also compare batched with each adapter served alone")
     ap.add_argument("--record", action="store_true", help="append the rows to --out")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md"))
     args = ap.parse_args(argv)
@@ -107,9 +108,29 @@ def main(argv=None) -> int:
             def one_by_one():
                 for t, (tensors, cfg) in adapters.items():
                     version[0] += 1
-                    engine.update_lora_adapter(tensors, cfg, version=version[0])
+                    engine.update_lora_adapter(tensors, cfg, version=engine.weights_version + 1)
                     engine.generate([GenerateRequest(prompts[t])], params)
 
+            if args.check and n_ten > 1:  # batched vs each adapter served alone (merged fast path), greedy
+                gp = SamplingParams(temperature=0.0, max_new_tokens=32, n=2, ignore_eos=True)
+                for name_t, (tensors, cfg) in adapters.items():
+                    engine.add_lora_adapter(name_t, tensors, cfg)
+                together = engine.generate([GenerateRequest(prompts[t], lora_adapter=t) for t in adapters], gp)
+                for name_t in list(engine.lora_adapters):
+                    engine.remove_lora_adapter(name_t)
+                diffs, same = [], 0
+                for k, (t, (tensors, cfg)) in enumerate(adapters.items()):
+                    engine.update_lora_adapter(tensors, cfg, version=engine.weights_version + 1)
+                    alone = engine.generate([GenerateRequest(prompts[t])], gp)
+                    for a, b in zip(together[k * 2:(k + 1) * 2], alone):
+                        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                                 len(a.token_ids))
+                        same += n == len(a.token_ids)
+                        diffs += [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])]
+                engine.unload_lora_adapter()
+                print(f"check r{rank} x{n_ten}: batched vs alone (merged fast path), greedy 32 tokens: "
+                      f"{same}/{2 * n_ten} rows identical, logprob |diff| over the common prefix: mean "
+                      f"{statistics.mean(diffs):.2e}, max {max(diffs):.2e}", flush=True)
             for mode in args.modes:
                 if mode == "batched":
                     for name_t, (tensors, cfg) in adapters.items():

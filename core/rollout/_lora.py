@@ -295,7 +295,7 @@ class EmbeddedLoraServing:
         if self._lora is None:
             self._checkpoint_tensors()  # base names and views, taken before PEFT renames the wrapped linears
             self._lora = ServedLoraAdapter.inject(self.model, peft_config, tensors)
-            self._states.clear()  # decode states / CUDA graphs captured without the adapter
+            self._drop_decode_states()  # decode states / CUDA graphs captured without the adapter
         else:
             old, new = self._lora.structural, structural_settings(peft_config)
             changed = {k: (old[k], new[k]) for k in old if old[k] != new[k]}
@@ -326,7 +326,7 @@ class EmbeddedLoraServing:
         self._lora.remove()
         self._lora, self._lora_name = None, None
         self._merged_lora = None  # its merged weight copies (fast decode path)
-        self._states.clear()
+        self._drop_decode_states()
 
     def get_lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The served adapter's tensors under PEFT saved names (detached aliases); ``{}`` without an adapter."""

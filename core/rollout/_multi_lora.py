@@ -297,6 +297,13 @@ class EmbeddedMultiLora:
 
     _multi: MultiLoraPool | None = None
 
+    def _drop_decode_states(self) -> None:
+        """Drop the decode states (their graphs hold the pool's old addresses or ran without the hooks) and
+        take a fresh CUDA graph pool, as ``sleep`` does: capturing into a private pool whose graphs were all
+        freed while blocks of it lived on failed an allocator assert on an H100 (torch 2.11)."""
+        self._states.clear()
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+
     def add_lora_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any]) -> None:
         """Hold PEFT LoRA adapter ``name`` for batched multi-adapter decode (replacing the values of an
         adapter of that name); requests choose it with ``GenerateRequest(..., lora_adapter=name)``.
@@ -326,7 +333,8 @@ class EmbeddedMultiLora:
         pool = self._multi
         if pool is None:
             rows = self._largest_rung() or 0
-            pool = MultiLoraPool(self.model, int(self.settings.max_lora_adapters), self._states.clear, rows=rows)
+            pool = MultiLoraPool(self.model, int(self.settings.max_lora_adapters), self._drop_decode_states,
+                                 rows=rows)
         try:
             pool.add(name, tensors, peft_config)
         except Exception:
@@ -335,7 +343,7 @@ class EmbeddedMultiLora:
             raise
         if self._multi is None:
             self._multi = pool
-            self._states.clear()  # decode states captured without the hooks
+            self._drop_decode_states()  # decode states captured without the hooks
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._weights_serial += 1
@@ -352,7 +360,7 @@ class EmbeddedMultiLora:
         if not self._multi.slots:
             self._multi.close()
             self._multi = None
-            self._states.clear()
+            self._drop_decode_states()
         self._weights_serial += 1
 
     @property
