@@ -3,7 +3,7 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 (kept beside the plugin) get the same environment and fixtures.
 
 - Only the in-tree plugins and the example out-of-tree package are visible
-  (``FERRULE_PLUGINS=qwen,inkling,inkling2,llama``), so another installed third-party plugin cannot change
+  (``FERRULE_PLUGINS=qwen,inkling,inkling2,llama,environments``), so another installed third-party plugin cannot change
   what these tests see; tests that need others set it.
 - The conformance kit ``ferrule.testing`` runs over the in-tree families; the fixture plugins
   under tests/fixtures run it in a subprocess (tests/test_fixture_families.py).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,inkling2,llama")
+os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,inkling2,llama,environments")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's share of threads per worker
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))

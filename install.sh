@@ -27,7 +27,11 @@ fi
 # holds (the default mode's import hook loses to a `ferrule/` folder in the cwd, which Python takes
 # for a namespace package). Edits to existing files are live; after adding or removing a module,
 # run this script again.
-python -m pip install -q -e ".[rl,serve,metrics,dev]" --config-settings editable_mode=strict
+# transformers is pinned to the release the suite is checked against (pyproject allows >=5.23,<6 for
+# users; the reference models, config keys and weight layouts the tests compare with are this release's);
+# FERRULE_TRANSFORMERS=VERSION tries another
+python -m pip install -q -e ".[rl,serve,metrics,dev,agents]" "transformers==${FERRULE_TRANSFORMERS:-5.25.0}" \
+  --config-settings editable_mode=strict
 # the worked example of an out-of-tree model-family plugin (llama / SmolLM2); its tests run with ours
 python -m pip install -q -e examples/ferrule-llama --no-deps
 python -m pip check

@@ -137,11 +137,17 @@ def _round_trip(hf_dir: Path, back: Path, dtype: str | None = None) -> tuple[boo
     return ok, (f"{len(a.keys())} tensors bit-exact" if ok else f"missing {missing[:5]}, changed {changed[:5]}")
 
 
-def _config_step(hf_dir: Path, family: str | None, tp: int):
+def _layout_label(layout_kw: dict) -> str:
+    """``tp=2``, or ``tp=2, ep=2, etp=1`` when the expert degrees are set."""
+    return ", ".join(f"{k}={v}" for k, v in layout_kw.items() if k == "tp" or (k == "ep" and v != 1) or k == "etp")
+
+
+def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
     """Family, translation and layout check; raises for bad input (exit 2)."""
     from ferrule import registry
     from ferrule.config_translation import parse_hf_config
-    from ferrule.megatron.gpt_builder import check_layout_fits
+    from ferrule.megatron.gpt_builder import check_family_layout
+    from ferrule.specs import DEFAULT_PROVIDER_BUILD
     from ferrule.megatron.parallel import ParallelLayout
 
     if not (hf_dir / "config.json").is_file():
@@ -149,28 +155,48 @@ def _config_step(hf_dir: Path, family: str | None, tp: int):
     hf_config = json.loads((hf_dir / "config.json").read_text())
     spec = registry.get_family(family) if family else registry.family_for_hf_config(hf_config)
     tc_kwargs, opts = registry.get_converter(spec.name).resolved_config_translation().to_mcore(hf_config)
-    check_layout_fits(tc_kwargs, ParallelLayout(tp=tp))
+    layout = ParallelLayout(**layout_kw)
+    layout.validate(layout.tp * layout.ep)
+    check_family_layout(spec.name, tc_kwargs, layout)
+    if registry.get_provider(spec.name).build in (None, DEFAULT_PROVIDER_BUILD):
+        # the default build's model options, checked here: an option it does not know was reported as a build
+        # failure (exit 1 at tp=1, a crash, exit 3, at tp=2) after a config row that said "ok"
+        import warnings
+
+        from ferrule.megatron.gpt_builder import _model_kwargs, migrate_model_options
+
+        translation = registry.get_converter(spec.name).resolved_config_translation()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the build warns, once, for a deprecated option
+            _model_kwargs(translation, migrate_model_options(translation.name, tc_kwargs, opts))
     values, _ = parse_hf_config(hf_config, spec.name)
     return spec, hf_config, values, tc_kwargs, opts
 
 
 def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seqs: int = 2, seq_len: int = 32,
-              text: str | None = None, atol: float = 1e-5, work_dir: str | Path | None = None) -> CheckReport:
+              text: str | None = None, atol: float = 1e-5, work_dir: str | Path | None = None, ep: int = 1,
+              etp: int | None = None) -> CheckReport:
     """Run the check steps (module docs) on ``hf_dir``; returns the report (never raises for a
     numeric mismatch or a crashing plugin: those are rows).
+
+    The layout is ``ParallelLayout(tp=tp, ep=ep, etp=etp)`` on ``tp * ep`` processes (``etp`` None: megatron's
+    default, ``tp``); every step (convert, round trip, logits) runs at it.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``hf_dir``.
         ferrule.registry.UnknownModelError: no family for the config (or ``family``).
         ferrule.config_translation.ConfigTranslationError: the family cannot translate the config.
-        ValueError: ``tp`` cannot split the model (heads / KV groups).
+        ValueError: ``tp`` cannot split the model (heads / KV groups); the layout does not fit the model or
+            the family's ``layouts`` (``ferrule.megatron.parallel.ParallelLayoutError``).
     """
     from ferrule.config_translation import ConfigTranslationError
+    from ferrule.converters.checkpoint import layout_kwargs
 
     hf_dir = Path(hf_dir)
     t0 = time.time()
+    layout_kw = layout_kwargs(tp, ep, 1, etp)
     try:
-        spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, tp)
+        spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, layout_kw)
     except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):
         raise
     except Exception as exc:  # noqa: BLE001 - plugin code raised while translating: a crash, not bad input
@@ -185,13 +211,13 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     reach = [w for w in (_window_reach(values, int(ids.shape[1])),) if w]
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         tmp = Path(tmp)
-        _convert_and_compare(report, hf_dir, tmp, spec, tp, ids, atol, reach)
+        _convert_and_compare(report, hf_dir, tmp, spec, layout_kw, ids, atol, reach)
     if reach:
         report.rows.insert(1, CheckRow("reach", "WARN", "; ".join(reach)))
     return report
 
 
-def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, tp: int, ids, atol: float,
+def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, layout_kw: dict, ids, atol: float,
                          reach: list[str]) -> None:
     from ferrule.converters import hf_to_torch_dist, torch_dist_to_hf
     from ferrule.converters.checkpoint import _run
@@ -204,21 +230,25 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, tp:
     # a quantized source is converted at float32: the logits step's HF model dequantizes into float32
     # (from_pretrained(dtype=float32)), and NVFP4 values are not exact in bfloat16
     dtype = "float32" if isinstance(open_hf_weights(hf_dir), DequantizingReader) else None
-    convert = lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp, family=spec.name, dtype=dtype)  # noqa: E731
-    if _step(report, f"convert (tp={tp})", convert) is None:
+    label = _layout_label(layout_kw)
+    tp, ep, etp = layout_kw["tp"], layout_kw["ep"], layout_kw.get("etp")
+    convert = lambda: hf_to_torch_dist(hf_dir, tmp / "td", tp=tp, ep=ep, etp=etp, family=spec.name,  # noqa: E731
+                                       dtype=dtype)
+    if _step(report, f"convert ({label})", convert) is None:
         return
-    report.rows.append(CheckRow(f"convert (tp={tp})", "ok", "hf -> torch_dist", time.time() - t0))
+    report.rows.append(CheckRow(f"convert ({label})", "ok", "hf -> torch_dist", time.time() - t0))
     t0 = time.time()
-    back = _step(report, f"round trip (tp={tp})", lambda: (torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp,
-                                                                            family=spec.name),
+    back = _step(report, f"round trip ({label})", lambda: (torch_dist_to_hf(tmp / "td", tmp / "back", tp=tp, ep=ep,
+                                                                            etp=etp, family=spec.name),
                                                            _round_trip(hf_dir, tmp / "back", dtype))[1])
     if back is not None:
-        report.rows.append(CheckRow(f"round trip (tp={tp})", "ok" if back[0] else "FAIL", back[1], time.time() - t0))
+        report.rows.append(CheckRow(f"round trip ({label})", "ok" if back[0] else "FAIL", back[1], time.time() - t0))
     t0 = time.time()
-    step = f"logits (tp={tp}, fp32)"
+    step = f"logits ({label}, fp32)"
     out = tmp / "logits.json"
-    done = _step(report, step, lambda: _run(tp, logits_worker, (str(hf_dir), str(tmp / "td"), str(out), spec.name, tp,
-                                                                ids.tolist(), spec.attn_implementation), tmp) or True)
+    done = _step(report, step, lambda: _run(tp * ep, logits_worker, (str(hf_dir), str(tmp / "td"), str(out), spec.name,
+                                                                     tp, ids.tolist(), spec.attn_implementation,
+                                                                     layout_kw), tmp) or True)
     if done is None:
         return
     result = json.loads(out.read_text())

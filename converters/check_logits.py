@@ -101,8 +101,9 @@ def _dequantized_copy(hf_dir: Path, out: Path) -> str:
 
 
 def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: str, tp: int, ids: list,
-                  attn_impl: str | None) -> None:
-    """One rank of the logits step (module docs); ``ids`` is the ``[b, s]`` test batch as lists."""
+                  attn_impl: str | None, layout_kw: dict | None = None) -> None:
+    """One rank of the logits step (module docs); ``ids`` is the ``[b, s]`` test batch as lists; ``layout_kw``
+    the ``ParallelLayout`` keywords (default ``{"tp": tp}``)."""
     import torch
 
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
@@ -111,7 +112,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     from .check_points import _max_diff, capture, compare
     from .checkpoint import load_torch_dist_into_mcore
 
-    layout = ParallelLayout(tp=tp)
+    layout = ParallelLayout(**(layout_kw or {"tp": tp}))
     init_distributed(layout)
     hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
     ids_t = torch.tensor(ids, dtype=torch.long)

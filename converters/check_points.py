@@ -7,8 +7,8 @@ op             megatron module                                  HF module (defau
 ============== ================================================ ====================================
 ``input_norm`` ``input_layernorm`` (absent when ``IdentityOp``)  ``input_layernorm``
 ``attention``  ``self_attention``: what the attention block      ``post_attention_layernorm`` when
-               adds to the residual stream (post-norm included)  the layer has
-                                                                 ``post_feedforward_layernorm``
+               adds to the residual stream (post-norm and        the layer has
+               ``linear_proj``'s bias included)                  ``post_feedforward_layernorm``
                                                                  (Gemma-2/3, OLMo-2), else
                                                                  ``self_attn``
 ``pre_mlp_norm`` ``pre_mlp_layernorm`` (absent when ``IdentityOp``) ``pre_feedforward_layernorm``;
@@ -16,7 +16,7 @@ op             megatron module                                  HF module (defau
                                                                  for a pre-norm layer (Llama names
                                                                  its pre-MLP norm so)
 ``mlp``        ``mlp``: what the MLP block adds (post-norm       ``post_feedforward_layernorm`` if
-               included)                                         present, else ``mlp``
+               and ``linear_fc2``'s bias included)               present, else ``mlp``
 ``output``     the layer                                         the layer
 ============== ================================================ ====================================
 
@@ -81,12 +81,33 @@ def mcore_layer_points(layer: Any) -> dict[str, Any]:
     return {op: m for op, m in points.items() if m is not None and not isinstance(m, IdentityOp)}
 
 
+def _with_bias(output: Any) -> Any:
+    """A module's output as the residual stream receives it: megatron's attention and MLP return
+    ``(output, bias)`` with ``linear_proj`` / ``linear_fc2``'s bias left out (``skip_bias_add``; the layer's
+    bias-dropout-add adds it), while HF's ``o_proj`` / ``down_proj`` add theirs, so the bias is added here
+    (a point that left it out differed by the bias in every layer of a family with an ``o_proj`` bias, and
+    every later mistake was blamed on "layer 0 attention")."""
+    if not isinstance(output, (tuple, list)):
+        return output
+    out = output[0]
+    bias = output[1] if len(output) > 1 else None
+    import torch
+
+    if isinstance(out, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.shape == out.shape[-1:]:
+        return out + bias
+    return out
+
+
 def capture(points: dict[tuple, Any], store: dict, *, layout: str) -> list:
-    """Forward hooks storing each module's first output tensor under its key, as fp64 ``[b, s, h]``."""
+    """Forward hooks storing each module's first output tensor under its key, as fp64 ``[b, s, h]``; a
+    ``(output, bias)`` pair of a megatron attention / MLP (``layout="sbh"``) is stored as ``output + bias``."""
     handles = []
     for key, module in points.items():
         def hook(_m, _inputs, output, key=key):
-            out = output[0] if isinstance(output, (tuple, list)) else output
+            if layout == "sbh":
+                out = _with_bias(output)
+            else:
+                out = output[0] if isinstance(output, (tuple, list)) else output
             out = out.detach().double()
             store[key] = out.transpose(0, 1) if layout == "sbh" else out
 

@@ -72,13 +72,19 @@ def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> in
 
 
 def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
-    """Fail fast (before any worker process starts) when the layout cannot split this model."""
+    """Fail fast (before any worker process starts) when the layout cannot split this model or the family
+    does not support it (:func:`ferrule.megatron.gpt_builder.check_family_layout`)."""
     from ferrule import registry
-    from ferrule.megatron.gpt_builder import check_layout_fits
+    from ferrule.megatron.gpt_builder import check_family_layout
 
     translation = registry.get_converter(family).resolved_config_translation()
     tc_kwargs, _ = translation.to_mcore(hf_config)
-    check_layout_fits(tc_kwargs, layout)
+    check_family_layout(family, tc_kwargs, layout)
+
+
+def layout_kwargs(tp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None) -> dict:
+    """The ``ParallelLayout`` keywords of a conversion (``etp`` only when set: megatron's default is ``tp``)."""
+    return {"tp": tp, "pp": pp, "ep": ep, **({"etp": etp} if etp is not None else {})}
 
 
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
@@ -229,7 +235,7 @@ def hf_to_torch_dist_bytes(hf_dir: str | os.PathLike, *, dtype: str | None = Non
 
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              progress: Callable[[int], None] | None, family: str | None = None) -> None:
-    from ferrule.megatron.checkpoint import save_sharded
+    from ferrule.megatron.checkpoint import check_sharded_coverage, save_sharded
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
@@ -238,26 +244,29 @@ def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, 
     _, build, table = _family_parts(hf_config, family)
     chunks = _build(build, hf_config, layout, dtype)
     load_hf_into_mcore(chunks, hf_dir, table, hf_config=hf_config, progress=progress if rank == 0 else None)
-    save_sharded(_sharded_state_dict(chunks), tmp)  # no __main__ guard needed in the caller
+    sharded = _sharded_state_dict(chunks)
+    check_sharded_coverage(chunks, sharded)  # a parameter the save would drop: an error now, not at the load
+    save_sharded(sharded, tmp)  # no __main__ guard needed in the caller
 
 
 def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1, pp: int = 1,
-                     overwrite: bool = False, dtype: str | None = None,
+                     etp: int | None = None, overwrite: bool = False, dtype: str | None = None,
                      progress: Callable[[int], None] | None = None, notice: Notice | None = None,
                      family: str | None = None) -> Path:
     """Convert an HF safetensors checkpoint into a megatron torch_dist checkpoint.
 
     The family is ``family`` (a registered family name) or comes from ``config.json`` through the
     registry (recorded in ``ferrule_checkpoint.json`` either way); the model is built by the
-    family's provider at the requested layout (``tp * ep * pp`` ranks; expert TP = ``tp``),
+    family's provider at the requested layout (``tp * ep * pp`` ranks; expert TP = ``etp``, default ``tp``),
     HF tensors are streamed one at a time through the family's mapping table into the live
     parameters, and ``megatron.core.dist_checkpointing.save`` writes the result.
 
     Args:
         hf_dir: HF checkpoint directory (``config.json`` + ``model.safetensors[.index.json]``).
         out_dir: output directory (must not exist unless ``overwrite``).
-        tp, ep, pp: parallel layout used for the conversion processes (the checkpoint itself
-            loads under any layout).
+        tp, ep, pp, etp: parallel layout used for the conversion processes (the checkpoint itself
+            loads under any layout); ``etp`` None is megatron's default (``tp``). A layout the model cannot
+            split or the family does not support (``ModelFamilySpec.layouts``) is refused before any process starts.
         dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the
             checkpoint's main floating dtype (most bytes). Tensors stored in another floating dtype
             are recorded (``hf_dtypes`` in ``ferrule_checkpoint.json``) and exported in their own
@@ -274,7 +283,8 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the
             conversion writes (checked first), or a write failed with ``ENOSPC``: "no space left on
             OUT_DIR (needed ~N MB, free M MB)"; nothing is left behind.
-        CheckpointError: missing ``config.json``, missing/truncated shard.
+        CheckpointError: missing ``config.json``, missing/truncated shard; a provider parameter its model's
+            ``sharded_state_dict()`` does not return (named: the checkpoint would lack it).
         ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
         ferrule.megatron.parallel.ParallelLayoutError: an invalid layout.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
@@ -292,7 +302,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     reader = open_hf_weights(hf_dir, hf_config, dtype=dtype)
     dtype = dtype or _dtype_name(reader)
     other_dtypes = _other_float_dtypes(reader, dtype)
-    layout_kw = {"tp": tp, "pp": pp, "ep": ep}
+    layout_kw = layout_kwargs(tp, ep, pp, etp)
     world = tp * pp * ep
     ParallelLayout(**layout_kw).validate(world)
     _check_layout_before_spawn(spec.name, hf_config, ParallelLayout(**layout_kw))
@@ -415,7 +425,7 @@ def _recorded_family(meta: dict) -> str | None:
 
 
 def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, ep: int = 1,
-                     overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
+                     etp: int | None = None, overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3,
                      progress: Callable[[int], None] | None = None, dtype: str | None = None,
                      keep_quantized: bool = False, notice: Notice | None = None, family: str | None = None,
                      mxfp8: bool = False) -> Path:
@@ -474,9 +484,10 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     hf_config = _read_config(ckpt_dir / HF_SUBDIR)
     spec, _, table = _family_parts(hf_config, family or _recorded_family(meta))
     _check_dropped(dropped_hf_tensors(meta, table), table)
-    layout_kw = {"tp": tp, "pp": 1, "ep": ep}
+    layout_kw = layout_kwargs(tp, ep, 1, etp)
     world = tp * ep
     ParallelLayout(**layout_kw).validate(world)
+    _check_layout_before_spawn(spec.name, hf_config, ParallelLayout(**layout_kw))
     if dtype is not None and dtype not in _FLOAT_NAMES.values():
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_FLOAT_NAMES.values())}")
     out_dtype = dtype or meta["dtype"]

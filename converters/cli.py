@@ -2,7 +2,7 @@
 
 Commands::
 
-    ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N] [--overwrite]
+    ferrule convert hf-to-torch-dist HF_DIR OUT_DIR [--tp N] [--ep N] [--etp N] [--pp N] [--overwrite]
     ferrule convert torch-dist-to-hf CKPT_DIR OUT_DIR [--overwrite] [--max-shard-gb 5] [--keep-quantized]
 
 Errors are printed as one message (what was wrong and how to fix it) with exit code 2; no
@@ -12,7 +12,7 @@ partial output is left behind. See docs/convert.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -54,7 +54,8 @@ class _Bar:
 
 def _check_counts(**flags: int) -> None:
     """Refuse a process count below 1 (``--tp 0``) before anything is read, drawn or written."""
-    what = {"tp": "tensor-parallel", "ep": "expert-parallel", "pp": "pipeline-parallel"}
+    what = {"tp": "tensor-parallel", "ep": "expert-parallel", "pp": "pipeline-parallel",
+            "etp": "expert tensor-parallel"}
     for name, value in flags.items():
         if value < 1:
             raise typer.BadParameter(f"--{name} {value}: expected a whole number >= 1 ({what[name]} conversion "
@@ -86,24 +87,27 @@ def hf_to_torch_dist_cmd(
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the conversion processes.")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE).")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")] = 1,
+    etp: Annotated[Optional[int], typer.Option("--etp", help="Expert tensor-parallel size (MoE; default: --tp). "
+                                               "MoE families with biases need --etp 1.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT_DIR if it exists.")] = False,
 ) -> None:
     """Convert an HF checkpoint to a Megatron torch_dist checkpoint.
 
     Runs tp*ep*pp processes (gloo on CPU); the checkpoint loads under any layout afterwards.
+    A layout the model cannot split or the family does not support is refused before any process starts.
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
     from ferrule.converters.checkpoint import hf_to_torch_dist, hf_to_torch_dist_bytes
     from ferrule.fsutil import sigterm_as_exit
 
     try:
-        _check_counts(tp=tp, ep=ep, pp=pp)
+        _check_counts(tp=tp, ep=ep, pp=pp, **({"etp": etp} if etp is not None else {}))
         if out_dir.exists() and not overwrite:
             raise FileExistsError(f"output directory {out_dir} already exists; pass --overwrite to replace it.")
         one_process = tp * ep * pp == 1  # the ranks of a multi-process conversion report no progress
         with sigterm_as_exit(), _Bar(hf_to_torch_dist_bytes(hf_dir) if one_process else None,
                                      "hf -> torch_dist") as bar:  # SIGTERM: temp output and lock removed
-            out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, overwrite=overwrite,
+            out = hf_to_torch_dist(hf_dir, out_dir, tp=tp, ep=ep, pp=pp, etp=etp, overwrite=overwrite,
                                    progress=bar.advance if one_process else None, notice=_notice)
     except BaseException as exc:  # noqa: BLE001 - every error becomes one clear message
         _fail(exc)

@@ -39,6 +39,9 @@ def _quiet_check() -> Iterator[None]:
 def check_command(
     hf_dir: Annotated[Path, typer.Argument(help="HF checkpoint directory (config.json + safetensors).")],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size (processes) for the conversion, the round trip and the logits.")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE); the check runs tp*ep processes.")] = 1,
+    etp: Annotated[Optional[int], typer.Option("--etp", help="Expert tensor-parallel size (MoE; default: --tp). "
+                                               "MoE families with biases need --etp 1.")] = None,
     family: Annotated[Optional[str], typer.Option("--family", help="Family name (default: from config.json).")] = None,
     seqs: Annotated[int, typer.Option("--seqs", help="Random test sequences.")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per random test sequence.")] = 32,
@@ -60,6 +63,8 @@ def check_command(
     err = Console(stderr=True)
     bad = [f"--{name} {value}: expected {want}" for name, value, ok, want in (
         ("tp", tp, tp >= 1, "a whole number >= 1 (tensor-parallel processes; default 1)"),
+        ("ep", ep, ep >= 1, "a whole number >= 1 (expert-parallel size; default 1)"),
+        ("etp", etp, etp is None or etp >= 1, "a whole number >= 1 (expert tensor-parallel size; default: --tp)"),
         ("seqs", seqs, seqs >= 1, "a whole number >= 1 (random test sequences; default 2)"),
         ("seq-len", seq_len, seq_len >= 1, "a whole number >= 1 (tokens per test sequence; default 32)"),
         ("atol", atol, atol >= 0, "a tolerance >= 0 (default 1e-05)")) if not ok]
@@ -68,9 +73,12 @@ def check_command(
         raise typer.Exit(code=EXIT_BAD_INPUT)
     try:
         with _quiet_check():
-            report = run_check(hf_dir, tp=tp, family=family, seqs=seqs, seq_len=seq_len, text=text, atol=atol)
-    except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2
-        err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+            report = run_check(hf_dir, tp=tp, ep=ep, etp=etp, family=family, seqs=seqs, seq_len=seq_len, text=text,
+                               atol=atol)
+    except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2 (the line `ferrule convert` prints)
+        from ferrule.cli_errors import print_user_error, user_error_message
+
+        print_user_error(user_error_message(exc) or f"{type(exc).__name__}: {exc}")
         raise typer.Exit(code=EXIT_BAD_INPUT) from None
     console = Console()
     table = Table(title=f"ferrule check {hf_dir} (family {report.family})", title_justify="left")

@@ -60,8 +60,14 @@ def _main(
 @app.command("plugins")
 def plugins_cmd(
     show_traceback: bool = typer.Option(False, "--traceback", help="Print full tracebacks of load failures."),
+    check: bool = typer.Option(False, "--check", help="Build-check each family's TINY_HF_CONFIG as transformers "
+                                                      "parses it (imports transformers and torch: slower)."),
 ) -> None:
     """List plugin distributions, their families and status, implemented hooks and load failures.
+
+    Each complete family runs its cheap build check (references resolve, TINY_HF_CONFIG translates, the
+    default build knows its options; no torch; --check: as transformers parses the config): a family that
+    fails it is shown as broken.
 
     Honours FERRULE_PLUGINS (allow-list of entry points) and FERRULE_STRICT_PLUGINS=1
     (a broken plugin is fatal instead of reported).
@@ -79,6 +85,8 @@ def plugins_cmd(
         t.add_row(p.distribution, p.version, p.name, ", ".join(fams) or "-", ", ".join(h.removeprefix("register_") for h in p.hooks) or "-")
     console.print(t)
 
+    from ferrule.conformance_build import family_build_check
+
     f = Table(title="families", title_justify="left")
     for col in ("family", "model_types", "status", "reason", "missing parts"):
         f.add_column(col, overflow="fold")
@@ -91,6 +99,14 @@ def plugins_cmd(
             # a family that cannot be used is never listed as validated (see the load failures below)
             status = "[red]incomplete[/]"
             reason = f"declared {spec.status.value} but lacks {', '.join(missing)}: unusable until the load failure is fixed"
+        elif not missing:
+            # the cheap build check (ferrule.conformance_build): a family that cannot build is never listed healthy
+            verdict, detail = family_build_check(spec.name, parse=check)
+            if verdict == "broken":
+                status = "[red]broken[/]"
+                reason = f"declared {spec.status.value} but its build check fails: {detail}"
+            elif verdict == "deprecated":
+                reason = f"{spec.reason + '; ' if spec.reason else ''}builds with a deprecation warning: {detail}"
         f.add_row(spec.name, ", ".join(spec.model_types), status, reason, ", ".join(missing) or "-")
     console.print(f)
 

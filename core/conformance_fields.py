@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["hf_model_class", "text_vocab_size", "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer",
+__all__ = ["hf_model_class", "text_vocab_size", "full_width", "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer",
            "translated_fields_vs_hf"]
 
 
@@ -32,7 +32,8 @@ def text_vocab_size(hf_config: Mapping[str, Any]) -> int:
 
 
 def rotary_tables_hf(hf_model, seq_len: int, layer_type: str | None = None):
-    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that HF's model applies at positions 0..seq_len-1.
+    """``(cos, sin)`` ``[seq_len, rotary_dim]`` (fp64) that HF's model applies at positions 0..seq_len-1
+    (a half-width table, one column per rotated pair, widened: :func:`full_width`).
 
     From ``model.model.rotary_emb(x, position_ids)``: HF's inverse frequencies after scaling, times
     its ``attention_scaling``. ``layer_type`` (e.g. ``"full_attention"``) selects the table of that
@@ -45,7 +46,29 @@ def rotary_tables_hf(hf_model, seq_len: int, layer_type: str | None = None):
     x = torch.zeros(1, seq_len, 1, dtype=torch.float32)
     pos = torch.arange(seq_len).unsqueeze(0)
     cos, sin = rotary(x, pos) if layer_type is None else rotary(x, pos, layer_type)
-    return cos[0].double(), sin[0].double()
+    return full_width(cos[0].double(), sin[0].double())
+
+
+def full_width(cos, sin):
+    """``(cos, sin)`` as ``[seq, rotary_dim]``, the rotate-half layout megatron uses (``cat(freqs, freqs)``).
+
+    Most HF rotary embeddings return that already (Llama: ``emb = torch.cat((freqs, freqs), dim=-1)``); some
+    return one column per rotated *pair*, ``[seq, rotary_dim / 2]`` (transformers' ``GptOssRotaryEmbedding``:
+    ``emb = freqs``, applied by ``_apply_rotary_emb`` to both halves of the head). A table whose two halves
+    differ (or whose width is odd) is such a half-width table and is returned widened to ``cat(t, t)``; a
+    rotate-half table (equal halves) is returned unchanged. Position 0 alone cannot tell them apart
+    (``cos = 1`` everywhere): tables of one row are returned unchanged.
+    """
+    import torch
+
+    width = cos.shape[-1]
+    if cos.shape[0] < 2:
+        return cos, sin
+    halves_equal = width % 2 == 0 and torch.equal(cos[..., : width // 2], cos[..., width // 2:]) \
+        and torch.equal(sin[..., : width // 2], sin[..., width // 2:])
+    if halves_equal:
+        return cos, sin
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def _hf_rotary_layer_types(hf_model) -> list[str] | None:
@@ -110,7 +133,7 @@ def translated_fields_vs_hf(hf_model, mcore_model) -> list[tuple[str, Any, Any]]
         ("num_layers", cfg.num_layers, len(hf_model.model.layers)),
         ("hidden_size", cfg.hidden_size, hf_model.model.embed_tokens.weight.shape[1]),
         ("ffn_hidden_size", cfg.ffn_hidden_size if not cfg.num_moe_experts else cfg.moe_ffn_hidden_size,
-         _hf_ffn_width(layer)),
+         _hf_ffn_width(layer, hf_model.model.embed_tokens.weight.shape[1])),
         ("num_attention_heads", cfg.num_attention_heads, attn.q_proj.out_features // head_dim),
         ("num_query_groups", cfg.num_query_groups, attn.k_proj.out_features // head_dim),
         ("kv_channels", cfg.kv_channels, head_dim),
@@ -129,13 +152,28 @@ def translated_fields_vs_hf(hf_model, mcore_model) -> list[tuple[str, Any, Any]]
     return rows
 
 
-def _hf_ffn_width(layer) -> int:
+def _hf_ffn_width(layer, hidden: int | None = None) -> int:
+    """The (expert) MLP width of one HF decoder layer, read from its modules.
+
+    A dense MLP: ``gate_proj.out_features``. Stacked routed experts: the ``intermediate_size`` the experts
+    module records (``intermediate_dim``: transformers' ``Qwen3MoeExperts``; ``intermediate_size``:
+    ``GptOssExperts``) when it is one of the stacked ``down_proj``'s dimensions, else the dimension of the stacked
+    ``down_proj`` ``[E, ., .]`` that is not ``hidden``: its layout is ``[E, hidden, ffn]`` (Qwen3-MoE, out x in)
+    or ``[E, ffn, hidden]`` (gpt-oss, in x out; its ``gate_up_proj`` is ``[E, hidden, 2 * ffn]``).
+    """
     mlp = layer.mlp
     if hasattr(mlp, "gate_proj"):
         return mlp.gate_proj.out_features
     experts = getattr(mlp, "experts", None)
     if experts is not None and hasattr(experts, "down_proj"):
-        return int(experts.down_proj.shape[-1])
+        shape = tuple(experts.down_proj.shape)
+        for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+            recorded = getattr(experts, attr, None)
+            if isinstance(recorded, int) and recorded in shape[1:]:
+                return recorded
+        if hidden is not None and len(shape) == 3 and shape[-1] == hidden:
+            return int(shape[-2])
+        return int(shape[-1])
     raise AssertionError(f"cannot read the MLP width of HF layer {type(layer).__name__}")
 
 

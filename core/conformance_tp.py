@@ -5,7 +5,8 @@ Run by :class:`ferrule.testing.FamilyConformance` (or by hand)::
     python -m torch.distributed.run --nproc-per-node 2 -m ferrule.conformance_tp \
         --work DIR --out results.json FAMILY [FAMILY ...]
 
-Each rank initializes megatron with ``ParallelLayout(tp=2)`` (gloo on CPU) once; then, for each
+Each rank initializes megatron with ``ParallelLayout(tp=2)`` (gloo on CPU) once (re-initialized at
+``etp=1`` for a family whose ``ModelFamilySpec.layouts`` refuses expert TP 2: :func:`kit_layout`); then, for each
 family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance_numeric.tiny_hf_dir`,
 with the family's optional ``TINY_TP2_OVERRIDES`` applied, e.g. 2 KV heads for an MQA config),
 both ranks build the provider at TP=2, load the HF tensors through the mapping table (so a
@@ -44,6 +45,37 @@ def tp2_overrides(family: str) -> dict | None:
     return dict(value) if value is not None else None
 
 
+def kit_layout(family: str, tc_kwargs: dict | None = None):
+    """The ``ParallelLayout`` the kit checks ``family`` at: ``tp=2``, with the expert TP size the family's
+    ``ModelFamilySpec.layouts`` allows (megatron's default ``etp = tp`` when it allows it, else the largest
+    allowed divisor of ``tp``; a biased-MoE family that declares ``etp=(1,)`` is checked at ``etp=1``). A MoE
+    model with biases (``tc_kwargs``: ``num_moe_experts`` and ``add_bias_linear``) is checked at ``etp=1``, the
+    only expert TP size megatron-core builds it at."""
+    from ferrule import registry
+    from ferrule.megatron.parallel import ParallelLayout
+
+    support = registry.get_family(family).layouts
+    allowed = support.etp if support is not None else None
+    if tc_kwargs and tc_kwargs.get("num_moe_experts") and tc_kwargs.get("add_bias_linear"):
+        allowed = tuple(v for v in (allowed or (1,)) if v == 1) or allowed
+    if allowed is None or TP in allowed:
+        return ParallelLayout(tp=TP)
+    fits = [v for v in allowed if TP % v == 0]
+    return ParallelLayout(tp=TP, etp=max(fits)) if fits else ParallelLayout(tp=TP)
+
+
+def _use_layout(layout) -> None:
+    """Re-initialize megatron's model-parallel groups at ``layout`` when it differs (same process group)."""
+    from megatron.core import parallel_state
+
+    from ferrule.megatron.parallel import destroy_distributed, init_distributed
+
+    if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_expert_tensor_parallel_world_size() != (layout.etp or layout.tp)):
+        destroy_distributed(keep_process_group=True)
+    init_distributed(layout)
+
+
 def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     """Numeric cases for ``family`` at the current TP layout; returns the logits max abs diff (rank 0)."""
     import torch
@@ -56,8 +88,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.safetensors_io import SafetensorsReader
     from ferrule.megatron.weights import export_mcore_to_hf
-    from ferrule.megatron.gpt_builder import check_layout_fits
-    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.megatron.gpt_builder import check_family_layout
     from ferrule.megatron.provider import provider_build
 
     rank = dist.get_rank()
@@ -68,14 +99,16 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     hf_config = json.loads((src / "config.json").read_text())
     converter = registry.get_converter(family)
     tc_kwargs, _ = converter.resolved_config_translation().to_mcore(hf_config)
+    layout = kit_layout(family, tc_kwargs)
     try:
-        check_layout_fits(tc_kwargs, ParallelLayout(tp=TP))
+        check_family_layout(family, tc_kwargs, layout)
     except ValueError as exc:
         raise ValueError(f"TINY_HF_CONFIG cannot be split at TP={TP} ({exc}); set TINY_TP2_OVERRIDES in the "
                          f"provider module (e.g. more KV heads) so the kit can check the TP split.") from None
     table = converter.resolved_mapping()
     build = provider_build(family)
-    (model,) = build(hf_config, ParallelLayout(tp=TP), parallel_output=False)
+    _use_layout(layout)
+    (model,) = build(hf_config, layout, parallel_output=False)
     load_hf_into_mcore([model], src, table, hf_config=hf_config)
     exported = {name: t.cpu() for name, t in export_mcore_to_hf([model], table, hf_config=hf_config)}
     model.eval()

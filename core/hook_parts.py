@@ -20,9 +20,11 @@ from ferrule.specs import (
     ChatTemplateSpec,
     CommandSpec,
     ConverterSpec,
+    EnvironmentSpec,
     LoRAApplierSpec,
     ModelFamilySpec,
     ProviderSpec,
+    ToolParserSpec,
     TowerSpec,
     UpdateGroupTable,
 )
@@ -83,6 +85,10 @@ HOOK_PARTS: tuple[HookPart, ...] = (
     HookPart("register_towers", TowerSpec, "towers", lambda s: (s.family, s.modality), "tower", "towers",
              lambda s: s.family, "feature", callables=("build",)),
     HookPart("register_commands", CommandSpec, "commands", lambda s: s.name, "CLI command", "command", None),
+    HookPart("register_environments", EnvironmentSpec, "environments", lambda s: s.name, "environment",
+             "environment", None, callables=("factory",)),
+    HookPart("register_tool_parsers", ToolParserSpec, "tool_parsers", lambda s: s.family,
+             "tool-call parser for family", "tool_parser", None, callables=("parse",)),
 )
 
 COLLECT_HOOKS: tuple[str, ...] = tuple(p.hook for p in HOOK_PARTS)

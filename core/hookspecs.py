@@ -42,9 +42,11 @@ from ferrule.specs import (
     ChatTemplateSpec,
     CommandSpec,
     ConverterSpec,
+    EnvironmentSpec,
     LoRAApplierSpec,
     ModelFamilySpec,
     ProviderSpec,
+    ToolParserSpec,
     TowerSpec,
     UpdateGroupTable,
 )
@@ -179,5 +181,38 @@ def register_commands() -> Sequence[CommandSpec]:
     :return: command specs; ``app`` is a ``"module:attr"`` reference to a ``typer.Typer``
         (mounted as a command group, ``ferrule NAME SUB ...``) or to a function (mounted as
         one command). Names are unique across plugins and may not shadow a built-in command.
+    :raises: nothing; a plugin that raises here is reported as failed, like any other hook.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# Agentic RL: environments and tool calls
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_environments() -> Sequence[EnvironmentSpec]:
+    """Declare multi-turn environments for ``ferrule train`` (``agent.environment: NAME``).
+
+    Called by the registry once per process; collect hook. The launcher resolves the chosen
+    spec's ``factory`` when a run starts and drives the object it returns through the
+    :mod:`ferrule.rl.envs` protocol (``reset(item, seed)``, ``step(turn)``) on the host side of
+    the loop, each call bounded by ``agent.step_timeout_s``.
+
+    :return: environment specs; names are unique across plugins (a duplicate names both
+        distributions).
+    :raises: nothing; a plugin that raises here is reported as failed, like any other hook.
+    """
+
+
+@hookspec
+def register_tool_parsers() -> Sequence[ToolParserSpec]:
+    """Declare how each family's model writes tool calls.
+
+    Called by the registry once per process; collect hook. The episode runner parses every model
+    turn with the parser of the run's family (else the ``"*"`` one, :mod:`ferrule.tool_calls`'s
+    Hermes ``<tool_call>`` JSON) before handing it to the environment.
+
+    :return: tool-parser specs; at most one per family (and one ``"*"``).
     :raises: nothing; a plugin that raises here is reported as failed, like any other hook.
     """

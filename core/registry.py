@@ -43,11 +43,13 @@ from ferrule.specs import (
     ChatTemplateSpec,
     CommandSpec,
     ConverterSpec,
+    EnvironmentSpec,
     FamilyStatus,
     LoRAApplierSpec,
     ModelFamilySpec,
     ProviderSpec,
     SpecError,
+    ToolParserSpec,
     TowerSpec,
     UpdateGroupTable,
 )
@@ -77,6 +79,9 @@ __all__ = [
     "get_towers",
     "iter_lora_appliers",
     "list_commands",
+    "list_environments",
+    "get_environment",
+    "get_tool_parser",
     "missing_parts",
 ]
 
@@ -104,6 +109,8 @@ class Registry:
     chat_templates: dict[str, ChatTemplateSpec] = field(default_factory=dict)
     towers: dict[tuple[str, str], TowerSpec] = field(default_factory=dict)
     commands: dict[str, CommandSpec] = field(default_factory=dict)
+    environments: dict[str, EnvironmentSpec] = field(default_factory=dict)
+    tool_parsers: dict[str, ToolParserSpec] = field(default_factory=dict)
     family_plugin: dict[str, str] = field(default_factory=dict)  # family -> entry-point name
 
     @classmethod
@@ -406,6 +413,32 @@ def list_commands() -> list[CommandSpec]:
     """CLI sub-commands contributed by plugins (``register_commands``), sorted by name."""
     reg = get_registry()
     return [reg.commands[n] for n in sorted(reg.commands)]
+
+
+def list_environments() -> list[EnvironmentSpec]:
+    """Environments registered by plugins (``register_environments``), sorted by name."""
+    reg = get_registry()
+    return [reg.environments[n] for n in sorted(reg.environments)]
+
+
+def get_environment(name: str) -> EnvironmentSpec:
+    """The environment spec called ``name``.
+
+    Raises:
+        UnknownModelError: no plugin registers it (the message lists those that do).
+    """
+    reg = get_registry()
+    if name not in reg.environments:
+        known = ", ".join(sorted(reg.environments)) or "none"
+        raise UnknownModelError(f"no plugin registers an environment called {name!r}; registered: {known}. "
+                                "Install the package that provides it (docs/agents.md) or fix agent.environment.")
+    return reg.environments[name]
+
+
+def get_tool_parser(family: str) -> ToolParserSpec | None:
+    """The tool-call parser of ``family``, else the ``"*"`` one, else None."""
+    reg = get_registry()
+    return reg.tool_parsers.get(family) or reg.tool_parsers.get("*")
 
 
 def get_converter(family: str) -> ConverterSpec:

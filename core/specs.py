@@ -22,6 +22,7 @@ __all__ = [
     "SpecError",
     "FamilyStatus",
     "ModelFamilySpec",
+    "LayoutSupport",
     "ProviderSpec",
     "ConverterSpec",
     "UpdateGroup",
@@ -32,6 +33,8 @@ __all__ = [
     "TowerSpec",
     "TOWER_MODALITIES",
     "CommandSpec",
+    "EnvironmentSpec",
+    "ToolParserSpec",
     "DEFAULT_PROVIDER_BUILD",
     "FAMILY_FEATURES",
     "resolve_ref",
@@ -124,6 +127,57 @@ class FamilyStatus(str, enum.Enum):
 #: transformers ``attn_implementation`` values the embedded rollout engine drives.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
+#: The parallel degrees a :class:`LayoutSupport` can restrict (``ferrule.megatron.parallel.ParallelLayout``'s).
+LAYOUT_DEGREES = ("tp", "pp", "ep", "etp")
+_DEGREE_FLAGS = {"tp": "--tp / parallel.tp", "pp": "--pp / parallel.pp", "ep": "--ep / parallel.ep",
+                 "etp": "--etp / parallel.etp"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutSupport:
+    """The parallel layouts a family can be built at (``ModelFamilySpec.layouts``).
+
+    Each degree is a tuple of the values the family supports, or None for any value the model's shapes allow
+    (heads, layers and experts are checked for every family anyway). ``etp`` is the *effective* expert
+    tensor-parallel size: a layout that leaves it unset gets megatron's default, ``tp``. Every command that
+    takes a layout (``ferrule check``, ``ferrule convert``, ``ferrule train``'s ``parallel`` section, the
+    conformance kit) refuses one outside these values before any process starts, with one line naming the
+    degree, the supported values and ``reason``, as a :class:`ferrule.megatron.parallel.ParallelLayoutError`
+    (exit code 2 from every command).
+
+    Example (a biased-MoE family, megatron-core 0.16.1 builds MoE biases only at expert-TP 1)::
+
+        LayoutSupport(etp=(1,), reason="megatron-core builds MoE biases only at expert TP 1")
+    """
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    etp: tuple[int, ...] | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        for name in LAYOUT_DEGREES:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_tuple("LayoutSupport", name, value, item_type=int)
+            if any(isinstance(v, bool) or v < 1 for v in value):
+                raise SpecError(f"LayoutSupport.{name}={value!r}; expected a tuple of integers >= 1 (or None: any).")
+
+    def refusal(self, family: str, layout: Any) -> str | None:
+        """Why ``family`` cannot be built at ``layout`` (a ``ParallelLayout``), as one line, or None."""
+        for name in LAYOUT_DEGREES:
+            allowed = getattr(self, name)
+            value = getattr(layout, name)
+            if name == "etp" and value is None:
+                value = layout.tp  # megatron's default expert TP size
+            if allowed is not None and value not in allowed:
+                why = f" ({self.reason})" if self.reason else ""
+                return (f"family {family!r} supports {name} in {list(allowed)}{why}, not {name}={value}; "
+                        f"set {_DEGREE_FLAGS[name]} to one of {list(allowed)}.")
+        return None
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelFamilySpec:
@@ -144,6 +198,8 @@ class ModelFamilySpec:
             engine and the RL reference model load ``hf_model_class`` with: ``"sdpa"`` (default)
             or ``"eager"`` (e.g. Gemma-2, whose attention soft-capping transformers does not
             run under SDPA).
+        layouts: the parallel layouts the family supports (:class:`LayoutSupport`); None: any
+            layout the model's shapes allow.
     """
 
     name: str
@@ -154,9 +210,13 @@ class ModelFamilySpec:
     features: tuple[str, ...] = ()
     description: str = ""
     attn_implementation: str = "sdpa"
+    layouts: LayoutSupport | None = None
 
     def __post_init__(self) -> None:
         _check_name("ModelFamilySpec", "name", self.name)
+        if self.layouts is not None and not isinstance(self.layouts, LayoutSupport):
+            raise SpecError(f"ModelFamilySpec({self.name}).layouts={self.layouts!r}; use a LayoutSupport "
+                            f"(ferrule.specs) or None.")
         _check_tuple("ModelFamilySpec", "model_types", self.model_types)
         if not isinstance(self.status, FamilyStatus):
             raise SpecError(
@@ -526,6 +586,48 @@ class CommandSpec:
         if not isinstance(self.name, str) or not re.match(r"^[a-z][a-z0-9_-]*$", self.name):
             raise SpecError(f"CommandSpec.name={self.name!r}; use a lowercase command name such as 'assets'.")
         _check_ref(f"CommandSpec({self.name})", "app", self.app)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvironmentSpec:
+    """A named multi-turn environment for the RL launcher (``register_environments``).
+
+    Attributes:
+        name: the environment's name (``agent.environment`` in a train config), lower-case
+            letters, digits and ``_``; unique across plugins.
+        factory: lazy reference to ``factory(**agent.environment_kwargs) -> Environment`` (the
+            protocol of :mod:`ferrule.rl.envs`): one object that serves every episode of a run.
+        description: one line for ``ferrule plugins`` and the docs.
+    """
+
+    name: str
+    factory: str
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("EnvironmentSpec", "name", self.name)
+        _check_ref(f"EnvironmentSpec({self.name})", "factory", self.factory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolParserSpec:
+    """How one family's model writes tool calls (``register_tool_parsers``).
+
+    Attributes:
+        family: the family whose turns this parser reads, or ``"*"`` (the default for families
+            without their own parser).
+        parse: lazy reference to ``parse(text: str) -> ferrule.tool_calls.ParsedTurn``; ``text`` is
+            one model turn decoded with its special tokens kept (the stop token removed). A
+            malformed call must come back in ``ParsedTurn.errors``, never as an exception.
+    """
+
+    family: str
+    parse: str
+
+    def __post_init__(self) -> None:
+        if self.family != "*":
+            _check_name("ToolParserSpec", "family", self.family)
+        _check_ref(f"ToolParserSpec({self.family})", "parse", self.parse)
 
 
 def spec_field_names(spec_type: type) -> tuple[str, ...]:

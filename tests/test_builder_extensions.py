@@ -224,3 +224,63 @@ def test_unknown_model_option_names_the_option(mcore):
     hf_config = dict(cn.tiny_hf_config("qwen2"))
     with pytest.raises(ConfigTranslationError, match=r"\['zero_centred_norms'\].*did you mean 'zero_centered_norms'"):
         build_from_hf_config(hf_config, ParallelLayout(), typo)
+
+
+def test_core_attention_from_a_translation_row(mcore):
+    """``Constant("core_attention", "local", target="option")`` in a family's translation chooses megatron's
+    attention (before: refused as an unknown option, forcing a custom provider); an explicit keyword still wins."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from ferrule.config_translation import ConfigTranslation, Constant
+    from ferrule.megatron.attention import SDPAttention
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION
+
+    local = ConfigTranslation("qwen2-local", CONFIG_TRANSLATION.entries + (Constant("core_attention", "local",
+                                                                                     target="option"),))
+    hf_config = dict(cn.tiny_hf_config("qwen2"))
+    (model,) = build_from_hf_config(hf_config, ParallelLayout(), local)
+    assert type(model.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+    (model,) = build_from_hf_config(hf_config, ParallelLayout(), local, core_attention="sdpa")
+    assert type(model.decoder.layers[0].self_attention.core_attention) is SDPAttention
+
+
+def test_an_old_option_name_still_builds_with_a_deprecation_warning(mcore):
+    """Round 3's Gemma-3 package translated the sliding layers' RoPE base as ``local_rotary_base``; that option
+    became unknown (refused) with ``layer_rope``. It builds again, with a FutureWarning naming the replacement,
+    and each layer's rotary table equals HF Gemma-3's table for its layer type."""
+    import sys
+
+    from ferrule.config_translation import ConfigTranslation, Derived
+    from ferrule.conformance_fields import rotary_tables_by_layer
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+    from ferrule.megatron.parallel import ParallelLayout
+    from fixture_plugins import FIXTURES
+
+    sys.path.insert(0, str(FIXTURES / "ferrule-gemma3-fixture"))
+    try:
+        from ferrule_gemma3_fixture import gemma3
+    finally:
+        sys.path.remove(str(FIXTURES / "ferrule-gemma3-fixture"))
+
+    def theta(kind):
+        return lambda hf: float(hf["rope_parameters"][kind]["rope_theta"])
+
+    old_rows = (Derived("rotary_base", theta("full_attention"), lambda v, c, o: {}, hf_keys=("rope_parameters",),
+                        target="option", reads=("layer_types",)),
+                Derived("local_rotary_base", theta("sliding_attention"), lambda v, c, o: {}, hf_keys=(),
+                        target="option"))
+    old = ConfigTranslation("gemma3_round3", tuple(e for e in gemma3.CONFIG_TRANSLATION.entries
+                                                   if getattr(e, "mcore", None) != "layer_rope") + old_rows)
+    hf_config = dict(gemma3.TINY_HF_CONFIG, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    with pytest.warns(FutureWarning, match=r"'gemma3_round3' produces the model option 'local_rotary_base', "
+                                           r"deprecated: use the layer_rope option"):
+        (model,) = build_from_hf_config(hf_config, ParallelLayout(), old)
+    hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**hf_config)).eval()
+    rows = rotary_tables_by_layer(hf, model, 12)
+    assert [r[0] for r in rows] == ["layer 0 (sliding_attention)", "layer 1 (full_attention)"]
+    for label, (cos_m, sin_m), (cos_h, sin_h) in rows:
+        assert max((cos_m - cos_h).abs().max(), (sin_m - sin_h).abs().max()) < 1e-6, label

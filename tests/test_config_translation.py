@@ -234,3 +234,31 @@ def test_layer_type_rope_rows_translate_gemma3_rope_parameters_per_layer():
     back = table.to_hf(*table._translate(values))["rope_parameters"]
     assert back["full_attention"] == {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0}
     assert back["sliding_attention"] == {"rope_theta": 10000.0, "rope_type": "default"}
+
+
+def test_rope_parameters_sub_fields_are_checked_like_top_level_keys():
+    """A family that drops the shared RoPE rows and reads only ``rope_theta`` itself: a YaRN checkpoint was
+    built with plain RoPE, silently (only the logits showed it, 1.7e-3); now the unread sub-fields are named.
+    Declaring what the row reads (``reads=("rope_parameters.factor", ...)``) or keeping the shared rows passes."""
+    from ferrule.config_translation import ROPE_SCALING_ENTRIES, ConfigTranslation, ConfigTranslationError, Derived
+    from ferrule.config_translation.decoder import rope_theta_from_hf, rope_theta_to_hf
+
+    theta_only = tuple(e for e in qwen2.CONFIG_TRANSLATION.entries
+                       if getattr(e, "mcore", None) not in ("rope_scaling", "rotary_percent"))
+    hf = dict(cn.tiny_hf_config("qwen2"), rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})
+    with pytest.raises(ConfigTranslationError, match=r"sub-key\(s\) \['rope_parameters.factor', "
+                                                     r"'rope_parameters.original_max_position_embeddings', "
+                                                     r"'rope_parameters.rope_type'\] are read by no row"):
+        ConfigTranslation("qwen2-theta-only", theta_only).to_mcore(hf)
+    # plain RoPE needs no scaling reader; the shared rows read the YaRN fields
+    ConfigTranslation("qwen2-theta-only", theta_only).to_mcore(dict(hf, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 10000.0}))
+    _, opts = qwen2.CONFIG_TRANSLATION.to_mcore(hf)
+    assert opts["rope_scaling"]["type"] == "yarn"
+    declared = tuple(e for e in theta_only if getattr(e, "mcore", None) != "rotary_base") + (
+        Derived("rotary_base", rope_theta_from_hf, rope_theta_to_hf, hf_keys=("rope_parameters",), target="option",
+                reads=("rope_parameters.rope_type", "rope_parameters.factor",
+                       "rope_parameters.original_max_position_embeddings")),)
+    ConfigTranslation("qwen2-declared", declared).to_mcore(hf)
+    assert ROPE_SCALING_ENTRIES  # the rows the fix names

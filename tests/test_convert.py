@@ -270,3 +270,22 @@ def test_single_process_conversion_takes_no_tcp_port(qwen2_dir, tmp_path, monkey
         monkeypatch.setenv("MASTER_PORT", str(port))
         ckpt = hf_to_torch_dist(qwen2_dir, tmp_path / "td")
         _assert_same_files(qwen2_dir, torch_dist_to_hf(ckpt, tmp_path / "back"))
+
+
+def test_a_parameter_the_sharded_state_dict_leaves_out_is_refused_at_convert(qwen2_dir, tmp_path, monkeypatch):
+    """A provider module whose ``sharded_state_dict()`` omits a parameter (gpt-oss's attention sinks in a plugin
+    author's custom attention): the conversion wrote a checkpoint without it and exited 0; now it names the
+    parameter and the fix, and writes nothing."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    full = TransformerLayer.sharded_state_dict
+
+    def without_input_norm(self, *args, **kwargs):
+        return {k: v for k, v in full(self, *args, **kwargs).items() if "input_layernorm" not in k}
+
+    monkeypatch.setattr(TransformerLayer, "sharded_state_dict", without_input_norm)
+    with pytest.raises(CheckpointError, match=r"sharded_state_dict\(\) does not return.*"
+                                              r"decoder\.layers\.0\.input_layernorm\.weight, "
+                                              r"decoder\.layers\.1\.input_layernorm\.weight\..*must return it"):
+        hf_to_torch_dist(qwen2_dir, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Literal, Mapping
 
 __all__ = ["ConfigTranslationError", "Field", "Constant", "Derived", "Require", "Harmless", "ConfigTranslation",
-           "parse_hf_config", "MISSING", "ENTRY_KINDS"]
+           "parse_hf_config", "MISSING", "ENTRY_KINDS", "ROPE_FIELD_READERS"]
 
 Target = Literal["config", "option"]
 
@@ -40,6 +40,18 @@ def _lookup(hf: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[str | None, A
         if key in hf and hf[key] is not None:
             return key, hf[key]
     return None, MISSING
+
+
+#: The ``rope_parameters`` sub-fields a translation row reads by the megatron value it produces
+#: (:meth:`ConfigTranslation.unread_rope_fields`); ``"*"``: every field.
+ROPE_FIELD_READERS: dict[str, set[str]] = {
+    "rotary_base": {"rope_theta"},
+    "rope_scaling": {"rope_type", "type", "factor", "original_max_position_embeddings", "attention_factor",
+                     "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "low_freq_factor",
+                     "high_freq_factor"},
+    "rotary_percent": {"partial_rotary_factor"},
+    "layer_rope": {"*"},
+}
 
 
 @dataclass(frozen=True)
@@ -251,6 +263,27 @@ class ConfigTranslation:
         known = set(self.hf_keys()) | set(self.harmless_keys())
         return sorted(k for k in keys if k not in known)
 
+    def unread_rope_fields(self, values: Mapping[str, Any]) -> list[str]:
+        """The sub-fields of a flat ``rope_parameters`` (``rope_parameters.factor``, ...) that no entry reads,
+        checked like top-level keys: an entry reads ``rope_parameters.X`` when it names it in ``hf_keys`` /
+        ``reads``, or when it produces the megatron value X feeds (:data:`ROPE_FIELD_READERS`: ``rotary_base``
+        reads ``rope_theta``; ``rope_scaling`` the scaling fields; ``rotary_percent`` ``partial_rotary_factor``;
+        ``layer_rope`` all of them). Neutral values (``rope_type: default``, ``partial_rotary_factor: 1``, None)
+        need no reader. Without this, a family whose own RoPE row reads only ``rope_theta`` built plain RoPE for
+        a YaRN checkpoint silently (the logits caught it, by 1.7e-3)."""
+        params = values.get("rope_parameters")
+        if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+            return []  # absent, or one RoPE per layer type (LAYER_TYPE_ROPE_ENTRIES read every field)
+        read: set[str] = set()
+        for e in self.entries:
+            names = [*e.hf_keys, *e.reads] if isinstance(e, Derived) else []
+            read |= {n.split(".", 1)[1] for n in names if n.startswith("rope_parameters.")}
+            if isinstance(e, (Field, Derived)):  # a Constant reads nothing
+                read |= ROPE_FIELD_READERS.get(e.mcore, set())
+        neutral = {"rope_type": ("default",), "type": ("default",), "partial_rotary_factor": (1, 1.0)}
+        return sorted(f"rope_parameters.{k}" for k, v in params.items()
+                      if v is not None and v not in neutral.get(k, ()) and k not in read and "*" not in read)
+
     # -- HF -> mcore ----------------------------------------------------------------------
     def to_mcore(self, hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Translate an HF config as transformers parses it.
@@ -277,6 +310,15 @@ class ConfigTranslation:
                 f"family, so ferrule would silently build a different model than transformers. Fix: translate "
                 f"each in the family's CONFIG_TRANSLATION (Field / Derived / Require), or, if it cannot change "
                 f"the model's numbers, add Harmless(key, reason=...) (docs/plugins.md)."
+            )
+        unread = self.unread_rope_fields(values)
+        if unread:
+            raise ConfigTranslationError(
+                f"{self.name}: HF config sub-key(s) {unread} are read by no row of the family's translation, so "
+                f"ferrule would silently build a different RoPE than transformers. Fix: keep the shared "
+                f"ROPE_SCALING_ENTRIES (in DECODER_ENTRIES: rope_type linear / llama3 / yarn and their fields, "
+                f"partial_rotary_factor), or declare what your Derived row reads, reads=('rope_parameters.factor', "
+                f"...), and translate it (docs/plugins.md)."
             )
         return self._translate(values)
 

@@ -65,7 +65,7 @@ from .ckpt_writer import in_process_writer
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state", "frozen_fingerprint",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
-           "CheckpointMismatchError"]
+           "CheckpointMismatchError", "check_sharded_coverage"]
 
 ENGINE_STATE_FILE = "engine_state.json"
 #: megatron DistributedOptimizer checkpoint format (``fully_sharded_model_space``, megatron's
@@ -120,6 +120,42 @@ def model_sharded_state_dict(model_chunks: list) -> dict:
     if len(model_chunks) == 1:
         return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
     return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+
+
+def check_sharded_coverage(model_chunks: list, sharded_state_dict: dict) -> None:
+    """Raise unless every parameter of ``model_chunks`` is carried by ``sharded_state_dict`` (what a torch_dist
+    save writes): a parameter that no ``ShardedTensor`` / ``ShardedTensorFactory`` holds (compared by storage, so
+    views and factories count) would be dropped from the checkpoint silently, and only a later load would fail,
+    naming the tensor but not the cause.
+
+    Raises:
+        ferrule.safetensors_io.CheckpointError: the parameters missing (named, with the fix: the module that owns
+            them must return them from its ``sharded_state_dict()``).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from ferrule.safetensors_io import CheckpointError
+
+    held = set()
+    for value in nested_values(sharded_state_dict):
+        data = getattr(value, "data", None) if isinstance(value, (ShardedTensor, ShardedTensorFactory)) else None
+        if data is not None and hasattr(data, "untyped_storage"):
+            held.add(data.untyped_storage().data_ptr())
+    missing = []
+    for i, chunk in enumerate(model_chunks):
+        prefix = f"model{i}." if len(model_chunks) > 1 else ""
+        for name, param in _unwrap(chunk).named_parameters():
+            if param.numel() and param.untyped_storage().data_ptr() not in held:
+                missing.append(prefix + name)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise CheckpointError(
+            f"the provider's model has parameter(s) that its sharded_state_dict() does not return, so a torch_dist "
+            f"checkpoint would not carry them: {shown}. The module that owns each one must return it from "
+            f"sharded_state_dict(): inherit megatron's MegatronModule default (which shards every parameter of "
+            f"state_dict()), or, in an override, add it with make_sharded_tensors_for_checkpoint / a ShardedTensor "
+            f"(docs/plugins.md, 'sharded_state_dict').")
 
 
 def rng_state() -> dict:

@@ -43,11 +43,13 @@ from ..config_translation import ConfigTranslation, ConfigTranslationError
 from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module)
     ACTIVATIONS,
     DEFAULT_VOCAB_DIVISIBLE_BY,
+    check_family_layout,
     check_layout_fits,
     gelu_tanh,
     make_transformer_config,
     padded_vocab_size,
 )
+from .option_names import BUILDER_READ_OPTIONS, DEPRECATED_OPTION_NAMES, MODEL_OPTION_KEYS
 from .parallel import ParallelLayout
 
 __all__ = [
@@ -271,18 +273,64 @@ def norm_weights_to_params_dtype(model, dtype: torch.dtype) -> int:
     return cast
 
 
-_MODEL_OPTION_KEYS = (
-    "vocab_size", "max_sequence_length", "share_embeddings_and_output_weights", "rotary_base",
-    "position_embedding_type", "rotary_percent", "rope_scaling", "layer_spec", "embedding_multiplier",
-    "attn_logit_softcapping", "final_logit_softcapping", "extra_norms", "zero_centered_norms",
-    "pre_norms", "qk_norm", "layer_rope",
-)
-#: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model`).
-_BUILDER_READ_OPTIONS = ("activation",)
+_MODEL_OPTION_KEYS = MODEL_OPTION_KEYS
+#: Model options :func:`build_from_hf_config` reads itself (not passed to :func:`build_gpt_model` as model
+#: options): ``activation``, and ``core_attention`` (the default when the caller passes none).
+_BUILDER_READ_OPTIONS = BUILDER_READ_OPTIONS
+
+
+def _local_rotary_base_to_layer_rope(config_kwargs: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """``local_rotary_base`` (an earlier release's Gemma-3 spelling: the RoPE base of the sliding-window layers)
+    as the ``layer_rope`` option: sliding layers (megatron's ``is_layer_window_attention`` over
+    ``window_size`` / ``window_attn_skip_freq``) get ``local_rotary_base`` without scaling, the others the
+    model-wide ``rotary_base`` and ``rope_scaling`` (Gemma-3: local layers plain RoPE at base 10 000, global
+    layers the config's base and scaling)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    options = dict(options)
+    local = float(options.pop("local_rotary_base"))
+    if "layer_rope" in options:
+        return options  # the family already translates one RoPE per layer type: the old option adds nothing
+    percent = options.get("rotary_percent", 1.0)
+    layer_rope = []
+    for number in range(1, int(config_kwargs["num_layers"]) + 1):
+        if is_layer_window_attention(config_kwargs.get("window_size"), config_kwargs.get("window_attn_skip_freq"),
+                                     number):
+            layer_rope.append({"layer_type": "sliding_attention", "rotary_base": local, "rope_scaling": None,
+                               "rotary_percent": percent})
+        else:
+            layer_rope.append({"layer_type": "full_attention", "rotary_base": float(options.get("rotary_base", 10000.0)),
+                               "rope_scaling": options.get("rope_scaling"), "rotary_percent": percent})
+    options["layer_rope"] = tuple(layer_rope)
+    options.pop("rope_scaling", None)  # carried per layer now (the model-wide table goes unused)
+    return options
+
+
+#: Model options of earlier releases that still build, with a ``FutureWarning`` naming the replacement:
+#: ``old name -> (replacement, migrate(config_kwargs, options) -> options)``. Removed one release after.
+DEPRECATED_MODEL_OPTIONS: dict[str, tuple[str, Any]] = {
+    "local_rotary_base": (DEPRECATED_OPTION_NAMES["local_rotary_base"], _local_rotary_base_to_layer_rope),
+}
+
+
+def migrate_model_options(translation_name: str, config_kwargs: Mapping[str, Any],
+                          options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with every :data:`DEPRECATED_MODEL_OPTIONS` entry rewritten to its replacement, each with a
+    ``FutureWarning`` (shown by default) naming the translation, the old option and the replacement."""
+    import warnings
+
+    out = dict(options)
+    for old, (replacement, migrate) in DEPRECATED_MODEL_OPTIONS.items():
+        if old in out:
+            warnings.warn(f"translation {translation_name!r} produces the model option {old!r}, deprecated: use "
+                          f"{replacement}. It is migrated for this release and will be refused in the next.",
+                          FutureWarning, stacklevel=3)
+            out = migrate(config_kwargs, out)
+    return out
 
 
 def _check_live_layout(layout: ParallelLayout) -> None:
-    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep."""
+    """Raise RuntimeError unless megatron's parallel state is initialized with ``layout``'s tp, pp, ep, etp."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -291,10 +339,12 @@ def _check_live_layout(layout: ParallelLayout) -> None:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
     )
-    if live != (layout.tp, layout.pp, layout.ep):
+    wanted = (layout.tp, layout.pp, layout.ep, layout.etp if layout.etp is not None else layout.tp)
+    if live != wanted:
         raise RuntimeError(
-            f"build_from_hf_config: layout asks tp,pp,ep={(layout.tp, layout.pp, layout.ep)} but megatron "
+            f"build_from_hf_config: layout asks tp,pp,ep,etp={wanted} but megatron "
             f"was initialized with {live}; re-run init_distributed with this layout."
         )
 
@@ -325,7 +375,7 @@ def build_from_hf_config(
     translation: ConfigTranslation,
     *,
     params_dtype: torch.dtype = torch.float32,
-    core_attention: str = "sdpa",
+    core_attention: str | None = None,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     parallel_output: bool = True,
     moe_token_dispatcher_type: str = "alltoall",
@@ -341,7 +391,9 @@ def build_from_hf_config(
         layout: the parallel layout (must match megatron's initialized state).
         translation: the family variant's :class:`ConfigTranslation`.
         params_dtype, use_cpu_initialization, config_overrides: see :func:`make_transformer_config`.
-        core_attention, make_vocab_size_divisible_by, parallel_output: see :func:`build_gpt_model`.
+        core_attention, make_vocab_size_divisible_by, parallel_output: see :func:`build_gpt_model`;
+            ``core_attention`` None: the translation's ``core_attention`` model option (a family's
+            ``Constant("core_attention", "local", target="option")`` row), else ``"sdpa"``.
         moe_token_dispatcher_type: ``'alltoall'`` or ``'allgather'`` (MoE only).
 
     Returns:
@@ -356,6 +408,7 @@ def build_from_hf_config(
     """
     _check_live_layout(layout)
     config_kwargs, options = translation.to_mcore(hf_config)
+    options = migrate_model_options(translation.name, config_kwargs, options)
     missing = [k for k in ("vocab_size", "max_sequence_length") if k not in options]
     if missing:
         raise ConfigTranslationError(f"translation {translation.name!r} produced no model option(s) {missing}.")
@@ -375,7 +428,7 @@ def build_from_hf_config(
     return [
         build_gpt_model(
             config,
-            core_attention=core_attention,
+            core_attention=core_attention if core_attention is not None else options.get("core_attention", "sdpa"),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
             parallel_output=parallel_output,
             vp_stage=(i if layout.vpp else None),

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .parallel import ParallelLayout, ParallelLayoutError
 
-__all__ = ["ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_layout_fits", "gelu_tanh",
+__all__ = ["ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_layout_fits", "check_family_layout", "gelu_tanh",
            "make_transformer_config", "padded_vocab_size"]
 
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``.
@@ -142,3 +142,30 @@ def check_layout_fits(config_kwargs: Mapping[str, Any], layout: ParallelLayout) 
                                   f"valid ep: {[d for d in range(1, experts + 1) if experts % d == 0]}.")
     if layout.ep > 1 and not experts:
         raise ParallelLayoutError(f"ep={layout.ep} but the model has no routed experts; use ep=1.")
+    etp = layout.etp if layout.etp is not None else layout.tp
+    if experts and config_kwargs.get("add_bias_linear") and etp != 1:
+        # megatron-core 0.16.1 TransformerConfig.__post_init__ asserts "Bias in Moe is only supported when ETP==1"
+        # (inside the build: a crash in a worker, after processes started)
+        raise ParallelLayoutError(
+            f"expert tensor-parallel size {etp}{' (the default: etp = tp)' if layout.etp is None else ''}: "
+            f"megatron-core builds MoE layers with biases (add_bias_linear) only at etp=1; "
+            f"set --etp 1 (train config: parallel.etp: 1).")
+    if experts and layout.ep == 1 and layout.etp is not None and (etp > layout.tp or layout.tp % etp):
+        raise ParallelLayoutError(f"etp={etp} must divide tp={layout.tp} when ep=1 (no sequence parallelism); "
+                                  f"valid etp: {[d for d in range(1, layout.tp + 1) if layout.tp % d == 0]}.")
+
+
+def check_family_layout(family: str, config_kwargs: Mapping[str, Any], layout: ParallelLayout) -> None:
+    """:func:`check_layout_fits`, then the family's declared :class:`ferrule.specs.LayoutSupport`
+    (``ModelFamilySpec.layouts``): the one layout check every command runs before it starts processes.
+
+    Raises:
+        ParallelLayoutError: the layout cannot split the model or the family does not support it (one line).
+    """
+    from ferrule import registry
+
+    check_layout_fits(config_kwargs, layout)
+    support = registry.get_family(family).layouts
+    refusal = support.refusal(family, layout) if support is not None else None
+    if refusal:
+        raise ParallelLayoutError(refusal)

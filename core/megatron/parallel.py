@@ -164,11 +164,13 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, *, timeout_s: flo
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if current != (layout.tp, layout.pp, layout.ep):
+        wanted = (layout.tp, layout.pp, layout.ep, layout.etp if layout.etp is not None else layout.tp)
+        if current != wanted:  # etp too: a process that kept etp=tp must not build an etp=1 model on it
             raise RuntimeError(
-                f"megatron model parallel is already initialized as tp,pp,ep={current}, not "
-                f"{(layout.tp, layout.pp, layout.ep)}; call destroy_distributed() first."
+                f"megatron model parallel is already initialized as tp,pp,ep,etp={current}, not "
+                f"{wanted}; call destroy_distributed() first."
             )
     else:
         parallel_state.initialize_model_parallel(

@@ -16,17 +16,23 @@ __all__ = ["provider_build"]
 def provider_build(family: str) -> Any:
     """The callable that builds the family's Megatron model: ``build(hf_config, layout, **options)``
     returning its chunks, with the family's towers (``register_towers``) attached to the first
-    stage's chunk. A text-only family gets :func:`ferrule.registry.provider_build` unchanged.
+    stage's chunk. A text-only family gets :func:`ferrule.registry.provider_build` unchanged, or, when
+    its spec declares ``layouts`` (:class:`ferrule.specs.LayoutSupport`), wrapped to refuse other layouts.
 
     Raises:
         ferrule.registry.IncompleteFamilyError: a tower's ``update_group`` is not in the family's
             update-group table (a weight sync would leave the tower behind), or the family lacks
             a provider (or, for the default build, a converter).
         ferrule.registry.UnknownModelError: no such family.
+        ferrule.megatron.parallel.ParallelLayoutError: (from the returned callable) a layout outside the
+            family's ``layouts``.
     """
     from ferrule import registry
 
     build = registry.provider_build(family)
+    support = registry.get_family(family).layouts
+    if support is not None:  # a layout the family does not support: one line, before megatron asserts in the build
+        build = functools.partial(_build_in_supported_layout, family, support, build)
     towers = registry.get_towers(family)
     if not towers:
         return build
@@ -48,3 +54,13 @@ def _build_with_towers(build: Any, towers: tuple, hf_config: Any, layout: Any, *
     chunks = build(hf_config, layout, **options)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     return attach_towers(chunks, towers, hf_config, options.get("params_dtype") or torch.float32)
+
+
+def _build_in_supported_layout(family: str, support: Any, build: Any, hf_config: Any, layout: Any,
+                               **options: Any) -> Any:
+    from .parallel import ParallelLayoutError
+
+    refusal = support.refusal(family, layout)
+    if refusal:
+        raise ParallelLayoutError(refusal)
+    return build(hf_config, layout, **options)

@@ -44,6 +44,9 @@ class Sample:
             *untempered* model distribution (natural log).
         truncated: generation stopped at ``max_new_tokens`` (finish reason ``"length"``).
         media: the prompt's media (``{modality: [item, ...]}``, :mod:`ferrule.media`) or None.
+        loss_mask: ``[R]`` 0/1 per response token, or None (all 1). A multi-turn episode
+            (:mod:`ferrule.rl.envs.episodes`) puts its environment turns in ``response_ids`` with
+            mask 0: they get weight 0 (no loss, no gradient) and are not counted by ``token_mean``.
     """
 
     group: int
@@ -52,6 +55,14 @@ class Sample:
     rollout_logprobs: tuple[float, ...]
     truncated: bool
     media: Any = field(default=None, compare=False)
+    loss_mask: tuple[int, ...] | None = None
+
+    @property
+    def mask(self) -> np.ndarray:
+        """``[R]`` float64 loss mask (ones without ``loss_mask``)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.response_ids))
+        return np.asarray(self.loss_mask, dtype=np.float64)
 
     @property
     def num_tokens(self) -> int:
@@ -116,14 +127,15 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
         seq = list(s.prompt_ids) + list(s.response_ids)
         r = len(s.response_ids)
         try:
+            w = np.asarray(weights[i], dtype=np.float64)
             inputs = {
                 "target_tokens": torch.tensor(seq[1:], dtype=torch.int64),
-                "weights": _pad_response(weights[i], s),
+                "weights": _pad_response(w * s.mask if s.loss_mask is not None else w, s),
                 "advantages": _pad_response(np.full(r, float(advantages[i])), s),
                 "logprobs": _pad_response(behaviour_logprobs[i], s),
             }
             if sequence_ratio:
-                inputs["sequence_ratio_mask"] = _pad_response(np.ones(r), s)
+                inputs["sequence_ratio_mask"] = _pad_response(s.mask, s)
             if use_tis and not sequence_ratio:
                 inputs["rollout_logprobs"] = _pad_response(s.rollout_logprobs, s)
             if ref_logprobs is not None and not sequence_ratio:
@@ -139,7 +151,8 @@ def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
 
     ``ppo`` / ``cispo`` / ``gspo`` clip the ratio to ``[1 - eps_clip, 1 + eps_clip_high]`` (absolute
     bounds, the losses' convention; for ``gspo`` the GSPO paper's band is ``eps_clip=3e-4``,
-    ``eps_clip_high=4e-4``); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always.
+    ``eps_clip_high=4e-4``); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always; ``entropy_coef``
+    when > 0 (the train engine computes the policy entropy only then).
     """
     from ferrule.losses import LOSS_CONFIG_DEFAULTS
 
@@ -153,6 +166,8 @@ def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
         cfg["tis_cap"] = float(algorithm.tis_cap)  # type: ignore[attr-defined]
     if "kl_coef" in accepted:  # gspo takes neither extension (config checks refuse use_tis / kl_coef with it)
         cfg["kl_coef"] = float(algorithm.kl_coef)  # type: ignore[attr-defined]
+    if algorithm.entropy_coef > 0:  # type: ignore[attr-defined]  (the engine then computes the entropy)
+        cfg["entropy_coef"] = float(algorithm.entropy_coef)  # type: ignore[attr-defined]
     return name, cfg
 
 

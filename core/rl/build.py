@@ -97,7 +97,7 @@ def layout_note(cfg: RLConfig, roles: Any) -> str:
     if not roles.distributed:
         return ""
     p = cfg.parallel
-    return (f", {roles.world_size} ranks (tp {p.tp}, pp {p.pp}, ep {p.ep}, dp {roles.world_size // (p.tp * p.pp)}; "
+    return (f", {roles.world_size} ranks (tp {p.tp}, pp {p.pp}, ep {p.ep}{f', etp {p.etp}' if p.etp else ''}, dp {roles.world_size // (p.tp * p.pp)}; "
             f"rollout on ranks {list(roles.rollout_ranks)})")
 
 

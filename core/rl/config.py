@@ -33,7 +33,7 @@ import yaml
 
 from ferrule.run_layout import CONFIG_FILE_NAME
 from ferrule.rl.config_schema import (  # noqa: F401  (re-exported: the config's public names live here)
-    SECTIONS, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, LoraConfig, ModelConfig,
+    SECTIONS, AgentConfig, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, LoraConfig, ModelConfig,
     OptimizerConfig, ParallelConfig, RewardConfig, RLConfig, RolloutConfig, TrainConfig)
 from ferrule.rl.config_types import (BUILTIN_REWARDS, LOSS_NAMES, ConfigError, coerce_value,  # noqa: F401
                                      parse_override_value, type_name)

@@ -45,7 +45,8 @@ def validate_config(cfg: RLConfig) -> list[str]:
     problems: list[str] = []
     for check in (_model_and_parallel_layout_problems, _rollout_problems, sglang_config_problems, _data_problems,
                   _reward_problems, _algorithm_problems, _optimizer_problems, _lora_problems, _train_problems,
-                  _checkpoint_problems, _eval_problems, _logging_problems, _engine_settings_problems):
+                  _checkpoint_problems, _eval_problems, _logging_problems, _engine_settings_problems,
+                  _agent_problems):
         problems += check(cfg)
     return problems
 
@@ -82,6 +83,8 @@ def _model_and_parallel_layout_problems(cfg: RLConfig) -> list[str]:
     for key in ("tp", "pp", "ep", "vpp"):
         if getattr(cfg.parallel, key) < 1:
             p.append(f"parallel.{key}: must be >= 1, got {getattr(cfg.parallel, key)}")
+    if cfg.parallel.etp < 0:
+        p.append(f"parallel.etp: must be >= 1 (or 0: = parallel.tp), got {cfg.parallel.etp}")
     if not (t.colocate is True or t.colocate is False or t.colocate == "auto"):
         p.append(f"train.colocate: expected true, false or auto, got {t.colocate!r}")
     elif t.colocate is True and ro.engine != "embedded":
@@ -122,11 +125,34 @@ def _rollout_problems(cfg: RLConfig) -> list[str]:
     return p
 
 
+def _agent_problems(cfg: RLConfig) -> list[str]:
+    """The agent keys (multi-turn episodes, :mod:`ferrule.rl.envs`)."""
+    ag, p = cfg.agent, []
+    if not ag.environment:
+        if ag.environment_kwargs:
+            p.append("agent.environment_kwargs: only used with agent.environment; set it or remove them")
+        return p
+    if cfg.data.task or cfg.data.jsonl_path:
+        p.append(f"data.task / data.jsonl_path: agent.environment={ag.environment!r} supplies the items "
+                 "(data.size / data.seed choose how many and which); remove data.task / data.jsonl_path")
+    if cfg.eval.interval > 0:
+        p.append("eval.interval: evaluation of multi-turn episodes is not implemented; set eval.interval=0 "
+                 "(the training reward is the environment's)")
+    for key in ("max_turns", "max_episode_tokens"):
+        if getattr(ag, key) < 1:
+            p.append(f"agent.{key}: must be >= 1, got {getattr(ag, key)}")
+    if not ag.step_timeout_s > 0:
+        p.append(f"agent.step_timeout_s: must be > 0 seconds, got {ag.step_timeout_s}")
+    return p
+
+
 def _data_problems(cfg: RLConfig) -> list[str]:
     """The data keys."""
     d = cfg.data
     p: list[str] = []
-    if bool(d.task) == bool(d.jsonl_path):
+    if cfg.agent.environment:  # the environment supplies the items (ferrule.rl.envs): checked by _agent_problems
+        pass
+    elif bool(d.task) == bool(d.jsonl_path):
         p.append("data.task / data.jsonl_path: set exactly one (a reasoning-gym task name, or a JSONL "
                  f"prompt file); got task={d.task!r}, jsonl_path={d.jsonl_path!r}")
     if d.task:
@@ -200,6 +226,28 @@ def _algorithm_problems(cfg: RLConfig) -> list[str]:
                  "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
+    return p + _sample_filter_problems(cfg)
+
+
+def _sample_filter_problems(cfg: RLConfig) -> list[str]:
+    """Overlong filtering and dynamic sampling."""
+    a, max_new = cfg.algorithm, cfg.rollout.max_new_tokens
+    p: list[str] = []
+    if a.overlong != "penalty" and (a.overlong_buffer_tokens != 0 or a.overlong_penalty != 1.0):
+        p.append(f"algorithm.overlong_buffer_tokens / overlong_penalty: used only with algorithm.overlong=penalty, "
+                 f"got overlong={a.overlong!r}; set algorithm.overlong=penalty or leave them at their defaults")
+    if not 0 <= a.overlong_buffer_tokens < max_new:
+        p.append(f"algorithm.overlong_buffer_tokens: must be in [0, rollout.max_new_tokens={max_new}), got "
+                 f"{a.overlong_buffer_tokens}")
+    if a.overlong_penalty < 0:
+        p.append(f"algorithm.overlong_penalty: must be >= 0 (it is subtracted from the reward), got "
+                 f"{a.overlong_penalty}")
+    if a.dynamic_sampling and cfg.agent.environment:
+        p.append("algorithm.dynamic_sampling: not with multi-turn episodes (agent.environment) yet; set "
+                 "algorithm.dynamic_sampling=false")
+    if a.dynamic_sampling_max_rounds < 1:
+        p.append(f"algorithm.dynamic_sampling_max_rounds: must be >= 1 (rollouts per step, the first included), "
+                 f"got {a.dynamic_sampling_max_rounds}")
     return p
 
 
@@ -250,6 +298,14 @@ def _train_problems(cfg: RLConfig) -> list[str]:
     if d.task and t.prompts_per_step > d.size:
         p.append(f"train.prompts_per_step: {t.prompts_per_step} exceeds data.size={d.size}; a step would "
                  "repeat prompts")
+    if t.max_staleness < 0:
+        p.append(f"train.max_staleness: must be >= 0 (train steps), got {t.max_staleness}")
+    elif t.schedule != "async" and t.max_staleness != 1:
+        p.append(f"train.max_staleness: used only with train.schedule=async (sync: 0, one_step_off: 1), got "
+                 f"schedule={t.schedule!r}; set train.schedule=async or leave max_staleness at 1")
+    if t.schedule != "sync" and t.colocate is True:
+        p.append(f"train.schedule={t.schedule}: the rollout overlaps training, which train.colocate=true forbids "
+                 "(the engines take turns); set train.colocate=false or train.schedule=sync")
     return p
 
 

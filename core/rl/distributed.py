@@ -45,7 +45,7 @@ from ferrule import envs
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.seeds import rollout_seed
 
-__all__ = ["RankRoles", "Shard", "check_layout", "launch_world_size", "plan_shards", "shard_seed",
+__all__ = ["RankRoles", "Shard", "check_layout", "layout_of", "launch_world_size", "plan_shards", "shard_seed",
            "fan_out_rollout_weights", "fan_out_lora_adapter", "rank_roles", "broadcast_object", "gather_objects", "all_gather_objects"]
 
 #: bytes of received tensors per ``update_weights`` call on a rollout rank (fan-out)
@@ -69,13 +69,43 @@ def _text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     return text if isinstance(text, Mapping) and "num_hidden_layers" not in hf_config else hf_config
 
 
+def layout_of(cfg: RLConfig) -> Any:
+    """The train engine's ``ParallelLayout`` from ``parallel.*`` (``etp`` 0: megatron's default, ``tp``)."""
+    from ferrule.megatron.parallel import ParallelLayout
+
+    par = cfg.parallel
+    return ParallelLayout(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp or None)
+
+
+def _family_layout_problem(cfg: RLConfig, hf_config: Mapping[str, Any]) -> str | None:
+    """The one-line refusal of :func:`ferrule.megatron.gpt_builder.check_family_layout` for ``parallel.*`` (the
+    family's declared ``layouts``, MoE biases at expert TP > 1), or None; a config the family cannot translate
+    is reported elsewhere."""
+    from ferrule import registry
+
+    try:
+        family = cfg.model.family or registry.family_for_hf_config(dict(hf_config)).name
+        tc_kwargs, _ = registry.get_converter(family).resolved_config_translation().to_mcore(dict(hf_config))
+    except Exception:  # noqa: BLE001 - an unknown family / untranslatable config has its own error
+        return None
+    from ferrule.megatron.gpt_builder import check_family_layout
+    from ferrule.megatron.parallel import ParallelLayoutError
+
+    try:
+        check_family_layout(family, tc_kwargs, layout_of(cfg))
+    except ParallelLayoutError as exc:
+        return f"parallel: {exc}"
+    return None
+
+
 def check_layout(cfg: RLConfig, hf_config: Mapping[str, Any], world_size: int) -> None:
     """Check ``parallel.*`` against the world size and the model before anything is built.
 
     Rules (megatron-core 0.16.1): ``tp * pp`` divides the world size (DP = world / (tp*pp));
     ``ep`` divides ``world / pp`` and the number of routed experts; ``tp`` divides the attention
     heads, the KV heads and the FFN width; ``pp`` divides the layer count (even split);
-    ``vpp`` must be 1 (see the message); ``train.colocate: true`` needs one rank.
+    ``vpp`` must be 1 (see the message); ``train.colocate: true`` needs one rank; then the family's own
+    layout check (``ModelFamilySpec.layouts``; MoE biases need ``etp`` 1).
 
     Raises:
         ConfigError: every problem at once, each naming the valid sizes.
@@ -116,6 +146,10 @@ def check_layout(cfg: RLConfig, hf_config: Mapping[str, Any], world_size: int) -
     elif experts is not None and experts % ep:
         p.append(f"parallel.ep: {ep} does not divide the model's {experts} routed experts; valid ep: "
                  f"{_divisors(experts)}")
+    if not p and par.etp >= 0:
+        problem = _family_layout_problem(cfg, hf_config)
+        if problem:
+            p.append(problem)
     if cfg.train.colocate is True and world_size > 1:
         p.append(f"train.colocate: true runs train and rollout in one process, this launch has {world_size} ranks "
                  "(torchrun / --nproc); set train.colocate: false or auto (auto is off with several ranks)")
@@ -134,21 +168,26 @@ class Shard:
     replica: int
 
 
-def shard_seed(train_seed: int, step: int, index: int) -> int:
+def shard_seed(train_seed: int, step: int, index: int, round_: int = 0) -> int:
     """Sampling seed of rollout shard ``index`` at ``step``.
 
     Shard 0: ``rollout_seed(train_seed, step)`` = ``sha256("ferrule-rollout:{seed}:{step}")``
     (the one-shard seed of earlier single-process runs); shard k > 0:
-    ``sha256("ferrule-rollout.{k}:{seed}:{step}")``. First 8 bytes, mod 2**63.
+    ``sha256("ferrule-rollout.{k}:{seed}:{step}")``. ``round_`` r > 0 (the r-th refill of
+    ``algorithm.dynamic_sampling``): ``sha256("ferrule-rollout.r{r}.{k}:{seed}:{step}")``. First 8
+    bytes, mod 2**63.
     """
+    if round_:
+        return rollout_seed(train_seed, step, f"rollout.r{round_}.{index}")
     return rollout_seed(train_seed, step, "rollout" if index == 0 else f"rollout.{index}")
 
 
-def plan_shards(n_prompts: int, prompts_per_shard: int, replicas: int, train_seed: int, step: int) -> list[Shard]:
+def plan_shards(n_prompts: int, prompts_per_shard: int, replicas: int, train_seed: int, step: int,
+                round_: int = 0) -> list[Shard]:
     """Cut ``n_prompts`` into shards of ``prompts_per_shard`` (0: ``ceil(n_prompts / replicas)``),
-    shard ``k`` on replica ``k % replicas`` (module docstring)."""
+    shard ``k`` on replica ``k % replicas`` (module docstring); ``round_``: see :func:`shard_seed`."""
     size = prompts_per_shard or max(1, -(-n_prompts // replicas))
-    return [Shard(k, a, min(a + size, n_prompts), shard_seed(train_seed, step, k), k % replicas)
+    return [Shard(k, a, min(a + size, n_prompts), shard_seed(train_seed, step, k, round_), k % replicas)
             for k, a in enumerate(range(0, n_prompts, size))]
 
 

@@ -87,6 +87,13 @@ def register_chat_templates():
 
 
 @hookimpl
+def register_tool_parsers():
+    from ferrule.specs import ToolParserSpec
+
+    return [ToolParserSpec(family="inkling", parse="ferrule.plugins.inkling.tool_calls:parse_tmlv0")]
+
+
+@hookimpl
 def register_lora_appliers():
     from ferrule.specs import LoRAApplierSpec
 

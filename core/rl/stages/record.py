@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["SAMPLES_FILE", "reset_peak_memory", "memory_metrics", "rollout_step_metrics", "train_step_metrics",
-           "media_metrics", "throughput_metrics", "sync_memory_metrics", "logged_samples", "append_samples",
+           "media_metrics", "version_metrics", "throughput_metrics", "sync_memory_metrics", "logged_samples", "append_samples",
            "truncate_samples", "NoLogger"]
 
 SAMPLES_FILE = "samples.jsonl"
@@ -93,12 +93,33 @@ def train_step_metrics(outcome: Any, rollout_lp: Sequence[Any], advantages: Any,
         "zero_std_group_fraction": zero_std_group_fraction(advantages.rewards, group_size,
                                                            sample_mask=advantages.trainable),
     }
+    if advantages.penalties:  # algorithm.overlong=penalty
+        metrics["overlong_penalty_mean"] = float(np.mean(advantages.penalties))
+    if "entropy:mean" in lm:  # algorithm.entropy_coef > 0: the exact entropy the bonus used
+        metrics["policy_entropy"] = lm["entropy:mean"]
     if use_tis:
         metrics["tis_weight_mean"] = lm.get("tis_weight:mean")
         metrics["tis_truncated_fraction"] = lm.get("tis_truncated_fraction:mean")
     if outcome.skipped:
         metrics["skipped_optim_steps"] = outcome.skipped
     return metrics
+
+
+def version_metrics(rec: Any) -> dict[str, Any]:
+    """Weight versions and staleness of a :class:`~ferrule.rl.records.StepRecord`: the rollout's
+    ``rollout_weights_version`` (optimizer steps), ``weight_versions_per_batch`` (distinct versions among
+    its samples), ``staleness_mean`` / ``staleness_max`` (train steps), ``staleness_histogram``
+    (``{"k": samples}``) and ``stale_dropped_samples``."""
+    batch = rec.batch
+    versions = {r.weights_version if r.weights_version is not None else batch.weight_version
+                for r in batch.results} or {batch.weight_version}
+    hist: dict[str, int] = {}
+    for s in sorted(rec.staleness):
+        hist[str(s)] = hist.get(str(s), 0) + 1
+    return {"rollout_weights_version": batch.weight_version, "weight_versions_per_batch": len(versions),
+            "staleness_mean": float(np.mean(rec.staleness)) if rec.staleness else 0.0,
+            "staleness_max": max(rec.staleness, default=0), "staleness_histogram": hist,
+            "stale_dropped_samples": rec.stale_dropped}
 
 
 def media_metrics(towers: Sequence[Any], media: Sequence[dict | None]) -> dict[str, int]:

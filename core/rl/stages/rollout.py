@@ -123,19 +123,22 @@ def generate(engine: Any, params: Any, prompts: Sequence[Any], prompt_ids: Seque
 
 def generate_rollouts(roles: Any, engine: Any, params: Any, *, seed: int, prompts_per_shard: int, step: int,
                       prompts: Sequence[Any] | None = None, prompt_ids: Sequence[tuple[int, ...]] | None = None,
-                      media: Callable[[Any], dict | None] = lambda p: None) -> list[Any] | None:
+                      media: Callable[[Any], dict | None] = lambda p: None, round_: int = 0) -> list[Any] | None:
     """The step's rollout in shards (:func:`ferrule.rl.distributed.plan_shards`); collective.
 
     The driver passes the prompts and gets every shard's results, prompt-major in prompt
     order (``prompt_index`` = position in ``prompts``); each rollout rank runs its shards (shard
     ``k`` with ``params.seed`` replaced by the shard's seed); other ranks only take part in the
-    two object collectives. Returns None off the driver.
+    two object collectives. ``round_``: the refill round of ``algorithm.dynamic_sampling`` (0: the
+    step's first rollout), which salts the shard seeds (:func:`ferrule.rl.distributed.shard_seed`).
+    Returns None off the driver.
     """
     from ferrule.rollout import GenerateRequest
 
     plan = None
     if roles.is_driver:
-        shards = rl_dist.plan_shards(len(prompts), prompts_per_shard, len(roles.rollout_ranks), seed, step)
+        shards = rl_dist.plan_shards(len(prompts), prompts_per_shard, len(roles.rollout_ranks), seed, step,
+                                     round_)
         plan = (params, [(sh, [(prompt_ids[i], prompts[i].id, media(prompts[i])) for i in range(sh.start, sh.stop)])
                          for sh in shards])
     if roles.distributed:

@@ -74,9 +74,15 @@ def reference_logprobs(reference: Any, samples: Sequence[Any], micro_batch_token
 
 
 def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float], rollout_lp: Sequence[Any], *,
-                 cfg: Any, reference: Any, roles: Any, num_groups: int) -> TrainOutcome:
+                 cfg: Any, reference: Any, roles: Any, num_groups: int,
+                 trainable: Sequence[bool] | None = None) -> TrainOutcome:
     """Old and reference logprobs, then one ``forward_backward`` + ``optim_step`` per mini-batch
-    (module docstring). Collective: every rank calls it with the same samples."""
+    (module docstring). Collective: every rank calls it with the same samples. ``trainable[i]``
+    False gives sample ``i`` loss weight 0 (``algorithm.overlong=mask``, a stale sample); it still
+    runs through the forward pass, and is left out of the token count of ``token_mean`` /
+    ``sample_mean``. A sample's ``loss_mask`` (multi-turn episodes) masks its tokens likewise."""
+    import torch
+
     from ferrule.losses import SEQUENCE_LEVEL
     from ferrule.rl.advantages import token_weights
     from ferrule.rl.batch import build_datums, loss_fn_config, response_slice, split_groups
@@ -89,8 +95,12 @@ def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float
     sums, grad_norms, lrs, skipped, ppo_kl_num, ppo_kl_den = [], [], [], 0, 0.0, 0
     for k, groups in enumerate(split_groups(num_groups, cfg.train.optim_steps_per_rollout)):
         idx = [i for i, s in enumerate(samples) if s.group in groups]
+        # multi-turn episodes' loss masks (ferrule.rl.envs), times 0 for a sample left out
+        masked = trainable is not None or any(samples[i].loss_mask is not None for i in idx)
         w = token_weights([len(samples[i].response_ids) for i in idx], mode=a.loss_aggregation,
-                          max_new_tokens=cfg.rollout.max_new_tokens)
+                          max_new_tokens=cfg.rollout.max_new_tokens,
+                          loss_masks=[samples[i].mask * float(trainable is None or trainable[i]) for i in idx]
+                          if masked else None)
         datums = build_datums([samples[i] for i in idx], weights=w, advantages=[advantages[i] for i in idx],
                               behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
                               ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
@@ -102,6 +112,8 @@ def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float
             if k == 0 and trainer_lp[i] is None:
                 trainer_lp[i] = cur
             d = (behaviour[i] - cur).double()  # log(p_old / p_cur)
+            if samples[i].loss_mask is not None:
+                d = d[torch.as_tensor(samples[i].mask) > 0]
             ppo_kl_num += float((d.exp() - 1 - d).sum())
             ppo_kl_den += d.numel()
         res = engine.optim_step()

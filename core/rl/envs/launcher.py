@@ -1,0 +1,146 @@
+"""The agentic rollout of ``ferrule train`` (``agent.environment`` set): what replaces the rollout and
+score stages of a single-turn step, behind one seam in :meth:`ferrule.rl.loop.GRPOTrainer.train_step`.
+
+- :class:`EnvironmentItems`: the environment's ``dataset(data.size, data.seed)`` as a prompt source,
+  so the resumable :class:`~ferrule.rl.tasks.PromptSampler` picks the items of each step (a resumed
+  run takes the same items as an uninterrupted one);
+- :class:`AgentRollout`: builds the environment (its spec's factory with
+  ``agent.environment_kwargs``) and the :class:`~ferrule.rl.envs.episodes.EpisodeRunner`, runs one
+  step's episodes and turns them into training samples (one sequence per episode, loss mask 0 on
+  environment tokens), rewards, metrics and logged samples.
+
+Episodes never cross a checkpoint: every episode of step ``k`` ends inside step ``k`` (the runner
+returns when all are done), so a checkpoint after step ``k`` holds no episode in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = ["EnvironmentItems", "AgentRollout", "AgentStep"]
+
+
+class EnvironmentItems:
+    """The environment's items as a prompt source (``len``, ``[i]``, ``name``) of
+    :class:`~ferrule.rl.tasks.Prompt` records (``entry`` = the item, no messages, no answer)."""
+
+    def __init__(self, name: str, items: Sequence[Any]) -> None:
+        from ferrule.rl.tasks import Prompt
+
+        self.name = f"environment {name}"
+        self._prompts = [Prompt(index=i, messages=(), answer=None, entry=dict(it), id=f"{name}:{i}")
+                         for i, it in enumerate(items)]
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._prompts[i]
+
+
+@dataclass
+class AgentStep:
+    """One step's agentic rollout: ``samples`` / ``rewards`` (one per episode, group-major),
+    ``prompt_ids`` (per item: the first episode's prompt), ``metrics`` (``agent/*``, ``env/*``),
+    ``logged`` (``samples.jsonl`` entries), ``episodes`` (the records)."""
+
+    samples: list[Any]
+    rewards: list[Any]
+    prompt_ids: list[tuple[int, ...]]
+    metrics: dict[str, float]
+    logged: list[dict[str, Any]]
+    episodes: list[Any]
+
+    def model_token_logprobs(self, rollout_lp: Sequence[Any], trainer_lp: Sequence[Any]) -> tuple[list, list]:
+        """``rollout_lp`` / ``trainer_lp`` (per sample ``[R]`` tensors, trainer entries may be None) cut to
+        the model's tokens (loss mask 1), for the logprob metrics (entropy, train-vs-rollout gap)."""
+        import torch
+
+        keep = [torch.as_tensor(s.mask) > 0 for s in self.samples]
+        return ([lp[k] for lp, k in zip(rollout_lp, keep)],
+                [lp[k] if lp is not None else None for lp, k in zip(trainer_lp, keep)])
+
+
+class AgentRollout:
+    """Environment + episode runner of a run (module docstring).
+
+    Raises:
+        ferrule.registry.UnknownModelError: ``agent.environment`` is not registered.
+        ferrule.rl.config.ConfigError: the factory refuses ``agent.environment_kwargs``, or its
+            ``dataset`` is empty / malformed.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        from ferrule import registry
+        from ferrule.rl.config import ConfigError
+        from ferrule.specs import resolve_ref
+
+        self.cfg, ag = cfg, cfg.agent
+        spec = registry.get_environment(ag.environment)
+        try:
+            self.env = resolve_ref(spec.factory)(**ag.environment_kwargs)
+            items = list(self.env.dataset(cfg.data.size, cfg.data.seed))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError([f"agent.environment_kwargs: environment {ag.environment!r} refused "
+                               f"{ag.environment_kwargs}: {exc}"]) from None
+        if not items or not all(isinstance(i, dict) for i in items):
+            raise ConfigError([f"agent.environment: {ag.environment!r} returned no items (or items that are not "
+                               f"dicts) from dataset({cfg.data.size}, {cfg.data.seed})"])
+        self.source = EnvironmentItems(ag.environment, items)
+        self.runner = None
+
+    def bind(self, family: str, template: Any, tokenizer: Any, stop_ids: Sequence[int]) -> None:
+        """Make the episode runner once the template, tokenizer and stop ids exist (the driver's setup)."""
+        from ferrule import registry
+        from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
+        from ferrule.specs import resolve_ref
+        from ferrule.tool_calls import parse_hermes
+
+        ag = self.cfg.agent
+        spec = registry.get_tool_parser(family)
+        parse = resolve_ref(spec.parse) if spec is not None else parse_hermes
+        limits = EpisodeLimits(max_turns=ag.max_turns, max_episode_tokens=ag.max_episode_tokens,
+                               max_turn_tokens=self.cfg.rollout.max_new_tokens, step_timeout_s=ag.step_timeout_s,
+                               failure_reward=ag.failure_reward)
+        import json
+        from pathlib import Path
+
+        hf = json.loads((Path(self.cfg.model.hf_dir) / "config.json").read_text())
+        context = (hf.get("text_config") or hf).get("max_position_embeddings")
+        self.runner = EpisodeRunner(self.env, ag.environment, template, tokenizer, parse, stop_ids, limits,
+                                    self.cfg.data.chat_template_kwargs, self.cfg.data.max_prompt_tokens,
+                                    max_context=int(context) if context else None)
+
+    def run_step(self, engine: Any, prompts: Sequence[Any], params: Any, step: int, log: Any) -> AgentStep:
+        """Run the step's episodes (``rollout.n_samples_per_prompt`` per prompt) and build the samples."""
+        from ferrule.rl.batch import Sample
+        from ferrule.rl.envs.episodes import episode_metrics
+        from ferrule.rl.rewards import RewardResult
+
+        n = self.cfg.rollout.n_samples_per_prompt
+        eps = self.runner.run(engine, [(p.index, p.entry) for p in prompts], n, params, seed=self.cfg.train.seed,
+                              step=step)
+        samples, rewards = [], []
+        end = self.runner.end_id if self.runner.end_id is not None else 0
+        for e in eps:
+            if e.response_ids:
+                samples.append(Sample(group=e.group, prompt_ids=tuple(e.prompt_ids), response_ids=tuple(e.response_ids),
+                                      rollout_logprobs=tuple(e.rollout_logprobs), truncated=bool(e.truncated),
+                                      loss_mask=tuple(e.loss_mask)))
+            else:  # the environment failed before the model's first turn: one masked token, nothing to train
+                samples.append(Sample(group=e.group, prompt_ids=tuple(e.prompt_ids) or (end,), response_ids=(end,),
+                                      rollout_logprobs=(0.0,), truncated=False, loss_mask=(0,)))
+            rewards.append(RewardResult(reward=float(e.reward), correct=e.reward > 0, format_ok=e.error is None,
+                                        score=float(e.reward), error_type="EnvironmentError" if e.error else None,
+                                        error=e.error))
+        failed = [e for e in eps if e.error]
+        for e in failed[:3]:
+            log(f"step {step}: episode {e.sample} of item {e.item_index} ended by its environment: {e.error}")
+        if len(failed) > 3:
+            log(f"step {step}: {len(failed)} episodes ended by environment errors (agent/env_errors)")
+        prompt_ids = [samples[g * n].prompt_ids for g in range(len(prompts))]
+        logged = [{"step": step, "prompt_id": prompts[e.group].id, "sample": e.sample, "messages": e.messages,
+                   "reward": e.reward, "turns": e.turns, "truncated": e.truncated, **({"error": e.error} if e.error else {})}
+                  for e in eps[:self.cfg.logging.log_samples]]
+        return AgentStep(samples, rewards, prompt_ids, episode_metrics(eps), logged, eps)
