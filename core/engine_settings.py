@@ -177,7 +177,9 @@ class RolloutEngineSettings(EngineSettingsBase):
         "auto", "torch.compile's dynamic shapes for the fast decode step: all (batch rung, cache length and attended "
                "length symbolic from the first call: one compile for every rung and length, then a CUDA graph "
                "capture per rung and length) or auto (torch's automatic dynamic shapes: a static compile, then a "
-               "recompile for each dimension that changes; a new rung cost 61.6 s on an H100, 2026-12-06).")
+               "recompile for each dimension that changes; a new rung cost 61.6 s on an H100, 2026-12-06). all was "
+               "measured slower on an H100 (first 256 x 256 call 85.3 s vs 62.3 s, steady 5-7% lower, the next rung "
+               "still stalled), so auto is the default.")
     lora_merged: bool = _f(True, "A served LoRA adapter is merged into a copy of the weights it targets once per "
                                  "version and the prefill runs on it too (false: merged every call, prefill through "
                                  "PEFT's unmerged layers). Verified on an H200, 2026-12-02.")
