@@ -57,7 +57,8 @@ def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
     assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"
-    assert registry.get_tool_parser("inkling").parse == "ferrule.plugins.inkling.tool_calls:parse_tmlv0"
+    for family in ("inkling", "inkling2", "inkling2_text", "inkling2_loop"):  # every TMLv0 family
+        assert registry.get_tool_parser(family).parse == "ferrule.plugins.inkling.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
     with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic"):
         registry.get_environment("nope")
@@ -241,3 +242,26 @@ def test_a_textarena_game_runs_unmodified_through_the_adapter():
     assert k == len(moves) - 1
     with pytest.raises(ValueError, match="no textarena environment; did you mean"):
         TextArenaGame("GuessTheNumbr-v0")
+
+
+def test_an_episode_that_would_outgrow_the_model_context_ends_before_the_turn():
+    from ferrule.chat import stop_token_ids, tokenizer_for_template
+    from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
+    from ferrule.rollout import GenerateResult, SamplingParams
+
+    tokenizer = tokenizer_for_template("qwen2_5")
+    stops = stop_token_ids("qwen2_5", tokenizer)
+    turn = tuple(tokenizer.encode("5", add_special_tokens=False)) + (stops[0],)
+    seen = []
+
+    class Engine:  # answers "5<|im_end|>" to everything, records the request lengths
+        def generate(self, requests, params):
+            seen.extend(len(r.prompt_token_ids) for r in requests)
+            return [GenerateResult(turn, (-0.5,) * len(turn), "stop", i, 0) for i in range(len(requests))]
+
+    runner = EpisodeRunner(GuessNumber(high=16), "guess_number", "qwen2_5", tokenizer, parse_hermes, stops,
+                           EpisodeLimits(max_turns=50, max_episode_tokens=10_000, max_turn_tokens=8), max_context=200)
+    (ep,) = runner.run(Engine(), [(0, {"secret": 11})], 1, SamplingParams(), seed=0, step=1)
+    assert ep.truncated == "context" and ep.error is None and 2 <= ep.turns < 50
+    assert max(seen) + 8 <= 200 and len(ep.prompt_ids) + len(ep.response_ids) + 8 > 200
+    assert ep.messages[-1] == {"role": "user", "content": "5 is wrong: my number is higher."}

@@ -428,3 +428,29 @@ def test_tinker_datum_roundtrip_and_metric_combine():
     assert set(combined.metrics) == set(outs[0].metrics)
     assert combined.metrics["loss:sum"] == pytest.approx(sum(o.metrics["loss:sum"] for o in outs))
     assert combined.metrics["tokens:sum"] == NUM_TOKENS
+
+
+# --------------------------------------------------------------------------- entropy bonus
+
+@pytest.mark.parametrize("name", RL_LOSSES + ("gspo",))
+def test_entropy_bonus_subtracts_coef_times_weighted_entropy(name):
+    """``l = l0 - w * c * H`` (not TIS-weighted), d l / d H = -w * c; the float64 reference is the
+    loss without the bonus (checked above) minus the hand-computed term."""
+    t, inputs = make_inputs(name if name != "gspo" else "ppo", tis=name != "gspo")
+    coef = 0.05
+    h = torch.rand(NUM_TOKENS, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 4
+    hl = h.clone().requires_grad_(True)
+    base, _, m0 = run(name, t, inputs, None, entropy=h)
+    tl = t.clone().requires_grad_(True)
+    loss, metrics = L.get_loss(name)(tl, inputs, {"entropy_coef": coef}, entropy=hl)
+    loss.sum().backward()
+    w = inputs["weights"]
+    assert torch.allclose(loss.detach(), base - w * coef * h, rtol=0, atol=TOL)
+    assert torch.allclose(hl.grad, -w * coef, rtol=0, atol=TOL)
+    active = w != 0
+    assert float(metrics["entropy:sum"]) == pytest.approx(float(h[active].sum()), abs=TOL)
+    assert float(m0["entropy:sum"]) == float(metrics["entropy:sum"])  # reporting is unchanged
+    with pytest.raises(ValueError, match="entropy_coef'] = 0.05 > 0 needs the policy's per-token entropy"):
+        L.get_loss(name)(t, inputs, {"entropy_coef": coef})
+    with pytest.raises(ValueError, match="entropy_coef"):
+        L.resolve_loss_config(name, {"entropy_coef": -0.1})

@@ -144,9 +144,21 @@ def test_grpo_reward_rises_on_tiny_model(assets, config_file, tmp_path):
     assert len(list((run_dir / "checkpoints").iterdir())) == 1  # keep: 1
 
 
+@pytest.fixture(scope="module")
+def plain_run(assets, config_file, tmp_path_factory):
+    """An uninterrupted synchronous run of ``RESUME_STEPS`` steps: ``(trainer, run folder)``."""
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import GRPOTrainer
+
+    full = tmp_path_factory.mktemp("plain") / "full"
+    plain = GRPOTrainer(load_config(config_file, _overrides(assets, full, RESUME_STEPS) + ["train.colocate=false"]))
+    plain.run()
+    return plain, full
+
+
 @pytest.mark.gpu  # also on CPU; on a CUDA machine it resumes a CUDA run
 @pytest.mark.timeout(240)
-def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
+def test_resume_equals_uninterrupted_run(assets, config_file, plain_run, tmp_path):
     """Also colocation (issue 24): the split run is colocated (train offloaded while the rollout
     engine generates, rollout asleep while training; its checkpoints are taken while offloaded),
     the full run is not; metrics, samples and final weights agree bit for bit."""
@@ -156,10 +168,9 @@ def test_resume_equals_uninterrupted_run(assets, config_file, tmp_path):
     from ferrule.rl.loop import GRPOTrainer, train
     from ferrule.rl.metrics import read_metrics
 
-    full, split = tmp_path / "full", tmp_path / "split"
+    plain, full = plain_run
+    split = tmp_path / "split"
     colocate = ["train.colocate=true"]
-    plain = GRPOTrainer(load_config(config_file, _overrides(assets, full, RESUME_STEPS) + ["train.colocate=false"]))
-    plain.run()
     assert plain.colocation is None
     first = train(load_config(config_file, _overrides(assets, split, RESUME_STEPS) + colocate), stop_after=STOP_AT)
     assert first.interrupted and first.last_step == STOP_AT
@@ -425,3 +436,45 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
 
     again = run_ferrule(["export", run_dir, out], env=env)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
+
+
+@pytest.mark.timeout(240)
+def test_async_schedule_at_staleness_0_equals_sync_and_one_step_off_trains_one_version_behind(
+        assets, config_file, plain_run, tmp_path):
+    """train.schedule=async with max_staleness 0 (the rollout thread waits for every sync) gives the
+    synchronous run's metrics, samples and final weights bit for bit; one_step_off trains step k on
+    the rollout of the weights after step k-2 (staleness 1 from step 2 on), records the versions and
+    the waits, and its checkpoint holds the sampler position of the trained step."""
+    import torch
+
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import GRPOTrainer
+    from ferrule.rl.metrics import read_metrics
+
+    plain, full = plain_run
+    zero = GRPOTrainer(load_config(config_file, _overrides(assets, tmp_path / "a0", RESUME_STEPS) +
+                                   ["train.schedule=async", "train.max_staleness=0"]))
+    zero.run()
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(tmp_path / "a0" / "metrics.jsonl")
+    assert _comparable(a) == _comparable(b)
+    assert all(e["staleness_max"] == 0 and e["staleness_histogram"] == {"0": 32} for e in a)
+    ref, got = dict(plain.engine.export_hf_state()), dict(zero.engine.export_hf_state())
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert (full / "samples.jsonl").read_text() == (tmp_path / "a0" / "samples.jsonl").read_text()
+
+    off = GRPOTrainer(load_config(config_file, _overrides(assets, tmp_path / "off", RESUME_STEPS) +
+                                  ["train.schedule=one_step_off", "checkpoint.interval=3", "checkpoint.keep=0"]))
+    off.run()
+    c = read_metrics(tmp_path / "off" / "metrics.jsonl")
+    assert [e["staleness_max"] for e in c] == [0] + [1] * (RESUME_STEPS - 1)
+    assert [e["rollout_weights_version"] for e in c] == [0] + list(range(RESUME_STEPS - 1))
+    assert all(e["weight_versions_per_batch"] == 1 and e["stale_dropped_samples"] == 0 for e in c)
+    assert all(e["time_trainer_wait_s"] >= 0 and e["time_rollout_wait_s"] >= 0 for e in c)
+    assert _comparable(c[:1]) == _comparable(a[:1])  # step 1 is the synchronous one
+    # step 1 is on policy; later steps train on samples of the previous weights: the trainer's old
+    # logprobs move away from the rollout's (what TIS corrects: weights != 1)
+    assert c[0]["train_rollout_logprob_abs_diff"] < 1e-4
+    assert all(e["train_rollout_logprob_abs_diff"] > 1e-4 and e["tis_weight_mean"] != 1.0 for e in c[1:])
+    # step 3's checkpoint: the thread had drawn step 4's prompts (and maybe step 5's) by then
+    state = json.loads((tmp_path / "off" / "checkpoints" / "step_000003" / "loop_state.json").read_text())
+    assert state["sampler"]["served"] == 3 * 4

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -287,3 +288,128 @@ def test_resume_without_a_checkpoint_starts_at_step_zero(tmp_path):
     log = []
     assert checkpoint.resume_point(_CkptEngine(), _Sampler(), _cfg(), tmp_path, log.append) == 0
     assert "no complete checkpoint" in log[0]
+
+
+# ------------------------------------------------------------------ overlong filtering and dynamic sampling
+
+def _sample(length, truncated, group=0):
+    from ferrule.rl.batch import Sample
+
+    return Sample(group=group, prompt_ids=(1,), response_ids=tuple(range(2, 2 + length)),
+                  rollout_logprobs=(-1.0,) * length, truncated=truncated)
+
+
+def test_overlong_penalty_is_dapo_soft_punishment_added_before_the_group_normalization():
+    # max_new_tokens 10, buffer 4, penalty 0.5: 0 up to 6 tokens, then -0.5 * (len - 6) / 4; truncated: -0.5
+    algo = _cfg("algorithm.overlong=penalty", "algorithm.overlong_buffer_tokens=4", "algorithm.overlong_penalty=0.5",
+                "algorithm.advantage_eps=0.0").algorithm
+    samples = [_sample(5, False), _sample(7, False), _sample(9, False), _sample(10, True)]
+    rewards = [SimpleNamespace(reward=v) for v in (1.0, 1.0, 0.0, 1.0)]
+    adv = advantages.group_advantages(samples, rewards, algo, group_size=4, max_new_tokens=10)
+    assert adv.penalties == [0.0, -0.125, -0.375, -0.5]
+    r = np.array([1.0, 0.875, -0.375, 0.5])
+    np.testing.assert_allclose(adv.values, (r - r.mean()) / r.std(ddof=1), rtol=1e-12)
+    assert adv.rewards == r.tolist() and adv.trainable == [True] * 4
+    assert advantages.overlong_penalty(10, True, max_new_tokens=10, buffer_tokens=0, penalty=1.0) == -1.0
+    assert advantages.overlong_penalty(10, False, max_new_tokens=10, buffer_tokens=0, penalty=1.0) == 0.0
+    m = record.train_step_metrics(train.TrainOutcome([{"loss:sum": 0.0}], [1.0], [0.1], 0, 0.0, [None] * 4, False, 1.0),
+                                  [torch.tensor(s.rollout_logprobs) for s in samples], adv, 4, use_tis=False)
+    assert m["overlong_penalty_mean"] == pytest.approx(-0.25)
+
+
+class _WeightEngine(_TrainEngine):
+    def forward_backward(self, datums, loss_fn, loss_cfg):
+        self.weights = [d.loss_fn_inputs["weights"] for d in datums]
+        return super().forward_backward(datums, loss_fn, loss_cfg)
+
+
+def test_overlong_mask_leaves_truncated_samples_out_of_the_group_and_the_loss():
+    algo = _cfg("algorithm.overlong=mask", "algorithm.advantage_eps=0.0").algorithm
+    samples = [_sample(3, True), _sample(2, False), _sample(4, False)]
+    rewards = [SimpleNamespace(reward=v) for v in (1.0, 0.0, 1.0)]
+    adv = advantages.group_advantages(samples, rewards, algo, group_size=3, max_new_tokens=3)
+    assert adv.trainable == [False, True, True] and adv.penalties == []
+    s = math.sqrt(0.5)  # std(ddof=1) of [0, 1]
+    np.testing.assert_allclose(adv.values, [0.0, -0.5 / s, 0.5 / s], rtol=1e-12)
+    engine = _WeightEngine()
+    cfg = _cfg("rollout.n_samples_per_prompt=3", "rollout.max_new_tokens=3", "algorithm.use_tis=false")
+    train.train_policy(engine, samples, adv.values, [torch.tensor(x.rollout_logprobs) for x in samples], cfg=cfg,
+                       reference=None, roles=ONE_PROCESS, num_groups=1, trainable=adv.trainable)
+    w = [x[-len(s_.response_ids):] for x, s_ in zip(engine.weights, samples)]
+    assert torch.equal(w[0], torch.zeros(3))  # token_mean over the 6 tokens of the two kept samples
+    assert all(torch.allclose(x, torch.full_like(x, 1 / 6)) for x in w[1:])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("algorithm.overlong_buffer_tokens=4",), "used only with algorithm.overlong=penalty"),
+    (("algorithm.overlong=penalty", "algorithm.overlong_buffer_tokens=256"), "must be in [0, rollout.max_new_tokens"),
+    (("algorithm.overlong=penalty", "algorithm.overlong_penalty=-1"), "algorithm.overlong_penalty: must be >= 0"),
+    (("algorithm.dynamic_sampling_max_rounds=0",), "algorithm.dynamic_sampling_max_rounds: must be >= 1"),
+])
+def test_filter_settings_are_checked(overrides, message):
+    from ferrule.rl.config_checks import _algorithm_problems
+
+    problems = _algorithm_problems(_cfg(*overrides))
+    assert len(problems) == 1 and message in problems[0]
+
+
+def test_overlong_mode_is_one_of_keep_mask_penalty():
+    with pytest.raises(ConfigError, match="algorithm.overlong"):
+        _cfg("algorithm.overlong=cut")
+
+
+class _PromptCounter:
+    def __init__(self):
+        self.position = 0
+
+    def next_batch(self, k):
+        out = [_prompt(i) for i in range(self.position, self.position + k)]
+        self.position += k
+        return out
+
+    def state_dict(self):
+        return {"cursor": self.position}
+
+
+def _dynamic_trainer(*overrides):
+    """A GRPOTrainer with fake engines: prompt i's n samples score ``i % 3 == 0`` (all equal: 0) or
+    their sample index (spread) — every third prompt's group is uninformative."""
+    from ferrule.rl.loop import GRPOTrainer
+    from ferrule.rl.rewards import RewardResult
+
+    t = object.__new__(GRPOTrainer)
+    t.cfg = _cfg(f"train.seed={SEED}", "train.prompts_per_step=3", f"rollout.n_samples_per_prompt={N}",
+                 "algorithm.dynamic_sampling=true", *overrides)
+    t.roles, t.sampler, t.rollout, t._media_cache = ONE_PROCESS, _PromptCounter(), _Engine(), {}
+    t.prompts = SimpleNamespace(ids=lambda p, kind: (1, p.index))
+    t.stop_ids, t.stop_strings, t.engine, t.synced_version = (7,), (), SimpleNamespace(step=5), 5
+    t.rollout_lock = threading.RLock()
+    t.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
+    t.score = score.Scorer(0.0, lambda line: None)
+    counter = iter(range(10**6))
+    t.reward_fn = lambda text, p: RewardResult(0.0 if p.index % 3 == 0 else float(next(counter) % N), False, True,
+                                               None)
+    return t
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills_with_new_seeds():
+    t = _dynamic_trainer()
+    batch = t.produce(STEP)
+    m = batch.selection
+    # round 0: prompts 0,1,2 (0 flat); round 1: 3,4,5 (3 flat) -> kept 1,2,4 in arrival order
+    assert [p.index for p in batch.prompts] == [1, 2, 4] and t.sampler.position == 6
+    assert [r.prompt_index for r in batch.results] == [0, 0, 1, 1, 2, 2]
+    assert m == {"dynamic_sampling_rounds": 2, "dynamic_sampling_kept_groups": 3,
+                 "dynamic_sampling_dropped_groups": 2, "dynamic_sampling_filled_groups": 0}
+    seeds = [params.seed for _, params in t.rollout.calls]
+    refill = int.from_bytes(hashlib.sha256(f"ferrule-rollout.r1.0:{SEED}:{STEP}".encode()).digest()[:8], "big") % 2**63
+    assert seeds == [_shard_seed(0), refill] and batch.weight_version == 5 and batch.rounds == 2
+    assert batch.sampler_state == {"cursor": 6}  # after the last round's draw: what its checkpoint records
+
+
+def test_dynamic_sampling_fills_a_short_step_with_dropped_groups_at_the_round_bound():
+    t = _dynamic_trainer("algorithm.dynamic_sampling_max_rounds=1")
+    batch = t.produce(STEP)
+    m = batch.selection
+    assert [p.index for p in batch.prompts] == [1, 2, 0]  # the flat group 0 fills the third place
+    assert m["dynamic_sampling_filled_groups"] == 1 and m["dynamic_sampling_rounds"] == 1

@@ -244,3 +244,32 @@ def test_two_process_checks_and_cross_dp_load(dist_pool, hf_dirs, tmp_path):
     for mine, theirs in zip(cont, res["continuation"]):
         assert mine[0] == pytest.approx(theirs[0], rel=1e-5) and mine[1] == pytest.approx(theirs[1], rel=1e-5)
         assert mine[2] == theirs[2]
+
+
+def test_entropy_bonus_uses_the_exact_entropy_of_the_logits(hf_dirs):
+    """``entropy_coef`` > 0: the engine's ``entropy:mean`` is the float64 entropy of HF's logits at the
+    trained positions, the loss drops by ``c * sum(w * H)``, and the gradient of the final norm
+    weight changes by HF's float64 gradient of ``-c * sum(w * H)``."""
+    coef, batch = 0.5, w.make_batch(seed=5, loss="ppo")
+    for d in batch:
+        d.loss_fn_inputs["weights"] = torch.full((len(d.model_input),), 0.01)
+    runs = {}
+    for c in (0.0, coef):
+        engine = engine_for(hf_dirs["qwen2"])
+        out = engine.forward_backward(batch, "ppo", {"entropy_coef": c} if c else None)
+        runs[c] = (out, main_grads(engine)["decoder.final_layernorm.weight"])
+    hf = Qwen2ForCausalLM.from_pretrained(hf_dirs["qwen2"], dtype=torch.float64)
+    ent_sum, bonus = 0.0, torch.zeros((), dtype=torch.float64)
+    for d in batch:
+        logits = hf(torch.tensor([d.model_input])).logits[0]
+        h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [T] nats
+        ent_sum += float(h.detach().sum())
+        bonus = bonus - coef * (d.loss_fn_inputs["weights"].double() * h).sum()
+    bonus.backward()
+    tokens = sum(len(d.model_input) for d in batch)
+    assert runs[coef][0].metrics["entropy:mean"] == pytest.approx(ent_sum / tokens, abs=1e-5)
+    assert "entropy:mean" not in runs[0.0][0].metrics  # no entropy is computed without the bonus
+    drop = runs[0.0][0].metrics["loss:sum"] - runs[coef][0].metrics["loss:sum"]
+    assert drop == pytest.approx(-float(bonus.detach()), abs=1e-5)
+    grad_diff = (runs[coef][1] - runs[0.0][1]).double()
+    torch.testing.assert_close(grad_diff, hf.model.norm.weight.grad, rtol=1e-4, atol=1e-7)

@@ -19,7 +19,7 @@ Calling convention (one sample, or several packed along the token axis)::
   ``target_tokens`` (int), ``weights``, ``logprobs`` (the sampler's, q), ``advantages`` (A);
   ferrule extensions ``rollout_logprobs``, ``ref_logprobs`` (see below).
 * ``loss_fn_config``: Tinker keys (``clip_low_threshold``, ``clip_high_threshold``, ``beta``)
-  plus ferrule extensions ``tis_cap`` and ``kl_coef``. Unknown keys are errors.
+  plus ferrule extensions ``tis_cap``, ``kl_coef`` and ``entropy_coef``. Unknown keys are errors.
 * returns ``per_token_loss`` ``[T]`` (its sum is the loss to backprop) and ``metrics``: a dict of
   0-dim detached float64 tensors whose keys all end in ``:sum``. Sums are exact to add across
   samples, micro-batches and ranks (:func:`sum_metrics`, or an all-reduce of the stacked
@@ -63,7 +63,13 @@ RL-launcher extensions (absent keys mean "off"; Tinker requests never carry them
   Tinker's docs advise putting KL in the reward instead; the penalty is off by default.
   With ``ref_logprobs`` present the KL is reported (``ref_kl:sum``) even when ``kl_coef == 0``.
 * **Entropy reporting**: pass ``entropy=`` (``[T]``, e.g. :func:`token_entropy` of the logits)
-  to get ``entropy:sum``; it never enters the loss.
+  to get ``entropy:sum``; with ``entropy_coef == 0`` (the default) it never enters the loss.
+* **Entropy bonus**: with ``loss_fn_config["entropy_coef"] = c > 0`` (every RL loss, ``gspo``
+  included) the per-token term becomes ``l - w * c * H`` with ``H`` the policy's entropy
+  (nats) at that position, passed as ``entropy=`` *with* its autograd history (the train engine
+  computes it from the full, vocab-parallel logits). Not multiplied by the TIS weight. Source:
+  the entropy regularizer of A3C (Mnih et al. 2016) and PPO (Schulman et al. 2017, eq. 9), as
+  verl's ``entropy_coeff``. ``entropy_coef > 0`` without ``entropy=`` is a ``ValueError``.
 
 Validation: :func:`validate_loss_inputs` checks a sample (or a whole batch) on any device
 before compute; the loss functions themselves only check shapes (no host sync).

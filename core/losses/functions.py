@@ -77,6 +77,22 @@ def _add_entropy(metrics: Metrics, entropy: torch.Tensor | None, active: torch.T
         metrics["entropy:sum"] = _masked_sum(entropy, active)
 
 
+def _entropy_bonus(term: torch.Tensor, entropy: torch.Tensor | None, cfg: Mapping[str, float],
+                   name: str) -> torch.Tensor:
+    """``term - entropy_coef * H`` (the entropy bonus; ``H`` keeps its autograd history), or ``term``
+    when ``entropy_coef`` is 0. Raises ``ValueError`` when ``entropy_coef > 0`` comes without ``entropy``."""
+    coef = cfg.get("entropy_coef", 0.0)
+    if coef <= 0:
+        return term
+    if entropy is None:
+        raise ValueError(f"loss {name!r}: loss_fn_config['entropy_coef'] = {coef} > 0 needs the policy's "
+                         "per-token entropy (entropy=, [T] with autograd history; the train engine computes "
+                         "it from the logits); pass it or set entropy_coef to 0")
+    if tuple(entropy.shape) != tuple(term.shape):
+        raise ValueError(f"entropy has shape {tuple(entropy.shape)}, expected {tuple(term.shape)}")
+    return term - coef * entropy.to(term.dtype)
+
+
 def cross_entropy(
     target_logprobs: torch.Tensor,
     loss_fn_inputs: Mapping[str, torch.Tensor],
@@ -144,6 +160,7 @@ def _policy_loss(
         extra["ref_kl:sum"] = _masked_sum(kl, active)
         if cfg["kl_coef"] > 0:
             term = term + cfg["kl_coef"] * kl
+    term = _entropy_bonus(term, entropy, cfg, name)
     loss = term if w is None else w * term
     metrics, _ = _base_metrics(loss, w)
     metrics["ratio:sum"] = _masked_sum(ratio, active)
@@ -297,7 +314,7 @@ def gspo(
     unclipped_obj = ratio * adv
     clipped_obj = torch.clamp(ratio, lo, hi) * adv
     clipped = clipped_obj < unclipped_obj
-    term = -torch.where(clipped, clipped_obj, unclipped_obj)
+    term = _entropy_bonus(-torch.where(clipped, clipped_obj, unclipped_obj), entropy, cfg, "gspo")
     loss = term if w is None else w * term
     metrics, active = _base_metrics(loss, w)
     metrics["ratio:sum"] = _masked_sum(ratio, active)

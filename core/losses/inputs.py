@@ -33,7 +33,7 @@ class LossFn(Protocol):
 # Config keys and defaults. Tinker keys: ppo defaults 0.8 / 1.2 (docs/losses.mdx); the Tinker
 # tutorial 202 states cispo shares them ("default clip thresholds (0.8 and 1.2)"); dro's beta
 # has no published server default, 0.05 is the docs' example value.
-_EXT_CONFIG = {"tis_cap": 2.0, "kl_coef": 0.0}
+_EXT_CONFIG = {"tis_cap": 2.0, "kl_coef": 0.0, "entropy_coef": 0.0}
 LOSS_CONFIG_DEFAULTS: Mapping[str, Mapping[str, float]] = MappingProxyType(
     {
         "cross_entropy": MappingProxyType({}),
@@ -42,7 +42,8 @@ LOSS_CONFIG_DEFAULTS: Mapping[str, Mapping[str, float]] = MappingProxyType(
         "cispo": MappingProxyType({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **_EXT_CONFIG}),
         "dro": MappingProxyType({"beta": 0.05, **_EXT_CONFIG}),
         # GSPO paper (arXiv:2507.18071) §5.1 clipping range 3e-4 / 4e-4, as absolute bounds
-        "gspo": MappingProxyType({"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4}),
+        "gspo": MappingProxyType({"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4,
+                                  "entropy_coef": 0.0}),
     }
 )
 
@@ -101,7 +102,7 @@ def resolve_loss_config(name: str, loss_fn_config: Mapping[str, float | str] | N
 
     Raises ``ValueError`` for an unknown loss name, an unknown key (listing the accepted keys),
     a non-numeric or non-finite value, ``clip_low_threshold > clip_high_threshold``, a negative
-    threshold, ``beta < 0``, ``kl_coef < 0`` or ``tis_cap <= 0``.
+    threshold, ``beta < 0``, ``kl_coef < 0``, ``entropy_coef < 0`` or ``tis_cap <= 0``.
     """
     _check_name(name)
     defaults = LOSS_CONFIG_DEFAULTS[name]
@@ -122,7 +123,8 @@ def resolve_loss_config(name: str, loss_fn_config: Mapping[str, float | str] | N
             f"loss {name!r}: need 0 <= clip_low_threshold <= clip_high_threshold (absolute ratio "
             f"bounds, e.g. 0.8 and 1.2), got {lo} and {hi}"
         )
-    for key, ok in (("beta", lambda v: v >= 0), ("kl_coef", lambda v: v >= 0), ("tis_cap", lambda v: v > 0)):
+    for key, ok in (("beta", lambda v: v >= 0), ("kl_coef", lambda v: v >= 0), ("entropy_coef", lambda v: v >= 0),
+                    ("tis_cap", lambda v: v > 0)):
         if key in out and not ok(out[key]):
             raise ValueError(f"loss {name!r}: loss_fn_config[{key!r}] = {out[key]} is out of range")
     return out

@@ -18,7 +18,7 @@ from .towers import embed_with_media
 if TYPE_CHECKING:
     from .engine_inputs import _Prepared
 
-__all__ = ["PACK_ALIGN", "pad_mask", "microbatch", "run", "gather"]
+__all__ = ["PACK_ALIGN", "pad_mask", "vocab_parallel_entropy", "microbatch", "run", "gather"]
 
 
 def _no_finalize(*args: Any, **kwargs: Any) -> None:
@@ -46,6 +46,31 @@ def pad_mask(engine: Any, logits: torch.Tensor) -> torch.Tensor | None:
     if start + v_local <= engine.vocab_size:
         return None
     return torch.arange(start, start + v_local, device=logits.device) >= engine.vocab_size
+
+def vocab_parallel_entropy(logits: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    """Entropy (nats) of the softmax over the full vocabulary, from this TP rank's logits
+    ``[..., v_local]`` (fp32) -> ``[...]`` fp32, with autograd history (the entropy bonus).
+
+    ``H = log S - T / S`` with ``S = sum exp(z - m)``, ``T = sum exp(z - m) (z - m)`` and ``m`` the
+    global max: ``S`` and ``T`` are summed over the tensor-parallel group with megatron's
+    ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), as
+    ``VocabParallelCrossEntropy`` sums its softmax denominator. ``pad``: ``[v_local]`` bool, the
+    padded vocabulary columns (:func:`pad_mask`), left out of both sums.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z = logits if pad is None else logits.masked_fill(pad, float("-inf"))
+    m = z.detach().amax(dim=-1, keepdim=True)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = z - m
+    e = shifted.exp()
+    t_part = torch.where(e > 0, e * shifted, torch.zeros_like(e))  # exp(-inf) * -inf would be nan
+    sums = reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), t_part.sum(-1)]))
+    return sums[0].log() - sums[1] / sums[0]
+
 
 def microbatch(engine: Any, data: list[_Prepared], idx: list[int] | None) -> dict:
     """Device tensors of one micro-batch. ``spans[k] = (row, start, n)`` locates datum
@@ -101,7 +126,9 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
 
     from .fused_logprob import DEFAULT_CHUNK_TOKENS, linear_logprobs
 
-    fused = engine.fused_logprobs and not engine.config.sequence_parallel
+    # the entropy bonus needs every position's full logits: the fused path never forms them
+    with_entropy = loss is not None and float(loss_cfg.get("entropy_coef", 0.0)) > 0
+    fused = engine.fused_logprobs and not engine.config.sequence_parallel and not with_entropy
     grad_accum = getattr(engine, "grad_accum_fusion", False)
 
 
@@ -129,6 +156,8 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
             """``[b, s, ...]`` -> the data's tokens concatenated, ``[T, ...]``."""
             return torch.cat([x[row, a:a + n] for row, a, n in mb["spans"]])
 
+        entropy: list[torch.Tensor] = []  # with_entropy: the valid tokens' entropy [T], filled by row_logprobs
+
         def row_logprobs(out: torch.Tensor, expected_grad: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
             """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None).
@@ -142,6 +171,8 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
                                        expected_grad=expected_grad if main_grad is not None else None), None
             logits = out.float()
             mask = pad_mask(engine, logits)
+            if with_entropy:
+                entropy.append(select(vocab_parallel_entropy(logits, mask)))
             if mask is not None:
                 logits = logits.masked_fill(mask, float("-inf"))
             full = -vocab_parallel_cross_entropy(logits, mb["labels"])  # [b, s]
@@ -169,7 +200,7 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
             if loss_fn in SEQUENCE_LEVEL:  # the loss couples each datum's tokens: say where data start
                 inputs["segment_ids"] = torch.repeat_interleave(
                     torch.arange(len(mb["idx"])), torch.tensor(mb["lengths"])).to(t.device)
-            per_token, metrics = loss(t, inputs, loss_cfg)
+            per_token, metrics = loss(t, inputs, loss_cfg, entropy=entropy[0] if entropy else None)
             pieces = per_token.detach().float().cpu().split(mb["lengths"])
             tp = t.detach().float().cpu().split(mb["lengths"])
             for i, lp, el in zip(mb["idx"], tp, pieces):

@@ -151,7 +151,8 @@ def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
 
     ``ppo`` / ``cispo`` / ``gspo`` clip the ratio to ``[1 - eps_clip, 1 + eps_clip_high]`` (absolute
     bounds, the losses' convention; for ``gspo`` the GSPO paper's band is ``eps_clip=3e-4``,
-    ``eps_clip_high=4e-4``); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always.
+    ``eps_clip_high=4e-4``); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always; ``entropy_coef``
+    when > 0 (the train engine computes the policy entropy only then).
     """
     from ferrule.losses import LOSS_CONFIG_DEFAULTS
 
@@ -165,6 +166,8 @@ def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
         cfg["tis_cap"] = float(algorithm.tis_cap)  # type: ignore[attr-defined]
     if "kl_coef" in accepted:  # gspo takes neither extension (config checks refuse use_tis / kl_coef with it)
         cfg["kl_coef"] = float(algorithm.kl_coef)  # type: ignore[attr-defined]
+    if algorithm.entropy_coef > 0:  # type: ignore[attr-defined]  (the engine then computes the entropy)
+        cfg["entropy_coef"] = float(algorithm.entropy_coef)  # type: ignore[attr-defined]
     return name, cfg
 
 

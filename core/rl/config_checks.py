@@ -226,6 +226,28 @@ def _algorithm_problems(cfg: RLConfig) -> list[str]:
                  "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
+    return p + _sample_filter_problems(cfg)
+
+
+def _sample_filter_problems(cfg: RLConfig) -> list[str]:
+    """Overlong filtering and dynamic sampling."""
+    a, max_new = cfg.algorithm, cfg.rollout.max_new_tokens
+    p: list[str] = []
+    if a.overlong != "penalty" and (a.overlong_buffer_tokens != 0 or a.overlong_penalty != 1.0):
+        p.append(f"algorithm.overlong_buffer_tokens / overlong_penalty: used only with algorithm.overlong=penalty, "
+                 f"got overlong={a.overlong!r}; set algorithm.overlong=penalty or leave them at their defaults")
+    if not 0 <= a.overlong_buffer_tokens < max_new:
+        p.append(f"algorithm.overlong_buffer_tokens: must be in [0, rollout.max_new_tokens={max_new}), got "
+                 f"{a.overlong_buffer_tokens}")
+    if a.overlong_penalty < 0:
+        p.append(f"algorithm.overlong_penalty: must be >= 0 (it is subtracted from the reward), got "
+                 f"{a.overlong_penalty}")
+    if a.dynamic_sampling and cfg.agent.environment:
+        p.append("algorithm.dynamic_sampling: not with multi-turn episodes (agent.environment) yet; set "
+                 "algorithm.dynamic_sampling=false")
+    if a.dynamic_sampling_max_rounds < 1:
+        p.append(f"algorithm.dynamic_sampling_max_rounds: must be >= 1 (rollouts per step, the first included), "
+                 f"got {a.dynamic_sampling_max_rounds}")
     return p
 
 
@@ -276,6 +298,14 @@ def _train_problems(cfg: RLConfig) -> list[str]:
     if d.task and t.prompts_per_step > d.size:
         p.append(f"train.prompts_per_step: {t.prompts_per_step} exceeds data.size={d.size}; a step would "
                  "repeat prompts")
+    if t.max_staleness < 0:
+        p.append(f"train.max_staleness: must be >= 0 (train steps), got {t.max_staleness}")
+    elif t.schedule != "async" and t.max_staleness != 1:
+        p.append(f"train.max_staleness: used only with train.schedule=async (sync: 0, one_step_off: 1), got "
+                 f"schedule={t.schedule!r}; set train.schedule=async or leave max_staleness at 1")
+    if t.schedule != "sync" and t.colocate is True:
+        p.append(f"train.schedule={t.schedule}: the rollout overlaps training, which train.colocate=true forbids "
+                 "(the engines take turns); set train.colocate=false or train.schedule=sync")
     return p
 
 

@@ -163,8 +163,27 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = _f(
         "k3", "KL estimator (Schulman 2020, 'Approximating KL divergence'): k1 = log r, "
               "k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = p_ref / p. The loss implements k3 only.")
-    entropy_coef: float = _f(0.0, "Weight of the entropy bonus; not implemented by the train engine yet, "
-                                  "must be 0 (entropy is always reported).")
+    entropy_coef: float = _f(0.0, "Weight c of the entropy bonus: each response token's loss gets -c * H, H the "
+                                  "policy's exact entropy (nats) from the train engine's logits (this disables "
+                                  "the fused logprob path on GPU: full logits are formed). 0: off.")
+    overlong: Literal["keep", "mask", "penalty"] = _f(
+        "keep", "Truncated responses (stopped by rollout.max_new_tokens): keep (trained like the others); mask "
+                "(DAPO overlong filtering: no loss on them, and left out of their group's mean and std); penalty "
+                "(DAPO soft overlong punishment: -overlong_penalty * min(1, (length - (max_new_tokens - "
+                "overlong_buffer_tokens)) / overlong_buffer_tokens) added to the reward, -overlong_penalty "
+                "for a truncated one).")
+    overlong_buffer_tokens: int = _f(0, "overlong=penalty: the last tokens before max_new_tokens over which the "
+                                        "penalty ramps from 0 to overlong_penalty (DAPO's L_cache); 0: only "
+                                        "truncated responses are penalised.", "tokens")
+    overlong_penalty: float = _f(1.0, "overlong=penalty: the largest penalty (DAPO: 1).", "reward")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: groups whose rewards are all equal (no gradient) "
+                                       "are dropped and more prompts are generated, up to "
+                                       "dynamic_sampling_max_rounds rollouts per step, until prompts_per_step "
+                                       "groups with a reward spread are kept.")
+    dynamic_sampling_max_rounds: int = _f(3, "dynamic_sampling: rollouts (of prompts_per_step prompts each) per "
+                                             "step at most, the first included; a step still short after them "
+                                             "fills up with dropped groups (advantage 0, counted in "
+                                             "dynamic_sampling_filled_groups).", "rollouts")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +239,13 @@ class TrainConfig:
                                "step wakes the rollout engine, generates, puts it to sleep, onloads the train "
                                "engine, trains, syncs and offloads it. true, false, or auto: on with CUDA when "
                                "both engines would not fit at once, off on CPU. Bit-identical to false.")
+    schedule: Literal["sync", "one_step_off", "async"] = _f(
+        "sync", "sync: rollout, train and sync alternate (on-policy). one_step_off: step k+1's rollout is "
+                "generated (by a rollout thread, on the weights of step k-1) while step k trains. async: the "
+                "rollout runs up to max_staleness steps ahead of the trained weights (0: equals sync bit for "
+                "bit). docs/train.md \"Asynchronous schedules\".")
+    max_staleness: int = _f(1, "schedule=async: the most train steps between the weights that sampled a sample and "
+                               "the weights it trains; older samples are dropped (stale_dropped_samples).", "steps")
 
 
 @dataclass(frozen=True, kw_only=True)

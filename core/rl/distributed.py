@@ -168,21 +168,26 @@ class Shard:
     replica: int
 
 
-def shard_seed(train_seed: int, step: int, index: int) -> int:
+def shard_seed(train_seed: int, step: int, index: int, round_: int = 0) -> int:
     """Sampling seed of rollout shard ``index`` at ``step``.
 
     Shard 0: ``rollout_seed(train_seed, step)`` = ``sha256("ferrule-rollout:{seed}:{step}")``
     (the one-shard seed of earlier single-process runs); shard k > 0:
-    ``sha256("ferrule-rollout.{k}:{seed}:{step}")``. First 8 bytes, mod 2**63.
+    ``sha256("ferrule-rollout.{k}:{seed}:{step}")``. ``round_`` r > 0 (the r-th refill of
+    ``algorithm.dynamic_sampling``): ``sha256("ferrule-rollout.r{r}.{k}:{seed}:{step}")``. First 8
+    bytes, mod 2**63.
     """
+    if round_:
+        return rollout_seed(train_seed, step, f"rollout.r{round_}.{index}")
     return rollout_seed(train_seed, step, "rollout" if index == 0 else f"rollout.{index}")
 
 
-def plan_shards(n_prompts: int, prompts_per_shard: int, replicas: int, train_seed: int, step: int) -> list[Shard]:
+def plan_shards(n_prompts: int, prompts_per_shard: int, replicas: int, train_seed: int, step: int,
+                round_: int = 0) -> list[Shard]:
     """Cut ``n_prompts`` into shards of ``prompts_per_shard`` (0: ``ceil(n_prompts / replicas)``),
-    shard ``k`` on replica ``k % replicas`` (module docstring)."""
+    shard ``k`` on replica ``k % replicas`` (module docstring); ``round_``: see :func:`shard_seed`."""
     size = prompts_per_shard or max(1, -(-n_prompts // replicas))
-    return [Shard(k, a, min(a + size, n_prompts), shard_seed(train_seed, step, k), k % replicas)
+    return [Shard(k, a, min(a + size, n_prompts), shard_seed(train_seed, step, k, round_), k % replicas)
             for k, a in enumerate(range(0, n_prompts, size))]
 
 

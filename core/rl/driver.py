@@ -187,8 +187,10 @@ class RunDriver:
         cfg, driver = self.cfg, self.roles.is_driver
         logged: list[dict[str, Any]] = []
         ckpt, step = None, start
+        from ferrule.rl.schedules import make_schedule
+
         with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
-                                  console=self.console) as bar:
+                                  console=self.console) as bar, make_schedule(self, start) as schedule:
             if start == 0 and self.eval_source is not None and driver:
                 self._rollout_phase()
                 logged.append(logger.log(0, self._evaluate(0)))
@@ -196,7 +198,7 @@ class RunDriver:
                 bar.restart_clock()
             while step < cfg.train.steps:
                 step += 1
-                metrics, samples = self.train_step(step)
+                metrics, samples = schedule.step(step)
                 logged.append(logger.log(step, metrics))
                 if "eval_accuracy" in metrics:
                     self._log_eval(step, metrics)

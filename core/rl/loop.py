@@ -36,7 +36,12 @@ One step (``train.prompts_per_step`` prompts, ``rollout.n_samples_per_prompt`` s
 8. **Eval / checkpoint** every ``eval.interval`` / ``checkpoint.interval`` steps (and at the end).
 
 Each step is a stage module of :mod:`ferrule.rl.stages` (rollout, score, advantages, train,
-sync, record); :meth:`GRPOTrainer.train_step` calls them in this order and holds no stage's logic.
+sync, record) passing typed records (:mod:`ferrule.rl.records`): :meth:`GRPOTrainer.produce` (rollout,
+score, dynamic sampling) makes a :class:`~ferrule.rl.records.RolloutBatch`, :meth:`GRPOTrainer.learn`
+(advantages, train, sync, record) consumes it through a :class:`~ferrule.rl.records.StepRecord`;
+:meth:`GRPOTrainer.train_step` is the two in order, and a schedule (:mod:`ferrule.rl.schedules`,
+``train.schedule``) decides when each runs (the rollout of a later step in a thread: one-step-off,
+asynchronous).
 
 Checkpoint ``CKPT_DIR/step_NNNNNN/`` = ``engine/`` (:meth:`TrainEngine.save`: model, optimizer,
 scheduler, RNG; atomic) + ``loop_state.json`` (step, sampler position; written last, atomically:
@@ -55,10 +60,12 @@ drives an SGLang server and runs every shard (:mod:`ferrule.rl.sglang_rollout`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -71,12 +78,21 @@ from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.driver import RunDriver, RunResult
 from ferrule.rl.run_checks import check_supported, lock_run_dir, preflight, unlock_run_dir
 from ferrule.rl.seeds import rollout_seed
-from ferrule.rl.stages import advantages, checkpoint, record, rollout
+from ferrule.rl.records import RolloutBatch, StepRecord, max_staleness, staleness_of
+from ferrule.rl.stages import advantages, checkpoint, dynamic_sampling, record, rollout
 from ferrule.rl.stages import train as train_stage
 from ferrule.rl.stages.record import SAMPLES_FILE
 from ferrule.rl.stages.rollout import prompt_token_ids
 from ferrule.rl.stages.score import MAX_SHOWN_REWARD_FAILURES, Scorer, check_reward_functions  # noqa: F401
 from ferrule.rl.stages.sync import sync_policy
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ferrule.rl.engines import PolicyTrainer, ReferenceScorer
+    from ferrule.rl.tasks import Prompt
+    from ferrule.rollout import GenerateResult, RolloutEngine, SamplingParams
+    from ferrule.sync import SyncStats
 
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
@@ -96,7 +112,12 @@ class GRPOTrainer(RunDriver):
             data/model/algorithm keys, or a fresh run into a folder that already has metrics.
     """
 
-    def __init__(self, cfg: RLConfig, *, check_weight_update_equal: bool = False, console: Any = None):
+    #: the engines, behind the small Protocols the loop needs (:mod:`ferrule.rl.engines`); built by :meth:`setup`
+    engine: PolicyTrainer
+    rollout: RolloutEngine | None
+    reference: ReferenceScorer | None
+
+    def __init__(self, cfg: RLConfig, *, check_weight_update_equal: bool = False, console: Console | None = None):
         from rich.console import Console
 
         check_supported(cfg)
@@ -107,6 +128,10 @@ class GRPOTrainer(RunDriver):
             preflight(cfg)
             hf_config = json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
             rl_dist.check_layout(cfg, hf_config, rl_dist.launch_world_size())
+            if cfg.train.schedule != "sync" and rl_dist.launch_world_size() > 1:
+                raise ConfigError([f"train.schedule={cfg.train.schedule}: runs in one process only (its rollout "
+                                   "thread's collectives would interleave with the trainer's); set "
+                                   "train.schedule=sync under torchrun"])
         except BaseException:
             unlock_run_dir(self._run_lock)
             raise
@@ -126,7 +151,17 @@ class GRPOTrainer(RunDriver):
         self.model_files: dict | None = None
         self._setup_done = False
         self.score = Scorer(cfg.reward.failure_reward, self._log)
-        self.last_sync: Any = None  # SyncStats of the latest weight sync
+        self.last_sync: SyncStats | None = None  # of the latest weight sync
+        #: held around every use of the rollout engine (generate, sync, evaluation): an asynchronous
+        #: schedule's rollout thread and the trainer's sync never touch it at once
+        self.rollout_lock = threading.RLock()
+        self.synced_version = 0  # the train engine's optimizer steps when the rollout engine got its weights
+        #: called with the step before / after each step's weight sync (the asynchronous schedule: the sync
+        #: waits for the rollouts due on the older weights, the rollout thread waits for the sync)
+        self.before_sync: Callable[[int], None] | None = None
+        self.on_sync: Callable[[int], None] | None = None
+        self._rollout_seconds = 0.0  # this rank's generation time of the latest produce
+        self._trained_sampler_state: dict | None = None  # the sampler state of the latest trained batch (driver)
 
     def _log(self, text: str) -> None:
         if not self._quiet:
@@ -223,8 +258,8 @@ class GRPOTrainer(RunDriver):
 
         self.meter = PhaseMeter()
         try:
-            on, why = resolve_colocate(self.cfg.train.colocate, self.engine, self.rollout, self.cfg,
-                                       distributed=self.roles.distributed)
+            setting = self.cfg.train.colocate if self.cfg.train.schedule == "sync" else False  # overlap: no turns
+            on, why = resolve_colocate(setting, self.engine, self.rollout, self.cfg, distributed=self.roles.distributed)
         except ValueError as exc:
             raise ConfigError([str(exc)]) from None
         self.colocation = Colocation(self.engine, self.rollout, self.meter) if on else None
@@ -242,27 +277,86 @@ class GRPOTrainer(RunDriver):
         if self.colocation is not None:
             self.colocation.train_phase()
 
-    def _media_of(self, prompt: Any) -> dict | None:
+    def _media_of(self, prompt: Prompt) -> dict | None:
         return rollout.media_of(self._media_cache, prompt)
 
-    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int | None) -> Any:
+    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int | None) -> SamplingParams:
         return rollout.sampling_params(self.cfg, self.stop_ids, self.stop_strings, n=n, temperature=temperature,
                                        max_new_tokens=max_new_tokens, seed=seed)
 
-    def _rollout(self, step: int, prompts: list[Any] | None = None,
-                 prompt_ids: list[tuple[int, ...]] | None = None) -> list[Any] | None:
+    def _rollout(self, step: int, prompts: list[Prompt] | None = None, prompt_ids: list[tuple[int, ...]] | None = None,
+                 round_: int = 0) -> list[GenerateResult] | None:
         """The step's rollout (:func:`ferrule.rl.stages.rollout.generate_rollouts`); collective."""
         ro = self.cfg.rollout
         params = (self._sampling_params(n=ro.n_samples_per_prompt, temperature=ro.temperature,
                                         max_new_tokens=ro.max_new_tokens, seed=None) if self.roles.is_driver else None)
         return rollout.generate_rollouts(self.roles, self.rollout, params, seed=self.cfg.train.seed,
                                          prompts_per_shard=ro.prompts_per_shard, step=step, prompts=prompts,
-                                         prompt_ids=prompt_ids, media=self._media_of)
+                                         prompt_ids=prompt_ids, media=self._media_of, round_=round_)
+
+    def _rollout_round(self, step: int, round_: int) -> RolloutBatch | None:
+        """One rollout of ``train.prompts_per_step`` new prompts, decoded and scored on the driver
+        (None elsewhere); collective."""
+        prompts = prompt_ids = state = None
+        if self.roles.is_driver:
+            prompts = self.sampler.next_batch(self.cfg.train.prompts_per_step)
+            state = self.sampler.state_dict()
+            prompt_ids = [self.prompts.ids(p, "train") for p in prompts]
+        with self.rollout_lock:
+            version = self.synced_version
+            results = self._rollout(step, prompts, prompt_ids, round_)
+        if not self.roles.is_driver:
+            return None
+        texts = rollout.decode(self.tokenizer, results)
+        rewards = self.score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results],
+                             f"step {step}" if round_ == 0 else f"step {step} (refill {round_})")
+        return RolloutBatch(prompts, prompt_ids, [self._media_of(p) for p in prompts], results, texts, rewards,
+                            weight_version=version, sampler_state=state)
+
+    def _agent_round(self, step: int) -> RolloutBatch:
+        """One step of multi-turn episodes (:mod:`ferrule.rl.envs.launcher`; one process, no shards): the
+        batch carries the episodes' samples and rewards (``agent``) instead of engine results."""
+        cfg = self.cfg
+        prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
+        state = self.sampler.state_dict()
+        params = self._sampling_params(n=1, temperature=cfg.rollout.temperature,
+                                       max_new_tokens=cfg.rollout.max_new_tokens, seed=None)
+        with self.rollout_lock:
+            version = self.synced_version
+            agent_step = self.agent.run_step(self.rollout, prompts, params, step, self._log)
+        return RolloutBatch(prompts, agent_step.prompt_ids, [None] * len(prompts), [], [], agent_step.rewards,
+                            weight_version=version, sampler_state=state, agent=agent_step)
+
+    def produce(self, step: int) -> RolloutBatch | None:
+        """Stages 1-2 (rollout, score): the step's scored rollout on the driver (None elsewhere),
+        with ``algorithm.dynamic_sampling`` over several rounds
+        (:mod:`ferrule.rl.stages.dynamic_sampling`); collective (every rank runs the same rounds)."""
+        a, t = self.cfg.algorithm, time.perf_counter()
+        if not a.dynamic_sampling:  # (config checks refuse dynamic sampling with agent episodes)
+            batch = self._agent_round(step) if self.agent is not None else self._rollout_round(step, 0)
+            self._rollout_seconds = time.perf_counter() - t
+            return None if batch is None else dataclasses.replace(batch, seconds=self._rollout_seconds)
+        selector, last = dynamic_sampling.GroupSelector(self.cfg.train.prompts_per_step), None
+        for k in range(a.dynamic_sampling_max_rounds):
+            last = self._rollout_round(step, k)
+            full = self.roles.is_driver and selector.add(last, dynamic_sampling.informative_groups(
+                last, a, self.cfg.rollout.max_new_tokens))
+            if self.roles.distributed:
+                full = rl_dist.broadcast_object(full)
+            if full:
+                break
+        self._rollout_seconds = time.perf_counter() - t
+        if not self.roles.is_driver:
+            return None
+        return dataclasses.replace(selector.batch(), seconds=self._rollout_seconds, selection=selector.metrics(),
+                                   sampler_state=last.sampler_state)
 
     def _sync(self) -> float:
         """Weights (or the LoRA adapter) to every rollout engine (:mod:`ferrule.rl.stages.sync`)."""
-        self.last_sync, seconds = sync_policy(self.engine, self.rollout, self.roles, check_equal=self.check_equal,
-                                              settings=self.cfg.weight_sync)
+        with self.rollout_lock:
+            self.last_sync, seconds = sync_policy(self.engine, self.rollout, self.roles,
+                                                  check_equal=self.check_equal, settings=self.cfg.weight_sync)
+            self.synced_version = self.engine.step
         return seconds
 
     def _evaluate(self, step: int) -> dict[str, float]:
@@ -275,7 +369,8 @@ class GRPOTrainer(RunDriver):
         params = self._sampling_params(n=1, temperature=e.temperature,
                                        max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                        seed=rollout_seed(self.cfg.train.seed, step, "eval"))
-        results = rollout.generate(self.rollout, params, prompts, ids, self._media_of)
+        with self.rollout_lock:
+            results = rollout.generate(self.rollout, params, prompts, ids, self._media_of)
         texts = rollout.decode(self.tokenizer, results)
         rewards = self.score(self.eval_reward_fn, texts, prompts, f"evaluation at step {step}")
         out = {"eval_reward_mean": float(np.mean([r.reward for r in rewards])),
@@ -291,92 +386,94 @@ class GRPOTrainer(RunDriver):
 
     # ------------------------------------------------------------------ one step: the algorithm
     def train_step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Run step ``step`` (1-based); return ``(metrics, logged samples)``. Collective."""
-        import torch
-
-        cfg, driver, n = self.cfg, self.roles.is_driver, self.cfg.rollout.n_samples_per_prompt
+        """Run step ``step`` (1-based) on the synchronous schedule: :meth:`produce` with the rollout
+        engine awake, then :meth:`learn`; return ``(metrics, logged samples)``. Collective."""
         t_step = time.perf_counter()
         record.reset_peak_memory()
-        prompts = prompt_ids = media = results = texts = rewards = agent_step = None
         self._rollout_phase()
         self.meter.record_now("memory_offloaded_bytes")
         self.meter.start()
-        t_roll0 = time.perf_counter()
-        # 1. rollout: the driver takes the next prompts; every rollout rank generates its shards
-        if driver:
-            prompts = self.sampler.next_batch(cfg.train.prompts_per_step)
-            if self.agent is None:
-                prompt_ids = [self.prompts.ids(p, "train") for p in prompts]
-                media = [self._media_of(p) for p in prompts]
-        if self.agent is not None:  # multi-turn episodes (ferrule.rl.envs.launcher): one process, no shards
-            agent_step = self.agent.run_step(self.rollout, prompts, self._sampling_params(
-                n=1, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens, seed=None),
-                step, self._log)
-            prompt_ids, media = agent_step.prompt_ids, [None] * len(prompts)
-        else:
-            results = self._rollout(step, prompts, prompt_ids)
-        if driver and agent_step is None:
-            texts = rollout.decode(self.tokenizer, results)
-        t_rollout = time.perf_counter() - t_roll0
+        batch = self.produce(step)
         self.meter.stop("rollout")
+        return self.learn(step, batch, t_step)
+
+    def learn(self, step: int, batch: RolloutBatch | None, t_step: float) -> tuple[dict[str, Any], list[dict]]:
+        """Stages 3-6 on the driver's ``batch`` (broadcast to every rank): advantages, train, sync,
+        record. Returns ``(metrics, logged samples)``. Collective."""
         self._train_phase()
         self.meter.start()
-        # 2. score (the driver), then every rank builds the same batch from the driver's rollout
-        if driver:
-            rewards = (agent_step.rewards if agent_step is not None else
-                       self.score(self.reward_fn, texts, [prompts[r.prompt_index] for r in results], f"step {step}"))
-        if self.roles.distributed:
-            prompt_ids, results, rewards, media = rl_dist.broadcast_object(
-                (prompt_ids, results, rewards, media) if driver else None)
-        # 3. advantages: group-normalized, one per sample
-        samples = agent_step.samples if agent_step is not None else advantages.build_samples(prompt_ids, results, media)
-        adv = advantages.group_advantages(samples, rewards, cfg.algorithm, n)
-        rollout_lp = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
-        # 4. train: old / reference logprobs, forward_backward + optim_step per mini-batch of groups
-        outcome = train_stage.train_policy(self.engine, samples, adv.values, rollout_lp, cfg=cfg,
-                                           reference=self.reference, roles=self.roles, num_groups=len(prompt_ids))
+        if self.roles.distributed:  # every rank builds the same train batch from the driver's rollout
+            batch = rl_dist.broadcast_object(batch)
+        rec = self._train_on(step, batch)
+        self._trained_sampler_state = batch.sampler_state
         self.meter.stop("train")
         # 5. sync: the new policy to every rollout engine (colocated: into its host copies)
+        if self.before_sync is not None:
+            self.before_sync(step)
         self.meter.start()
         t_sync = self._sync()
         self.meter.stop("sync")
+        if self.on_sync is not None:
+            self.on_sync(step)
         if self.colocation is not None:
             self.colocation.offload_train()
         # 6. record: metrics (evaluation on its interval) and the logged samples
-        if agent_step is not None:  # logprob metrics over the model's tokens only
-            rollout_lp, outcome.trainer_logprobs = agent_step.model_token_logprobs(rollout_lp, outcome.trainer_logprobs)
-        metrics = self._step_metrics(step, samples, rewards, adv, rollout_lp, outcome, media,
-                                     t_rollout=t_rollout, t_sync=t_sync)
-        if agent_step is not None:
-            metrics.update(agent_step.metrics)
+        metrics = self._step_metrics(rec, t_sync=t_sync)
         t_total = time.perf_counter() - t_step
         metrics["time_step_s"] = t_total
-        metrics["tokens_per_s"] = sum(len(s.response_ids) for s in samples) / max(t_total, 1e-9)
-        if not driver:
+        metrics["tokens_per_s"] = sum(len(s.response_ids) for s in rec.samples) / max(t_total, 1e-9)
+        if not self.roles.is_driver:
             return metrics, []
-        if agent_step is not None:
-            return metrics, agent_step.logged
-        return metrics, record.logged_samples(step, prompts, results, texts, rewards, adv.values,
-                                              cfg.logging.log_samples)
+        if batch.agent is not None:
+            return metrics, batch.agent.logged
+        return metrics, record.logged_samples(step, batch.prompts, batch.results, batch.texts, batch.rewards,
+                                              rec.advantages.values, self.cfg.logging.log_samples)
 
-    def _step_metrics(self, step: int, samples: list, rewards: list, adv: Any, rollout_lp: list, outcome: Any,
-                      media: list, *, t_rollout: float, t_sync: float) -> dict[str, Any]:
+    def _train_on(self, step: int, batch: RolloutBatch) -> StepRecord:
+        """Stages 3-4: samples, group-normalized advantages (samples older than ``train.max_staleness``
+        left out), old / reference logprobs, ``forward_backward`` + ``optim_step`` per mini-batch."""
+        import torch
+
+        cfg = self.cfg
+        samples = (batch.agent.samples if batch.agent is not None else
+                   advantages.build_samples(batch.prompt_ids, batch.results, batch.media))
+        staleness = staleness_of(batch, self.engine.step, cfg.train.optim_steps_per_rollout, len(samples))
+        stale = [s > max_staleness(cfg.train) for s in staleness]
+        adv = advantages.group_advantages(samples, batch.rewards, cfg.algorithm, cfg.rollout.n_samples_per_prompt,
+                                          cfg.rollout.max_new_tokens, exclude=stale)
+        rollout_lp = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+        outcome = train_stage.train_policy(self.engine, samples, adv.values, rollout_lp, cfg=cfg,
+                                           reference=self.reference, roles=self.roles,
+                                           num_groups=len(batch.prompt_ids), trainable=adv.trainable)
+        if batch.agent is not None:  # logprob metrics over the model's tokens only
+            rollout_lp, outcome.trainer_logprobs = batch.agent.model_token_logprobs(rollout_lp,
+                                                                                    outcome.trainer_logprobs)
+        return StepRecord(step, batch, samples, adv, rollout_lp, outcome, staleness, sum(stale))
+
+    def _step_metrics(self, rec: StepRecord, *, t_sync: float) -> dict[str, Any]:
         """The step's metrics (:mod:`ferrule.rl.stages.record`), the per-rank timings (collective when
         distributed; a stop requested on any rank stops all) and the evaluation on its interval."""
-        n, t_train = self.cfg.rollout.n_samples_per_prompt, outcome.seconds
-        metrics = record.rollout_step_metrics(rewards, samples, n)
-        metrics.update(record.train_step_metrics(outcome, rollout_lp, adv, n, self.cfg.algorithm.use_tis))
+        n, t_train, step = self.cfg.rollout.n_samples_per_prompt, rec.outcome.seconds, rec.step
+        t_rollout = rec.batch.seconds
+        metrics = record.rollout_step_metrics(rec.batch.rewards, rec.samples, n)
+        metrics.update(record.train_step_metrics(rec.outcome, rec.rollout_logprobs, rec.advantages, n,
+                                                 self.cfg.algorithm.use_tis))
         if self.towers:
-            metrics.update(record.media_metrics(self.towers, media))
-        metrics.update(record.throughput_metrics(samples, t_rollout=t_rollout, t_train=t_train, t_sync=t_sync))
-        metrics.update({"mfu": record.train_mfu(self.engine, samples, t_train, outcome.need_old),
-                        "weights_version": self.engine.step, "epoch": self.sampler.epoch,
+            metrics.update(record.media_metrics(self.towers, rec.batch.media))
+        metrics.update(record.throughput_metrics(rec.samples, t_rollout=t_rollout, t_train=t_train, t_sync=t_sync))
+        metrics.update({"mfu": record.train_mfu(self.engine, rec.samples, t_train, rec.outcome.need_old),
+                        "weights_version": self.engine.step,
+                        "epoch": (rec.batch.sampler_state or {}).get("epoch", self.sampler.epoch),
                         "sync_bytes": self.last_sync.bytes})
         metrics.update(record.memory_metrics())
         metrics.update(self.meter.pop())
         metrics.update(record.sync_memory_metrics(self.last_sync))
+        metrics.update(record.version_metrics(rec))
+        metrics.update(rec.batch.selection)
+        if rec.batch.agent is not None:
+            metrics.update(rec.batch.agent.metrics)
         if self.roles.distributed:  # per-rank timings: the slowest and fastest rank of each phase
-            times = rl_dist.all_gather_objects((t_rollout, t_train, t_sync, self._stop_requested))
+            times = rl_dist.all_gather_objects((self._rollout_seconds, t_train, t_sync, self._stop_requested))
             for j, key in enumerate(("time_rollout_s", "time_train_s", "time_sync_s")):
                 metrics[key + "_max"] = max(x[j] for x in times)
                 metrics[key + "_min"] = min(x[j] for x in times)
@@ -392,15 +489,27 @@ class GRPOTrainer(RunDriver):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> Path:
         """Write ``CKPT_DIR/step_NNNNNN`` (engine + loop state) and prune to ``checkpoint.keep``."""
-        return checkpoint.save_checkpoint(self.engine, self.roles, self.ckpt_dir, step, sampler=self.sampler,
+        # the sampler's position after the trained step's prompts (an asynchronous schedule drew further)
+        sampler = self.sampler if self._trained_sampler_state is None else _SamplerState(self._trained_sampler_state)
+        return checkpoint.save_checkpoint(self.engine, self.roles, self.ckpt_dir, step, sampler=sampler,
                                           cfg=self.cfg, model_files=self.model_files)
 
     def _resume_point(self) -> int:
         return checkpoint.resume_point(self.engine, self.sampler, self.cfg, self.ckpt_dir, self._log,
                                        model_files=self.model_files)
 
+class _SamplerState:
+    """A recorded :meth:`PromptSampler.state_dict` in the sampler's place (checkpoints read only that)."""
+
+    def __init__(self, state: dict) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+
 def train(cfg: RLConfig, *, check_weight_update_equal: bool = False, stop_after: int | None = None,
-          console: Any = None) -> RunResult:
+          console: Console | None = None) -> RunResult:
     """Build a :class:`GRPOTrainer` for ``cfg`` and run it (see :meth:`GRPOTrainer.run`)."""
     return GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console).run(
         stop_after=stop_after)

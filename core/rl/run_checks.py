@@ -249,9 +249,6 @@ def check_supported(cfg: RLConfig) -> None:
     if a.kl_coef > 0 and a.kl_estimator != "k3":
         p.append(f"algorithm.kl_estimator: {a.kl_estimator!r} is not implemented as a loss term "
                  "(ferrule.losses uses k3); set algorithm.kl_estimator=k3")
-    if a.entropy_coef > 0:
-        p.append("algorithm.entropy_coef: an entropy bonus is not implemented by the train engine; set it to 0 "
-                 "(entropy is still reported)")
     if cfg.lora.rank > 0:
         try:
             lora_settings(cfg)

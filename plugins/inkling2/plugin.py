@@ -129,6 +129,15 @@ def register_chat_templates():
                                                   "(image parts write one placeholder each, as for Inkling)"))]
 
 
+@hookimpl
+def register_tool_parsers():
+    from ferrule.specs import ToolParserSpec
+
+    # the TMLv0 format, as Inkling's (the same template): <|content_invoke_tool_json|> tool invocations
+    return [ToolParserSpec(family=f, parse="ferrule.plugins.inkling.tool_calls:parse_tmlv0")
+            for f in ("inkling2_text", "inkling2_loop", "inkling2")]
+
+
 # --- LoRA (ferrule.plugins.inkling2.lora; docs/lora.md) -----------------------------------------------------
 
 @hookimpl

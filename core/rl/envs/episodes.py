@@ -70,7 +70,7 @@ class Episode:
         reward: sum of the step rewards (``failure_reward`` after an environment failure).
         turns / tool_calls / tool_errors: counts. turn_truncations: model turns that hit the
             per-turn token limit (the environment still gets them, ``ModelTurn.truncated``).
-        truncated: ``""``, ``"turns"`` or ``"episode_tokens"`` (the episode limit it hit). error: the
+        truncated: ``""``, ``"turns"``, ``"episode_tokens"`` or ``"context"`` (the limit it hit). error: the
             failure line, or None.
         env_seconds: wall time of this episode's ``reset`` and ``step`` calls.
         info: the numeric ``info`` values of its steps, summed per key.
@@ -148,17 +148,19 @@ class EpisodeRunner:
         stop_ids: the template's stop token ids (a model turn ends with one).
         limits: :class:`EpisodeLimits`. chat_template_kwargs: ``data.chat_template_kwargs``.
         max_prompt_tokens: longest accepted initial observation (longer: the episode fails).
+        max_context: the model's context (``max_position_embeddings``), or None: an episode whose
+            sequence plus one full turn would not fit ends before the turn (``truncated="context"``).
     """
 
     def __init__(self, env: Any, name: str, template: Any, tokenizer: Any, parse: Callable[[str], Any],
                  stop_ids: Sequence[int], limits: EpisodeLimits, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 max_prompt_tokens: int = 4096) -> None:
+                 max_prompt_tokens: int = 4096, max_context: int | None = None) -> None:
         self.env, self.name, self.template, self.tokenizer, self.parse = env, name, template, tokenizer, parse
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.end_id = int(stop_ids[0]) if stop_ids else None
         self.limits, self.kwargs = limits, dict(chat_template_kwargs or {})
         self.kwargs.pop("tools", None)
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.max_context = max_prompt_tokens, max_context
 
     # -------------------------------------------------------------- rendering
     def _render(self, messages: list, tools: Any, generation_prompt: bool) -> tuple[int, ...]:
@@ -193,6 +195,13 @@ class EpisodeRunner:
                 return eps
             p = dataclasses.replace(params, n=1, max_new_tokens=self.limits.max_turn_tokens,
                                     seed=episode_seed(base_seed, step, -1, rnd))
+            if self.max_context is not None:
+                for e in live:
+                    if len(e.prompt_ids) + len(e.response_ids) + self.limits.max_turn_tokens > self.max_context:
+                        e.truncated, e.done = "context", True
+                live = [e for e in live if not e.done]
+                if not live:
+                    continue
             self._model_turns(engine, live, p)
             self._env_steps([e for e in live if not e.done])
             rnd += 1
@@ -285,7 +294,7 @@ class EpisodeRunner:
 
 def episode_metrics(eps: Sequence[Episode]) -> dict[str, float]:
     """Per-step means over episodes: ``agent/turns``, ``agent/tool_calls``, ``agent/tool_errors``,
-    ``agent/env_errors`` (count), ``agent/truncated_{turns,episode_tokens}`` (fractions of episodes),
+    ``agent/env_errors`` (count), ``agent/truncated_{turns,episode_tokens,context}`` (fractions of episodes),
     ``agent/turn_truncations`` (per episode: turns cut by the per-turn limit),
     ``agent/env_time_s`` (sum of environment wall time), ``agent/model_tokens``, ``agent/env_tokens``,
     and ``env/<key>`` (the mean of each summed ``info`` key)."""
@@ -298,7 +307,7 @@ def episode_metrics(eps: Sequence[Episode]) -> dict[str, float]:
          "agent/env_time_s": float(sum(e.env_seconds for e in eps)),
          "agent/model_tokens": float(np.mean([sum(e.loss_mask) for e in eps])),
          "agent/env_tokens": float(np.mean([len(e.loss_mask) - sum(e.loss_mask) for e in eps]))}
-    for why in ("turns", "episode_tokens"):
+    for why in ("turns", "episode_tokens", "context"):
         m[f"agent/truncated_{why}"] = float(np.mean([e.truncated == why for e in eps]))
     m["agent/turn_truncations"] = float(np.mean([e.turn_truncations for e in eps]))
     keys = sorted({k for e in eps for k in e.info})

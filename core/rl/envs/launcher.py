@@ -103,8 +103,14 @@ class AgentRollout:
         limits = EpisodeLimits(max_turns=ag.max_turns, max_episode_tokens=ag.max_episode_tokens,
                                max_turn_tokens=self.cfg.rollout.max_new_tokens, step_timeout_s=ag.step_timeout_s,
                                failure_reward=ag.failure_reward)
+        import json
+        from pathlib import Path
+
+        hf = json.loads((Path(self.cfg.model.hf_dir) / "config.json").read_text())
+        context = (hf.get("text_config") or hf).get("max_position_embeddings")
         self.runner = EpisodeRunner(self.env, ag.environment, template, tokenizer, parse, stop_ids, limits,
-                                    self.cfg.data.chat_template_kwargs, self.cfg.data.max_prompt_tokens)
+                                    self.cfg.data.chat_template_kwargs, self.cfg.data.max_prompt_tokens,
+                                    max_context=int(context) if context else None)
 
     def run_step(self, engine: Any, prompts: Sequence[Any], params: Any, step: int, log: Any) -> AgentStep:
         """Run the step's episodes (``rollout.n_samples_per_prompt`` per prompt) and build the samples."""

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from ferrule.rl.batch import Sample
+    from ferrule.rl.config import RLConfig
+    from ferrule.rl.distributed import RankRoles
+    from ferrule.rl.engines import PolicyTrainer, ReferenceScorer
 
 __all__ = ["TrainOutcome", "behaviour_logprobs", "reference_logprobs", "train_policy"]
 
@@ -39,13 +47,13 @@ class TrainOutcome:
     learning_rates: list[float]
     skipped: int
     ppo_kl: float
-    trainer_logprobs: list[Any]
+    trainer_logprobs: list[torch.Tensor | None]
     need_old: bool
     seconds: float
 
 
-def behaviour_logprobs(engine: Any, samples: Sequence[Any], rollout_lp: Sequence[Any],
-                       need_old: bool) -> tuple[list[Any], list[Any]]:
+def behaviour_logprobs(engine: PolicyTrainer, samples: Sequence[Sample], rollout_lp: Sequence[torch.Tensor],
+                       need_old: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """``(behaviour logprobs, trainer logprobs)`` per sample: the train engine's old logprobs (both)
     when ``need_old``, else the rollout's and Nones."""
     from ferrule.rl.batch import response_slice, sequence_datum
@@ -57,8 +65,8 @@ def behaviour_logprobs(engine: Any, samples: Sequence[Any], rollout_lp: Sequence
     return behaviour, list(behaviour)
 
 
-def reference_logprobs(reference: Any, samples: Sequence[Any], micro_batch_tokens: int, roles: Any,
-                       kl_coef: float) -> list[Any] | None:
+def reference_logprobs(reference: ReferenceScorer | None, samples: Sequence[Sample], micro_batch_tokens: int,
+                       roles: RankRoles, kl_coef: float) -> list[torch.Tensor] | None:
     """The reference policy's response logprobs per sample (None without a reference); collective
     when distributed with ``kl_coef > 0`` (the reference lives on rank 0)."""
     from ferrule.rl import distributed as rl_dist
@@ -73,10 +81,15 @@ def reference_logprobs(reference: Any, samples: Sequence[Any], micro_batch_token
     return ref
 
 
-def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float], rollout_lp: Sequence[Any], *,
-                 cfg: Any, reference: Any, roles: Any, num_groups: int) -> TrainOutcome:
+def train_policy(engine: PolicyTrainer, samples: Sequence[Sample], advantages: Sequence[float],
+                 rollout_lp: Sequence[torch.Tensor], *, cfg: RLConfig, reference: ReferenceScorer | None,
+                 roles: RankRoles, num_groups: int,
+                 trainable: Sequence[bool] | None = None) -> TrainOutcome:
     """Old and reference logprobs, then one ``forward_backward`` + ``optim_step`` per mini-batch
-    (module docstring). Collective: every rank calls it with the same samples."""
+    (module docstring). Collective: every rank calls it with the same samples. ``trainable[i]``
+    False gives sample ``i`` loss weight 0 (``algorithm.overlong=mask``, a stale sample); it still
+    runs through the forward pass, and is left out of the token count of ``token_mean`` /
+    ``sample_mean``. A sample's ``loss_mask`` (multi-turn episodes) masks its tokens likewise."""
     import torch
 
     from ferrule.losses import SEQUENCE_LEVEL
@@ -91,10 +104,12 @@ def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float
     sums, grad_norms, lrs, skipped, ppo_kl_num, ppo_kl_den = [], [], [], 0, 0.0, 0
     for k, groups in enumerate(split_groups(num_groups, cfg.train.optim_steps_per_rollout)):
         idx = [i for i, s in enumerate(samples) if s.group in groups]
-        masked = any(samples[i].loss_mask is not None for i in idx)  # multi-turn episodes (ferrule.rl.envs)
+        # multi-turn episodes' loss masks (ferrule.rl.envs), times 0 for a sample left out
+        masked = trainable is not None or any(samples[i].loss_mask is not None for i in idx)
         w = token_weights([len(samples[i].response_ids) for i in idx], mode=a.loss_aggregation,
                           max_new_tokens=cfg.rollout.max_new_tokens,
-                          loss_masks=[samples[i].mask for i in idx] if masked else None)
+                          loss_masks=[samples[i].mask * float(trainable is None or trainable[i]) for i in idx]
+                          if masked else None)
         datums = build_datums([samples[i] for i in idx], weights=w, advantages=[advantages[i] for i in idx],
                               behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
                               ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
