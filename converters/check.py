@@ -263,6 +263,9 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
     report.rows.append(CheckRow(step, "ok" if ok else "FAIL", f"max |megatron - HF| = {diff:.3g} over "
                                 f"{tuple(result['shape'])} tokens (atol {atol:g})"
                                 + (f"; {result['referee_note']}" if result.get("referee_note") else ""), time.time() - t0))
+    groups = result.get("update_groups") or {}
+    if groups.get("problems"):  # a row only when it fails (the weight sync would lose or repeat a tensor)
+        report.rows.append(CheckRow("update groups", "FAIL", "; ".join(groups["problems"])))
     _gradient_row(report, result, label)
     for key, effect in result.get("feature_effects", {}).items():
         if effect <= atol:

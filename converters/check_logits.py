@@ -144,6 +144,22 @@ def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
     return grads if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
+def _update_groups(model, family: str) -> dict:
+    """The family's update-group table on this model's parameters (:func:`ferrule.conformance_numeric.
+    update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
+    weight sync would never send it) fails the check, not only the kit."""
+    from ferrule import registry
+    from ferrule.conformance_numeric import update_unit_problems
+    from ferrule.megatron.weights import global_param_names
+
+    try:
+        names = list(global_param_names(model).values())
+        units, problems = update_unit_problems(names, registry.get_update_groups(family))
+        return {"units": len(units), "problems": problems}
+    except Exception as exc:  # noqa: BLE001 - reported as the update-groups row
+        return {"units": 0, "problems": [f"{type(exc).__name__}: {exc}"]}
+
+
 def _checkpoint_named_grads(hf) -> dict:
     """HF's gradients under the checkpoint's tensor names (fp64): transformers' modules may hold another layout
     than the files (stacked experts ``mlp.experts.gate_up_proj`` for per-expert ``experts.{e}.gate_proj.weight``
@@ -244,6 +260,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
             grad_error = f"megatron backward: {type(exc).__name__}: {exc}"
     if rank != 0:
         return
+    update_groups = _update_groups(model, family)
     from ferrule.conformance_fields import hf_model_class
 
     # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
@@ -277,7 +294,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     vocab = ref.shape[-1]
     result: dict[str, Any] = {"logits_diff": _max_diff(out[..., :vocab].double().cpu(), ref.double()),
                               "shape": list(ids_t.shape), "divergence": [], "diagnostic_error": diag_error,
-                              "feature_effects": {}, "referee_note": referee_note}
+                              "feature_effects": {}, "referee_note": referee_note, "update_groups": update_groups}
     if diag_error is None:
         try:
             result["divergence"] = [list(r) for r in compare(order, hf_store, mc_store)]
