@@ -45,6 +45,45 @@ def dist_pool():
     pool.close()
 
 
+@pytest.fixture
+def pooled_ranks(dist_pool, monkeypatch):
+    """2-rank conversion workers (``ferrule convert --tp 2``, ``ferrule check --tp 2``) run in the session's
+    pool instead of two spawned interpreters (~20-40 s each call on this machine): ``workers._run`` with
+    ``world == 2`` becomes a pool job (tests/dist/rank_call.py) that runs the same ``_spawn_entry`` per rank,
+    with this process's environment, and turns a rank's report into the same exception
+    (``workers.rank_error``). The ranks' output is copied to this process's stdout / stderr, where spawned
+    ranks would write it. The spawn itself (kill -9, SIGTERM, a rank that dies) stays covered by the tests
+    that do not use this fixture (tests/test_convert_faults.py, test_convert.py's multi-rank round trips)."""
+    import pickle
+    import shutil
+
+    from ferrule.converters import checkpoint, workers
+
+    spawn = workers._run
+
+    def run(world, fn, args, tmp):
+        if world != dist_pool.nproc:
+            return spawn(world, fn, args, tmp)
+        err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
+        err_dir.mkdir(exist_ok=True)
+        try:
+            call = err_dir / "call.pkl"
+            call.write_bytes(pickle.dumps((fn, args, str(err_dir), world)))
+            env = {k: v for k, v in os.environ.items() if k not in workers._DIST_KEYS}
+            proc = dist_pool.run([str(ROOT / "tests" / "dist" / "rank_call.py"), str(call)],
+                                 env=dict(env, OMP_NUM_THREADS="1"), timeout=900)
+            sys.stdout.write(proc.stdout), sys.stderr.write(proc.stderr)
+            if proc.returncode != 0:
+                raise workers.rank_error(err_dir, RuntimeError(f"pool ranks exited {proc.returncode}:\n"
+                                                                 f"{proc.stderr[-3000:]}"))
+        finally:
+            shutil.rmtree(err_dir, ignore_errors=True)
+
+    monkeypatch.setattr(workers, "_run", run)
+    monkeypatch.setattr(checkpoint, "_run", run)
+    return dist_pool
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker per core, at most one per 6 GiB of memory (a worker
     with torch, transformers and megatron-core loaded, plus the 2-rank pool it may start, holds 3-5 GiB)."""
