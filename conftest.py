@@ -45,6 +45,13 @@ def dist_pool():
     pool.close()
 
 
+@pytest.fixture(scope="session")
+def ferrule_kit_tp2_launch(dist_pool):
+    """The conformance kit's TP=2 launch (``FamilyConformance.tp2_results``) as a job of the session's pool:
+    one kit class's TP=2 families without a ``torchrun`` of their own (two interpreter starts each)."""
+    return dist_pool.run
+
+
 @pytest.fixture
 def pooled_ranks(dist_pool, monkeypatch):
     """2-rank conversion workers (``ferrule convert --tp 2``, ``ferrule check --tp 2``) run in the session's
@@ -118,23 +125,26 @@ def pytest_collection_modifyitems(session, config, items):
     _check_gpu_markers(items)
 
 
-#: the longest files, longest first (summed from `pytest --durations=80` of a full run on the 2-core
-#: machine, 2026-12-06); a new file that takes more than a minute belongs here
+#: the longest files, longest first (per-file sums of a full run's junit times on the 2-core machine,
+#: 2026-12-06; the README's main job added where its 2 steps took ~2 min); a new file that takes more
+#: than a minute belongs here
 SLOW_FILES: list[str] = [
-    "tests/test_cli_check.py", "tests/test_conformance.py", "tests/test_rl_distributed.py",
-    "tests/test_convert_faults.py", "tests/test_fixture_families.py", "tests/test_preemption.py",
-    "tests/test_convert_mxfp8.py", "tests/test_inkling_convert.py", "tests/test_packaging.py", "tests/test_convert.py",
-    "tests/test_inkling_parity.py", "tests/test_rl_e2e.py", "tests/test_export_dtype.py",
-    "tests/test_megatron_cpu_compat.py", "tests/test_rl_sglang.py", "tests/test_side_files.py",
-    "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_convert_nvfp4.py",
-    "tests/test_serve_inkling2.py", "tests/test_shared_rows.py", "tests/test_rollout_continuous.py",
-    "tests/test_train_engine.py", "examples/ferrule-llama/tests/test_assets.py", "tests/test_lora_inkling2.py",
-    "tests/test_inkling2_mm.py", "tests/test_engine_save_script.py", "tests/test_lora.py", "tests/test_cli_errors.py",
+    "tests/test_cli_check.py", "tests/test_lora_inkling2.py", "examples/ferrule-llama/tests/test_real_smollm2.py",
+    "tests/test_rl_distributed.py", "tests/test_convert_faults.py", "tests/test_serve_load.py",
+    "tests/test_fixture_families.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
+    "tests/test_packaging.py", "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_rl_e2e.py",
+    "tests/test_export_dtype.py", "tests/test_checkpoint_faults.py", "tests/test_megatron_cpu_compat.py",
+    "plugins/qwen/tests/test_qwen_chat_golden.py", "tests/test_serve_protocol.py", "tests/test_rl_lora.py",
+    "tests/test_rollout_embedded.py", "tests/test_serve_inkling2.py", "tests/test_run_folder.py", "tests/test_convert.py",
+    "tests/test_lora.py", "tests/test_lora_peft_import.py", "tests/test_moe_tp.py", "tests/test_serve_faults.py",
+    "tests/test_engine_save_script.py", "tests/test_serve.py", "tests/test_convert_mxfp8.py",
+    "tests/test_inkling_convert.py", "examples/ferrule-llama/tests/test_assets.py",
 ]
 
 #: long files whose tests share no costly module fixture: each test is scheduled on its own (the
 #: file's tests together would be the run's long pole: test_cli_check.py took ~970 s of one worker)
-SPLIT_FILES = frozenset({"tests/test_cli_check.py", "tests/test_convert_faults.py", "tests/test_rl_distributed.py"})
+SPLIT_FILES = frozenset({"tests/test_cli_check.py", "tests/test_convert_faults.py", "tests/test_rl_distributed.py",
+                         "examples/ferrule-llama/tests/test_real_smollm2.py"})
 
 #: files of end-to-end runs (GRPO through the launcher, the conformance kit over whole families, killed
 #: multi-rank conversions, packaging into a fresh venv): marked ``integration`` with the service's files
