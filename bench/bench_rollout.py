@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-sequence", action="store_true",
                     help="issue 40's sequence on ONE engine with the product defaults: 256 x 256, the RL-shaped "
                          "load, then 64 x 128 (a new batch size); first call and steady rate of each")
-    ap.add_argument("--decode-dynamic", choices=["all", "auto"], default=None,
+    ap.add_argument("--decode-dynamic", choices=["all", "auto", "marked"], default=None,
                     help="--warmup-sequence: rollout_engine.decode_dynamic (default: the product default)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

@@ -327,6 +327,23 @@ def _compiled(name: str, dynamic: str = "auto") -> Any:
     return _COMPILED[key]
 
 
+def _mark_dynamic(tensors0: list, tensors01: list, kv: list) -> None:
+    """``decode_dynamic: marked``: the batch (dim 0) and length dims of the step's inputs symbolic from the first
+    compile (``torch._dynamo.maybe_mark_dynamic``), the weights left static."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in tensors0:
+        if t is not None:
+            maybe_mark_dynamic(t, 0)
+    for t in tensors01:
+        if t is not None:
+            maybe_mark_dynamic(t, 0)
+            maybe_mark_dynamic(t, 1)
+    for t in kv:
+        maybe_mark_dynamic(t, 0)
+        maybe_mark_dynamic(t, 2)
+
+
 class FastStatic:
     """Buffers and captured graphs of one ``(batch, max_len)`` bucket for the static decode loop.
 
@@ -388,6 +405,10 @@ class FastStatic:
         small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
         saved = [t.clone() for t in small]
         fn = _compiled("step" if kv_len is None else "step_kv", self.dynamic)
+        if self.dynamic == "marked":
+            _mark_dynamic([self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished, self.stopped,
+                           self.noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out],
+                          list(args[2]) + list(args[3]))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with _recompile_limit():
@@ -438,6 +459,9 @@ class FastStatic:
         want_chunks = int(settings.sampler_chunks) if logits.is_cuda else 0
         self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
         self.dynamic = settings.decode_dynamic
+        if self.dynamic == "marked":
+            _mark_dynamic([logits, self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished,
+                           self.stopped, noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out], [])
         with _recompile_limit():
             _compiled("first", self.dynamic)(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
                                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
@@ -461,7 +485,7 @@ class FastStatic:
                 kv_len = want
                 # with decode_dynamic "all" the attended length is symbolic: one compiled function for every
                 # length, the whole cache included; else "step" (whole cache) and "step_kv" compile apart
-                whole = None if self.dynamic != "all" else max_len
+                whole = max_len if self.dynamic in ("all", "marked") else None
                 graph = self._graph(layout, greedy, want_raw, pool,
                                     (whole if kv_len in (None, max_len) else kv_len), attn)
             if noise is not None:
