@@ -22,9 +22,11 @@ def test_check_passes_on_qwen2(tmp_path):
     from ferrule.converters.check import run_check
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
-    report = run_check(src, seq_len=24)
+    report = run_check(src, seq_len=24, grads=True)
     assert [(r.step, r.status) for r in report.rows] == [
-        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")]
+        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok"),
+        ("gradients (tp=1, fp32)", "ok")]
+    assert report.rows[-1].detail.startswith("27 parameters, max relative |megatron - HF| = ")  # every HF tensor
     assert report.ok and report.divergence == []
 
 
