@@ -75,3 +75,20 @@ def test_update_unit_problems_name_a_parameter_a_wrong_group_leaves_out():
     wrong = as_group_table(tuple(g for g in qwen2.UPDATE_GROUPS if "mlp" not in g.key), "qwen2")
     _, problems = update_unit_problems(names, wrong)
     assert problems and "decoder.layers.0.mlp.linear_fc1.weight" in " ".join(problems), problems
+
+
+def test_expert_shape_advice_counts_expert_tp_not_tp():
+    """At TP=2 with expert TP 1 an expert weight is whole on each rank: the shape advice quoted a full shape
+    twice too large (the TP size) and blamed the checkpoint; it now counts the expert-TP group that splits it."""
+    import types
+
+    from ferrule.megatron.weights import _shape_suspect
+
+    param = torch.empty(8, 4)
+    param.tensor_model_parallel, param.partition_dim = True, 0
+    bp = types.SimpleNamespace(param=param, mapping=types.SimpleNamespace(expert=True, tp=types.SimpleNamespace(
+        name="COLUMN")))
+    # the HF tensors give the whole (8, 4) the expert needs; only a split would differ
+    assert _shape_suspect(bp, (8, 4), 1, "fam").startswith("suspect the plugin: the HF tensors have the full shape "
+                                                             "(8, 4)")
+    assert "over expert TP=2" in _shape_suspect(bp, (16, 4), 2, "fam")

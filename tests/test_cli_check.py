@@ -101,7 +101,7 @@ def test_post_norm_family_mistakes_are_localised_at_tp1(olmo2, tmp_path):
 
 
 @pytest.mark.timeout(1500)
-def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(olmo2, tmp_path):
+def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(olmo2, tmp_path, pooled_ranks):
     """--tp 2: the logits row is computed at TP=2 (the full-projection q/k norm all-reduces there), a
     correct plugin passes, and every planted mistake (plus a gate/up split on the wrong TP axis,
     which only TP > 1 shows) names its layer and op."""
