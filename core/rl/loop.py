@@ -98,7 +98,7 @@ __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
 
 
-class GRPOTrainer(RunDriver):
+class GRPOTrainer:
     """Builds the engines for an :class:`RLConfig` and runs the loop (module docstring).
 
     Args:
@@ -162,6 +162,24 @@ class GRPOTrainer(RunDriver):
         self.on_sync: Callable[[int], None] | None = None
         self._rollout_seconds = 0.0  # this rank's generation time of the latest produce
         self._trained_sampler_state: dict | None = None  # the sampler state of the latest trained batch (driver)
+
+    # ------------------------------------------------------------------ the run (ferrule.rl.driver)
+    def run(self, *, stop_after: int | None = None) -> RunResult:
+        """Run (or resume) the loop up to ``train.steps`` (:meth:`ferrule.rl.driver.RunDriver.run`);
+        then :meth:`close` (also on an error). ``stop_after``: stop once this many steps are complete,
+        as if Ctrl-C had been pressed (checkpoint saved when enabled)."""
+        return RunDriver(self).run(stop_after=stop_after)
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint (``checkpoint.save_on_interrupt``) and return."""
+        self._stop_requested = True
+
+    def close(self) -> None:
+        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
+        run folder's lock; idempotent."""
+        sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+        unlock_run_dir(getattr(self, "_run_lock", None))
+        self._run_lock = None
 
     def _log(self, text: str) -> None:
         if not self._quiet:

@@ -69,7 +69,8 @@ def overlong_penalty(length: int, truncated: bool, *, max_new_tokens: int, buffe
 
 
 def group_advantages(samples: Sequence[Sample], rewards: Sequence[RewardResult], algorithm: AlgorithmConfig,
-                     group_size: int, max_new_tokens: int | None = None, exclude: Sequence[bool] | None = None) -> Advantages:
+                     group_size: int, max_new_tokens: int | None = None,
+                     exclude: Sequence[bool] | None = None) -> Advantages:
     """Group-normalized advantages of ``samples`` (``algorithm.grpo_std_normalization``,
     ``algorithm.advantage_eps``), groups of ``group_size`` contiguous samples; ``algorithm.overlong``
     masks (``mask``) or penalises (``penalty``, :func:`overlong_penalty`; needs ``max_new_tokens``)

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from ferrule.sync import SyncStats
 
 __all__ = ["SAMPLES_FILE", "reset_peak_memory", "memory_metrics", "rollout_step_metrics", "train_step_metrics",
-           "media_metrics", "version_metrics", "throughput_metrics", "sync_memory_metrics", "logged_samples", "append_samples",
+           "media_metrics", "version_metrics", "throughput_metrics", "sync_memory_metrics", "logged_samples",
+           "append_samples",
            "truncate_samples", "NoLogger"]
 
 SAMPLES_FILE = "samples.jsonl"
@@ -148,7 +149,8 @@ def media_metrics(towers: Sequence[Any], media: Sequence[dict | None]) -> dict[s
     return out
 
 
-def throughput_metrics(samples: Sequence[Sample], *, t_rollout: float, t_train: float, t_sync: float) -> dict[str, float]:
+def throughput_metrics(samples: Sequence[Sample], *, t_rollout: float, t_train: float,
+                       t_sync: float) -> dict[str, float]:
     """Phase times (s) and tokens per second of rollout (generated tokens) and train (sequence tokens)."""
     gen_tokens = sum(len(s.response_ids) for s in samples)
     seq_tokens = sum(s.num_tokens + 1 for s in samples)
