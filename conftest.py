@@ -45,6 +45,52 @@ def dist_pool():
     pool.close()
 
 
+@pytest.fixture(scope="session")
+def ferrule_kit_tp2_launch(dist_pool):
+    """The conformance kit's TP=2 launch (``FamilyConformance.tp2_results``) as a job of the session's pool:
+    one kit class's TP=2 families without a ``torchrun`` of their own (two interpreter starts each)."""
+    return dist_pool.run
+
+
+@pytest.fixture
+def pooled_ranks(dist_pool, monkeypatch):
+    """2-rank conversion workers (``ferrule convert --tp 2``, ``ferrule check --tp 2``) run in the session's
+    pool instead of two spawned interpreters (~20-40 s each call on this machine): ``workers._run`` with
+    ``world == 2`` becomes a pool job (tests/dist/rank_call.py) that runs the same ``_spawn_entry`` per rank,
+    with this process's environment, and turns a rank's report into the same exception
+    (``workers.rank_error``). The ranks' output is copied to this process's stdout / stderr, where spawned
+    ranks would write it. The spawn itself (kill -9, SIGTERM, a rank that dies) stays covered by the tests
+    that do not use this fixture (tests/test_convert_faults.py, test_convert.py's multi-rank round trips)."""
+    import pickle
+    import shutil
+
+    from ferrule.converters import checkpoint, workers
+
+    spawn = workers._run
+
+    def run(world, fn, args, tmp):
+        if world != dist_pool.nproc:
+            return spawn(world, fn, args, tmp)
+        err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
+        err_dir.mkdir(exist_ok=True)
+        try:
+            call = err_dir / "call.pkl"
+            call.write_bytes(pickle.dumps((fn, args, str(err_dir), world)))
+            env = {k: v for k, v in os.environ.items() if k not in workers._DIST_KEYS}
+            proc = dist_pool.run([str(ROOT / "tests" / "dist" / "rank_call.py"), str(call)],
+                                 env=dict(env, OMP_NUM_THREADS="1"), timeout=900)
+            sys.stdout.write(proc.stdout), sys.stderr.write(proc.stderr)
+            if proc.returncode != 0:
+                raise workers.rank_error(err_dir, RuntimeError(f"pool ranks exited {proc.returncode}:\n"
+                                                                 f"{proc.stderr[-3000:]}"))
+        finally:
+            shutil.rmtree(err_dir, ignore_errors=True)
+
+    monkeypatch.setattr(workers, "_run", run)
+    monkeypatch.setattr(checkpoint, "_run", run)
+    return dist_pool
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker per core, at most one per 6 GiB of memory (a worker
     with torch, transformers and megatron-core loaded, plus the 2-rank pool it may start, holds 3-5 GiB)."""
@@ -79,23 +125,26 @@ def pytest_collection_modifyitems(session, config, items):
     _check_gpu_markers(items)
 
 
-#: the longest files, longest first (summed from `pytest --durations=80` of a full run on the 2-core
-#: machine, 2026-12-06); a new file that takes more than a minute belongs here
+#: the longest files, longest first (per-file sums of a full run's junit times on the 2-core machine,
+#: 2026-12-06; the README's main job added where its 2 steps took ~2 min); a new file that takes more
+#: than a minute belongs here
 SLOW_FILES: list[str] = [
-    "tests/test_cli_check.py", "tests/test_conformance.py", "tests/test_rl_distributed.py",
-    "tests/test_convert_faults.py", "tests/test_fixture_families.py", "tests/test_preemption.py",
-    "tests/test_convert_mxfp8.py", "tests/test_inkling_convert.py", "tests/test_packaging.py", "tests/test_convert.py",
-    "tests/test_inkling_parity.py", "tests/test_rl_e2e.py", "tests/test_export_dtype.py",
-    "tests/test_megatron_cpu_compat.py", "tests/test_rl_sglang.py", "tests/test_side_files.py",
-    "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_convert_nvfp4.py",
-    "tests/test_serve_inkling2.py", "tests/test_shared_rows.py", "tests/test_rollout_continuous.py",
-    "tests/test_train_engine.py", "examples/ferrule-llama/tests/test_assets.py", "tests/test_lora_inkling2.py",
-    "tests/test_inkling2_mm.py", "tests/test_engine_save_script.py", "tests/test_lora.py", "tests/test_cli_errors.py",
+    "tests/test_cli_check.py", "tests/test_lora_inkling2.py", "examples/ferrule-llama/tests/test_real_smollm2.py",
+    "tests/test_rl_distributed.py", "tests/test_convert_faults.py", "tests/test_serve_load.py",
+    "tests/test_fixture_families.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
+    "tests/test_packaging.py", "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_rl_e2e.py",
+    "tests/test_export_dtype.py", "tests/test_checkpoint_faults.py", "tests/test_megatron_cpu_compat.py",
+    "plugins/qwen/tests/test_qwen_chat_golden.py", "tests/test_serve_protocol.py", "tests/test_rl_lora.py",
+    "tests/test_rollout_embedded.py", "tests/test_serve_inkling2.py", "tests/test_run_folder.py", "tests/test_convert.py",
+    "tests/test_lora.py", "tests/test_lora_peft_import.py", "tests/test_moe_tp.py", "tests/test_serve_faults.py",
+    "tests/test_engine_save_script.py", "tests/test_serve.py", "tests/test_convert_mxfp8.py",
+    "tests/test_inkling_convert.py", "examples/ferrule-llama/tests/test_assets.py",
 ]
 
 #: long files whose tests share no costly module fixture: each test is scheduled on its own (the
 #: file's tests together would be the run's long pole: test_cli_check.py took ~970 s of one worker)
-SPLIT_FILES = frozenset({"tests/test_cli_check.py", "tests/test_convert_faults.py", "tests/test_rl_distributed.py"})
+SPLIT_FILES = frozenset({"tests/test_cli_check.py", "tests/test_convert_faults.py", "tests/test_rl_distributed.py",
+                         "examples/ferrule-llama/tests/test_real_smollm2.py"})
 
 #: files of end-to-end runs (GRPO through the launcher, the conformance kit over whole families, killed
 #: multi-rank conversions, packaging into a fresh venv): marked ``integration`` with the service's files

@@ -224,8 +224,12 @@ def warmup_sequence(model, args) -> list[dict]:
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
+    from ferrule.engine_settings import RolloutEngineSettings
+
     t_build = time.perf_counter()
-    engine = EmbeddedEngine(model=model)
+    settings = RolloutEngineSettings() if args.decode_dynamic is None else \
+        RolloutEngineSettings(decode_dynamic=args.decode_dynamic)
+    engine = EmbeddedEngine(model=model, settings=settings)
     print(f"engine built in {time.perf_counter() - t_build:.1f} s; settings {engine.settings.describe()}; "
           f"fast_decode={engine.fast_decode}; compile cache {engine.info()['compile_cache']}", flush=True)
     vocab = model.config.vocab_size
@@ -238,7 +242,11 @@ def warmup_sequence(model, args) -> list[dict]:
     shapes = [("256 x 256", fixed, SamplingParams(temperature=1.0, max_new_tokens=256, ignore_eos=True, seed=0)),
               (f"RL-shaped {args.rl_prompts} x {args.rl_n}", rl,
                SamplingParams(temperature=1.0, max_new_tokens=512, n=args.rl_n, seed=0, stop_token_ids=stops)),
-              ("64 x 128", fixed[:64], SamplingParams(temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=0))]
+              ("64 x 128", fixed[:64], SamplingParams(temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=0)),
+              # two more new rungs (8, 128) and a greedy call (another compiled variant: no sampling noise)
+              ("8 x 64", fixed[:8], SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)),
+              ("128 x 64", fixed[:128], SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)),
+              ("16 x 64 greedy", fixed[:16], SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True))]
     rows, total_first = [], 0.0
     for label, reqs, params in shapes:
         times = []
@@ -319,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-sequence", action="store_true",
                     help="issue 40's sequence on ONE engine with the product defaults: 256 x 256, the RL-shaped "
                          "load, then 64 x 128 (a new batch size); first call and steady rate of each")
+    ap.add_argument("--decode-dynamic", choices=["all", "auto", "marked"], default=None,
+                    help="--warmup-sequence: rollout_engine.decode_dynamic (default: the product default)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     import torch._dynamo as dynamo

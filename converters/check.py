@@ -175,12 +175,14 @@ def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
 
 def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seqs: int = 2, seq_len: int = 32,
               text: str | None = None, atol: float = 1e-5, work_dir: str | Path | None = None, ep: int = 1,
-              etp: int | None = None) -> CheckReport:
+              etp: int | None = None, grads: bool = False) -> CheckReport:
     """Run the check steps (module docs) on ``hf_dir``; returns the report (never raises for a
     numeric mismatch or a crashing plugin: those are rows).
 
     The layout is ``ParallelLayout(tp=tp, ep=ep, etp=etp)`` on ``tp * ep`` processes (``etp`` None: megatron's
-    default, ``tp``); every step (convert, round trip, logits) runs at it.
+    default, ``tp``); every step (convert, round trip, logits) runs at it. ``grads``: also a **gradients** row
+    after the logits: every parameter's gradient of ``sum(logits * w)`` (fixed random ``w``) from megatron at the
+    layout, exported to HF names through the mapping table, vs HF's (fp32), within :data:`GRAD_RTOL` relative.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``hf_dir``.
@@ -195,6 +197,10 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     hf_dir = Path(hf_dir)
     t0 = time.time()
     layout_kw = layout_kwargs(tp, ep, 1, etp)
+    if grads and tp * ep != 1:
+        raise ValueError(f"grads=True at tp={tp}, ep={ep}: the gradient step runs at tp=1, ep=1 for now (at TP > 1 "
+                         f"megatron's raw gradients of replicated q/k norms are partial per rank until its gradient "
+                         f"finalization, which the check does not run yet).")
     try:
         spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, layout_kw)
     except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):
@@ -211,14 +217,14 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     reach = [w for w in (_window_reach(values, int(ids.shape[1])),) if w]
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         tmp = Path(tmp)
-        _convert_and_compare(report, hf_dir, tmp, spec, layout_kw, ids, atol, reach)
+        _convert_and_compare(report, hf_dir, tmp, spec, layout_kw, ids, atol, reach, grads)
     if reach:
         report.rows.insert(1, CheckRow("reach", "WARN", "; ".join(reach)))
     return report
 
 
 def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, layout_kw: dict, ids, atol: float,
-                         reach: list[str]) -> None:
+                         reach: list[str], grads: bool = False) -> None:
     from ferrule.converters import hf_to_torch_dist, torch_dist_to_hf
     from ferrule.converters.checkpoint import _run
 
@@ -248,7 +254,7 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
     out = tmp / "logits.json"
     done = _step(report, step, lambda: _run(tp * ep, logits_worker, (str(hf_dir), str(tmp / "td"), str(out), spec.name,
                                                                      tp, ids.tolist(), spec.attn_implementation,
-                                                                     layout_kw), tmp) or True)
+                                                                     layout_kw, grads), tmp) or True)
     if done is None:
         return
     result = json.loads(out.read_text())
@@ -257,6 +263,10 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
     report.rows.append(CheckRow(step, "ok" if ok else "FAIL", f"max |megatron - HF| = {diff:.3g} over "
                                 f"{tuple(result['shape'])} tokens (atol {atol:g})"
                                 + (f"; {result['referee_note']}" if result.get("referee_note") else ""), time.time() - t0))
+    groups = result.get("update_groups") or {}
+    if groups.get("problems"):  # a row only when it fails (the weight sync would lose or repeat a tensor)
+        report.rows.append(CheckRow("update groups", "FAIL", "; ".join(groups["problems"])))
+    _gradient_row(report, result, label)
     for key, effect in result.get("feature_effects", {}).items():
         if effect <= atol:
             reach.append(f"{key} changes HF's logits by only {effect:.2g} on the test tokens: the cap never binds, so "
@@ -264,6 +274,27 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
     if ok:
         return
     _divergence_row(report, result, atol)
+
+
+#: relative tolerance of the gradient step (fp32): max |megatron - HF| / max |HF| per parameter, as the train
+#: engine's gradient tests (tests/test_train_engine.py, 1e-5)
+GRAD_RTOL = 1e-5
+
+
+def _gradient_row(report: CheckReport, result: dict, label: str) -> None:
+    """The ``gradients`` row: every parameter's gradient of ``sum(logits * w)`` vs HF's (fp32)."""
+    step = f"gradients ({label}, fp32)"
+    if result.get("gradient_error"):
+        report.rows.append(CheckRow(step, "FAIL", result["gradient_error"]))
+        return
+    g = result.get("gradients")
+    if not g:
+        return
+    ok = g["max_rel"] <= GRAD_RTOL and not g["missing"]
+    detail = (f"{g['compared']} parameters, max relative |megatron - HF| = {g['max_rel']:.3g} (rtol {GRAD_RTOL:g})"
+              + ("" if ok or g["max_rel"] <= GRAD_RTOL else f"; worst: {g['worst']}")
+              + (f"; no megatron gradient for {g['missing']}" if g["missing"] else ""))
+    report.rows.append(CheckRow(step, "ok" if ok else "FAIL", detail))
 
 
 def _divergence_row(report: CheckReport, result: dict, atol: float) -> None:

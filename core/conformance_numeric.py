@@ -36,7 +36,7 @@ from ferrule.conformance_fields import (  # noqa: F401  (re-exported: the kit's 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
            "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer", "translated_fields_vs_hf", "check_features_reached",
-           "test_token_ids", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32",
+           "test_token_ids", "update_unit_problems", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32",
            "hf_model_class", "text_vocab_size"]
 
 #: fp32 logits tolerance (max abs diff) between Megatron and HF transformers.
@@ -300,13 +300,11 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
         AssertionError: naming the family and every offending parameter, unit or suffix.
         LookupError: the family declares no ``TINY_HF_CONFIG``.
     """
-    import collections
-
     from transformers import AutoConfig
 
     from ferrule import registry
     from ferrule.megatron.weights import global_param_names
-    from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
+    from ferrule.sync.groups import as_group_table
 
     table = registry.get_update_groups(family) if groups is None else as_group_table(groups, family)
     cfg = tiny_hf_config(family)
@@ -316,10 +314,23 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
     with single_rank():
         chunks = _build(family, hf_config)
         names = [g for c in chunks for g in global_param_names(c).values()]
+    units, problems = update_unit_problems(names, table)
+    assert not problems, f"{family}: " + "; ".join(problems)
+    return len(units)
+
+
+def update_unit_problems(names: list[str], table: Any) -> tuple[list, list[str]]:
+    """``(units, problems)`` of an update-group table on a model's global parameter ``names``: every parameter in
+    exactly one unit, no unit naming a parameter the model lacks, every suffix of a non-optional group used
+    (:func:`check_update_groups_cover_parameters`'s rules; ``ferrule check`` runs them on the checkpoint's model)."""
+    import collections
+
+    from ferrule.sync.groups import UpdateGroupError, build_update_units
+
     try:
         units = build_update_units(names, table)
     except UpdateGroupError as exc:
-        raise AssertionError(f"{family}: the update groups do not fit the tiny model's parameters:\n{exc}") from None
+        return [], [f"the update groups do not fit the model's parameters: {' '.join(str(exc).split())}"]
     counts = collections.Counter(n for u in units for n in u.names)
     problems = []
     not_once = sorted(f"{n} (in {counts[n]} units)" for n in names if counts[n] != 1)
@@ -332,8 +343,7 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
               if not any(n == s or n.endswith("." + s) for n in names)]
     if unused:
         problems.append("suffixes of non-optional update groups that match no parameter (typo?): " + ", ".join(unused))
-    assert not problems, f"{family}: " + "; ".join(problems)
-    return len(units)
+    return units, problems
 
 
 # ---------------------------------------------------------------------------------------------

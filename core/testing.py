@@ -240,7 +240,12 @@ class FamilyConformance:
     @classmethod
     def tp2_results(cls, request, tmp_path_factory) -> dict[str, dict]:
         """One ``torchrun`` launch (2 gloo ranks) running :mod:`ferrule.conformance_tp` for every
-        family of this class that has a provider, a converter and a ``TINY_HF_CONFIG``."""
+        family of this class that has a provider, a converter and a ``TINY_HF_CONFIG``.
+
+        A test suite that keeps 2 gloo ranks running may define a fixture ``ferrule_kit_tp2_launch``:
+        a callable ``(argv, *, env, timeout) -> subprocess.CompletedProcess`` that runs ``argv`` (what
+        follows ``torchrun --nproc-per-node 2``) in its ranks; the kit uses it instead of a launch of its
+        own (ferrule's own suite lends its session pool: ``conftest.py``)."""
         from ferrule import conformance_numeric as cn
 
         reg = registry.get_registry()
@@ -256,10 +261,17 @@ class FamilyConformance:
             return {}
         work = tmp_path_factory.mktemp("kit_tp2")
         out_file = work / "results.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "ferrule.conformance_tp", "--work", str(work), "--out", str(out_file), *families]
+        argv = ["-m", "ferrule.conformance_tp", "--work", str(work), "--out", str(out_file), *families]
         env = envs.child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        try:  # a suite that keeps 2 gloo ranks running may lend them (docs/plugins.md, "The conformance kit")
+            launch = request.getfixturevalue("ferrule_kit_tp2_launch")
+        except pytest.FixtureLookupError:
+            launch = None
+        if launch is not None:
+            proc = launch(argv, env=env, timeout=900)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                   *argv], capture_output=True, text=True, timeout=900, env=env)
         if not out_file.is_file():
             pytest.fail("the TP=2 conformance launch wrote no results:\n" + readable_failure(proc.stderr),
                         pytrace=False)

@@ -64,6 +64,10 @@ class DistPool:
         self.next_job = 0
         self.starts = 0
         self.jobs_run = 0
+        # the environment the ranks start from: the session's, as it is when the fixture is made (a pool first
+        # started inside a test's `inproc.environment(...)` would otherwise keep that test's PYTHONPATH, and a
+        # plugin module found through it would stay imported with the first job's variables)
+        self.base_env = dict(os.environ)
 
     # -- life cycle ------------------------------------------------------------------------------
     def _start(self) -> Path:
@@ -72,7 +76,7 @@ class DistPool:
         self.next_job = 0
         (self.control / "client.pid").write_text(str(os.getpid()))  # the ranks leave when this process is gone
         # 2 gloo ranks on the CPU, also on a GPU machine (one GPU cannot hold two NCCL ranks)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+        env = dict(self.base_env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
         with open(self.control / "launch.log", "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),

@@ -22,9 +22,11 @@ def test_check_passes_on_qwen2(tmp_path):
     from ferrule.converters.check import run_check
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
-    report = run_check(src, seq_len=24)
+    report = run_check(src, seq_len=24, grads=True)
     assert [(r.step, r.status) for r in report.rows] == [
-        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok")]
+        ("config", "ok"), ("convert (tp=1)", "ok"), ("round trip (tp=1)", "ok"), ("logits (tp=1, fp32)", "ok"),
+        ("gradients (tp=1, fp32)", "ok")]
+    assert report.rows[-1].detail.startswith("27 parameters, max relative |megatron - HF| = ")  # every HF tensor
     assert report.ok and report.divergence == []
 
 
@@ -99,7 +101,7 @@ def test_post_norm_family_mistakes_are_localised_at_tp1(olmo2, tmp_path):
 
 
 @pytest.mark.timeout(1500)
-def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(olmo2, tmp_path):
+def test_post_norm_family_at_tp2_runs_the_logits_at_tp2_and_localises_each_mistake(olmo2, tmp_path, pooled_ranks):
     """--tp 2: the logits row is computed at TP=2 (the full-projection q/k norm all-reduces there), a
     correct plugin passes, and every planted mistake (plus a gate/up split on the wrong TP axis,
     which only TP > 1 shows) names its layer and op."""

@@ -257,16 +257,21 @@ def test_lm_head_adapter_with_peft_saved_base_weight(dirs, tmp_path):
 
 def test_refusals_name_the_option(dirs, tmp_path):
     """Item 4: embed_tokens on a tied Qwen2 is refused naming embed_tokens (not lm_head); a regular
-    expression target list is printed as written; lora_bias / exclude_modules are named (CLI and API)."""
+    expression that does not compile, or that leaves saved factors unexplained, is printed as written;
+    lora_bias / exclude_modules are named (CLI and API)."""
     _, adapter = _peft_adapter(dirs, "qwen2_tied", tmp_path / "emb", target_modules=["embed_tokens"])
     res = _cli_import(adapter, dirs["qwen2_tied"], tmp_path / "out")
     assert res.exit_code == 2 and "'embed_tokens'" in res.output and "drop 'lm_head'" not in res.output, res.output
     with pytest.raises(LoraTargetError, match="embed_tokens.*adapts no embedding"):
         lw.lora_engine(dirs["qwen2_tied"], settings=LoraSettings(rank=2, alpha=3, target_modules=("embed_tokens",)))
-    regex = r".*\.(o_proj|down_proj)"
-    _, adapter = _peft_adapter(dirs, "llama", tmp_path / "regex", target_modules=regex)
-    res = _cli_import(adapter, dirs["llama"], tmp_path / "out")
-    assert res.exit_code == 2 and repr(regex) in res.output and "regular expression" in res.output, res.output
+    _, adapter = _peft_adapter(dirs, "llama", tmp_path / "regex", target_modules=r".*\.o_proj")
+    tensors, config = read_peft_dir(adapter)
+    for regex, why in (("(o_proj", "cannot compile"), (r".*\.down_proj", "does not match")):
+        res = _cli_import(lw.write_peft_dir(tmp_path / why[:4], tensors, dict(config, target_modules=regex)),
+                          dirs["llama"], tmp_path / "out")
+        assert res.exit_code == 2 and repr(regex) in res.output and why in res.output, res.output
+    with pytest.raises(AdapterFormatError, match="no adapter tensors were given"):
+        settings_from_peft_config(config)
     for option, value in (("lora_bias", True), ("exclude_modules", ["layers.0.self_attn.o_proj"])):
         _, adapter = _peft_adapter(dirs, "llama", tmp_path / option, target_modules=["o_proj"], **{option: value})
         res = _cli_import(adapter, dirs["llama"], tmp_path / "out")
@@ -276,3 +281,34 @@ def test_refusals_name_the_option(dirs, tmp_path):
         with pytest.raises(AdapterFormatError, match=option):
             load_hf_adapter(engine, tensors, config)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("regex,adapted", [
+    (r".*\.(o_proj|down_proj)", ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj",
+                                 "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.o_proj"]),
+    (r"model\.layers\.0\.(self_attn\.o_proj|mlp\.down_proj)", ["model.layers.0.mlp.down_proj",
+                                                              "model.layers.0.self_attn.o_proj"]),
+], ids=["every_layer", "layer0_only"])
+def test_regex_target_modules_resolve_to_what_peft_adapted(dirs, tmp_path, regex, adapted):
+    """Issue 45: a PEFT adapter saved with a regular-expression ``target_modules`` (PEFT's re.fullmatch
+    form) imports through the CLI and the API: the expression becomes the module paths PEFT adapted
+    (a subset of layers stays a subset), logprobs equal PEFT's, and ``ferrule lora export`` writes
+    those paths, which PEFT loads back to the same logprobs. Referee: PEFT 0.21 itself."""
+    model, adapter = _peft_adapter(dirs, "llama", tmp_path / "adapter", target_modules=regex)
+    tensors, config = read_peft_dir(adapter)
+    assert config["target_modules"] == regex
+    assert settings_from_peft_config(config, tensors).target_modules == tuple(adapted)
+    batch = tw.make_batch(seed=4)
+    ref = _hf_logprobs(model, batch)
+    assert _max_diff(ref, _hf_logprobs(_hf(dirs, "llama"), batch)) > 1e-3
+    res = _cli_import(adapter, dirs["llama"], tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    back = _resume(tmp_path / "out")
+    for engine in (back, _api_engine(dirs, "llama", adapter)):
+        assert _max_diff(engine.forward_logprobs(batch), ref) <= PEFT_ATOL
+        assert sorted(hf_adapter_state_dict(engine)) == sorted(tensors)
+    assert sorted(peft_config(back)["target_modules"]) == adapted
+    out = lw.write_peft_dir(tmp_path / "export", hf_adapter_state_dict(back), peft_config(back))
+    again = peft.PeftModel.from_pretrained(_hf(dirs, "llama"), out).eval()
+    assert sorted(get_peft_model_state_dict(again)) == sorted(tensors)
+    assert _max_diff(_hf_logprobs(again, batch), ref) <= PEFT_ATOL

@@ -174,7 +174,7 @@ def _eager_fast_path(monkeypatch):
 
     from ferrule.rollout import _fast_decode
 
-    monkeypatch.setattr(_fast_decode, "_compiled", lambda name: {"step": _fast_decode._step,
+    monkeypatch.setattr(_fast_decode, "_compiled", lambda name, dynamic="auto": {"step": _fast_decode._step,
                                                                   "first": _fast_decode._sample_record}[name])
     monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
                         lambda self, layout, greedy, raw, pool, kv_len=None, attn="eager": _EagerReplay(
@@ -320,7 +320,7 @@ def test_serving_an_adapter_does_not_recompile_the_fast_step(monkeypatch):
 
     compiled = {}
 
-    def eager_compiled(name):
+    def eager_compiled(name, dynamic="auto"):
         if name not in compiled:
             fn = {"step": _fast_decode._step, "first": _fast_decode._sample_record}[name]
             compiled[name] = torch.compile(fn, backend="eager", dynamic=False)

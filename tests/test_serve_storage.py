@@ -108,5 +108,42 @@ def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_pa
                             (by_path, ref_adapter), (plain, ref_base)):     # swaps both ways
             got = torch.tensor(client.compute_logprobs(prompt).result(timeout=120)[1:], dtype=torch.float64)
             assert float((got - ref).abs().max()) < 1e-5
+
+        # several sessions' adapters and the base in ONE decode batch (batched multi-adapter decode): a second
+        # adapter (one more step) as an unnamed snapshot, the first by path, the base; greedy, against HF + PEFT
+        from ferrule.rollout.base import SamplingParams
+        from ferrule.serve.backend import AdapterWeights, SampleSpec
+
+        tc.forward_backward(sdk_data(seed=7, lengths=(6, 4)), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+        tc.save_weights_and_get_sampling_client()
+        tc.save_weights_for_sampler("a2").result(timeout=120)
+        backend = srv.backend
+        snap2 = max(backend._snapshots, key=lambda k: int(k.rsplit(":", 1)[1]))
+        assert isinstance(backend._snapshots[snap2], AdapterWeights)   # the adapter, not a merged copy
+        a1 = backend.saved_weights(folder)
+        # (PeftModel.from_pretrained wrapped `hf` itself above: fresh copies of the base)
+        fresh = lambda: Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32).eval()  # noqa: E731
+        refs = {snap2: PeftModel.from_pretrained(fresh(), folder.parent / "a2").eval(), None: fresh(),
+                str(a1): PeftModel.from_pretrained(fresh(), folder).eval()}
+        params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+        sources = [snap2, None, a1, snap2]
+        specs = [SampleSpec(prompt.to_ints()[:4 + i], 1, params, False) for i in range(len(sources))]
+        calls = []
+        generate = backend.rollout.generate
+        backend.rollout.generate = lambda reqs, p: calls.append([r.lora_adapter for r in reqs]) or generate(reqs, p)
+        try:
+            results = backend.sample_many(list(zip(sources, specs)))
+        finally:
+            del backend.rollout.generate
+        assert calls == [[snap2, None, str(a1), snap2]]                  # one generate call, one adapter per row
+        for src, spec, (seqs, _, _) in zip(sources, specs, results):
+            ((tokens, lps, _),) = seqs
+            ids = torch.tensor([spec.prompt + tokens])
+            with torch.no_grad():
+                lp = torch.log_softmax(refs[None if src is None else str(src)](ids).logits[0].double(), -1)
+            want = lp[len(spec.prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            assert tokens == lp[len(spec.prompt) - 1:-1].argmax(-1).tolist()
+            assert float((torch.tensor(lps, dtype=torch.float64) - want).abs().max()) < 1e-5
     finally:
         srv.stop()

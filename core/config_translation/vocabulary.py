@@ -311,6 +311,7 @@ class ConfigTranslation:
                 f"each in the family's CONFIG_TRANSLATION (Field / Derived / Require), or, if it cannot change "
                 f"the model's numbers, add Harmless(key, reason=...) (docs/plugins.md)."
             )
+        translated = self._translate(values)  # an unsupported rope_type is named before its unread fields
         unread = self.unread_rope_fields(values)
         if unread:
             raise ConfigTranslationError(
@@ -320,7 +321,7 @@ class ConfigTranslation:
                 f"partial_rotary_factor), or declare what your Derived row reads, reads=('rope_parameters.factor', "
                 f"...), and translate it (docs/plugins.md)."
             )
-        return self._translate(values)
+        return translated
 
     def _translate(self, hf_config: Mapping[str, Any],
                    requires_only: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -14,6 +14,7 @@ Both write ``OUT`` atomically; user errors print one line and exit with code 2.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -122,6 +123,33 @@ def _peft_module_of(key: str) -> str:
     return path
 
 
+def _resolve_regex_targets(regex: str, adapted: set[str] | None, params: list[str]) -> tuple[list[str], str]:
+    """A regular-expression ``target_modules`` as the list of full HF module paths it selected in PEFT.
+
+    ``adapted``: the module paths that carry saved ``lora_`` factors (None: no tensors were given).
+    Every adapted module must be explained, by the expression (``re.fullmatch``, as PEFT matches) or by
+    a ``target_parameters`` entry (PEFT's ``ParamWrapper`` modules). Returns ``(paths, problem)``:
+    ``problem`` is "" or the reason the expression cannot be resolved.
+    """
+    from .appliers import peft_name_matches
+
+    where = f"target_modules={regex!r} is a regular expression (PEFT's re.fullmatch form)"
+    if adapted is None:
+        return [], (f"{where} and no adapter tensors were given to resolve it: pass the adapter's tensors "
+                    f"(ferrule lora import does), or re-save it with target_modules as a list of module names")
+    try:
+        pattern = re.compile(regex)
+    except re.error as exc:
+        return [], f"{where} that Python's re module cannot compile ({exc}): fix the adapter_config.json"
+    paths = sorted(m for m in adapted if pattern.fullmatch(m))
+    unexplained = sorted(m for m in adapted if m not in paths
+                         and not any(peft_name_matches(m, p.rpartition(".")[0] or p) for p in params))
+    if unexplained:
+        return [], (f"{where} but the adapter holds factors of modules it does not match ({unexplained[:4]}"
+                    + (" ..." if len(unexplained) > 4 else "") + "): the adapter and its config disagree")
+    return paths, ""
+
+
 def settings_from_peft_config(config: dict, tensors: dict | None = None):
     """:class:`~ferrule.lora.LoraSettings` of an ``adapter_config.json`` dict: ``r``, ``lora_alpha``,
     ``lora_dropout``, ``use_rslora``, ``target_modules`` (HF module names) and ``target_parameters``
@@ -131,8 +159,16 @@ def settings_from_peft_config(config: dict, tensors: dict | None = None):
     module they name: PEFT adapts what matches and keeps the list as given, e.g. ``gate_proj`` on a
     model whose MLPs are all experts) are dropped, since they adapt nothing there either.
 
+    A regular-expression ``target_modules`` (a string: PEFT selects module ``name`` when
+    ``re.fullmatch(target_modules, name)``, ``peft.tuners.tuners_utils.check_target_module_exists``)
+    is resolved with the adapter's ``tensors``: it becomes the sorted list of the full HF module paths
+    that carry saved factors and that the expression matches, which PEFT's list rule selects exactly
+    (so an expression that picks some layers only keeps that subset).
+
     Raises:
-        AdapterFormatError: not a LoRA adapter, a regular-expression ``target_modules``, or an
+        AdapterFormatError: not a LoRA adapter; a regular-expression ``target_modules`` without
+            ``tensors`` to resolve it, one that is not a valid expression, or one that leaves saved
+            factors unexplained; a ``target_parameters`` string (PEFT takes a list there); or an
             option ferrule does not train (each named with its value: ``lora_bias``,
             ``exclude_modules``, ``use_dora``, ``rank_pattern``, ``modules_to_save``, ``bias``, ...).
     """
@@ -142,14 +178,17 @@ def settings_from_peft_config(config: dict, tensors: dict | None = None):
 
     bad = unsupported_peft_options(config)
     modules, params = config.get("target_modules"), config.get("target_parameters")
-    for key, value in (("target_modules", modules), ("target_parameters", params)):
-        if isinstance(value, str):
-            bad.append(f"{key}={value!r} is a regular expression (PEFT's re.fullmatch form); ferrule needs a list of "
-                       f"names: re-save the adapter with {key} as the list of names the expression matched")
-    modules = [] if isinstance(modules, str) else list(modules or [])
+    if isinstance(params, str):
+        bad.append(f"target_parameters={params!r} is a string; PEFT takes a list of parameter names there: re-save "
+                   f"the adapter with target_parameters as a list")
+    adapted = None if tensors is None else {_peft_module_of(k) for k in tensors if ".lora_" in k}
+    if isinstance(modules, str):
+        modules, problem = _resolve_regex_targets(modules, adapted, list(params or []) if not isinstance(params, str)
+                                                  else [])
+        bad += [problem] if problem else []
+    modules = list(modules or [])
     params = [] if isinstance(params, str) else list(params or [])
-    if tensors is not None:
-        adapted = {_peft_module_of(k) for k in tensors if ".lora_" in k}
+    if adapted is not None:
         modules = [t for t in modules if any(peft_name_matches(m, t) for m in adapted)]
         params = [t for t in params if "." not in t or any(peft_name_matches(m, t.rpartition(".")[0]) for m in adapted)]
     if not modules and not params and not bad:

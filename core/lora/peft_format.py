@@ -217,7 +217,9 @@ def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
 def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` dict (``peft.LoraConfig(...).to_dict()`` keys PEFT needs to load it).
 
-    ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks), or
+    ``target_modules`` are the HF leaf module names of every adapted module (gathered over ranks); the
+    full module paths instead where the engine's settings name full paths (an imported adapter whose
+    regular expression picked some layers only: a leaf would select every layer in PEFT); or
     an adapter's ``peft_target`` attribute where a family sets one because the leaf alone would
     pick other modules too (Inkling-2: ``q_proj.linear``, not ``linear``, which also names
     ``k_proj.linear`` ... ``o_proj.linear``).
@@ -234,7 +236,7 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     _require_lora(engine)
     plan = _engine_plan(engine)
     if plan.config is None:
-        leaves, expert_leaves, param_targets = set(), set(), set()
+        leaves, paths, expert_leaves, param_targets = set(), set(), set(), set()
         for _, entries in plan.by_kind:
             for e in entries:
                 if e.kind == "routed_experts":
@@ -244,8 +246,13 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
                 elif getattr(e.adapter, "peft_target", None):  # a family's name where the HF leaf is ambiguous
                     leaves.add(e.adapter.peft_target)
                 else:
+                    paths.update(_hf_modules(e, plan.ctx)[2])
                     leaves.update(m.rsplit(".", 1)[-1] for m in _hf_modules(e, plan.ctx)[2])
         leaves = sorted(set().union(*all_gather_objects(sorted(leaves))))
+        paths = sorted(set().union(*all_gather_objects(sorted(paths))))
+        named = engine.lora.target_modules
+        if isinstance(named, tuple) and named and set(named) <= set(paths):
+            leaves = paths  # full module paths (a resolved regex, a subset of layers): PEFT's list rule keeps them exact
         expert_leaves = set().union(*all_gather_objects(sorted(expert_leaves)))
         param_targets = sorted(set().union(*all_gather_objects(sorted(param_targets))))
         s = engine.lora

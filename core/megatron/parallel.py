@@ -191,14 +191,32 @@ def destroy_distributed(*, keep_process_group: bool = False) -> None:
     Args:
         keep_process_group: keep the default process group, so that :func:`init_distributed`
             can set up another layout on the same ranks (used to compare layouts in one launch).
+            Every other process group is destroyed: megatron's ``destroy_model_parallel`` only
+            forgets its groups, and torch keeps each one registered with its gloo threads (measured:
+            +51 threads per layout on one CPU rank, 212 after four, where a full teardown leaves 8).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized() and not keep_process_group:
+    if not dist.is_initialized():
+        return
+    if keep_process_group:
+        _destroy_subgroups()
+    else:
         dist.destroy_process_group()
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every registered process group except the default one (torch keeps the registry in
+    ``distributed_c10d._world.pg_map``; there is no public list of groups)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = dist.GroupMember.WORLD
+    for group in [g for g in list(getattr(getattr(c10d, "_world", None), "pg_map", {})) if g is not world]:
+        dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:

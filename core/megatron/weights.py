@@ -83,14 +83,18 @@ class _DictSource:
 
 
 def _shape_suspect(bp: BoundParam, full_shape: tuple, tp: int, family: str) -> str:
-    """Which side a shape mismatch points at: the plugin's TP split, or the checkpoint/config."""
+    """Which side a shape mismatch points at: the plugin's TP split, or the checkpoint/config. ``tp`` is the size
+    of the group that splits this parameter: the expert-TP size for a routed expert's weight
+    (``BoundParam.split``), the TP size otherwise (the TP size for an expert row quoted a wrong full shape and
+    blamed the checkpoint at TP=2, etp=1)."""
     p = bp.param
+    axis = "expert TP" if getattr(bp.mapping, "expert", False) else "TP"
     global_shape = list(p.shape)
     if getattr(p, "tensor_model_parallel", False) and tp > 1:
         global_shape[p.partition_dim] *= tp
     if tuple(global_shape) == tuple(full_shape):
         return (f"suspect the plugin: the HF tensors have the full shape {tuple(full_shape)} this parameter needs, but "
-                f"MappingTable({family}) splits it over TP={tp} as TPSplit.{bp.mapping.tp.name} while megatron "
+                f"MappingTable({family}) splits it over {axis}={tp} as TPSplit.{bp.mapping.tp.name} while megatron "
                 f"splits it on dim {getattr(p, 'partition_dim', None)}; fix the row's tp= in the mapping table.")
     if sorted(full_shape) == sorted(global_shape):
         return (f"suspect the plugin: the HF tensors assemble to {tuple(full_shape)}, the same sizes as the "
@@ -126,7 +130,7 @@ def _check_load(params: list[BoundParam], src: Any, table: MappingTable, ctx: Ma
                 full = bp.mapping.to_mcore(metas, ctx, bp.wildcards)
                 raise MappingError(f"HF {list(keys)} {[tuple(m.shape) for m in metas]} give a shard of shape "
                                    f"{tuple(local.shape)}, the live parameter has {tuple(bp.param.shape)}; "
-                                   + _shape_suspect(bp, tuple(full.shape), ranks.tp, table.family))
+                                   + _shape_suspect(bp, tuple(full.shape), bp.split(ranks)[1], table.family))
         except (MappingError, RuntimeError) as exc:
             bad.append(f"{bp.global_name}: {exc}")
     if bad:

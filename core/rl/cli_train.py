@@ -200,10 +200,15 @@ def train_command(
         return
     if envs.rank() != 0:  # the run summary comes from rank 0
         return
+    _finish(result, console, wall_s=time.monotonic() - t_start, stop_after=stop_after)
+
+
+def _finish(result: Any, console: Any, *, wall_s: float, stop_after: int | None) -> None:
+    """Print the run summary (rank 0); exit ``128 + signal`` after a stop signal, 130 after Ctrl-C."""
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
 
     summary = (f"run {result.run_dir}: steps {result.start_step} -> {result.last_step}; "
-               + run_summary(read_metrics(result.run_dir / METRICS_FILE), wall_s=time.monotonic() - t_start))
+               + run_summary(read_metrics(result.run_dir / METRICS_FILE), wall_s=wall_s))
     if result.plot:
         summary += f"; reward curve {result.plot}"
     console.print(summary, highlight=False, markup=False)

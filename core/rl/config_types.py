@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
@@ -48,6 +48,25 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _coerce_float(value: Any, key: str, bad: Callable[[], ConfigError]) -> float:
+    """A config float: an int widens, a string that parses (PyYAML reads ``1e-6`` without a dot as a
+    string) converts, a bool or anything else is ``bad()``; non-finite values are refused."""
+    if isinstance(value, bool):
+        raise bad()
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise bad() from None
+    if not isinstance(value, float):
+        raise bad()
+    if not math.isfinite(value):  # .inf, 1e400 (YAML and float() read it as inf), .nan
+        raise ConfigError([f"{key}: expected a finite float, got {value!r}; write a finite number"])
+    return value
+
+
 def coerce_value(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` (already parsed from YAML/TOML) against ``tp``; return the typed value.
 
@@ -82,20 +101,7 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
             raise bad()
         return value
     if tp is float:
-        if isinstance(value, bool):
-            raise bad()
-        if isinstance(value, int):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `1e-6` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise bad() from None
-        if not isinstance(value, float):
-            raise bad()
-        if not math.isfinite(value):  # .inf, 1e400 (YAML and float() read it as inf), .nan
-            raise ConfigError([f"{key}: expected a finite float, got {value!r}; write a finite number"])
-        return value
+        return _coerce_float(value, key, bad)
     if tp is str:
         if not isinstance(value, str):
             raise bad("str (quote it)")

@@ -340,6 +340,20 @@ def _broadcast_entries(roles: RankRoles, rollout: Any, state: Any, entries: Sequ
         yield name, t
 
 
+def _driver_adapter(rollout: Any) -> tuple[dict, Any]:
+    """The driver engine's adapter tensors and what :func:`fan_out_lora_adapter` broadcasts first:
+    ``(lora_config dict, [(name, shape, dtype name)])``, or the error message when it serves none."""
+    getter = getattr(rollout, "get_lora_state_dict", None)
+    state = dict(getter()) if callable(getter) else {}
+    config = getattr(rollout, "lora_config", None)
+    if not state or not config:
+        return state, (f"fan_out_lora_adapter: the driver's rollout engine ({type(rollout).__name__}) serves no LoRA "
+                       "adapter to fan out (get_lora_state_dict() / lora_config empty or missing); run "
+                       "ferrule.sync.sync_lora_adapter on every rank first, with an engine that serves adapters")
+    return state, (dict(config), [(n, tuple(state[n].shape), str(state[n].dtype).removeprefix("torch."))
+                                  for n in sorted(state)])
+
+
 def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_equal: bool = False) -> int:
     """Serve the driver's LoRA adapter on every other rollout rank's engine (adapter only, unmerged).
 
@@ -377,19 +391,9 @@ def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_
         return 0
     src = roles.rollout_ranks[0]
     state: dict = {}
+    meta: Any = None
     if roles.is_driver:
-        getter = getattr(rollout, "get_lora_state_dict", None)
-        state = dict(getter()) if callable(getter) else {}
-        config = getattr(rollout, "lora_config", None)
-        if not state or not config:
-            meta: Any = (f"fan_out_lora_adapter: the driver's rollout engine ({type(rollout).__name__}) serves no LoRA "
-                         "adapter to fan out (get_lora_state_dict() / lora_config empty or missing); run "
-                         "ferrule.sync.sync_lora_adapter on every rank first, with an engine that serves adapters")
-        else:
-            meta = (dict(config), [(n, tuple(state[n].shape), str(state[n].dtype).removeprefix("torch."))
-                                   for n in sorted(state)])
-    else:
-        meta = None
+        state, meta = _driver_adapter(rollout)
     meta = broadcast_object(meta, src=src, group=roles.rollout_group)
     if isinstance(meta, str):
         raise WeightSyncError(meta)

@@ -3,9 +3,11 @@
 :class:`RunDriver` owns what turns one GRPO step (``train_step``, in :mod:`ferrule.rl.loop`) into a
 run: resume point, metrics logger, the initial weight sync, the stop signals (Ctrl-C = SIGINT, and
 SIGTERM / SIGUSR1, which cluster schedulers send to preempt a job or before its time limit), checkpoints at the
-interval, the final plot and releasing the run folder's lock. It is a mixin: it uses the trainer's
-``cfg``, ``roles``, ``run_dir``, ``ckpt_dir`` and its phase methods (``setup``, ``_sync``,
-``train_step``, ``save_checkpoint``, ``_resume_point``, ``_evaluate``).
+interval, the final plot and releasing the run folder's lock. It holds the trainer (composition):
+it reads the trainer's ``cfg``, ``roles``, ``run_dir``, ``ckpt_dir`` and calls its phase methods
+(``setup``, ``_sync``, ``save_checkpoint``, ``_resume_point``, ``_evaluate``); the steps run on
+the schedule of ``train.schedule`` (:mod:`ferrule.rl.schedules`), which calls ``train_step`` or
+``produce`` / ``learn``. :meth:`ferrule.rl.loop.GRPOTrainer.run` is ``RunDriver(trainer).run()``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ferrule.rl import sglang_rollout
 from ferrule.rl.config import ConfigError
-from ferrule.rl.run_checks import unlock_run_dir
 from ferrule.rl.stages import record
+
+if TYPE_CHECKING:
+    from ferrule.rl.loop import GRPOTrainer
 
 __all__ = ["RunDriver", "RunResult", "StopSignal", "STOP_SIGNALS"]
 
@@ -62,24 +65,29 @@ class RunResult:
 
 
 class RunDriver:
-    """The run around the GRPO step (module docstring); mixed into :class:`GRPOTrainer`."""
+    """The run around the GRPO step (module docstring), composed with (not mixed into) a trainer.
 
-    def request_stop(self) -> None:
-        """Finish the current step, save a checkpoint (``checkpoint.save_on_interrupt``) and return."""
-        self._stop_requested = True
+    Args:
+        trainer: the :class:`~ferrule.rl.loop.GRPOTrainer` whose stages it runs; the stop request
+            (``_stop_requested``, ``_stop_signal``) lives on the trainer, which the distributed
+            metrics gather also reads.
+    """
+
+    def __init__(self, trainer: GRPOTrainer) -> None:
+        self.trainer = trainer
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         """A :data:`STOP_SIGNALS` handler: the first asks for a stop at the end of the step, a second aborts."""
-        if self._stop_requested:
+        if self.trainer._stop_requested:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise StopSignal(signum)
-        self._stop_requested = True
-        self._stop_signal = signum
+        self.trainer._stop_requested = True
+        self.trainer._stop_signal = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        self._log(f"\n{name}: finishing the current step, then saving a checkpoint and exiting "
-                  f"({'press Ctrl-C' if signum == signal.SIGINT else 'a second ' + name} again to abort without "
-                  "saving)")
+        self.trainer._log(f"\n{name}: finishing the current step, then saving a checkpoint and exiting "
+                          f"({'press Ctrl-C' if signum == signal.SIGINT else 'a second ' + name} again to abort "
+                          "without saving)")
 
     def run(self, *, stop_after: int | None = None) -> RunResult:
         """Run (or resume) the loop up to ``train.steps``; then :meth:`close` (also on an error).
@@ -94,71 +102,66 @@ class RunDriver:
         try:
             return self._run(stop_after)
         finally:
-            self.close()
-
-    def close(self) -> None:
-        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
-        run folder's lock; idempotent."""
-        sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
-        unlock_run_dir(getattr(self, "_run_lock", None))
-        self._run_lock = None
+            self.trainer.close()
 
     def _open_logger(self, start: int) -> Any:
         """The metrics logger (global rank 0; resumes ``metrics.jsonl`` at ``start``), which also
         trims ``samples.jsonl`` to ``start`` and writes the resolved config; a no-op logger elsewhere."""
         from ferrule.rl.metrics import MetricsLogger
 
-        cfg = self.cfg
-        if not self.roles.is_driver:
+        cfg = self.trainer.cfg
+        if not self.trainer.roles.is_driver:
             return record.NoLogger()
         try:
-            logger = MetricsLogger(self.run_dir, resume_step=start if cfg.checkpoint.resume else None,
+            logger = MetricsLogger(self.trainer.run_dir, resume_step=start if cfg.checkpoint.resume else None,
                                    tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                    wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
         except FileExistsError as exc:
             raise ConfigError([f"logging.run_dir: {exc}"]) from None
-        record.truncate_samples(self.run_dir, start)
-        cfg.dump(self.run_dir)
+        record.truncate_samples(self.trainer.run_dir, start)
+        cfg.dump(self.trainer.run_dir)
         return logger
 
     def _stop_agreed(self) -> bool:
         """Whether a stop was requested on any rank (one all-gather when distributed, so every rank
         stops at the same step)."""
-        if not self.roles.distributed:
-            return self._stop_requested
+        if not self.trainer.roles.distributed:
+            return self.trainer._stop_requested
         from ferrule.rl import distributed as rl_dist
 
-        self._stop_requested = any(rl_dist.all_gather_objects(self._stop_requested))
-        return self._stop_requested
+        self.trainer._stop_requested = any(rl_dist.all_gather_objects(self.trainer._stop_requested))
+        return self.trainer._stop_requested
 
     def _remove_stale_temp_dirs(self) -> None:
         """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
         (:func:`ferrule.fsutil.remove_stale_temp_dirs`) and say so; the driver only."""
         from ferrule.fsutil import remove_stale_temp_dirs
 
-        if not self.roles.is_driver:
+        if not self.trainer.roles.is_driver:
             return
-        removed = remove_stale_temp_dirs(self.ckpt_dir)
+        removed = remove_stale_temp_dirs(self.trainer.ckpt_dir)
         if removed:
-            self._log(f"removed {len(removed)} temporary folder(s) of interrupted checkpoint saves "
-                      f"({sum(b for _, b in removed) / 1e6:.1f} MB): " + ", ".join(str(p) for p, _ in removed))
+            self.trainer._log(f"removed {len(removed)} temporary folder(s) of interrupted checkpoint saves "
+                              f"({sum(b for _, b in removed) / 1e6:.1f} MB): "
+                              + ", ".join(str(p) for p, _ in removed))
 
     def _run(self, stop_after: int | None) -> RunResult:
         import threading
 
-        cfg = self.cfg
+        cfg = self.trainer.cfg
         if cfg.checkpoint.enabled or cfg.checkpoint.resume:  # the files as this run reads them (before setup)
             from ferrule.rl.model_identity import model_files
 
-            self.model_files = model_files(cfg.model.hf_dir)
-        self.setup()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.trainer.model_files = model_files(cfg.model.hf_dir)
+        self.trainer.setup()
+        self.trainer.run_dir.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temp_dirs()
-        start = self._resume_point() if cfg.checkpoint.resume else 0
+        start = self.trainer._resume_point() if cfg.checkpoint.resume else 0
         logger = self._open_logger(start)
-        t_sync = self._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
-        self._log(f"initial weight sync {t_sync:.2f} s{' (verified equal)' if self.check_equal else ''}; "
-                  f"steps {start + 1}..{cfg.train.steps}, run dir {self.run_dir}")
+        t_sync = self.trainer._sync()  # the rollout engine serves exactly the train engine's weights from step 1 on
+        verified = " (verified equal)" if self.trainer.check_equal else ""
+        self.trainer._log(f"initial weight sync {t_sync:.2f} s{verified}; steps {start + 1}..{cfg.train.steps}, "
+                          f"run dir {self.trainer.run_dir}")
         old_handlers = {}
         if threading.current_thread() is threading.main_thread():
             old_handlers = {s: signal.signal(s, self._on_stop_signal) for s in STOP_SIGNALS}
@@ -168,49 +171,51 @@ class RunDriver:
             for s, old in old_handlers.items():
                 signal.signal(s, old)
         plot = None
-        if cfg.logging.plot_at_end and step > 0 and self.roles.is_driver:
+        if cfg.logging.plot_at_end and step > 0 and self.trainer.roles.is_driver:
             from ferrule.rl.plot import plot_run
 
-            plot = plot_run(self.run_dir)
+            plot = plot_run(self.trainer.run_dir)
         if interrupted:
-            self._log(f"stopped after step {step}" + (f" (checkpoint {ckpt}); continue with: ferrule train --resume "
-                                                      f"--run-dir {self.run_dir}" if ckpt else ""))
-        return RunResult(run_dir=self.run_dir, start_step=start, last_step=step, interrupted=interrupted,
+            self.trainer._log(f"stopped after step {step}" + (
+                f" (checkpoint {ckpt}); continue with: ferrule train --resume --run-dir {self.trainer.run_dir}"
+                if ckpt else ""))
+        return RunResult(run_dir=self.trainer.run_dir, start_step=start, last_step=step, interrupted=interrupted,
                          checkpoint=ckpt, plot=plot, metrics=logged,
-                         stop_signal=getattr(self, "_stop_signal", None) if interrupted else None)
+                         stop_signal=getattr(self.trainer, "_stop_signal", None) if interrupted else None)
 
     def _steps(self, start: int, stop_after: int | None, logger: Any) -> tuple[int, Path | None, bool, list]:
         """Steps ``start + 1 ..`` with logging, samples, checkpoints and the stop request;
         returns ``(last step, last checkpoint, interrupted, logged entries)``."""
         from ferrule.rl.metrics import StepProgress
 
-        cfg, driver = self.cfg, self.roles.is_driver
+        cfg, driver = self.trainer.cfg, self.trainer.roles.is_driver
         logged: list[dict[str, Any]] = []
         ckpt, step = None, start
         from ferrule.rl.schedules import make_schedule
 
         with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
-                                  console=self.console) as bar, make_schedule(self, start) as schedule:
-            if start == 0 and self.eval_source is not None and driver:
-                self._rollout_phase()
-                logged.append(logger.log(0, self._evaluate(0)))
-                self._log_eval(0, logged[-1])
+                                  console=self.trainer.console) as bar, make_schedule(self.trainer, start) as schedule:
+            if start == 0 and self.trainer.eval_source is not None and driver:
+                self.trainer._rollout_phase()
+                logged.append(logger.log(0, self.trainer._evaluate(0)))
+                self.trainer._log_eval(0, logged[-1])
                 bar.restart_clock()
             while step < cfg.train.steps:
                 step += 1
                 metrics, samples = schedule.step(step)
                 logged.append(logger.log(step, metrics))
                 if "eval_accuracy" in metrics:
-                    self._log_eval(step, metrics)
+                    self.trainer._log_eval(step, metrics)
                 if samples and driver:
-                    record.append_samples(self.run_dir, samples)
+                    record.append_samples(self.trainer.run_dir, samples)
                 bar.update(step, metrics)
-                requested = self._stop_at_step_end if self.roles.distributed else self._stop_requested
+                t = self.trainer
+                requested = t._stop_at_step_end if t.roles.distributed else t._stop_requested
                 stop = requested or (stop_after is not None and step >= stop_after)
                 last = step == cfg.train.steps
                 if cfg.checkpoint.enabled and (step % cfg.checkpoint.interval == 0 or last or
                                                (stop and cfg.checkpoint.save_on_interrupt)):
-                    ckpt = self.save_checkpoint(step)
+                    ckpt = self.trainer.save_checkpoint(step)
                     stop = stop or self._stop_agreed()  # a signal during the save: this checkpoint is the stop's
                 if stop and not last:
                     return step, ckpt, True, logged

@@ -65,7 +65,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -86,11 +86,19 @@ from ferrule.rl.stages.rollout import prompt_token_ids
 from ferrule.rl.stages.score import MAX_SHOWN_REWARD_FAILURES, Scorer, check_reward_functions  # noqa: F401
 from ferrule.rl.stages.sync import sync_policy
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ferrule.rl.engines import PolicyTrainer, ReferenceScorer
+    from ferrule.rl.tasks import Prompt
+    from ferrule.rollout import GenerateResult, RolloutEngine, SamplingParams
+    from ferrule.sync import SyncStats
+
 __all__ = ["GRPOTrainer", "RunResult", "train", "rollout_seed", "check_supported", "list_checkpoints",
            "config_differences", "LOOP_STATE_FILE", "RESUME_MUTABLE", "SAMPLES_FILE", "prompt_token_ids", "preflight"]
 
 
-class GRPOTrainer(RunDriver):
+class GRPOTrainer:
     """Builds the engines for an :class:`RLConfig` and runs the loop (module docstring).
 
     Args:
@@ -104,7 +112,12 @@ class GRPOTrainer(RunDriver):
             data/model/algorithm keys, or a fresh run into a folder that already has metrics.
     """
 
-    def __init__(self, cfg: RLConfig, *, check_weight_update_equal: bool = False, console: Any = None):
+    #: the engines, behind the small Protocols the loop needs (:mod:`ferrule.rl.engines`); built by :meth:`setup`
+    engine: PolicyTrainer
+    rollout: RolloutEngine | None
+    reference: ReferenceScorer | None
+
+    def __init__(self, cfg: RLConfig, *, check_weight_update_equal: bool = False, console: Console | None = None):
         from rich.console import Console
 
         check_supported(cfg)
@@ -138,7 +151,7 @@ class GRPOTrainer(RunDriver):
         self.model_files: dict | None = None
         self._setup_done = False
         self.score = Scorer(cfg.reward.failure_reward, self._log)
-        self.last_sync: Any = None  # SyncStats of the latest weight sync
+        self.last_sync: SyncStats | None = None  # of the latest weight sync
         #: held around every use of the rollout engine (generate, sync, evaluation): an asynchronous
         #: schedule's rollout thread and the trainer's sync never touch it at once
         self.rollout_lock = threading.RLock()
@@ -149,6 +162,24 @@ class GRPOTrainer(RunDriver):
         self.on_sync: Callable[[int], None] | None = None
         self._rollout_seconds = 0.0  # this rank's generation time of the latest produce
         self._trained_sampler_state: dict | None = None  # the sampler state of the latest trained batch (driver)
+
+    # ------------------------------------------------------------------ the run (ferrule.rl.driver)
+    def run(self, *, stop_after: int | None = None) -> RunResult:
+        """Run (or resume) the loop up to ``train.steps`` (:meth:`ferrule.rl.driver.RunDriver.run`);
+        then :meth:`close` (also on an error). ``stop_after``: stop once this many steps are complete,
+        as if Ctrl-C had been pressed (checkpoint saved when enabled)."""
+        return RunDriver(self).run(stop_after=stop_after)
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint (``checkpoint.save_on_interrupt``) and return."""
+        self._stop_requested = True
+
+    def close(self) -> None:
+        """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
+        run folder's lock; idempotent."""
+        sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+        unlock_run_dir(getattr(self, "_run_lock", None))
+        self._run_lock = None
 
     def _log(self, text: str) -> None:
         if not self._quiet:
@@ -264,15 +295,15 @@ class GRPOTrainer(RunDriver):
         if self.colocation is not None:
             self.colocation.train_phase()
 
-    def _media_of(self, prompt: Any) -> dict | None:
+    def _media_of(self, prompt: Prompt) -> dict | None:
         return rollout.media_of(self._media_cache, prompt)
 
-    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int | None) -> Any:
+    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int | None) -> SamplingParams:
         return rollout.sampling_params(self.cfg, self.stop_ids, self.stop_strings, n=n, temperature=temperature,
                                        max_new_tokens=max_new_tokens, seed=seed)
 
-    def _rollout(self, step: int, prompts: list[Any] | None = None,
-                 prompt_ids: list[tuple[int, ...]] | None = None, round_: int = 0) -> list[Any] | None:
+    def _rollout(self, step: int, prompts: list[Prompt] | None = None, prompt_ids: list[tuple[int, ...]] | None = None,
+                 round_: int = 0) -> list[GenerateResult] | None:
         """The step's rollout (:func:`ferrule.rl.stages.rollout.generate_rollouts`); collective."""
         ro = self.cfg.rollout
         params = (self._sampling_params(n=ro.n_samples_per_prompt, temperature=ro.temperature,
@@ -496,7 +527,7 @@ class _SamplerState:
 
 
 def train(cfg: RLConfig, *, check_weight_update_equal: bool = False, stop_after: int | None = None,
-          console: Any = None) -> RunResult:
+          console: Console | None = None) -> RunResult:
     """Build a :class:`GRPOTrainer` for ``cfg`` and run it (see :meth:`GRPOTrainer.run`)."""
     return GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console).run(
         stop_after=stop_after)

@@ -200,9 +200,22 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rot * sin
 
 
+def _lora_delta(h: torch.Tensor, ab: tuple | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """Per-row adapter term of one projection (:mod:`ferrule.rollout._multi_lora`): ``((h @ A^T) * mask) @ B^T``."""
+    return None if ab is None else F.linear(F.linear(h, ab[0]) * mask, ab[1])
+
+
+def _lora_cat(h: torch.Tensor, abs_: list, mask: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor | None:
+    """The adapter terms of fused projections side by side (zeros where a projection has no adapter)."""
+    parts = [_lora_delta(h, ab, mask) for ab in abs_]
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([h.new_zeros(h.shape[0], w) if p is None else p for p, w in zip(parts, widths)], dim=-1)
+
+
 def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], values: list[torch.Tensor],
                   ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, allowed: torch.Tensor,
-                  kv_len: int | None = None, attn: str = "eager") -> torch.Tensor:
+                  kv_len: int | None = None, attn: str = "eager", lora: tuple | None = None) -> torch.Tensor:
     """One decode step: ``ids``/``pos``/``slot`` ``[batch]`` int64 (token, position id, key slot
     written), ``allowed [batch, max_len]`` bool (key slots visible, ``slot`` included) ->
     ``[batch, vocab]`` logits in the model dtype. Writes each layer's new key/value into
@@ -215,7 +228,8 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     ``attn`` (:data:`ATTN_KINDS`): "eager" is that formula; "fp32" keeps the scores in fp32 (equal
     to "eager" for fp32 models, closer to an fp32 forward for bf16 ones). The new key/value are
     written with ``index_put_`` (in place under torch.compile; ``scatter_`` made inductor copy the
-    whole cache per layer and step).
+    whole cache per layer and step). ``lora``: ``(mask, per-layer factors)`` of held adapters applied
+    per row (:meth:`ferrule.rollout._multi_lora.MultiLoraPool.fast_factors`), or None.
     """
     b = ids.shape[0]
     hq, hkv, d = layout.hq, layout.hkv, layout.head_dim
@@ -233,7 +247,12 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     for i in range(n):
         ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
         e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
-        qkv = F.linear(_rms(x, ln1, e1), qkv_w, qkv_b)
+        fac = None if lora is None else lora[1][i]  # [q, k, v, o, gate, up, down]: (A, B) or None
+        mask = None if lora is None else lora[0][:b]
+        h = _rms(x, ln1, e1)
+        qkv = F.linear(h, qkv_w, qkv_b)
+        if fac is not None and (extra := _lora_cat(h, fac[0:3], mask, (hq * d, hkv * d, hkv * d))) is not None:
+            qkv = qkv + extra
         q = qkv[:, :hq * d].view(b, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
@@ -247,9 +266,20 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
             kc[rows, :, slot] = k
             vc[rows, :, slot] = v
             o = attend(q, kc, vc, allowed, hidden, L, layout.scaling, attn)
-        x = x + F.linear(o, o_w, o_b)
-        g, u = F.linear(_rms(x, ln2, e2), gu_w).split(layout.inter, dim=-1)
-        x = x + F.linear(F.silu(g) * u, down_w)
+        out = F.linear(o, o_w, o_b)
+        if fac is not None and fac[3] is not None:
+            out = out + _lora_delta(o, fac[3], mask)
+        x = x + out
+        h = _rms(x, ln2, e2)
+        gu = F.linear(h, gu_w)
+        if fac is not None and (extra := _lora_cat(h, fac[4:6], mask, (layout.inter, layout.inter))) is not None:
+            gu = gu + extra
+        g, u = gu.split(layout.inter, dim=-1)
+        act = F.silu(g) * u
+        out = F.linear(act, down_w)
+        if fac is not None and fac[6] is not None:
+            out = out + _lora_delta(act, fac[6], mask)
+        x = x + out
     return F.linear(_rms(x, norm_w, layout.eps[-1]), lm_head)
 
 
@@ -257,9 +287,10 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
           slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
           temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
           lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
-          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager", chunks: int = 0) -> None:
+          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager", chunks: int = 0,
+          lora: tuple | None = None) -> None:
     """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
-    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn)
+    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn, lora)
     _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
                    finished, stopped, ids, pos, slot, allowed, chunks)
 
@@ -275,14 +306,42 @@ def _recompile_limit() -> Any:
     return cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)})
 
 
-def _compiled(name: str) -> Any:
-    if name not in _COMPILED:
-        # "step_kv" sees a new attended length per KV_BUCKET slots, and every step a new batch size (a rung of
-        # the engine's batch ladder): automatic dynamic shapes make a dimension symbolic at its second value
-        # (one recompile) instead of one compile per length and batch size (issue 40)
-        _COMPILED[name] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record}[name],
-                                        dynamic=None)
-    return _COMPILED[name]
+#: torch.compile backend of the fast step (tests on CPU set "eager": dynamo's graphs and guards, no inductor)
+BACKEND = "inductor"
+
+
+def _compiled(name: str, dynamic: str = "auto") -> Any:
+    """The compiled fast-step function ``name`` ("step", "step_kv", "first") for
+    ``RolloutEngineSettings.decode_dynamic`` ``dynamic``, one per process.
+
+    "all": every dimension and int argument symbolic from the first call (``dynamic=True``): the batch
+    rung, the cache length and the attended length (``kv_len``) vary without a recompile, so one
+    compile serves every rung. "auto": torch's automatic dynamic shapes (``dynamic=None``): a static
+    compile first, then one recompile per dimension that changes (a new rung cost 61.6 s of compiling
+    on an H100, docs/benchmarks.md, issue 40).
+    """
+    key = (name, dynamic)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record}[name],
+                                       dynamic=True if dynamic == "all" else None, backend=BACKEND)
+    return _COMPILED[key]
+
+
+def _mark_dynamic(tensors0: list, tensors01: list, kv: list) -> None:
+    """``decode_dynamic: marked``: the batch (dim 0) and length dims of the step's inputs symbolic from the first
+    compile (``torch._dynamo.maybe_mark_dynamic``), the weights left static."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in tensors0:
+        if t is not None:
+            maybe_mark_dynamic(t, 0)
+    for t in tensors01:
+        if t is not None:
+            maybe_mark_dynamic(t, 0)
+            maybe_mark_dynamic(t, 1)
+    for t in kv:
+        maybe_mark_dynamic(t, 0)
+        maybe_mark_dynamic(t, 2)
 
 
 class FastStatic:
@@ -314,6 +373,8 @@ class FastStatic:
         self.stopped = torch.zeros(b, dtype=torch.bool, **z)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.chunks = 0  # sampler vocabulary chunks (rollout_engine.sampler_chunks), set per run
+        self.dynamic = "auto"  # rollout_engine.decode_dynamic, set per run
+        self.lora: tuple | None = None  # held adapters' (mask, factors) per row (ferrule.rollout._multi_lora), per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
@@ -330,20 +391,24 @@ class FastStatic:
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
-                self.stopped, kv_len, attn, self.chunks)
+                self.stopped, kv_len, attn, self.chunks, self.lora)
 
     def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
                kv_len: int | None = None, attn: str = "eager") -> torch.cuda.CUDAGraph:
         if self.layout_key != layout.key():
             self.graphs.clear()
             self.layout_key = layout.key()
-        key = (greedy, want_raw, self.stop_t.numel(), attn, self.chunks, kv_len)
+        key = (greedy, want_raw, self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None)
         if key in self.graphs:
             return self.graphs[key]
         args = self._args(layout, greedy, want_raw, kv_len, attn)
         small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
         saved = [t.clone() for t in small]
-        fn = _compiled("step" if kv_len is None else "step_kv")
+        fn = _compiled("step" if kv_len is None else "step_kv", self.dynamic)
+        if self.dynamic == "marked":
+            _mark_dynamic([self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished, self.stopped,
+                           self.noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out],
+                          list(args[2]) + list(args[3]))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with _recompile_limit():
@@ -362,11 +427,14 @@ class FastStatic:
         return graph
 
     def run(self, layout: FusedLayout, logits: torch.Tensor, real: int, p: int, prompt_len: torch.Tensor,
-            params: Any, stop_ids: list[int], gen: torch.Generator | None, pool: Any, settings: Any = None):
+            params: Any, stop_ids: list[int], gen: torch.Generator | None, pool: Any, settings: Any = None,
+            lora: tuple | None = None):
         """The static decode loop after the prefill (``logits [batch, vocab]`` of the last prompt slot);
         returns what ``EmbeddedEngine._run`` returns. ``settings``: the engine's
         :class:`~ferrule.engine_settings.RolloutEngineSettings` (``kv_bucket``, ``attention``,
-        ``sampler_chunks``; None: their defaults)."""
+        ``sampler_chunks``; None: their defaults). ``lora``: held adapters applied per row
+        (:meth:`ferrule.rollout._multi_lora.MultiLoraPool.fast_factors`), or None."""
+        self.lora = lora
         if settings is None:
             from ferrule.engine_settings import RolloutEngineSettings
 
@@ -390,8 +458,12 @@ class FastStatic:
             noise.exponential_(1, generator=gen)
         want_chunks = int(settings.sampler_chunks) if logits.is_cuda else 0
         self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
+        self.dynamic = settings.decode_dynamic
+        if self.dynamic == "marked":
+            _mark_dynamic([logits, self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished,
+                           self.stopped, noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out], [])
         with _recompile_limit():
-            _compiled("first")(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
+            _compiled("first", self.dynamic)(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
                                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
                                self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed,
                                self.chunks)
@@ -411,7 +483,11 @@ class FastStatic:
             want = None if bucket <= 0 else min(max_len, -(-(p + t) // bucket) * bucket)
             if graph is None or want != kv_len:
                 kv_len = want
-                graph = self._graph(layout, greedy, want_raw, pool, None if kv_len == max_len else kv_len, attn)
+                # with decode_dynamic "all" the attended length is symbolic: one compiled function for every
+                # length, the whole cache included; else "step" (whole cache) and "step_kv" compile apart
+                whole = max_len if self.dynamic in ("all", "marked") else None
+                graph = self._graph(layout, greedy, want_raw, pool,
+                                    (whole if kv_len in (None, max_len) else kv_len), attn)
             if noise is not None:
                 noise.exponential_(1, generator=gen)
             graph.replay()
@@ -454,6 +530,9 @@ def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, m
             return None
         engine._fuse_weights()
     layout = engine._fused[1]
+    multi = getattr(engine, "_multi", None)  # adapters per row: the step adds their terms (fast_factors)
+    if multi is not None:
+        return layout if multi.fast_factors(len(layout.layer_idx)) is not None else None
     if engine._lora is None:
         return layout
     if merged is None or merged.base_key != layout.key():

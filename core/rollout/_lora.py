@@ -285,13 +285,17 @@ class EmbeddedLoraServing:
                 "update_lora_adapter: serving a routed-expert adapter (peft_config target_parameters="
                 f"{peft_config.get('target_parameters')!r}) under CUDA-graph decode is not verified; build the engine "
                 "with EmbeddedEngine(..., cuda_graph=False), or adapt only attention / dense modules.")
+        if self._lora is None and getattr(self, "_multi", None) is not None:
+            raise ValueError("update_lora_adapter: this engine holds adapters for batched multi-adapter decode "
+                             f"({', '.join(self._multi.names())}); remove_lora_adapter() them first to serve one "
+                             "adapter to every row.")
         if self._lora is None and getattr(self, "_asleep", False):
             raise RuntimeError("update_lora_adapter: the first adapter cannot be injected while the engine is asleep; "
                                "call wake() first (later updates of a served adapter work asleep).")
         if self._lora is None:
             self._checkpoint_tensors()  # base names and views, taken before PEFT renames the wrapped linears
             self._lora = ServedLoraAdapter.inject(self.model, peft_config, tensors)
-            self._states.clear()  # decode states / CUDA graphs captured without the adapter
+            self._drop_decode_states()  # decode states / CUDA graphs captured without the adapter
         else:
             old, new = self._lora.structural, structural_settings(peft_config)
             changed = {k: (old[k], new[k]) for k in old if old[k] != new[k]}
@@ -322,7 +326,7 @@ class EmbeddedLoraServing:
         self._lora.remove()
         self._lora, self._lora_name = None, None
         self._merged_lora = None  # its merged weight copies (fast decode path)
-        self._states.clear()
+        self._drop_decode_states()
 
     def get_lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The served adapter's tensors under PEFT saved names (detached aliases); ``{}`` without an adapter."""

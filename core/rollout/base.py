@@ -134,11 +134,15 @@ class GenerateRequest:
             placeholders expanded: :func:`ferrule.media.expand_placeholders`).
         request_id: optional caller id, copied to each result.
         media: ``{modality: [item, ...]}`` for a family with towers (:mod:`ferrule.media`), or None.
+        lora_adapter: the name of a LoRA adapter the engine holds for batched multi-adapter decode
+            (``EmbeddedEngine.add_lora_adapter``; each row applies its own request's adapter), or None
+            for the engine's weights as they are.
     """
 
     prompt_token_ids: tuple[int, ...]
     request_id: str | None = None
     media: Any = dataclasses.field(default=None, compare=False, hash=False)
+    lora_adapter: str | None = None
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.prompt_token_ids)

@@ -45,6 +45,7 @@ from ferrule.engine_settings import RolloutEngineSettings
 from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
+from ferrule.rollout._multi_lora import EmbeddedMultiLora
 from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
 from ferrule.rollout._sleep import EmbeddedSleep
@@ -92,7 +93,7 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
         return unregistered
 
 
-class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
+class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLora, EmbeddedSleep):
     """Rollout engine running a transformers CausalLM in-process.
 
     Build it from exactly one of:
@@ -244,6 +245,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         self._lora = None  # ferrule.rollout._lora.ServedLoraAdapter while an adapter is served
         self._merged_lora = None  # ferrule.rollout._lora_merge.MergedLora of it on the fast decode path
         self._lora_name: str | None = None
+        self._multi = None  # ferrule.rollout._multi_lora.MultiLoraPool while adapters are held by name
         self._closed = False
         self._asleep = False
         self._stash = None  # ferrule.offload.HostStash of the weights while asleep(weights=True)
@@ -324,6 +326,13 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                 raise ValueError(f"Request {i} (id {r.request_id!r}) has token ids {bad[:5]} >= vocab size {vocab}.")
         media = self._check_media(reqs)
         prompts = [list(r.prompt_token_ids) for r in reqs for _ in range(params.n)]
+        row_slots = None  # per row: the slot of its request's adapter (-1: the base), ferrule.rollout._multi_lora
+        if any(r.lora_adapter is not None for r in reqs):
+            if self._multi is None:
+                raise ValueError(f"requests name LoRA adapters {sorted({r.lora_adapter for r in reqs} - {None})} but "
+                                 "this engine holds none; add_lora_adapter() them first.")
+            slots = [self._multi.slot_of(r.lora_adapter) for r in reqs]
+            row_slots = [slots[k // params.n] for k in range(len(prompts))]
         longest = max(len(p) for p in prompts)
         if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
             raise ValueError(f"Longest prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
@@ -343,15 +352,20 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
                 ks = groups[key]
                 extra = self._hf_media_inputs(media[key[1]], len(ks)) if key[1] >= 0 else None
                 for k, row in zip(ks, self._run([prompts[k] for k in ks], params, sorted(stop_ids), matcher,
-                                                extra)):
+                                                extra, None if row_slots is None else [row_slots[k] for k in ks])):
                     rows[k] = row
+        elif row_slots is not None and (limit := self.max_batch or self._largest_rung()) is not None \
+                and len(prompts) > limit:  # adapters per row: static batches of at most `limit` rows
+            rows = [row for i in range(0, len(prompts), limit)
+                    for row in self._run(prompts[i:i + limit], params, sorted(stop_ids), matcher, None,
+                                         row_slots[i:i + limit])]
         elif (limit := self.max_batch or self._largest_rung()) is not None and len(prompts) > limit:
             # more rows than max_batch (or than the largest prepared batch): continuous batching at that size
             from ferrule.rollout._continuous import run_continuous
 
             rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, limit)
         else:
-            rows = self._run(prompts, params, sorted(stop_ids), matcher)
+            rows = self._run(prompts, params, sorted(stop_ids), matcher, None, row_slots)
         out = []
         for k, (tokens, lps, raw, reason) in enumerate(rows):
             i, j = divmod(k, params.n)
@@ -442,7 +456,19 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
         return gen
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
-             matcher: StopStringMatcher | None, media_inputs: dict[str, torch.Tensor] | None = None):
+             matcher: StopStringMatcher | None, media_inputs: dict[str, torch.Tensor] | None = None,
+             row_slots: list[int] | None = None):
+        """One static batch of ``prompts``; ``row_slots``: each row's adapter slot while adapters are held
+        (:mod:`ferrule.rollout._multi_lora`; filler rows decode the base)."""
+        if self._multi is None:
+            return self._run_batch(prompts, params, stop_ids, matcher, media_inputs)
+        slots = list(row_slots) if row_slots is not None else [-1] * len(prompts)
+        batch = self._bucket(len(prompts), 1)[0] if self._windows is not None else len(prompts)
+        with self._multi.rows(slots + [-1] * (batch - len(prompts))):
+            return self._run_batch(prompts, params, stop_ids, matcher, media_inputs)
+
+    def _run_batch(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
+                   matcher: StopStringMatcher | None, media_inputs: dict[str, torch.Tensor] | None = None):
         dev = self.device
         real = len(prompts)
         p = max(len(x) for x in prompts)
@@ -478,7 +504,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
             fast = getattr(state, "fast", None)
             if fast is None:
                 fast = state.fast = FastStatic(state, logits.shape[-1], dev)
-            return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool, self.settings)
+            lora = None if self._multi is None else (self._multi.mask,
+                                                     self._multi.fast_factors(len(layout.layer_idx)))
+            return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool, self.settings,
+                            lora)
         sampler = self._sampler(params, batch)
         logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
                   else state.prefill(input_ids, position_ids, prompt_mask))
@@ -555,6 +584,9 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedSleep):
     def shutdown(self) -> None:
         """Drop decode states (KV caches, CUDA graphs); further ``generate`` calls raise."""
         self._states.clear()
+        if self._multi is not None:
+            self._multi.close()
+            self._multi = None
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -70,6 +70,22 @@ class SavedWeights:
         return f"{self.directory}@{self.generation}"
 
 
+class AdapterWeights:
+    """A LoRA client's adapter held in memory as an unnamed sampler snapshot (``--sampler-checkpoints
+    adapter``): PEFT saved names -> tensors (CPU) and its ``adapter_config.json`` dict; sampled on the
+    base with batched multi-adapter decode (:mod:`ferrule.rollout._multi_lora`)."""
+
+    def __init__(self, tensors: dict, config: dict):
+        self.tensors, self.config = tensors, config
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+#: ``EngineBackend._loaded`` while the rollout engine holds adapters by name (batched multi-adapter decode)
+_MULTI = "<multi-adapter>"
+
+
 class SampleSpec:
     """One ``asample`` request, validated: prompt token ids, n, ferrule ``SamplingParams``,
     whether prompt logprobs are wanted, the top-k / target / alternative-token extras
@@ -143,6 +159,8 @@ class EngineBackend:
         self._base_state: dict | None = None
         self._loaded: str | None = None  # which weights the rollout engine serves: None = base
         self._params: str | None = None  # which full weights its parameters hold (an adapter is served on the base)
+        #: adapters the rollout engine holds for batched decode (``str(source)``), least recently used first
+        self._resident: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.max_snapshots = max_snapshots
         self._snapshots: dict[str, dict] = {}   # key -> tensors
         self._tenant_snapshots: dict[str, collections.OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
@@ -186,6 +204,7 @@ class EngineBackend:
         self._snapshots.clear()
         self._tenant_snapshots.clear()
         self._rollout = self._base_state = self._loaded = self._params = self._merge_layout = None
+        self._resident.clear()
 
     # ---------------------------------------------------------------- training clients
     def _new_engine(self, lora: Any = None) -> Any:
@@ -493,7 +512,16 @@ class EngineBackend:
         """
         self._snap_counter += 1
         key = f"ephemeral:{model_id}:{self._snap_counter}"
-        self._snapshots[key] = self.sampler_tensors(model_id)
+        engine = self.engine(model_id)
+        if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
+            from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
+
+            # the adapter only (sampled on the base, batched with other tenants' adapters), not a merged copy
+            self._snapshots[key] = AdapterWeights(
+                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_adapter_state_dict(engine).items()},
+                peft_config(engine, self.model_name))
+        else:
+            self._snapshots[key] = self.sampler_tensors(model_id)
         mine = self._tenant_snapshots.setdefault(tenant, collections.OrderedDict())
         mine[key] = None
         while len(mine) > self.max_snapshots:
@@ -533,6 +561,10 @@ class EngineBackend:
                 raise LookupError(f"sampler checkpoint {source.directory.name} was saved again (same name) after this "
                                   "request was admitted, so the weights it was admitted for are gone; resubmit it to "
                                   "sample the new weights.")
+        if key != self._loaded and engine.lora_adapters:  # adapters held for batched decode: the single path
+            for name in engine.lora_adapters:
+                engine.remove_lora_adapter(name)
+            self._resident.clear()
         if key != self._loaded:
             adapter = isinstance(source, SavedWeights) and (source.directory / ADAPTER_WEIGHTS).is_file()
             if adapter:   # an adapter checkpoint: the base weights plus the adapter, served unmerged
@@ -591,6 +623,102 @@ class EngineBackend:
             raise ValueError(f"prompt holds token ids {bad[:5]} outside [0, {self.vocab_size}); the tokens do not "
                              "belong to this model's tokenizer.")
 
+    def batchable(self, source: SavedWeights | str | None) -> bool:
+        """True if ``source`` samples as the base plus a LoRA adapter, or the base itself: such sources of
+        several sampling sessions share one decode batch (:meth:`sample_many`)."""
+        if source is None:
+            return True
+        if isinstance(source, SavedWeights):
+            return (source.directory / ADAPTER_WEIGHTS).is_file()
+        return isinstance(self._snapshots.get(source), AdapterWeights)
+
+    def _check_generation(self, source: Any) -> None:
+        if isinstance(source, SavedWeights) and self.saved_weights(source.directory).generation != source.generation:
+            raise LookupError(f"sampler checkpoint {source.directory.name} was saved again (same name) after this "
+                              "request was admitted, so the weights it was admitted for are gone; resubmit it to "
+                              "sample the new weights.")
+
+    def _hold_adapters(self, sources: Sequence[Any]) -> tuple[Any, list[str | None]]:
+        """The rollout engine on the base weights holding each adapter of ``sources`` by name (batched
+        multi-adapter decode, :mod:`ferrule.rollout._multi_lora`); returns ``(engine, name per source)``.
+
+        Adapters are held up to the engine's ``rollout_engine.max_lora_adapters``; one more evicts the least
+        recently used one this batch does not use (reloaded from its checkpoint or snapshot when needed again).
+        ``sources`` hold at most that many distinct adapters (:meth:`sample_many` splits).
+
+        Raises:
+            LookupError: an evicted snapshot, or a checkpoint saved again since it was admitted.
+        """
+        engine = self.rollout
+        if self.on_use is not None:
+            self.on_use(self)
+        for src in sources:
+            self._check_generation(src)
+        if self._loaded != _MULTI:
+            if engine.lora_config is not None:
+                engine.unload_lora_adapter()
+            self._hold_params(engine, None)
+            self._loaded = _MULTI
+        names = [None if src is None else str(src) for src in sources]
+        need = set(names) - {None}
+        limit = int(engine.settings.max_lora_adapters)
+        for name, src in dict(zip(names, sources)).items():
+            if name is None:
+                continue
+            if name in self._resident and name in engine.lora_adapters:
+                self._resident.move_to_end(name)
+                continue
+            while len(engine.lora_adapters) >= limit:
+                victim = next(k for k in self._resident if k not in need)
+                engine.remove_lora_adapter(victim)
+                del self._resident[victim]
+            if isinstance(src, SavedWeights):
+                from ferrule.lora.peft_format import read_peft_dir
+
+                tensors, config = read_peft_dir(src.directory)
+            else:
+                snap = self._snapshot_tensors(src)
+                tensors, config = snap.tensors, snap.config
+            engine.add_lora_adapter(name, tensors, config)
+            self._resident[name] = None
+        return engine, names
+
+    def sample_many(self, items: Sequence[tuple[SavedWeights | str | None, SampleSpec]]) -> list[tuple]:
+        """Sample each ``(source, spec)`` (see :meth:`sample`; all specs share ``params``). Where every
+        source is the base or a LoRA adapter (:meth:`batchable`), the rows of all of them are decoded in
+        one batch, each applying its own adapter on the shared base (no merge, no weight swap); else
+        one ``generate`` per distinct source, in turn (full weights swapped in).
+
+        Returns:
+            One :meth:`sample` result per item, in order.
+        """
+        params = items[0][1].params
+        if any(spec.params != params for _, spec in items):
+            raise ValueError("internal: one sample batch needs one SamplingParams.")
+        out: list = [None] * len(items)
+        if all(self.batchable(src) for src, _ in items):
+            limit = int(self.rollout.settings.max_lora_adapters)
+            group: list[int] = []
+            for i in range(len(items) + 1):  # groups of at most `limit` distinct adapters
+                names = {str(items[k][0]) for k in group if items[k][0] is not None}
+                if i == len(items) or (items[i][0] is not None and str(items[i][0]) not in names
+                                       and len(names) >= limit):
+                    engine, held = self._hold_adapters([items[k][0] for k in group])
+                    for k, res in zip(group, self._generate(engine, held, [items[k][1] for k in group])):
+                        out[k] = res
+                    group = []
+                if i < len(items):
+                    group.append(i)
+            return out
+        by_source: dict[str, list[int]] = {}
+        for i, (src, _) in enumerate(items):
+            by_source.setdefault(str(src), []).append(i)
+        for ks in by_source.values():
+            engine = self._hold(items[ks[0]][0])
+            for k, res in zip(ks, self._generate(engine, [None] * len(ks), [items[k][1] for k in ks])):
+                out[k] = res
+        return out
+
     def sample(self, source: SavedWeights | str | None, specs: Sequence[SampleSpec]) -> list[tuple[list, list | None]]:
         """Sample ``spec.n`` continuations of each prompt with the weights of ``source`` (see
         :meth:`_hold`), all prompts in one ``generate`` call (they must share ``params``).
@@ -601,15 +729,18 @@ class EngineBackend:
             from float32 ``log_softmax`` of the untempered logits; ``extras`` is
             :func:`ferrule.serve.logprobs.compute_extras`' dict (empty when none were asked).
         """
+        return self.sample_many([(source, s) for s in specs])
+
+    def _generate(self, engine: Any, adapters: Sequence[str | None], specs: Sequence[SampleSpec]) -> list[tuple]:
+        """One ``generate`` call over ``specs`` (spec ``i`` with held adapter ``adapters[i]``, None: as the
+        engine's weights are), then each spec's prompt logprobs and extras under its own adapter."""
         import torch
 
-        params = specs[0].params
-        if any(s.params != params for s in specs):
-            raise ValueError("internal: one sample batch needs one SamplingParams.")
         from ferrule.rollout.base import GenerateRequest
 
-        engine = self._hold(source)
-        results = engine.generate([GenerateRequest(tuple(s.prompt), media=s.media) for s in specs], params)
+        params = specs[0].params
+        results = engine.generate([GenerateRequest(tuple(s.prompt), media=s.media, lora_adapter=a)
+                                   for s, a in zip(specs, adapters)], params)
         out = []
         for i, spec in enumerate(specs):
             rows = results[i * params.n:(i + 1) * params.n]
@@ -617,7 +748,7 @@ class EngineBackend:
             prompt_lp = None
             media_kw = hf_inputs(self.hf_config, spec.media, engine.device)
             if spec.prompt_logprobs:
-                with torch.inference_mode():
+                with torch.inference_mode(), engine.lora_rows([adapters[i]]):
                     ids = torch.tensor([spec.prompt], device=engine.device)
                     logits = engine.model(input_ids=ids, **media_kw).logits[0].float()
                     lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -626,8 +757,9 @@ class EngineBackend:
             if spec.extras is not None and spec.extras.any:
                 from .logprobs import compute_extras
 
-                extras = compute_extras(engine.model, engine.device, spec.prompt, seqs, spec.extras,
-                                        params.temperature, params.seed, media_kw)
+                with engine.lora_rows([adapters[i]]):
+                    extras = compute_extras(engine.model, engine.device, spec.prompt, seqs, spec.extras,
+                                            params.temperature, params.seed, media_kw)
             out.append((seqs, prompt_lp, extras))
         return out
 

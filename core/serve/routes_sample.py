@@ -103,15 +103,17 @@ async def asample(request: Request):
             prompt_lp = [math.nan] * (len(prompt_lp) - last_n) + prompt_lp[-last_n:]
         return "application/x-protobuf", encode_sample_response(seqs, prompt_lp, extras, extras_out)
 
-    def run_batch(jobs):
-        results = backend.sample(source, [j.payload[0] for j in jobs])
+    def run_batch(jobs):  # each job's own source: adapters of several sessions share one decode batch
+        results = backend.sample_many([(j.payload[2], j.payload[0]) for j in jobs])
         return [encode(*res, j.payload[1], j.payload[0].extras) for j, res in zip(jobs, results)]
 
     def run():
         (res,) = backend.sample(source, [spec])
         return encode(*res, last_n, extras)
-    # unseeded requests with the same weights and parameters may share one generate call
-    key = None if params.seed is not None else f"sample|{source}|{params!r}"
+    # unseeded requests with the same parameters may share one generate call: of the same weights, or of the
+    # base and LoRA adapters on it (each row its own adapter: batched multi-adapter decode)
+    weights = f"{backend.model_name}+adapters" if backend.batchable(source) else str(source)
+    key = None if params.seed is not None else f"sample|{weights}|{params!r}"
     return svc.enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),
-                   extra={"sample_sequence_ids": rid_seq}, batch=(key, run_batch, (spec, last_n)),
+                   extra={"sample_sequence_ids": rid_seq}, batch=(key, run_batch, (spec, last_n, source)),
                    base=backend.model_name)

@@ -11,15 +11,21 @@ to the reward first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ferrule.rl.batch import Sample
+    from ferrule.rl.config import AlgorithmConfig
+    from ferrule.rl.rewards import RewardResult
+    from ferrule.rollout import GenerateResult
 
 __all__ = ["Advantages", "build_samples", "group_advantages", "overlong_penalty"]
 
 
-def build_samples(prompt_ids: Sequence[tuple[int, ...]], results: Sequence[Any],
-                  media: Sequence[dict | None]) -> list[Any]:
+def build_samples(prompt_ids: Sequence[tuple[int, ...]], results: Sequence[GenerateResult],
+                  media: Sequence[dict | None]) -> list[Sample]:
     """One :class:`~ferrule.rl.batch.Sample` per rollout result; its behaviour logprobs are the
     engine's raw (temperature-1) logprobs when it returned them, else its sampling logprobs."""
     from ferrule.rl.batch import Sample
@@ -62,8 +68,9 @@ def overlong_penalty(length: int, truncated: bool, *, max_new_tokens: int, buffe
     return -penalty * min(1.0, over / buffer_tokens)
 
 
-def group_advantages(samples: Sequence[Any], rewards: Sequence[Any], algorithm: Any, group_size: int,
-                     max_new_tokens: int | None = None, exclude: Sequence[bool] | None = None) -> Advantages:
+def group_advantages(samples: Sequence[Sample], rewards: Sequence[RewardResult], algorithm: AlgorithmConfig,
+                     group_size: int, max_new_tokens: int | None = None,
+                     exclude: Sequence[bool] | None = None) -> Advantages:
     """Group-normalized advantages of ``samples`` (``algorithm.grpo_std_normalization``,
     ``algorithm.advantage_eps``), groups of ``group_size`` contiguous samples; ``algorithm.overlong``
     masks (``mask``) or penalises (``penalty``, :func:`overlong_penalty`; needs ``max_new_tokens``)

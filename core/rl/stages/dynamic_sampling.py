@@ -15,16 +15,19 @@ informative (:func:`informative_groups`). Output: the step's batch and its metri
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ferrule.rl.records import RolloutBatch, take_groups
 
+if TYPE_CHECKING:
+    from ferrule.rl.config import AlgorithmConfig
+
 __all__ = ["informative_groups", "GroupSelector"]
 
 
-def informative_groups(batch: RolloutBatch, algorithm: Any, max_new_tokens: int) -> list[bool]:
+def informative_groups(batch: RolloutBatch, algorithm: AlgorithmConfig, max_new_tokens: int) -> list[bool]:
     """Per prompt of ``batch`` (scored): whether its group gets a non-zero advantage somewhere, with
     the advantages the train step will compute (overlong penalty and mask included;
     :func:`ferrule.rl.stages.advantages.group_advantages`)."""

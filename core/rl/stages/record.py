@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import torch
+
+    from ferrule.rl.batch import Sample
+    from ferrule.rl.engines import PolicyTrainer
+    from ferrule.rl.records import StepRecord
+    from ferrule.rl.rewards import RewardResult
+    from ferrule.rl.stages.advantages import Advantages
+    from ferrule.rl.stages.train import TrainOutcome
+    from ferrule.sync import SyncStats
+
 __all__ = ["SAMPLES_FILE", "reset_peak_memory", "memory_metrics", "rollout_step_metrics", "train_step_metrics",
-           "media_metrics", "version_metrics", "throughput_metrics", "sync_memory_metrics", "logged_samples", "append_samples",
+           "media_metrics", "version_metrics", "throughput_metrics", "sync_memory_metrics", "logged_samples",
+           "append_samples",
            "truncate_samples", "NoLogger"]
 
 SAMPLES_FILE = "samples.jsonl"
@@ -38,7 +50,7 @@ def memory_metrics() -> dict[str, int]:
     return {"memory_allocated_bytes": stats["rss"], "memory_peak_bytes": stats["peak_rss"]}
 
 
-def train_mfu(engine: Any, samples: Sequence[Any], seconds: float, forward_only_too: bool) -> float | None:
+def train_mfu(engine: PolicyTrainer, samples: Sequence[Sample], seconds: float, forward_only_too: bool) -> float | None:
     """Model FLOPs utilisation of the train phase (:func:`ferrule.megatron.flops.training_mfu`):
     forward_backward over every sample, plus forward_logprobs when it ran; None on CPU or where
     the count or the device's peak is unknown."""
@@ -49,7 +61,7 @@ def train_mfu(engine: Any, samples: Sequence[Any], seconds: float, forward_only_
     return training_mfu(engine.hf_config, lens, seconds, device, forward_only_seq_lens=lens if forward_only_too else ())
 
 
-def rollout_step_metrics(rewards: Sequence[Any], samples: Sequence[Any], group_size: int) -> dict[str, Any]:
+def rollout_step_metrics(rewards: Sequence[RewardResult], samples: Sequence[Sample], group_size: int) -> dict[str, Any]:
     """Reward, accuracy, length and truncation statistics of the step's rollout
     (:func:`ferrule.rl.metrics.rollout_metrics`), the mean task score and the reward-error counts."""
     from ferrule.rl.metrics import rollout_metrics
@@ -64,7 +76,8 @@ def rollout_step_metrics(rewards: Sequence[Any], samples: Sequence[Any], group_s
     return metrics
 
 
-def train_step_metrics(outcome: Any, rollout_lp: Sequence[Any], advantages: Any, group_size: int,
+def train_step_metrics(outcome: TrainOutcome, rollout_lp: Sequence[torch.Tensor], advantages: Advantages,
+                       group_size: int,
                        use_tis: bool) -> dict[str, Any]:
     """Loss, KL, clipping, entropy, train-vs-rollout logprob gap, grad norm, lr, advantage and (with
     ``use_tis``) truncated-IS statistics, and the skipped optimizer steps, of a
@@ -105,7 +118,7 @@ def train_step_metrics(outcome: Any, rollout_lp: Sequence[Any], advantages: Any,
     return metrics
 
 
-def version_metrics(rec: Any) -> dict[str, Any]:
+def version_metrics(rec: StepRecord) -> dict[str, Any]:
     """Weight versions and staleness of a :class:`~ferrule.rl.records.StepRecord`: the rollout's
     ``rollout_weights_version`` (optimizer steps), ``weight_versions_per_batch`` (distinct versions among
     its samples), ``staleness_mean`` / ``staleness_max`` (train steps), ``staleness_histogram``
@@ -136,7 +149,8 @@ def media_metrics(towers: Sequence[Any], media: Sequence[dict | None]) -> dict[s
     return out
 
 
-def throughput_metrics(samples: Sequence[Any], *, t_rollout: float, t_train: float, t_sync: float) -> dict[str, float]:
+def throughput_metrics(samples: Sequence[Sample], *, t_rollout: float, t_train: float,
+                       t_sync: float) -> dict[str, float]:
     """Phase times (s) and tokens per second of rollout (generated tokens) and train (sequence tokens)."""
     gen_tokens = sum(len(s.response_ids) for s in samples)
     seq_tokens = sum(s.num_tokens + 1 for s in samples)
@@ -145,7 +159,7 @@ def throughput_metrics(samples: Sequence[Any], *, t_rollout: float, t_train: flo
             "train_tokens_per_s": seq_tokens / max(t_train, 1e-9)}
 
 
-def sync_memory_metrics(stats: Any) -> dict[str, int]:
+def sync_memory_metrics(stats: SyncStats) -> dict[str, int]:
     """The device-memory change across the sync's export (a leaking export shows up here first)."""
     if stats.device_memory_after is None:
         return {}

@@ -9,12 +9,17 @@ Output: :class:`~ferrule.rollout.GenerateResult` list, prompt-major in prompt or
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import sglang_rollout
 from ferrule.rl.config import ConfigError
 from ferrule.rl.tasks import has_media
+
+if TYPE_CHECKING:
+    from ferrule.rl.distributed import RankRoles
+    from ferrule.rl.tasks import Prompt
+    from ferrule.rollout import GenerateResult, RolloutEngine, SamplingParams
 
 __all__ = ["prompt_token_ids", "PromptRenderer", "sampling_params", "generate", "generate_rollouts", "decode"]
 
@@ -90,7 +95,7 @@ class PromptRenderer:
                     self.ids(source[i], kind)
 
 
-def media_of(media_cache: Mapping[tuple[str, int], dict], prompt: Any) -> dict | None:
+def media_of(media_cache: Mapping[tuple[str, int], dict], prompt: Prompt) -> dict | None:
     """The preprocessed media of a rendered prompt (None: text only)."""
     return media_cache.get(("train", prompt.index), media_cache.get(("eval", prompt.index)))
 
@@ -107,13 +112,13 @@ def sampling_params(cfg: Any, stop_ids: Sequence[int], stop_strings: Sequence[st
                           return_raw_logprobs=sglang_rollout.wants_raw_logprobs(cfg, temperature))
 
 
-def decode(tokenizer: Any, results: Sequence[Any]) -> list[str]:
+def decode(tokenizer: Any, results: Sequence[GenerateResult]) -> list[str]:
     """Response texts of ``results`` (special tokens skipped)."""
     return [tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
 
 
-def generate(engine: Any, params: Any, prompts: Sequence[Any], prompt_ids: Sequence[tuple[int, ...]],
-             media: Callable[[Any], dict | None]) -> list[Any]:
+def generate(engine: RolloutEngine, params: SamplingParams, prompts: Sequence[Prompt],
+             prompt_ids: Sequence[tuple[int, ...]], media: Callable[[Prompt], dict | None]) -> list[GenerateResult]:
     """One generate call on ``engine`` for ``prompts`` (evaluation; not sharded, not collective)."""
     from ferrule.rollout import GenerateRequest
 
@@ -121,9 +126,11 @@ def generate(engine: Any, params: Any, prompts: Sequence[Any], prompt_ids: Seque
                             for p, ids in zip(prompts, prompt_ids)], params)
 
 
-def generate_rollouts(roles: Any, engine: Any, params: Any, *, seed: int, prompts_per_shard: int, step: int,
-                      prompts: Sequence[Any] | None = None, prompt_ids: Sequence[tuple[int, ...]] | None = None,
-                      media: Callable[[Any], dict | None] = lambda p: None, round_: int = 0) -> list[Any] | None:
+def generate_rollouts(roles: RankRoles, engine: RolloutEngine | None, params: SamplingParams | None, *, seed: int,
+                      prompts_per_shard: int, step: int, prompts: Sequence[Prompt] | None = None,
+                      prompt_ids: Sequence[tuple[int, ...]] | None = None,
+                      media: Callable[[Prompt], dict | None] = lambda p: None,
+                      round_: int = 0) -> list[GenerateResult] | None:
     """The step's rollout in shards (:func:`ferrule.rl.distributed.plan_shards`); collective.
 
     The driver passes the prompts and gets every shard's results, prompt-major in prompt

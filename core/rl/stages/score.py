@@ -9,7 +9,11 @@ first step (:func:`check_reward_functions`: it must score the task's reference a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from ferrule.rl.rewards import RewardFn, RewardResult
+    from ferrule.rl.tasks import Prompt
 
 __all__ = ["Scorer", "MAX_SHOWN_REWARD_FAILURES", "check_reward_functions"]
 
@@ -30,7 +34,8 @@ class Scorer:
         self.failure_reward, self.log, self.max_shown = failure_reward, log, max_shown
         self.shown = 0
 
-    def __call__(self, reward_fn: Any, texts: Sequence[str], prompts: Sequence[Any], where: str) -> list[Any]:
+    def __call__(self, reward_fn: RewardFn, texts: Sequence[str], prompts: Sequence[Prompt],
+                 where: str) -> list[RewardResult]:
         """Rewards of ``texts`` (``texts[i]`` answers ``prompts[i]``); ``where`` names the step in messages
         (and in the warning for a step where many failed, :func:`ferrule.rl.rewards.reward_failure_warning`)."""
         from ferrule.rl.rewards import describe_failure, reward_failure_warning, score_responses

@@ -10,14 +10,22 @@ Output: the driver sync's :class:`~ferrule.sync.SyncStats` and the wall time in 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ferrule.rl import distributed as rl_dist
+
+if TYPE_CHECKING:
+    from ferrule.engine_settings import WeightSyncSettings
+    from ferrule.rl.distributed import RankRoles
+    from ferrule.rl.engines import PolicyTrainer
+    from ferrule.rollout import RolloutEngine
+    from ferrule.sync import SyncStats
 
 __all__ = ["sync_policy"]
 
 
-def sync_policy(engine: Any, rollout: Any, roles: Any, *, check_equal: bool, settings: Any = None) -> tuple[Any, float]:
+def sync_policy(engine: PolicyTrainer, rollout: RolloutEngine | None, roles: RankRoles, *, check_equal: bool,
+                settings: WeightSyncSettings | None = None) -> tuple[SyncStats, float]:
     """Send the policy at ``engine.step`` to the rollout engines; collective. ``check_equal``
     verifies every tensor after the sync; ``settings``: the run's
     :class:`~ferrule.engine_settings.WeightSyncSettings` (``weight_sync``). Returns ``(SyncStats, seconds)``."""

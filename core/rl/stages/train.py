@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from ferrule.rl.batch import Sample
+    from ferrule.rl.config import RLConfig
+    from ferrule.rl.distributed import RankRoles
+    from ferrule.rl.engines import PolicyTrainer, ReferenceScorer
 
 __all__ = ["TrainOutcome", "behaviour_logprobs", "reference_logprobs", "train_policy"]
 
@@ -39,13 +47,13 @@ class TrainOutcome:
     learning_rates: list[float]
     skipped: int
     ppo_kl: float
-    trainer_logprobs: list[Any]
+    trainer_logprobs: list[torch.Tensor | None]
     need_old: bool
     seconds: float
 
 
-def behaviour_logprobs(engine: Any, samples: Sequence[Any], rollout_lp: Sequence[Any],
-                       need_old: bool) -> tuple[list[Any], list[Any]]:
+def behaviour_logprobs(engine: PolicyTrainer, samples: Sequence[Sample], rollout_lp: Sequence[torch.Tensor],
+                       need_old: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """``(behaviour logprobs, trainer logprobs)`` per sample: the train engine's old logprobs (both)
     when ``need_old``, else the rollout's and Nones."""
     from ferrule.rl.batch import response_slice, sequence_datum
@@ -57,8 +65,8 @@ def behaviour_logprobs(engine: Any, samples: Sequence[Any], rollout_lp: Sequence
     return behaviour, list(behaviour)
 
 
-def reference_logprobs(reference: Any, samples: Sequence[Any], micro_batch_tokens: int, roles: Any,
-                       kl_coef: float) -> list[Any] | None:
+def reference_logprobs(reference: ReferenceScorer | None, samples: Sequence[Sample], micro_batch_tokens: int,
+                       roles: RankRoles, kl_coef: float) -> list[torch.Tensor] | None:
     """The reference policy's response logprobs per sample (None without a reference); collective
     when distributed with ``kl_coef > 0`` (the reference lives on rank 0)."""
     from ferrule.rl import distributed as rl_dist
@@ -73,8 +81,9 @@ def reference_logprobs(reference: Any, samples: Sequence[Any], micro_batch_token
     return ref
 
 
-def train_policy(engine: Any, samples: Sequence[Any], advantages: Sequence[float], rollout_lp: Sequence[Any], *,
-                 cfg: Any, reference: Any, roles: Any, num_groups: int,
+def train_policy(engine: PolicyTrainer, samples: Sequence[Sample], advantages: Sequence[float],
+                 rollout_lp: Sequence[torch.Tensor], *, cfg: RLConfig, reference: ReferenceScorer | None,
+                 roles: RankRoles, num_groups: int,
                  trainable: Sequence[bool] | None = None) -> TrainOutcome:
     """Old and reference logprobs, then one ``forward_backward`` + ``optim_step`` per mini-batch
     (module docstring). Collective: every rank calls it with the same samples. ``trainable[i]``

@@ -86,5 +86,35 @@ def test_smollm2_round_trip_and_logits(tmp_path):
     assert result["argmax_equal"], result
 
 
+@pytest.mark.skipif(not os.environ.get(ENV), reason=f"opt-in: set {ENV}=DIR (made by `ferrule assets smollm2 DIR`)")
+@pytest.mark.timeout(900)
+def test_readme_main_job_runs_two_steps(tmp_path):
+    """The README's main job, as a user runs it (``ferrule train examples/configs/smollm2_arithmetic.yaml``),
+    for 2 GRPO steps on the real model, in-process: it writes a metrics line per step with a finite loss and
+    a reward in [0, 1], and the reward-curve PNG. (CI used to run this as a
+    separate command before the tests; here it shares a test worker instead of an interpreter of its own.)"""
+    import math
+
+    repo = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(repo / "tests"))  # ferrule's in-process CLI runner (also when run from this folder)
+    from inproc import run_ferrule
+
+    asset_dir = Path(os.environ[ENV]).resolve()
+    run_dir = tmp_path / "run"
+    proc = run_ferrule(["train", repo / "examples" / "configs" / "smollm2_arithmetic.yaml", "--run-dir", run_dir,
+                        "train.steps=2", f"model.hf_dir={asset_dir / 'hf'}"], cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from ferrule.rl.metrics import read_metrics
+
+    entries = read_metrics(run_dir / "metrics.jsonl")
+    steps = [e for e in entries if "loss" in e]  # step 0 holds the first evaluation only
+    assert [e["step"] for e in steps] == [1, 2], entries
+    assert "eval_reward_mean" in entries[0], entries[0]
+    for e in steps:
+        assert math.isfinite(e["loss"]) and 0.0 <= e["reward_mean"] <= 1.0, e
+    png = run_dir / "reward_curve.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 if __name__ == "__main__":
     print(json.dumps(_check(sys.argv[1], sys.argv[2])))
