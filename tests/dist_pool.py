@@ -38,6 +38,11 @@ NPROC = 2
 START_TIMEOUT_S = 240.0
 FAILED_RANK_GRACE_S = 5.0
 POLL_S = 0.02
+#: a rank with more OS threads than this after a job's reset is replaced before the next job: some jobs leave
+#: process groups that torch no longer lists but something still references, and their gloo threads stay
+#: (measured in a CI rehearsal: ~880 threads per rank after a dozen jobs, 100+ of them runnable while idle,
+#: load average ~200 on 2 cores); a fresh pool costs one start (~25 s)
+MAX_RANK_THREADS = 300
 
 
 def _die_with_parent() -> None:
@@ -159,12 +164,14 @@ class DistPool:
         tmp.rename(control / f"job-{n}.json")
         deadline = time.monotonic() + timeout
         done: dict[int, int] = {}
+        threads: dict[int, int] = {}
         failed_at: float | None = None
         while len(done) < self.nproc:
             for r in range(self.nproc):
                 f = control / f"job-{n}.rank{r}.done"
                 if r not in done and f.exists():
-                    done[r] = json.loads(f.read_text())["rc"]
+                    report = json.loads(f.read_text())
+                    done[r], threads[r] = report["rc"], report.get("threads", 0)
                     if done[r] != 0 and failed_at is None:
                         failed_at = time.monotonic()
             if len(done) == self.nproc:
@@ -186,8 +193,8 @@ class DistPool:
             missing = sorted(set(range(self.nproc)) - set(done))
             launch = (control / "launch.log").read_text()[-3000:]
             err += f"\n[dist_pool] rank(s) {missing} did not finish; launch log:\n{launch}"
-        if rc != 0:
-            self._kill()
+        if rc != 0 or max(threads.values(), default=0) > MAX_RANK_THREADS:
+            self._kill()  # a failed job, or ranks whose leaked gloo threads would slow every later job
         self.jobs_run += 1
         return subprocess.CompletedProcess(["dist_pool", *job["argv"]], rc, out, err)
 

@@ -158,6 +158,14 @@ def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
     return rc
 
 
+def _native_threads() -> int:
+    """This process's OS threads (Linux: /proc/self/task), 0 where that cannot be read."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -205,7 +213,7 @@ def main(control: Path) -> None:
             traceback.print_exc()
             rc = rc or 70
         tmp = control / f".job-{n}.rank{rank}.done"
-        tmp.write_text(json.dumps({"rc": rc}))
+        tmp.write_text(json.dumps({"rc": rc, "threads": _native_threads()}))
         tmp.rename(control / f"job-{n}.rank{rank}.done")
         if rc != 0:  # the other rank may be stuck in a collective: the client replaces the pool
             return
