@@ -72,6 +72,7 @@ def plugins_cmd(
     Honours FERRULE_PLUGINS (allow-list of entry points) and FERRULE_STRICT_PLUGINS=1
     (a broken plugin is fatal instead of reported).
     """
+    console = Console()  # at call time: the terminal width now, not when ferrule.cli was first imported
     from ferrule import registry
     from ferrule.specs import FamilyStatus
 
