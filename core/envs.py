@@ -128,6 +128,12 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
+def bare_child_env() -> dict[str, str]:
+    """Only this process's ``PATH`` (``/usr/bin:/bin`` when unset): the ``env=`` of a sandboxed subprocess
+    that must not see ferrule's or the user's variables (the agent environments' Python tool)."""
+    return {"PATH": os.environ.get("PATH") or "/usr/bin:/bin"}
+
+
 @contextlib.contextmanager
 def scoped(values: Mapping[str, str | None]) -> Iterator[None]:
     """Set (a str) or unset (None) each variable of ``values`` for the ``with`` block, then restore."""

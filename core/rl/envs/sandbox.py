@@ -18,10 +18,11 @@ limit it hit / the exception it raised: an observation for the model, never an e
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
+
+from ferrule import envs
 
 __all__ = ["run_python"]
 
@@ -63,7 +64,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, max_o
     with tempfile.TemporaryDirectory(prefix="ferrule-pytool-") as cwd:
         try:
             proc = subprocess.run([sys.executable, "-I", "-S", "-c", _PRELUDE + code], cwd=cwd,
-                                  env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, stdin=subprocess.DEVNULL,
+                                  env=envs.bare_child_env(), stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True, timeout=timeout_s,
                                   preexec_fn=_limits(memory_mb, max(1, math.ceil(timeout_s))))
         except subprocess.TimeoutExpired:
