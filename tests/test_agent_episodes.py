@@ -25,28 +25,14 @@ from ferrule.rl.envs import Observation, StepResult
 
 SEED = 0
 TOL = 1e-5  # tests/test_weight_sync.py: rollout vs train logprobs after a sync
-SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz .,:?!\n")
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
-            rms_norm_eps=1e-6)
 ITEMS, GROUP, TURNS, TURN_TOKENS = 3, 2, 3, 6
 
 
 def _build_model(out: Path) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """test_rl_e2e's tiny Qwen3 and character tokenizer, with room for multi-turn episodes (tools make ~850-token prompts)."""
+    from test_rl_e2e import _build_model as build
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                            pad_token="<|endoftext|>").save_pretrained(out)
-    cfg = AutoConfig.for_model(model_type="qwen3", vocab_size=len(vocab), eos_token_id=vocab["<|im_end|>"],
-                               pad_token_id=vocab["<|endoftext|>"], bos_token_id=None, **TINY)
-    torch.manual_seed(SEED)
-    Qwen3ForCausalLM(cfg).float().save_pretrained(out)
+    build(out, max_position_embeddings=2048)
 
 
 class CountEnv:

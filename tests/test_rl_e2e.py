@@ -45,7 +45,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 TIMING = re.compile(r"^(time.*|.*_per_s|memory_.*|mfu)$")  # timings, memory and mfu (from time) vary run to run
 
 
-def _build_model(out: Path) -> None:
+def _build_model(out: Path, **config) -> None:
+    """The random tiny Qwen3 (``TINY``, with ``config`` over it) and its character-level tokenizer, saved at ``out``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     import torch
 
@@ -57,7 +58,7 @@ def _build_model(out: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
                             pad_token="<|endoftext|>").save_pretrained(out)
     cfg = AutoConfig.for_model(model_type="qwen3", vocab_size=len(vocab), eos_token_id=vocab["<|im_end|>"],
-                               pad_token_id=vocab["<|endoftext|>"], bos_token_id=None, **TINY)
+                               pad_token_id=vocab["<|endoftext|>"], bos_token_id=None, **{**TINY, **config})
     torch.manual_seed(SEED)
     Qwen3ForCausalLM(cfg).float().save_pretrained(out)
 
