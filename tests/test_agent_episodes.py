@@ -226,7 +226,7 @@ def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir
                       [f"model.hf_dir={hf_dir}", f"logging.run_dir={run_dir}", "train.steps=2",
                        "train.prompts_per_step=1", "algorithm.use_tis=false", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8",
                        "agent.max_turns=2", "logging.plot_at_end=false", "checkpoint.enabled=false",
-                       "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1024", *extra])
+                       "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1536", *extra])
     train(cfg)
     entries = read_metrics(run_dir / "metrics.jsonl")
     assert [e["step"] for e in entries] == [1, 2]
