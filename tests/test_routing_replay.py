@@ -140,3 +140,84 @@ def test_train_forward_replays_the_rollout_routes_and_narrows_the_mismatch(engin
     print(f"{family}: tokens routed differently {differ}; mean |train - rollout| logprob: R3 off {off:.4g}, "
           f"on {on:.4g}")
     assert on < off
+
+
+def test_unsupported_routing_replay_is_refused_naming_the_key():
+    from ferrule.rl.config import ConfigError, config_from_dict
+
+    base = {"model": {"hf_dir": "some/hf"}, "data": {"task": "basic_arithmetic"},
+            "algorithm": {"routing_replay": True}}
+    config_from_dict(base)  # embedded rollout, one rank: accepted
+    bad = dict(base, rollout={"engine": "sglang"}, parallel={"tp": 2, "ep": 2},
+               rollout_engine={"cuda_graph": True})
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(bad)
+    text = "\n".join(exc.value.problems)
+    assert "algorithm.routing_replay: rollout.engine=sglang returns no routed experts" in text
+    assert "tested at tp = pp = ep = 1 only, not tp=2, ep=2" in text
+    assert "rollout_engine.cuda_graph" in text
+
+
+def test_train_engine_refuses_routes_it_cannot_replay(engines):
+    from ferrule.megatron.batching import Datum
+
+    train, _, results = engines["qwen3_moe"]
+    r = results[0]
+    seq = PROMPTS[r.prompt_index] + list(r.token_ids)
+    target = {"target_tokens": torch.tensor(seq[1:])}
+    with pytest.raises(ValueError, match=r"datum 0: routed_experts must be integer ids of shape \(\d+, 2, 2\)"):
+        train.forward_logprobs([Datum(seq[:-1], target, None, r.routed_experts[1:])])
+    with pytest.raises(ValueError, match=r"data \[1\] carry no routed_experts while others do"):
+        train.forward_logprobs([Datum(seq[:-1], target, None, r.routed_experts), Datum(seq[:-1], target)])
+
+
+def test_grpo_step_hands_the_rollout_routes_to_every_train_call(tmp_path, monkeypatch):
+    """Two steps of the loop on a tiny Qwen3-MoE with ``algorithm.routing_replay``: every datum of every
+    ``forward_backward`` / ``forward_logprobs`` carries the routes the rollout returned for its tokens."""
+    import json
+
+    from test_rl_e2e import CONFIG, _build_model
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.rl.config import load_config
+    from ferrule.rl.loop import GRPOTrainer
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    model = tmp_path / "model"
+    _build_model(model)  # the character tokenizer (and a dense model, replaced next)
+    dense = json.loads((model / "config.json").read_text())
+    cfg = AutoConfig.for_model(model_type="qwen3_moe", vocab_size=dense["vocab_size"], eos_token_id=dense["eos_token_id"],
+                               pad_token_id=dense["pad_token_id"], hidden_size=32, intermediate_size=48,
+                               moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    torch.manual_seed(SEED)
+    Qwen3MoeForCausalLM(cfg).float().save_pretrained(model)
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n"
+                                                 for i in range(16)))
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    sent: dict[tuple, torch.Tensor] = {}
+    seen: list[tuple[tuple, torch.Tensor | None]] = []
+    generate, fb, flp = EmbeddedEngine.generate, TrainEngine.forward_backward, TrainEngine.forward_logprobs
+
+    def spy_generate(self, requests, params):
+        out = generate(self, requests, params)
+        for r in out:
+            prompt = list(requests[r.prompt_index].prompt_token_ids)
+            sent[tuple(prompt + list(r.token_ids))[:-1]] = r.routed_experts
+        return out
+
+    def spy(orig):
+        def call(self, batch, *args, **kwargs):
+            seen.extend((tuple(d.model_input), d.routed_experts) for d in batch)
+            return orig(self, batch, *args, **kwargs)
+        return call
+    monkeypatch.setattr(EmbeddedEngine, "generate", spy_generate)
+    monkeypatch.setattr(TrainEngine, "forward_backward", spy(fb))
+    monkeypatch.setattr(TrainEngine, "forward_logprobs", spy(flp))
+    GRPOTrainer(load_config(tmp_path / "c.yaml", [
+        f"model.hf_dir={model}", f"data.jsonl_path={tmp_path / 'task.jsonl'}", f"logging.run_dir={tmp_path / 'run'}",
+        "train.steps=2", "train.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+        "algorithm.routing_replay=true"])).run()
+    assert len(seen) == 2 * 2 * 2 * 2  # 2 steps x 4 samples, forward_logprobs (use_tis) + forward_backward
+    assert all(routes is not None and torch.equal(routes, sent[ids]) for ids, routes in seen)
