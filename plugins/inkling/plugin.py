@@ -9,7 +9,7 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # 1e-5 relative (tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
 # (tests/test_inkling_convert.py, conformance kit), exact embedded rollout (tests/test_inkling_rollout.py), update
 # groups + checked weight sync and GRPO on the shipped example with bit-identical resume (tests/test_inkling_rl.py).
-# inkling (multimodal) is VALIDATED: the conformance kit (tests/test_conformance.py, inkling_mm.TINY_HF_CONFIG +
+# inkling (multimodal) is VALIDATED: the conformance kit (tests/test_conformance.py, inkling.TINY_HF_CONFIG +
 # tiny_media) checks the bit-exact round trip, text logits and logits of an image+audio prompt through both towers ==
 # InklingForConditionalGeneration within 1e-5 at TP=1 and TP=2 (each tower changes the logits); gradients on a
 # multimodal batch, towers on every weight sync and embedded rollout with media (tests/test_inkling_towers.py), LoRA ==
@@ -17,7 +17,7 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # (tests/test_inkling_mm_rl.py) and media through the service (tests/test_serve_media.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling_mm"}
+_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling"}
 
 
 @hookimpl
@@ -98,7 +98,7 @@ def register_lora_appliers():
     from ferrule.specs import LoRAApplierSpec
 
     # the multimodal family adapts its language model with the same appliers (towers stay frozen); its PEFT
-    # names come from inkling_mm.PEFT_MAPPING (MAPPING.peft_table): model.language_model.layers.L...
+    # names come from inkling.PEFT_MAPPING (MAPPING.peft_table): model.language_model.layers.L...
     peft, ink = "ferrule.lora.peft_format", "ferrule.plugins.inkling.lora"
     return [spec for family in _VARIANTS for spec in (
         LoRAApplierSpec(kind="attention", family=family, apply=f"{ink}:apply_attention",

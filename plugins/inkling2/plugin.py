@@ -20,7 +20,7 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 _VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
              "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop",
-             "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
+             "inkling2": "ferrule.plugins.inkling2.inkling2"}
 
 
 @hookimpl
@@ -81,7 +81,7 @@ def register_update_groups():
     return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
 
 
-# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
+# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.towers) -------------------------------
 
 # inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
 # groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py
@@ -97,7 +97,7 @@ def register_towers():
 
     # frozen by default, as for Inkling; items are token grids [rows, cols, S, S, 3] (item_token_dims=2): the tower
     # attends within each image and resamples its position grid to the image's shape
-    v = "ferrule.plugins.inkling2.vision"
+    v = "ferrule.plugins.inkling2.towers"
     return [TowerSpec(family="inkling2", modality="vision", build=f"{v}:build_vision_tower",
                       placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
                       hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
