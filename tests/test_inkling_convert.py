@@ -119,7 +119,7 @@ def test_interleave_layout_matches_transformers_conversion():
     """Our de-interleave equals transformers' own ``Interleave`` op (the referee for the w13 layout)."""
     from transformers.core_model_loading import Interleave
 
-    from ferrule.plugins.inkling.inkling import deinterleave, interleave
+    from ferrule.mapping.experts import deinterleave, interleave
 
     w13 = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
     theirs = Interleave(dim=1).convert({"w": w13}, ["w"], ["out"])["out"]
