@@ -339,7 +339,7 @@ def _compiled(name: str, dynamic: str = "auto") -> Any:
     """The compiled fast-step function ``name`` ("step", "step_kv", "first") for
     ``RolloutEngineSettings.decode_dynamic`` ``dynamic``, one per process.
 
-    "marked" (default): a compile with the batch (dim 0) and length dimensions of the step's inputs
+    "marked": a compile with the batch (dim 0) and length dimensions of the step's inputs
     symbolic from the first call (:func:`_mark_dynamic`; the weights static), the attended length
     passed as a tensor's length and a stop-id buffer of one size, so one compile serves every batch
     rung, cache length and attended length. "all": every dimension and int argument symbolic
