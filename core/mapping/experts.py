@@ -10,7 +10,7 @@ holds global experts ``[e * E/ep, (e+1) * E/ep)`` as local ``0..E/ep-1``). Impor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ferrule.mapping.vocabulary import FuseGateUp, MappingContext, MappingError, ParamMapping, Rename, _torch
@@ -52,9 +52,19 @@ class StackExperts(ParamMapping):
     Export needs every expert of a layer: :meth:`assemble` stacks the per-expert pieces
     returned by :meth:`to_hf`. ``tp`` is the per-expert split (``GATE_UP`` for fc1, ``ROW``
     for fc2).
+
+    Two layout switches for HF formats that differ from megatron's per expert:
+
+    - ``transposed=True``: HF stores each expert ``[in, out]`` (``x @ W``), megatron ``[out, in]``;
+      e.g. gpt-oss ``gate_up_proj [E, hidden, 2*ffn]`` and ``down_proj [E, ffn, hidden]``;
+    - ``interleaved=True``: HF's ``2*ffn`` output features alternate gate, up, gate, up
+      (gpt-oss: ``gate = gate_up[..., ::2]``, ``up = gate_up[..., 1::2]``), megatron's fc1 is
+      ``[gate; up]``; applies to the bias ``[E, 2*ffn]`` too.
     """
 
     hf: str = ""
+    transposed: bool = field(default=False, kw_only=True)
+    interleaved: bool = field(default=False, kw_only=True)
 
     expert = True
 
@@ -69,11 +79,24 @@ class StackExperts(ParamMapping):
         e = self.expert_index(wildcards)
         if ctx.num_experts is not None and stacked.shape[0] != ctx.num_experts:
             raise MappingError(f"{self.hf}: stacked dim 0 is {stacked.shape[0]}; config has {ctx.num_experts} experts.")
-        return stacked[e]
+        t = stacked[e]
+        if self.transposed:
+            t = t.t()
+        if self.interleaved:
+            if t.shape[0] % 2:
+                raise MappingError(f"{self.hf}: {t.shape[0]} interleaved gate/up features; expected an even count.")
+            t = _torch().cat([t[0::2], t[1::2]], 0)
+        return t.contiguous() if (self.transposed or self.interleaved) else t
 
     def to_hf(self, full, ctx, wildcards=()):
         """The piece for expert ``wildcards[1]`` (not a full HF tensor; see :meth:`assemble`)."""
-        return (full,)
+        t = full
+        if self.interleaved:
+            gate, up = self._halves(t)
+            t = _torch().stack([gate, up], 1).reshape(t.shape)
+        if self.transposed:
+            t = t.t()
+        return (t.contiguous() if (self.transposed or self.interleaved) else t,)
 
     def assemble(self, pieces: Mapping[int, "torch.Tensor"], ctx: MappingContext) -> "torch.Tensor":
         """Stack per-expert pieces ``{global_expert: tensor}`` into the HF ``[E, ...]`` tensor.
