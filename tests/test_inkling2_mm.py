@@ -52,7 +52,7 @@ def test_image_prompt_logits_and_embedding_gradient_match_hf(tiny_dir):
 
     from ferrule.conformance_numeric import single_rank
     from ferrule.megatron.towers import embed_with_media
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs
 
     items, ids = images(6, GRIDS), _prompt()
     hf = Inkling2ForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32).eval()
@@ -100,7 +100,7 @@ def test_hf_torch_dist_round_trip_is_bit_exact_and_loads_in_transformers(tiny_di
 
 def test_translation_checks_the_top_level_keys():
     from ferrule.config_translation import ConfigTranslationError
-    from ferrule.plugins.inkling2.inkling2_mm import CONFIG_TRANSLATION
+    from ferrule.plugins.inkling2.inkling2 import CONFIG_TRANSLATION
 
     cfg = config_dict()
     kwargs, options = CONFIG_TRANSLATION.to_mcore(cfg)
@@ -119,7 +119,7 @@ def test_embedded_rollout_with_images_matches_full_hf_forward(tiny_dir):
 
     from ferrule.rollout.base import GenerateRequest, SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs
 
     media = [images(6, ((2, 3),)), images(6, ((1, 2), (1, 1)), seed=4), None]
     prompts = [[5, 6, 7] + [IMAGE_TOKEN] * 6 + [8, 9], [5] + [IMAGE_TOKEN] * 2 + [3, IMAGE_TOKEN, 9], [4, 5, 6]]

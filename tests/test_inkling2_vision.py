@@ -1,4 +1,4 @@
-"""Inkling-2 vision tower (``ferrule.plugins.inkling2.vision``) vs transformers' ``Inkling2VisionModel``.
+"""Inkling-2 vision tower (``ferrule.plugins.inkling2.towers``) vs transformers' ``Inkling2VisionModel``.
 
 Referee: transformers 5.24's ``Inkling2ForConditionalGeneration.model.vision_tower`` (its own
 rotary embedding, position-grid interpolation, class tokens, merger), fed what
@@ -31,7 +31,7 @@ def _released_tower_state(model, tmp_path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("vision", [VISION, VISION_NO_MERGE], ids=["merge2", "merge1"])
 def test_tower_matches_hf_vision_model(vision, tmp_path):
-    from ferrule.plugins.inkling2.vision import build_vision_tower, hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import build_vision_tower, hf_vision_inputs
 
     cfg = config_dict(vision)
     hf = hf_model(cfg)
@@ -49,7 +49,7 @@ def test_tower_matches_hf_vision_model(vision, tmp_path):
 
 def test_tower_gradients_match_hf(tmp_path):
     """An unfrozen tower trains like the reference: every parameter's gradient within 1e-5 relative."""
-    from ferrule.plugins.inkling2.vision import build_vision_tower, hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import build_vision_tower, hf_vision_inputs
 
     cfg = config_dict()
     hf = hf_model(cfg)
@@ -76,7 +76,7 @@ def _hf_grads_released(hf, tmp_path) -> dict[str, torch.Tensor]:
 
 
 def test_bad_items_are_refused():
-    from ferrule.plugins.inkling2.vision import build_vision_tower
+    from ferrule.plugins.inkling2.towers import build_vision_tower
 
     tower = build_vision_tower(config_dict())
     with pytest.raises(ValueError, match=r"image 1 has shape \(2, 8, 8, 3\).*\[rows, cols, 6, 6, 3\]"):
@@ -90,7 +90,7 @@ def test_preprocess_grid_and_values():
     import numpy as np
     from PIL import Image
 
-    from ferrule.plugins.inkling2.vision import preprocess_image
+    from ferrule.plugins.inkling2.towers import preprocess_image
 
     rgb = np.random.default_rng(0).integers(0, 256, (7, 13, 3), dtype=np.uint8)  # H=7, W=13, S=6
     item = preprocess_image(Image.fromarray(rgb), config_dict())
@@ -109,7 +109,7 @@ def test_preprocess_equals_transformers_processor():
     from PIL import Image
     from transformers import Inkling2ImageProcessor
 
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs, image_to_pixel_values
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs, image_to_pixel_values
 
     pics = [Image.fromarray(np.random.default_rng(1).integers(0, 256, (37, 50, 3), dtype=np.uint8)),
             Image.fromarray(np.random.default_rng(2).integers(0, 256, (9, 9, 4), dtype=np.uint8), "RGBA")]
@@ -146,8 +146,8 @@ def test_tower_mapping_rows_and_update_groups(vision, tmp_path):
     """The released ``model.visual.*`` keys (transformers' save_pretrained) <-> ``towers.vision.*``: complete both
     ways, bit-exact round trip; the update groups put every tower parameter in exactly one unit."""
     from ferrule.mapping import MappingContext, MappingTable
-    from ferrule.plugins.inkling2.inkling2_mm import TOWER_ROWS, TOWER_UPDATE_GROUPS
-    from ferrule.plugins.inkling2.vision import build_vision_tower
+    from ferrule.plugins.inkling2.inkling2 import TOWER_ROWS, TOWER_UPDATE_GROUPS
+    from ferrule.plugins.inkling2.towers import build_vision_tower
     from ferrule.sync.groups import build_update_units
 
     cfg = config_dict(vision)
@@ -186,11 +186,11 @@ def test_core_passes_grid_items_as_a_list():
     engine's keywords come from ``TowerSpec.hf_inputs`` (here ``hf_vision_inputs``), repeated per copy."""
     from ferrule.media import hf_media_inputs
     from ferrule.megatron.towers import embed_with_media
-    from ferrule.plugins.inkling2.vision import build_vision_tower, hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import build_vision_tower, hf_vision_inputs
     from ferrule.specs import TowerSpec
 
     spec = TowerSpec(family="f", modality="vision", build="a:b", placeholder_token_id=9, item_token_dims=2,
-                     hf_inputs="ferrule.plugins.inkling2.vision:hf_vision_inputs")
+                     hf_inputs="ferrule.plugins.inkling2.towers:hf_vision_inputs")
     tower = build_vision_tower(config_dict()).eval()
     items = images(6, grids=((1, 2), (2, 1)))
 

@@ -97,7 +97,7 @@ def test_released_layout_logits_match_multimodal_model_on_text(tmp_path):
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule import registry
     from ferrule.megatron.provider import provider_build
-    from ferrule.plugins.inkling import inkling_mm
+    from ferrule.plugins.inkling import inkling
 
     src = _tiny_mm(tmp_path / "mm")
     hf = InklingForConditionalGeneration.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
@@ -107,7 +107,7 @@ def test_released_layout_logits_match_multimodal_model_on_text(tmp_path):
     hf_config = json.loads((src / "config.json").read_text())
     with single_rank():
         (model,) = provider_build("inkling")(hf_config, ParallelLayout())  # text model + towers
-        load_hf_into_mcore([model], src, inkling_mm.MAPPING, hf_config=hf_config)
+        load_hf_into_mcore([model], src, inkling.MAPPING, hf_config=hf_config)
         model.eval()
         with torch.no_grad():
             out = model(ids, torch.arange(12).unsqueeze(0).expand_as(ids), attention_mask=None)[..., :96]
@@ -119,7 +119,7 @@ def test_interleave_layout_matches_transformers_conversion():
     """Our de-interleave equals transformers' own ``Interleave`` op (the referee for the w13 layout)."""
     from transformers.core_model_loading import Interleave
 
-    from ferrule.plugins.inkling.inkling_mm import deinterleave, interleave
+    from ferrule.mapping.experts import deinterleave, interleave
 
     w13 = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
     theirs = Interleave(dim=1).convert({"w": w13}, ["w"], ["out"])["out"]

@@ -24,7 +24,7 @@ PACKAGE_DIRS = {"core": "ferrule", "converters": "ferrule.converters", "plugins"
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"ferrule", "ferrule.specs", "ferrule.fsutil", "ferrule.integrity", "ferrule.locks",
                     "ferrule.cli_errors", "ferrule.safetensors_io", "ferrule.quantized_weights", "ferrule.nvfp4", "ferrule.run_layout", "ferrule.config_translation", "ferrule.config_layer_types", "ferrule.losses", "ferrule.offload",
-                    "ferrule.envs", "ferrule.engine_settings", "ferrule.output_dir"}),
+                    "ferrule.envs", "ferrule.engine_settings", "ferrule.output_dir", "ferrule.variants"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
     ("registry", {"ferrule.registry", "ferrule.plugin_loading"}),
     ("mapping", {"ferrule.mapping", "ferrule.mapping_table", "ferrule.media", "ferrule.chat", "ferrule.tool_calls"}),

@@ -101,7 +101,7 @@ def _batch(with_image: bool = False):
 
 
 def _hf_logprobs(model, batch, grad: bool = False) -> list[torch.Tensor]:
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs
 
     out = []
     with torch.set_grad_enabled(grad):

@@ -83,7 +83,7 @@ def _hf_mm_ref(hf_dir: Path, out: Path) -> Path:
     its gradient through the scatter of the tower's rows, within 1e-5 of HF's."""
     from transformers import Inkling2ForConditionalGeneration
 
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs
     from inkling2_vision_fixtures import IMAGE_TOKEN, images
 
     hf = Inkling2ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).train()

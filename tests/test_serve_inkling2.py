@@ -278,7 +278,7 @@ def _tml_image_chunk(png: bytes):
 
 
 def _hf_image_inputs(png: bytes) -> dict:
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs, image_to_pixel_values
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs, image_to_pixel_values
 
     return hf_vision_inputs([image_to_pixel_values(png, 40)], {})
 

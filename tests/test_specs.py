@@ -96,3 +96,22 @@ def test_family_chooses_attn_implementation():
     with pytest.raises(SpecError, match=r"attn_implementation='flash_attention_2'.*\['sdpa', 'eager'\]"):
         ModelFamilySpec(name="g2", model_types=("gemma2",), status=FamilyStatus.VALIDATED,
                         attn_implementation="flash_attention_2")
+
+
+def test_variants_declare_the_three_per_variant_specs():
+    """One ``Variants`` declaration answers the provider, converter and update-group hooks with the
+    specs a plugin wrote out by hand before (Inkling's, with its own builder)."""
+    from ferrule.specs import ConverterSpec, ProviderSpec, SpecError, UpdateGroupTable
+    from ferrule.variants import Variants
+
+    v = Variants({"a_text": "pkg.a_text", "a": "pkg.a"}, build="build_provider")
+    assert list(v) == ["a_text", "a"]
+    assert v.providers() == [ProviderSpec(family="a_text", build="pkg.a_text:build_provider"),
+                             ProviderSpec(family="a", build="pkg.a:build_provider")]
+    assert v.converters()[1] == ConverterSpec(family="a", mapping="pkg.a:MAPPING", config_translation="pkg.a:CONFIG_TRANSLATION")
+    assert v.update_groups()[0] == UpdateGroupTable(family="a_text", groups="pkg.a_text:UPDATE_GROUPS")
+    assert Variants({"b": "pkg.b"}).providers() == [ProviderSpec(family="b")]  # the default build
+    with pytest.raises(SpecError, match="'pkg.b:MAPPING'"):
+        Variants({"b": "pkg.b:MAPPING"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        v.build = None

@@ -7,7 +7,7 @@ Modules, imported in one direction only (no cycle):
   :class:`Ignore` drops an HF key with a reason; :class:`TPSplit` says how TP splits a full tensor;
   :class:`MappingContext` carries the few config numbers a row needs; :class:`MappingError`.
 - :mod:`ferrule.mapping.experts`: the routed-expert rows (:class:`ExpertRename`,
-  :class:`ExpertFuseGateUp`, :class:`StackExperts`); imports :mod:`~ferrule.mapping.vocabulary`.
+  :class:`ExpertFuseGateUp`, :class:`StackExperts`, :class:`StackExpertsInterleaved`); imports :mod:`~ferrule.mapping.vocabulary`.
 - :mod:`ferrule.mapping.table`: :class:`MappingTable` (a family's complete, immutable table)
   and :class:`HFAssembler` (full mcore tensors -> HF tensors, shared by export, weight sync
   and :meth:`MappingTable.mcore_to_hf`); imports the two above.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ferrule.mapping.experts import ExpertFuseGateUp, ExpertRename, StackExperts
+from ferrule.mapping.experts import ExpertFuseGateUp, ExpertRename, StackExperts, StackExpertsInterleaved
 from ferrule.mapping.table import HFAssembler, MappingTable
 from ferrule.mapping.vocabulary import (
     FuseGateUp,
@@ -54,6 +54,7 @@ __all__ = [
     "ParamMapping",
     "Rename",
     "StackExperts",
+    "StackExpertsInterleaved",
     "TPSplit",
 ]
 

@@ -1,6 +1,7 @@
 """The routed-expert rows of the mapping vocabulary (:mod:`ferrule.mapping.vocabulary`): one
 expert's Megatron ``SequentialMLP`` tensor <-> HF per-expert tensors (:class:`ExpertRename`,
-:class:`ExpertFuseGateUp`) or one row of an HF tensor stacked over experts (:class:`StackExperts`).
+:class:`ExpertFuseGateUp`) or one row of an HF tensor stacked over experts (:class:`StackExperts`,
+:class:`StackExpertsInterleaved` for gate/up rows stored interleaved).
 
 mcore patterns carry two ``*``: the layer and the **global** expert index (under EP rank ``e``
 holds global experts ``[e * E/ep, (e+1) * E/ep)`` as local ``0..E/ep-1``). Imports only
@@ -18,7 +19,7 @@ from ferrule.mapping.vocabulary import FuseGateUp, MappingContext, MappingError,
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["ExpertRename", "ExpertFuseGateUp", "StackExperts"]
+__all__ = ["ExpertRename", "ExpertFuseGateUp", "StackExperts", "StackExpertsInterleaved", "deinterleave", "interleave"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,34 @@ class StackExperts(ParamMapping):
         if missing:
             raise MappingError(f"{self.hf}: experts {missing} missing; cannot stack {n} experts.")
         return _torch().stack([pieces[e] for e in range(n)], 0)
+
+
+def deinterleave(t, dim: int):
+    """Released ``[g0, u0, g1, u1, ...]`` along ``dim`` -> ``[g0, g1, ...; u0, u1, ...]`` (transformers ``Interleave``).
+
+    ``t`` is any tensor whose ``dim`` has even size (``[..., 2*ffn, ...]``); a contiguous copy is returned.
+    """
+    shape = list(t.shape)
+    n = shape[dim] // 2
+    return t.reshape(*shape[:dim], n, 2, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+def interleave(t, dim: int):
+    """Inverse of :func:`deinterleave`."""
+    shape = list(t.shape)
+    n = shape[dim] // 2
+    return t.reshape(*shape[:dim], 2, n, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+@dataclass(frozen=True)
+class StackExpertsInterleaved(StackExperts):
+    """A stacked routed ``w13`` ``[E, 2*ffn, hidden]`` with gate/up rows interleaved per expert
+    (``g0, u0, g1, u1, ...``: Inkling's and Inkling-2's released ``mlp.experts.w13_weight``, transformers'
+    ``Interleave`` op) <-> expert ``e``'s ``linear_fc1`` ``[gate; up]``. TP as :class:`StackExperts` (``GATE_UP``).
+    """
+
+    def to_mcore(self, hf, ctx, wildcards=()):
+        return deinterleave(super().to_mcore(hf, ctx, wildcards), 0)
+
+    def to_hf(self, full, ctx, wildcards=()):
+        return (interleave(full, 0),)

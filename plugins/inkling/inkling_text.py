@@ -7,7 +7,7 @@ names): ``model.embed_tokens.weight``, ``model.embed_tokens.embed_norm.weight``,
 ``...self_attn.rel_logits_proj.proj``, ``mlp.experts.gate_up_proj [E, 2I, H]`` (per expert
 ``[gate; up]``), ``mlp.shared_experts.{gate,up,down}_proj [S, ...]``, ``mlp.gate.{weight,
 e_score_correction_bias, global_scale}``, ``lm_head.weight``. The released multimodal layout
-(``model.llm.*``) is :mod:`ferrule.plugins.inkling.inkling_mm`.
+(``model.llm.*``) is :mod:`ferrule.plugins.inkling.inkling`.
 
 Module-level data only; torch and megatron are imported inside :func:`build_provider` and the
 mapping methods.
@@ -90,7 +90,7 @@ def text_model_mappings(hf_text_model: str = "model.") -> tuple[ParamMapping, ..
 
     ``"model."`` for ``InklingForCausalLM`` (:data:`MAPPING`); ``"model.language_model."`` for the
     text model inside ``InklingForConditionalGeneration`` (its in-memory module names, used for
-    PEFT keys: :data:`ferrule.plugins.inkling.inkling_mm.PEFT_MAPPING`). ``lm_head`` sits at the
+    PEFT keys: :data:`ferrule.plugins.inkling.inkling.PEFT_MAPPING`). ``lm_head`` sits at the
     top level of both.
     """
     h = hf_text_model + "layers.*."

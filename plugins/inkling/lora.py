@@ -14,7 +14,7 @@
 
 The multimodal ``inkling`` family registers the same appliers: they only see the language model's
 ``decoder`` (the towers are never adapted and stay frozen), and its PEFT names come from
-:data:`ferrule.plugins.inkling.inkling_mm.PEFT_MAPPING` (transformers' module names
+:data:`ferrule.plugins.inkling.inkling.PEFT_MAPPING` (transformers' module names
 ``model.language_model.layers.L...``, not the released checkpoint's ``model.llm.*`` keys).
 """
 

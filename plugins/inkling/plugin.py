@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.variants import Variants
 
 # inkling_text is VALIDATED: logits == InklingForCausalLM within 1e-5 (fp32; TP=1, TP=2, EP=2) and gradients within
 # 1e-5 relative (tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
 # (tests/test_inkling_convert.py, conformance kit), exact embedded rollout (tests/test_inkling_rollout.py), update
 # groups + checked weight sync and GRPO on the shipped example with bit-identical resume (tests/test_inkling_rl.py).
-# inkling (multimodal) is VALIDATED: the conformance kit (tests/test_conformance.py, inkling_mm.TINY_HF_CONFIG +
+# inkling (multimodal) is VALIDATED: the conformance kit (tests/test_conformance.py, inkling.TINY_HF_CONFIG +
 # tiny_media) checks the bit-exact round trip, text logits and logits of an image+audio prompt through both towers ==
 # InklingForConditionalGeneration within 1e-5 at TP=1 and TP=2 (each tower changes the logits); gradients on a
 # multimodal batch, towers on every weight sync and embedded rollout with media (tests/test_inkling_towers.py), LoRA ==
@@ -17,7 +18,23 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # (tests/test_inkling_mm_rl.py) and media through the service (tests/test_serve_media.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling_mm"}
+VARIANTS = Variants({"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling"},
+                    build="build_provider")
+
+
+@hookimpl
+def register_providers():
+    return VARIANTS.providers()
+
+
+@hookimpl
+def register_converters():
+    return VARIANTS.converters()
+
+
+@hookimpl
+def register_update_groups():
+    return VARIANTS.update_groups()
 
 
 @hookimpl
@@ -39,31 +56,6 @@ def register_model_families():
             description="Inkling text MoE (ShortConv, local/global relative attention, shared-expert-sink router)",
         ),
     ]
-
-
-@hookimpl
-def register_providers():
-    from ferrule.specs import ProviderSpec
-
-    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
-
-
-@hookimpl
-def register_converters():
-    from ferrule.specs import ConverterSpec
-
-    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
-            for f, m in _VARIANTS.items()]
-
-
-@hookimpl
-def register_update_groups():
-    # The variant modules are plain data (no torch / megatron import at module level).
-    import importlib
-
-    from ferrule.specs import UpdateGroupTable
-
-    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
 
 
 #: TMLv0 model turns end with <|content_model_end_sampling|> (tml-renderers' ``v0.Renderer.stop()`` is [200006]).
@@ -98,9 +90,9 @@ def register_lora_appliers():
     from ferrule.specs import LoRAApplierSpec
 
     # the multimodal family adapts its language model with the same appliers (towers stay frozen); its PEFT
-    # names come from inkling_mm.PEFT_MAPPING (MAPPING.peft_table): model.language_model.layers.L...
+    # names come from inkling.PEFT_MAPPING (MAPPING.peft_table): model.language_model.layers.L...
     peft, ink = "ferrule.lora.peft_format", "ferrule.plugins.inkling.lora"
-    return [spec for family in _VARIANTS for spec in (
+    return [spec for family in VARIANTS for spec in (
         LoRAApplierSpec(kind="attention", family=family, apply=f"{ink}:apply_attention",
                         export=f"{peft}:export_linear", load=f"{peft}:load_linear"),
         LoRAApplierSpec(kind="shared_experts", family=family, apply=f"{ink}:apply_shared_experts",

@@ -18,7 +18,7 @@ Both compute exactly what transformers' ``InklingForConditionalGeneration`` comp
 
 The towers are frozen by default (:data:`TOWERS` in :mod:`ferrule.plugins.inkling.plugin`): miles
 trains Inkling with frozen towers (reference/miles_study.md §1.6). Their parameters travel on
-every weight sync in their own update groups (``inkling_mm.UPDATE_GROUPS``).
+every weight sync in their own update groups (``inkling.UPDATE_GROUPS``).
 """
 
 from __future__ import annotations

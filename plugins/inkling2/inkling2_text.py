@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ferrule.mapping import MappingError, MappingTable, Rename, StackExperts, TPSplit
-from ferrule.plugins.inkling.inkling_mm import StackExpertsInterleaved
+from ferrule.mapping import MappingError, MappingTable, Rename, StackExperts, StackExpertsInterleaved, TPSplit
 from ferrule.plugins.inkling2.config import TEXT_ENTRIES, Inkling2ConfigTranslation
 from ferrule.specs import UpdateGroup
 

@@ -20,7 +20,7 @@ Every Inkling-2 MLP is an MoE block (no dense MLP, no shared experts), so the ki
 
 The multimodal ``inkling2`` family registers the same appliers: they see only the language model's
 ``decoder`` (the vision tower is never adapted and stays frozen); its PEFT names come from
-:data:`ferrule.plugins.inkling2.inkling2_mm.PEFT_MAPPING` (``model.language_model.layers.L...``).
+:data:`ferrule.plugins.inkling2.inkling2.PEFT_MAPPING` (``model.language_model.layers.L...``).
 """
 
 from __future__ import annotations

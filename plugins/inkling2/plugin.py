@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.variants import Variants
 
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
 # logits == Inkling2ForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
@@ -18,9 +19,24 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 # and TP=2 (tests/test_convert_nvfp4.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
-_VARIANTS = {"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
-             "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop",
-             "inkling2": "ferrule.plugins.inkling2.inkling2_mm"}
+VARIANTS = Variants({"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
+                     "inkling2_loop": "ferrule.plugins.inkling2.inkling2_loop",
+                     "inkling2": "ferrule.plugins.inkling2.inkling2"}, build="build_provider")
+
+
+@hookimpl
+def register_providers():
+    return VARIANTS.providers()
+
+
+@hookimpl
+def register_converters():
+    return VARIANTS.converters()
+
+
+@hookimpl
+def register_update_groups():
+    return VARIANTS.update_groups()
 
 
 @hookimpl
@@ -57,31 +73,7 @@ def register_model_families():
     ]
 
 
-@hookimpl
-def register_providers():
-    from ferrule.specs import ProviderSpec
-
-    return [ProviderSpec(family=f, build=f"{m}:build_provider") for f, m in _VARIANTS.items()]
-
-
-@hookimpl
-def register_converters():
-    from ferrule.specs import ConverterSpec
-
-    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
-            for f, m in _VARIANTS.items()]
-
-
-@hookimpl
-def register_update_groups():
-    import importlib
-
-    from ferrule.specs import UpdateGroupTable
-
-    return [UpdateGroupTable(family=f, groups=importlib.import_module(m).UPDATE_GROUPS) for f, m in _VARIANTS.items()]
-
-
-# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.vision) -------------------------------
+# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.towers) -------------------------------
 
 # inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
 # groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py
@@ -97,7 +89,7 @@ def register_towers():
 
     # frozen by default, as for Inkling; items are token grids [rows, cols, S, S, 3] (item_token_dims=2): the tower
     # attends within each image and resamples its position grid to the image's shape
-    v = "ferrule.plugins.inkling2.vision"
+    v = "ferrule.plugins.inkling2.towers"
     return [TowerSpec(family="inkling2", modality="vision", build=f"{v}:build_vision_tower",
                       placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
                       hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
@@ -150,7 +142,7 @@ def register_lora_appliers():
     peft, ink2 = "ferrule.lora.peft_format", "ferrule.plugins.inkling2.lora"
     experts = "ferrule.lora.peft_experts"
     specs = []
-    for family in _VARIANTS:
+    for family in VARIANTS:
         specs += [
             LoRAApplierSpec(kind="attention", family=family, apply=f"{ink2}:apply_attention",
                             export=f"{peft}:export_linear", load=f"{peft}:load_linear"),

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.variants import Variants
 
 # VALIDATED: HF -> torch_dist -> HF bit-exact and Megatron-vs-HF logits <= 1e-5 (fp32; TP=1, TP=2, EP=2)
 # in tests/test_convert.py and plugins/qwen/tests/test_qwen_parity.py.
 
 #: family -> variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS (the provider is the
 #: default build, driven by CONFIG_TRANSLATION).
-_VARIANTS = {"qwen2": "ferrule.plugins.qwen.qwen2", "qwen3": "ferrule.plugins.qwen.qwen3",
-             "qwen3_moe": "ferrule.plugins.qwen.qwen3_moe"}
+VARIANTS = Variants({"qwen2": "ferrule.plugins.qwen.qwen2", "qwen3": "ferrule.plugins.qwen.qwen3",
+                     "qwen3_moe": "ferrule.plugins.qwen.qwen3_moe"})
+
+
+@hookimpl
+def register_providers():
+    return VARIANTS.providers()
+
+
+@hookimpl
+def register_converters():
+    return VARIANTS.converters()
+
+
+@hookimpl
+def register_update_groups():
+    return VARIANTS.update_groups()
 
 
 @hookimpl
@@ -74,25 +90,3 @@ def register_tool_parsers():
 
     # Qwen 2.5 / 3 declare Hermes function calling in their templates: <tool_call>{json}</tool_call>
     return [ToolParserSpec(family=f, parse="ferrule.tool_calls:parse_hermes") for f in ("qwen2", "qwen3", "qwen3_moe")]
-
-
-@hookimpl
-def register_providers():
-    from ferrule.specs import ProviderSpec
-
-    return [ProviderSpec(family=f) for f in _VARIANTS]
-
-
-@hookimpl
-def register_converters():
-    from ferrule.specs import ConverterSpec
-
-    return [ConverterSpec(family=f, mapping=f"{m}:MAPPING", config_translation=f"{m}:CONFIG_TRANSLATION")
-            for f, m in _VARIANTS.items()]
-
-
-@hookimpl
-def register_update_groups():
-    from ferrule.specs import UpdateGroupTable
-
-    return [UpdateGroupTable(family=f, groups=f"{m}:UPDATE_GROUPS") for f, m in _VARIANTS.items()]

@@ -32,7 +32,7 @@ def main(work: Path) -> None:
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
     from ferrule.megatron.provider import provider_build
     from ferrule.megatron.towers import embed_with_media
-    from ferrule.plugins.inkling2.vision import hf_vision_inputs
+    from ferrule.plugins.inkling2.towers import hf_vision_inputs
 
     path = work / "mm"
     items = images(6, ((2, 3), (1, 2)))

@@ -11,10 +11,26 @@ from __future__ import annotations
 
 from ferrule import hookimpl
 from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.variants import Variants
 
-#: The variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG (the provider is
-#: the default build, driven by CONFIG_TRANSLATION).
-_LLAMA = "ferrule_llama.llama"
+#: family -> variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG (the provider
+#: is the default build, driven by CONFIG_TRANSLATION).
+VARIANTS = Variants({"llama": "ferrule_llama.llama"})
+
+
+@hookimpl
+def register_providers():
+    return VARIANTS.providers()
+
+
+@hookimpl
+def register_converters():
+    return VARIANTS.converters()
+
+
+@hookimpl
+def register_update_groups():
+    return VARIANTS.update_groups()
 
 
 @hookimpl
@@ -29,27 +45,6 @@ def register_model_families():
             description="Llama-2/3 style dense (GQA, SwiGLU, RMSNorm, default RoPE); SmolLM2",
         ),
     ]
-
-
-@hookimpl
-def register_providers():
-    from ferrule.specs import ProviderSpec
-
-    return [ProviderSpec(family="llama")]
-
-
-@hookimpl
-def register_converters():
-    from ferrule.specs import ConverterSpec
-
-    return [ConverterSpec(family="llama", mapping=f"{_LLAMA}:MAPPING", config_translation=f"{_LLAMA}:CONFIG_TRANSLATION")]
-
-
-@hookimpl
-def register_update_groups():
-    from ferrule.specs import UpdateGroupTable
-
-    return [UpdateGroupTable(family="llama", groups=f"{_LLAMA}:UPDATE_GROUPS")]
 
 
 @hookimpl

@@ -206,7 +206,7 @@ class Inkling2VisionTower(torch.nn.Module):
         s = self.patch * self.merge
         if item.dim() != 5 or tuple(item.shape[2:]) != (s, s, self.channels) or not item.dtype.is_floating_point:
             raise ValueError(f"Inkling-2 vision tower: image {k} has shape {tuple(item.shape)} {item.dtype}; expected "
-                             f"float [rows, cols, {s}, {s}, {self.channels}] (ferrule.plugins.inkling2.vision."
+                             f"float [rows, cols, {s}, {s}, {self.channels}] (ferrule.plugins.inkling2.towers."
                              f"image_to_pixel_values for this model's patch_size * spatial_merge_size = {s}).")
 
     def _positions(self, rows: int, cols: int) -> torch.Tensor:

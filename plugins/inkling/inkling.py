@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ferrule.mapping import ParamMapping
-from ferrule.mapping import MappingTable, Rename, StackExperts, TPSplit
+from ferrule.mapping import MappingTable, Rename, StackExperts, StackExpertsInterleaved, TPSplit
+from ferrule.mapping.experts import deinterleave, interleave
 from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
 from ferrule.plugins.inkling.inkling_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
 from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG as TINY_TEXT_CONFIG
@@ -48,20 +49,6 @@ def build_provider(hf_config: Mapping[str, Any], layout, **options) -> list:
     return build_from_hf_config(hf_config, layout, CONFIG_TRANSLATION, **options)
 
 
-def deinterleave(t, dim: int):
-    """Released ``[g0, u0, g1, u1, ...]`` along ``dim`` -> ``[g0, g1, ...; u0, u1, ...]`` (transformers ``Interleave``)."""
-    shape = list(t.shape)
-    n = shape[dim] // 2
-    return t.reshape(*shape[:dim], n, 2, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape).contiguous()
-
-
-def interleave(t, dim: int):
-    """Inverse of :func:`deinterleave`."""
-    shape = list(t.shape)
-    n = shape[dim] // 2
-    return t.reshape(*shape[:dim], 2, n, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape).contiguous()
-
-
 @dataclass(frozen=True)
 class InterleavedGateUp(ParamMapping):
     """Dense ``mlp.w13_dn.weight`` ``[2*ffn, hidden]`` (gate/up rows interleaved) <-> megatron ``linear_fc1`` ``[gate; up]``.
@@ -77,17 +64,6 @@ class InterleavedGateUp(ParamMapping):
 
     def to_mcore(self, hf, ctx, wildcards=()):
         return deinterleave(hf[0], 0)
-
-    def to_hf(self, full, ctx, wildcards=()):
-        return (interleave(full, 0),)
-
-
-@dataclass(frozen=True)
-class StackExpertsInterleaved(StackExperts):
-    """Routed ``mlp.experts.w13_weight`` ``[E, 2*ffn, hidden]`` (interleaved per expert) <-> expert ``e``'s ``linear_fc1`` ``[gate; up]``."""
-
-    def to_mcore(self, hf, ctx, wildcards=()):
-        return deinterleave(super().to_mcore(hf, ctx, wildcards), 0)
 
     def to_hf(self, full, ctx, wildcards=()):
         return (interleave(full, 0),)

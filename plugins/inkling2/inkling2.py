@@ -5,7 +5,7 @@ transformers' ``conversion_mapping`` entry ``inkling2`` renames it on load). Its
 ``model.llm.*`` are byte-for-byte the keys ``Inkling2ForCausalLM.save_pretrained`` writes (checked
 in tests/test_inkling2_vision.py), so the text rows are the ``inkling2_text`` variant's; the
 vision tower's ``model.visual.*`` keys are the tower's own parameter names
-(:mod:`ferrule.plugins.inkling2.vision`) under ``towers.vision.``: :data:`TOWER_ROWS` renames.
+(:mod:`ferrule.plugins.inkling2.towers`) under ``towers.vision.``: :data:`TOWER_ROWS` renames.
 
 **Towers** (attached by the core as ``towers.vision`` on the first pipeline stage, replicated
 over TP) travel on every weight sync in the ``vision_tower*`` update groups
@@ -31,7 +31,7 @@ from ferrule.specs import UpdateGroup
 TOP_LEVEL_KEYS = {
     "model_type": "must be 'inkling2' (checked)",
     "text_config": "translated (the inkling2_text entries)",
-    "vision_config": "read by the vision tower's build (ferrule.plugins.inkling2.vision.build_vision_tower)",
+    "vision_config": "read by the vision tower's build (ferrule.plugins.inkling2.towers.build_vision_tower)",
     "image_token_id": "the vision tower's placeholder id (TowerSpec.placeholder_config_key)",
     "architectures": "names the transformers class; ferrule picks the family by model_type",
     "dtype": "storage dtype of the checkpoint; conversions keep each tensor's own dtype",
@@ -63,7 +63,7 @@ class Inkling2MMConfigTranslation(Inkling2ConfigTranslation):
         if unknown:
             raise ConfigTranslationError(
                 f"{self.name}: top-level HF config key(s) {unknown} are neither translated nor listed as harmless "
-                f"(inkling2_mm.TOP_LEVEL_KEYS); translate them or list them with a reason.")
+                f"(inkling2.TOP_LEVEL_KEYS); translate them or list them with a reason.")
         if not isinstance(hf_config.get("text_config"), Mapping):
             raise ConfigTranslationError(f"{self.name}: HF config lacks its text_config (a dict).")
         return super().to_mcore(hf_config)
@@ -162,7 +162,7 @@ def tiny_media(hf_config: Mapping[str, Any]) -> dict:
     import numpy as np
     from PIL import Image
 
-    from ferrule.plugins.inkling2.vision import preprocess_image
+    from ferrule.plugins.inkling2.towers import preprocess_image
 
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (10, 14, 3), dtype=np.uint8))
     return {"vision": [preprocess_image(image, dict(hf_config))]}
