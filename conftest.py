@@ -131,7 +131,7 @@ def pytest_collection_modifyitems(session, config, items):
 SLOW_FILES: list[str] = [
     "tests/test_cli_check.py", "tests/test_lora_inkling2.py", "examples/ferrule-llama/tests/test_real_smollm2.py",
     "tests/test_rl_distributed.py", "tests/test_convert_faults.py", "tests/test_serve_load.py",
-    "tests/test_fixture_families.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
+    "tests/test_fixture_families.py", "tests/test_gptoss_family.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
     "tests/test_packaging.py", "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_rl_e2e.py",
     "tests/test_export_dtype.py", "tests/test_checkpoint_faults.py", "tests/test_megatron_cpu_compat.py",
     "plugins/qwen/tests/test_qwen_chat_golden.py", "tests/test_serve_protocol.py", "tests/test_rl_lora.py",
