@@ -423,3 +423,41 @@ def test_a_layout_change_on_a_kept_process_group_leaves_no_group_behind():
         assert native_threads() <= base + 2, (base, native_threads())
     finally:
         destroy_distributed()
+
+
+def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_path):
+    """megatron keeps an ``lru_cache`` on ``RotaryEmbedding.forward`` (class level, keyed by the module): every
+    model that ran a forward kept its rotary module and that module's process group alive, and a destroyed
+    gloo group still referenced keeps its threads (+3 per tiny model on one CPU rank before
+    ``destroy_distributed`` emptied the cache; in the suite's pool ranks ~880 threads after a dozen jobs)."""
+    import gc
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ferrule import conformance_numeric as cn
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
+    hf_config = json.loads((src / "config.json").read_text())
+
+    def build_run_drop() -> None:
+        init_distributed(ParallelLayout(), seed=3)
+        model = cn._build("qwen2", hf_config, config_overrides={"perform_initialization": False})[0]
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 64, (1, 8)), position_ids=torch.arange(8)[None], attention_mask=None)
+        del model
+        destroy_distributed(keep_process_group=True)
+        gc.collect()
+
+    try:
+        build_run_drop()
+        assert dist.is_initialized()
+        base = len(os.listdir("/proc/self/task"))
+        for _ in range(3):
+            build_run_drop()
+        assert len(os.listdir("/proc/self/task")) <= base + 1, (base, len(os.listdir("/proc/self/task")))
+    finally:
+        destroy_distributed()
