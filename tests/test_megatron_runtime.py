@@ -461,3 +461,40 @@ def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_
         assert len(os.listdir("/proc/self/task")) <= base + 1, (base, len(os.listdir("/proc/self/task")))
     finally:
         destroy_distributed()
+
+
+def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch):
+    """On a machine without CUDA, importing megatron no longer imports torch's inductor (2-5 s per interpreter):
+    ``megatron.core.jit.jit_fuser``, executed through ferrule's import hook, is ``lazy_compile``, which calls
+    ``torch.compile`` at a function's first call (once) and returns what the compiled function returns."""
+    import importlib.util
+
+    import megatron.core
+    import torch
+
+    import ferrule.megatron as fm
+
+    spec = fm._DeferJitFuser().find_spec("megatron.core.jit", megatron.core.__path__)
+    jit = importlib.util.module_from_spec(spec)  # a second copy of megatron's module, executed as on import
+    spec.loader.exec_module(jit)
+    assert jit.jit_fuser is (torch.compile if torch.cuda.is_available() else fm.lazy_compile)
+
+    made = []
+    real_compile = torch.compile
+    # recorded, then compiled with dynamo's eager backend (inductor's C++ build on this CPU would cost ~10 s)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or real_compile(fn, **kw, backend="eager"))
+
+    @fm.lazy_compile
+    def gelu_mul(x, y):
+        return torch.nn.functional.gelu(x) * y
+
+    @fm.lazy_compile(dynamic=False)
+    def add_one(x):
+        return x + 1
+
+    assert made == [] and gelu_mul.__name__ == "gelu_mul"
+    x, y = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(gelu_mul(x, y), torch.nn.functional.gelu(x) * y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gelu_mul(y, x), torch.nn.functional.gelu(y) * x, rtol=1e-12, atol=1e-12)
+    assert made == [{}]  # one torch.compile, at the first call
+    assert torch.equal(add_one(x), x + 1) and made == [{}, {"dynamic": False}]
