@@ -10,7 +10,7 @@ user error, whose message it repeats last). ``torchrun ... -m ferrule train`` wo
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
 the run; a bad path or checkpoint; a reward function refused at set-up (it raises on or mis-scores
 the task's reference answers):
-:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
+:data:`ferrule.cli.errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
 saving a checkpoint when ``checkpoint.save_on_interrupt``; :data:`ferrule.rl.driver.STOP_SIGNALS`); 1 other errors.
 """
 
@@ -90,7 +90,7 @@ def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: b
 def _run_trainer(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool,
                  stop_after: int | None) -> Any:
     """The body of :func:`_train` (inside its signal handlers)."""
-    from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.cli.errors import print_user_error, user_error_message
     from ferrule.rl.driver import StopSignal
 
     try:
@@ -113,7 +113,7 @@ def _run_trainer(cfg: Any, console: Any, *, resume: bool, check_weight_update_eq
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
-    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
+    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli.errors) exit 2, bugs keep a traceback
         message = user_error_message(exc)
         if message is None:
             raise
@@ -151,7 +151,7 @@ def train_command(
     weight sync, with checkpoints, resume, metrics.jsonl and a reward-curve PNG in the run folder."""
     from rich.console import Console
 
-    from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.cli.errors import print_user_error, user_error_message
 
     t_start = time.monotonic()
     from transformers.utils import logging as hf_logging
@@ -286,7 +286,7 @@ def launch_torchrun(nproc: int, argv: list[str] | None = None) -> int:
     import subprocess
     import tempfile
 
-    from ferrule.cli_errors import print_user_error
+    from ferrule.cli.errors import print_user_error
 
     args = _argv_without_nproc(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ferrule-train-exit-") as exit_dir:
