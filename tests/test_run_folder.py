@@ -100,7 +100,7 @@ def test_bare_ferrule_train_prints_a_usage_line():
 
 def _holder(lock: Path, *args: str) -> subprocess.Popen:
     """A process that holds ``lock`` (as the live trainer would) until killed."""
-    code = ("import sys, time; from ferrule import locks; locks.acquire(sys.argv[1], 'x'); print('held', flush=True); "
+    code = ("import sys, time; from ferrule.fs import locks; locks.acquire(sys.argv[1], 'x'); print('held', flush=True); "
             "time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(lock), *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
