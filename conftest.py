@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's shar
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-pytest_plugins = ["ferrule.testing"]
+pytest_plugins = ["ferrule.testing", "cpu_report"]  # cpu_report: --cpu-report=N (tests/cpu_report.py)
 
 # Fixture plugin packages carry their own kit tests; tests/test_fixture_families.py runs them in a
 # subprocess where the fixtures are discoverable (tests/fixture_plugins.py).

@@ -166,8 +166,9 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
 
     Uses the primitives ``ferrule convert`` is made of, in this process at TP=1: load the HF
     files into a freshly built model (:func:`ferrule.megatron.weights.load_hf_into_mcore`),
-    save its sharded state dict with ``megatron.core.dist_checkpointing``, load that into a
-    second model, and export it (:func:`ferrule.megatron.weights.export_mcore_to_hf`). The
+    save its sharded state dict with ``megatron.core.dist_checkpointing`` as the converter does
+    (:func:`ferrule.megatron.checkpoint.save_sharded`: in this process's threads, so the check runs
+    from a plain script without a ``__main__`` guard), load that into a second model, and export it (:func:`ferrule.megatron.weights.export_mcore_to_hf`). The
     converters' file handling around them (config, temp dirs, shards) is tested in
     ``tests/test_convert.py``; the kit itself imports nothing of ``ferrule.converters``.
     """
@@ -177,7 +178,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     from ferrule import registry
-    from ferrule.megatron.checkpoint import model_sharded_state_dict
+    from ferrule.megatron.checkpoint import model_sharded_state_dict, save_sharded
     from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
     from ferrule.formats.safetensors_io import SafetensorsReader
 
@@ -190,7 +191,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
         chunks = _build(family, hf_config, config_overrides={"perform_initialization": False})
         load_hf_into_mcore(chunks, src, table, hf_config=hf_config)
         ckpt.mkdir(parents=True)
-        dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt))
+        save_sharded(model_sharded_state_dict(chunks), ckpt)
         fresh = _build(family, hf_config, config_overrides={"perform_initialization": False})
         loaded = dist_checkpointing.load(model_sharded_state_dict(fresh), str(ckpt), strict="raise_all")
         for key, chunk in zip(sorted(loaded), fresh):

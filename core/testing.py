@@ -162,9 +162,10 @@ class FamilyConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def tp1_results(cls, request, tmp_path_factory) -> dict[str, dict]:
-        """One fresh interpreter (:data:`TP1_CODE`) runs the TP=1 numeric cases and the update-group
-        coverage of every family of this class, one family after the other; ``{family: {"numeric":
-        {...}, "groups": {...}}}``, each ``{"skip": why}``, ``{"error": text}`` or the value.
+        """One fresh interpreter (:data:`TP1_CODE`) runs the TP=1 numeric cases, the update-group
+        coverage and (for a family with towers) the media case of every family of this class, one family
+        after the other; ``{family: {"numeric": {...}, "groups": {...}, "media": {...}}}``, each
+        ``{"skip": why}``, ``{"error": text}`` or the value.
 
         A fresh interpreter because megatron's parallel state and the CPU-compat patches are
         process-global and must not leak into the test session; one for all families because each
@@ -190,35 +191,21 @@ class FamilyConformance:
             pytest.fail(f"{ferrule_family} (TP=1): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
 
-    def test_media_logits_parity(self, ferrule_family: str, tmp_path) -> None:
+    def test_media_logits_parity(self, ferrule_family: str, tp1_results) -> None:
         """A family with towers: logits of a prompt with media for every tower == HF's (fp32, TP=1), and each
-        modality's media change HF's logits (:func:`ferrule.conformance_media.check_media_logits_parity`)."""
+        modality's media change HF's logits (:func:`ferrule.conformance_media.check_media_logits_parity`).
+
+        Computed by :meth:`tp1_results` (the same fresh interpreter as the other TP=1 cases).
+        """
         _skip_without_numeric_parts(ferrule_family)
         if not registry.get_towers(ferrule_family):
             pytest.skip(f"{ferrule_family} declares no towers")
-        code = (
-            "import json, sys, warnings\n"
-            "warnings.filterwarnings('ignore')\n"
-            "from ferrule import conformance_numeric as cn\n"
-            "from ferrule.conformance_media import check_media_logits_parity\n"
-            "fam, work = sys.argv[1], sys.argv[2]\n"
-            "if __name__ == '__main__':\n"
-            "    if cn.tiny_hf_config(fam) is None:\n"
-            "        print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
-            "    try:\n"
-            "        print(json.dumps(check_media_logits_parity(fam, work)))\n"
-            "    except BaseException as exc:\n"
-            "        print(json.dumps({'error': f'{type(exc).__name__}: {exc}'}))\n"
-        )
-        out = subprocess.run([sys.executable, "-c", code, ferrule_family, str(tmp_path)],
-                             capture_output=True, text=True, timeout=600)
-        result = _last_json(out, f"media conformance for {ferrule_family}")
+        result = tp1_results[ferrule_family]["media"]
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
         if "error" in result:
             pytest.fail(f"{ferrule_family} (media, TP=1): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
-
 
     def test_update_groups_cover_parameters(self, ferrule_family: str, tp1_results) -> None:
         """Every parameter of the tiny model lands in exactly one update unit, and every update unit
@@ -294,6 +281,7 @@ TP1_CODE = (
     "import json, sys, warnings\n"
     "warnings.filterwarnings('ignore')\n"
     "from ferrule import conformance_numeric as cn, registry\n"
+    "from ferrule.conformance_media import check_media_logits_parity\n"
     "work, out = sys.argv[1], {}\n"
     "def run(f):\n"
     "    try:\n"
@@ -309,12 +297,14 @@ TP1_CODE = (
     "reg = registry.get_registry()\n"
     "for fam in sys.argv[2:]:\n"
     "    if fam not in reg.providers or fam not in reg.converters or cn.tiny_hf_config(fam) is None:\n"
-    "        out[fam] = {'numeric': {'skip': 'no TINY_HF_CONFIG'}, 'groups': {'skip': 'no TINY_HF_CONFIG'}}\n"
+    "        out[fam] = {k: {'skip': 'no TINY_HF_CONFIG'} for k in ('numeric', 'groups', 'media')}\n"
     "        continue\n"
     "    w = f'{work}/{fam}'\n"
     "    out[fam] = {'numeric': run(lambda: numeric(fam, w)),\n"
     "                'groups': run(lambda: {'value': cn.check_update_groups_cover_parameters(fam)})\n"
-    "                if fam in reg.update_groups else {'skip': 'no update groups'}}\n"
+    "                if fam in reg.update_groups else {'skip': 'no update groups'},\n"
+    "                'media': run(lambda: check_media_logits_parity(fam, w + '/media'))\n"
+    "                if registry.get_towers(fam) else {'skip': 'no towers'}}\n"
     "print(json.dumps(out))\n"
 )
 

@@ -46,3 +46,16 @@ def test_media_case_catches_a_wrong_tower(tmp_path, monkeypatch):
         check_media_logits_parity("inkling", str(tmp_path / "0.5"))
     monkeypatch.setattr(towers, "TOWER_NORM_EPS", 1e-6)
     assert check_media_logits_parity("inkling", str(tmp_path / "1e-06"))["logits_max_abs_diff"] <= 1e-5
+
+
+def test_round_trip_check_writes_its_checkpoint_in_this_process(tmp_path, monkeypatch):
+    """The kit's round trip saves torch_dist as ``ferrule convert`` does (``save_sharded``): megatron's own
+    writer starts a ``multiprocessing`` manager process, which fails from a plain script without a
+    ``__main__`` guard (spawn re-imports the script) and costs an interpreter start per run."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from ferrule import conformance_numeric as cn
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    cn.check_round_trip("qwen2", tmp_path)
+    assert filesystem_async._results_queue is None, "megatron's writer started its manager process"

@@ -23,7 +23,9 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
     """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm)
     and Gemma-3-text-like (one RoPE per layer type) families: every kit case at TP=1 and TP=2."""
     env = plugin_env(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+    # -n 0: the repository's addopts say -n auto, and xdist would run the kit's class fixtures
+    # (the TP=1 interpreter, the TP=2 launch) once per worker, each family's work twice
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0",
                            "--confcutdir", str(FIXTURES), "-o", "timeout=2300",
                            str(FIXTURES / "kit_fixture_families.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2350)

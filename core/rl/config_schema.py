@@ -176,6 +176,11 @@ class AlgorithmConfig:
                                         "penalty ramps from 0 to overlong_penalty (DAPO's L_cache); 0: only "
                                         "truncated responses are penalised.", "tokens")
     overlong_penalty: float = _f(1.0, "overlong=penalty: the largest penalty (DAPO: 1).", "reward")
+    routing_replay: bool = _f(False, "MoE routing replay (R3, arXiv 2510.11370): the rollout engine records the "
+                                     "experts each MoE layer picked per token, and the train forward routes every "
+                                     "token to those (gating weights recomputed from the train router). Embedded "
+                                     "rollout on its eager decode path (no CUDA graphs), tp = pp = ep = 1, MoE "
+                                     "families without looped layers.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: groups whose rewards are all equal (no gradient) "
                                        "are dropped and more prompts are generated, up to "
                                        "dynamic_sampling_max_rounds rollouts per step, until prompts_per_step "

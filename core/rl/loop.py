@@ -298,16 +298,18 @@ class GRPOTrainer:
     def _media_of(self, prompt: Prompt) -> dict | None:
         return rollout.media_of(self._media_cache, prompt)
 
-    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int | None) -> SamplingParams:
+    def _sampling_params(self, *, n: int, temperature: float, max_new_tokens: int, seed: int | None,
+                         routes: bool = False) -> SamplingParams:
         return rollout.sampling_params(self.cfg, self.stop_ids, self.stop_strings, n=n, temperature=temperature,
-                                       max_new_tokens=max_new_tokens, seed=seed)
+                                       max_new_tokens=max_new_tokens, seed=seed, routes=routes)
 
     def _rollout(self, step: int, prompts: list[Prompt] | None = None, prompt_ids: list[tuple[int, ...]] | None = None,
                  round_: int = 0) -> list[GenerateResult] | None:
         """The step's rollout (:func:`ferrule.rl.stages.rollout.generate_rollouts`); collective."""
         ro = self.cfg.rollout
         params = (self._sampling_params(n=ro.n_samples_per_prompt, temperature=ro.temperature,
-                                        max_new_tokens=ro.max_new_tokens, seed=None) if self.roles.is_driver else None)
+                                        max_new_tokens=ro.max_new_tokens, seed=None,
+                                        routes=self.cfg.algorithm.routing_replay) if self.roles.is_driver else None)
         return rollout.generate_rollouts(self.roles, self.rollout, params, seed=self.cfg.train.seed,
                                          prompts_per_shard=ro.prompts_per_shard, step=step, prompts=prompts,
                                          prompt_ids=prompt_ids, media=self._media_of, round_=round_)

@@ -50,6 +50,7 @@ from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
 from ferrule.rollout._sleep import EmbeddedSleep
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
+from ferrule.rollout._routes import RouteRecorder
 from ferrule.rollout._static_cache import OPAQUE_SDPA, DecodeState, layer_windows, use_opaque_sdpa
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
 
@@ -313,6 +314,9 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             raise RuntimeError("EmbeddedEngine.generate while asleep; call wake() first.")
         reqs = as_requests(requests)
         params = sampling_params
+        if params.return_routed_experts and self.cuda_graph:
+            raise ValueError("return_routed_experts: decode steps replayed from CUDA graphs record no routes; "
+                             "build the engine with cuda_graph=False (rollout settings) for routing replay.")
         matcher = None
         if params.stop:
             if self.tokenizer is None:
@@ -363,16 +367,20 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             # more rows than max_batch (or than the largest prepared batch): continuous batching at that size
             from ferrule.rollout._continuous import run_continuous
 
+            if params.return_routed_experts:
+                raise ValueError(f"return_routed_experts: {len(prompts)} rows exceed the batch limit {limit}, and "
+                                 "continuous batching records no routes; raise max_batch or send fewer requests.")
+
             rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, limit)
         else:
             rows = self._run(prompts, params, sorted(stop_ids), matcher, None, row_slots)
         out = []
-        for k, (tokens, lps, raw, reason) in enumerate(rows):
+        for k, (tokens, lps, raw, reason, *routes) in enumerate(rows):
             i, j = divmod(k, params.n)
             out.append(GenerateResult(token_ids=tuple(tokens), logprobs=tuple(lps), finish_reason=reason,
                                       prompt_index=i, sample_index=j, request_id=reqs[i].request_id,
                                       raw_logprobs=None if raw is None else tuple(raw),
-                                      weights_version=self.weights_version))
+                                      weights_version=self.weights_version, routed_experts=(routes or [None])[0]))
         return out
 
     def _towers(self) -> dict:
@@ -497,6 +505,9 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         state = self._state(batch, max_len)
         layout = self._fast_layout(params, stop_ids, matcher, media_inputs)
         if layout is not None:
+            if params.return_routed_experts:
+                raise ValueError("return_routed_experts: the fused decode path (fast_decode) records no routes; "
+                                 "build the engine with fast_decode=False.")
             # one adapter serves every row: the prefill runs on the merged weights the decode steps use
             merged = self._merged_lora if self._lora is not None and self.settings.lora_merged else None
             with merged.merged_modules() if merged is not None else contextlib.nullcontext():
@@ -509,36 +520,39 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool, self.settings,
                             lora)
         sampler = self._sampler(params, batch)
-        logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
-                  else state.prefill(input_ids, position_ids, prompt_mask))
-        host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
-        sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
-        for t in range(n_new):
-            tok, lp, raw = sampler(logits, gen)
-            tokens_out[:, t] = tok
-            lp_out[:, t] = lp
-            if raw_out is not None:
-                raw_out[:, t] = raw
-            alive = ~finished
-            lengths += alive.long()
-            hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
-            if matcher is not None:
-                hit = matcher.mark_hits(tok, alive, host_tokens, range(real), hit)
-            stopped |= hit
-            finished |= hit
-            if t == n_new - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):
-                break
-            state.set_step(tok, prompt_len + t, p + t)
-            logits = state.step()
-
+        recorder = RouteRecorder(self.model) if params.return_routed_experts else None
+        with recorder if recorder is not None else contextlib.nullcontext():
+            logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
+                      else state.prefill(input_ids, position_ids, prompt_mask))
+            host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
+            sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
+            for t in range(n_new):
+                tok, lp, raw = sampler(logits, gen)
+                tokens_out[:, t] = tok
+                lp_out[:, t] = lp
+                if raw_out is not None:
+                    raw_out[:, t] = raw
+                alive = ~finished
+                lengths += alive.long()
+                hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
+                if matcher is not None:
+                    hit = matcher.mark_hits(tok, alive, host_tokens, range(real), hit)
+                stopped |= hit
+                finished |= hit
+                if t == n_new - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):
+                    break
+                state.set_step(tok, prompt_len + t, p + t)
+                logits = state.step()
         lengths_h, stopped_h = lengths.tolist(), stopped.tolist()
         tok_h, lp_h = tokens_out.tolist(), lp_out.tolist()
         raw_h = raw_out.tolist() if raw_out is not None else None
+        routes = (recorder.rows([len(x) for x in prompts], p, lengths_h[:real]) if recorder is not None
+                  else [None] * real)
         result = []
         for r in range(real):
             n = lengths_h[r]
             result.append((tok_h[r][:n], lp_h[r][:n], None if raw_h is None else raw_h[r][:n],
-                           "stop" if stopped_h[r] else "length"))
+                           "stop" if stopped_h[r] else "length", routes[r]))
         return result
 
     # ------------------------------------------------------------------ lifecycle

@@ -101,15 +101,17 @@ def media_of(media_cache: Mapping[tuple[str, int], dict], prompt: Prompt) -> dic
 
 
 def sampling_params(cfg: Any, stop_ids: Sequence[int], stop_strings: Sequence[str], *, n: int,
-                    temperature: float, max_new_tokens: int, seed: int | None) -> Any:
-    """:class:`~ferrule.rollout.SamplingParams` of ``cfg.rollout`` (greedy: no top-p / top-k)."""
+                    temperature: float, max_new_tokens: int, seed: int | None, routes: bool = False) -> Any:
+    """:class:`~ferrule.rollout.SamplingParams` of ``cfg.rollout`` (greedy: no top-p / top-k); ``routes``:
+    ask for the routed experts (the training rollout under ``algorithm.routing_replay``)."""
     from ferrule.rollout import SamplingParams
 
     ro = cfg.rollout
     return SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
                           top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
                           stop_token_ids=tuple(stop_ids), stop=tuple(stop_strings), n=n, seed=seed,
-                          return_raw_logprobs=rollout_engine.wants_raw_logprobs(cfg, temperature))
+                          return_raw_logprobs=rollout_engine.wants_raw_logprobs(cfg, temperature),
+                          return_routed_experts=routes)
 
 
 def decode(tokenizer: Any, results: Sequence[GenerateResult]) -> list[str]:
