@@ -24,8 +24,8 @@ from typing import Callable
 
 from ferrule import envs
 import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
-from ferrule.fsutil import sigterm_as_exit
-from ferrule.safetensors_io import CheckpointError
+from ferrule.fs.util import sigterm_as_exit
+from ferrule.formats.safetensors_io import CheckpointError
 
 __all__ = ["ConversionError"]
 

@@ -45,11 +45,16 @@ class Datum:
             tensor per media part in order of appearance, dim 0 = the placeholder tokens it fills
             in ``model_input`` (Inkling: vision ``pixel_values`` ``[n_patches, 2, P, P, 3]``
             float32, audio dMel ids ``[n_frames, 80]`` int). None or empty: text only.
+        routed_experts: MoE routing replay (R3, :mod:`ferrule.megatron.routing_replay`): per
+            ``model_input`` token and MoE layer the experts to route it to, ``[N, num_moe_layers,
+            top_k]`` integer (the rollout's ``GenerateResult.routed_experts``); None: the routers pick.
+            Within one call either every datum carries routes or none does.
     """
 
     model_input: Any
     loss_fn_inputs: dict[str, Any] = field(default_factory=dict)
     media: dict[str, Any] | None = None
+    routed_experts: Any = None
 
 
 @dataclass

@@ -235,6 +235,16 @@ class TrainEngine(EngineColocation):
         return self._towers
 
     @property
+    def moe_routers(self) -> list:
+        """This rank's MoE routers in layer order (empty for a dense model; routing replay drives them,
+        :mod:`.routing_replay`)."""
+        if getattr(self, "_moe_routers", None) is None:
+            from .routing_replay import moe_routers
+
+            self._moe_routers = moe_routers(self.model)
+        return self._moe_routers
+
+    @property
     def update_groups(self) -> Any:
         """The family's :class:`~ferrule.specs.UpdateGroupTable` (groups resolved; weight sync reads it)."""
         if self._update_groups is None:

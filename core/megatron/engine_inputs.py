@@ -37,11 +37,30 @@ class _Prepared:
     """A validated datum: CPU tensors ``tokens`` [N] int64, ``inputs`` (name -> [N]) and ``media``
     (modality -> list of tensors, checked against the placeholders; empty for text)."""
 
-    __slots__ = ("tokens", "inputs", "media")
+    __slots__ = ("tokens", "inputs", "media", "routes")
 
     def __init__(engine, tokens: torch.Tensor, inputs: dict[str, torch.Tensor],
-                 media: dict[str, list[torch.Tensor]] | None = None):
-        engine.tokens, engine.inputs, engine.media = tokens, inputs, media or {}
+                 media: dict[str, list[torch.Tensor]] | None = None, routes: torch.Tensor | None = None):
+        engine.tokens, engine.inputs, engine.media, engine.routes = tokens, inputs, media or {}, routes
+
+
+def _routes(engine: Any, d: Any, n: int, i: int) -> torch.Tensor | None:
+    """A datum's ``routed_experts`` checked: ``[n, num_moe_layers, top_k]`` ids in ``[0, num_experts)``."""
+    value = getattr(d, "routed_experts", None)
+    if value is None:
+        return None
+    routes = torch.as_tensor(value)
+    routers = engine.moe_routers
+    if not routers:
+        raise ValueError(f"datum {i}: routed_experts given, but the model has no MoE router; drop them.")
+    want = (n, len(routers), routers[0].topk)
+    if routes.dtype.is_floating_point or routes.dtype == torch.bool or tuple(routes.shape) != want:
+        raise ValueError(f"datum {i}: routed_experts must be integer ids of shape {want} (tokens, MoE layers, "
+                         f"top_k), got {routes.dtype} {tuple(routes.shape)}.")
+    experts = routers[0].config.num_moe_experts
+    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= experts):
+        raise ValueError(f"datum {i}: routed_experts holds ids outside [0, {experts}); they come from another model.")
+    return routes.to("cpu", torch.int16)
 
 
 def prepare_batch(engine: Any, batch: Sequence[Any], loss_fn: str | None,
@@ -51,7 +70,7 @@ def prepare_batch(engine: Any, batch: Sequence[Any], loss_fn: str | None,
     out: list[_Prepared] = []
     for i, d in enumerate(batch):
         if isinstance(d, Mapping):
-            d = Datum(d.get("model_input"), dict(d.get("loss_fn_inputs") or {}), d.get("media"))
+            d = Datum(d.get("model_input"), dict(d.get("loss_fn_inputs") or {}), d.get("media"), d.get("routed_experts"))
         tokens = _as_tensor(d.model_input, torch.int64, f"datum {i}: model_input")
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"datum {i}: model_input must be a non-empty 1-D list of token ids, "
@@ -74,7 +93,11 @@ def prepare_batch(engine: Any, batch: Sequence[Any], loss_fn: str | None,
             raise ValueError(f"datum {i}: target_tokens has length {inputs['target_tokens'].numel()} but "
                              f"model_input has {tokens.numel()}; they must be token-aligned (same length).")
         media = check_media(tokens, getattr(d, "media", None), engine.towers, f"datum {i}", engine.family)
-        out.append(_Prepared(tokens, inputs, media))
+        out.append(_Prepared(tokens, inputs, media, _routes(engine, d, tokens.numel(), i)))
+    with_routes = [p.routes is not None for p in out]
+    if any(with_routes) and not all(with_routes):
+        raise ValueError(f"data {[i for i, w in enumerate(with_routes) if not w][:5]} carry no routed_experts while "
+                         "others do; routing replay needs routes for every datum of a call, or for none.")
     if loss_fn is None:  # forward_logprobs: only target_tokens matter
         for i, p in enumerate(out):
             validate_loss_inputs("cross_entropy", {"target_tokens": p.inputs["target_tokens"],

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from ..losses import SEQUENCE_LEVEL, finalize_metrics, get_loss, sum_metrics
+from . import routing_replay
 from .batching import FBOutput, assign_dp_ranks, pack_microbatches
 from .towers import embed_with_media
 
@@ -103,7 +104,7 @@ def microbatch(engine: Any, data: list[_Prepared], idx: list[int] | None) -> dic
                    spans=[(0, offsets[k], n) for k, n in enumerate(lengths)],
                    packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                      max_seqlen_q=max(docs), max_seqlen_kv=max(docs)))
-        return out
+        return _with_routes(out, data, idx, 1, offsets[-1], device)
     tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
     labels = torch.zeros_like(tokens)
     for row, (t, y) in enumerate(zip(toks, labs)):
@@ -112,6 +113,17 @@ def microbatch(engine: Any, data: list[_Prepared], idx: list[int] | None) -> dic
     b, s = tokens.shape
     out.update(tokens=tokens.to(device), labels=labels.to(device), spans=[(k, 0, n) for k, n in enumerate(lengths)],
                position_ids=torch.arange(s, device=device).unsqueeze(0).expand(b, s))
+    return _with_routes(out, data, idx, b, s, device)
+
+
+def _with_routes(out: dict, data: list[_Prepared], idx: list[int] | None, b: int, s: int, device: torch.device) -> dict:
+    """``out["routes"]``: the data's replayed experts in router token order ``[s * b, layers, top_k]``
+    (:func:`ferrule.megatron.routing_replay.microbatch_routes`), or None without routing replay."""
+    from .routing_replay import microbatch_routes
+
+    with_routes = idx is not None and data[idx[0]].routes is not None
+    out["routes"] = (microbatch_routes([data[i].routes for i in idx], out["spans"], b, s, device)
+                     if with_routes else None)
     return out
 
 
@@ -130,11 +142,14 @@ def _forward_step_func(engine: Any, data: list[_Prepared], loss_fn: str | None, 
     with_entropy = loss is not None and float(loss_cfg.get("entropy_coef", 0.0)) > 0
     fused = engine.fused_logprobs and not engine.config.sequence_parallel and not with_entropy
     grad_accum = getattr(engine, "grad_accum_fusion", False)
+    replaying = bool(data) and data[0].routes is not None
 
 
     def forward_step(data_iterator: Iterator[dict], model: Any):
         mb = next(data_iterator)
         gpt = _unwrap_gpt(model)
+        if replaying:  # in force until the next micro-batch (a recomputation in the backward replays too)
+            routing_replay.replay(engine.moe_routers, mb["routes"])
         extra = {"packed_seq_params": mb["packed_seq_params"]} if mb["packed_seq_params"] is not None else {}
         if gpt.pre_process and any(mb["media"]):
             extra["decoder_input"] = embed_with_media(gpt, mb["tokens"], mb["position_ids"], mb["media"])
@@ -234,6 +249,9 @@ def run(engine: Any, data: list[_Prepared], loss_fn: str | None, loss_cfg: dict,
     microbatches = [microbatch(engine, data, idx) for idx in mbs]
 
     forward_step = _forward_step_func(engine, data, loss_fn, loss, loss_cfg, records, metric_list)
+    if data[0].routes is not None:
+        routing_replay.check_layout(engine.layout)
+        routing_replay.attach(engine.moe_routers)
 
     config = engine.config
     saved = config.finalize_model_grads_func
@@ -255,6 +273,7 @@ def run(engine: Any, data: list[_Prepared], loss_fn: str | None, loss_cfg: dict,
         raise
     finally:
         config.finalize_model_grads_func = saved
+        routing_replay.clear(engine.moe_routers)
     return gather(engine, len(data), records, metric_list, forward_only)
 
 

@@ -47,6 +47,9 @@ class Sample:
         loss_mask: ``[R]`` 0/1 per response token, or None (all 1). A multi-turn episode
             (:mod:`ferrule.rl.envs.episodes`) puts its environment turns in ``response_ids`` with
             mask 0: they get weight 0 (no loss, no gradient) and are not counted by ``token_mean``.
+        routed_experts: MoE routing replay (``algorithm.routing_replay``): the rollout's experts per
+            datum position and MoE layer, ``[P + R - 1, num_moe_layers, top_k]`` int16
+            (``GenerateResult.routed_experts``), handed to the train engine with every datum; else None.
     """
 
     group: int
@@ -56,6 +59,7 @@ class Sample:
     truncated: bool
     media: Any = field(default=None, compare=False)
     loss_mask: tuple[int, ...] | None = None
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def mask(self) -> np.ndarray:
@@ -73,7 +77,8 @@ class Sample:
 def sequence_datum(sample: Sample) -> Datum:
     """A datum with only ``target_tokens`` (for ``forward_logprobs``)."""
     seq = list(sample.prompt_ids) + list(sample.response_ids)
-    return Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:], dtype=torch.int64)}, sample.media)
+    return Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:], dtype=torch.int64)}, sample.media,
+                 sample.routed_experts)
 
 
 def response_slice(per_position: torch.Tensor, sample: Sample) -> torch.Tensor:
@@ -142,7 +147,7 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
                 inputs["ref_logprobs"] = _pad_response(ref_logprobs[i], s)
         except ValueError as exc:
             raise ValueError(f"sample {i}: {exc}") from None
-        out.append(Datum(seq[:-1], inputs, s.media))
+        out.append(Datum(seq[:-1], inputs, s.media, s.routed_experts))
     return out
 
 

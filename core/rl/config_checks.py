@@ -40,7 +40,7 @@ def _near(value: str, choices: list[str]) -> str:
 
 def validate_config(cfg: RLConfig) -> list[str]:
     """Every range error and contradiction in ``cfg`` (empty list: valid). No file access."""
-    from ferrule.rl.sglang_rollout import sglang_config_problems
+    from ferrule.rl.rollout_engine import sglang_config_problems
 
     problems: list[str] = []
     for check in (_model_and_parallel_layout_problems, _rollout_problems, sglang_config_problems, _data_problems,
@@ -227,7 +227,28 @@ def _algorithm_problems(cfg: RLConfig) -> list[str]:
                  "algorithm.use_tis=false and algorithm.kl_coef=0 (or choose ppo)")
     if a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef: must be >= 0, got {a.entropy_coef}")
-    return p + _sample_filter_problems(cfg)
+    return p + _sample_filter_problems(cfg) + _routing_replay_problems(cfg)
+
+
+def _routing_replay_problems(cfg: RLConfig) -> list[str]:
+    """``algorithm.routing_replay`` where it is not supported (refused, never silently ignored)."""
+    if not cfg.algorithm.routing_replay:
+        return []
+    p: list[str] = []
+    if cfg.rollout.engine != "embedded":
+        p.append(f"algorithm.routing_replay: rollout.engine={cfg.rollout.engine} returns no routed experts (the SGLang "
+                 "client does not request them yet); use rollout.engine=embedded or routing_replay=false")
+    bad = {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "ep") if getattr(cfg.parallel, k) > 1}
+    if bad:
+        p.append(f"algorithm.routing_replay: tested at tp = pp = ep = 1 only, not "
+                 f"{', '.join(f'{k}={v}' for k, v in bad.items())}; use data parallelism or routing_replay=false")
+    if cfg.agent.environment:
+        p.append("algorithm.routing_replay: multi-turn episodes (agent.environment) carry no routed experts yet; "
+                 "set routing_replay=false")
+    if cfg.rollout_engine.cuda_graph is True:
+        p.append("algorithm.routing_replay: decode steps replayed from CUDA graphs record no routes; set "
+                 "rollout_engine.cuda_graph to auto (turned off for routing replay) or false")
+    return p
 
 
 def _sample_filter_problems(cfg: RLConfig) -> list[str]:

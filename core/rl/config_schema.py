@@ -18,10 +18,10 @@ from typing import Any, Literal
 import yaml
 
 from ferrule.engine_settings import RolloutEngineSettings, TrainEngineSettings, WeightSyncSettings
-from ferrule.fsutil import apply_default_mode
+from ferrule.fs.util import apply_default_mode
 from ferrule.lora.settings import MAX_LORA_RANK
 from ferrule.rl.config_types import ConfigError
-from ferrule.run_layout import CONFIG_FILE_NAME
+from ferrule.fs.run_layout import CONFIG_FILE_NAME
 
 def _f(default: Any, doc: str, unit: str = "") -> Any:
     md = {"doc": doc, "unit": unit}
@@ -176,6 +176,11 @@ class AlgorithmConfig:
                                         "penalty ramps from 0 to overlong_penalty (DAPO's L_cache); 0: only "
                                         "truncated responses are penalised.", "tokens")
     overlong_penalty: float = _f(1.0, "overlong=penalty: the largest penalty (DAPO: 1).", "reward")
+    routing_replay: bool = _f(False, "MoE routing replay (R3, arXiv 2510.11370): the rollout engine records the "
+                                     "experts each MoE layer picked per token, and the train forward routes every "
+                                     "token to those (gating weights recomputed from the train router). Embedded "
+                                     "rollout on its eager decode path (no CUDA graphs), tp = pp = ep = 1, MoE "
+                                     "families without looped layers.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: groups whose rewards are all equal (no gradient) "
                                        "are dropped and more prompts are generated, up to "
                                        "dynamic_sampling_max_rounds rollouts per step, until prompts_per_step "

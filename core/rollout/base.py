@@ -63,6 +63,9 @@ class SamplingParams:
         ignore_eos: if False (default) the model's EOS id(s) (``generation_config`` /
             ``config.eos_token_id``) also stop a sample, as in SGLang and HF ``generate``.
         return_raw_logprobs: also return untempered logprobs (see module docstring).
+        return_routed_experts: also return, per fed token and MoE layer, the experts the model's
+            routers picked (``GenerateResult.routed_experts``; MoE routing replay, R3). The embedded
+            engine records them on its eager decode path; an engine that cannot raises ValueError.
 
     Raises:
         ValueError: on any out-of-range value; the message names the field and the range.
@@ -79,6 +82,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     return_raw_logprobs: bool = False
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the dataclass stays hashable and immutable.
@@ -169,6 +173,11 @@ class GenerateResult:
         request_id: the request's ``request_id``.
         raw_logprobs: untempered logprobs when ``return_raw_logprobs`` was set, else None.
         weights_version: the engine's ``weights_version`` when the sample was produced.
+        routed_experts: with ``SamplingParams.return_routed_experts``, the expert ids each MoE layer's
+            router picked for every token the model was fed: ``[P + R - 1, num_moe_layers, top_k]``
+            int16 CPU (the prompt's ``P`` tokens, then the first ``R - 1`` generated ones; the last
+            generated token is never fed), layers in model order, ids in the router's (unsorted)
+            order; None otherwise. Not compared by ``==``.
     """
 
     token_ids: tuple[int, ...]
@@ -179,6 +188,7 @@ class GenerateResult:
     request_id: str | None = None
     raw_logprobs: tuple[float, ...] | None = None
     weights_version: int | None = None
+    routed_experts: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

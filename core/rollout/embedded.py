@@ -42,7 +42,8 @@ import torch
 
 from ferrule import envs
 from ferrule.engine_settings import RolloutEngineSettings
-from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
+from ferrule.rollout._fast_decode import (FastStatic, FusedLayout, base_ptrs, compiles, engine_layout, fuse_weights,
+                                          supported)
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
 from ferrule.rollout._multi_lora import EmbeddedMultiLora
@@ -50,6 +51,7 @@ from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
 from ferrule.rollout._sleep import EmbeddedSleep
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
+from ferrule.rollout._routes import RouteRecorder
 from ferrule.rollout._static_cache import OPAQUE_SDPA, DecodeState, layer_windows, use_opaque_sdpa
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
 
@@ -144,7 +146,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
-        ferrule.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
+        ferrule.formats.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
         NotImplementedError: layer types the engine cannot decode (see below).
 
     Multimodal families (``register_towers``): a request may carry ``media`` (prompt
@@ -226,10 +228,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         self.max_batch = self.settings.max_batch or None
         #: batches padded to the rungs of ``settings.batch_ladder`` (on with CUDA graphs; ``pad_batches``)
         self._pad_batches = bool(self.settings.resolve("pad_batches", self.cuda_graph))
-        self._counters = collections.Counter(decode_shapes=0, graph_captures=0)
+        self._counters = collections.Counter(decode_shapes=0, graph_captures=0, compiles=0)
         self._shapes_seen: set[tuple[int, int]] = set()
         if self.compile_decode:  # compiled kernels and autotune results on disk: a second process reuses them
-            from ferrule.fsutil import default_cache_dir
+            from ferrule.fs.util import default_cache_dir
 
             envs.set_compile_cache_dirs(default_cache_dir() / "compile")
         self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
@@ -264,7 +266,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
         model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
         if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
-            from ferrule.safetensors_io import CheckpointError
+            from ferrule.formats.safetensors_io import CheckpointError
 
             missing = sorted(info["missing_keys"])
             raise CheckpointError(
@@ -313,6 +315,9 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             raise RuntimeError("EmbeddedEngine.generate while asleep; call wake() first.")
         reqs = as_requests(requests)
         params = sampling_params
+        if params.return_routed_experts and self.cuda_graph:
+            raise ValueError("return_routed_experts: decode steps replayed from CUDA graphs record no routes; "
+                             "build the engine with cuda_graph=False (rollout settings) for routing replay.")
         matcher = None
         if params.stop:
             if self.tokenizer is None:
@@ -341,6 +346,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         if media and self._windows is not None:
             raise ValueError("media in a request: only models decoding through transformers' own cache "
                              "(ferrule.rollout._hf_cache_decode) take media in the embedded engine.")
+        compiled_before = compiles()
         if self._windows is None:  # HF-cache path: one batch per prompt length (no padding)
             # a prompt with media is its own group (its n samples share the media)
             groups: dict[tuple, list[int]] = {}
@@ -363,16 +369,21 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             # more rows than max_batch (or than the largest prepared batch): continuous batching at that size
             from ferrule.rollout._continuous import run_continuous
 
+            if params.return_routed_experts:
+                raise ValueError(f"return_routed_experts: {len(prompts)} rows exceed the batch limit {limit}, and "
+                                 "continuous batching records no routes; raise max_batch or send fewer requests.")
+
             rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, limit)
         else:
             rows = self._run(prompts, params, sorted(stop_ids), matcher, None, row_slots)
+        self._counters["compiles"] += compiles() - compiled_before
         out = []
-        for k, (tokens, lps, raw, reason) in enumerate(rows):
+        for k, (tokens, lps, raw, reason, *routes) in enumerate(rows):
             i, j = divmod(k, params.n)
             out.append(GenerateResult(token_ids=tuple(tokens), logprobs=tuple(lps), finish_reason=reason,
                                       prompt_index=i, sample_index=j, request_id=reqs[i].request_id,
                                       raw_logprobs=None if raw is None else tuple(raw),
-                                      weights_version=self.weights_version))
+                                      weights_version=self.weights_version, routed_experts=(routes or [None])[0]))
         return out
 
     def _towers(self) -> dict:
@@ -497,6 +508,9 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         state = self._state(batch, max_len)
         layout = self._fast_layout(params, stop_ids, matcher, media_inputs)
         if layout is not None:
+            if params.return_routed_experts:
+                raise ValueError("return_routed_experts: the fused decode path (fast_decode) records no routes; "
+                                 "build the engine with fast_decode=False.")
             # one adapter serves every row: the prefill runs on the merged weights the decode steps use
             merged = self._merged_lora if self._lora is not None and self.settings.lora_merged else None
             with merged.merged_modules() if merged is not None else contextlib.nullcontext():
@@ -509,36 +523,39 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool, self.settings,
                             lora)
         sampler = self._sampler(params, batch)
-        logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
-                  else state.prefill(input_ids, position_ids, prompt_mask))
-        host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
-        sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
-        for t in range(n_new):
-            tok, lp, raw = sampler(logits, gen)
-            tokens_out[:, t] = tok
-            lp_out[:, t] = lp
-            if raw_out is not None:
-                raw_out[:, t] = raw
-            alive = ~finished
-            lengths += alive.long()
-            hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
-            if matcher is not None:
-                hit = matcher.mark_hits(tok, alive, host_tokens, range(real), hit)
-            stopped |= hit
-            finished |= hit
-            if t == n_new - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):
-                break
-            state.set_step(tok, prompt_len + t, p + t)
-            logits = state.step()
-
+        recorder = RouteRecorder(self.model) if params.return_routed_experts else None
+        with recorder if recorder is not None else contextlib.nullcontext():
+            logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
+                      else state.prefill(input_ids, position_ids, prompt_mask))
+            host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
+            sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
+            for t in range(n_new):
+                tok, lp, raw = sampler(logits, gen)
+                tokens_out[:, t] = tok
+                lp_out[:, t] = lp
+                if raw_out is not None:
+                    raw_out[:, t] = raw
+                alive = ~finished
+                lengths += alive.long()
+                hit = alive & torch.isin(tok, stop_t) if stop_ids else torch.zeros_like(alive)
+                if matcher is not None:
+                    hit = matcher.mark_hits(tok, alive, host_tokens, range(real), hit)
+                stopped |= hit
+                finished |= hit
+                if t == n_new - 1 or ((t + 1) % sync_every == 0 and bool(finished.all())):
+                    break
+                state.set_step(tok, prompt_len + t, p + t)
+                logits = state.step()
         lengths_h, stopped_h = lengths.tolist(), stopped.tolist()
         tok_h, lp_h = tokens_out.tolist(), lp_out.tolist()
         raw_h = raw_out.tolist() if raw_out is not None else None
+        routes = (recorder.rows([len(x) for x in prompts], p, lengths_h[:real]) if recorder is not None
+                  else [None] * real)
         result = []
         for r in range(real):
             n = lengths_h[r]
             result.append((tok_h[r][:n], lp_h[r][:n], None if raw_h is None else raw_h[r][:n],
-                           "stop" if stopped_h[r] else "length"))
+                           "stop" if stopped_h[r] else "length", routes[r]))
         return result
 
     # ------------------------------------------------------------------ lifecycle
@@ -571,12 +588,17 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
           its shape (or a cache hit where torch already compiled it) and its graph captures;
         - ``distinct_shapes``: the ``[batch, max_len]`` buckets seen, sorted;
         - ``graph_captures``: CUDA graphs captured (plain and fast paths; 0 on CPU);
+        - ``compiles``: graphs ``torch.compile`` compiled during this engine's ``generate`` calls (every
+          compiled decode function, recompiles included; one served from the on-disk caches counts too):
+          with ``decode_dynamic: marked`` the fast step compiles once per sampling kind (greedy or sampled,
+          raw logprobs or not, adapters or not), not once per batch rung, cache or attended length;
         - ``batch_ladder``: the rungs a call's rows are padded to (empty: no padding, e.g. on CPU);
         - ``compile_cache``: ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` in force (compiled only).
         """
         return {"decode_shapes": self._counters["decode_shapes"],
                 "distinct_shapes": sorted(list(k) for k in self._shapes_seen),
                 "graph_captures": self._counters["graph_captures"],
+                "compiles": self._counters["compiles"],
                 "batch_ladder": list(self.settings.batch_ladder) if self._pad_batches else [],
                 "compile_cache": {k: envs.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
                 if self.compile_decode else {}}

@@ -329,6 +329,9 @@ class SGLangEngine:
         ``lora_name``: the adapter to apply (default: the one :meth:`update_lora_adapter` serves, if any).
         """
         reqs = as_requests(requests)
+        if sampling_params.return_routed_experts:  # never train on routes nobody recorded
+            raise ValueError("return_routed_experts: the SGLang client does not ask the server for routed experts "
+                             "yet; use the embedded engine for MoE routing replay (algorithm.routing_replay).")
         with_media = [i for i, r in enumerate(reqs) if r.media]
         if with_media:  # never drop media silently
             raise NotImplementedError(f"requests {with_media[:5]} carry media; the SGLang client does not send media "

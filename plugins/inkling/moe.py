@@ -20,6 +20,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 
 from ferrule.megatron.moe import TokenSplitMoELayer
+from ferrule.megatron.routing_replay import routed_topk
 from ferrule.plugins.inkling.layers import InklingShortConv
 
 __all__ = ["InklingDenseMLP", "InklingRouter", "InklingSharedExperts", "InklingMoELayer"]
@@ -68,6 +69,10 @@ class InklingRouter(MegatronModule):
 
     :meth:`route` returns megatron's ``(probs [T, E], routing_map [T, E] bool)`` for the
     routed part and the shared experts' weights ``gammas [T, S]``. Replicated over TP and EP.
+
+    Under routing replay (:mod:`ferrule.megatron.routing_replay`) ``top`` is the rollout's experts and
+    everything after it (the sink softmax over the ``k`` picked routed logits and the ``S`` shared
+    logits) is computed from this router's logits, as R3 prescribes.
     """
 
     def __init__(self, config, pg_collection=None, *, n_shared_experts: int, route_scale: float):
@@ -92,7 +97,7 @@ class InklingRouter(MegatronModule):
         logits = F.linear(flat.float(), self.weight.float())
         E = self.num_experts
         choice = logits[:, :E].sigmoid() + self.expert_bias.float()
-        top = torch.topk(choice, self.topk, dim=-1, sorted=False)[1]
+        top = routed_topk(self, choice, self.topk)  # or the replayed experts (R3)
         picked = torch.cat([logits[:, :E].gather(-1, top), logits[:, E:]], dim=-1)
         log_probs = F.logsigmoid(picked)
         weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))

@@ -14,6 +14,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from ferrule.megatron.moe import TokenSplitMoELayer
+from ferrule.megatron.routing_replay import routed_topk
 
 __all__ = ["Inkling2Router", "Inkling2Experts", "Inkling2MoELayer", "softcapped_swiglu"]
 
@@ -30,7 +31,9 @@ class Inkling2Router(MegatronModule):
 
     ``weight`` ``[E, hidden]`` fp32 (HF ``mlp.gate.weight``); ``expert_bias`` ``[E]`` fp32 (HF
     ``e_score_correction_bias``, frozen: ``requires_grad=False``; it only shifts the selection).
-    Returns megatron's ``(probs [T, E], routing_map [T, E] bool)``. Replicated over TP and EP.
+    Returns megatron's ``(probs [T, E], routing_map [T, E] bool)``. Replicated over TP and EP. Under routing
+    replay (:mod:`ferrule.megatron.routing_replay`) the experts are the replayed ones and the weights the
+    picked scores of those.
     """
 
     def __init__(self, config, pg_collection=None, *, route_scale: float):
@@ -48,7 +51,7 @@ class Inkling2Router(MegatronModule):
     def forward(self, hidden_states, padding_mask=None):
         flat = hidden_states.reshape(-1, hidden_states.shape[-1]).float()
         scores = torch.sigmoid(F.linear(flat, self.weight.float()))
-        top = torch.topk(scores + self.expert_bias.float(), self.topk, dim=-1, sorted=False).indices
+        top = routed_topk(self, scores + self.expert_bias.float(), self.topk)  # or the replayed experts (R3)
         weights = scores.gather(1, top)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
         weights = weights.to(hidden_states.dtype)

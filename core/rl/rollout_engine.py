@@ -39,6 +39,8 @@ Not run against a live SGLang server (none can run on the machines this was writ
 
 from __future__ import annotations
 
+import dataclasses
+
 import atexit
 import json
 import os
@@ -305,8 +307,11 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
     from ferrule.rollout import get_rollout_engine
 
     if cfg.rollout.engine == "embedded":
+        settings = cfg.rollout_engine
+        if cfg.algorithm.routing_replay:  # routes are recorded by hooks on the eager decode path only
+            settings = dataclasses.replace(settings, cuda_graph=False, compile_decode=False, fast_decode=False)
         engine = get_rollout_engine("embedded", hf_dir=cfg.model.hf_dir, dtype=dtype, device=device,
-                                    settings=cfg.rollout_engine)
+                                    settings=settings)
         return engine, engine.tokenizer
     _check_transport(cfg, device)
     tokenizer = load_tokenizer(cfg.model.hf_dir)
