@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from ferrule import envs
-from ferrule.fsutil import sigterm_as_exit
-from ferrule.safetensors_io import CheckpointError
+from ferrule.fs.util import sigterm_as_exit
+from ferrule.formats.safetensors_io import CheckpointError
 
 __all__ = ["ConversionError"]
 

@@ -471,7 +471,7 @@ def test_plot_run_writes_a_decodable_png(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from ferrule.rl.cli_plot import plot_command
+    from ferrule.cli.plot import plot_command
 
     app = typer.Typer()
     app.command("plot")(plot_command)
@@ -491,7 +491,7 @@ def test_plot_comparison_draws_each_run_on_shared_panels(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from ferrule.rl.cli_plot import plot_command
+    from ferrule.cli.plot import plot_command
     from ferrule.rl.plot import COMPARE_PANELS, SMOOTH_STEPS, build_comparison_figure, plot_comparison
 
     rewards = {"a": [0.1 * (s % 5) for s in range(1, 13)], "b": [1.0 - 0.05 * s for s in range(1, 13)]}

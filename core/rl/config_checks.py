@@ -40,7 +40,7 @@ def _near(value: str, choices: list[str]) -> str:
 
 def validate_config(cfg: RLConfig) -> list[str]:
     """Every range error and contradiction in ``cfg`` (empty list: valid). No file access."""
-    from ferrule.rl.sglang_rollout import sglang_config_problems
+    from ferrule.rl.rollout_engine import sglang_config_problems
 
     problems: list[str] = []
     for check in (_model_and_parallel_layout_problems, _rollout_problems, sglang_config_problems, _data_problems,
