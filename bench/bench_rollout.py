@@ -262,7 +262,8 @@ def warmup_sequence(model, args) -> list[dict]:
         row = dict(shape=label, first_s=round(times[0], 2), steady_s=round(times[1], 3),
                    steady_tok_s=round(produced / times[1], 1), mean_len=round(produced / len(res), 1),
                    warmup_s=round(times[0] - times[1], 2), decode_shapes=info["decode_shapes"],
-                   graph_captures=info["graph_captures"], distinct_shapes=info["distinct_shapes"])
+                   graph_captures=info["graph_captures"], compiles=info["compiles"],
+                   distinct_shapes=info["distinct_shapes"])
         rows.append(row)
         print(row, flush=True)
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"

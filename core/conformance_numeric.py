@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 from ferrule.conformance_fields import (  # noqa: F401  (re-exported: the kit's public names)
     hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
     translated_fields_vs_hf,
@@ -180,7 +181,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
     from ferrule import registry
     from ferrule.megatron.checkpoint import model_sharded_state_dict, save_sharded
     from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
-    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.formats.safetensors_io import SafetensorsReader
 
     work = Path(work_dir)
     src = tiny_hf_dir(family, work / "hf")
@@ -211,7 +212,7 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
     from ferrule import registry
     from ferrule.mapping import MappingContext
     from ferrule.megatron.weights import global_param_names
-    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.formats.safetensors_io import SafetensorsReader
 
     table = registry.get_converter(family).resolved_mapping()
     src = tiny_hf_dir(family, Path(work_dir) / "hf_cover")

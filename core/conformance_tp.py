@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 
 from ferrule import envs
+import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 
 __all__ = ["check_family_tp", "main"]
 
@@ -86,7 +87,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     from ferrule.conformance_media import mcore_media_logits, media_prompt, tiny_media_of
     from ferrule.media import hf_media_inputs, towers_for_config
     from ferrule.megatron.weights import load_hf_into_mcore
-    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.formats.safetensors_io import SafetensorsReader
     from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.gpt_builder import check_family_layout
     from ferrule.megatron.provider import provider_build

@@ -192,6 +192,14 @@ def test_tool_arithmetic_runs_calls_answers_errors_and_scores_the_final_answer()
     fresh = env.reset(items[0], seed=0)
     assert env.step(fresh.state, _turn(str(items[0]["answer"]))).reward == 0.5  # right, but no tool used
     assert env.step(env.reset(items[0], 0).state, _turn("no idea")).reward == 0.0
+    # demo=True: one worked exchange before the question, whose call the Hermes parser reads back and whose
+    # tool reply is the calculator's own answer
+    for tool in ("calculator", "python"):
+        demo = ToolArithmetic(tool=tool, demo=True).reset(items[0], seed=0).messages
+        assert [m["role"] for m in demo] == ["system", "user", "assistant", "tool", "assistant", "user"]
+        parsed = parse_hermes(demo[2]["content"])
+        assert not parsed.errors and [c.name for c in parsed.calls] == [tool]
+        assert demo[3]["content"] == demo[4]["content"] == "56" == calculate("7 * 8")
 
 
 def test_guess_number_answers_higher_lower_and_rewards_the_right_guess():

@@ -167,7 +167,7 @@ def test_enospc_inside_a_conversion_is_a_full_disk_and_leaves_nothing(qwen2_dir,
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    import ferrule.safetensors_io as sio
+    import ferrule.formats.safetensors_io as sio
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -424,7 +424,7 @@ def test_tp2_matches_world_size_1_and_resumes(dist_pool, dirs, tmp_path):
 
 
 def test_cli_export_and_import(dirs, tmp_path):
-    from ferrule.lora.cli import export_adapter, import_adapter
+    from ferrule.cli.lora import export_adapter, import_adapter
     from ferrule.megatron.engine import TrainEngine
 
     engine = lw.lora_engine(dirs["qwen2"])

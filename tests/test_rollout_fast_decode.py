@@ -217,6 +217,44 @@ def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
     assert fast._fused is not None
 
 
+@torch.inference_mode()
+def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_length(monkeypatch):
+    """Issue 40: with ``decode_dynamic: marked`` the fast step (torch.compile, dynamo's eager backend on
+    CPU: the same graphs and guards, no inductor) is compiled by the first call and by no later call with
+    another batch rung, cache length, attended length (the whole cache included) or stop-id count, counted
+    by ``EmbeddedEngine.info()["compiles"]``; greedy tokens and logprobs equal the plain eager path's."""
+    from ferrule.engine_settings import RolloutEngineSettings
+    from ferrule.rollout import SamplingParams, _fast_decode, embedded
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    monkeypatch.setattr(_fast_decode, "BACKEND", "eager")
+    monkeypatch.setattr(_fast_decode, "_COMPILED", {})
+    monkeypatch.setattr(embedded, "_LEN_BUCKET", 16)  # cache lengths 16 and 32 within the tiny model's 64 positions
+    model = _model("qwen2")
+    plain = EmbeddedEngine(model=model)
+    fast = EmbeddedEngine(model=model, settings=RolloutEngineSettings(
+        kv_bucket=4, batch_ladder=[4, 8], pad_batches=True, decode_dynamic="marked"))
+    fast.fast_decode = True
+    fast._fuse_weights()
+    prompts = [[3, 4, 5, 6], [9], [10, 11, 12, 13, 14, 15], [20, 21], [7, 7, 7], [30, 31, 32, 33, 34]]
+    calls = [(prompts[:3], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, stop_token_ids=(5, 6))),
+             # 6 rows: rung 8; 20 stop ids; cache 32 (was 16); the last attended length is the whole cache
+             (prompts, SamplingParams(temperature=0, max_new_tokens=26, ignore_eos=True,
+                                      stop_token_ids=tuple(range(60, 80)))),
+             (prompts[:2], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))]
+    counts = []
+    for rows, params in calls:
+        got, want = fast.generate(rows, params), plain.generate(rows, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+        for x, y in zip(got, want):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        counts.append(fast.info()["compiles"])
+    assert fast.info()["distinct_shapes"] == [[4, 16], [8, 32]]
+    assert counts == [2, 2, 2], counts  # "first" and "step" once each, then never again
+    assert plain.info()["compiles"] == 0  # CPU plain path: nothing compiled
+
+
 def _lora_logprob_error(engine, ref, params=None) -> float:
     """Largest |logprob - HF + PEFT (unmerged, float64 log-softmax) logprob| over one generate call."""
     from test_rollout_lora import PARAMS, PROMPTS, reference_logprobs

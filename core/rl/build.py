@@ -4,16 +4,28 @@ the optimizer settings, the train engine, the chat template and its stop tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import lora_settings
+
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from ferrule.megatron.engine import OptimizerSettings, TrainEngine
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.rl.distributed import RankRoles
+    from ferrule.rl.reference import ReferencePolicy
+    from ferrule.rollout import RolloutEngine
+    from ferrule.specs import ChatTemplateSpec
 
 __all__ = ["optimizer_settings", "build_train_engine", "engine_settings_report", "chat_template", "stop_tokens", "check_media_support",
            "layout_note"]
 
 
-def optimizer_settings(cfg: RLConfig) -> Any:
+def optimizer_settings(cfg: RLConfig) -> OptimizerSettings:
     """:class:`~ferrule.megatron.optim.OptimizerSettings` of ``cfg.optimizer``; warmup and decay
     steps count optimizer steps (``train.optim_steps_per_rollout`` per RL step)."""
     from ferrule.megatron.engine import OptimizerSettings
@@ -27,7 +39,7 @@ def optimizer_settings(cfg: RLConfig) -> Any:
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad)
 
 
-def build_train_engine(cfg: RLConfig, layout: Any, dtype: Any) -> Any:
+def build_train_engine(cfg: RLConfig, layout: ParallelLayout, dtype: torch.dtype) -> TrainEngine:
     """The policy's :class:`~ferrule.megatron.engine.TrainEngine`: from ``model.torch_dist_dir``
     (weights only) when set, else from ``model.hf_dir``; LoRA adapters on the frozen base when
     ``lora.rank > 0`` (the sync then sends only the adapter); its fast paths are ``cfg.train_engine``."""
@@ -44,7 +56,7 @@ def build_train_engine(cfg: RLConfig, layout: Any, dtype: Any) -> Any:
     return TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
 
 
-def chat_template(cfg: RLConfig, family: str, tokenizer: Any) -> Any:
+def chat_template(cfg: RLConfig, family: str, tokenizer: PreTrainedTokenizerBase | None) -> ChatTemplateSpec:
     """The :class:`~ferrule.specs.ChatTemplateSpec` that renders prompts: ``data.chat_template``,
     else the family's first.
 
@@ -65,7 +77,7 @@ def chat_template(cfg: RLConfig, family: str, tokenizer: Any) -> Any:
     return templates[0]
 
 
-def stop_tokens(cfg: RLConfig, template: Any, tokenizer: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def stop_tokens(cfg: RLConfig, template: ChatTemplateSpec, tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``(stop token ids, stop strings)``: the template's stop tokens plus ``rollout.extra_stop_tokens``
     (a single-token text becomes an id, a longer one a stop string)."""
     from ferrule.chat import stop_token_ids
@@ -78,7 +90,7 @@ def stop_tokens(cfg: RLConfig, template: Any, tokenizer: Any) -> tuple[tuple[int
     return tuple(dict.fromkeys(stop_ids)), tuple(stop_strings)
 
 
-def check_media_support(cfg: RLConfig, any_media: bool, reference: Any) -> None:
+def check_media_support(cfg: RLConfig, any_media: bool, reference: ReferencePolicy | None) -> None:
     """Refuse prompts with media where the run cannot take them (SGLang client, reference policy).
 
     Raises:
@@ -92,7 +104,7 @@ def check_media_support(cfg: RLConfig, any_media: bool, reference: Any) -> None:
                            "with prompts that carry images or audio"])
 
 
-def layout_note(cfg: RLConfig, roles: Any) -> str:
+def layout_note(cfg: RLConfig, roles: RankRoles) -> str:
     """``", N ranks (tp .., pp .., ep .., dp ..; rollout on ranks [..])"``, or ``""`` for one process."""
     if not roles.distributed:
         return ""
@@ -101,7 +113,7 @@ def layout_note(cfg: RLConfig, roles: Any) -> str:
             f"rollout on ranks {list(roles.rollout_ranks)})")
 
 
-def engine_settings_report(engine: Any, rollout: Any, cfg: RLConfig) -> str:
+def engine_settings_report(engine: TrainEngine, rollout: RolloutEngine | None, cfg: RLConfig) -> str:
     """The start-up lines of the engine settings: each section as configured, then what its switches
     resolved to on this device (``auto`` -> on / off)."""
     lines = [f"{s}: {getattr(cfg, s).describe()}" for s in ("train_engine", "rollout_engine", "weight_sync")]

@@ -21,7 +21,14 @@ the phase (the peak RSS cannot be reset).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.rl.config import RLConfig
+    from ferrule.rollout import RolloutEngine
+    from ferrule.rollout.embedded import EmbeddedEngine
 
 __all__ = ["Colocation", "PhaseMeter", "resolve_colocate", "projected_bytes"]
 
@@ -66,7 +73,7 @@ class Colocation:
         meter: where the seconds of each transition are added.
     """
 
-    def __init__(self, engine: Any, rollout: Any, meter: PhaseMeter):
+    def __init__(self, engine: TrainEngine, rollout: EmbeddedEngine, meter: PhaseMeter):
         self.engine, self.rollout, self.meter = engine, rollout, meter
 
     def offload_train(self) -> None:
@@ -88,7 +95,7 @@ class Colocation:
             self.meter.add_time("time_onload_s", self.engine.onload()["onload_s"])
 
 
-def projected_bytes(engine: Any, cfg: Any) -> int:
+def projected_bytes(engine: TrainEngine, cfg: RLConfig) -> int:
     """Device bytes a plain (non-colocated) run needs at its peak, estimated after both engines
     are built: what is allocated now, plus Adam's two fp32 moments per trainable parameter
     (created at the first step), plus the rollout batch's KV cache
@@ -110,7 +117,8 @@ def projected_bytes(engine: Any, cfg: Any) -> int:
     return int(stats.get("allocated", 0)) + 8 * trainable + kv_bytes
 
 
-def resolve_colocate(setting: Any, engine: Any, rollout: Any, cfg: Any, *, distributed: bool) -> tuple[bool, str]:
+def resolve_colocate(setting: bool | str, engine: TrainEngine, rollout: RolloutEngine, cfg: RLConfig, *,
+                     distributed: bool) -> tuple[bool, str]:
     """``(on, why)`` for ``train.colocate`` (``true`` / ``false`` / ``"auto"``).
 
     ``auto``: on with CUDA when :func:`projected_bytes` exceeds 90 % of the device's memory (the

@@ -18,10 +18,10 @@ from typing import Any, Literal
 import yaml
 
 from ferrule.engine_settings import RolloutEngineSettings, TrainEngineSettings, WeightSyncSettings
-from ferrule.fsutil import apply_default_mode
+from ferrule.fs.util import apply_default_mode
 from ferrule.lora.settings import MAX_LORA_RANK
 from ferrule.rl.config_types import ConfigError
-from ferrule.run_layout import CONFIG_FILE_NAME
+from ferrule.fs.run_layout import CONFIG_FILE_NAME
 
 def _f(default: Any, doc: str, unit: str = "") -> Any:
     md = {"doc": doc, "unit": unit}

@@ -21,6 +21,9 @@ from ferrule.rl.config import ConfigError
 from ferrule.rl.stages import record
 
 if TYPE_CHECKING:
+    from types import FrameType
+
+    from ferrule.rl.metrics import MetricsLogger
     from ferrule.rl.loop import GRPOTrainer
 
 __all__ = ["RunDriver", "RunResult", "StopSignal", "STOP_SIGNALS"]
@@ -76,7 +79,7 @@ class RunDriver:
     def __init__(self, trainer: GRPOTrainer) -> None:
         self.trainer = trainer
 
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+    def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
         """A :data:`STOP_SIGNALS` handler: the first asks for a stop at the end of the step, a second aborts."""
         if self.trainer._stop_requested:
             if signum == signal.SIGINT:
@@ -104,7 +107,7 @@ class RunDriver:
         finally:
             self.trainer.close()
 
-    def _open_logger(self, start: int) -> Any:
+    def _open_logger(self, start: int) -> MetricsLogger | record.NoLogger:
         """The metrics logger (global rank 0; resumes ``metrics.jsonl`` at ``start``), which also
         trims ``samples.jsonl`` to ``start`` and writes the resolved config; a no-op logger elsewhere."""
         from ferrule.rl.metrics import MetricsLogger
@@ -134,8 +137,8 @@ class RunDriver:
 
     def _remove_stale_temp_dirs(self) -> None:
         """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
-        (:func:`ferrule.fsutil.remove_stale_temp_dirs`) and say so; the driver only."""
-        from ferrule.fsutil import remove_stale_temp_dirs
+        (:func:`ferrule.fs.util.remove_stale_temp_dirs`) and say so; the driver only."""
+        from ferrule.fs.util import remove_stale_temp_dirs
 
         if not self.trainer.roles.is_driver:
             return
@@ -183,7 +186,7 @@ class RunDriver:
                          checkpoint=ckpt, plot=plot, metrics=logged,
                          stop_signal=getattr(self.trainer, "_stop_signal", None) if interrupted else None)
 
-    def _steps(self, start: int, stop_after: int | None, logger: Any) -> tuple[int, Path | None, bool, list]:
+    def _steps(self, start: int, stop_after: int | None, logger: MetricsLogger | record.NoLogger) -> tuple[int, Path | None, bool, list]:
         """Steps ``start + 1 ..`` with logging, samples, checkpoints and the stop request;
         returns ``(last step, last checkpoint, interrupted, logged entries)``."""
         from ferrule.rl.metrics import StepProgress

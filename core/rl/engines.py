@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from ferrule.lora import LoraSettings
     import torch
 
     from ferrule.megatron.batching import Datum, FBOutput
@@ -29,7 +30,7 @@ class PolicyTrainer(Protocol):
     """
 
     step: int
-    lora: Any
+    lora: LoraSettings | None
     hf_config: dict[str, Any]
 
     def forward_backward(self, batch: Sequence[Datum], loss_fn: str,

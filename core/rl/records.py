@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    from ferrule.rl.config import TrainConfig
+    from ferrule.rl.envs.launcher import AgentStep
     import torch
 
     from ferrule.rl.batch import Sample
@@ -61,7 +63,7 @@ class RolloutBatch:
     seconds: float = 0.0
     selection: dict[str, int] = field(default_factory=dict)
     sampler_state: dict[str, Any] | None = None
-    agent: Any = None
+    agent: AgentStep | None = None
 
     @property
     def group_size(self) -> int:
@@ -134,7 +136,7 @@ def staleness_of(batch: RolloutBatch, train_version: int, steps_per_version: int
     return [max(0, train_version - v) // steps_per_version for v in versions]
 
 
-def max_staleness(train: Any) -> int:
+def max_staleness(train: TrainConfig) -> int:
     """The staleness bound of ``train.schedule`` (a ``TrainConfig``): 0 for ``sync``, 1 for
     ``one_step_off``, ``train.max_staleness`` for ``async``."""
     return {"sync": 0, "one_step_off": 1}.get(train.schedule, train.max_staleness)

@@ -32,6 +32,7 @@ forward on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -215,7 +216,8 @@ def _lora_cat(h: torch.Tensor, abs_: list, mask: torch.Tensor, widths: tuple[int
 
 def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], values: list[torch.Tensor],
                   ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, allowed: torch.Tensor,
-                  kv_len: int | None = None, attn: str = "eager", lora: tuple | None = None) -> torch.Tensor:
+                  kv_len: int | torch.Tensor | None = None, attn: str = "eager",
+                  lora: tuple | None = None) -> torch.Tensor:
     """One decode step: ``ids``/``pos``/``slot`` ``[batch]`` int64 (token, position id, key slot
     written), ``allowed [batch, max_len]`` bool (key slots visible, ``slot`` included) ->
     ``[batch, vocab]`` logits in the model dtype. Writes each layer's new key/value into
@@ -224,7 +226,8 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     The formula is transformers' for these models with ``attn_implementation="eager"``
     (``eager_attention_forward``: scores in the model dtype, fp32 softmax); ``weights`` is
     ``layout.weights`` (passed separately so a compiled caller sees them as inputs). With
-    ``kv_len``, attention reads only key slots ``[0, kv_len)`` (every visible slot must lie there).
+    ``kv_len`` (an int, or a 1-D tensor whose length is the count), attention reads only key slots
+    ``[0, kv_len)`` (every visible slot must lie there).
     ``attn`` (:data:`ATTN_KINDS`): "eager" is that formula; "fp32" keeps the scores in fp32 (equal
     to "eager" for fp32 models, closer to an fp32 forward for bf16 ones). The new key/value are
     written with ``index_put_`` (in place under torch.compile; ``scatter_`` made inductor copy the
@@ -238,7 +241,9 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     x = F.embedding(ids, embed)
     cos, sin = layout.rotary(x[:, None], pos[:, None])
     cos, sin = cos[:, 0, None, :], sin[:, 0, None, :]  # [b, 1, d]
-    L = keys[0].shape[2] if kv_len is None else kv_len
+    # the attended length: the whole cache, an int, or the length of a 1-D tensor (decode_dynamic "marked":
+    # a tensor dimension is symbolic under torch.compile where an int argument is specialised)
+    L = keys[0].shape[2] if kv_len is None else kv_len.shape[0] if isinstance(kv_len, torch.Tensor) else kv_len
     if attn not in ATTN_KINDS:
         raise ValueError(f"decode attention {attn!r} is not one of {ATTN_KINDS} (rollout_engine.attention)")
     hidden = ~allowed[:, None, None, :L]
@@ -287,7 +292,7 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
           slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
           temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
           lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
-          stopped: torch.Tensor, kv_len: int | None = None, attn: str = "eager", chunks: int = 0,
+          stopped: torch.Tensor, kv_len: int | torch.Tensor | None = None, attn: str = "eager", chunks: int = 0,
           lora: tuple | None = None) -> None:
     """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
     logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn, lora)
@@ -298,12 +303,32 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
 _COMPILED: dict[str, Any] = {}
 
 
-def _recompile_limit() -> Any:
+@contextlib.contextmanager
+def _recompile_limit(dynamic: str = "auto") -> Any:
     """Context raising dynamo's recompile limit to :data:`RECOMPILE_LIMIT` while the fast step
-    compiles (past the limit dynamo would silently run the step eagerly inside the graph)."""
+    compiles (past the limit dynamo would silently run the step eagerly inside the graph); with
+    ``decode_dynamic`` "marked" also without duck sizing (``use_duck_shape``), so that two marked
+    dimensions equal at the first compile (a batch rung of 64 and an attended length of 64) get
+    their own symbols instead of one, which a later call with unequal values would fail."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    return cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)})
+    with cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)}):
+        if dynamic != "marked":
+            yield
+            return
+        import torch.fx.experimental._config as fx_cfg
+
+        with fx_cfg.patch(use_duck_shape=False):
+            yield
+
+
+def compiles() -> int:
+    """Graphs torch.compile (dynamo) has compiled in this process so far, every function counted
+    (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``; a compile served from the on-disk
+    caches counts too): ``EmbeddedEngine.info()["compiles"]`` adds up its calls' differences."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 #: torch.compile backend of the fast step (tests on CPU set "eager": dynamo's graphs and guards, no inductor)
@@ -314,11 +339,13 @@ def _compiled(name: str, dynamic: str = "auto") -> Any:
     """The compiled fast-step function ``name`` ("step", "step_kv", "first") for
     ``RolloutEngineSettings.decode_dynamic`` ``dynamic``, one per process.
 
-    "all": every dimension and int argument symbolic from the first call (``dynamic=True``): the batch
-    rung, the cache length and the attended length (``kv_len``) vary without a recompile, so one
-    compile serves every rung. "auto": torch's automatic dynamic shapes (``dynamic=None``): a static
-    compile first, then one recompile per dimension that changes (a new rung cost 61.6 s of compiling
-    on an H100, docs/benchmarks.md, issue 40).
+    "marked": a compile with the batch (dim 0) and length dimensions of the step's inputs
+    symbolic from the first call (:func:`_mark_dynamic`; the weights static), the attended length
+    passed as a tensor's length and a stop-id buffer of one size, so one compile serves every batch
+    rung, cache length and attended length. "all": every dimension and int argument symbolic
+    (``dynamic=True``, the weights' shapes too). "auto": torch's automatic dynamic shapes
+    (``dynamic=None``): a static compile first, then one recompile per dimension that changes (a
+    new rung cost 61.6 s of compiling on an H100, docs/benchmarks.md, issue 40).
     """
     key = (name, dynamic)
     if key not in _COMPILED:
@@ -327,9 +354,10 @@ def _compiled(name: str, dynamic: str = "auto") -> Any:
     return _COMPILED[key]
 
 
-def _mark_dynamic(tensors0: list, tensors01: list, kv: list) -> None:
+def _mark_dynamic(tensors0: list, tensors01: list, kv: list, lora: tuple | None = None) -> None:
     """``decode_dynamic: marked``: the batch (dim 0) and length dims of the step's inputs symbolic from the first
-    compile (``torch._dynamo.maybe_mark_dynamic``), the weights left static."""
+    compile (``torch._dynamo.maybe_mark_dynamic``), the weights left static; ``lora``'s row mask (rows x
+    held ranks) and factors (their held-rank dimension) too, so a new rung or adapter count does not recompile."""
     from torch._dynamo import maybe_mark_dynamic
 
     for t in tensors0:
@@ -342,6 +370,25 @@ def _mark_dynamic(tensors0: list, tensors01: list, kv: list) -> None:
     for t in kv:
         maybe_mark_dynamic(t, 0)
         maybe_mark_dynamic(t, 2)
+    if lora is not None:
+        maybe_mark_dynamic(lora[0], 0)
+        maybe_mark_dynamic(lora[0], 1)
+        for layer in lora[1] or ():
+            for ab in layer:
+                if ab is not None:
+                    maybe_mark_dynamic(ab[0], 0)  # A [held ranks, in]
+                    maybe_mark_dynamic(ab[1], 1)  # B [out, held ranks]
+
+
+class _Replay:
+    """Stands in for a CUDA graph off CUDA (CPU tests of the compiled step): each replay calls the step."""
+
+    def __init__(self, fn: Any, args: tuple, dynamic: str):
+        self.fn, self.args, self.dynamic = fn, args, dynamic
+
+    def replay(self) -> None:
+        with _recompile_limit(self.dynamic):
+            self.fn(*self.args)
 
 
 class FastStatic:
@@ -365,6 +412,7 @@ class FastStatic:
         self.temperature = torch.ones((), dtype=torch.float32, **z)
         self.noise = torch.empty((b, vocab), dtype=torch.float32, **z)
         self.stop_bufs: dict[int, torch.Tensor] = {}  # stop-id buffers by padded size
+        self.spans: dict[int, torch.Tensor] = {}  # "marked": [kv_len] tensors whose length is the attended length
         self.tokens_out = torch.zeros((b, L), dtype=torch.long, **z)
         self.lp_out = torch.zeros((b, L), dtype=torch.float32, **z)
         self.raw_out = torch.zeros((b, L), dtype=torch.float32, **z)
@@ -378,7 +426,8 @@ class FastStatic:
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
-        size = max(16, 1 << max(0, n - 1).bit_length())
+        # "marked": one size (MAX_STOP_IDS), so the stop list's length never recompiles the step
+        size = MAX_STOP_IDS if self.dynamic == "marked" else max(16, 1 << max(0, n - 1).bit_length())
         if size not in self.stop_bufs:
             self.stop_bufs[size] = torch.full((size,), -1, dtype=torch.long, device=self.ids.device)
         return self.stop_bufs[size]
@@ -388,10 +437,18 @@ class FastStatic:
         c = self.state.cache
         keys = [c.keys[i] for i in layout.layer_idx]
         values = [c.values[i] for i in layout.layer_idx]
+        if self.dynamic == "marked" and isinstance(kv_len, int) and not uses_triton(attn, self.ids.device):
+            kv_len = self._span(kv_len)
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
                 self.stopped, kv_len, attn, self.chunks, self.lora)
+
+    def _span(self, n: int) -> torch.Tensor:
+        """``[n]`` uint8 whose length is the attended length (its values are never read)."""
+        if n not in self.spans:
+            self.spans[n] = torch.empty(n, dtype=torch.uint8, device=self.ids.device)
+        return self.spans[n]
 
     def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
                kv_len: int | None = None, attn: str = "eager") -> torch.cuda.CUDAGraph:
@@ -406,12 +463,20 @@ class FastStatic:
         saved = [t.clone() for t in small]
         fn = _compiled("step" if kv_len is None else "step_kv", self.dynamic)
         if self.dynamic == "marked":
+            span = args[20] if isinstance(args[20], torch.Tensor) else None
             _mark_dynamic([self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished, self.stopped,
-                           self.noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out],
-                          list(args[2]) + list(args[3]))
+                           self.noise, span], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out],
+                          list(args[2]) + list(args[3]), self.lora)
+        if not self.ids.is_cuda:  # no graphs off CUDA (CPU tests): compile now, then one call per replay
+            with _recompile_limit(self.dynamic):
+                fn(*args)
+            for t, s in zip(small, saved):
+                t.copy_(s)
+            self.graphs[key] = _Replay(fn, args, self.dynamic)
+            return self.graphs[key]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with _recompile_limit():
+        with _recompile_limit(self.dynamic):
             with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
                 for _ in range(2):
                     fn(*args)
@@ -445,6 +510,7 @@ class FastStatic:
         self.p.fill_(p)
         self.col.zero_()
         self.temperature.fill_(float(params.temperature or 1.0))
+        self.dynamic = settings.decode_dynamic
         self.stop_t = self._stop_buf(len(stop_ids))
         self.stop_t.fill_(-1)
         if stop_ids:
@@ -458,11 +524,10 @@ class FastStatic:
             noise.exponential_(1, generator=gen)
         want_chunks = int(settings.sampler_chunks) if logits.is_cuda else 0
         self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
-        self.dynamic = settings.decode_dynamic
         if self.dynamic == "marked":
             _mark_dynamic([logits, self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished,
                            self.stopped, noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out], [])
-        with _recompile_limit():
+        with _recompile_limit(self.dynamic):
             _compiled("first", self.dynamic)(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
                                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
                                self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed,
@@ -486,8 +551,13 @@ class FastStatic:
                 # with decode_dynamic "all" the attended length is symbolic: one compiled function for every
                 # length, the whole cache included; else "step" (whole cache) and "step_kv" compile apart
                 whole = max_len if self.dynamic in ("all", "marked") else None
-                graph = self._graph(layout, greedy, want_raw, pool,
-                                    (whole if kv_len in (None, max_len) else kv_len), attn)
+                use = whole if kv_len in (None, max_len) else kv_len
+                if self.dynamic == "marked" and not uses_triton(attn, self.ids.device):
+                    # never the cache's own length: slicing the cache or mask to it is a contiguous view, to
+                    # less a strided one, and dynamo guards on which (allowed.size(1) != kv_len) and recompiled
+                    # at the last bucket; this replay's visible slots end at p + t <= max_len - 1
+                    use = min(use, max_len - 1)
+                graph = self._graph(layout, greedy, want_raw, pool, use, attn)
             if noise is not None:
                 noise.exponential_(1, generator=gen)
             graph.replay()

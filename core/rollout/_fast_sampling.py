@@ -144,7 +144,9 @@ def sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens
         raw_out.index_copy_(1, c, rlp[:, None])
     alive = ~finished
     lengths.add_(alive.long())
-    hit = alive & torch.isin(tok, stop_t)
+    # an explicit compare, not torch.isin: its decomposition picks an algorithm by comparing the two sizes,
+    # a guard on the batch size under dynamic shapes (a recompile when a rung crosses it)
+    hit = alive & (tok[:, None] == stop_t[None, :]).any(-1)
     stopped.logical_or_(hit)
     finished.logical_or_(hit)
     # stage the next step: token `col` goes to key slot p + col at position prompt_len + col

@@ -42,7 +42,8 @@ import torch
 
 from ferrule import envs
 from ferrule.engine_settings import RolloutEngineSettings
-from ferrule.rollout._fast_decode import FastStatic, FusedLayout, base_ptrs, engine_layout, fuse_weights, supported
+from ferrule.rollout._fast_decode import (FastStatic, FusedLayout, base_ptrs, compiles, engine_layout, fuse_weights,
+                                          supported)
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._lora import EmbeddedLoraServing
 from ferrule.rollout._multi_lora import EmbeddedMultiLora
@@ -145,7 +146,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
-        ferrule.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
+        ferrule.formats.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
         NotImplementedError: layer types the engine cannot decode (see below).
 
     Multimodal families (``register_towers``): a request may carry ``media`` (prompt
@@ -227,10 +228,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         self.max_batch = self.settings.max_batch or None
         #: batches padded to the rungs of ``settings.batch_ladder`` (on with CUDA graphs; ``pad_batches``)
         self._pad_batches = bool(self.settings.resolve("pad_batches", self.cuda_graph))
-        self._counters = collections.Counter(decode_shapes=0, graph_captures=0)
+        self._counters = collections.Counter(decode_shapes=0, graph_captures=0, compiles=0)
         self._shapes_seen: set[tuple[int, int]] = set()
         if self.compile_decode:  # compiled kernels and autotune results on disk: a second process reuses them
-            from ferrule.fsutil import default_cache_dir
+            from ferrule.fs.util import default_cache_dir
 
             envs.set_compile_cache_dirs(default_cache_dir() / "compile")
         self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
@@ -265,7 +266,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
         model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
         if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
-            from ferrule.safetensors_io import CheckpointError
+            from ferrule.formats.safetensors_io import CheckpointError
 
             missing = sorted(info["missing_keys"])
             raise CheckpointError(
@@ -345,6 +346,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         if media and self._windows is not None:
             raise ValueError("media in a request: only models decoding through transformers' own cache "
                              "(ferrule.rollout._hf_cache_decode) take media in the embedded engine.")
+        compiled_before = compiles()
         if self._windows is None:  # HF-cache path: one batch per prompt length (no padding)
             # a prompt with media is its own group (its n samples share the media)
             groups: dict[tuple, list[int]] = {}
@@ -374,6 +376,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
             rows = run_continuous(self, prompts, params, sorted(stop_ids), matcher, limit)
         else:
             rows = self._run(prompts, params, sorted(stop_ids), matcher, None, row_slots)
+        self._counters["compiles"] += compiles() - compiled_before
         out = []
         for k, (tokens, lps, raw, reason, *routes) in enumerate(rows):
             i, j = divmod(k, params.n)
@@ -585,12 +588,17 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
           its shape (or a cache hit where torch already compiled it) and its graph captures;
         - ``distinct_shapes``: the ``[batch, max_len]`` buckets seen, sorted;
         - ``graph_captures``: CUDA graphs captured (plain and fast paths; 0 on CPU);
+        - ``compiles``: graphs ``torch.compile`` compiled during this engine's ``generate`` calls (every
+          compiled decode function, recompiles included; one served from the on-disk caches counts too):
+          with ``decode_dynamic: marked`` the fast step compiles once per sampling kind (greedy or sampled,
+          raw logprobs or not, adapters or not), not once per batch rung, cache or attended length;
         - ``batch_ladder``: the rungs a call's rows are padded to (empty: no padding, e.g. on CPU);
         - ``compile_cache``: ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` in force (compiled only).
         """
         return {"decode_shapes": self._counters["decode_shapes"],
                 "distinct_shapes": sorted(list(k) for k in self._shapes_seen),
                 "graph_captures": self._counters["graph_captures"],
+                "compiles": self._counters["compiles"],
                 "batch_ladder": list(self.settings.batch_ladder) if self._pad_batches else [],
                 "compile_cache": {k: envs.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
                 if self.compile_decode else {}}

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -90,16 +91,20 @@ class ToolArithmetic:
         no_tool_penalty: subtracted from a correct answer given without any tool call.
         python_timeout_s / python_memory_mb: the Python tool's limits.
         system_prompt: the system message (None: a short default naming the tool and the format).
+        demo: put one worked exchange before the question (user question, a tool call, the tool's
+            reply, the final number), so a small model sees the format used once (SmolLM2-135M never
+            wrote a tool call from the instructions alone).
     """
 
     def __init__(self, tool: str = "calculator", min_value: int = 10, max_value: int = 99, terms: int = 3,
                  no_tool_penalty: float = 0.5, python_timeout_s: float = 5.0, python_memory_mb: int = 256,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, demo: bool = False) -> None:
         if tool not in ("calculator", "python"):
             raise ValueError(f"tool_arithmetic: tool={tool!r}; expected 'calculator' or 'python'")
         if terms < 2 or min_value > max_value:
             raise ValueError("tool_arithmetic: need terms >= 2 and min_value <= max_value")
         self.tool, self.lo, self.hi, self.terms = tool, int(min_value), int(max_value), int(terms)
+        self.demo = bool(demo)
         self.no_tool_penalty, self.py_timeout, self.py_memory = float(no_tool_penalty), python_timeout_s, python_memory_mb
         arg = "expression" if tool == "calculator" else "code"
         self.system_prompt = system_prompt or (
@@ -117,7 +122,15 @@ class ToolArithmetic:
         return items
 
     def reset(self, item: Mapping[str, Any], seed: int) -> Observation:
-        return Observation([{"role": "system", "content": self.system_prompt},
+        demo = []
+        if self.demo:
+            args = {"expression": "7 * 8"} if self.tool == "calculator" else {"code": "print(7 * 8)"}
+            call = json.dumps({"name": self.tool, "arguments": args})
+            demo = [{"role": "user", "content": "What is 7 * 8?"},
+                    {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                    {"role": "tool", "name": self.tool, "content": "56"},
+                    {"role": "assistant", "content": "56"}]
+        return Observation([{"role": "system", "content": self.system_prompt}, *demo,
                             {"role": "user", "content": str(item["question"])}],
                            tools=[CALCULATOR_SCHEMA if self.tool == "calculator" else PYTHON_SCHEMA],
                            state=_ArithmeticState(float(item["answer"])))

@@ -1,6 +1,6 @@
 """Checkpoint part of the record stage: ``CKPT_DIR/step_NNNNNN/`` = ``engine/``
 (:meth:`~ferrule.megatron.engine.TrainEngine.save`) + ``loop_state.json`` (written last and
-atomically; :mod:`ferrule.run_layout`), pruning to ``checkpoint.keep``; and the resume point.
+atomically; :mod:`ferrule.fs.run_layout`), pruning to ``checkpoint.keep``; and the resume point.
 """
 
 from __future__ import annotations
@@ -8,21 +8,29 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from ferrule.integrity import CheckpointIntegrityError, text_digest
+from ferrule.fs.integrity import CheckpointIntegrityError, text_digest
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RunCheckpointError, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError
 from ferrule.rl.model_identity import MODEL_FILES_KEY, model_changes
 
+
+if TYPE_CHECKING:
+    from ferrule.megatron.engine import TrainEngine
+    from ferrule.rl.config import RLConfig
+    from ferrule.rl.distributed import RankRoles
+    from ferrule.rl.tasks import PromptSampler
+
 __all__ = ["save_checkpoint", "resume_point", "check_model_identity", "read_loop_state", "CHECKSUM_KEY"]
 
-#: Key of ``loop_state.json`` holding the XXH3-64 of the rest (sorted-key JSON; ferrule.integrity).
+#: Key of ``loop_state.json`` holding the XXH3-64 of the rest (sorted-key JSON; ferrule.fs.integrity).
 CHECKSUM_KEY = "checksum"
 
 
-def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampler: Any, cfg: Any,
+def save_checkpoint(engine: TrainEngine, roles: RankRoles, ckpt_dir: Path, step: int, *, sampler: PromptSampler,
+                    cfg: RLConfig,
                     model_files: dict | None = None) -> Path:
     """Write ``ckpt_dir/step_NNNNNN`` (engine + loop state) and prune to ``cfg.checkpoint.keep``.
 
@@ -56,7 +64,7 @@ def save_checkpoint(engine: Any, roles: Any, ckpt_dir: Path, step: int, *, sampl
     return path
 
 
-def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Callable[[str], None],
+def resume_point(engine: TrainEngine, sampler: PromptSampler, cfg: RLConfig, ckpt_dir: Path, log: Callable[[str], None],
                  model_files: dict | None = None) -> int:
     """Load the latest complete checkpoint of ``ckpt_dir`` into ``engine`` and ``sampler``; return
     its step (0 when there is none: a run that died before its first checkpoint restarts, and the
@@ -67,7 +75,7 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
 
     Raises:
         RunCheckpointError: a file of the latest checkpoint is missing, truncated or damaged
-            (:mod:`ferrule.integrity`): the message names it and the previous complete checkpoint.
+            (:mod:`ferrule.fs.integrity`): the message names it and the previous complete checkpoint.
         ConfigError: the checkpoint's config differs in a key that must not change
             (:data:`~ferrule.rl.checkpoints.RESUME_MUTABLE`), the data changed, the model folder's
             weights or tokenizer changed (:func:`check_model_identity`), a LoRA run resumes
@@ -107,7 +115,7 @@ def resume_point(engine: Any, sampler: Any, cfg: Any, ckpt_dir: Path, log: Calla
     return int(step)
 
 
-def check_model_identity(state: dict, cfg: Any, model_files: dict | None, diffs: list[str], path: Path,
+def check_model_identity(state: dict, cfg: RLConfig, model_files: dict | None, diffs: list[str], path: Path,
                          log: Callable[[str], None]) -> list[str]:
     """Compare the checkpoint's record of the model folder (:data:`MODEL_FILES_KEY`) with ``model_files``
     (the folder now); returns ``diffs`` (the config differences), less a ``model.hf_dir`` that only moved.
@@ -141,7 +149,7 @@ def check_model_identity(state: dict, cfg: Any, model_files: dict | None, diffs:
     return [d for d in diffs if d not in moved]
 
 
-def _load_engine(engine: Any, path: Path, state: dict) -> dict:
+def _load_engine(engine: TrainEngine, path: Path, state: dict) -> dict:
     from ferrule.lora.checkpoint import LoraLayoutError
     from ferrule.megatron.checkpoint import CheckpointMismatchError
 
@@ -153,7 +161,7 @@ def _load_engine(engine: Any, path: Path, state: dict) -> dict:
                           origin=str(path)) from None
     except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
         raise ConfigError([f"checkpoint.resume: {exc}"], origin=str(path)) from None
-    except CheckpointIntegrityError as exc:  # a damaged file (ferrule.integrity): name it, offer the one before
+    except CheckpointIntegrityError as exc:  # a damaged file (ferrule.fs.integrity): name it, offer the one before
         raise _offer_previous(exc, path, list_checkpoints(path.parent)) from None
 
 

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
+    from ferrule.specs import TowerSpec
+    from ferrule.rl.tasks import Prompt
+    from ferrule.rollout import GenerateResult
     import torch
 
     from ferrule.rl.batch import Sample
@@ -135,7 +138,7 @@ def version_metrics(rec: StepRecord) -> dict[str, Any]:
             "stale_dropped_samples": rec.stale_dropped}
 
 
-def media_metrics(towers: Sequence[Any], media: Sequence[dict | None]) -> dict[str, int]:
+def media_metrics(towers: Sequence[TowerSpec], media: Sequence[dict | None]) -> dict[str, int]:
     """Per tower modality: the media parts and placeholder tokens of the step's prompts (each
     prompt's ``n`` samples share them)."""
     from ferrule.media import media_token_counts
@@ -166,8 +169,8 @@ def sync_memory_metrics(stats: SyncStats) -> dict[str, int]:
     return {"sync_device_memory_delta_bytes": stats.device_memory_after - stats.device_memory_before}
 
 
-def logged_samples(step: int, prompts: Sequence[Any], results: Sequence[Any], texts: Sequence[str],
-                   rewards: Sequence[Any], advantages: Any, limit: int) -> list[dict[str, Any]]:
+def logged_samples(step: int, prompts: Sequence[Prompt], results: Sequence[GenerateResult], texts: Sequence[str],
+                   rewards: Sequence[RewardResult], advantages: Sequence[float] | np.ndarray, limit: int) -> list[dict[str, Any]]:
     """The first ``limit`` samples of the step as ``samples.jsonl`` entries."""
     return [{"step": step, "prompt_id": prompts[r.prompt_index].id, "sample": r.sample_index,
              "response": texts[i], "answer": prompts[r.prompt_index].answer, "extracted": rewards[i].extracted,

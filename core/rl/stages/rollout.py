@@ -12,19 +12,23 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ferrule.rl import distributed as rl_dist
-from ferrule.rl import sglang_rollout
+from ferrule.rl import rollout_engine
 from ferrule.rl.config import ConfigError
 from ferrule.rl.tasks import has_media
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ferrule.rl.config import DataConfig, RLConfig
+    from ferrule.specs import ChatTemplateSpec, TowerSpec
     from ferrule.rl.distributed import RankRoles
-    from ferrule.rl.tasks import Prompt
+    from ferrule.rl.tasks import Prompt, PromptSource
     from ferrule.rollout import GenerateResult, RolloutEngine, SamplingParams
 
 __all__ = ["prompt_token_ids", "PromptRenderer", "sampling_params", "generate", "generate_rollouts", "decode"]
 
 
-def prompt_token_ids(template: Any, tokenizer: Any, messages: Any,
+def prompt_token_ids(template: ChatTemplateSpec, tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict],
                      chat_template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
     """Token ids of one prompt: the chat template with an open assistant turn, rendered with the
     tokenizer's special tokens and ``data.chat_template_kwargs`` (``tools`` goes to ``tools=``),
@@ -51,14 +55,14 @@ class PromptRenderer:
             (``kind`` is ``"train"`` or ``"eval"``).
     """
 
-    def __init__(self, template: Any, tokenizer: Any, towers: Sequence[Any], hf_config: Mapping[str, Any],
-                 data_cfg: Any) -> None:
+    def __init__(self, template: ChatTemplateSpec, tokenizer: PreTrainedTokenizerBase, towers: Sequence[TowerSpec],
+                 hf_config: Mapping[str, Any], data_cfg: DataConfig) -> None:
         self.template, self.tokenizer, self.towers = template, tokenizer, list(towers)
         self.hf_config, self.data = hf_config, data_cfg
         self.ids_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self.media_cache: dict[tuple[str, int], dict] = {}
 
-    def ids(self, prompt: Any, kind: str) -> tuple[int, ...]:
+    def ids(self, prompt: Prompt, kind: str) -> tuple[int, ...]:
         """Token ids of ``prompt`` (placeholders expanded for its media).
 
         Raises:
@@ -85,7 +89,7 @@ class PromptRenderer:
             self.ids_cache[key] = ids
         return self.ids_cache[key]
 
-    def check_all_media(self, sources: Mapping[str, Any]) -> None:
+    def check_all_media(self, sources: Mapping[str, PromptSource | None]) -> None:
         """Render every prompt with media of ``{kind: source}`` now (bad media stop the run before step 1)."""
         for kind, source in sources.items():
             if source is None:
@@ -100,8 +104,8 @@ def media_of(media_cache: Mapping[tuple[str, int], dict], prompt: Prompt) -> dic
     return media_cache.get(("train", prompt.index), media_cache.get(("eval", prompt.index)))
 
 
-def sampling_params(cfg: Any, stop_ids: Sequence[int], stop_strings: Sequence[str], *, n: int,
-                    temperature: float, max_new_tokens: int, seed: int | None, routes: bool = False) -> Any:
+def sampling_params(cfg: RLConfig, stop_ids: Sequence[int], stop_strings: Sequence[str], *, n: int,
+                    temperature: float, max_new_tokens: int, seed: int | None, routes: bool = False) -> SamplingParams:
     """:class:`~ferrule.rollout.SamplingParams` of ``cfg.rollout`` (greedy: no top-p / top-k); ``routes``:
     ask for the routed experts (the training rollout under ``algorithm.routing_replay``)."""
     from ferrule.rollout import SamplingParams
@@ -110,11 +114,11 @@ def sampling_params(cfg: Any, stop_ids: Sequence[int], stop_strings: Sequence[st
     return SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
                           top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
                           stop_token_ids=tuple(stop_ids), stop=tuple(stop_strings), n=n, seed=seed,
-                          return_raw_logprobs=sglang_rollout.wants_raw_logprobs(cfg, temperature),
+                          return_raw_logprobs=rollout_engine.wants_raw_logprobs(cfg, temperature),
                           return_routed_experts=routes)
 
 
-def decode(tokenizer: Any, results: Sequence[GenerateResult]) -> list[str]:
+def decode(tokenizer: PreTrainedTokenizerBase, results: Sequence[GenerateResult]) -> list[str]:
     """Response texts of ``results`` (special tokens skipped)."""
     return [tokenizer.decode(list(r.token_ids), skip_special_tokens=True) for r in results]
 

@@ -9,9 +9,11 @@ first step (:func:`check_reward_functions`: it must score the task's reference a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
+    from ferrule.rl.config import RLConfig
+    from ferrule.rl.tasks import PromptSource
     from ferrule.rl.rewards import RewardFn, RewardResult
     from ferrule.rl.tasks import Prompt
 
@@ -53,7 +55,7 @@ class Scorer:
         return rewards
 
 
-def check_reward_functions(cfg: Any, pairs: Sequence[tuple[Any, Any]], log: Callable[[str], None]) -> None:
+def check_reward_functions(cfg: RLConfig, pairs: Sequence[tuple[RewardFn | None, PromptSource]], log: Callable[[str], None]) -> None:
     """:func:`ferrule.rl.rewards.check_reward_fn` on each ``(reward_fn, prompt source)`` of ``pairs``
     (train first, then eval; a None function is skipped); prints what the train check found.
 

@@ -10,7 +10,7 @@ user error, whose message it repeats last). ``torchrun ... -m ferrule train`` wo
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
 the run; a bad path or checkpoint; a reward function refused at set-up (it raises on or mis-scores
 the task's reference answers):
-:data:`ferrule.cli_errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
+:data:`ferrule.cli.errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
 saving a checkpoint when ``checkpoint.save_on_interrupt``; :data:`ferrule.rl.driver.STOP_SIGNALS`); 1 other errors.
 """
 
@@ -20,15 +20,24 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ferrule import envs
 
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from rich.console import Console
+
+    from ferrule.rl.config import RLConfig
+    from ferrule.rl.driver import RunResult
+    from ferrule.rl.loop import GRPOTrainer
+
 
 def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = False,
-                   run_dir: Path | None = None):
+                   run_dir: Path | None = None) -> RLConfig:
     """Load the config for the CLI: file (or ``RUN_DIR/config.yaml`` when resuming without one),
     overrides, ``--run-dir``, ``--resume``. Returns the validated ``RLConfig``.
 
@@ -58,7 +67,8 @@ USAGE = ("ferrule train CONFIG [section.key=value ...]   e.g. ferrule train exam
          "ferrule train --help")
 
 
-def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool, stop_after: int | None) -> Any:
+def _train(cfg: RLConfig, console: Console, *, resume: bool, check_weight_update_equal: bool,
+           stop_after: int | None) -> RunResult | None:
     """Build the trainer and run it (None: a ``--resume`` of a run that is already complete); user
     errors exit 2 (printed, recorded), Ctrl-C exits 130; SIGTERM / SIGUSR1 before the loop starts (model
     loading) exit ``128 + signal`` at once (nothing to save yet); in the loop they stop it as Ctrl-C does
@@ -69,7 +79,7 @@ def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: b
 
     from ferrule.rl.driver import STOP_SIGNALS, StopSignal
 
-    def before_the_loop(signum: int, frame: Any) -> None:  # the loop installs its own (finish the step, save)
+    def before_the_loop(signum: int, frame: FrameType | None) -> None:  # the loop installs its own (finish the step, save)
         raise StopSignal(signum)
 
     previous = {}
@@ -87,10 +97,10 @@ def _train(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: b
             signal.signal(s, old)
 
 
-def _run_trainer(cfg: Any, console: Any, *, resume: bool, check_weight_update_equal: bool,
-                 stop_after: int | None) -> Any:
+def _run_trainer(cfg: RLConfig, console: Console, *, resume: bool, check_weight_update_equal: bool,
+                 stop_after: int | None) -> RunResult | None:
     """The body of :func:`_train` (inside its signal handlers)."""
-    from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.cli.errors import print_user_error, user_error_message
     from ferrule.rl.driver import StopSignal
 
     try:
@@ -113,7 +123,7 @@ def _run_trainer(cfg: Any, console: Any, *, resume: bool, check_weight_update_eq
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
-    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli_errors) exit 2, bugs keep a traceback
+    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli.errors) exit 2, bugs keep a traceback
         message = user_error_message(exc)
         if message is None:
             raise
@@ -150,34 +160,55 @@ def train_command(
     """Run GRPO-style RL: prompts -> rollout -> verifier rewards -> advantages -> policy loss -> optimizer step ->
     weight sync, with checkpoints, resume, metrics.jsonl and a reward-curve PNG in the run folder."""
     from rich.console import Console
-
-    from ferrule.cli_errors import print_user_error, user_error_message
-
-    t_start = time.monotonic()
     from transformers.utils import logging as hf_logging
 
+    t_start = time.monotonic()
     hf_logging.disable_progress_bar()  # per-model "Loading weights" bars; the run has its own progress display
     console = Console(stderr=True, soft_wrap=True)
-    if config is None and config_opt is None and not (overrides or set_ or resume or run_dir):
+    _check_arguments(console, config, config_opt, nproc, bool(overrides or set_ or resume or run_dir))
+    cfg = _load_checked(config if config is not None else config_opt,
+                        [*(overrides or []), *(set_ or []),
+                         *(["checkpoint.allow_model_change=true"] if allow_model_change else [])],
+                        resume=resume, run_dir=run_dir, nproc=nproc)
+    if nproc > 1:
+        raise typer.Exit(launch_torchrun(nproc))
+    result = _train(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
+                    stop_after=stop_after)
+    if result is None:  # --resume of a run that is already complete: nothing to do
+        return
+    if envs.rank() != 0:  # the run summary comes from rank 0
+        return
+    _finish(result, console, wall_s=time.monotonic() - t_start, stop_after=stop_after)
+
+
+def _check_arguments(console: Console, config: Path | None, config_opt: Path | None, nproc: int, other_args: bool) -> None:
+    """Exit 2 (before anything loads) on: no arguments at all (prints the usage), CONFIG and --config
+    together, ``--nproc`` below 1 or given inside a torchrun rank."""
+    from ferrule.cli.errors import print_user_error
+
+    if config is None and config_opt is None and not other_args:
         console.print(f"usage: {USAGE}", markup=False, highlight=False)
         raise typer.Exit(2)
     if config is not None and config_opt is not None:
         console.print("error: give the config either as CONFIG or as --config, not both")
         raise typer.Exit(2)
-    under_torchrun = envs.under_torchrun()
-    if nproc < 1 or (nproc > 1 and under_torchrun):
+    if nproc < 1 or (nproc > 1 and envs.under_torchrun()):
         print_user_error(f"--nproc {nproc}: " + ("expected >= 1" if nproc < 1 else "this process is already a "
                                                  "torchrun rank; drop --nproc (torchrun's --nproc-per-node sets it)"))
         raise typer.Exit(2)
-    try:
-        cfg = resolve_config(config if config is not None else config_opt,
-                             [*(overrides or []), *(set_ or []),
-                              *(["checkpoint.allow_model_change=true"] if allow_model_change else [])],
-                             resume=resume, run_dir=run_dir)
-        if nproc > 1:
-            from ferrule.rl.distributed import check_layout
 
+
+def _load_checked(path: Path | None, overrides: list[str], *, resume: bool, run_dir: Path | None,
+                  nproc: int) -> RLConfig:
+    """:func:`resolve_config`, and for ``nproc > 1`` the layout checks that need only the model folder
+    (before torchrun starts any rank). A user's mistake prints one line, is recorded, exits 2."""
+    from ferrule.cli.errors import print_user_error, user_error_message
+
+    try:
+        cfg = resolve_config(path, overrides, resume=resume, run_dir=run_dir)
+        if nproc > 1:
             from ferrule.rl.config import ConfigError
+            from ferrule.rl.distributed import check_layout
             from ferrule.rl.run_checks import model_folder_problems
 
             cfg.check_paths()
@@ -192,18 +223,10 @@ def train_command(
         print_user_error(message)
         _record_exit(2, message)
         raise typer.Exit(2) from None
-    if nproc > 1:
-        raise typer.Exit(launch_torchrun(nproc))
-    result = _train(cfg, console, resume=resume, check_weight_update_equal=check_weight_update_equal,
-                    stop_after=stop_after)
-    if result is None:  # --resume of a run that is already complete: nothing to do
-        return
-    if envs.rank() != 0:  # the run summary comes from rank 0
-        return
-    _finish(result, console, wall_s=time.monotonic() - t_start, stop_after=stop_after)
+    return cfg
 
 
-def _finish(result: Any, console: Any, *, wall_s: float, stop_after: int | None) -> None:
+def _finish(result: RunResult, console: Console, *, wall_s: float, stop_after: int | None) -> None:
     """Print the run summary (rank 0); exit ``128 + signal`` after a stop signal, 130 after Ctrl-C."""
     from ferrule.rl.metrics import METRICS_FILE, read_metrics, run_summary
 
@@ -218,7 +241,7 @@ def _finish(result: Any, console: Any, *, wall_s: float, stop_after: int | None)
         raise typer.Exit(130)
 
 
-def run_is_complete(trainer, found: list, console) -> bool:
+def run_is_complete(trainer: GRPOTrainer, found: list[tuple[int, Path]], console: Console) -> bool:
     """``--resume`` before anything loads: True (and says so) when the run already reached
     ``train.steps``; False when there is something to continue.
 
@@ -286,7 +309,7 @@ def launch_torchrun(nproc: int, argv: list[str] | None = None) -> int:
     import subprocess
     import tempfile
 
-    from ferrule.cli_errors import print_user_error
+    from ferrule.cli.errors import print_user_error
 
     args = _argv_without_nproc(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ferrule-train-exit-") as exit_dir:

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from ferrule.run_layout import find_run_checkpoint, is_run_folder
+from ferrule.fs.run_layout import find_run_checkpoint, is_run_folder
 
 __all__ = ["app", "export_adapter", "import_adapter", "resolve_lora_checkpoint", "settings_from_peft_config"]
 
@@ -41,9 +41,9 @@ def resolve_lora_checkpoint(path: str | Path, step: int | None = None) -> Path:
 
     Raises:
         FileNotFoundError: none of these, or not a LoRA checkpoint (the message says what exists).
-        ferrule.run_layout.RunCheckpointError: a run folder without (that) checkpoint.
+        ferrule.fs.run_layout.RunCheckpointError: a run folder without (that) checkpoint.
     """
-    from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
+    from ferrule.lora.checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
 
     path = Path(path)
     if step is None:
@@ -69,7 +69,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
                    overwrite: bool = False, step: int | None = None, notice=None) -> Path:
     """Copy the PEFT adapter of LoRA checkpoint ``ckpt`` to ``out`` (atomic); returns ``out``.
 
-    ``out`` is written as the converters write theirs (:func:`ferrule.output_dir.prepare_out`):
+    ``out`` is written as the converters write theirs (:func:`ferrule.fs.output_dir.prepare_out`):
     under the kernel lock ``.OUT.lock`` through the temporary sibling ``.OUT.tmp-PID``; leftovers of
     killed writers of ``out`` are removed first and ``notice(message)`` says how much that freed.
 
@@ -79,15 +79,15 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
     Raises:
         FileNotFoundError: ``ckpt`` is not a LoRA train checkpoint (the message says what is missing).
         FileExistsError: ``out`` exists and not ``overwrite``.
-        ferrule.locks.LockedError: another export or conversion is writing ``out`` (names its pid).
-        ferrule.fsutil.DiskFullError: the adapter does not fit on ``out``'s filesystem.
+        ferrule.fs.locks.LockedError: another export or conversion is writing ``out`` (names its pid).
+        ferrule.fs.util.DiskFullError: the adapter does not fit on ``out``'s filesystem.
     """
     from safetensors import safe_open
 
-    from ferrule.output_dir import prepare_out, unlock_output
-    from ferrule.fsutil import commit_dir
+    from ferrule.fs.output_dir import prepare_out, unlock_output
+    from ferrule.fs.util import commit_dir
 
-    from .checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
+    from ferrule.lora.checkpoint import PEFT_CONFIG, PEFT_WEIGHTS
 
     ckpt, out = resolve_lora_checkpoint(ckpt, step), Path(out)
     src = ckpt / "lora"
@@ -115,7 +115,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
 
 def _peft_module_of(key: str) -> str:
     """HF module path of a PEFT tensor key (``base_model.model.M[.base_layer...].lora_A.weight`` -> ``M``)."""
-    from .peft_format import PEFT_PREFIX
+    from ferrule.lora.peft_format import PEFT_PREFIX
 
     path = key.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0]
     while path.endswith(".base_layer"):
@@ -131,7 +131,7 @@ def _resolve_regex_targets(regex: str, adapted: set[str] | None, params: list[st
     a ``target_parameters`` entry (PEFT's ``ParamWrapper`` modules). Returns ``(paths, problem)``:
     ``problem`` is "" or the reason the expression cannot be resolved.
     """
-    from .appliers import peft_name_matches
+    from ferrule.lora.appliers import peft_name_matches
 
     where = f"target_modules={regex!r} is a regular expression (PEFT's re.fullmatch form)"
     if adapted is None:
@@ -172,9 +172,9 @@ def settings_from_peft_config(config: dict, tensors: dict | None = None):
             option ferrule does not train (each named with its value: ``lora_bias``,
             ``exclude_modules``, ``use_dora``, ``rank_pattern``, ``modules_to_save``, ``bias``, ...).
     """
-    from .appliers import peft_name_matches
-    from .peft_format import AdapterFormatError, unsupported_peft_options
-    from .settings import LoraSettings
+    from ferrule.lora.appliers import peft_name_matches
+    from ferrule.lora.peft_format import AdapterFormatError, unsupported_peft_options
+    from ferrule.lora.settings import LoraSettings
 
     bad = unsupported_peft_options(config)
     modules, params = config.get("target_modules"), config.get("target_parameters")
@@ -211,7 +211,7 @@ def import_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, ov
     """
     from ferrule.megatron.engine import TrainEngine
 
-    from .peft_format import load_hf_adapter, read_peft_dir
+    from ferrule.lora.peft_format import load_hf_adapter, read_peft_dir
 
     adapter, base, out = Path(adapter), Path(base), Path(out)
     _check_out(out, overwrite)
@@ -241,9 +241,9 @@ def export_command(
                                                             "(default: the latest).")] = None,
 ) -> None:
     """Write a LoRA checkpoint's adapter as HF PEFT (adapter_model.safetensors + adapter_config.json)."""
-    from ferrule.cli_errors import exit_on_user_errors
+    from ferrule.cli.errors import exit_on_user_errors
 
-    from ferrule.fsutil import sigterm_as_exit
+    from ferrule.fs.util import sigterm_as_exit
 
     with exit_on_user_errors(), sigterm_as_exit():  # SIGTERM: the temporary folder and the lock are removed
         path = export_adapter(ckpt, out, base_model=base_model, overwrite=overwrite, step=step,
@@ -260,7 +260,7 @@ def import_command(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
 ) -> None:
     """Load a PEFT adapter onto its base model and save a LoRA train checkpoint (resumable with lora=)."""
-    from ferrule.cli_errors import exit_on_user_errors
+    from ferrule.cli.errors import exit_on_user_errors
 
     with exit_on_user_errors():
         path = import_adapter(adapter, base, out, overwrite=overwrite)

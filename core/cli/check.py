@@ -81,7 +81,7 @@ def check_command(
             report = run_check(hf_dir, tp=tp, ep=ep, etp=etp, family=family, seqs=seqs, seq_len=seq_len, text=text,
                                atol=atol, grads=grads)
     except Exception as exc:  # noqa: BLE001 - unusable input: one line, exit 2 (the line `ferrule convert` prints)
-        from ferrule.cli_errors import print_user_error, user_error_message
+        from ferrule.cli.errors import print_user_error, user_error_message
 
         print_user_error(user_error_message(exc) or f"{type(exc).__name__}: {exc}")
         raise typer.Exit(code=EXIT_BAD_INPUT) from None

@@ -1,6 +1,6 @@
 """Block-scaled FP8 checkpoints (MXFP8, fine-grained FP8): read dequantized, write re-quantized.
 
-``ferrule.quantized_weights`` is the one place ferrule reads quantized HF weights. An HF
+``ferrule.formats.quantized_weights`` is the one place ferrule reads quantized HF weights. An HF
 checkpoint whose ``config.json`` has ``quantization_config.quant_method`` ``"mxfp8"`` or
 ``"fp8"`` (transformers' ``FineGrainedFP8Config``; e.g. ``thinkingmachines/Inkling-2-Small-MXFP8``)
 stores some weights as 8-bit floats with one shared scale per block:
@@ -18,7 +18,7 @@ stores some weights as 8-bit floats with one shared scale per block:
 
 NVFP4 weights (4-bit E2M1 codes, an ``F8_E4M3`` scale per 16 values, a per-matrix ``amax /
 outer_scale_denominator``: the released Inkling-2-Mini experts) are found by their tensors and
-read by :mod:`ferrule.nvfp4`, with or without a ``quantization_config`` (transformers reads them
+read by :mod:`ferrule.formats.nvfp4`, with or without a ``quantization_config`` (transformers reads them
 without one).
 
 MXFP8 is the OCP Microscaling format (OCP MX spec v1.0: E4M3 elements, E8M0 shared scale, blocks of
@@ -30,7 +30,7 @@ value times a power of two, so it is exact in float32 and bfloat16 alike.
 
 :class:`DequantizingReader` presents such a checkpoint as a plain one (scales hidden, each quantized
 weight returned dequantized in the checkpoint's ``dtype``); :func:`open_hf_weights` returns it or a
-plain :class:`~ferrule.safetensors_io.SafetensorsReader` from the directory's ``config.json``.
+plain :class:`~ferrule.formats.safetensors_io.SafetensorsReader` from the directory's ``config.json``.
 :func:`quantize_mxfp8` is the reverse (transformers' ``Fp8Quantize`` with ``scale_fmt="ue8m0"``:
 the scale is the smallest power of two with ``amax / scale <= 448``), used by ``torch-dist-to-hf
 --keep-quantized``; on values that came from the checkpoint it gives back the same bytes wherever the
@@ -45,8 +45,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferrule.nvfp4 import dequantize_nvfp4, find_nvfp4, has_nvfp4
-from ferrule.safetensors_io import CheckpointError, SafetensorsReader
+from ferrule.formats.nvfp4 import dequantize_nvfp4, find_nvfp4, has_nvfp4
+from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -188,7 +188,7 @@ def requantize_exactly(weight: "torch.Tensor", scales: "torch.Tensor") -> "torch
 
 
 class DequantizingReader:
-    """A :class:`~ferrule.safetensors_io.SafetensorsReader` over a block-scaled FP8 checkpoint,
+    """A :class:`~ferrule.formats.safetensors_io.SafetensorsReader` over a block-scaled FP8 checkpoint,
     seen as the unquantized checkpoint transformers loads from it.
 
     ``keys()`` hides scales and activation scales; ``get(K)`` of a quantized ``K`` is
@@ -200,7 +200,7 @@ class DequantizingReader:
         quantization_config: the config's ``quantization_config`` (:func:`quantization_config_of`).
         dtype: torch dtype name of dequantized tensors (``"bfloat16"``: the config's ``dtype``).
 
-    NVFP4 weights (:func:`ferrule.nvfp4.find_nvfp4`) are found first, in any checkpoint;
+    NVFP4 weights (:func:`ferrule.formats.nvfp4.find_nvfp4`) are found first, in any checkpoint;
     ``quantization_config`` may then be ``{}``.
 
     Raises:
@@ -216,7 +216,7 @@ class DequantizingReader:
         self.root = reader.root
         keys = set(reader.keys())
         problems: list[str] = []
-        # NVFP4 (ferrule.nvfp4): U8 codes + F8_E4M3 block scales + per-matrix amax / denominator
+        # NVFP4 (ferrule.formats.nvfp4): U8 codes + F8_E4M3 block scales + per-matrix amax / denominator
         nvfp4, hidden = find_nvfp4(reader, keys, problems)
         self.quantized: dict[str, QuantizedTensorInfo] = dict(nvfp4)
         for k in sorted(keys - hidden):
@@ -290,7 +290,7 @@ class DequantizingReader:
 
     def get(self, key: str) -> "torch.Tensor":
         """One tensor; a quantized one dequantized (:func:`dequantize_block_fp8`,
-        :func:`ferrule.nvfp4.dequantize_nvfp4`) in :attr:`dtype`.
+        :func:`ferrule.formats.nvfp4.dequantize_nvfp4`) in :attr:`dtype`.
 
         Raises:
             KeyError: no such key (scales are not keys of this view).
@@ -336,9 +336,9 @@ def open_hf_weights(path: str | os.PathLike, hf_config: dict | None = None, dtyp
 
     Returns:
         a :class:`DequantizingReader` when the config has a ``quantization_config`` of
-        :data:`SUPPORTED_METHODS` or the checkpoint holds NVFP4 weights (:mod:`ferrule.nvfp4`: found by
+        :data:`SUPPORTED_METHODS` or the checkpoint holds NVFP4 weights (:mod:`ferrule.formats.nvfp4`: found by
         their tensors, as transformers finds them; no ``quantization_config`` needed, FP8 weights with
-        block scales beside them are then read too), else a plain :class:`~ferrule.safetensors_io.SafetensorsReader`.
+        block scales beside them are then read too), else a plain :class:`~ferrule.formats.safetensors_io.SafetensorsReader`.
 
     Raises:
         CheckpointError: unreadable shards, an unsupported ``quant_method``, an inconsistent quantized checkpoint,

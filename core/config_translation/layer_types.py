@@ -24,17 +24,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .config_translation import (
-    ConfigTranslationError,
-    Derived,
-    Harmless,
+from .decoder import (
     is_per_layer_type_rope,
-    register_shared_rows,
     rope_scaling_from_hf,
     rope_theta_from_hf,
     rope_theta_to_hf,
     rotary_percent_from_hf,
 )
+from .vocabulary import ConfigTranslationError, Derived, Harmless, register_shared_rows
 
 __all__ = ["LAYER_TYPE_ROPE_ENTRIES", "layer_rope_from_hf", "layer_rope_to_hf"]
 

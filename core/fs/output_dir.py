@@ -2,13 +2,13 @@
 writers removed, the free space checked before writing, a full disk named with the sizes.
 
 A conversion writes ``OUT`` through a hidden temporary sibling ``.OUT.tmp-PID`` that is renamed to
-``OUT`` when complete (:func:`ferrule.fsutil.commit_dir`; an ``--overwrite`` renames the old ``OUT``
+``OUT`` when complete (:func:`ferrule.fs.util.commit_dir`; an ``--overwrite`` renames the old ``OUT``
 to ``.OUT.old-HEX`` first); a LoRA export stages its merge in ``.OUT.merge-PID-HEX``. A
 ``kill -9`` leaves those behind (up to the model's size each); the next writer of ``OUT``
 removes them once it holds the lock and says so, keeping any whose PID is alive.
 Used by :mod:`ferrule.converters.checkpoint` (which re-exports these names),
-:mod:`ferrule.converters.export` and ``ferrule lora export`` (:mod:`ferrule.lora.cli`); a foundation
-module (it needs only :mod:`ferrule.fsutil`), so that the LoRA layer may use it.
+:mod:`ferrule.converters.export` and ``ferrule lora export`` (:mod:`ferrule.cli.lora`); a foundation
+module (it needs only :mod:`ferrule.fs.util`), so that the LoRA layer may use it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ferrule.fsutil import DiskFullError, check_free_space, disk_full_message, is_disk_full
+from ferrule.fs.util import DiskFullError, check_free_space, disk_full_message, is_disk_full
 
 __all__ = ["output_lock", "lock_output", "unlock_output", "prepare_out", "remove_stale_outputs",
            "hf_write_bytes", "torch_dist_model_bytes", "disk_full_from", "Notice"]
@@ -44,16 +44,16 @@ def output_lock(out_dir: str | os.PathLike) -> Path:
 
 
 def lock_output(out_dir: str | os.PathLike, overwrite: bool, notice: Notice | None = None) -> None:
-    """Become the one writer of ``out_dir`` (:func:`ferrule.locks.acquire` on :func:`output_lock`),
+    """Become the one writer of ``out_dir`` (:func:`ferrule.fs.locks.acquire` on :func:`output_lock`),
     then remove the leftovers of killed writers of it (:func:`remove_stale_outputs`) and say so
     through ``notice``; release with :func:`unlock_output`.
 
     Raises:
-        ferrule.locks.LockedError: another conversion or export is writing ``out_dir`` (names its pid).
+        ferrule.fs.locks.LockedError: another conversion or export is writing ``out_dir`` (names its pid).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False (checked under the lock, so
             of two conversions started together the second is refused once the first committed).
     """
-    from ferrule import locks
+    from ferrule.fs import locks
 
     out_dir = Path(out_dir).absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def lock_output(out_dir: str | os.PathLike, overwrite: bool, notice: Notice | No
 
 def unlock_output(out_dir: str | os.PathLike) -> None:
     """Release :func:`lock_output` (the lock file is removed)."""
-    from ferrule import locks
+    from ferrule.fs import locks
 
     locks.release(output_lock(out_dir), remove=True)
 
@@ -82,7 +82,7 @@ def _pid_of(tag: str) -> int | None:
 
 def remove_stale_outputs(out_dir: str | os.PathLike) -> list[tuple[Path, int]]:
     """Delete the hidden siblings that killed writers of ``out_dir`` left: ``.NAME.tmp-PID...`` and
-    ``.NAME.merge-PID-HEX`` whose PID is dead, ``.NAME.old-HEX`` (:func:`ferrule.fsutil.commit_dir`), and
+    ``.NAME.merge-PID-HEX`` whose PID is dead, ``.NAME.old-HEX`` (:func:`ferrule.fs.util.commit_dir`), and
     the merge folder's own temporary sibling and lock file (``..NAME.merge-PID-HEX.tmp-PID``,
     ``..NAME.merge-PID-HEX.lock``; the lock files are counted in the result too).
     Call it holding :func:`lock_output` (no other writer of ``out_dir`` is alive then).
@@ -130,9 +130,9 @@ def prepare_out(out_dir: str | os.PathLike, overwrite: bool, needed_bytes: int,
     sibling ``.NAME.tmp-PID`` and return it; the caller unlocks.
 
     Raises:
-        ferrule.fsutil.DiskFullError: the filesystem has less free space than ``needed_bytes``
+        ferrule.fs.util.DiskFullError: the filesystem has less free space than ``needed_bytes``
             (5% margin; "no space left on OUT (needed ~N MB, free M MB)"); the lock is released.
-        ferrule.locks.LockedError, FileExistsError: see :func:`lock_output`.
+        ferrule.fs.locks.LockedError, FileExistsError: see :func:`lock_output`.
     """
     out_dir = Path(out_dir).absolute()
     lock_output(out_dir, overwrite, notice)
@@ -154,7 +154,7 @@ def _files_bytes(folder: Path, skip: tuple[str, ...] = ()) -> int:
 
 
 def hf_write_bytes(reader, dtype: str, hf_dir: str | os.PathLike) -> int:
-    """Bytes a torch_dist conversion of ``reader`` (a :class:`~ferrule.safetensors_io.SafetensorsReader`
+    """Bytes a torch_dist conversion of ``reader`` (a :class:`~ferrule.formats.safetensors_io.SafetensorsReader`
     of ``hf_dir``) writes: each floating tensor in ``dtype``, other tensors as stored, plus the side
     files of ``hf_dir`` (everything but ``*.safetensors``)."""
     total = 0
@@ -180,8 +180,8 @@ def torch_dist_model_bytes(ckpt_dir: str | os.PathLike, dtype: str, skip_prefixe
 
 
 def disk_full_from(exc: BaseException, out_dir: str | os.PathLike, needed_bytes: int | None) -> DiskFullError | None:
-    """A :class:`~ferrule.fsutil.DiskFullError` naming ``out_dir`` and the sizes when ``exc`` is (or wraps, or a
-    worker reported) ``ENOSPC`` (:func:`ferrule.fsutil.is_disk_full`), or a DiskFullError naming another
+    """A :class:`~ferrule.fs.util.DiskFullError` naming ``out_dir`` and the sizes when ``exc`` is (or wraps, or a
+    worker reported) ``ENOSPC`` (:func:`ferrule.fs.util.is_disk_full`), or a DiskFullError naming another
     path (a staging folder); None otherwise (``exc`` already says it, or is no full disk)."""
     if isinstance(exc, DiskFullError):
         if str(exc).startswith(f"no space left on {out_dir} "):

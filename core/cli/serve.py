@@ -64,7 +64,7 @@ def served_bases(base_model: Path | list[Path] | None, model_name: str | list[st
     Raises:
         ValueError: more ``--model-name`` than ``--base-model``, or no base at all.
     """
-    from .registry import parse_models_file
+    from ferrule.serve.registry import parse_models_file
 
     dirs = [] if base_model is None else [base_model] if isinstance(base_model, (str, Path)) else list(base_model)
     names = [] if model_name is None else [model_name] if isinstance(model_name, str) else list(model_name)
@@ -121,12 +121,12 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
         ValueError: no API keys, a key without the ``tml-`` prefix, no base, two bases of one name,
             an unknown ``sampler_dtype``, ``worker_threads < 1``, a bad ``--engine-setting``.
     """
-    from .app import create_app
-    from .backend import MAX_SNAPSHOTS
-    from .paths import load_api_keys
-    from .registry import DEFAULT_MAX_LOADED, BaseRegistry
+    from ferrule.serve.app import create_app
+    from ferrule.serve.backend import MAX_SNAPSHOTS
+    from ferrule.serve.paths import load_api_keys
+    from ferrule.serve.registry import DEFAULT_MAX_LOADED, BaseRegistry
 
-    from .placement import sampler_placement
+    from ferrule.serve.placement import sampler_placement
 
     keys = load_api_keys(api_keys)
     if not keys:  # before the model loads (minutes for a real one)
@@ -196,18 +196,18 @@ def serve_command(
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
 
-    from ferrule.cli_errors import print_user_error
+    from ferrule.cli.errors import print_user_error
 
     configure_logging()
     t0 = time.monotonic()
     try:
-        from .limits import ServeLimits
+        from ferrule.serve.limits import ServeLimits
 
         limits = ServeLimits(max_samples_per_request, max_tokens_per_request, max_lora_rank, max_queued_per_tenant,
                              max_image_bytes, max_image_pixels, max_audio_frames)
         if max_snapshots < 1:
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
-        from .placement import default_worker_threads
+        from ferrule.serve.placement import default_worker_threads
 
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
@@ -249,7 +249,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def stopped_line(app, storage: Path) -> str:
     """The line ``ferrule serve`` prints when it stops: what stays in ``storage`` (the database, the saved
     checkpoints ``checkpoints/<model_id>/<kind>/<name>``) and how many training clients' state was in memory only."""
-    from .store import DB_FILE
+    from ferrule.serve.store import DB_FILE
 
     root = Path(storage).absolute()
     saved = sum(1 for d in (root / "checkpoints").glob("*/*/*") if d.is_dir())

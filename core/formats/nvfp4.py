@@ -1,6 +1,6 @@
 """NVFP4 weights (4-bit E2M1 values, an FP8 scale per 16 values, a per-matrix factor): found and read dequantized.
 
-``ferrule.nvfp4`` is the NVFP4 half of :mod:`ferrule.quantized_weights` (which calls it; read that
+``ferrule.formats.nvfp4`` is the NVFP4 half of :mod:`ferrule.formats.quantized_weights` (which calls it; read that
 module first). The layout is the one of the released Inkling-2-Mini (``inkling2_loop``) checkpoints,
 as transformers 5.24 reads them (``core_model_loading.Inkling2LoopDequantizeExperts`` and the
 ``inkling2_loop_text`` patterns of ``conversion_mapping.py``): a weight ``K`` (e.g.
@@ -153,9 +153,9 @@ def find_nvfp4(reader: Any, keys: set[str], problems: list[str]) -> tuple[dict[s
     malformed one is appended to ``problems`` as one line naming the tensor.
 
     Args:
-        reader: a :class:`~ferrule.safetensors_io.SafetensorsReader` (``shape``, ``dtype_name``).
+        reader: a :class:`~ferrule.formats.safetensors_io.SafetensorsReader` (``shape``, ``dtype_name``).
         keys: its keys.
-        problems: list the caller reports (one :class:`~ferrule.safetensors_io.CheckpointError`).
+        problems: list the caller reports (one :class:`~ferrule.formats.safetensors_io.CheckpointError`).
 
     Returns:
         ``({K: info}, hidden)``: ``info`` is ``{"format": "nvfp4", "scale": K_scale, "amax": K_amax,

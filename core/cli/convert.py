@@ -69,7 +69,7 @@ def _notice(message: str) -> None:
 def _fail(exc: BaseException) -> None:
     """Every conversion error, including torch's ``CheckpointException`` (a ``BaseException``),
     becomes one ``error:`` line and exit code 2; Ctrl-C and exits pass through."""
-    from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.cli.errors import print_user_error, user_error_message
 
     if not isinstance(exc, Exception) and user_error_message(exc) is None:
         raise exc
@@ -98,7 +98,7 @@ def hf_to_torch_dist_cmd(
     HF config, generation config and tokenizer files are stored in OUT_DIR/hf.
     """
     from ferrule.converters.checkpoint import hf_to_torch_dist, hf_to_torch_dist_bytes
-    from ferrule.fsutil import sigterm_as_exit
+    from ferrule.fs.util import sigterm_as_exit
 
     try:
         _check_counts(tp=tp, ep=ep, pp=pp, **({"etp": etp} if etp is not None else {}))
@@ -132,7 +132,7 @@ def torch_dist_to_hf_cmd(
 
     from ferrule.converters.checkpoint import _family_parts, _read_config, dropped_hf_tensors, read_checkpoint_metadata
     from ferrule.converters.checkpoint import torch_dist_to_hf, torch_dist_to_hf_bytes
-    from ferrule.fsutil import sigterm_as_exit
+    from ferrule.fs.util import sigterm_as_exit
 
     try:
         if not max_shard_gb > 0:

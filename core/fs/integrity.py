@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ferrule.safetensors_io import CheckpointError
+from ferrule.formats.safetensors_io import CheckpointError
 
 __all__ = ["CHECKSUMS_FILE", "ALGORITHM", "CheckpointIntegrityError", "file_digest", "text_digest",
            "record_checksums", "verify_checksums"]

@@ -30,13 +30,13 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.megatron.parallel:ParallelLayoutError",
     "ferrule.megatron.checkpoint:CheckpointMismatchError",
     "ferrule.rl.tasks:PromptFileError",
-    "ferrule.fsutil:DiskFullError",                        # a save that does not fit: the folder and sizes
-    "ferrule.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
+    "ferrule.fs.util:DiskFullError",                        # a save that does not fit: the folder and sizes
+    "ferrule.formats.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
     "ferrule.rl.rewards:RewardError",                     # a reward function refused at set-up (raises on a reference answer)
     "ferrule.rl.metrics:RunLogError",                     # a damaged metrics.jsonl / samples.jsonl line
-    "ferrule.locks:LockedError",                          # a run folder / output another process holds
+    "ferrule.fs.locks:LockedError",                          # a run folder / output another process holds
     "ferrule.converters.checkpoint:ConversionError",
-    "ferrule.run_layout:RunCheckpointError",              # a run folder without (that) checkpoint
+    "ferrule.fs.run_layout:RunCheckpointError",              # a run folder without (that) checkpoint
     "ferrule.lora.peft_format:AdapterFormatError",         # a PEFT adapter that does not fit the model
     "ferrule.lora.appliers:LoraTargetError",              # LoRA target_modules that name nothing / part of a fused module
     # dist_checkpointing errors that reach the CLI without going through load_sharded

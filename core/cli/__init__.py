@@ -1,6 +1,11 @@
-"""The ``ferrule`` command line (typer + rich).
+"""The ``ferrule`` command line (typer + rich): the ``ferrule`` app, ``ferrule plugins`` and :func:`main`.
 
-Sub-commands are mounted from their own modules; each imports its heavy dependencies (torch,
+Every other command is a module of this package, mounted by name: ``convert`` (:mod:`.convert`),
+``check`` (:mod:`.check`), ``chat-template`` (:mod:`.chat`), ``lora`` (:mod:`.lora`), ``train``
+(:mod:`.train`), ``plot`` (:mod:`.plot`), ``serve`` (:mod:`.serve`); ``export`` lives with the
+converter it drives (:mod:`ferrule.converters.export`), and plugins add theirs
+(``register_commands``). :mod:`.errors` turns library errors into one-line user errors. Each command
+imports its heavy dependencies (torch,
 megatron, transformers) inside the command body, so ``ferrule --help`` and ``ferrule plugins``
 stay fast and torch-free.
 """
@@ -16,6 +21,7 @@ from rich.table import Table
 import ferrule
 
 from ferrule import envs
+import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 
 app = typer.Typer(
     name="ferrule",
@@ -29,17 +35,17 @@ console = Console()
 
 #: (command name, "module:attr" of a typer app) mounted as sub-command groups.
 _SUBAPPS: tuple[tuple[str, str, str], ...] = (
-    ("convert", "ferrule.converters.cli:app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
-    ("chat-template", "ferrule.cli_chat:chat_template_app", "List and render chat templates (text and token ids)."),
-    ("lora", "ferrule.lora.cli:app", "Export a LoRA checkpoint's adapter as HF PEFT, or import a PEFT adapter."),
+    ("convert", "ferrule.cli.convert:app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
+    ("chat-template", "ferrule.cli.chat:chat_template_app", "List and render chat templates (text and token ids)."),
+    ("lora", "ferrule.cli.lora:app", "Export a LoRA checkpoint's adapter as HF PEFT, or import a PEFT adapter."),
 )
 #: (command name, "module:attr" of a plain function) registered as single commands.
 _COMMANDS: tuple[tuple[str, str], ...] = (
-    ("train", "ferrule.rl.cli_train:train_command"),
-    ("plot", "ferrule.rl.cli_plot:plot_command"),
-    ("check", "ferrule.converters.cli_check:check_command"),
+    ("train", "ferrule.cli.train:train_command"),
+    ("plot", "ferrule.cli.plot:plot_command"),
+    ("check", "ferrule.cli.check:check_command"),
     ("export", "ferrule.converters.export:export_command"),
-    ("serve", "ferrule.serve.cli:serve_command"),
+    ("serve", "ferrule.cli.serve:serve_command"),
 )
 
 
@@ -186,10 +192,10 @@ def main() -> None:
     """Console-script entry point.
 
     User errors that a command did not handle itself (a plugin problem, a bad path, a checkpoint
-    that does not fit; the table is :data:`ferrule.cli_errors.USER_ERRORS`) print one message and
+    that does not fit; the table is :data:`ferrule.cli.errors.USER_ERRORS`) print one message and
     exit with code 2, not a traceback; other exceptions keep their traceback.
     """
-    from ferrule.cli_errors import print_user_error, user_error_message
+    from ferrule.cli.errors import print_user_error, user_error_message
 
     if _MOUNT_ERRORS:
         console.print(f"[red]error:[/red] {_MOUNT_ERRORS[0]}", highlight=False)
