@@ -54,6 +54,13 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",
     "ferrule.plugins.inkling2.vision": "ferrule.plugins.inkling2.towers",
+    # example asset builders and rewards out of the wheel: the ferrule-examples package of a checkout
+    # (examples/ferrule-examples, installed by ./install.sh)
+    "ferrule.plugins.inkling.synthetic": "ferrule_examples.inkling_synthetic",
+    "ferrule.plugins.inkling.shapes": "ferrule_examples.inkling_shapes",
+    "ferrule.plugins.inkling2.synthetic": "ferrule_examples.inkling2_synthetic",
+    "ferrule.plugins.inkling2.shapes": "ferrule_examples.inkling2_shapes",
+    "ferrule.plugins.builder_cli": "ferrule_examples.builder_cli",
 }
 
 #: (module, old attribute) -> "new module:attr".
