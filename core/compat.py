@@ -50,6 +50,13 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.config_layer_types": "ferrule.config_translation.layer_types",
     # the mapping package's table (issue 23's split)
     "ferrule.mapping_table": "ferrule.mapping.table",
+    # the conformance kit as one package
+    "ferrule.testing": "ferrule.conformance.kit",
+    "ferrule.conformance_numeric": "ferrule.conformance.numeric",
+    "ferrule.conformance_tp": "ferrule.conformance.tp",
+    "ferrule.conformance_media": "ferrule.conformance.media",
+    "ferrule.conformance_fields": "ferrule.conformance.fields",
+    "ferrule.conformance_build": "ferrule.conformance.build",
     # family files named by role (issue 43)
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",

@@ -42,7 +42,7 @@ def _gates(model):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """``{family: (train engine, rollout engine, results)}``, one random checkpoint per family."""
-    from ferrule.conformance_numeric import tiny_hf_dir
+    from ferrule.conformance.numeric import tiny_hf_dir
     from ferrule.megatron.engine import TrainEngine
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
