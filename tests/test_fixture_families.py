@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(2400)
 def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
-    """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm)
-    and Gemma-3-text-like (one RoPE per layer type) families: every kit case at TP=1 and TP=2."""
+    """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm),
+    Gemma-3-text-like (one RoPE per layer type) and gpt-oss-like (attention sinks, clamped interleaved SwiGLU
+    experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2."""
     env = plugin_env(tmp_path)
     # -n 0: the repository's addopts say -n auto, and xdist would run the kit's class fixtures
     # (the TP=1 interpreter, the TP=2 launch) once per worker, each family's work twice
@@ -31,11 +32,11 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2350)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
-    # 4 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
+    # 5 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
     # numeric TP=1, numeric TP=2); the 8th case, media logits, does not apply: none has a tower.
-    assert "28 passed, 4 skipped" in summary and "failed" not in summary, summary
+    assert "35 passed, 5 skipped" in summary and "failed" not in summary, summary
     skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert len(skips) == 4 and all("declares no towers" in line for line in skips), "\n".join(skips)
+    assert len(skips) == 5 and all("declares no towers" in line for line in skips), "\n".join(skips)
 
 
 @pytest.mark.timeout(600)
