@@ -5,7 +5,7 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 - Only the in-tree plugins and the example out-of-tree package are visible
   (``FERRULE_PLUGINS=qwen,inkling,inkling2,llama,environments``), so another installed third-party plugin cannot change
   what these tests see; tests that need others set it.
-- The conformance kit ``ferrule.testing`` runs over the in-tree families; the fixture plugins
+- The conformance kit ``ferrule.conformance.kit`` runs over the in-tree families; the fixture plugins
   under tests/fixtures run it in a subprocess (tests/test_fixture_families.py).
 - The process-wide registry is rebuilt around every test.
 """
@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's shar
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-pytest_plugins = ["ferrule.testing", "cpu_report"]  # cpu_report: --cpu-report=N (tests/cpu_report.py)
+pytest_plugins = ["ferrule.conformance.kit", "cpu_report"]  # cpu_report: --cpu-report=N (tests/cpu_report.py)
 
 # Fixture plugin packages carry their own kit tests; tests/test_fixture_families.py runs them in a
 # subprocess where the fixtures are discoverable (tests/fixture_plugins.py).

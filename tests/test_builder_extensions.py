@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ferrule import conformance_numeric as cn  # noqa: E402
+from ferrule.conformance import numeric as cn  # noqa: E402
 
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 9, 2, 4, 2, 8
 
@@ -286,7 +286,7 @@ def test_an_old_option_name_still_builds_with_a_deprecation_warning(mcore):
     import sys
 
     from ferrule.config_translation import ConfigTranslation, Derived
-    from ferrule.conformance_fields import rotary_tables_by_layer
+    from ferrule.conformance.fields import rotary_tables_by_layer
     from ferrule.megatron.gpt_builder import build_from_hf_config
     from ferrule.megatron.parallel import ParallelLayout
     from fixture_plugins import FIXTURES

@@ -45,7 +45,7 @@ def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(dist_pool, tmp_path):
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
     env["FERRULE_SWA_FIXTURE_BAD_TP"] = "1"
     out = tmp_path / "r.json"
-    dist_pool.run(["-m", "ferrule.conformance_tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
+    dist_pool.run(["-m", "ferrule.conformance.tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
                   cwd=ROOT, env=env, timeout=550)
     result = json.loads(out.read_text())["mistral"]
     assert not result["ok"]
@@ -56,7 +56,7 @@ def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(dist_pool, tmp_path):
 @pytest.mark.timeout(300)
 def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_path):
     """transformers refuses attn_implementation='sdpa' for Gemma-2; the family chose 'eager'."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.rollout.embedded import EmbeddedEngine
 
     env = plugin_env(tmp_path, ("ferrule-gemma2-fixture",))
@@ -68,7 +68,7 @@ def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_pa
 @pytest.mark.timeout(300)
 def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
     """A window as long as the test sequence never bites: the kit says so and names the fix."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
     with environment(env):
@@ -80,7 +80,7 @@ def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
 
 
 def test_token_ids_outside_the_vocabulary_are_named():
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     assert cn.test_token_ids(96, 5).shape == (2, 5)
     with pytest.raises(ValueError, match=r"token ids \[96, 200\] are outside the model's vocabulary \[0, 96\)"):
@@ -91,7 +91,7 @@ def test_token_ids_outside_the_vocabulary_are_named():
 def test_kit_compares_rotary_tables_per_layer_type(tmp_path):
     """Gemma-3: the kit compares each layer's RoPE with HF's table for its layer type (before: TypeError,
     rotary_emb needs layer_type); a plugin giving every layer one RoPE fails naming the full-attention layer."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     env = plugin_env(tmp_path, ("ferrule-gemma3-fixture",))
     with environment(env):

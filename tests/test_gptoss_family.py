@@ -37,7 +37,7 @@ PLANTED = {
 @pytest.fixture(scope="module")
 def gptoss_hf(tmp_path_factory):
     """The fixture plugin's env and its tiny HF folder (made once for this module's checks; read only)."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     root = tmp_path_factory.mktemp("gptoss")
     env = plugin_env(root, GPTOSS)
