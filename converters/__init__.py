@@ -3,13 +3,13 @@
 Public API (imported lazily, so ``import ferrule.converters`` stays light):
 
 - :func:`hf_to_torch_dist`, :func:`torch_dist_to_hf`: whole-checkpoint conversion
-  (:mod:`ferrule.converters.checkpoint`); ``ferrule convert`` (:mod:`ferrule.converters.cli`)
+  (:mod:`ferrule.converters.checkpoint`); ``ferrule convert`` (:mod:`ferrule.cli.convert`)
   is the command-line front end.
 - re-exported from the core (the converters import downward only):
   :func:`load_hf_into_mcore`, :func:`export_mcore_to_hf`, :func:`global_param_names`
   (:mod:`ferrule.megatron.weights`, shared with the train engine and weight sync) and
   :class:`SafetensorsReader`, :class:`ShardedSafetensorsWriter`, :class:`CheckpointError`
-  (:mod:`ferrule.safetensors_io`).
+  (:mod:`ferrule.formats.safetensors_io`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ _EXPORTS = {
     "load_hf_into_mcore": "ferrule.megatron.weights",
     "export_mcore_to_hf": "ferrule.megatron.weights",
     "global_param_names": "ferrule.megatron.weights",
-    "SafetensorsReader": "ferrule.safetensors_io",
-    "ShardedSafetensorsWriter": "ferrule.safetensors_io",
-    "CheckpointError": "ferrule.safetensors_io",
+    "SafetensorsReader": "ferrule.formats.safetensors_io",
+    "ShardedSafetensorsWriter": "ferrule.formats.safetensors_io",
+    "CheckpointError": "ferrule.formats.safetensors_io",
 }
 
 __all__ = sorted(_EXPORTS)

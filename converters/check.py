@@ -80,7 +80,7 @@ class CheckReport:
 
 
 def _token_ids(hf_dir: Path, vocab: int, seqs: int, seq_len: int, text: str | None):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     if text is None:
         import torch
@@ -125,7 +125,7 @@ def _round_trip(hf_dir: Path, back: Path, dtype: str | None = None) -> tuple[boo
     import torch
 
     from ferrule.converters import SafetensorsReader
-    from ferrule.quantized_weights import open_hf_weights
+    from ferrule.formats.quantized_weights import open_hf_weights
 
     # an MXFP8 / FP8 / NVFP4 source is compared as transformers reads it: dequantized (the export's default), in the
     # dtype it was converted at (float32 for a quantized source: _convert_and_compare)
@@ -230,7 +230,7 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
 
     from .check_logits import logits_worker
 
-    from ferrule.quantized_weights import DequantizingReader, open_hf_weights
+    from ferrule.formats.quantized_weights import DequantizingReader, open_hf_weights
 
     t0 = time.time()
     # a quantized source is converted at float32: the logits step's HF model dequantizes into float32

@@ -10,7 +10,7 @@ Output layout of :func:`hf_to_torch_dist` (one directory)::
       hf/passthrough.safetensors                           HF tensors the mapping table passes through
                                                            (MappingTable.passthrough; only if any)
       hf/mxfp8_scales.safetensors                          an MXFP8 source's scales (ferrule.converters.quantized)
-      checksums.json                                       size and XXH3-64 of every file (ferrule.integrity)
+      checksums.json                                       size and XXH3-64 of every file (ferrule.fs.integrity)
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict()}`` (``"model0"``,
 ``"model1"``, ... per virtual pipeline stage, as Megatron-LM does); it stores global tensors
@@ -20,7 +20,7 @@ Both directions write into a temporary sibling directory (``.OUT_DIR.tmp-<pid>``
 renamed to ``OUT_DIR`` only once complete; on any error it is deleted, so nothing that looks
 like a checkpoint is left behind. An existing ``OUT_DIR`` is refused unless ``overwrite``.
 The free space is checked before anything is written, and the leftovers of killed conversions
-into ``OUT_DIR`` are removed first (:mod:`ferrule.output_dir`).
+into ``OUT_DIR`` are removed first (:mod:`ferrule.fs.output_dir`).
 Layouts with more than one rank run that many gloo (CPU) or NCCL (GPU) processes via
 ``torch.multiprocessing`` spawn; the requested layout is never changed.
 """
@@ -34,13 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ferrule.fsutil import commit_dir
-from ferrule.integrity import record_checksums, verify_checksums
-from ferrule.quantized_weights import open_hf_weights
-from ferrule.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
+from ferrule.fs.util import commit_dir
+from ferrule.fs.integrity import record_checksums, verify_checksums
+from ferrule.formats.quantized_weights import open_hf_weights
+from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
 
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
-from ferrule.output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
+from ferrule.fs.output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
                          prepare_out, torch_dist_model_bytes, unlock_output)
 from .quantized import drop_quantization_config, mxfp8_bytes_saved, requantizer, restore_quantization_config, source_quantization
 from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
@@ -208,7 +208,7 @@ def _exported_bytes(reader: Any, table: Any, dtype: str, other_dtypes: dict[str,
     :func:`torch_dist_to_hf`'s ``progress`` calls add up to (recorded as ``export_bytes`` in the metadata)."""
     import math
 
-    from ferrule.output_dir import _ITEMSIZE
+    from ferrule.fs.output_dir import _ITEMSIZE
 
     total = 0
     for k in reader.keys():
@@ -280,7 +280,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         ``out_dir`` as an absolute path.
 
     Raises:
-        ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the
+        ferrule.fs.util.DiskFullError: ``out_dir``'s filesystem has less free space than the
             conversion writes (checked first), or a write failed with ``ENOSPC``: "no space left on
             OUT_DIR (needed ~N MB, free M MB)"; nothing is left behind.
         CheckpointError: missing ``config.json``, missing/truncated shard; a provider parameter its model's
@@ -326,7 +326,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
                 "hf_ignored": sorted(k for k in reader.keys() if table.is_ignored(k) and not table.is_passthrough(k)),
                 "megatron_core_version": getattr(megatron.core, "__version__", "unknown")}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        record_checksums(tmp)  # ferrule.integrity: every file's size and hash, verified when it is read
+        record_checksums(tmp)  # ferrule.fs.integrity: every file's size and hash, verified when it is read
         commit_dir(tmp, out_dir)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -444,7 +444,7 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     Returns:
         ``out_dir`` as an absolute path.
 
-    A source checkpoint in MXFP8 (read dequantized, :mod:`ferrule.quantized_weights`) exports
+    A source checkpoint in MXFP8 (read dequantized, :mod:`ferrule.formats.quantized_weights`) exports
     dequantized in ``dtype`` with no ``quantization_config``; ``keep_quantized=True`` writes the tensors it
     stored quantized in its format again (MXFP8: same names, blocks and scale dtype; NVFP4: the source's bytes,
     for unchanged tensors; :mod:`ferrule.converters.quantized`) and restores its ``quantization_config``.
@@ -458,10 +458,10 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     :func:`torch_dist_to_hf_bytes`.
 
     Raises:
-        ferrule.fsutil.DiskFullError: ``out_dir``'s filesystem has less free space than the export
+        ferrule.fs.util.DiskFullError: ``out_dir``'s filesystem has less free space than the export
             writes (the model tensors in the output dtype, from the torch_dist metadata; checked
             first), or a write failed with ``ENOSPC``; nothing is left behind.
-        ferrule.integrity.CheckpointIntegrityError: a file of ``ckpt_dir`` is missing, truncated or
+        ferrule.fs.integrity.CheckpointIntegrityError: a file of ``ckpt_dir`` is missing, truncated or
             damaged (checked against its ``checksums.json`` first; named).
         CheckpointError: ``ckpt_dir`` is not a ferrule torch_dist checkpoint; or the source had
             tensors the table ignores (``Ignore`` rows) without ``unused_by_hf=True`` (the export would lack

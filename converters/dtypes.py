@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ferrule.safetensors_io import CheckpointError
+from ferrule.formats.safetensors_io import CheckpointError
 
 __all__ = ["write_config_dtype"]
 

@@ -35,7 +35,7 @@ from typing import Annotated
 
 import typer
 
-from ferrule.run_layout import RunCheckpointError, find_run_checkpoint
+from ferrule.fs.run_layout import RunCheckpointError, find_run_checkpoint
 
 __all__ = ["EXPORT_DTYPES", "ExportError", "find_run_checkpoint", "export_run", "export_command", "merge_peft_adapter"]
 
@@ -126,18 +126,18 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
     is :func:`ferrule.converters.checkpoint.hf_to_torch_dist`'s (leftovers of killed exports removed).
 
     Raises:
-        ferrule.fsutil.DiskFullError: the export does not fit (checked before writing: the model in
+        ferrule.fs.util.DiskFullError: the export does not fit (checked before writing: the model in
             the written dtype, a LoRA merge's float32 staging copy too) or a write failed with ``ENOSPC``.
         ExportError: see :func:`find_run_checkpoint`.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ValueError: ``dtype`` is not one of :data:`EXPORT_DTYPES`.
-        ferrule.safetensors_io.CheckpointError: the checkpoint does not match its
+        ferrule.formats.safetensors_io.CheckpointError: the checkpoint does not match its
             stored config (:func:`ferrule.converters.checkpoint.load_torch_dist_into_mcore`).
     """
     from ferrule.converters.checkpoint import (TRAINING_STATE_PREFIXES, disk_full_from, lock_output,
                                                read_checkpoint_metadata, torch_dist_model_bytes, torch_dist_to_hf,
                                                unlock_output)
-    from ferrule.fsutil import check_free_space, commit_dir
+    from ferrule.fs.util import check_free_space, commit_dir
 
     out_dir = Path(out_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -187,11 +187,11 @@ def export_command(
     is merged into the base (`ferrule lora export` writes the adapter alone)."""
     from rich.console import Console
 
-    from ferrule.fsutil import DiskFullError
-    from ferrule.locks import LockedError
-    from ferrule.safetensors_io import CheckpointError
+    from ferrule.fs.util import DiskFullError
+    from ferrule.fs.locks import LockedError
+    from ferrule.formats.safetensors_io import CheckpointError
 
-    from ferrule.fsutil import sigterm_as_exit
+    from ferrule.fs.util import sigterm_as_exit
 
     console = Console(stderr=True, soft_wrap=True)
     try:

@@ -1,28 +1,28 @@
 """Block-scaled FP8 (MXFP8) checkpoints in ``ferrule convert``: what the torch_dist checkpoint records
 of the source's quantization, and the MXFP8 export.
 
-``hf-to-torch-dist`` reads a quantized HF checkpoint dequantized (:mod:`ferrule.quantized_weights`);
+``hf-to-torch-dist`` reads a quantized HF checkpoint dequantized (:mod:`ferrule.formats.quantized_weights`);
 the torch_dist holds the dequantized weights, so its ``hf/config.json`` loses ``quantization_config``
 (it describes the weights stored), and ``ferrule_checkpoint.json`` keeps it under
 ``hf_quantization``: ``{"config": quantization_config, "tensors": {hf_key: {"scale": scale key,
 "scale_dtype": "U8", "dtype": "F8_E4M3", "block": [block_m, block_n]}}}``.
 
 The source's scales are kept beside, in ``hf/mxfp8_scales.safetensors`` (one byte per 32 weights; for
-an NVFP4 source (:mod:`ferrule.nvfp4`) its block scales, one byte per 16 weights, and its per-matrix
+an NVFP4 source (:mod:`ferrule.formats.nvfp4`) its block scales, one byte per 16 weights, and its per-matrix
 ``_amax`` / ``_outer_scale_denominator``). An NVFP4 tensor's entry in ``tensors`` also has
 ``"format": "nvfp4"``, ``"amax"``, ``"denominator"`` (their keys) and ``"shape"`` (the dequantized one).
 
 With ``keep_quantized=True`` (``--keep-quantized``; ``mxfp8=True`` / ``--mxfp8`` is its older name, from
 before NVFP4 sources) an NVFP4 source's tensors are written back NVFP4 when they still hold the source's
-values (:func:`ferrule.nvfp4.requantize_nvfp4_exactly`: the source's bytes and side tensors come back);
+values (:func:`ferrule.formats.nvfp4.requantize_nvfp4_exactly`: the source's bytes and side tensors come back);
 a changed (trained) one is refused, named (ferrule has no NVFP4 quantizer; docs/convert.md "NVFP4").
 
 ``torch-dist-to-hf`` writes the dequantized (e.g. bf16) folder by default; with ``keep_quantized=True`` it
 quantizes again every tensor the source stored quantized (same names, block grid and scale dtype)
 and puts ``quantization_config`` back. A tensor that still holds the source's values is written
-with the source's own scales (:func:`ferrule.quantized_weights.requantize_exactly`: the source's
+with the source's own scales (:func:`ferrule.formats.quantized_weights.requantize_exactly`: the source's
 bytes come back); a changed one (trained) gets fresh scales by transformers' rule
-(:func:`ferrule.quantized_weights.quantize_mxfp8`).
+(:func:`ferrule.formats.quantized_weights.quantize_mxfp8`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferrule.quantized_weights import DequantizingReader, quantize_mxfp8, requantize_exactly
-from ferrule.safetensors_io import CheckpointError
+from ferrule.formats.quantized_weights import DequantizingReader, quantize_mxfp8, requantize_exactly
+from ferrule.formats.safetensors_io import CheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -141,7 +141,7 @@ class _Requantize:
 
 def _nvfp4_back(name: str, info: dict, stored: "torch.Tensor", source: dict) -> Iterator[tuple[str, "torch.Tensor"]]:
     """The source's NVFP4 codes of ``stored`` and its side tensors; CheckpointError when ``stored`` changed."""
-    from ferrule.nvfp4 import requantize_nvfp4_exactly
+    from ferrule.formats.nvfp4 import requantize_nvfp4_exactly
 
     sides = [source.get(info[role]) for role in ("scale", "amax", "denominator")]
     codes = None if any(t is None for t in sides) else requantize_nvfp4_exactly(stored, *sides)

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 from ferrule import envs
-from ferrule.fsutil import sigterm_as_exit
-from ferrule.safetensors_io import CheckpointError
+import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
+from ferrule.fs.util import sigterm_as_exit
+from ferrule.formats.safetensors_io import CheckpointError
 
 __all__ = ["ConversionError"]
 

@@ -9,6 +9,8 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 import pluggy
 
+from ferrule import compat
+
 PROJECT_NAME = "ferrule"
 #: Entry-point group that in-tree and third-party plugin packages register under.
 ENTRY_POINT_GROUP = "ferrule"
@@ -22,3 +24,5 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
 
 __all__ = ["hookimpl", "hookspec", "PROJECT_NAME", "ENTRY_POINT_GROUP", "__version__"]
+
+compat.install()  # old import paths of the previous release, with a warning (ferrule.compat: one table)

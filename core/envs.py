@@ -93,7 +93,7 @@ def get(name: str, default: str | None = None) -> str | None:
 
 
 def plugin_file_override(name: str) -> str | None:
-    """A plugin's own file-override variable (``ferrule.fsutil.find_package_file``'s ``env_var``, e.g.
+    """A plugin's own file-override variable (``ferrule.fs.util.find_package_file``'s ``env_var``, e.g.
     ``FERRULE_QWEN_TIKTOKEN``): any name a plugin declares, so not checked against :data:`ENV_VARS`."""
     return os.environ.get(name) or None
 

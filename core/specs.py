@@ -15,7 +15,7 @@ import enum
 import importlib
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -628,9 +628,3 @@ class ToolParserSpec:
         if self.family != "*":
             _check_name("ToolParserSpec", "family", self.family)
         _check_ref(f"ToolParserSpec({self.family})", "parse", self.parse)
-
-
-def spec_field_names(spec_type: type) -> tuple[str, ...]:
-    """Field names of a spec dataclass (used by docs and the conformance kit)."""
-    return tuple(f.name for f in fields(spec_type))
-

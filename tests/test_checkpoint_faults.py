@@ -203,10 +203,10 @@ def test_export_of_a_distcp_with_64_zeroed_bytes_is_refused_naming_the_file(trai
 
 
 def test_checksums_name_a_missing_resized_or_changed_file_and_skip_folders_without_them(tmp_path):
-    """ferrule.integrity against facts computed here: file sizes, and xxhash's digest of the bytes."""
+    """ferrule.fs.integrity against facts computed here: file sizes, and xxhash's digest of the bytes."""
     import xxhash
 
-    from ferrule.integrity import CHECKSUMS_FILE, CheckpointIntegrityError, record_checksums, verify_checksums
+    from ferrule.fs.integrity import CHECKSUMS_FILE, CheckpointIntegrityError, record_checksums, verify_checksums
 
     (tmp_path / "sub").mkdir()
     files = {"a.bin": b"\x00" * 1000, "sub/b.json": b'{"x": 1}\n', "c.txt": b"hello"}
@@ -251,7 +251,7 @@ def test_a_save_that_does_not_fit_is_refused_before_writing_with_the_sizes(asset
     size is compared with what a real save of the same run wrote (the .distcp shards)."""
     from rich.console import Console
 
-    from ferrule.fsutil import DiskFullError
+    from ferrule.fs.util import DiskFullError
     from ferrule.rl.config import load_config
     from ferrule.rl.loop import train
 
@@ -276,7 +276,7 @@ def test_enospc_inside_the_torch_dist_writer_is_reported_as_a_full_disk(assets, 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     from rich.console import Console
 
-    from ferrule.fsutil import DiskFullError
+    from ferrule.fs.util import DiskFullError
     from ferrule.rl.config import load_config
     from ferrule.rl.loop import train
 
@@ -324,7 +324,7 @@ def test_temporary_folders_of_killed_saves_are_removed_on_the_next_run(assets, t
 
 def test_a_hand_edited_json_file_of_a_checkpoint_is_called_changed_not_truncated(tmp_path):
     """Issue 45.7: a shorter but valid ``hf/config.json`` (a key removed by hand) was reported "damaged (truncated)"."""
-    from ferrule.integrity import CheckpointIntegrityError, record_checksums, verify_checksums
+    from ferrule.fs.integrity import CheckpointIntegrityError, record_checksums, verify_checksums
 
     (tmp_path / "hf").mkdir()
     config = {"model_type": "qwen3", "vocab_size": 32, "rope_theta": 1e6}

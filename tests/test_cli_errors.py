@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from ferrule import conformance_numeric as cn
-from ferrule.cli_errors import USER_ERRORS, user_error_message
+from ferrule.conformance import numeric as cn
+from ferrule.cli.errors import USER_ERRORS, user_error_message
 from inproc import run_ferrule
 
 
@@ -38,7 +38,7 @@ def test_torch_dist_not_matching_its_config_is_one_error_line(tmp_path):
     cfg["intermediate_size"] = cfg["intermediate_size"] * 2  # the stored tensors keep the old size
     cfg_file.write_text(json.dumps(cfg))
 
-    # the checkpoint's checksums (ferrule.integrity) name the edited file first: still valid JSON, so "changed since
+    # the checkpoint's checksums (ferrule.fs.integrity) name the edited file first: still valid JSON, so "changed since
     # the save" with how to load it on purpose (issue 45.7), not "damaged (truncated)"
     res = _ferrule("convert", "torch-dist-to-hf", str(ckpt), str(tmp_path / "out"))
     assert res.returncode == 2 and f"error: checkpoint file {cfg_file} was changed since the save" in res.stderr \

@@ -121,8 +121,8 @@ def test_a_prompt_and_response_beyond_a_launched_sglang_servers_context_are_refu
 def test_a_shard_the_index_does_not_name_is_named(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from ferrule import conformance_numeric as cn
-    from ferrule.safetensors_io import CheckpointError, SafetensorsReader
+    from ferrule.conformance import numeric as cn
+    from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "src")
     out = tmp_path / "hf"
@@ -136,7 +136,7 @@ def test_a_shard_the_index_does_not_name_is_named(tmp_path):
 
 
 def test_publishing_a_folder_or_file_fsyncs_before_the_rename(tmp_path, monkeypatch):
-    from ferrule.fsutil import commit_dir
+    from ferrule.fs.util import commit_dir
     from ferrule.rl.checkpoints import atomic_write
 
     events: list[tuple[str, str]] = []

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ferrule import conformance_numeric as cn  # noqa: E402
+from ferrule.conformance import numeric as cn  # noqa: E402
 from ferrule.config_translation import (  # noqa: E402
     ConfigTranslation,
     ConfigTranslationError,
@@ -213,7 +213,7 @@ def test_partial_rotary_logits_match_hf_phi3(mcore):
 def test_layer_type_rope_rows_translate_gemma3_rope_parameters_per_layer():
     """transformers' Gemma3TextConfig keeps one RoPE per layer type; the shared rows give each layer its own
     (before: the flat rope rows refused the nested rope_parameters)."""
-    from ferrule.config_layer_types import LAYER_TYPE_ROPE_ENTRIES
+    from ferrule.config_translation.layer_types import LAYER_TYPE_ROPE_ENTRIES
     from ferrule.config_translation import DECODER_ENTRIES, ConfigTranslation, Require
 
     table = ConfigTranslation("g3", (Require("model_type", ("gemma3_text",)), *DECODER_ENTRIES, *LAYER_TYPE_ROPE_ENTRIES))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from ferrule.converters import CheckpointError, SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
 from ferrule.mapping import MappingError
 
@@ -122,7 +122,7 @@ def test_a_shard_tensor_the_index_omits_is_refused_naming_it(qwen2_dir, tmp_path
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from ferrule.safetensors_io import SafetensorsReader
+    from ferrule.formats.safetensors_io import SafetensorsReader
 
     bad = tmp_path / "hf"
     AutoModelForCausalLM.from_pretrained(qwen2_dir).save_pretrained(bad, max_shard_size="20KB")

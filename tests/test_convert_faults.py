@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 
 #: Runs ``ferrule convert`` (``ferrule.cli.main``); with FAULT_SLOW_WRITE=PREFIX every torch_dist
 #: tensor write of every rank touches PREFIX<pid>, then sleeps. The patch sits at module level so the
@@ -167,7 +167,7 @@ def test_enospc_inside_a_conversion_is_a_full_disk_and_leaves_nothing(qwen2_dir,
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    import ferrule.safetensors_io as sio
+    import ferrule.formats.safetensors_io as sio
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from ferrule.converters import CheckpointError, SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
 from ferrule.converters.checkpoint import hf_to_torch_dist_bytes, read_checkpoint_metadata, torch_dist_to_hf_bytes
-from ferrule.quantized_weights import dequantize_block_fp8, open_hf_weights, quantize_mxfp8, requantize_exactly
+from ferrule.formats.quantized_weights import dequantize_block_fp8, open_hf_weights, quantize_mxfp8, requantize_exactly
 
 #: every Linear of the decoder has both dims a multiple of the 32-wide MXFP8 block
 CASES = {
@@ -129,7 +129,7 @@ def test_mxfp8_source_converts_like_transformers_loads_it(case, tmp_path):
     _hf_model(again)
     # the free-space check sizes an --mxfp8 export as MXFP8 (within 10% of the bytes written; the check adds a 5% margin),
     # not as the bf16 export, which would refuse a disk the MXFP8 folder fits on
-    from ferrule.output_dir import torch_dist_model_bytes
+    from ferrule.fs.output_dir import torch_dist_model_bytes
     from ferrule.converters.quantized import mxfp8_bytes_saved
     from ferrule.converters.checkpoint import TRAINING_STATE_PREFIXES
 
@@ -271,7 +271,7 @@ def test_export_of_a_checkpoint_whose_config_still_says_mxfp8_drops_it(mxfp8_dir
     """A training checkpoint of a run started from an MXFP8 folder keeps that config (with quantization_config)
     in its hf/; its export holds dequantized weights, so the exported config.json must not claim MXFP8
     (transformers would expect weight_scale_inv tensors on GPU)."""
-    from ferrule.integrity import record_checksums
+    from ferrule.fs.integrity import record_checksums
 
     ckpt = hf_to_torch_dist(mxfp8_dir, tmp_path / "td")
     config_path = ckpt / "hf" / "config.json"

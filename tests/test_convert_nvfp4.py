@@ -20,14 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from ferrule.converters import CheckpointError, SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
-from ferrule.nvfp4 import dequantize_nvfp4, e2m1_values
-from ferrule.quantized_weights import open_hf_weights
+from ferrule.formats.nvfp4 import dequantize_nvfp4, e2m1_values
+from ferrule.formats.quantized_weights import open_hf_weights
 
 #: tiny loop model; 2 KV heads everywhere so that TP=2 splits it
 OVERRIDES = {"num_key_value_heads": 2}
-#: E2M1 magnitudes of codes 0..7 (OCP MX v1.0 FP4), written out independently of ferrule.nvfp4
+#: E2M1 magnitudes of codes 0..7 (OCP MX v1.0 FP4), written out independently of ferrule.formats.nvfp4
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: NVFP4's per-tensor scale convention: amax maps to the largest E2M1 (6) times the largest E4M3 (448)
 DENOMINATOR = 6.0 * 448.0
@@ -178,7 +178,7 @@ def test_nvfp4_source_reads_converts_and_exports_as_transformers_loads_it(nvfp4_
 
 def test_nvfp4_exact_requantization():
     """requantize_nvfp4_exactly gives back the codes (-0.0 kept) of unchanged values and None for changed ones."""
-    from ferrule.nvfp4 import requantize_nvfp4_exactly
+    from ferrule.formats.nvfp4 import requantize_nvfp4_exactly
 
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (3, 8, 16), dtype=torch.uint8, generator=g)

@@ -99,7 +99,7 @@ def test_defaults_are_on_where_verified_and_resolve_by_device():
 
 
 def test_serve_engine_setting_flags_parse_typed_and_refuse_bad_items():
-    from ferrule.serve.cli import parse_engine_settings
+    from ferrule.cli.serve import parse_engine_settings
 
     got = parse_engine_settings(["rollout_engine.kv_bucket=128", "train_engine.fused_adam=false"])
     assert got["rollout_engine"].kv_bucket == 128 and got["train_engine"].fused_adam is False

@@ -1,4 +1,4 @@
-"""ferrule.fsutil: atomic directory commit, default permissions, package data files."""
+"""ferrule.fs.util: atomic directory commit, default permissions, package data files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from ferrule.fsutil import apply_default_mode, commit_dir
+from ferrule.fs.util import apply_default_mode, commit_dir
 
 
 def _mode(p) -> int:
@@ -47,7 +47,7 @@ def test_apply_default_mode_on_a_file(tmp_path):
 
 
 def test_find_package_file_env_then_package_location(tmp_path, monkeypatch):
-    from ferrule.fsutil import find_package_file
+    from ferrule.fs.util import find_package_file
 
     pkg = tmp_path / "site" / "fake_vocab_pkg"
     (pkg / "data").mkdir(parents=True)
@@ -75,7 +75,7 @@ def test_a_disk_full_for_an_instant_is_not_reported_with_a_contradicting_free_sp
     import errno
     import shutil
 
-    from ferrule.output_dir import disk_full_from
+    from ferrule.fs.output_dir import disk_full_from
 
     real = shutil.disk_usage
 

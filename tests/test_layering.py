@@ -22,20 +22,19 @@ PACKAGE_DIRS = {"core": "ferrule", "converters": "ferrule.converters", "plugins"
 #: ``ferrule.converters`` count as one unit each). A unit may import its own layer and the layers
 #: below; the cycle test keeps same-layer imports one way.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"ferrule", "ferrule.specs", "ferrule.fsutil", "ferrule.integrity", "ferrule.locks",
-                    "ferrule.cli_errors", "ferrule.safetensors_io", "ferrule.quantized_weights", "ferrule.nvfp4", "ferrule.run_layout", "ferrule.config_translation", "ferrule.config_layer_types", "ferrule.losses", "ferrule.offload",
-                    "ferrule.envs", "ferrule.engine_settings", "ferrule.output_dir", "ferrule.variants"}),
+    ("foundation", {"ferrule", "ferrule.compat", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
+                    "ferrule.config_translation", "ferrule.losses", "ferrule.offload", "ferrule.envs",
+                    "ferrule.engine_settings"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
     ("registry", {"ferrule.registry", "ferrule.plugin_loading"}),
-    ("mapping", {"ferrule.mapping", "ferrule.mapping_table", "ferrule.media", "ferrule.chat", "ferrule.tool_calls"}),
+    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tool_calls"}),
     ("engines", {"ferrule.megatron", "ferrule.rollout"}),
     ("lora", {"ferrule.lora"}),
     ("sync", {"ferrule.sync"}),
-    ("assembly", {"ferrule.plugins", "ferrule.conformance_numeric", "ferrule.conformance_tp", "ferrule.conformance_build",
-                  "ferrule.conformance_fields", "ferrule.conformance_media", "ferrule.testing"}),
+    ("assembly", {"ferrule.plugins", "ferrule.conformance"}),
     ("converters", {"ferrule.converters"}),
     ("launchers", {"ferrule.rl", "ferrule.serve"}),
-    ("cli", {"ferrule.cli", "ferrule.cli_chat", "ferrule.__main__"}),
+    ("cli", {"ferrule.cli", "ferrule.__main__"}),
 ]
 
 
@@ -193,7 +192,7 @@ def test_the_graph_sees_function_level_and_relative_imports(graph):
     ("ferrule.megatron.engine", "from ferrule.lora import apply_lora\n", "engine -> lora"),
     ("ferrule.registry", "def f():\n    from ferrule.megatron.towers import attach_towers\n", "registry -> engine"),
     ("ferrule.lora.peft_experts", "from .peft_format import PEFT_PREFIX\n", "lora three-file circle"),
-    ("ferrule.lora.cli", "from ferrule.rl.checkpoints import find_run_checkpoint\n", "lora cli -> launcher"),
+    ("ferrule.lora.peft_format", "from ferrule.rl.checkpoints import find_run_checkpoint\n", "lora -> launcher"),
     ("ferrule.converters.export", "from ferrule.rl.checkpoints import find_run_checkpoint\n", "export -> launcher"),
 ])
 def test_each_removed_cycle_would_fail(tmp_path, module, source, reintroduced):
@@ -207,3 +206,60 @@ def test_each_removed_cycle_would_fail(tmp_path, module, source, reintroduced):
     graph = import_graph(tmp_path)
     problems = upward_imports(graph) + [" <-> ".join(c) for c in import_cycles(graph)]
     assert problems, f"{reintroduced} went unnoticed"
+
+
+def _doc_layers() -> list[tuple[str, set[str]]]:
+    """The layer table of docs/architecture.md: ``(layer, {ferrule.unit, ...})`` per row, bottom first."""
+    import re
+
+    rows = []
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"[a-z]+", cells[0]) and cells[1].startswith("`"):
+            rows.append((cells[0], {f"ferrule.{u}" for u in re.findall(r"`([\w.]+)`", cells[1])}))
+    return rows
+
+
+def test_architecture_doc_lists_the_same_layers_and_units():
+    """docs/architecture.md's table draws LAYERS: the same layers in the same order, the same units in each
+    (the package root ``ferrule`` is said in prose below the table)."""
+    assert _doc_layers() == [(name, units - {"ferrule"}) for name, units in LAYERS]
+
+
+def test_no_ferrule_code_imports_an_old_path():
+    """The old paths of ferrule.compat are for users' code: ferrule itself, its example plugin and the
+    benchmarks import the new ones."""
+    from ferrule.compat import MOVED_MODULES, RENAMED_NAMES
+
+    old = set(MOVED_MODULES) | {f"{m}.{name}" for m, name in RENAMED_NAMES}
+    found = []
+    for folder in ("core", "converters", "plugins", "examples", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "tests" in path.relative_to(ROOT).parts:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{line} imports {name}"
+                      for name, line in _imported_names("x.y", path) if name in old]
+    assert found == []
+
+
+def test_old_paths_are_the_moved_modules_with_a_warning():
+    """Each old module path of ferrule.compat imports the new module itself (one object) and warns,
+    naming the new path; a renamed attribute warns and is the new object."""
+    import importlib
+    import sys
+
+    from ferrule.compat import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new};"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+        assert module.__spec__.name == new  # the shared module keeps its own spec
+    import ferrule.mapping
+    from ferrule.mapping.vocabulary import ParamMapping
+
+    with pytest.warns(DeprecationWarning, match="ferrule.mapping.Mapping is renamed ParamMapping"):
+        assert ferrule.mapping.Mapping is ParamMapping
+    with pytest.raises(AttributeError, match="has no attribute 'Mappings'"):
+        ferrule.mapping.Mappings

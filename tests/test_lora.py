@@ -34,7 +34,7 @@ PEFT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     root = tmp_path_factory.mktemp("lora")
     return {"qwen2": tw.make_hf_dir(root / "qwen2", family="qwen2"), "llama": lw.make_llama_dir(root / "llama"),
@@ -424,7 +424,7 @@ def test_tp2_matches_world_size_1_and_resumes(dist_pool, dirs, tmp_path):
 
 
 def test_cli_export_and_import(dirs, tmp_path):
-    from ferrule.lora.cli import export_adapter, import_adapter
+    from ferrule.cli.lora import export_adapter, import_adapter
     from ferrule.megatron.engine import TrainEngine
 
     engine = lw.lora_engine(dirs["qwen2"])

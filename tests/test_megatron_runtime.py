@@ -423,3 +423,78 @@ def test_a_layout_change_on_a_kept_process_group_leaves_no_group_behind():
         assert native_threads() <= base + 2, (base, native_threads())
     finally:
         destroy_distributed()
+
+
+def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_path):
+    """megatron keeps an ``lru_cache`` on ``RotaryEmbedding.forward`` (class level, keyed by the module): every
+    model that ran a forward kept its rotary module and that module's process group alive, and a destroyed
+    gloo group still referenced keeps its threads (+3 per tiny model on one CPU rank before
+    ``destroy_distributed`` emptied the cache; in the suite's pool ranks ~880 threads after a dozen jobs)."""
+    import gc
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ferrule.conformance import numeric as cn
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
+    hf_config = json.loads((src / "config.json").read_text())
+
+    def build_run_drop() -> None:
+        init_distributed(ParallelLayout(), seed=3)
+        model = cn._build("qwen2", hf_config, config_overrides={"perform_initialization": False})[0]
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 64, (1, 8)), position_ids=torch.arange(8)[None], attention_mask=None)
+        del model
+        destroy_distributed(keep_process_group=True)
+        gc.collect()
+
+    try:
+        build_run_drop()
+        assert dist.is_initialized()
+        base = len(os.listdir("/proc/self/task"))
+        for _ in range(3):
+            build_run_drop()
+        assert len(os.listdir("/proc/self/task")) <= base + 1, (base, len(os.listdir("/proc/self/task")))
+    finally:
+        destroy_distributed()
+
+
+def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch):
+    """On a machine without CUDA, importing megatron no longer imports torch's inductor (2-5 s per interpreter):
+    ``megatron.core.jit.jit_fuser``, executed through ferrule's import hook, is ``lazy_compile``, which calls
+    ``torch.compile`` at a function's first call (once) and returns what the compiled function returns."""
+    import importlib.util
+
+    import megatron.core
+    import torch
+
+    import ferrule.megatron as fm
+
+    spec = fm._DeferJitFuser().find_spec("megatron.core.jit", megatron.core.__path__)
+    jit = importlib.util.module_from_spec(spec)  # a second copy of megatron's module, executed as on import
+    spec.loader.exec_module(jit)
+    assert jit.jit_fuser is (torch.compile if torch.cuda.is_available() else fm.lazy_compile)
+
+    made = []
+    real_compile = torch.compile
+    # recorded, then compiled with dynamo's eager backend (inductor's C++ build on this CPU would cost ~10 s)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or real_compile(fn, **kw, backend="eager"))
+
+    @fm.lazy_compile
+    def gelu_mul(x, y):
+        return torch.nn.functional.gelu(x) * y
+
+    @fm.lazy_compile(dynamic=False)
+    def add_one(x):
+        return x + 1
+
+    assert made == [] and gelu_mul.__name__ == "gelu_mul"
+    x, y = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(gelu_mul(x, y), torch.nn.functional.gelu(x) * y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gelu_mul(y, x), torch.nn.functional.gelu(y) * x, rtol=1e-12, atol=1e-12)
+    assert made == [{}]  # one torch.compile, at the first call
+    assert torch.equal(add_one(x), x + 1) and made == [{}, {"dynamic": False}]

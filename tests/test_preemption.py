@@ -162,7 +162,7 @@ def _stop(proc: subprocess.Popen) -> tuple[int, str]:
 @pytest.mark.timeout(600)
 def test_sigterm_after_a_logged_step_saves_it_and_resume_equals_an_uninterrupted_run(assets, reference, tmp_path):
     """Before: SIGTERM ended the process at once (exit -15), no checkpoint: the logged steps were lost."""
-    from ferrule.run_layout import list_checkpoints
+    from ferrule.fs.run_layout import list_checkpoints
 
     run_dir = tmp_path / "run"
     proc = _start(assets, run_dir, _env(FAULT_STEP_SLEEP_S="1.5"), "checkpoint.interval=1000")
@@ -182,7 +182,7 @@ def test_sigterm_after_a_logged_step_saves_it_and_resume_equals_an_uninterrupted
 @pytest.mark.timeout(600)
 def test_sigterm_during_a_checkpoint_save_completes_it_and_stops_there(assets, reference, tmp_path):
     """Before: the process died inside the save; step 2's checkpoint was incomplete and ignored."""
-    from ferrule.run_layout import list_checkpoints
+    from ferrule.fs.run_layout import list_checkpoints
 
     run_dir, marker = tmp_path / "run", tmp_path / "writing"
     proc = _start(assets, run_dir, _env(FAULT_SLOW_WRITE=str(marker), FAULT_SLOW_WRITE_S="3"),
@@ -205,7 +205,7 @@ def test_sigusr1_stops_the_cli_run_with_a_checkpoint_and_exit_138(assets, tmp_pa
 
     from ferrule.cli import app
     from ferrule.rl.loop import GRPOTrainer
-    from ferrule.run_layout import list_checkpoints
+    from ferrule.fs.run_layout import list_checkpoints
 
     real_step = GRPOTrainer.train_step
 

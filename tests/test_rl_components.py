@@ -123,6 +123,25 @@ def test_contradictions_reported_together():
         config_from_dict({"model": {"hf_dir": "x"}, "data": {"task": "gcd", "jsonl_path": "p.jsonl"}})
 
 
+def test_system_prompt_preset_is_checked_against_reasoning_gym_only_when_used(monkeypatch):
+    """An unknown preset is named with reasoning-gym's closest name; a run that uses no preset ("none", or a
+    literal ``system_prompt``) does not import reasoning-gym to check it (~6 s of every ``ferrule train`` start)."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    from ferrule.rl import config_checks
+
+    assert "direct" in SYSTEM_PROMPTS
+    with pytest.raises(ConfigError, match="data.system_prompt_preset: 'drect' is unknown; did you mean 'direct'"):
+        config_from_dict({**MINIMAL, "data": {**MINIMAL["data"], "system_prompt_preset": "drect"}})
+
+    def refuse():
+        raise AssertionError("reasoning-gym's presets were read")
+
+    monkeypatch.setattr(config_checks, "_system_prompt_presets", refuse)
+    config_from_dict({**MINIMAL, "data": {**MINIMAL["data"], "system_prompt_preset": "none"}})
+    config_from_dict({**MINIMAL, "data": {**MINIMAL["data"], "system_prompt": "Answer briefly."}})
+
+
 def test_toml_yaml_and_dump_round_trip(tmp_path):
     (tmp_path / "c.toml").write_text('[model]\nhf_dir = "x"\n[data]\ntask = "gcd"\n[data.task_kwargs]\n'
                                      'max_terms = 2\n[optimizer]\nlr = 2e-6\n')
@@ -471,7 +490,7 @@ def test_plot_run_writes_a_decodable_png(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from ferrule.rl.cli_plot import plot_command
+    from ferrule.cli.plot import plot_command
 
     app = typer.Typer()
     app.command("plot")(plot_command)
@@ -491,7 +510,7 @@ def test_plot_comparison_draws_each_run_on_shared_panels(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from ferrule.rl.cli_plot import plot_command
+    from ferrule.cli.plot import plot_command
     from ferrule.rl.plot import COMPARE_PANELS, SMOOTH_STEPS, build_comparison_figure, plot_comparison
 
     rewards = {"a": [0.1 * (s % 5) for s in range(1, 13)], "b": [1.0 - 0.05 * s for s in range(1, 13)]}

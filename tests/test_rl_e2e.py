@@ -204,7 +204,7 @@ def test_resume_equals_uninterrupted_run(assets, config_file, plain_run, tmp_pat
 def test_cli_ctrl_c_saves_and_resumes(assets, config_file, tmp_path):
     """``ferrule train`` in a subprocess: SIGINT -> checkpoint + exit 130; ``--resume --run-dir`` finishes."""
     run_dir = tmp_path / "cli"
-    launcher = "import typer; from ferrule.rl.cli_train import train_command; typer.run(train_command)"
+    launcher = "import typer; from ferrule.cli.train import train_command; typer.run(train_command)"
     env = dict(os.environ, FERRULE_PLUGINS="qwen,inkling")
     cmd = [sys.executable, "-c", launcher, str(config_file), *_overrides(assets, run_dir, 10_000),
            "--set", "checkpoint.interval=1000"]

@@ -159,7 +159,7 @@ def test_lora_grpo_run_syncs_only_the_adapter_and_resumes_exactly(tmp_path):
     # `ferrule lora export` takes the run folder, a step folder or the engine folder alike
     from safetensors.torch import load_file as load_st
 
-    from ferrule.lora.cli import export_adapter
+    from ferrule.cli.lora import export_adapter
 
     step_dir = full / "checkpoints" / "step_000004"
     outs = [export_adapter(src, tmp_path / f"adapter{i}") for i, src in enumerate((full, step_dir, step_dir / "engine"))]

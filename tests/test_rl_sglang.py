@@ -63,7 +63,7 @@ def _sglang_like_parser() -> argparse.ArgumentParser:
 
 
 def test_sglang_args_become_flags_that_argparse_reads_back():
-    from ferrule.rl.sglang_rollout import sglang_launch_args
+    from ferrule.rl.rollout_engine import sglang_launch_args
 
     args = {"mem_fraction_static": 0.7, "tp_size": 2, "enable_lora": True, "disable_radix_cache": False,
             "max_lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"], "attention-backend": "triton",
@@ -80,7 +80,7 @@ def test_sglang_args_become_flags_that_argparse_reads_back():
 
 
 def test_bad_sglang_args_are_refused_together_naming_each_key():
-    from ferrule.rl.sglang_rollout import sglang_launch_args
+    from ferrule.rl.rollout_engine import sglang_launch_args
 
     with pytest.raises(ConfigError) as info:
         sglang_launch_args({"--tp-size": 2, "model_path": "/x", "port": 1234, "context_length": None,
@@ -227,7 +227,7 @@ def test_the_driver_runs_every_shard_with_its_seed_in_order(per_shard, calls):
 
 # ------------------------------------------------------------------------------- the engine
 def test_driver_engine_arguments_launch_or_attach(tmp_path):
-    from ferrule.rl.sglang_rollout import _sglang_engine_kwargs
+    from ferrule.rl.rollout_engine import _sglang_engine_kwargs
 
     run = tmp_path / "run"
     launch = _sglang_engine_kwargs(_cfg(f"logging.run_dir={run}", "model.dtype=bfloat16",
@@ -252,7 +252,7 @@ def _sglang_missing() -> bool:
 def test_a_launch_without_sglang_is_one_config_error(tmp_path):
     import torch
 
-    from ferrule.rl.sglang_rollout import build_rollout_engine
+    from ferrule.rl.rollout_engine import build_rollout_engine
 
     cfg = _cfg(f"logging.run_dir={tmp_path / 'run'}", "rollout.sglang_weight_transport=disk",
                f"model.hf_dir={tmp_path / 'model'}")
@@ -274,7 +274,7 @@ def test_a_launch_without_sglang_is_one_config_error(tmp_path):
 def test_tensor_transport_on_cpu_is_refused_naming_the_key(tmp_path):
     import torch
 
-    from ferrule.rl.sglang_rollout import build_rollout_engine
+    from ferrule.rl.rollout_engine import build_rollout_engine
 
     cfg = _cfg(f"logging.run_dir={tmp_path / 'run'}", "rollout.sglang_url=http://127.0.0.1:9")
     with pytest.raises(ConfigError, match="rollout.sglang_weight_transport: tensor hands the server CUDA IPC"):
@@ -283,7 +283,7 @@ def test_tensor_transport_on_cpu_is_refused_naming_the_key(tmp_path):
 
 
 def test_release_stops_a_launched_server_and_restores_sigterm():
-    from ferrule.rl.sglang_rollout import _stop_on_sigterm, release_rollout_engine
+    from ferrule.rl.rollout_engine import _stop_on_sigterm, release_rollout_engine
     from ferrule.rollout.sglang import SGLangEngine
 
     before = signal.getsignal(signal.SIGTERM)
@@ -336,7 +336,7 @@ def test_sigterm_stops_the_launched_server_then_the_process_dies_of_it(tmp_path)
     script = tmp_path / "driver.py"
     script.write_text(
         "import os, signal, subprocess, sys, time\n"
-        "from ferrule.rl.sglang_rollout import _stop_on_sigterm\n"
+        "from ferrule.rl.rollout_engine import _stop_on_sigterm\n"
         "from ferrule.rollout.sglang import SGLangEngine\n"
         "engine = SGLangEngine(url='http://127.0.0.1:9')\n"
         "engine.process = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
@@ -385,7 +385,7 @@ def test_the_sglang_wiring_gives_the_embedded_runs_metrics_with_the_embedded_eng
     common = json.loads((tiny / "overrides.json").read_text()) + [f"train.steps={steps}"]
     train(load_config(tiny / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'embedded'}"]))
     monkeypatch.setattr("ferrule.rollout.sglang.SGLangEngine", _EmbeddedBehindTheClientInterface)
-    monkeypatch.setattr("ferrule.rl.sglang_rollout._sglang_importable", lambda: True)  # the stand-in plays the server
+    monkeypatch.setattr("ferrule.rl.rollout_engine._sglang_importable", lambda: True)  # the stand-in plays the server
     _EmbeddedBehindTheClientInterface.built = []
     train(load_config(tiny / "tiny.yaml", common + [f"logging.run_dir={tmp_path / 'sglang'}", "rollout.engine=sglang",
                                                     "rollout.sglang_weight_transport=disk"]))
@@ -420,7 +420,7 @@ def test_two_ranks_roll_out_on_the_driver_only_and_match_one_embedded_process(di
 def test_an_attached_url_without_a_server_fails_before_training(tmp_path):
     import torch
 
-    from ferrule.rl.sglang_rollout import build_rollout_engine
+    from ferrule.rl.rollout_engine import build_rollout_engine
     from ferrule.rollout.sglang import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # a port that was free a moment ago: nobody listens

@@ -419,9 +419,9 @@ def test_an_hf_folder_missing_a_weight_is_refused_not_initialised_at_random(tmp_
 
     from safetensors.torch import load_file, save_file
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.rollout.embedded import EmbeddedEngine
-    from ferrule.safetensors_io import CheckpointError
+    from ferrule.formats.safetensors_io import CheckpointError
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "full")
     bad = tmp_path / "bad"

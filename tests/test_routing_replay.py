@@ -28,7 +28,11 @@ warnings.filterwarnings("ignore")
 SEED = 0
 #: std of the noise added to the rollout's router weights (tiny models' router rows have norm ~0.2-1)
 ROUTER_NOISE = 0.3
-PROMPTS = [[3, 4, 5, 6, 7], [8, 9]]
+#: Qwen3-MoE decodes left-padded prompts of different lengths in one batch (its routes are cut out of the padded
+#: batch); the Inkling families decode through transformers' cache, one batch per prompt length, so they get prompts
+#: of one length (one batch: half the decode steps of two lengths)
+PROMPTS = {"qwen3_moe": [[3, 4, 5, 6, 7], [8, 9]], "inkling": [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]]}
+PROMPTS["inkling2"] = PROMPTS["inkling"]
 NEW_TOKENS = 8
 FAMILIES = ["qwen3_moe", "inkling", "inkling2"]
 
@@ -42,7 +46,7 @@ def _gates(model):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """``{family: (train engine, rollout engine, results)}``, one random checkpoint per family."""
-    from ferrule.conformance_numeric import tiny_hf_dir
+    from ferrule.conformance.numeric import tiny_hf_dir
     from ferrule.megatron.engine import TrainEngine
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
@@ -57,22 +61,22 @@ def engines(tmp_path_factory):
                 gate.weight.add_(torch.randn_like(gate.weight) * ROUTER_NOISE)
         params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, n=2, seed=SEED, ignore_eos=True,
                                 return_raw_logprobs=True, return_routed_experts=True)
-        out[fam] = (TrainEngine.from_hf(hf), rollout, rollout.generate(PROMPTS, params))
+        out[fam] = (TrainEngine.from_hf(hf), rollout, rollout.generate(PROMPTS[fam], params))
     return out
 
 
-def _datums(results, routes: bool):
+def _datums(prompts, results, routes: bool):
     from ferrule.megatron.batching import Datum
 
     data = []
     for r in results:
-        seq = PROMPTS[r.prompt_index] + list(r.token_ids)
+        seq = prompts[r.prompt_index] + list(r.token_ids)
         data.append(Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:])}, None,
                           r.routed_experts if routes else None))
     return data
 
 
-def _train_forward(engine, results, routes: bool):
+def _train_forward(engine, prompts, results, routes: bool):
     """(per datum logprobs, per MoE layer the [tokens, E] bool routing maps dispatched, in call order)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -88,7 +92,7 @@ def _train_forward(engine, results, routes: bool):
         layer.preprocess = capture
         saved.append(layer)
     try:
-        lps = engine.forward_logprobs(_datums(results, routes))
+        lps = engine.forward_logprobs(_datums(prompts, results, routes))
     finally:
         for layer in saved:
             del layer.preprocess
@@ -105,7 +109,7 @@ def test_rollout_routes_are_the_hf_routers_choice(engines, family):
 
     _, rollout, results = engines[family]
     for r in results:
-        seq = PROMPTS[r.prompt_index] + list(r.token_ids)
+        seq = PROMPTS[family][r.prompt_index] + list(r.token_ids)
         picked = []
         hooks = [m.register_forward_hook(lambda m, a, o: picked.append(o[2])) for _, m in hf_routers(rollout.model)]
         try:
@@ -125,8 +129,8 @@ def test_train_forward_replays_the_rollout_routes_and_narrows_the_mismatch(engin
     experts = train.moe_routers[0].config.num_moe_experts
     # the data run one micro-batch each (no token budget): datum order = call order, its tokens in one row
     want = [[_as_map(r.routed_experts[:, m], experts) for r in results] for m in range(len(train.moe_routers))]
-    fresh_lp, fresh_maps = _train_forward(train, results, routes=False)
-    replay_lp, replay_maps = _train_forward(train, results, routes=True)
+    fresh_lp, fresh_maps = _train_forward(train, PROMPTS[family], results, routes=False)
+    replay_lp, replay_maps = _train_forward(train, PROMPTS[family], results, routes=True)
     differ = 0
     for m, per_layer in enumerate(want):
         assert [torch.equal(got, w) for got, w in zip(replay_maps[m], per_layer)] == [True] * len(results)
@@ -163,7 +167,7 @@ def test_train_engine_refuses_routes_it_cannot_replay(engines):
 
     train, _, results = engines["qwen3_moe"]
     r = results[0]
-    seq = PROMPTS[r.prompt_index] + list(r.token_ids)
+    seq = PROMPTS["qwen3_moe"][r.prompt_index] + list(r.token_ids)
     target = {"target_tokens": torch.tensor(seq[1:])}
     with pytest.raises(ValueError, match=r"datum 0: routed_experts must be integer ids of shape \(\d+, 2, 2\)"):
         train.forward_logprobs([Datum(seq[:-1], target, None, r.routed_experts[1:])])
@@ -173,29 +177,37 @@ def test_train_engine_refuses_routes_it_cannot_replay(engines):
 
 def test_grpo_step_hands_the_rollout_routes_to_every_train_call(tmp_path, monkeypatch):
     """Two steps of the loop on a tiny Qwen3-MoE with ``algorithm.routing_replay``: every datum of every
-    ``forward_backward`` / ``forward_logprobs`` carries the routes the rollout returned for its tokens."""
+    ``forward_backward`` / ``forward_logprobs`` carries the routes the rollout returned for its tokens. A
+    dense Qwen3 with the switch on is a config error once its train engine is built."""
     import json
 
     from test_rl_e2e import CONFIG, _build_model
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
     from ferrule.megatron.engine import TrainEngine
-    from ferrule.rl.config import load_config
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.rl.build import build_train_engine
+    from ferrule.rl.config import ConfigError, load_config
     from ferrule.rl.loop import GRPOTrainer
     from ferrule.rollout.embedded import EmbeddedEngine
 
     model = tmp_path / "model"
     _build_model(model)  # the character tokenizer (and a dense model, replaced next)
     dense = json.loads((model / "config.json").read_text())
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n"
+                                                 for i in range(16)))
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    overrides = [f"model.hf_dir={model}", f"data.jsonl_path={tmp_path / 'task.jsonl'}",
+                 f"logging.run_dir={tmp_path / 'run'}", "train.steps=2", "train.prompts_per_step=2",
+                 "rollout.n_samples_per_prompt=2", "algorithm.routing_replay=true"]
+    with pytest.raises(ConfigError, match="algorithm.routing_replay: family 'qwen3' has no MoE router"):
+        build_train_engine(load_config(tmp_path / "c.yaml", overrides), ParallelLayout(), torch.float32)
     cfg = AutoConfig.for_model(model_type="qwen3_moe", vocab_size=dense["vocab_size"], eos_token_id=dense["eos_token_id"],
                                pad_token_id=dense["pad_token_id"], hidden_size=32, intermediate_size=48,
                                moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
     torch.manual_seed(SEED)
     Qwen3MoeForCausalLM(cfg).float().save_pretrained(model)
-    (tmp_path / "task.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n"
-                                                 for i in range(16)))
-    (tmp_path / "c.yaml").write_text(CONFIG)
     sent: dict[tuple, torch.Tensor] = {}
     seen: list[tuple[tuple, torch.Tensor | None]] = []
     generate, fb, flp = EmbeddedEngine.generate, TrainEngine.forward_backward, TrainEngine.forward_logprobs
@@ -215,9 +227,6 @@ def test_grpo_step_hands_the_rollout_routes_to_every_train_call(tmp_path, monkey
     monkeypatch.setattr(EmbeddedEngine, "generate", spy_generate)
     monkeypatch.setattr(TrainEngine, "forward_backward", spy(fb))
     monkeypatch.setattr(TrainEngine, "forward_logprobs", spy(flp))
-    GRPOTrainer(load_config(tmp_path / "c.yaml", [
-        f"model.hf_dir={model}", f"data.jsonl_path={tmp_path / 'task.jsonl'}", f"logging.run_dir={tmp_path / 'run'}",
-        "train.steps=2", "train.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-        "algorithm.routing_replay=true"])).run()
+    GRPOTrainer(load_config(tmp_path / "c.yaml", overrides)).run()
     assert len(seen) == 2 * 2 * 2 * 2  # 2 steps x 4 samples, forward_logprobs (use_tis) + forward_backward
     assert all(routes is not None and torch.equal(routes, sent[ids]) for ids, routes in seen)

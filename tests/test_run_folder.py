@@ -100,7 +100,7 @@ def test_bare_ferrule_train_prints_a_usage_line():
 
 def _holder(lock: Path, *args: str) -> subprocess.Popen:
     """A process that holds ``lock`` (as the live trainer would) until killed."""
-    code = ("import sys, time; from ferrule import locks; locks.acquire(sys.argv[1], 'x'); print('held', flush=True); "
+    code = ("import sys, time; from ferrule.fs import locks; locks.acquire(sys.argv[1], 'x'); print('held', flush=True); "
             "time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(lock), *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -125,7 +125,7 @@ def test_a_second_trainer_on_a_run_folder_exits_2_naming_the_holder(tiny, tmp_pa
     assert not (run_dir / "metrics.jsonl").exists()
 
     # the holder was killed: the kernel dropped its lock, nothing stale is left
-    from ferrule import locks
+    from ferrule.fs import locks
 
     locks.acquire(run_dir / RUN_LOCK_FILE, "run folder")
     locks.release(run_dir / RUN_LOCK_FILE, remove=True)
@@ -133,7 +133,7 @@ def test_a_second_trainer_on_a_run_folder_exits_2_naming_the_holder(tiny, tmp_pa
 
 @pytest.mark.timeout(240)
 def test_a_second_conversion_into_one_out_is_refused(tmp_path):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.converters.checkpoint import output_lock
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
@@ -182,7 +182,7 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
 ], ids=["metrics-garbage", "metrics-not-object", "metrics-twice", "metrics-repeated", "samples-garbage",
         "samples-order", "samples-no-step"])
 def test_a_damaged_log_is_refused_naming_the_file_and_line(tmp_path, name, text, line, says):
-    from ferrule.cli_errors import user_error_message
+    from ferrule.cli.errors import user_error_message
     from ferrule.rl.metrics import MetricsLogger, RunLogError
     from ferrule.rl.stages.record import truncate_samples
 

@@ -111,7 +111,7 @@ def test_full_house_refuses_naming_the_limit_until_unload_model(multi, bases):
 
 
 def test_models_file_and_repeated_base_model(bases, tmp_path):
-    from ferrule.serve.cli import served_bases
+    from ferrule.cli.serve import served_bases
 
     (tmp_path / "models.txt").write_text(f"# teacher and reference\n{bases[1]} teacher\n\nrel-dir\n")
     got = served_bases([bases[0]], ["student"], tmp_path / "models.txt")

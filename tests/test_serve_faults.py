@@ -70,7 +70,7 @@ def test_ctrl_c_while_the_base_loads_prints_one_line(tmp_path, monkeypatch):
     no traceback, and nothing in --storage (it exited 130 silently)."""
     from typer.testing import CliRunner
 
-    import ferrule.serve.cli as serve_cli
+    import ferrule.cli.serve as serve_cli
     from ferrule.cli import app
 
     def interrupted(*args, **kwargs):
@@ -89,7 +89,7 @@ def test_ctrl_c_while_the_base_loads_prints_one_line(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     root = tmp_path_factory.mktemp("serve_moe")
     srv = RunningServer(cn.tiny_hf_dir("qwen3_moe", root / "tiny-qwen3-moe"), root / "storage")

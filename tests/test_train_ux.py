@@ -163,7 +163,7 @@ def test_a_damaged_model_folder_is_one_line_naming_the_file_before_any_model_loa
 
 
 def test_nonexistent_hf_path_says_does_not_exist(tmp_path):
-    from ferrule.converters.safetensors_io import CheckpointError, SafetensorsReader
+    from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader
     from ferrule.rl.config import ConfigError
 
     with pytest.raises(CheckpointError, match="does not exist"):

@@ -35,7 +35,7 @@ def is_per_layer_type_rope(hf: Mapping[str, Any]) -> bool:
     """Whether ``rope_parameters`` holds one RoPE per layer type (Gemma-3:
     ``{"sliding_attention": {...}, "full_attention": {...}}``, keyed by the ``layer_types`` values).
 
-    Such a config is translated by :data:`ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES`
+    Such a config is translated by :data:`ferrule.config_translation.layer_types.LAYER_TYPE_ROPE_ENTRIES`
     (model option ``layer_rope``); the flat rows (:data:`ROPE_SCALING_ENTRIES`) then produce
     their neutral values (no scaling, full rotary) for the unused model-wide table.
     """
@@ -370,7 +370,7 @@ COMMON_HARMLESS: tuple = (
     Harmless("transformers_version", "provenance only"),
     Harmless("dtype", "storage dtype of the checkpoint; conversion keeps each tensor's dtype"),
     Harmless("torch_dtype", "transformers-4 spelling of dtype (storage dtype only)"),
-    Harmless("quantization_config", "storage format of the weights: ferrule.quantized_weights reads MXFP8 / FP8 "
+    Harmless("quantization_config", "storage format of the weights: ferrule.formats.quantized_weights reads MXFP8 / FP8 "
              "dequantized as transformers does and refuses every other quant_method"),
     Harmless("_name_or_path", "provenance only"),
     Harmless("_model_name_or_path", "provenance only (written by transformers' GGUF loader, e.g. SmolLM2's)"),

@@ -179,7 +179,7 @@ _SHARED_ROWS: dict[int, str] = {}
 
 def register_shared_rows(name: str, rows: tuple) -> None:
     """Mark ``rows`` as ferrule's shared rows (named ``name`` in overlap warnings); for modules that
-    define shared rows beside this one (:mod:`ferrule.config_layer_types`)."""
+    define shared rows beside this one (:mod:`ferrule.config_translation.layer_types`)."""
     for row in rows:
         _SHARED_ROWS.setdefault(id(row), name)
 

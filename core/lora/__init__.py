@@ -26,7 +26,7 @@ _LAZY = {
     "hf_adapter_state_dict": "ferrule.lora.peft_format", "peft_config": "ferrule.lora.peft_format",
     "load_hf_adapter": "ferrule.lora.peft_format", "AdapterFormatError": "ferrule.lora.peft_format",
     "read_peft_dir": "ferrule.lora.peft_format", "LoraTargetError": "ferrule.lora.appliers",
-    "settings_from_peft_config": "ferrule.lora.cli", "checkpoint_settings": "ferrule.lora.settings",
+    "settings_from_peft_config": "ferrule.cli.lora", "checkpoint_settings": "ferrule.lora.settings",
 }
 
 

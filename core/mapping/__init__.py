@@ -14,16 +14,16 @@ Modules, imported in one direction only (no cycle):
 - :mod:`ferrule.mapping.decoder`: shared rows and update groups for Llama-shaped decoders.
 
 ``Mapping`` is the old name of :class:`ParamMapping` (it clashed with
-``collections.abc.Mapping``); it still works for this release and warns
-(``DeprecationWarning``). ``ferrule.mapping_table`` is the old path of
-:mod:`ferrule.mapping.table`. Importing this package imports no torch.
+``collections.abc.Mapping``) and ``ferrule.mapping_table`` the old path of
+:mod:`ferrule.mapping.table`; both still work for this release and warn (``DeprecationWarning``;
+listed in :mod:`ferrule.compat`). Importing this package imports no torch.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
+from ferrule.compat import renamed_name
 from ferrule.mapping.experts import ExpertFuseGateUp, ExpertRename, StackExperts, StackExpertsInterleaved
 from ferrule.mapping.table import HFAssembler, MappingTable
 from ferrule.mapping.vocabulary import (
@@ -60,9 +60,5 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # PEP 562 deprecation shim for the old row-type name (not an import-cycle workaround).
-    if name == "Mapping":
-        warnings.warn("ferrule.mapping.Mapping is renamed ParamMapping (it clashed with collections.abc.Mapping); "
-                      "the old name goes away in the next release.", DeprecationWarning, stacklevel=2)
-        return ParamMapping
-    raise AttributeError(f"module 'ferrule.mapping' has no attribute {name!r}")
+    # PEP 562: the old names of ferrule.compat.RENAMED_NAMES (not an import-cycle workaround)
+    return renamed_name(__name__, name)

@@ -12,7 +12,7 @@ Layout of a checkpoint directory (a superset of :mod:`ferrule.converters.checkpo
       lora/adapter_model.safetensors, adapter_config.json  LoRA runs: the full adapter in HF PEFT format
       hf/config.json                                       the HF config the model was built from
       hf/generation_config.json, hf/tokenizer*, ...        the source HF folder's side files (hf_side_files)
-      checksums.json                                       size and XXH3-64 of every file above (ferrule.integrity),
+      checksums.json                                       size and XXH3-64 of every file above (ferrule.fs.integrity),
                                                            written last, verified before a load reads anything
 
 The sharded state dict is ``{"model": GPTModel.sharded_state_dict(), "optimizer":
@@ -57,9 +57,9 @@ from typing import Any
 
 import torch
 
-from ferrule.fsutil import (DiskFullError, check_free_space, commit_dir, disk_full_message, is_disk_full,
+from ferrule.fs.util import (DiskFullError, check_free_space, commit_dir, disk_full_message, is_disk_full,
                             temp_dir_name)
-from ferrule.integrity import record_checksums, verify_checksums
+from ferrule.fs.integrity import record_checksums, verify_checksums
 
 from .ckpt_writer import in_process_writer
 
@@ -129,13 +129,13 @@ def check_sharded_coverage(model_chunks: list, sharded_state_dict: dict) -> None
     naming the tensor but not the cause.
 
     Raises:
-        ferrule.safetensors_io.CheckpointError: the parameters missing (named, with the fix: the module that owns
+        ferrule.formats.safetensors_io.CheckpointError: the parameters missing (named, with the fix: the module that owns
             them must return them from its ``sharded_state_dict()``).
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from ferrule.safetensors_io import CheckpointError
+    from ferrule.formats.safetensors_io import CheckpointError
 
     held = set()
     for value in nested_values(sharded_state_dict):
@@ -226,7 +226,7 @@ def load_sharded(sharded_state_dict: dict, directory: str | os.PathLike, *, veri
     the files are first checked against the folder's ``checksums.json`` (:func:`verify_checkpoint_files`).
 
     Raises:
-        ferrule.integrity.CheckpointIntegrityError: a file is missing, truncated or damaged (named).
+        ferrule.fs.integrity.CheckpointIntegrityError: a file is missing, truncated or damaged (named).
         CheckpointMismatchError: the checkpoint does not fit the template; the message names
             ``directory`` and the first rank's cause, e.g. ``Global shape mismatch for loaded
             (torch.Size([2, 96, 32])) and expected ((2, 128, 32)) tensor for key
@@ -276,11 +276,11 @@ def _all_gather(obj: Any) -> list:
 
 
 def verify_checkpoint_files(directory: str | os.PathLike) -> bool:
-    """:func:`ferrule.integrity.verify_checksums` of a torch_dist folder, shared by this job's ranks
+    """:func:`ferrule.fs.integrity.verify_checksums` of a torch_dist folder, shared by this job's ranks
     (collective when ``torch.distributed`` is initialized). Returns False for a folder without checksums.
 
     Raises:
-        ferrule.integrity.CheckpointIntegrityError: names the first missing or damaged file.
+        ferrule.fs.integrity.CheckpointIntegrityError: names the first missing or damaged file.
     """
     return verify_checksums(directory, rank=_rank(), world=_world(), gather=_all_gather)
 
@@ -434,7 +434,7 @@ def _state_bytes(tree: Any) -> int:
 
 def _check_space(tmp: Path, state: dict, lora_state: dict | None, path: Path) -> int:
     """The save's size (all ranks' tensors; collective), refused with :class:`DiskFullError` (naming
-    ``path``) on every rank when ``tmp``'s filesystem has less free space (:func:`ferrule.fsutil.check_free_space`)."""
+    ``path``) on every rank when ``tmp``'s filesystem has less free space (:func:`ferrule.fs.util.check_free_space`)."""
     local = _state_bytes(state) + _state_bytes(lora_state or {})
     needed = sum(_all_gather(local)) if _world() > 1 else local
     problem = None
@@ -496,7 +496,7 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
 
     Raises:
         FileNotFoundError: ``path`` is not a torch_dist checkpoint.
-        ferrule.integrity.CheckpointIntegrityError: a file is missing, truncated or damaged
+        ferrule.fs.integrity.CheckpointIntegrityError: a file is missing, truncated or damaged
             (checked against ``checksums.json`` before anything is read; the message names it).
         ValueError: ``load_optimizer`` on a checkpoint without optimizer state.
         CheckpointMismatchError: the checkpoint's tensors do not fit this model, or a MoE

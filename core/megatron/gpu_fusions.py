@@ -180,16 +180,6 @@ def enable_grad_accum_fusion(chunks: list) -> int:
     return n
 
 
-def disable_grad_accum_fusion(chunks: list) -> None:
-    """Undo :func:`enable_grad_accum_fusion` (weight gradients through ``weight.grad`` again)."""
-    from megatron.core.tensor_parallel import layers
-
-    for chunk in chunks:
-        for m in chunk.modules():
-            if isinstance(m, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
-                m.gradient_accumulation_fusion = False
-
-
 def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for megatron's no-Apex ``local_multi_tensor_l2_norm`` (which runs one ``torch.norm``
     per tensor and then copies every per-tensor norm to the host, one synchronisation each):

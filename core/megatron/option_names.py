@@ -26,7 +26,7 @@ BUILDER_READ_OPTIONS = ("activation", "core_attention")
 #: Options of earlier releases that still build, migrated with a ``FutureWarning``: old name -> replacement
 #: (the migration itself: ``ferrule.megatron.gpt_builder.DEPRECATED_MODEL_OPTIONS``).
 DEPRECATED_OPTION_NAMES = {
-    "local_rotary_base": "the layer_rope option (ferrule.config_layer_types.LAYER_TYPE_ROPE_ENTRIES in the "
+    "local_rotary_base": "the layer_rope option (ferrule.config_translation.layer_types.LAYER_TYPE_ROPE_ENTRIES in the "
                          "translation, instead of a local_rotary_base row)",
 }
 

@@ -175,11 +175,11 @@ def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mappi
         MappingError: a live parameter without a mapping, HF keys missing or unknown
             (neither mapped nor ignored; checked across all ranks), or a shape that does not
             fit; every offender is listed, and nothing has been copied yet.
-        ferrule.safetensors_io.CheckpointError: the directory is not a readable safetensors checkpoint.
+        ferrule.formats.safetensors_io.CheckpointError: the directory is not a readable safetensors checkpoint.
     """
     import torch
 
-    from ferrule.quantized_weights import open_hf_weights
+    from ferrule.formats.quantized_weights import open_hf_weights
 
     ranks = ParallelRanks.current()
     # MXFP8 / FP8 / NVFP4 weights are read dequantized, straight into the model's dtype (NVFP4 values depend on it)

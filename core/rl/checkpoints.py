@@ -1,6 +1,6 @@
 """Checkpoint folders of the RL loop: the resume config check, atomic small-file writes.
 
-The folder layout itself (listing, finding a run's checkpoint) is :mod:`ferrule.run_layout`,
+The folder layout itself (listing, finding a run's checkpoint) is :mod:`ferrule.fs.run_layout`,
 re-exported here.
 
 ``CKPT_DIR/step_NNNNNN/`` holds ``engine/`` (:meth:`ferrule.megatron.engine.TrainEngine.save`)
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ferrule.fsutil import apply_default_mode, fsync_dir
-from ferrule.run_layout import (LOOP_STATE_FILE, RunCheckpointError, find_run_checkpoint,  # noqa: F401  (re-exported)
+from ferrule.fs.util import apply_default_mode, fsync_dir
+from ferrule.fs.run_layout import (LOOP_STATE_FILE, RunCheckpointError, find_run_checkpoint,  # noqa: F401  (re-exported)
                                 list_checkpoints)
 
 #: Keys that may change between a run and its resume (everything else must match).

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from ferrule.run_layout import CONFIG_FILE_NAME
+from ferrule.fs.run_layout import CONFIG_FILE_NAME
 from ferrule.rl.config_schema import (  # noqa: F401  (re-exported: the config's public names live here)
     SECTIONS, AgentConfig, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, LoraConfig, ModelConfig,
     OptimizerConfig, ParallelConfig, RewardConfig, RLConfig, RolloutConfig, TrainConfig)

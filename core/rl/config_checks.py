@@ -40,7 +40,7 @@ def _near(value: str, choices: list[str]) -> str:
 
 def validate_config(cfg: RLConfig) -> list[str]:
     """Every range error and contradiction in ``cfg`` (empty list: valid). No file access."""
-    from ferrule.rl.sglang_rollout import sglang_config_problems
+    from ferrule.rl.rollout_engine import sglang_config_problems
 
     problems: list[str] = []
     for check in (_model_and_parallel_layout_problems, _rollout_problems, sglang_config_problems, _data_problems,
@@ -163,10 +163,11 @@ def _data_problems(cfg: RLConfig) -> list[str]:
         p.append("data.task_kwargs: only used with data.task (reasoning-gym); remove it")
     if d.size < 1:
         p.append(f"data.size: must be >= 1, got {d.size}")
-    presets = _system_prompt_presets()
-    if d.system_prompt_preset != "none" and d.system_prompt_preset not in presets:
-        p.append(f"data.system_prompt_preset: {d.system_prompt_preset!r} is unknown; "
-                 f"{_near(d.system_prompt_preset, presets + ['none'])}")
+    if d.system_prompt_preset != "none" and not d.system_prompt:  # reasoning-gym's import costs ~6 s: only when used
+        presets = _system_prompt_presets()
+        if d.system_prompt_preset not in presets:
+            p.append(f"data.system_prompt_preset: {d.system_prompt_preset!r} is unknown; "
+                     f"{_near(d.system_prompt_preset, presets + ['none'])}")
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(d.prompt_template) if f is not None]
         if fields != ["question"]:

@@ -11,7 +11,7 @@ differ only in these roles:
 - **rollout ranks**: the first rank of every data-parallel replica (``tp_rank == pp_rank ==
   0``), listed by DP rank; each holds an embedded rollout engine. The driver is the first.
   With ``rollout.engine: sglang`` the driver is the only rollout rank (it drives the server;
-  :mod:`ferrule.rl.sglang_rollout`), so every shard runs there and nothing is fanned out.
+  :mod:`ferrule.rl.rollout_engine`), so every shard runs there and nothing is fanned out.
 - the other ranks only train.
 
 Rollout shards (:func:`plan_shards`): the step's prompts, in sampler order, are cut into shards

@@ -137,8 +137,8 @@ class RunDriver:
 
     def _remove_stale_temp_dirs(self) -> None:
         """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
-        (:func:`ferrule.fsutil.remove_stale_temp_dirs`) and say so; the driver only."""
-        from ferrule.fsutil import remove_stale_temp_dirs
+        (:func:`ferrule.fs.util.remove_stale_temp_dirs`) and say so; the driver only."""
+        from ferrule.fs.util import remove_stale_temp_dirs
 
         if not self.trainer.roles.is_driver:
             return

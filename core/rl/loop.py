@@ -55,7 +55,7 @@ every data-parallel replica's first rank generates its rollout shards, and every
 the same batch (:mod:`ferrule.rl.distributed`). Rollouts are cut into shards of
 ``rollout.prompts_per_shard`` prompts with one seed each, so a run samples the same responses at
 any world size for the same ``prompts_per_shard``. With ``rollout.engine: sglang`` the driver alone
-drives an SGLang server and runs every shard (:mod:`ferrule.rl.sglang_rollout`).
+drives an SGLang server and runs every shard (:mod:`ferrule.rl.rollout_engine`).
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ferrule import envs
+import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 from ferrule.rl import build
 from ferrule.rl import distributed as rl_dist
-from ferrule.rl import sglang_rollout
+from ferrule.rl import rollout_engine
 from ferrule.rl.checkpoints import LOOP_STATE_FILE, RESUME_MUTABLE, config_differences, list_checkpoints
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.driver import RunDriver, RunResult
@@ -121,7 +122,7 @@ class GRPOTrainer:
         from rich.console import Console
 
         check_supported(cfg)
-        sglang_rollout.check_rollout_engine(cfg, check_weight_update_equal=check_weight_update_equal)
+        rollout_engine.check_rollout_engine(cfg, check_weight_update_equal=check_weight_update_equal)
         cfg.check_paths()
         self._run_lock = lock_run_dir(cfg)  # a second trainer on this run folder stops here, naming this one
         try:
@@ -177,7 +178,7 @@ class GRPOTrainer:
     def close(self) -> None:
         """Stop an SGLang server that this trainer launched (``rollout.engine: sglang``) and release the
         run folder's lock; idempotent."""
-        sglang_rollout.release_rollout_engine(getattr(self, "rollout", None))
+        rollout_engine.release_rollout_engine(getattr(self, "rollout", None))
         unlock_run_dir(getattr(self, "_run_lock", None))
         self._run_lock = None
 
@@ -216,7 +217,7 @@ class GRPOTrainer:
         self.rollout = self.tokenizer = None
         self.template, self.stop_ids, self.stop_strings = None, (), ()
         if self.roles.replica is not None:
-            self.rollout, self.tokenizer = sglang_rollout.build_rollout_engine(cfg, dtype=dtype,
+            self.rollout, self.tokenizer = rollout_engine.build_rollout_engine(cfg, dtype=dtype,
                                                                                device=get_backend().device)
         if self.roles.is_driver:
             self.template = build.chat_template(cfg, self.family, self.tokenizer)

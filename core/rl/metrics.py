@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ferrule.fsutil import apply_default_mode
+from ferrule.fs.util import apply_default_mode
 
 METRICS_FILE = "metrics.jsonl"
 #: TensorBoard event folder in the run folder (``logging.tensorboard``).

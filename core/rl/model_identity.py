@@ -10,7 +10,7 @@ the new path when its files are the recorded ones.
 
 The files are the weights (``*.safetensors``, ``*.bin``, their index), ``config.json`` and the
 tokenizer's (:data:`TOKENIZER_FILES`, ``chat_template*``); a README or a hidden file may change
-freely. The hash is XXH3-64 (:func:`ferrule.integrity.file_digest`, about 4 GB/s per core: a 16 GB
+freely. The hash is XXH3-64 (:func:`ferrule.fs.integrity.file_digest`, about 4 GB/s per core: a 16 GB
 model costs about 4 s at the start of a run and again on ``--resume``).
 """
 
@@ -43,7 +43,7 @@ def model_files(hf_dir: str | os.PathLike) -> dict[str, dict]:
     Raises:
         OSError: a file cannot be read.
     """
-    from ferrule.integrity import file_digest
+    from ferrule.fs.integrity import file_digest
 
     folder = Path(hf_dir)
     out = {}

@@ -29,7 +29,7 @@ from typing import Any
 
 from ferrule.rl.metrics import METRICS_FILE, read_metrics
 
-from ferrule.fsutil import apply_default_mode
+from ferrule.fs.util import apply_default_mode
 
 PLOT_FILE = "reward_curve.png"
 #: Window of the trailing mean drawn over reward and accuracy (steps).

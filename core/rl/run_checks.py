@@ -24,7 +24,7 @@ __all__ = ["RUN_LOCK_FILE", "check_supported", "lock_run_dir", "lora_settings", 
 MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "added_tokens.json")
 
-#: the lock file of a run folder, held by its one trainer (:mod:`ferrule.locks`)
+#: the lock file of a run folder, held by its one trainer (:mod:`ferrule.fs.locks`)
 RUN_LOCK_FILE = ".ferrule.lock"
 
 
@@ -272,7 +272,7 @@ def lock_run_dir(cfg: RLConfig) -> Path | None:
     """
     import os
 
-    from ferrule import locks
+    from ferrule.fs import locks
 
     if envs.rank() != 0:
         return None
@@ -290,7 +290,7 @@ def unlock_run_dir(path: Path | None) -> None:
     """Release :func:`lock_run_dir`'s lock (None: nothing to do); a run folder left empty (an error
     before the run wrote anything) is removed."""
     if path is not None:
-        from ferrule import locks
+        from ferrule.fs import locks
 
         locks.release(path, remove=True)
         try:

@@ -4,7 +4,7 @@ transformers' own CPU load of such a folder is not the model for every family: f
 released MXFP8 routed experts (``mlp.experts.{w13,w2}_weight`` + ``..._weight_scale``) transformers
 5.24 on CPU reports the scales as unexpected keys and keeps the raw FP8 values unscaled
 (tests/test_convert_mxfp8.py). So a quantized folder is read here as the converters read it
-(:func:`ferrule.quantized_weights.open_hf_weights`: transformers' ``Fp8Dequantize`` arithmetic, the
+(:func:`ferrule.formats.quantized_weights.open_hf_weights`: transformers' ``Fp8Dequantize`` arithmetic, the
 scales hidden) and built from its config without ``quantization_config``; the engine then loads the
 dequantized tensors under their checkpoint names (transformers' reverse conversion,
 :mod:`ferrule.rollout._checkpoint_names`), as it loads a torch_dist export.
@@ -29,15 +29,15 @@ def check_hf_dir(hf_dir: str | os.PathLike) -> None:
 
 def dequantized_source(hf_dir: str | os.PathLike) -> tuple[Any, dict] | None:
     """``(config without quantization_config, {checkpoint name: dequantized tensor})`` of a quantized HF
-    folder, or None when ``config.json`` declares no quantization (:func:`~ferrule.quantized_weights.quantization_config_of`).
+    folder, or None when ``config.json`` declares no quantization (:func:`~ferrule.formats.quantized_weights.quantization_config_of`).
 
     The tensors are in the config's ``dtype`` (bf16 for Inkling-2-Small-MXFP8), held in memory at once.
 
     Raises:
-        ferrule.safetensors_io.CheckpointError: an unsupported ``quant_method`` or an inconsistent
+        ferrule.formats.safetensors_io.CheckpointError: an unsupported ``quant_method`` or an inconsistent
             quantized checkpoint (as the converters raise).
     """
-    from ferrule.quantized_weights import open_hf_weights, quantization_config_of, strip_quantization
+    from ferrule.formats.quantized_weights import open_hf_weights, quantization_config_of, strip_quantization
 
     raw = json.loads(open(os.path.join(os.fspath(hf_dir), "config.json")).read())
     if quantization_config_of(raw) is None:

@@ -146,7 +146,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
 
     Raises:
         ValueError: not exactly one model source, or an unsupported attention implementation.
-        ferrule.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
+        ferrule.formats.safetensors_io.CheckpointError: ``hf_dir`` lacks weights the model needs (transformers' missing keys).
         NotImplementedError: layer types the engine cannot decode (see below).
 
     Multimodal families (``register_towers``): a request may carry ``media`` (prompt
@@ -231,7 +231,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         self._counters = collections.Counter(decode_shapes=0, graph_captures=0, compiles=0)
         self._shapes_seen: set[tuple[int, int]] = set()
         if self.compile_decode:  # compiled kernels and autotune results on disk: a second process reuses them
-            from ferrule.fsutil import default_cache_dir
+            from ferrule.fs.util import default_cache_dir
 
             envs.set_compile_cache_dirs(default_cache_dir() / "compile")
         self._states: collections.OrderedDict[tuple[int, int], DecodeState] = collections.OrderedDict()
@@ -266,7 +266,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
         model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
         if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
-            from ferrule.safetensors_io import CheckpointError
+            from ferrule.formats.safetensors_io import CheckpointError
 
             missing = sorted(info["missing_keys"])
             raise CheckpointError(

@@ -281,7 +281,7 @@ class EngineBackend:
             ValueError / TypeError: the first problem, naming the datum and key.
             LookupError: no engine for ``model_id``.
         """
-        from .rank2 import expand
+        from .multi_target import expand
 
         self.engine(model_id).check_batch(expand(data, loss_fn)[0], loss_fn, loss_fn_config)
 
@@ -290,10 +290,10 @@ class EngineBackend:
         """:meth:`TrainEngine.forward_backward`, or a gradient-free forward for ``forward_only``
         (same outputs and metrics, no accumulation). Returns an ``FBOutput``. A ``cross_entropy``
         datum with rank-2 ``target_tokens`` / ``weights`` ``[N, K]`` runs as ``K`` rank-1 data and
-        gets ``[N, K]`` outputs (:mod:`ferrule.serve.rank2`)."""
+        gets ``[N, K]`` outputs (:mod:`ferrule.serve.multi_target`)."""
         import dataclasses
 
-        from .rank2 import expand, regroup
+        from .multi_target import expand, regroup
 
         engine = self.engine(model_id)
         flat, plan = expand(data, loss_fn)

@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferrule.fsutil import find_package_file
+from ferrule.fs.util import find_package_file
 
 if TYPE_CHECKING:  # heavy imports stay lazy: plugin discovery must not pull in transformers
     from transformers import PreTrainedTokenizerFast

@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferrule.fsutil import find_package_file
+from ferrule.fs.util import find_package_file
 
 if TYPE_CHECKING:  # heavy imports stay lazy: plugin discovery must not pull in transformers
     from tokenizers import Tokenizer
@@ -252,7 +252,7 @@ def load_qwen_tokenizer(
         variant: "qwen2" (Qwen2, Qwen2.5; 151,665 tokens) or "qwen3" (Qwen3 dense and MoE;
             151,669 tokens with ``<tool_response>``, ``</tool_response>``, ``<think>``, ``</think>``).
         cache_dir: where built tokenizers are kept (default ``$FERRULE_CACHE_DIR`` or
-            ``~/.cache/ferrule``, :func:`ferrule.fsutil.default_cache_dir`); the
+            ``~/.cache/ferrule``, :func:`ferrule.fs.util.default_cache_dir`); the
             tokenizer goes to ``cache_dir/tokenizers/<variant>-<sha12>-v<N>/`` and is written to a
             temporary directory first, then renamed, so an interrupted build leaves nothing.
         rebuild: ignore and replace an existing cache entry.
@@ -267,7 +267,7 @@ def load_qwen_tokenizer(
         ValueError: unknown variant or a corrupt vocabulary file.
     """
     _check_variant(variant)
-    from ferrule.fsutil import default_cache_dir
+    from ferrule.fs.util import default_cache_dir
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return _load_cached(variant, str(root.expanduser().resolve()), rebuild)

@@ -84,6 +84,9 @@ def _reset_between_jobs() -> None:
 
     from megatron.core import parallel_state
 
+    from ferrule.megatron.parallel import clear_rotary_caches
+
+    clear_rotary_caches()  # megatron's class-level rotary caches keep the job's modules and groups alive
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _destroy_subgroups()
@@ -184,9 +187,9 @@ def main(control: Path) -> None:
     # import what every job needs once, before the first job (this is the time the pool saves)
     import torch  # noqa: F401
     import transformers  # noqa: F401
-    from megatron.core import parallel_state  # noqa: F401
 
-    import ferrule.megatron  # noqa: F401
+    import ferrule.megatron  # noqa: F401  (first: its import hook defers megatron's torch.compile decorations)
+    from megatron.core import parallel_state  # noqa: F401
 
     from datetime import timedelta
 

@@ -56,7 +56,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import ferrule.rollout.sglang as client
-    from ferrule.rl import sglang_rollout
+    from ferrule.rl import rollout_engine
     from ferrule.megatron.parallel import destroy_distributed
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +64,7 @@ def main() -> None:
 
     work, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
     client.SGLangEngine = EmbeddedBehindTheClientInterface
-    sglang_rollout._sglang_importable = lambda: True  # the stand-in plays the server: the launch check passes
+    rollout_engine._sglang_importable = lambda: True  # the stand-in plays the server: the launch check passes
     overrides = json.loads((work / "overrides.json").read_text()) + sys.argv[3:] + [
         f"logging.run_dir={run_dir}", "rollout.engine=sglang", "rollout.sglang_weight_transport=disk"]
     metrics, responses, digest = rl_worker.run(work / "tiny.yaml", overrides)

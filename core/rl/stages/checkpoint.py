@@ -1,6 +1,6 @@
 """Checkpoint part of the record stage: ``CKPT_DIR/step_NNNNNN/`` = ``engine/``
 (:meth:`~ferrule.megatron.engine.TrainEngine.save`) + ``loop_state.json`` (written last and
-atomically; :mod:`ferrule.run_layout`), pruning to ``checkpoint.keep``; and the resume point.
+atomically; :mod:`ferrule.fs.run_layout`), pruning to ``checkpoint.keep``; and the resume point.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ferrule.integrity import CheckpointIntegrityError, text_digest
+from ferrule.fs.integrity import CheckpointIntegrityError, text_digest
 from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RunCheckpointError, atomic_write, config_differences,
                                     list_checkpoints)
 from ferrule.rl.config import ConfigError
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["save_checkpoint", "resume_point", "check_model_identity", "read_loop_state", "CHECKSUM_KEY"]
 
-#: Key of ``loop_state.json`` holding the XXH3-64 of the rest (sorted-key JSON; ferrule.integrity).
+#: Key of ``loop_state.json`` holding the XXH3-64 of the rest (sorted-key JSON; ferrule.fs.integrity).
 CHECKSUM_KEY = "checksum"
 
 
@@ -75,7 +75,7 @@ def resume_point(engine: TrainEngine, sampler: PromptSampler, cfg: RLConfig, ckp
 
     Raises:
         RunCheckpointError: a file of the latest checkpoint is missing, truncated or damaged
-            (:mod:`ferrule.integrity`): the message names it and the previous complete checkpoint.
+            (:mod:`ferrule.fs.integrity`): the message names it and the previous complete checkpoint.
         ConfigError: the checkpoint's config differs in a key that must not change
             (:data:`~ferrule.rl.checkpoints.RESUME_MUTABLE`), the data changed, the model folder's
             weights or tokenizer changed (:func:`check_model_identity`), a LoRA run resumes
@@ -161,7 +161,7 @@ def _load_engine(engine: TrainEngine, path: Path, state: dict) -> dict:
                           origin=str(path)) from None
     except CheckpointMismatchError as exc:  # e.g. MoE Adam state across ep=1 / ep>1
         raise ConfigError([f"checkpoint.resume: {exc}"], origin=str(path)) from None
-    except CheckpointIntegrityError as exc:  # a damaged file (ferrule.integrity): name it, offer the one before
+    except CheckpointIntegrityError as exc:  # a damaged file (ferrule.fs.integrity): name it, offer the one before
         raise _offer_previous(exc, path, list_checkpoints(path.parent)) from None
 
 

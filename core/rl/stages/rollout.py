@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ferrule.rl import distributed as rl_dist
-from ferrule.rl import sglang_rollout
+from ferrule.rl import rollout_engine
 from ferrule.rl.config import ConfigError
 from ferrule.rl.tasks import has_media
 
@@ -114,7 +114,7 @@ def sampling_params(cfg: RLConfig, stop_ids: Sequence[int], stop_strings: Sequen
     return SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
                           top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
                           stop_token_ids=tuple(stop_ids), stop=tuple(stop_strings), n=n, seed=seed,
-                          return_raw_logprobs=sglang_rollout.wants_raw_logprobs(cfg, temperature),
+                          return_raw_logprobs=rollout_engine.wants_raw_logprobs(cfg, temperature),
                           return_routed_experts=routes)
 
 

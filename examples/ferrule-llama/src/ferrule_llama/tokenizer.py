@@ -33,7 +33,7 @@ SMOLLM2_TOKENIZER_DIRNAME = "smollm2-135m-instruct"
 
 def smollm2_tokenizer_dir(cache_dir: Path | None = None) -> Path:
     """Where the built tokenizer is (or will be) saved: ``<cache>/tokenizers/smollm2-135m-instruct``."""
-    from ferrule.fsutil import default_cache_dir
+    from ferrule.fs.util import default_cache_dir
 
     return (cache_dir or default_cache_dir()) / "tokenizers" / SMOLLM2_TOKENIZER_DIRNAME
 
