@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 sys.path.insert(0, str(REPO / "tests"))
 import inkling2_vision_fixtures as vf  # noqa: E402
 import lora_worker as lw  # noqa: E402
-from test_inkling2 import CONFIGS, tiny_inkling2_dir  # noqa: E402
+from inkling2_fixtures import CONFIGS, tiny_inkling2_dir  # noqa: E402
 
 from ferrule.lora import (LoraSettings, LoraTargetError, adapter_entries, hf_adapter_state_dict,  # noqa: E402
                           load_hf_adapter, peft_config)

@@ -149,8 +149,8 @@ def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
 @pytest.mark.timeout(400)
 def test_moe_families_train_at_tp2_with_hf_gradients(dist_pool, tmp_path):
     from ferrule import conformance_numeric as cn
-    from test_inkling2 import CONFIGS as INKLING2_CONFIGS
-    from test_inkling2 import tiny_inkling2_dir
+    from inkling2_fixtures import CONFIGS as INKLING2_CONFIGS
+    from inkling2_fixtures import tiny_inkling2_dir
 
     qwen = cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe", overrides={"router_aux_loss_coef": 0.0})
     qwen_aux = cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe_aux", overrides=AUX)

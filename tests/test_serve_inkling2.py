@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 tinker = pytest.importorskip("tinker", reason="the tinker SDK (serve extra) is not installed")
 import inkling2_vision_fixtures as vf  # noqa: E402
 from serve_helpers import ALICE, RunningServer, poll_done, raw, sampler_weights  # noqa: E402
-from test_inkling2 import CONFIGS, tiny_inkling2_dir  # noqa: E402
+from inkling2_fixtures import CONFIGS, tiny_inkling2_dir  # noqa: E402
 from tinker import types  # noqa: E402
 
 ATOL = 1e-5
