@@ -3,7 +3,7 @@
 One server process (uvicorn in a thread, tests/serve_helpers.py) serves five tiny random bases at
 once (:class:`~ferrule.serve.registry.BaseRegistry`):
 
-- ``ink2``: ``Inkling2ForCausalLM`` (tests/test_inkling2.py's ``mqa_full_first_softcaps``: a full
+- ``ink2``: ``Inkling2ForCausalLM`` (plugins/inkling2/tests/test_inkling2.py's ``mqa_full_first_softcaps``: a full
   layer first, one KV head, soft-caps and clips that bite, an unembedding padded from 90 to 100 rows);
 - ``ink2-loop``: ``Inkling2LoopForCausalLM`` (``loop_2_6_x3``: layers 2..5 run three times);
 - ``ink2-vision``: ``Inkling2ForConditionalGeneration`` (tests/inkling2_vision_fixtures.py, with the

@@ -264,7 +264,7 @@ def test_ep2_logits_gradients_and_export_over_two_gloo_processes(dist_pool, tmp_
         torch.save({"ids": ids, "logits": logits.detach(),
                     "grads": load_file(tmp_path / f"{case}_grads" / "model.safetensors")}, tmp_path / f"{case}.ref.pt")
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling2_parity_worker.py"), str(tmp_path)],
                          timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
