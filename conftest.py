@@ -5,7 +5,7 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 - Only the in-tree plugins and the example out-of-tree package are visible
   (``FERRULE_PLUGINS=qwen,inkling,inkling2,llama,environments``), so another installed third-party plugin cannot change
   what these tests see; tests that need others set it.
-- The conformance kit ``ferrule.testing`` runs over the in-tree families; the fixture plugins
+- The conformance kit ``ferrule.conformance.kit`` runs over the in-tree families; the fixture plugins
   under tests/fixtures run it in a subprocess (tests/test_fixture_families.py).
 - The process-wide registry is rebuilt around every test.
 """
@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's shar
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-pytest_plugins = ["ferrule.testing", "cpu_report"]  # cpu_report: --cpu-report=N (tests/cpu_report.py)
+pytest_plugins = ["ferrule.conformance.kit", "cpu_report"]  # cpu_report: --cpu-report=N (tests/cpu_report.py)
 
 # Fixture plugin packages carry their own kit tests; tests/test_fixture_families.py runs them in a
 # subprocess where the fixtures are discoverable (tests/fixture_plugins.py).
@@ -133,7 +133,7 @@ def pytest_collection_modifyitems(session, config, items):
 SLOW_FILES: list[str] = [
     "tests/test_cli_check.py", "tests/test_lora_inkling2.py", "examples/ferrule-llama/tests/test_real_smollm2.py",
     "tests/test_rl_distributed.py", "tests/test_convert_faults.py", "tests/test_serve_load.py",
-    "tests/test_fixture_families.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
+    "tests/test_fixture_families.py", "tests/test_gptoss_family.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
     "tests/test_packaging.py", "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_rl_e2e.py",
     "tests/test_export_dtype.py", "tests/test_checkpoint_faults.py", "tests/test_megatron_cpu_compat.py",
     "plugins/qwen/tests/test_qwen_chat_golden.py", "tests/test_serve_protocol.py", "tests/test_rl_lora.py",

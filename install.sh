@@ -60,12 +60,13 @@ PY
 )
   uv pip install -q -p .venv/bin/python --index-strategy unsafe-best-match "${uv_args[@]}" "${reqs[@]}" \
     -C editable_mode=strict
-  # the worked example of an out-of-tree model-family plugin (llama / SmolLM2); its tests run with ours
-  uv pip install -q -p .venv/bin/python -e examples/ferrule-llama --no-deps
+  # the worked example of an out-of-tree model-family plugin (llama / SmolLM2; its tests run with ours) and
+  # the example runs' asset builders and rewards (ferrule-examples: not in the ferrule wheel)
+  uv pip install -q -p .venv/bin/python -e examples/ferrule-llama -e examples/ferrule-examples --no-deps
 else
   python -m pip install -q --upgrade "pip>=24" "setuptools>=77"
   python -m pip install -q "${reqs[@]}" --config-settings editable_mode=strict
-  python -m pip install -q -e examples/ferrule-llama --no-deps
+  python -m pip install -q -e examples/ferrule-llama -e examples/ferrule-examples --no-deps
 fi
 python -m pip check
 echo "ferrule installed in $(pwd)/.venv — activate with: . .venv/bin/activate"

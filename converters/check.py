@@ -80,7 +80,7 @@ class CheckReport:
 
 
 def _token_ids(hf_dir: Path, vocab: int, seqs: int, seq_len: int, text: str | None):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     if text is None:
         import torch

@@ -30,7 +30,7 @@ SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 def _capture_overrides(family: str) -> dict | None:
     try:
-        from ferrule.conformance_numeric import _variant_module
+        from ferrule.conformance.numeric import _variant_module
 
         return dict(getattr(_variant_module(family), "CHECK_HF_CAPTURE", None) or {}) or None
     except Exception:  # noqa: BLE001 - no variant module: the default capture choice
@@ -117,7 +117,7 @@ def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
     import torch
 
     from ferrule import registry
-    from ferrule.conformance_fields import text_vocab_size
+    from ferrule.conformance.fields import text_vocab_size
     from ferrule.megatron.weights import export_mcore_to_hf
 
     params = list(model.parameters())
@@ -145,11 +145,11 @@ def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
 
 
 def _update_groups(model, family: str) -> dict:
-    """The family's update-group table on this model's parameters (:func:`ferrule.conformance_numeric.
+    """The family's update-group table on this model's parameters (:func:`ferrule.conformance.numeric.
     update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
     weight sync would never send it) fails the check, not only the kit."""
     from ferrule import registry
-    from ferrule.conformance_numeric import update_unit_problems
+    from ferrule.conformance.numeric import update_unit_problems
     from ferrule.megatron.weights import global_param_names
 
     try:
@@ -261,7 +261,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     if rank != 0:
         return
     update_groups = _update_groups(model, family)
-    from ferrule.conformance_fields import hf_model_class
+    from ferrule.conformance.fields import hf_model_class
 
     # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
     cls = hf_model_class(family, hf_config["model_type"])

@@ -50,10 +50,24 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.config_layer_types": "ferrule.config_translation.layer_types",
     # the mapping package's table (issue 23's split)
     "ferrule.mapping_table": "ferrule.mapping.table",
+    # the conformance kit as one package
+    "ferrule.testing": "ferrule.conformance.kit",
+    "ferrule.conformance_numeric": "ferrule.conformance.numeric",
+    "ferrule.conformance_tp": "ferrule.conformance.tp",
+    "ferrule.conformance_media": "ferrule.conformance.media",
+    "ferrule.conformance_fields": "ferrule.conformance.fields",
+    "ferrule.conformance_build": "ferrule.conformance.build",
     # family files named by role (issue 43)
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",
     "ferrule.plugins.inkling2.vision": "ferrule.plugins.inkling2.towers",
+    # example asset builders and rewards out of the wheel: the ferrule-examples package of a checkout
+    # (examples/ferrule-examples, installed by ./install.sh)
+    "ferrule.plugins.inkling.synthetic": "ferrule_examples.inkling_synthetic",
+    "ferrule.plugins.inkling.shapes": "ferrule_examples.inkling_shapes",
+    "ferrule.plugins.inkling2.synthetic": "ferrule_examples.inkling2_synthetic",
+    "ferrule.plugins.inkling2.shapes": "ferrule_examples.inkling2_shapes",
+    "ferrule.plugins.builder_cli": "ferrule_examples.builder_cli",
 }
 
 #: (module, old attribute) -> "new module:attr".

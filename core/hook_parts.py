@@ -3,7 +3,7 @@
 :data:`HOOK_PARTS` drives everything that used to keep its own list: registration and lookup
 in :mod:`ferrule.registry` (which hook to call, which spec type it must return, where the spec
 is indexed, what a duplicate claim is called, which parts a family must have), the
-conformance kit's list of a family's specs (:func:`ferrule.testing.family_specs`) and the
+conformance kit's list of a family's specs (:func:`ferrule.conformance.kit.family_specs`) and the
 hook-doc meta-test. Adding a collect hook is one row here, one hookspec in
 :mod:`ferrule.hookspecs` and one section in ``docs/hooks.md``.
 

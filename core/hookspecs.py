@@ -21,7 +21,7 @@ specs are matched by family name. ``resolve_model_family`` is first-result: the 
 non-None answer wins.
 
 Rules for implementations (checked by the registry and the conformance kit
-``ferrule.testing``):
+``ferrule.conformance.kit``):
 
 - no side effects, no I/O, no import of torch, megatron or transformers at call time: return
   frozen specs from :mod:`ferrule.specs`, naming heavy objects as ``"module:attr"`` strings;

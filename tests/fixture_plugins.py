@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-KIT_FIXTURES = ("ferrule-swa-fixture", "ferrule-gemma2-fixture", "ferrule-olmo2-fixture", "ferrule-gemma3-fixture")
+KIT_FIXTURES = ("ferrule-swa-fixture", "ferrule-gemma2-fixture", "ferrule-olmo2-fixture", "ferrule-gemma3-fixture",
+                "ferrule-gptoss-fixture")
 
 
 def plugin_env(tmp_path: Path, fixtures: tuple[str, ...] = KIT_FIXTURES) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Shared body of the multimodal GRPO tests (plugins/inkling/tests/test_inkling_mm_rl.py, plugins/inkling2/tests/test_inkling2_mm_rl.py).
 
-Both families train Inkling's "how many squares?" task (:func:`ferrule.plugins.inkling.shapes.build_shapes_task`
+Both families train Inkling's "how many squares?" task (:func:`ferrule_examples.inkling_shapes.build_shapes_task`
 draws the pictures and writes the TMLv0 prompts; the Inkling-2 builder swaps the model). The checks are
 independent of the code under test: each picture's square count is re-counted from its PNG with scipy's
 connected-component labelling, rewards are recomputed from the logged responses, the rollout weights are
@@ -53,7 +53,7 @@ def check_task_answers(assets: Path) -> None:
 def check_grpo_runs_and_resumes(config: Path, assets: Path, tmp_path: Path, *, image_tokens: int) -> None:
     """4 GRPO steps (2 prompts x 1 picture each, ``image_tokens`` placeholder tokens per picture) with weight
     checks after every sync; then 2 steps, stop, ``checkpoint.resume=true``, 2 more: equal to the 4-step run."""
-    from ferrule.plugins.inkling.shapes import square_count_reward
+    from ferrule_examples.inkling_shapes import square_count_reward
     from ferrule.rl.config import load_config
     from ferrule.rl.loop import train
     from ferrule.rl.metrics import read_metrics

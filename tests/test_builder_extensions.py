@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ferrule import conformance_numeric as cn  # noqa: E402
+from ferrule.conformance import numeric as cn  # noqa: E402
 
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 9, 2, 4, 2, 8
 
@@ -29,19 +29,25 @@ def mcore():
     destroy_distributed()
 
 
-def _float64_attention(q, k, v, blocked, *, softcap=None):
-    """q [s,b,np,d], k/v [s,b,ng,d], blocked [s, s] True = masked -> [s, b, np*d] (float64)."""
+def _float64_attention(q, k, v, blocked, *, softcap=None, sinks=None):
+    """q [s,b,np,d], k/v [s,b,ng,d], blocked [s, s] True = masked -> [s, b, np*d] (float64); ``sinks [np]``: one
+    more logit per head in each row's softmax, dropped after it (HF gpt-oss ``eager_attention_forward``)."""
     rep = q.shape[2] // k.shape[2]
     q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    out = scores.masked_fill(blocked, float("-inf")).softmax(-1) @ v
+    scores = scores.masked_fill(blocked, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        out = torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ v
+        return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+    out = scores.softmax(-1) @ v
     return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
 
 
-def _attention(window=None, skip=None, layer=1, softcap=None):
+def _attention(window=None, skip=None, layer=1, softcap=None, softmax_type="vanilla"):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -49,7 +55,8 @@ def _attention(window=None, skip=None, layer=1, softcap=None):
 
     cfg = TransformerConfig(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
                             num_query_groups=GROUPS, kv_channels=HEAD_DIM, use_cpu_initialization=True,
-                            attention_dropout=0.0, window_size=window, window_attn_skip_freq=skip)
+                            attention_dropout=0.0, window_size=window, window_attn_skip_freq=skip,
+                            softmax_type=softmax_type)
     return SDPAttention(config=cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal, attention_type="self",
                         softcap=softcap)
 
@@ -90,6 +97,32 @@ def test_attention_softcap_matches_float64(mcore):
     ref = _float64_attention(q, k, v, _blocked(None), softcap=0.7)
     assert (out.double() - ref).abs().max() < 1e-5
     assert (_float64_attention(q, k, v, _blocked(None)) - ref).abs().max() > 1e-2  # the cap bites
+
+
+def test_attention_sinks_match_float64_padded_and_packed(mcore):
+    """softmax_type='learnable' (gpt-oss sinks: megatron's softmax_offset [heads]): padded with a window and
+    packed (thd, CPU path) per document, vs a float64 softmax over [scores, sink] (before: NotImplementedError)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    q, k, v = _qkv()
+    attn = _attention(window=(2, 0), softmax_type="learnable")
+    sinks = torch.tensor([1.5, -0.5, 0.3, 2.0])[:HEADS]
+    with torch.no_grad():
+        attn.softmax_offset.copy_(sinks)
+    assert attn.softmax_offset.tensor_model_parallel and attn.softmax_offset.partition_dim == 0  # split with heads
+    ref = _float64_attention(q, k, v, _blocked(3), sinks=sinks)
+    assert (attn(q, k, v, None).double() - ref).abs().max() < 1e-5
+    assert (_float64_attention(q, k, v, _blocked(3)) - ref).abs().max() > 1e-2  # the sinks bite
+    lengths = (5, SEQ - 5)
+    cu = torch.tensor([0, lengths[0], SEQ], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
+    out = attn(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=params)
+    docs = []
+    for start, n in ((0, lengths[0]), (lengths[0], lengths[1])):
+        i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        doc = [x[start:start + n, :1] for x in (q, k, v)]
+        docs.append(_float64_attention(*doc, (j > i) | (j <= i - 3), sinks=sinks)[:, 0])
+    assert (out.double() - torch.cat(docs)).abs().max() < 1e-5
 
 
 def test_gelu_tanh_and_activation_references():
@@ -253,7 +286,7 @@ def test_an_old_option_name_still_builds_with_a_deprecation_warning(mcore):
     import sys
 
     from ferrule.config_translation import ConfigTranslation, Derived
-    from ferrule.conformance_fields import rotary_tables_by_layer
+    from ferrule.conformance.fields import rotary_tables_by_layer
     from ferrule.megatron.gpt_builder import build_from_hf_config
     from ferrule.megatron.parallel import ParallelLayout
     from fixture_plugins import FIXTURES

@@ -62,7 +62,7 @@ def test_a_pair_without_bias_is_the_output():
 def test_update_unit_problems_name_a_parameter_a_wrong_group_leaves_out():
     """``ferrule check`` runs the kit's update-unit rules on the checkpoint's model (a wrong group passed the
     check before; only the kit caught it): a table without the MLP group leaves the MLP weights out, named."""
-    from ferrule.conformance_numeric import update_unit_problems
+    from ferrule.conformance.numeric import update_unit_problems
     from ferrule.plugins.qwen import qwen2
     from ferrule.sync.groups import as_group_table
 

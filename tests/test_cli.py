@@ -86,7 +86,7 @@ def test_train_resume_without_checkpoint_is_an_error(tmp_path):
     cfg = "examples/configs/tiny_ci.yaml"
     from pathlib import Path
 
-    from ferrule.conformance_numeric import tiny_hf_dir
+    from ferrule.conformance.numeric import tiny_hf_dir
 
     root = Path(__file__).resolve().parents[1]
     hf = tiny_hf_dir("qwen3", tmp_path / "hf")

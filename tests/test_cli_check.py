@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from fixture_plugins import ROOT, plugin_env
 from inproc import environment, run_ferrule
 

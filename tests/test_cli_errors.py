@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from ferrule.cli.errors import USER_ERRORS, user_error_message
 from inproc import run_ferrule
 

@@ -121,7 +121,7 @@ def test_a_prompt_and_response_beyond_a_launched_sglang_servers_context_are_refu
 def test_a_shard_the_index_does_not_name_is_named(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "src")

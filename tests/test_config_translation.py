@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ferrule import conformance_numeric as cn  # noqa: E402
+from ferrule.conformance import numeric as cn  # noqa: E402
 from ferrule.config_translation import (  # noqa: E402
     ConfigTranslation,
     ConfigTranslationError,

@@ -8,7 +8,7 @@ import pytest
 
 from ferrule.plugins.qwen import qwen3
 from ferrule.specs import UpdateGroup
-from ferrule.testing import FamilyConformance, run_conformance_check
+from ferrule.conformance.kit import FamilyConformance, run_conformance_check
 
 
 class TestFamilyConformance(FamilyConformance):
@@ -38,7 +38,7 @@ def test_mistyped_update_group_suffix_is_named(monkeypatch):
 def test_media_case_catches_a_wrong_tower(tmp_path, monkeypatch):
     """The kit's media case fails when a tower computes something else than transformers' (here: its norms'
     epsilon); with the right epsilon the same run passes."""
-    from ferrule.conformance_media import check_media_logits_parity
+    from ferrule.conformance.media import check_media_logits_parity
     from ferrule.plugins.inkling import towers
 
     monkeypatch.setattr(towers, "TOWER_NORM_EPS", 0.5)  # transformers' is 1e-6
@@ -54,7 +54,7 @@ def test_round_trip_check_writes_its_checkpoint_in_this_process(tmp_path, monkey
     ``__main__`` guard (spawn re-imports the script) and costs an interpreter start per run."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
     cn.check_round_trip("qwen2", tmp_path)

@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from ferrule.conformance_fields import _hf_ffn_width, full_width, rotary_tables_hf
+from ferrule.conformance.fields import _hf_ffn_width, full_width, rotary_tables_hf
 
 HEAD_DIM, THETA, SEQ = 16, 150000.0, 6
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 
 #: Runs ``ferrule convert`` (``ferrule.cli.main``); with FAULT_SLOW_WRITE=PREFIX every torch_dist
 #: tensor write of every rank touches PREFIX<pid>, then sleeps. The patch sits at module level so the

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from ferrule.converters import CheckpointError, SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
 from ferrule.converters.checkpoint import hf_to_torch_dist_bytes, read_checkpoint_metadata, torch_dist_to_hf_bytes
 from ferrule.formats.quantized_weights import dequantize_block_fp8, open_hf_weights, quantize_mxfp8, requantize_exactly

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 from ferrule.converters import CheckpointError, SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
 from ferrule.formats.nvfp4 import dequantize_nvfp4, e2m1_values
 from ferrule.formats.quantized_weights import open_hf_weights

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(2400)
 def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
-    """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm)
-    and Gemma-3-text-like (one RoPE per layer type) families: every kit case at TP=1 and TP=2."""
+    """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm),
+    Gemma-3-text-like (one RoPE per layer type) and gpt-oss-like (attention sinks, clamped interleaved SwiGLU
+    experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2."""
     env = plugin_env(tmp_path)
     # -n 0: the repository's addopts say -n auto, and xdist would run the kit's class fixtures
     # (the TP=1 interpreter, the TP=2 launch) once per worker, each family's work twice
@@ -31,11 +32,11 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2350)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
-    # 4 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
+    # 5 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
     # numeric TP=1, numeric TP=2); the 8th case, media logits, does not apply: none has a tower.
-    assert "28 passed, 4 skipped" in summary and "failed" not in summary, summary
+    assert "35 passed, 5 skipped" in summary and "failed" not in summary, summary
     skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert len(skips) == 4 and all("declares no towers" in line for line in skips), "\n".join(skips)
+    assert len(skips) == 5 and all("declares no towers" in line for line in skips), "\n".join(skips)
 
 
 @pytest.mark.timeout(600)
@@ -44,7 +45,7 @@ def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(dist_pool, tmp_path):
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
     env["FERRULE_SWA_FIXTURE_BAD_TP"] = "1"
     out = tmp_path / "r.json"
-    dist_pool.run(["-m", "ferrule.conformance_tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
+    dist_pool.run(["-m", "ferrule.conformance.tp", "--work", str(tmp_path), "--out", str(out), "mistral"],
                   cwd=ROOT, env=env, timeout=550)
     result = json.loads(out.read_text())["mistral"]
     assert not result["ok"]
@@ -55,7 +56,7 @@ def test_wrong_tp_split_fails_at_tp2_and_blames_the_plugin(dist_pool, tmp_path):
 @pytest.mark.timeout(300)
 def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_path):
     """transformers refuses attn_implementation='sdpa' for Gemma-2; the family chose 'eager'."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.rollout.embedded import EmbeddedEngine
 
     env = plugin_env(tmp_path, ("ferrule-gemma2-fixture",))
@@ -67,7 +68,7 @@ def test_embedded_engine_loads_gemma2_with_the_family_attn_implementation(tmp_pa
 @pytest.mark.timeout(300)
 def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
     """A window as long as the test sequence never bites: the kit says so and names the fix."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     env = plugin_env(tmp_path, ("ferrule-swa-fixture",))
     with environment(env):
@@ -79,7 +80,7 @@ def test_kit_refuses_a_test_sequence_that_hides_the_window(tmp_path):
 
 
 def test_token_ids_outside_the_vocabulary_are_named():
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     assert cn.test_token_ids(96, 5).shape == (2, 5)
     with pytest.raises(ValueError, match=r"token ids \[96, 200\] are outside the model's vocabulary \[0, 96\)"):
@@ -90,7 +91,7 @@ def test_token_ids_outside_the_vocabulary_are_named():
 def test_kit_compares_rotary_tables_per_layer_type(tmp_path):
     """Gemma-3: the kit compares each layer's RoPE with HF's table for its layer type (before: TypeError,
     rotary_emb needs layer_type); a plugin giving every layer one RoPE fails naming the full-attention layer."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     env = plugin_env(tmp_path, ("ferrule-gemma3-fixture",))
     with environment(env):

@@ -38,7 +38,7 @@ def _qwen3_moe_with(monkeypatch, layouts: LayoutSupport) -> None:
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory):
     """The kit's tiny random Qwen3-MoE checkpoint (read only), made once for this module."""
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     return cn.tiny_hf_dir("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe") / "hf")
 
@@ -128,7 +128,7 @@ def test_check_refuses_an_unknown_model_option_at_the_config_step(tmp_path, monk
     import json
     import os
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule import registry
     from inproc import run_ferrule
 
@@ -158,7 +158,7 @@ def test_plugins_shows_a_family_that_cannot_build_as_broken_and_an_old_option_as
     a deprecated option (still built, with a warning) is named with its replacement."""
     import os
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule import registry
     from ferrule.config_translation import ConfigTranslation, Constant
     from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION

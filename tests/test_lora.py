@@ -34,7 +34,7 @@ PEFT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     root = tmp_path_factory.mktemp("lora")
     return {"qwen2": tw.make_hf_dir(root / "qwen2", family="qwen2"), "llama": lw.make_llama_dir(root / "llama"),

@@ -42,7 +42,7 @@ ROUTED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     root = tmp_path_factory.mktemp("peft_import")
     torch.manual_seed(0)

@@ -437,7 +437,7 @@ def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_
     import torch
     import torch.distributed as dist
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")

@@ -114,7 +114,7 @@ def _save_ref(hf, out: Path, ref: dict) -> Path:
 def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
     """Megatron at TP=1 (this process): gradients of the same loss, aux / z losses included, in the HF layout."""
     from ferrule import registry
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.converters import load_hf_into_mcore
     from ferrule.mapping import MappingContext
     from ferrule.megatron.parallel import ParallelLayout
@@ -148,7 +148,7 @@ def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_moe_families_train_at_tp2_with_hf_gradients(dist_pool, tmp_path):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from inkling2_fixtures import CONFIGS as INKLING2_CONFIGS
     from inkling2_fixtures import tiny_inkling2_dir
 
@@ -224,7 +224,7 @@ def test_moe_layers_build_without_megatrons_unknown_mlp_warning(tmp_path, caplog
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from ferrule import registry
-    from ferrule.conformance_numeric import single_rank, tiny_hf_dir
+    from ferrule.conformance.numeric import single_rank, tiny_hf_dir
     from ferrule.megatron.moe import TokenSplitMoELayer
     from ferrule.megatron.parallel import ParallelLayout
 

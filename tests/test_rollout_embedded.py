@@ -419,7 +419,7 @@ def test_an_hf_folder_missing_a_weight_is_refused_not_initialised_at_random(tmp_
 
     from safetensors.torch import load_file, save_file
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.rollout.embedded import EmbeddedEngine
     from ferrule.formats.safetensors_io import CheckpointError
 

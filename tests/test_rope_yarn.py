@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from ferrule import conformance_numeric as cn  # noqa: E402
+from ferrule.conformance import numeric as cn  # noqa: E402
 from ferrule.config_translation import ConfigTranslationError  # noqa: E402
 from ferrule.plugins.qwen import qwen2, qwen3  # noqa: E402
 

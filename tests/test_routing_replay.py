@@ -46,7 +46,7 @@ def _gates(model):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """``{family: (train engine, rollout engine, results)}``, one random checkpoint per family."""
-    from ferrule.conformance_numeric import tiny_hf_dir
+    from ferrule.conformance.numeric import tiny_hf_dir
     from ferrule.megatron.engine import TrainEngine
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
@@ -177,29 +177,37 @@ def test_train_engine_refuses_routes_it_cannot_replay(engines):
 
 def test_grpo_step_hands_the_rollout_routes_to_every_train_call(tmp_path, monkeypatch):
     """Two steps of the loop on a tiny Qwen3-MoE with ``algorithm.routing_replay``: every datum of every
-    ``forward_backward`` / ``forward_logprobs`` carries the routes the rollout returned for its tokens."""
+    ``forward_backward`` / ``forward_logprobs`` carries the routes the rollout returned for its tokens. A
+    dense Qwen3 with the switch on is a config error once its train engine is built."""
     import json
 
     from test_rl_e2e import CONFIG, _build_model
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
     from ferrule.megatron.engine import TrainEngine
-    from ferrule.rl.config import load_config
+    from ferrule.megatron.parallel import ParallelLayout
+    from ferrule.rl.build import build_train_engine
+    from ferrule.rl.config import ConfigError, load_config
     from ferrule.rl.loop import GRPOTrainer
     from ferrule.rollout.embedded import EmbeddedEngine
 
     model = tmp_path / "model"
     _build_model(model)  # the character tokenizer (and a dense model, replaced next)
     dense = json.loads((model / "config.json").read_text())
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n"
+                                                 for i in range(16)))
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    overrides = [f"model.hf_dir={model}", f"data.jsonl_path={tmp_path / 'task.jsonl'}",
+                 f"logging.run_dir={tmp_path / 'run'}", "train.steps=2", "train.prompts_per_step=2",
+                 "rollout.n_samples_per_prompt=2", "algorithm.routing_replay=true"]
+    with pytest.raises(ConfigError, match="algorithm.routing_replay: family 'qwen3' has no MoE router"):
+        build_train_engine(load_config(tmp_path / "c.yaml", overrides), ParallelLayout(), torch.float32)
     cfg = AutoConfig.for_model(model_type="qwen3_moe", vocab_size=dense["vocab_size"], eos_token_id=dense["eos_token_id"],
                                pad_token_id=dense["pad_token_id"], hidden_size=32, intermediate_size=48,
                                moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
     torch.manual_seed(SEED)
     Qwen3MoeForCausalLM(cfg).float().save_pretrained(model)
-    (tmp_path / "task.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "answer": "7"}) + "\n"
-                                                 for i in range(16)))
-    (tmp_path / "c.yaml").write_text(CONFIG)
     sent: dict[tuple, torch.Tensor] = {}
     seen: list[tuple[tuple, torch.Tensor | None]] = []
     generate, fb, flp = EmbeddedEngine.generate, TrainEngine.forward_backward, TrainEngine.forward_logprobs
@@ -219,9 +227,6 @@ def test_grpo_step_hands_the_rollout_routes_to_every_train_call(tmp_path, monkey
     monkeypatch.setattr(EmbeddedEngine, "generate", spy_generate)
     monkeypatch.setattr(TrainEngine, "forward_backward", spy(fb))
     monkeypatch.setattr(TrainEngine, "forward_logprobs", spy(flp))
-    GRPOTrainer(load_config(tmp_path / "c.yaml", [
-        f"model.hf_dir={model}", f"data.jsonl_path={tmp_path / 'task.jsonl'}", f"logging.run_dir={tmp_path / 'run'}",
-        "train.steps=2", "train.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-        "algorithm.routing_replay=true"])).run()
+    GRPOTrainer(load_config(tmp_path / "c.yaml", overrides)).run()
     assert len(seen) == 2 * 2 * 2 * 2  # 2 steps x 4 samples, forward_logprobs (use_tis) + forward_backward
     assert all(routes is not None and torch.equal(routes, sent[ids]) for ids, routes in seen)

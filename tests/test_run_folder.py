@@ -133,7 +133,7 @@ def test_a_second_trainer_on_a_run_folder_exits_2_naming_the_holder(tiny, tmp_pa
 
 @pytest.mark.timeout(240)
 def test_a_second_conversion_into_one_out_is_refused(tmp_path):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule.converters.checkpoint import output_lock
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")

@@ -89,7 +89,7 @@ def test_ctrl_c_while_the_base_loads_prints_one_line(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     root = tmp_path_factory.mktemp("serve_moe")
     srv = RunningServer(cn.tiny_hf_dir("qwen3_moe", root / "tiny-qwen3-moe"), root / "storage")

@@ -54,7 +54,7 @@ def test_two_family_rows_for_one_value_are_named_by_their_keys():
 
 
 def _mistral_dir(env, tmp_path):
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
 
     with environment(env), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the overlap warning: asserted on `ferrule plugins`' stderr

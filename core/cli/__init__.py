@@ -92,7 +92,7 @@ def plugins_cmd(
         t.add_row(p.distribution, p.version, p.name, ", ".join(fams) or "-", ", ".join(h.removeprefix("register_") for h in p.hooks) or "-")
     console.print(t)
 
-    from ferrule.conformance_build import family_build_check
+    from ferrule.conformance.build import family_build_check
 
     f = Table(title="families", title_justify="left")
     for col in ("family", "model_types", "status", "reason", "missing parts"):
@@ -107,7 +107,7 @@ def plugins_cmd(
             status = "[red]incomplete[/]"
             reason = f"declared {spec.status.value} but lacks {', '.join(missing)}: unusable until the load failure is fixed"
         elif not missing:
-            # the cheap build check (ferrule.conformance_build): a family that cannot build is never listed healthy
+            # the cheap build check (ferrule.conformance.build): a family that cannot build is never listed healthy
             verdict, detail = family_build_check(spec.name, parse=check)
             if verdict == "broken":
                 status = "[red]broken[/]"

@@ -11,7 +11,7 @@ holds global experts ``[e * E/ep, (e+1) * E/ep)`` as local ``0..E/ep-1``). Impor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ferrule.mapping.vocabulary import FuseGateUp, MappingContext, MappingError, ParamMapping, Rename, _torch
@@ -53,9 +53,14 @@ class StackExperts(ParamMapping):
     Export needs every expert of a layer: :meth:`assemble` stacks the per-expert pieces
     returned by :meth:`to_hf`. ``tp`` is the per-expert split (``GATE_UP`` for fc1, ``ROW``
     for fc2).
+
+    ``transposed=True``: HF stores each expert ``[in, out]`` (``x @ W``), megatron ``[out, in]``; e.g. gpt-oss
+    ``gate_up_proj [E, hidden, 2*ffn]`` and ``down_proj [E, ffn, hidden]`` (gate/up features interleaved as
+    well there: :class:`StackExpertsInterleaved` with ``transposed=True``).
     """
 
     hf: str = ""
+    transposed: bool = field(default=False, kw_only=True)
 
     expert = True
 
@@ -70,11 +75,11 @@ class StackExperts(ParamMapping):
         e = self.expert_index(wildcards)
         if ctx.num_experts is not None and stacked.shape[0] != ctx.num_experts:
             raise MappingError(f"{self.hf}: stacked dim 0 is {stacked.shape[0]}; config has {ctx.num_experts} experts.")
-        return stacked[e]
+        return stacked[e].t().contiguous() if self.transposed else stacked[e]
 
     def to_hf(self, full, ctx, wildcards=()):
         """The piece for expert ``wildcards[1]`` (not a full HF tensor; see :meth:`assemble`)."""
-        return (full,)
+        return (full.t().contiguous() if self.transposed else full,)
 
     def assemble(self, pieces: Mapping[int, "torch.Tensor"], ctx: MappingContext) -> "torch.Tensor":
         """Stack per-expert pieces ``{global_expert: tensor}`` into the HF ``[E, ...]`` tensor.
@@ -111,10 +116,15 @@ class StackExpertsInterleaved(StackExperts):
     """A stacked routed ``w13`` ``[E, 2*ffn, hidden]`` with gate/up rows interleaved per expert
     (``g0, u0, g1, u1, ...``: Inkling's and Inkling-2's released ``mlp.experts.w13_weight``, transformers'
     ``Interleave`` op) <-> expert ``e``'s ``linear_fc1`` ``[gate; up]``. TP as :class:`StackExperts` (``GATE_UP``).
+    Also the bias ``[E, 2*ffn]``, and with ``transposed=True`` an ``[E, hidden, 2*ffn]`` tensor whose columns
+    interleave (gpt-oss ``gate_up_proj``: ``gate = x[..., ::2]``, ``up = x[..., 1::2]``).
     """
 
     def to_mcore(self, hf, ctx, wildcards=()):
-        return deinterleave(super().to_mcore(hf, ctx, wildcards), 0)
+        t = super().to_mcore(hf, ctx, wildcards)
+        if t.shape[0] % 2:
+            raise MappingError(f"{self.hf}: {t.shape[0]} interleaved gate/up features; expected an even count.")
+        return deinterleave(t, 0)
 
     def to_hf(self, full, ctx, wildcards=()):
-        return (interleave(full, 0),)
+        return super().to_hf(interleave(full, 0), ctx, wildcards)

@@ -74,11 +74,18 @@ class SDPAttention(DotProductAttention):
         if is_layer_window_attention(self.config.window_size, self.config.window_attn_skip_freq, self.layer_number):
             left, right = self.config.window_size
             self.window = (int(left), int(right))
-        if self.config.softmax_type != "vanilla":
+        if self.config.softmax_type not in ("vanilla", "learnable", "off-by-one"):
             raise NotImplementedError(
-                f"SDPAttention supports softmax_type='vanilla' only, got {self.config.softmax_type!r}; "
-                f"use core_attention='local'."
+                f"SDPAttention supports softmax_type 'vanilla', 'learnable' and 'off-by-one', got "
+                f"{self.config.softmax_type!r}."
             )
+        if isinstance(self.softmax_offset, torch.nn.Parameter) and not getattr(self.softmax_offset,
+                                                                               "tensor_model_parallel", False):
+            # one sink logit per head of this rank: split over TP with the heads (megatron sets no TP
+            # attributes on it, so its gradient-norm share would be counted once per rank as a duplicate)
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         # DotProductAttention divides softmax_scale by layer_number under
         # apply_query_key_layer_scaling and multiplies it back inside the softmax: net scale.
         coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1
@@ -129,8 +136,8 @@ class SDPAttention(DotProductAttention):
             is_causal = True
 
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        if self.softcap is not None:
-            context = self._softcapped(q, k, v, attn_mask, is_causal, dropout_p)
+        if self.softcap is not None or self.softmax_offset is not None:
+            context = self._explicit(q, k, v, attn_mask, is_causal, dropout_p)
             return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         context = F.scaled_dot_product_attention(
             q, k, v,
@@ -142,25 +149,38 @@ class SDPAttention(DotProductAttention):
         )  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
-    def _softcapped(self, q, k, v, attn_mask, is_causal, dropout_p):
-        """Explicit attention with logit soft-capping (HF Gemma-2 ``eager_attention_forward``).
+    def _explicit(self, q, k, v, attn_mask, is_causal, dropout_p):
+        """Explicit attention with logit soft-capping (HF Gemma-2 ``eager_attention_forward``) and/or
+        attention sinks (HF gpt-oss ``eager_attention_forward``: one extra logit per head in each row's
+        softmax, dropped after it).
 
-        q ``[b, np, sq, hn]``, k/v ``[b, ng, sk, hn]`` -> ``[b, np, sq, hn]``; softmax in fp32.
+        q ``[b, np, sq, hn]``, k/v ``[b, ng, sk, hn]``, attn_mask additive ``[.., sq, sk]`` or None ->
+        ``[b, np, sq, hn]``; softmax in fp32.
         """
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.sdpa_scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if is_causal:
             sq, sk = scores.shape[-2:]
             attn_mask = torch.zeros(sq, sk, dtype=scores.dtype, device=scores.device).masked_fill(
                 window_blocked(sq, sk, (-1, -1), causal=True, device=scores.device), MASKED_SCORE)
         if attn_mask is not None:
             scores = scores + attn_mask
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = self._softmax(scores).to(q.dtype)
         probs = F.dropout(probs, p=dropout_p, training=self.training)
         return torch.matmul(probs, v)
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """fp32 softmax over the last dim of ``scores [b, np, sq, sk]``, with this rank's sink logit per head
+        (``softmax_offset [np]``) as one more column, dropped after the softmax."""
+        if self.softmax_offset is None:
+            return torch.softmax(scores, dim=-1, dtype=torch.float32)
+        b, np_, sq, _ = scores.shape
+        sink = self.softmax_offset.to(scores.dtype).reshape(1, np_, 1, 1).expand(b, np_, sq, 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
         """``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, np * hn]``."""
@@ -172,6 +192,9 @@ class SDPAttention(DotProductAttention):
         if self.softcap is not None:
             raise NotImplementedError("attention logit soft-capping with packed (thd) sequences is not implemented; "
                                       "train with padded micro-batches for this family.")
+        if self.softmax_offset is not None and query.is_cuda:
+            raise NotImplementedError("attention sinks with packed (thd) sequences on CUDA are not implemented "
+                                      "(FlexAttention has no sink column); train with padded micro-batches.")
         t, np_, hn = query.shape
         q = query.transpose(0, 1).unsqueeze(0)  # [1, np, t, hn]
         k = key.transpose(0, 1).unsqueeze(0)
@@ -190,6 +213,10 @@ class SDPAttention(DotProductAttention):
             allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
             if self.window is not None and self.window[0] >= 0:  # documents are contiguous: same distances
                 allowed &= pos[:, None] - pos[None, :] <= self.window[0]
+            if self.softmax_offset is not None:
+                mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, MASKED_SCORE)
+                out = self._explicit(q, k, v, mask, False, dropout_p)
+                return out[0].transpose(0, 1).reshape(t, np_ * hn)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
                                                  scale=self.sdpa_scale, enable_gqa=gqa)
         return out[0].transpose(0, 1).reshape(t, np_ * hn)

@@ -166,6 +166,9 @@ def build_gpt_model(
     if backend.kind == "cuda":
         model = model.to(backend.device)
     mark_tensor_parallel_params([model])
+    from .moe import guard_expert_bias_add
+
+    guard_expert_bias_add([model])
     norm_weights_to_params_dtype(model, config.params_dtype)
     return model
 

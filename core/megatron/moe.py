@@ -53,7 +53,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-__all__ = ["TokenSplitMoELayer", "replicated_over_tp", "token_split_group", "with_token_split"]
+__all__ = ["TokenSplitMoELayer", "replicated_over_tp", "token_split_group", "with_token_split",
+           "guard_expert_bias_add"]
 
 
 class _DefaultGroupsMLPFilter(logging.Filter):
@@ -254,3 +255,38 @@ def with_token_split(layer_spec):
         return layer_spec
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
         layer_spec.submodules, mlp=dataclasses.replace(mlp, module=TokenSplitMoELayer)))
+
+
+def _own_fc2_output(_module, _inputs, output):
+    """Forward hook of an expert's biased ``linear_fc2``: its output as a tensor of its own, not a view."""
+    out, bias = output
+    return (out.clone(), bias) if out._is_view() else output
+
+
+def guard_expert_bias_add(chunks) -> int:
+    """Let biased routed experts train: hook each expert ``MLP``'s ``linear_fc2`` (with a bias) so that its output
+    is never a view.
+
+    megatron-core 0.16.1's ``MLP.forward`` adds an expert's fc2 bias in place when the router's probabilities
+    are passed in (``output += output_bias * per_token_scale``, ``transformer/mlp.py:247``). At expert-TP 1 the
+    row-parallel fc2 returns ``_ReduceFromModelParallelRegion``'s input as is, a view made by a custom autograd
+    function, so the first backward pass of a biased-MoE family (gpt-oss) raised ``RuntimeError: Output 0 of
+    _ReduceFromModelParallelRegion is a view and is being modified inplace``. The hook clones only such a view
+    (no copy at expert-TP > 1, where the all-reduce returns a new tensor). Idempotent; returns the number of
+    experts hooked now.
+    """
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    hooked = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if not isinstance(module, SequentialMLP):
+                continue
+            for expert in module.local_experts:
+                fc2 = getattr(expert, "linear_fc2", None)
+                if getattr(fc2, "bias", None) is None or getattr(fc2, "_ferrule_own_output", False):
+                    continue
+                fc2.register_forward_hook(_own_fc2_output)
+                fc2._ferrule_own_output = True
+                hooked += 1
+    return hooked

@@ -42,7 +42,10 @@ def optimizer_settings(cfg: RLConfig) -> OptimizerSettings:
 def build_train_engine(cfg: RLConfig, layout: ParallelLayout, dtype: torch.dtype) -> TrainEngine:
     """The policy's :class:`~ferrule.megatron.engine.TrainEngine`: from ``model.torch_dist_dir``
     (weights only) when set, else from ``model.hf_dir``; LoRA adapters on the frozen base when
-    ``lora.rank > 0`` (the sync then sends only the adapter); its fast paths are ``cfg.train_engine``."""
+    ``lora.rank > 0`` (the sync then sends only the adapter); its fast paths are ``cfg.train_engine``.
+
+    Raises:
+        ConfigError: ``algorithm.routing_replay`` on a model without MoE routers."""
     from ferrule.megatron.engine import TrainEngine
 
     t = cfg.train
@@ -52,8 +55,13 @@ def build_train_engine(cfg: RLConfig, layout: ParallelLayout, dtype: torch.dtype
     if lora is not None:
         kwargs["lora"] = lora
     if cfg.model.torch_dist_dir:
-        return TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, layout, load_optimizer=False, **kwargs)
-    return TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
+        engine = TrainEngine.from_torch_dist(cfg.model.torch_dist_dir, layout, load_optimizer=False, **kwargs)
+    else:
+        engine = TrainEngine.from_hf(cfg.model.hf_dir, layout, **kwargs)
+    if cfg.algorithm.routing_replay and not engine.moe_routers:
+        raise ConfigError([f"algorithm.routing_replay: family {engine.family!r} has no MoE router (a dense model "
+                           "routes nothing); set algorithm.routing_replay=false"])
+    return engine
 
 
 def chat_template(cfg: RLConfig, family: str, tokenizer: PreTrainedTokenizerBase | None) -> ChatTemplateSpec:

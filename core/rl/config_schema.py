@@ -365,7 +365,7 @@ class RLConfig:
             if value and not Path(value).expanduser().exists():
                 rel = "" if Path(value).expanduser().is_absolute() else f" (relative to the current folder {os.getcwd()})"
                 hint = ("; build it first (an example config's header comment gives the command: `ferrule assets "
-                        "smollm2 assets/smollm2` for smollm2_*.yaml, `python -m ferrule.plugins.inkling2.synthetic "
+                        "smollm2 assets/smollm2` for smollm2_*.yaml, `python -m ferrule_examples.inkling2_synthetic "
                         "runs/inkling2_tiny/assets` for inkling2_tiny.yaml), or set model.hf_dir"
                         if key == "model.hf_dir" and not self.checkpoint.resume else
                         "; if the model folder moved, give its new path: ferrule train --resume --run-dir RUN_DIR "

@@ -47,7 +47,7 @@ def make_inkling2_model(out: Path) -> None:
     import torch
     from transformers import Inkling2Config, Inkling2ForConditionalGeneration
 
-    from ferrule.plugins.inkling2.synthetic import TINY_TEXT_CONFIG
+    from ferrule_examples.inkling2_synthetic import TINY_TEXT_CONFIG
 
     text = dict(TINY_TEXT_CONFIG, vocab_size=201024, unpadded_vocab_size=200058, eos_token_id=200006,
                 max_position_embeddings=512)

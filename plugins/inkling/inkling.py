@@ -175,7 +175,7 @@ KIT_FEATURE_KEYS: dict = {}
 
 
 def tiny_media(hf_config: Mapping[str, Any]) -> dict:
-    """Media for the kit's media case (:mod:`ferrule.conformance_media`): one random 12x20 RGB image and one
+    """Media for the kit's media case (:mod:`ferrule.conformance.media`): one random 12x20 RGB image and one
     0.3 s 16 kHz clip (fixed seed), preprocessed by the towers' own ``TowerSpec.preprocess`` functions:
     ``{"vision": [pixel_values [6, 2, 8, 8, 3]], "audio": [dmel ids [6, 80]]}``."""
     import numpy as np

@@ -157,7 +157,7 @@ KIT_FEATURE_KEYS: dict = {}
 
 
 def tiny_media(hf_config: Mapping[str, Any]) -> dict:
-    """Media for the kit's media case (:mod:`ferrule.conformance_media`): one random 10 x 14 RGB image (fixed
+    """Media for the kit's media case (:mod:`ferrule.conformance.media`): one random 10 x 14 RGB image (fixed
     seed) through the tower's own ``preprocess_image``: ``{"vision": [[2, 3, 6, 6, 3]]}`` (6 tokens)."""
     import numpy as np
     from PIL import Image

@@ -35,7 +35,7 @@ def _check(asset_dir: str, work: str) -> dict:
 
     from ferrule import registry
     from ferrule.chat import render_chat
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf
     from ferrule.converters.checkpoint import load_torch_dist_into_mcore
     from ferrule.megatron.parallel import ParallelLayout

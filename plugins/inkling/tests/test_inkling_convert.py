@@ -92,7 +92,7 @@ def test_released_multimodal_layout_round_trip_keeps_towers(tmp_path):
 def test_released_layout_logits_match_multimodal_model_on_text(tmp_path):
     from transformers import InklingForConditionalGeneration
 
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule import registry

@@ -2,7 +2,7 @@
 
 Config: ``examples/configs/inkling_mm_tiny.yaml`` (family inkling, TMLv0 prompts holding a
 PIL-drawn picture and "how many squares?", exact-answer reward
-:func:`ferrule.plugins.inkling.shapes.square_count_reward`). Independent checks: the picture's
+:func:`ferrule_examples.inkling_shapes.square_count_reward`). Independent checks: the picture's
 square count is re-counted from the PNG here (the answer is right), rewards are recomputed from the
 logged responses, the rollout weights are verified equal to the trained weights after every sync
 (``check_weight_update_equal``, towers included), train vs rollout logprobs of the sampled tokens
@@ -28,7 +28,7 @@ CONFIG = REPO / "examples" / "configs" / "inkling_mm_tiny.yaml"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from ferrule.plugins.inkling.shapes import build_shapes_task
+    from ferrule_examples.inkling_shapes import build_shapes_task
 
     return build_shapes_task(tmp_path_factory.mktemp("inkling_mm_rl"), prompts=8)
 

@@ -48,7 +48,7 @@ def _ids(vocab):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_hf_tp1(name, tmp_path):
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
 
     path = tiny_inkling_dir(tmp_path / name, CONFIGS[name])
     hf = _hf(path).eval()
@@ -76,7 +76,7 @@ def _summed_logprob(logits, ids):
     ("global_only_log_scaling", CONFIGS["global_only_log_scaling"]),
 ])
 def test_gradients_match_hf_autograd_tp1(name, overrides, tmp_path):
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.mapping import MappingContext
     from ferrule.plugins.inkling import inkling_text
 

@@ -2,7 +2,7 @@
 
 Config: ``examples/configs/inkling_tiny.yaml`` (family inkling_text, embedded rollout running
 ``InklingForCausalLM``, reward = share of the response's characters that are "7",
-:func:`ferrule.plugins.inkling.synthetic.target_token_share`). A near-uniform random policy
+:func:`ferrule_examples.inkling_synthetic.target_token_share`). A near-uniform random policy
 starts at ~0.02; measured on 2 CPU cores (2026-11-30): 0.65 at step 15, 0.97 at step 21, 1.0 from
 step 26. Independent checks: rewards recomputed here from the logged responses; rollout weights
 verified equal to the trained weights after every sync (``check_weight_update_equal``); resume
@@ -32,14 +32,14 @@ TIMING = re.compile(r"^(time.*|.*_per_s|memory_.*|mfu)$")  # timings, memory and
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from ferrule.plugins.inkling.synthetic import build_tiny_inkling
+    from ferrule_examples.inkling_synthetic import build_tiny_inkling
 
     return build_tiny_inkling(tmp_path_factory.mktemp("inkling_rl"))
 
 
 @pytest.fixture(scope="module")
 def assets2(tmp_path_factory):
-    from ferrule.plugins.inkling2.synthetic import build_tiny_inkling2
+    from ferrule_examples.inkling2_synthetic import build_tiny_inkling2
 
     return build_tiny_inkling2(tmp_path_factory.mktemp("inkling2_rl"))
 

@@ -14,7 +14,7 @@ from inkling_fixtures import CONFIGS
 def _names(overrides):
     from transformers import InklingTextConfig
 
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.megatron.weights import global_param_names
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG, build_provider

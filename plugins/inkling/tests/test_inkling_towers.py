@@ -53,7 +53,7 @@ def _mcore_logits(model, ids, media):
 
 
 def test_logits_match_hf_with_image_and_audio(tmp_path):
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
 
     path = tiny_inkling_mm_dir(tmp_path / "mm")
     pixel_values, dmel = tiny_media()
@@ -75,7 +75,7 @@ def test_logits_match_hf_with_image_and_audio(tmp_path):
 
 def test_text_embedding_gradient_on_multimodal_batch_matches_hf(tmp_path):
     """Fails if the scatter cuts the graph (zero word-embedding gradient) or scatters to the wrong rows."""
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
 
     path = tiny_inkling_mm_dir(tmp_path / "mm")
     pixel_values, dmel = tiny_media()
@@ -113,7 +113,7 @@ def test_towers_travel_on_every_weight_sync(tmp_path):
     """The train engine holds the towers, trains on a multimodal datum, and every sync carries the towers:
     after the train side's tower weights change, sync + ``check_weight_update_equal`` pass; changed again
     without a sync, the check names the tower tensors."""
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.converters import SafetensorsReader
     from ferrule.megatron.engine import TrainEngine
     from ferrule.rollout.embedded import EmbeddedEngine
@@ -145,7 +145,7 @@ def test_towers_travel_on_every_weight_sync(tmp_path):
 def test_bad_media_is_refused_naming_the_datum(tmp_path):
     from inkling_fixtures import tiny_inkling_dir
 
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.megatron.engine import TrainEngine
     from ferrule.megatron.towers import MediaError
 

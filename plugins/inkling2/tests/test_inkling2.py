@@ -85,7 +85,7 @@ def test_translation_refuses_what_is_not_implemented():
 def test_logits_and_gradients_match_hf_tp1(name, tmp_path):
     from safetensors.torch import load_file
 
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.mapping import MappingContext
 
     path = tiny_inkling2_dir(tmp_path / name, CONFIGS[name])
@@ -158,7 +158,7 @@ def test_fp64_logits_and_gradients_match_hf_exactly(name, tmp_path):
     from fp64_reference import FLOAT32, Float32Watch, fp64_run, relative_errors
     from transformers import AutoModelForCausalLM
 
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.mapping import MappingContext
 
     with Float32Watch() as watch:  # the watch sees fp32 ops (else the fp64 assertion below proves nothing)
@@ -277,9 +277,9 @@ def test_ep2_logits_gradients_and_export_over_two_gloo_processes(dist_pool, tmp_
 
 
 def test_kit_compares_over_the_hf_head_width():
-    """conformance_numeric.logits_max_diff: an HF head narrower than vocab_size is compared over its width, and
+    """ferrule.conformance.numeric.logits_max_diff: an HF head narrower than vocab_size is compared over its width, and
     Megatron's columns past it must carry no probability (masked), else the kit names them."""
-    from ferrule.conformance_numeric import logits_max_diff
+    from ferrule.conformance.numeric import logits_max_diff
 
     ref = torch.randn(2, 3, 5)
     out = torch.cat([ref + 1e-7, torch.full((2, 3, 3), torch.finfo(torch.float32).min)], dim=-1)

@@ -50,7 +50,7 @@ def _mcore(path):
 def test_image_prompt_logits_and_embedding_gradient_match_hf(tiny_dir):
     from transformers import Inkling2ForConditionalGeneration
 
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.megatron.towers import embed_with_media
     from ferrule.plugins.inkling2.towers import hf_vision_inputs
 
@@ -152,7 +152,7 @@ def test_embedded_rollout_with_images_matches_full_hf_forward(tiny_dir):
 
 def test_update_groups_cover_the_model_with_its_tower(tiny_dir):
     from ferrule import registry
-    from ferrule.conformance_numeric import single_rank
+    from ferrule.conformance.numeric import single_rank
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule.megatron.provider import provider_build
     from ferrule.sync.groups import build_update_units

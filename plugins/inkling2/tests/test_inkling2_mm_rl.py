@@ -2,8 +2,8 @@
 
 Config: ``examples/configs/inkling2_mm_tiny.yaml`` (family inkling2, TMLv0 prompts holding a
 PIL-drawn picture and "how many squares?", exact-answer reward
-:func:`ferrule.plugins.inkling.shapes.square_count_reward`; the task and a random
-``Inkling2ForConditionalGeneration`` from :func:`ferrule.plugins.inkling2.shapes.build_inkling2_shapes_task`). Independent checks (tests/mm_grpo_helpers.py, shared
+:func:`ferrule_examples.inkling_shapes.square_count_reward`; the task and a random
+``Inkling2ForConditionalGeneration`` from :func:`ferrule_examples.inkling2_shapes.build_inkling2_shapes_task`). Independent checks (tests/mm_grpo_helpers.py, shared
 with the Inkling test): the picture's square count is re-counted from the PNG (the answer is right),
 rewards are recomputed from the logged responses, the rollout weights are verified equal to the
 trained weights after every sync (``check_weight_update_equal``, the tower included), train vs rollout
@@ -28,7 +28,7 @@ CONFIG = REPO / "examples" / "configs" / "inkling2_mm_tiny.yaml"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from ferrule.plugins.inkling2.shapes import build_inkling2_shapes_task
+    from ferrule_examples.inkling2_shapes import build_inkling2_shapes_task
 
     return build_inkling2_shapes_task(tmp_path_factory.mktemp("inkling2_mm_rl"), prompts=8)
 

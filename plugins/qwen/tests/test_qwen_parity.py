@@ -3,7 +3,7 @@
 Referee: transformers' Qwen2/Qwen3/Qwen3-MoE forward in fp32. Tolerance 1e-5 max abs diff
 (the observed differences are ~1e-7: fp32 summation order only).
 
-- TP=1 in this process (``ferrule.conformance_numeric.check_logits_parity``).
+- TP=1 in this process (``ferrule.conformance.numeric.check_logits_parity``).
 - One ``torchrun`` launch with 2 gloo processes (plugins/qwen/tests/dist/qwen_parity_worker.py): TP=2 for
   Qwen2 / Qwen3 tied / Qwen3-MoE, EP=2 for Qwen3-MoE (alltoall and allgather dispatchers),
   export at PP=2, and torch_dist resharding (saved at TP=1 -> loaded at TP=2, saved at TP=2 ->
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ferrule import envs
-from ferrule import conformance_numeric as cn
+from ferrule.conformance import numeric as cn
 
 ATOL = 1e-5
 REPO = Path(__file__).resolve().parents[3]

@@ -131,7 +131,7 @@ MAPPING = MappingTable(family="llama", mappings=(*DECODER_EDGE, *DECODER_ATTENTI
 UPDATE_GROUPS = decoder_update_groups()
 
 # ---------------------------------------------------------------------------------------------
-# Tiny random model for the conformance kit (ferrule.conformance_numeric): HF config keys,
+# Tiny random model for the conformance kit (ferrule.conformance.numeric): HF config keys,
 # model_type included; the kit builds ``AutoConfig.for_model(**TINY_HF_CONFIG)`` with a fixed
 # seed. Shaped like SmolLM2 in miniature: GQA 6 query heads over 2 KV heads, tied embeddings,
 # a non-default rope_theta, and a vocabulary that Megatron pads (96 -> 128 rows).

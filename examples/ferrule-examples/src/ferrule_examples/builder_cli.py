@@ -1,4 +1,4 @@
-"""The command line of the in-tree plugins' asset builders (``python -m ferrule.plugins.<family>.synthetic OUT_DIR``
+"""The command line of the example asset builders (``python -m ferrule_examples.<family>_synthetic OUT_DIR``
 and the ``shapes`` task builders): one positional ``OUT_DIR``, ``--help`` from the module's docstring."""
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def family_build_check(family: str, *, parse: bool = False) -> tuple[str, str]:
         translation = converter.resolved_config_translation()
         registry.get_update_groups(family).groups  # noqa: B018 - resolves a lazy table
         if parse:
-            from ferrule.conformance_numeric import tiny_hf_config
+            from ferrule.conformance.numeric import tiny_hf_config
 
             tiny = tiny_hf_config(family)
             if tiny is not None:

@@ -1,6 +1,6 @@
 """A tiny random Inkling and a synthetic learnable task, for the shipped RL example and its test.
 
-``python -m ferrule.plugins.inkling.synthetic OUT_DIR`` writes
+``python -m ferrule_examples.inkling_synthetic OUT_DIR`` writes
 
 - ``OUT_DIR/model``: a random ``InklingForCausalLM`` (2 layers: one local dense, one global MoE
   with 4 routed experts top-2 and 2 shared experts; 33 k parameters) saved with
@@ -66,6 +66,6 @@ def build_tiny_inkling(out_dir, *, seed: int = 0, prompts: int = 64, model: bool
 
 
 if __name__ == "__main__":
-    from ferrule.plugins.builder_cli import builder_main
+    from ferrule_examples.builder_cli import builder_main
 
-    sys.exit(builder_main("ferrule.plugins.inkling.synthetic", __doc__, build_tiny_inkling))
+    sys.exit(builder_main("ferrule_examples.inkling_synthetic", __doc__, build_tiny_inkling))

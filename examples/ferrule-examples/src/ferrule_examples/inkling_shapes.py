@@ -1,6 +1,6 @@
 """A synthetic multimodal task and a tiny random multimodal Inkling, for the shipped multimodal RL example.
 
-``python -m ferrule.plugins.inkling.shapes OUT_DIR`` writes
+``python -m ferrule_examples.inkling_shapes OUT_DIR`` writes
 
 - ``OUT_DIR/images/N.png``: 32 x 32 pictures drawn with PIL, each with 1-3 coloured squares and
   0-2 coloured circles on a white background, one shape per cell of a 3 x 3 grid so shapes never
@@ -109,6 +109,6 @@ def build_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32, model: bool 
 
 
 if __name__ == "__main__":
-    from ferrule.plugins.builder_cli import builder_main
+    from ferrule_examples.builder_cli import builder_main
 
-    sys.exit(builder_main("ferrule.plugins.inkling.shapes", __doc__, build_shapes_task))
+    sys.exit(builder_main("ferrule_examples.inkling_shapes", __doc__, build_shapes_task))

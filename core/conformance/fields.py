@@ -1,4 +1,4 @@
-"""What HF's instantiated model uses, read for the conformance kit (:mod:`ferrule.conformance_numeric`
+"""What HF's instantiated model uses, read for the conformance kit (:mod:`ferrule.conformance.numeric`
 re-exports every public name): the class the kit builds a family's tiny model with, the text vocabulary
 of a (multimodal) config, rotary ``cos``/``sin`` tables and the translated fields HF's modules expose."""
 

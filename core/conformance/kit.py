@@ -3,10 +3,10 @@
 Use it from any plugin package's test suite::
 
     # conftest.py
-    pytest_plugins = ["ferrule.testing"]
+    pytest_plugins = ["ferrule.conformance.kit"]
 
     # test_conformance.py
-    from ferrule.testing import FamilyConformance
+    from ferrule.conformance.kit import FamilyConformance
 
     class TestMyFamily(FamilyConformance):
         families = ("myfamily",)      # None: every registered family
@@ -25,10 +25,10 @@ families from the command line. The cases:
 - numeric cases for families with a converter (HF -> torch_dist -> HF round trip is
   bit-exact, the mapping table covers the provider's parameters exactly, rotary frequencies and
   every translated field equal what HF's model uses, Megatron logits match HF transformers)
-  from :mod:`ferrule.conformance_numeric`, and again at TP=2 (round trip through the TP split
-  and logits) in one ``torchrun`` launch for all families (:mod:`ferrule.conformance_tp`);
+  from :mod:`ferrule.conformance.numeric`, and again at TP=2 (round trip through the TP split
+  and logits) in one ``torchrun`` launch for all families (:mod:`ferrule.conformance.tp`);
 - a family with towers: logits of a prompt with media for every tower match HF's at TP=1 and
-  TP=2, and each modality changes them (:mod:`ferrule.conformance_media`; the family's
+  TP=2, and each modality changes them (:mod:`ferrule.conformance.media`; the family's
   ``tiny_media``).
 
 A failing case reports one readable assertion (the worker's exception message, without
@@ -49,9 +49,9 @@ import pytest
 from ferrule import envs
 from ferrule import registry
 from ferrule.hook_parts import HOOK_PARTS, part_for_spec
+from ferrule.conformance.discovery import HEAVY_MODULES  # noqa: F401  (the kit's public name)
 from ferrule.specs import FamilyStatus, resolve_ref
 
-HEAVY_MODULES = ("torch", "megatron", "transformers")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -69,16 +69,10 @@ def family_specs(family: str) -> list[object]:
 
 
 def discovery_imports(env: dict[str, str] | None = None) -> dict[str, object]:
-    """Run plugin discovery in a fresh interpreter; return families seen and heavy modules imported."""
-    code = (
-        "import json, sys\n"
-        "from ferrule import registry\n"
-        "reg = registry.get_registry()\n"
-        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY_MODULES!r})\n"
-        "print(json.dumps({'families': sorted(reg.families), 'heavy': heavy,"
-        " 'failures': [f.entry_point for f in reg.failures]}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    """Run plugin discovery in a fresh interpreter (:mod:`ferrule.conformance.discovery`); return the families
+    seen, the heavy modules imported and the failed entry points."""
+    out = subprocess.run([sys.executable, "-m", "ferrule.conformance.discovery"], capture_output=True, text=True,
+                         timeout=120, env=env)
     if out.returncode != 0:
         raise AssertionError(f"discovery subprocess failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -89,7 +83,7 @@ class FamilyConformance:
 
     Subclass it in a test module (pytest collects ``Test*`` classes). Set ``families`` on the
     subclass to restrict it to your own families; ``--ferrule-family NAME`` (available when
-    ``ferrule.testing`` is a loaded pytest plugin) restricts it further.
+    ``ferrule.conformance.kit`` is a loaded pytest plugin) restricts it further.
     """
 
     #: families to check; None means every registered family
@@ -102,7 +96,7 @@ class FamilyConformance:
         wanted = list(self.families or ())
         try:
             wanted += metafunc.config.getoption("ferrule_family") or []
-        except ValueError:  # the option is only there when ferrule.testing is a loaded plugin
+        except ValueError:  # the option is only there when ferrule.conformance.kit is a loaded plugin
             pass
         unknown = sorted(set(wanted) - set(names))
         if unknown:
@@ -162,7 +156,7 @@ class FamilyConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def tp1_results(cls, request, tmp_path_factory) -> dict[str, dict]:
-        """One fresh interpreter (:data:`TP1_CODE`) runs the TP=1 numeric cases, the update-group
+        """One fresh interpreter (:mod:`ferrule.conformance.tp1`) runs the TP=1 numeric cases, the update-group
         coverage and (for a family with towers) the media case of every family of this class, one family
         after the other; ``{family: {"numeric": {...}, "groups": {...}, "media": {...}}}``, each
         ``{"skip": why}``, ``{"error": text}`` or the value.
@@ -173,7 +167,8 @@ class FamilyConformance:
         """
         families = cls._class_families(request.config)
         work = tmp_path_factory.mktemp("kit_tp1")
-        out = subprocess.run([sys.executable, "-c", TP1_CODE, str(work), *families], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "ferrule.conformance.tp1", str(work), *families],
+                             capture_output=True, text=True,
                              timeout=600 + 300 * len(families), env=envs.child_env(PYTHONWARNINGS="ignore"))
         return _last_json(out, "the TP=1 conformance run")
 
@@ -193,7 +188,7 @@ class FamilyConformance:
 
     def test_media_logits_parity(self, ferrule_family: str, tp1_results) -> None:
         """A family with towers: logits of a prompt with media for every tower == HF's (fp32, TP=1), and each
-        modality's media change HF's logits (:func:`ferrule.conformance_media.check_media_logits_parity`).
+        modality's media change HF's logits (:func:`ferrule.conformance.media.check_media_logits_parity`).
 
         Computed by :meth:`tp1_results` (the same fresh interpreter as the other TP=1 cases).
         """
@@ -209,7 +204,7 @@ class FamilyConformance:
 
     def test_update_groups_cover_parameters(self, ferrule_family: str, tp1_results) -> None:
         """Every parameter of the tiny model lands in exactly one update unit, and every update unit
-        names only existing parameters (:func:`ferrule.conformance_numeric.check_update_groups_cover_parameters`).
+        names only existing parameters (:func:`ferrule.conformance.numeric.check_update_groups_cover_parameters`).
 
         Computed by :meth:`tp1_results` (megatron's parallel state is process-global).
         """
@@ -226,14 +221,14 @@ class FamilyConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def tp2_results(cls, request, tmp_path_factory) -> dict[str, dict]:
-        """One ``torchrun`` launch (2 gloo ranks) running :mod:`ferrule.conformance_tp` for every
+        """One ``torchrun`` launch (2 gloo ranks) running :mod:`ferrule.conformance.tp` for every
         family of this class that has a provider, a converter and a ``TINY_HF_CONFIG``.
 
         A test suite that keeps 2 gloo ranks running may define a fixture ``ferrule_kit_tp2_launch``:
         a callable ``(argv, *, env, timeout) -> subprocess.CompletedProcess`` that runs ``argv`` (what
         follows ``torchrun --nproc-per-node 2``) in its ranks; the kit uses it instead of a launch of its
         own (ferrule's own suite lends its session pool: ``conftest.py``)."""
-        from ferrule import conformance_numeric as cn
+        from ferrule.conformance import numeric as cn
 
         reg = registry.get_registry()
         names = [f.name for f in registry.list_families()]
@@ -248,7 +243,7 @@ class FamilyConformance:
             return {}
         work = tmp_path_factory.mktemp("kit_tp2")
         out_file = work / "results.json"
-        argv = ["-m", "ferrule.conformance_tp", "--work", str(work), "--out", str(out_file), *families]
+        argv = ["-m", "ferrule.conformance.tp", "--work", str(work), "--out", str(out_file), *families]
         env = envs.child_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         try:  # a suite that keeps 2 gloo ranks running may lend them (docs/plugins.md, "The conformance kit")
             launch = request.getfixturevalue("ferrule_kit_tp2_launch")
@@ -276,41 +271,9 @@ class FamilyConformance:
 
 
 
-#: the interpreter of :meth:`FamilyConformance.tp1_results`: ``argv = [work, family, ...]``; prints one JSON line
-TP1_CODE = (
-    "import json, sys, warnings\n"
-    "warnings.filterwarnings('ignore')\n"
-    "from ferrule import conformance_numeric as cn, registry\n"
-    "from ferrule.conformance_media import check_media_logits_parity\n"
-    "work, out = sys.argv[1], {}\n"
-    "def run(f):\n"
-    "    try:\n"
-    "        return f()\n"
-    "    except BaseException as exc:\n"
-    "        return {'error': f'{type(exc).__name__}: {exc}'}\n"
-    "def numeric(fam, w):\n"
-    "    cn.check_round_trip(fam, w + '/rt')\n"
-    "    cn.check_mapping_covers_provider(fam, w + '/cov')\n"
-    "    cn.check_translation_matches_hf(fam, w + '/fields')\n"
-    "    cn.check_features_reached(fam, w + '/features')\n"
-    "    return {'logits_max_abs_diff': float(cn.check_logits_parity(fam, w + '/par'))}\n"
-    "reg = registry.get_registry()\n"
-    "for fam in sys.argv[2:]:\n"
-    "    if fam not in reg.providers or fam not in reg.converters or cn.tiny_hf_config(fam) is None:\n"
-    "        out[fam] = {k: {'skip': 'no TINY_HF_CONFIG'} for k in ('numeric', 'groups', 'media')}\n"
-    "        continue\n"
-    "    w = f'{work}/{fam}'\n"
-    "    out[fam] = {'numeric': run(lambda: numeric(fam, w)),\n"
-    "                'groups': run(lambda: {'value': cn.check_update_groups_cover_parameters(fam)})\n"
-    "                if fam in reg.update_groups else {'skip': 'no update groups'},\n"
-    "                'media': run(lambda: check_media_logits_parity(fam, w + '/media'))\n"
-    "                if registry.get_towers(fam) else {'skip': 'no towers'}}\n"
-    "print(json.dumps(out))\n"
-)
-
-
 def run_conformance_check(check: str, family: str, *args: str) -> dict[str, object]:
-    """Run ``ferrule.conformance_numeric.<check>(family)`` in a fresh interpreter; ``{"value": result}``.
+    """Run ``ferrule.conformance.numeric.<check>(family)`` in a fresh interpreter (:mod:`ferrule.conformance.check`);
+    ``{"value": result}``.
 
     ``args`` are ``"module:attr"`` references passed as the check's ``groups=`` (tests use it to
     hand in a deliberately broken table). Returns ``{"skip": reason}`` when the family declares
@@ -319,18 +282,8 @@ def run_conformance_check(check: str, family: str, *args: str) -> dict[str, obje
     Raises:
         AssertionError: the check failed; the message carries the check's own message.
     """
-    code = (
-        "import json, sys\n"
-        "from ferrule import conformance_numeric as cn\n"
-        "from ferrule.specs import resolve_ref\n"
-        "fam = sys.argv[1]\n"
-        "if cn.tiny_hf_config(fam) is None:\n"
-        "    print(json.dumps({'skip': 'no TINY_HF_CONFIG'})); sys.exit(0)\n"
-        "kw = {'groups': resolve_ref(sys.argv[2])} if len(sys.argv) > 2 else {}\n"
-        f"value = cn.{check}(fam, **kw)\n"
-        "print(json.dumps({'value': value}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, family, *args], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "ferrule.conformance.check", check, family, *args],
+                         capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise AssertionError(f"{check} failed for {family}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

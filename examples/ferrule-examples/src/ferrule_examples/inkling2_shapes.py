@@ -1,14 +1,14 @@
 """Inkling's synthetic "how many squares?" task on a tiny random multimodal Inkling-2, for the shipped example.
 
-``python -m ferrule.plugins.inkling2.shapes OUT_DIR`` writes what :func:`ferrule.plugins.inkling.shapes.build_shapes_task`
+``python -m ferrule_examples.inkling2_shapes OUT_DIR`` writes what :func:`ferrule_examples.inkling_shapes.build_shapes_task`
 writes (``images/N.png`` 32 x 32 PIL-drawn pictures, ``task.jsonl`` TMLv0 chat prompts with one image part and
 the question, the character-level TMLv0 tokenizer under ``model/``) with the model replaced by a random
-``Inkling2ForConditionalGeneration``: the text model of :data:`ferrule.plugins.inkling2.synthetic.TINY_TEXT_CONFIG`
+``Inkling2ForConditionalGeneration``: the text model of :data:`ferrule_examples.inkling2_synthetic.TINY_TEXT_CONFIG`
 (an unembedding padded from the tokenizer's 83 ids to :data:`PADDED_VOCAB` rows) and a 2-layer vision tower
 with 4 px patches merged 2 x 2, so a 32 x 32 picture is a 4 x 4 grid of 8 px token squares: 16 image
 placeholder tokens per prompt (``image_token_id`` = the tokenizer's ``<|unused_200054|>``).
 ``examples/configs/inkling2_mm_tiny.yaml`` trains it with GRPO on CPU (reward
-:func:`ferrule.plugins.inkling.shapes.square_count_reward`).
+:func:`ferrule_examples.inkling_shapes.square_count_reward`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def build_inkling2_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32) -> 
     import torch
     from transformers import Inkling2Config, Inkling2ForConditionalGeneration
 
-    from ferrule.plugins.inkling.shapes import build_shapes_task
-    from ferrule.plugins.inkling2.synthetic import TINY_TEXT_CONFIG
+    from ferrule_examples.inkling_shapes import build_shapes_task
+    from ferrule_examples.inkling2_synthetic import TINY_TEXT_CONFIG
 
     out = build_shapes_task(out_dir, seed=seed, prompts=prompts, model=False)  # images, task, tokenizer
     vocab = json.loads((out / "model" / "tokenizer.json").read_text())["model"]["vocab"]
@@ -47,6 +47,6 @@ def build_inkling2_shapes_task(out_dir, *, seed: int = 0, prompts: int = 32) -> 
 
 
 if __name__ == "__main__":
-    from ferrule.plugins.builder_cli import builder_main
+    from ferrule_examples.builder_cli import builder_main
 
-    sys.exit(builder_main("ferrule.plugins.inkling2.shapes", __doc__, build_inkling2_shapes_task))
+    sys.exit(builder_main("ferrule_examples.inkling2_shapes", __doc__, build_inkling2_shapes_task))

@@ -1,14 +1,14 @@
 """A tiny random Inkling-2 and the synthetic task of Inkling's RL example, for the shipped GRPO example.
 
-``python -m ferrule.plugins.inkling2.synthetic OUT_DIR`` writes
+``python -m ferrule_examples.inkling2_synthetic OUT_DIR`` writes
 
 - ``OUT_DIR/model``: a random ``Inkling2ForCausalLM`` (2 layers, one sliding and one full, one block of
   attention residuals; 4 routed experts top-2; soft-caps at their defaults; an unembedding padded from
   the tokenizer's 49 ids to 56 rows, ``unpadded_vocab_size`` 49) saved with ``save_pretrained``, plus the
-  character-level tokenizer of :mod:`ferrule.plugins.inkling.synthetic` (ChatML control tokens included);
+  character-level tokenizer of :mod:`ferrule_examples.inkling_synthetic` (ChatML control tokens included);
 - ``OUT_DIR/task.jsonl``: 64 prompts (``"say <n>"``, answer ``"7"``).
 
-The reward is :func:`ferrule.plugins.inkling.synthetic.target_token_share` (share of "7" among the
+The reward is :func:`ferrule_examples.inkling_synthetic.target_token_share` (share of "7" among the
 response's characters). ``examples/configs/inkling2_tiny.yaml`` trains it with GRPO.
 """
 
@@ -36,7 +36,7 @@ def build_tiny_inkling2(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
     import torch
     from transformers import Inkling2ForCausalLM, Inkling2TextConfig
 
-    from ferrule.plugins.inkling.synthetic import build_tiny_inkling
+    from ferrule_examples.inkling_synthetic import build_tiny_inkling
 
     out = Path(out_dir)
     build_tiny_inkling(out, seed=seed, prompts=prompts, model=False)  # tokenizer + task
@@ -49,6 +49,6 @@ def build_tiny_inkling2(out_dir, *, seed: int = 0, prompts: int = 64) -> Path:
 
 
 if __name__ == "__main__":
-    from ferrule.plugins.builder_cli import builder_main
+    from ferrule_examples.builder_cli import builder_main
 
-    sys.exit(builder_main("ferrule.plugins.inkling2.synthetic", __doc__, build_tiny_inkling2))
+    sys.exit(builder_main("ferrule_examples.inkling2_synthetic", __doc__, build_tiny_inkling2))

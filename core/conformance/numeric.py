@@ -1,4 +1,4 @@
-"""Numeric conformance cases for families with a converter (called from :mod:`ferrule.testing`).
+"""Numeric conformance cases for families with a converter (called from :mod:`ferrule.conformance.kit`).
 
 A family opts in by defining ``TINY_HF_CONFIG`` (a dict of HF config keys, ``model_type``
 included) in the module its ``ProviderSpec.build`` points to (for a provider with the default
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
-from ferrule.conformance_fields import (  # noqa: F401  (re-exported: the kit's public names)
+from ferrule.conformance.fields import (  # noqa: F401  (re-exported: the kit's public names)
     hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
     translated_fields_vs_hf,
 )

@@ -7,13 +7,13 @@ one modality per declared tower at least. :func:`check_media_logits_parity` then
 
 - writes a prompt of random text tokens (no placeholder id among them) with each item's
   placeholders in order (text, item, text, item, ..., text);
-- runs the family's transformers model (:func:`ferrule.conformance_fields.hf_model_class`, fp32,
+- runs the family's transformers model (:func:`ferrule.conformance.fields.hf_model_class`, fp32,
   the family's ``attn_implementation``) with the media as its forward keywords
   (``TowerSpec.hf_input``, :func:`ferrule.media.hf_media_inputs`);
 - runs the Megatron model with its towers attached (``provider_build``), the media scattered into
   the token embeddings by :func:`ferrule.megatron.towers.embed_with_media`, weights loaded from the
   same HF files through the mapping table (the towers' rows included);
-- asserts the max abs logit difference is within ``atol`` (:data:`~ferrule.conformance_numeric.LOGITS_ATOL_FP32`)
+- asserts the max abs logit difference is within ``atol`` (:data:`~ferrule.conformance.numeric.LOGITS_ATOL_FP32`)
   and that each modality's media change HF's logits by more than ``min_effect`` (a tower that were a
   no-op, or a prompt that missed it, would make the comparison say nothing about it).
 """
@@ -25,9 +25,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ferrule.conformance_numeric import (LOGITS_ATOL_FP32, _build, _variant_module, logits_max_diff, single_rank,
+from ferrule.conformance.numeric import (LOGITS_ATOL_FP32, _build, _variant_module, logits_max_diff, single_rank,
                                         tiny_hf_dir)
-from ferrule.conformance_fields import hf_model_class, text_vocab_size
+from ferrule.conformance.fields import hf_model_class, text_vocab_size
 
 __all__ = ["media_prompt", "tiny_media_of", "check_media_logits_parity", "mcore_media_logits"]
 

@@ -1,19 +1,19 @@
 """The conformance kit's numeric cases at tensor parallelism 2: one ``torchrun`` launch, every family.
 
-Run by :class:`ferrule.testing.FamilyConformance` (or by hand)::
+Run by :class:`ferrule.conformance.kit.FamilyConformance` (or by hand)::
 
-    python -m torch.distributed.run --nproc-per-node 2 -m ferrule.conformance_tp \
+    python -m torch.distributed.run --nproc-per-node 2 -m ferrule.conformance.tp \
         --work DIR --out results.json FAMILY [FAMILY ...]
 
 Each rank initializes megatron with ``ParallelLayout(tp=2)`` (gloo on CPU) once (re-initialized at
 ``etp=1`` for a family whose ``ModelFamilySpec.layouts`` refuses expert TP 2: :func:`kit_layout`); then, for each
-family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance_numeric.tiny_hf_dir`,
+family: rank 0 saves the tiny random HF model (:func:`ferrule.conformance.numeric.tiny_hf_dir`,
 with the family's optional ``TINY_TP2_OVERRIDES`` applied, e.g. 2 KV heads for an MQA config),
 both ranks build the provider at TP=2, load the HF tensors through the mapping table (so a
 wrong ``TPSplit`` shows up as a shape error or wrong numbers), export them back
 (:func:`ferrule.megatron.weights.export_mcore_to_hf`, which gathers the TP shards) and run the
 kit's test batch (and, for a family with towers and ``tiny_media``, the media prompt of
-:mod:`ferrule.conformance_media`). Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
+:mod:`ferrule.conformance.media`). Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
 1e-5) and the exported tensors with the source files (bit-exact), and writes
 ``{family: {"ok": bool, "logits_max_abs_diff": float | None, "error": str | None}}`` to
 ``--out``. One failing family does not stop the others (errors are raised on every rank at the
@@ -40,7 +40,7 @@ def tp2_overrides(family: str) -> dict | None:
 
     For a tiny config TP cannot split, e.g. one KV head (MQA) at TP=2.
     """
-    from ferrule.conformance_numeric import _variant_module
+    from ferrule.conformance.numeric import _variant_module
 
     value = getattr(_variant_module(family), "TINY_TP2_OVERRIDES", None)
     return dict(value) if value is not None else None
@@ -82,9 +82,9 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     import torch
     import torch.distributed as dist
 
-    from ferrule import conformance_numeric as cn
+    from ferrule.conformance import numeric as cn
     from ferrule import registry
-    from ferrule.conformance_media import mcore_media_logits, media_prompt, tiny_media_of
+    from ferrule.conformance.media import mcore_media_logits, media_prompt, tiny_media_of
     from ferrule.media import hf_media_inputs, towers_for_config
     from ferrule.megatron.weights import load_hf_into_mcore
     from ferrule.formats.safetensors_io import SafetensorsReader
@@ -149,7 +149,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ferrule.conformance_tp")
+    parser = argparse.ArgumentParser(prog="ferrule.conformance.tp")
     parser.add_argument("--work", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--atol", type=float, default=1e-5)

@@ -1,0 +1,58 @@
+"""``python -m ferrule.conformance.tp1 WORK FAMILY...``: the TP=1 cases of a kit class's families in one
+fresh interpreter (:meth:`ferrule.conformance.kit.FamilyConformance.tp1_results` starts it).
+
+For each family, one after the other: the numeric cases (round trip, mapping coverage, translated
+fields, declared features, logits vs HF), the update-group coverage and, for a family with towers, the
+media case. Prints one JSON line ``{family: {"numeric": ..., "groups": ..., "media": ...}}``, each
+``{"skip": why}``, ``{"error": "Type: message"}`` or the value; a failing case does not stop the others.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def _run(case: Callable[[], Any]) -> Any:
+    try:
+        return case()
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes the case's one-line result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(argv: Sequence[str]) -> int:
+    warnings.filterwarnings("ignore")  # before megatron / transformers are imported: only the JSON line matters
+    # imported after the filter, for that reason (the checks import torch, megatron and transformers)
+    from ferrule import registry
+    from ferrule.conformance import numeric as cn
+    from ferrule.conformance.media import check_media_logits_parity
+
+    def numeric(fam: str, w: str) -> dict:
+        cn.check_round_trip(fam, w + "/rt")
+        cn.check_mapping_covers_provider(fam, w + "/cov")
+        cn.check_translation_matches_hf(fam, w + "/fields")
+        cn.check_features_reached(fam, w + "/features")
+        return {"logits_max_abs_diff": float(cn.check_logits_parity(fam, w + "/par"))}
+
+    work, *families = argv
+    reg = registry.get_registry()
+    out: dict[str, dict] = {}
+    for fam in families:
+        if fam not in reg.providers or fam not in reg.converters or cn.tiny_hf_config(fam) is None:
+            out[fam] = {k: {"skip": "no TINY_HF_CONFIG"} for k in ("numeric", "groups", "media")}
+            continue
+        w = f"{work}/{fam}"
+        out[fam] = {"numeric": _run(lambda: numeric(fam, w)),
+                    "groups": _run(lambda: {"value": cn.check_update_groups_cover_parameters(fam)})
+                    if fam in reg.update_groups else {"skip": "no update groups"},
+                    "media": _run(lambda: check_media_logits_parity(fam, w + "/media"))
+                    if registry.get_towers(fam) else {"skip": "no towers"}}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
