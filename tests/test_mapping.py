@@ -24,6 +24,7 @@ from ferrule.mapping import (
     OutputLayer,
     Rename,
     StackExperts,
+    StackExpertsInterleaved,
     TPSplit,
 )
 
@@ -169,6 +170,35 @@ def test_stack_experts_slice_and_assemble():
     with pytest.raises(MappingError, match=r"experts \[1\] missing"):
         m.assemble({0: stacked[0], 2: stacked[2]}, ctx)
     assert m.expert
+
+
+def test_transposed_interleaved_stacked_experts_compute_what_gpt_oss_computes():
+    """gpt-oss stores experts ``[E, in, out]`` with gate/up columns interleaved (HF ``GptOssExperts``:
+    ``gate_up = x @ W[e] + b[e]``, ``gate = gate_up[..., ::2]``, ``up = gate_up[..., 1::2]``, ``down = h @ D[e]``):
+    megatron's ``[gate; up]`` fc1 and ``[hidden, ffn]`` fc2 of expert e compute the same, and export back exactly."""
+    E, hidden, ffn = 3, HIDDEN, 4
+    g = torch.Generator().manual_seed(SEED)
+    w, b = torch.randn(E, hidden, 2 * ffn, generator=g), torch.randn(E, 2 * ffn, generator=g)
+    down = torch.randn(E, ffn, hidden, generator=g)
+    x, h = torch.randn(6, hidden, generator=g), torch.randn(6, ffn, generator=g)
+    p = "decoder.layers.*.mlp.experts.local_experts.*."
+    fc1 = StackExpertsInterleaved(p + "linear_fc1.weight", "model.layers.*.mlp.experts.gate_up_proj", transposed=True,
+                                  tp=TPSplit.GATE_UP)
+    fc1_bias = StackExpertsInterleaved(p + "linear_fc1.bias", "model.layers.*.mlp.experts.gate_up_proj_bias",
+                                       tp=TPSplit.GATE_UP)
+    fc2 = StackExperts(p + "linear_fc2.weight", "model.layers.*.mlp.experts.down_proj", transposed=True, tp=TPSplit.ROW)
+    ctx = _ctx(2, 1, 1, experts=E)
+    for e in range(E):
+        wild = ("0", str(e))
+        w1, b1, w2 = fc1.to_mcore([w], ctx, wild), fc1_bias.to_mcore([b], ctx, wild), fc2.to_mcore([down], ctx, wild)
+        assert w1.shape == (2 * ffn, hidden) and w2.shape == (hidden, ffn)
+        ref = x @ w[e] + b[e]
+        out = x @ w1.t() + b1                                    # megatron: [gate; up]
+        torch.testing.assert_close(out[:, :ffn], ref[:, ::2], rtol=0, atol=1e-6)
+        torch.testing.assert_close(out[:, ffn:], ref[:, 1::2], rtol=0, atol=1e-6)
+        torch.testing.assert_close(h @ w2.t(), h @ down[e], rtol=0, atol=1e-6)
+        assert torch.equal(fc1.to_hf(w1, ctx, wild)[0], w[e]) and torch.equal(fc1_bias.to_hf(b1, ctx, wild)[0], b[e])
+        assert torch.equal(fc2.to_hf(w2, ctx, wild)[0], down[e])
 
 
 def _table():
