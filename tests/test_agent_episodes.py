@@ -211,9 +211,36 @@ CONFIGS = [pytest.param("smollm2_tool_arithmetic.yaml", [], id="tool_arithmetic"
                         id="textarena")]
 
 
+def _guess_number_config(hf_dir, run_dir, *extra):
+    """guess_number over [1, 2] for 2 steps: the tiny model's random digits win now and then, so groups
+    have reward spread and the policy moves (the resume test needs that)."""
+    from ferrule.rl.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    return load_config(root / "examples" / "configs" / "smollm2_guess_number.yaml",
+                       [f"model.hf_dir={hf_dir}", f"logging.run_dir={run_dir}", "train.steps=2",
+                        "agent.environment_kwargs={high: 2}", "train.prompts_per_step=2",
+                        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "rollout.temperature=1.0",
+                        "agent.max_turns=2", "optimizer.lr=1e-3", "logging.plot_at_end=false",
+                        "checkpoint.interval=100", "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1536",
+                        "logging.log_samples=4", *extra])
+
+
+@pytest.fixture(scope="module")
+def guess_number_run(hf_dir, tmp_path_factory):
+    """An uninterrupted 2-step guess_number run: ``(trainer, run folder)`` (the example test's
+    guess_number case and the resume test's reference)."""
+    from ferrule.rl.loop import GRPOTrainer
+
+    run_dir = tmp_path_factory.mktemp("guess") / "full"
+    trainer = GRPOTrainer(_guess_number_config(hf_dir, run_dir))
+    trainer.run()
+    return trainer, run_dir
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("config,extra", CONFIGS)
-def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir, tmp_path):
+def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir, tmp_path, request):
     if "agent.environment=textarena" in extra:
         pytest.importorskip("textarena", reason="textarena is the optional extra 'agents' (pip install 'ferrule[agents]')")
     from ferrule.rl.config import load_config
@@ -221,13 +248,16 @@ def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir
     from ferrule.rl.metrics import read_metrics
 
     root = Path(__file__).resolve().parents[1]
-    run_dir = tmp_path / "run"
-    cfg = load_config(root / "examples" / "configs" / config,
-                      [f"model.hf_dir={hf_dir}", f"logging.run_dir={run_dir}", "train.steps=2",
-                       "train.prompts_per_step=1", "algorithm.use_tis=false", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8",
-                       "agent.max_turns=2", "logging.plot_at_end=false", "checkpoint.enabled=false",
-                       "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1536", *extra])
-    train(cfg)
+    if config == "smollm2_guess_number.yaml" and not extra:  # the run the resume test compares against
+        run_dir = request.getfixturevalue("guess_number_run")[1]
+    else:
+        run_dir = tmp_path / "run"
+        train(load_config(root / "examples" / "configs" / config,
+                          [f"model.hf_dir={hf_dir}", f"logging.run_dir={run_dir}", "train.steps=2",
+                           "train.prompts_per_step=1", "algorithm.use_tis=false", "rollout.n_samples_per_prompt=2",
+                           "rollout.max_new_tokens=8", "agent.max_turns=2", "logging.plot_at_end=false",
+                           "checkpoint.enabled=false", "train.micro_batch_tokens=4096", "data.max_prompt_tokens=1536",
+                           *extra]))
     entries = read_metrics(run_dir / "metrics.jsonl")
     assert [e["step"] for e in entries] == [1, 2]
     for e in entries:
@@ -242,36 +272,21 @@ TIMING = __import__("re").compile(r"^(time.*|.*_per_s|.*time_s|memory_.*|mfu)$")
 
 
 @pytest.mark.timeout(240)
-def test_agentic_resume_equals_uninterrupted_run(hf_dir, tmp_path):
-    """A multi-turn run (guess_number over [1, 2], so the tiny model's random digits win now and then and
-    the policy moves) stopped after step 1 (checkpoint written at the boundary; every episode of a step
-    ends inside it) and resumed equals an uninterrupted 2-step run bit for bit: every non-timing metric
+def test_agentic_resume_equals_uninterrupted_run(hf_dir, guess_number_run, tmp_path):
+    """A multi-turn run stopped after step 1 (checkpoint written at the boundary; every episode of a step
+    ends inside it) and resumed equals the uninterrupted 2-step run bit for bit: every non-timing metric
     (agent/* and env/* included), samples.jsonl, and the final weights."""
-    from ferrule.rl.config import load_config
     from ferrule.rl.loop import GRPOTrainer
     from ferrule.rl.metrics import read_metrics
 
-    root = Path(__file__).resolve().parents[1]
-    steps, stop_at = 2, 1
-
-    def cfg(run_dir, *extra):
-        return load_config(root / "examples" / "configs" / "smollm2_guess_number.yaml",
-                           [f"model.hf_dir={hf_dir}", f"logging.run_dir={run_dir}", f"train.steps={steps}",
-                            "agent.environment_kwargs={high: 2}", "train.prompts_per_step=2",
-                            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4",
-                            "rollout.temperature=1.0", "agent.max_turns=2", "optimizer.lr=1e-3",
-                            "logging.plot_at_end=false", "checkpoint.interval=100", "train.micro_batch_tokens=4096",
-                            "data.max_prompt_tokens=1024", "logging.log_samples=4", *extra])
-
-    full, split = tmp_path / "full", tmp_path / "split"
-    plain = GRPOTrainer(cfg(full))
-    plain.run()
-    first = GRPOTrainer(cfg(split)).run(stop_after=stop_at)
-    assert first.interrupted and first.last_step == stop_at
-    assert first.checkpoint == split / "checkpoints" / f"step_{stop_at:06d}"
-    resumed = GRPOTrainer(cfg(split, "checkpoint.resume=true"))
+    plain, full = guess_number_run
+    split = tmp_path / "split"
+    first = GRPOTrainer(_guess_number_config(hf_dir, split)).run(stop_after=1)
+    assert first.interrupted and first.last_step == 1
+    assert first.checkpoint == split / "checkpoints" / "step_000001"
+    resumed = GRPOTrainer(_guess_number_config(hf_dir, split, "checkpoint.resume=true"))
     second = resumed.run()
-    assert second.start_step == stop_at and second.last_step == steps and not second.interrupted
+    assert second.start_step == 1 and second.last_step == 2 and not second.interrupted
 
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     strip = lambda entries: [{k: v for k, v in e.items() if k != "time" and not TIMING.match(k)} for e in entries]  # noqa: E731
