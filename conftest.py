@@ -140,7 +140,7 @@ SLOW_FILES: list[str] = [
     "tests/test_rollout_embedded.py", "tests/test_serve_inkling2.py", "tests/test_run_folder.py", "tests/test_convert.py",
     "tests/test_lora.py", "tests/test_lora_peft_import.py", "tests/test_moe_tp.py", "tests/test_serve_faults.py",
     "tests/test_engine_save_script.py", "tests/test_serve.py", "tests/test_convert_mxfp8.py",
-    "tests/test_inkling_convert.py", "examples/ferrule-llama/tests/test_assets.py",
+    "plugins/inkling/tests/test_inkling_convert.py", "examples/ferrule-llama/tests/test_assets.py",
 ]
 
 #: long files whose tests share no costly module fixture: each test is scheduled on its own (the
@@ -154,7 +154,7 @@ SPLIT_FILES = frozenset({"tests/test_cli_check.py", "tests/test_convert_faults.p
 #: marked ``slow``; ``pytest -m "not integration"`` is the fast development loop (README)
 INTEGRATION_FILES = frozenset({
     "tests/test_rl_e2e.py", "tests/test_rl_distributed.py", "tests/test_rl_lora.py", "tests/test_rl_sglang.py",
-    "tests/test_inkling_rl.py", "tests/test_inkling_mm_rl.py", "tests/test_inkling2_mm_rl.py",
+    "plugins/inkling/tests/test_inkling_rl.py", "plugins/inkling/tests/test_inkling_mm_rl.py", "plugins/inkling2/tests/test_inkling2_mm_rl.py",
     "tests/test_checkpoint_faults.py", "tests/test_convert_faults.py", "tests/test_run_folder.py", "tests/test_train_ux.py",
     "tests/test_metrics_sinks.py", "tests/test_export_dtype.py", "tests/test_colocate.py",
     "tests/test_fixture_families.py", "tests/test_conformance.py", "tests/test_packaging.py",

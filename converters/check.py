@@ -183,6 +183,8 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     default, ``tp``); every step (convert, round trip, logits) runs at it. ``grads``: also a **gradients** row
     after the logits: every parameter's gradient of ``sum(logits * w)`` (fixed random ``w``) from megatron at the
     layout, exported to HF names through the mapping table, vs HF's (fp32), within :data:`GRAD_RTOL` relative.
+    At ``tp`` > 1 the ranks' raw gradients are gathered (no gradient finalization), so a family with q/k norms is
+    refused there, and ``ep`` > 1 everywhere (``ValueError``).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``hf_dir``.
@@ -197,10 +199,10 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     hf_dir = Path(hf_dir)
     t0 = time.time()
     layout_kw = layout_kwargs(tp, ep, 1, etp)
-    if grads and tp * ep != 1:
-        raise ValueError(f"grads=True at tp={tp}, ep={ep}: the gradient step runs at tp=1, ep=1 for now (at TP > 1 "
-                         f"megatron's raw gradients of replicated q/k norms are partial per rank until its gradient "
-                         f"finalization, which the check does not run yet).")
+    if grads and ep != 1:
+        raise ValueError(f"grads=True at ep={ep}: the gradient step runs at ep=1 (megatron's raw expert gradients are "
+                         f"partial per rank until DDP sums them over the expert-data-parallel group, which the check "
+                         f"does not run).")
     try:
         spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, layout_kw)
     except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):
@@ -209,6 +211,10 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
         report = CheckReport(family or "?")
         report.rows.append(CheckRow("config", "CRASH", f"{type(exc).__name__}: {exc}", time.time() - t0))
         return report
+    if grads and tp > 1 and tc_kwargs.get("qk_layernorm"):
+        raise ValueError(f"grads=True at tp={tp} for a family with q/k norms ({spec.name}): the gradient step runs "
+                         f"at tp=1 for it (megatron's raw gradients of the q/k norms are partial per rank until its "
+                         f"gradient finalization, which the check does not run); use --tp 1.")
     report = CheckReport(spec.name)
     report.rows.append(CheckRow("config", "ok", f"{len(tc_kwargs)} TransformerConfig fields, {len(opts)} model options",
                                 time.time() - t0))

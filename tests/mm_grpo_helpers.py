@@ -1,4 +1,4 @@
-"""Shared body of the multimodal GRPO tests (tests/test_inkling_mm_rl.py, tests/test_inkling2_mm_rl.py).
+"""Shared body of the multimodal GRPO tests (plugins/inkling/tests/test_inkling_mm_rl.py, plugins/inkling2/tests/test_inkling2_mm_rl.py).
 
 Both families train Inkling's "how many squares?" task (:func:`ferrule_examples.inkling_shapes.build_shapes_task`
 draws the pictures and writes the TMLv0 prompts; the Inkling-2 builder swaps the model). The checks are

@@ -61,7 +61,7 @@ def _inkling(out):
 
 
 def _inkling2(out):
-    from test_inkling2 import CONFIGS, tiny_inkling2_dir
+    from inkling2_fixtures import CONFIGS, tiny_inkling2_dir
 
     return tiny_inkling2_dir(out, CONFIGS["mqa_full_first_softcaps"])
 

@@ -88,10 +88,26 @@ def test_gptoss_passes_check_with_gradients_and_each_planted_mistake_is_localise
 @pytest.mark.timeout(1200)
 def test_gptoss_passes_check_at_tp2_etp1_and_each_planted_mistake_is_localised(gptoss_hf, pooled_ranks):
     """--tp 2 --etp 1 (the sinks and attention split over TP, the biased experts whole): the correct family passes,
-    and every planted mistake, plus the q/k/v bias split like a gate/up block (same shapes, wrong numbers: only
+    gradients included (refused at TP > 1 before; gpt-oss has no q/k norm, whose raw gradients would be partial per
+    rank), and every planted mistake, plus the q/k/v bias split like a gate/up block (same shapes, wrong numbers: only
     TP > 1 shows it), names its layer and op."""
     env, hf = gptoss_hf
-    good = _check(env, hf, tp=2, etp=1)
+    good = _check(env, hf, tp=2, etp=1, grads=True)
     assert good.ok and good.rows[3].step == "logits (tp=2, etp=1, fp32)", good.rows
+    assert good.rows[4].step == "gradients (tp=2, etp=1, fp32)" and good.rows[4].detail.startswith("37 parameters, ")
     for bug, where in {**PLANTED, "tp_axis": "layer 0 attention"}.items():
         _assert_localised(_check(env, hf, bug, tp=2, etp=1), bug, where)
+
+
+@pytest.mark.timeout(300)
+def test_gradients_at_tp2_are_refused_for_a_family_with_q_k_norms(tmp_path):
+    """Qwen3's q/k norms get partial gradients per rank until megatron's gradient finalization: --grads at --tp 2
+    is refused in one line, before any conversion, and --ep 2 for every family."""
+    from ferrule.conformance import numeric as cn
+    from ferrule.converters.check import run_check
+
+    hf = cn.tiny_hf_dir("qwen3", tmp_path / "hf", overrides={"num_key_value_heads": 2})
+    with pytest.raises(ValueError, match=r"grads=True at tp=2 for a family with q/k norms \(qwen3\).*use --tp 1"):
+        run_check(hf, tp=2, grads=True)
+    with pytest.raises(ValueError, match=r"grads=True at ep=2"):
+        run_check(hf, ep=2, grads=True)

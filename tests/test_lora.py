@@ -371,7 +371,7 @@ def test_tp2_matches_world_size_1_and_resumes(dist_pool, dirs, tmp_path):
     ink_norm = ink.optim_step()["grad_norm"]
     ink_after = {k: v.cpu() for k, v in hf_adapter_state_dict(ink).items()}
     # Inkling-2 text (attention linears + routed experts), 2 KV heads so that TP=2 splits them, no padded vocabulary
-    from test_inkling2 import CONFIGS as INK2_CONFIGS, tiny_inkling2_dir
+    from inkling2_fixtures import CONFIGS as INK2_CONFIGS, tiny_inkling2_dir
 
     ink2_dir = tiny_inkling2_dir(work / "inkling2", dict(INK2_CONFIGS["mqa_full_first_softcaps"], num_key_value_heads=2,
                                                          unpadded_vocab_size=100))

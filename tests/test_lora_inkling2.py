@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 sys.path.insert(0, str(REPO / "tests"))
 import inkling2_vision_fixtures as vf  # noqa: E402
 import lora_worker as lw  # noqa: E402
-from test_inkling2 import CONFIGS, tiny_inkling2_dir  # noqa: E402
+from inkling2_fixtures import CONFIGS, tiny_inkling2_dir  # noqa: E402
 
 from ferrule.lora import (LoraSettings, LoraTargetError, adapter_entries, hf_adapter_state_dict,  # noqa: E402
                           load_hf_adapter, peft_config)
@@ -38,7 +38,7 @@ GRAD_RTOL = 1e-5
 #: of the 222 tensors, pre-loop layers included (the logprobs agree within 2.2e-6); the loop-free families <= 2.9e-6.
 #: It is fp32 rounding, not a ferrule error: with both sides in float64 (``_loop_in_fp64``, tests/fp64_reference.py)
 #: they agree within 9.4e-14, and against that reference ferrule's fp32 gradients are within 2.8e-5, HF + PEFT's
-#: own fp32 ones within 4.7e-5 (the test asserts ferrule's is no larger). tests/test_inkling2.py needs 3e-5 for
+#: own fp32 ones within 4.7e-5 (the test asserts ferrule's is no larger). plugins/inkling2/tests/test_inkling2.py needs 3e-5 for
 #: the base model's loop gradients fp32-vs-fp32 (its fp64 test: ferrule fp32 within 7.3e-6 of float64). The
 #: figure moves with the thread count (torch's CPU GEMMs reduce in another order): 7.2e-5 with OMP_NUM_THREADS=1,
 #: 1.17e-4 with 2 threads (CI's default).

@@ -7,7 +7,7 @@ summed token log-likelihood brought to the checkpoint layout by ``save_pretraine
 One torchrun launch (tests/dist/moe_tp_worker.py, 2 gloo ranks) trains each tiny model at TP=2 through
 :class:`ferrule.megatron.engine.TrainEngine`'s DDP model and megatron's ``finalize_model_grads``, with the
 tokens split over TP around the dispatcher (:mod:`ferrule.megatron.moe`): every HF tensor within 1e-5 relative
-(max |diff| / max |HF grad|, as tests/test_inkling2.py measures). Layouts: expert TP = TP (the default) with the
+(max |diff| / max |HF grad|, as plugins/inkling2/tests/test_inkling2.py measures). Layouts: expert TP = TP (the default) with the
 alltoall and the allgather dispatcher, expert TP = 1 at EP = 1 (experts whole and tokens whole on each TP rank)
 and at EP = 2 (EP group = the TP pair; tokens split over TP, expert gradients summed by DDP over the
 expert-data-parallel group); token counts odd (27: the split pads one row) and even. TP=2 x EP=2 at world size 4
@@ -60,7 +60,7 @@ def _hf_ref(hf_dir: Path, shape, out: Path, vocab_key: str = "vocab_size", fp64:
     """HF autograd gradients in the checkpoint layout (``save_pretrained`` of the gradients), with ids and width.
 
     ``fp64``: HF run entirely in float64 (tests/fp64_reference.py), the reference for the loop model, whose fp32
-    HF gradients are themselves up to 1.6e-5 off (tests/test_inkling2.py's fp64 test measures both)."""
+    HF gradients are themselves up to 1.6e-5 off (plugins/inkling2/tests/test_inkling2.py's fp64 test measures both)."""
     from transformers import AutoModelForCausalLM
 
     from fp64_reference import fp64_run
@@ -76,7 +76,7 @@ def _hf_ref(hf_dir: Path, shape, out: Path, vocab_key: str = "vocab_size", fp64:
 
 
 def _hf_mm_ref(hf_dir: Path, out: Path) -> Path:
-    """The same for ``Inkling2ForConditionalGeneration`` on an image prompt (two images, tests/test_inkling2_mm.py's
+    """The same for ``Inkling2ForConditionalGeneration`` on an image prompt (two images, plugins/inkling2/tests/test_inkling2_mm.py's
     grids); the items go into the ref (``media``) for the worker's ``embed_with_media``. The vision tower is frozen
     (``TowerSpec.frozen``, the default; ferrule has no switch to train it), so its reference gradients are zero:
     the worker's export of its (absent) main gradients must be exactly zero, every text-model tensor, which gets
@@ -149,8 +149,8 @@ def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
 @pytest.mark.timeout(400)
 def test_moe_families_train_at_tp2_with_hf_gradients(dist_pool, tmp_path):
     from ferrule.conformance import numeric as cn
-    from test_inkling2 import CONFIGS as INKLING2_CONFIGS
-    from test_inkling2 import tiny_inkling2_dir
+    from inkling2_fixtures import CONFIGS as INKLING2_CONFIGS
+    from inkling2_fixtures import tiny_inkling2_dir
 
     qwen = cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe", overrides={"router_aux_loss_coef": 0.0})
     qwen_aux = cn.tiny_hf_dir("qwen3_moe", tmp_path / "qwen3_moe_aux", overrides=AUX)

@@ -3,7 +3,7 @@
 One server process (uvicorn in a thread, tests/serve_helpers.py) serves five tiny random bases at
 once (:class:`~ferrule.serve.registry.BaseRegistry`):
 
-- ``ink2``: ``Inkling2ForCausalLM`` (tests/test_inkling2.py's ``mqa_full_first_softcaps``: a full
+- ``ink2``: ``Inkling2ForCausalLM`` (plugins/inkling2/tests/test_inkling2.py's ``mqa_full_first_softcaps``: a full
   layer first, one KV head, soft-caps and clips that bite, an unembedding padded from 90 to 100 rows);
 - ``ink2-loop``: ``Inkling2LoopForCausalLM`` (``loop_2_6_x3``: layers 2..5 run three times);
 - ``ink2-vision``: ``Inkling2ForConditionalGeneration`` (tests/inkling2_vision_fixtures.py, with the
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 tinker = pytest.importorskip("tinker", reason="the tinker SDK (serve extra) is not installed")
 import inkling2_vision_fixtures as vf  # noqa: E402
 from serve_helpers import ALICE, RunningServer, poll_done, raw, sampler_weights  # noqa: E402
-from test_inkling2 import CONFIGS, tiny_inkling2_dir  # noqa: E402
+from inkling2_fixtures import CONFIGS, tiny_inkling2_dir  # noqa: E402
 from tinker import types  # noqa: E402
 
 ATOL = 1e-5

@@ -70,9 +70,9 @@ def check_command(
         ("seqs", seqs, seqs >= 1, "a whole number >= 1 (random test sequences; default 2)"),
         ("seq-len", seq_len, seq_len >= 1, "a whole number >= 1 (tokens per test sequence; default 32)"),
         ("atol", atol, atol >= 0, "a tolerance >= 0 (default 1e-05)"),
-        ("grads", "with --tp/--ep > 1", not grads or tp * ep == 1,
-         "--tp 1 --ep 1 for now (at TP > 1 megatron's raw gradients of replicated q/k norms are partial per rank "
-         "until its gradient finalization, which the check does not run yet)")) if not ok]
+        ("grads", "with --ep > 1", not grads or ep == 1,
+         "--ep 1 (megatron's raw expert gradients are partial per rank until DDP sums them over the "
+         "expert-data-parallel group, which the check does not run)")) if not ok]
     if bad:  # before any work: --seqs 0 ran three steps, then reported a CRASH (IndexError) with exit code 3
         err.print(f"[bold red]error:[/] {'; '.join(bad)}.", highlight=False)
         raise typer.Exit(code=EXIT_BAD_INPUT)

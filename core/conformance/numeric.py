@@ -363,7 +363,7 @@ def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, se
     does not apply: the family's megatron model has no rotary embedding (``GPTModel.rotary_pos_emb``)
     or HF's model is not Llama-shaped (no ``model.rotary_emb``), e.g. Inkling's relative-position
     attention; such a family tests its translation against its HF config class itself
-    (``tests/test_inkling_config.py``).
+    (``plugins/inkling/tests/test_inkling_config.py``).
 
     Raises:
         AssertionError: naming the rotary table or each field that differs.

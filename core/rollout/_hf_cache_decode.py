@@ -10,7 +10,7 @@ transformers ``cache_utils``), one token per step, with the same API as ``Decode
 The engine feeds this state rows of *equal prompt length* only (it groups requests by length),
 so there is no padding and every row computes exactly what a full forward over its own tokens
 computes (Inkling's relative bias and log scaling use token indices, which left padding would
-shift). No CUDA graphs: the cache grows each step. ``tests/test_inkling_rollout.py`` checks the
+shift). No CUDA graphs: the cache grows each step. ``plugins/inkling/tests/test_inkling_rollout.py`` checks the
 sampled tokens' logprobs against one full forward of ``InklingForCausalLM`` (fp32, <= 1e-5).
 """
 
@@ -23,7 +23,7 @@ import torch
 __all__ = ["HFCacheDecodeState", "HF_CACHE_LAYER_TYPES", "uses_hf_cache"]
 
 #: ``config.layer_types`` values whose decode through transformers' own cache is verified exact against a
-#: full forward (Inkling: ``tests/test_inkling_rollout.py``). A model with any other unsupported layer
+#: full forward (Inkling: ``plugins/inkling/tests/test_inkling_rollout.py``). A model with any other unsupported layer
 #: type is still refused by the engine (no silent fallback).
 HF_CACHE_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 

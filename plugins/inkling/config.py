@@ -4,7 +4,7 @@ Source of every field: ``transformers/models/inkling/configuration_inkling.py``
 (``InklingTextConfig``, transformers 5.24) and how ``modeling_inkling.py`` reads it. Each field
 is either translated (:class:`~ferrule.config_translation.Field` / ``Derived``), checked equal
 to a supported value (``Require``, naming the key and the reason), or refused by name; none is
-silently ignored (``tests/test_inkling_config.py`` checks every dataclass field of
+silently ignored (``plugins/inkling/tests/test_inkling_config.py`` checks every dataclass field of
 ``InklingTextConfig`` against :meth:`ConfigTranslation.hf_keys`).
 
 ``to_mcore`` returns ``(transformer_config_kwargs, model_options)``. The ``TransformerConfig``
@@ -56,7 +56,7 @@ _ATTRIBUTE_MAP = {
 
 
 #: ``InklingTextConfig`` field defaults (transformers 5.24), applied to keys a raw ``config.json`` omits
-#: (``tests/test_inkling_config.py`` checks them against the dataclass).
+#: (``plugins/inkling/tests/test_inkling_config.py`` checks them against the dataclass).
 HF_DEFAULTS = {
     "vocab_size": 201024, "unpadded_vocab_size": None, "hidden_size": 6144, "num_hidden_layers": 66,
     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads": 64,

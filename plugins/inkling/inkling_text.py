@@ -145,7 +145,7 @@ UPDATE_GROUPS = (
 #: one dense + two MoE layers (4 routed experts top-2, 2 shared), local + global attention.
 #: The conformance kit's feature check switches a feature key off on the same weights; Inkling's
 #: ``sliding_window`` also sizes the relative-position projection (``rel_logits_proj``), so it cannot
-#: be switched off that way. Windows are tested by tests/test_inkling_parity.py instead (local-only
+#: be switched off that way. Windows are tested by plugins/inkling/tests/test_inkling_parity.py instead (local-only
 #: and hybrid configs, sequences longer than the window).
 KIT_FEATURE_KEYS: dict = {}
 

@@ -7,15 +7,15 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 from ferrule.variants import Variants
 
 # inkling_text is VALIDATED: logits == InklingForCausalLM within 1e-5 (fp32; TP=1, TP=2, EP=2) and gradients within
-# 1e-5 relative (tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
-# (tests/test_inkling_convert.py, conformance kit), exact embedded rollout (tests/test_inkling_rollout.py), update
-# groups + checked weight sync and GRPO on the shipped example with bit-identical resume (tests/test_inkling_rl.py).
+# 1e-5 relative (plugins/inkling/tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers
+# (plugins/inkling/tests/test_inkling_convert.py, conformance kit), exact embedded rollout (plugins/inkling/tests/test_inkling_rollout.py), update
+# groups + checked weight sync and GRPO on the shipped example with bit-identical resume (plugins/inkling/tests/test_inkling_rl.py).
 # inkling (multimodal) is VALIDATED: the conformance kit (tests/test_conformance.py, inkling.TINY_HF_CONFIG +
 # tiny_media) checks the bit-exact round trip, text logits and logits of an image+audio prompt through both towers ==
 # InklingForConditionalGeneration within 1e-5 at TP=1 and TP=2 (each tower changes the logits); gradients on a
-# multimodal batch, towers on every weight sync and embedded rollout with media (tests/test_inkling_towers.py), LoRA ==
+# multimodal batch, towers on every weight sync and embedded rollout with media (plugins/inkling/tests/test_inkling_towers.py), LoRA ==
 # HF PEFT with and without media (tests/test_lora_inkling_mm.py), multimodal GRPO with bit-identical resume
-# (tests/test_inkling_mm_rl.py) and media through the service (tests/test_serve_media.py).
+# (plugins/inkling/tests/test_inkling_mm_rl.py) and media through the service (tests/test_serve_media.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 VARIANTS = Variants({"inkling_text": "ferrule.plugins.inkling.inkling_text", "inkling": "ferrule.plugins.inkling.inkling"},

@@ -21,7 +21,7 @@ What is built, and where each fact comes from:
 - ``len(tokenizer)`` is 200,058, the unpadded vocabulary of the released Inkling checkpoints
   (``InklingTextConfig.unpadded_vocab_size``); the model embedding has 201,024 rows.
 
-Checked by tests/test_inkling_chat_template.py: every special id and name equals
+Checked by plugins/inkling/tests/test_inkling_chat_template.py: every special id and name equals
 tml-renderers', and ``encode(text, add_special_tokens=False)`` equals
 ``O200kBaseChatTokenizer.encode_ordinary(text)`` on 300+ random and fixed strings.
 

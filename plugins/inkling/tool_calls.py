@@ -1,7 +1,7 @@
 """TMLv0 tool invocations in Inkling model turns (the parser of ``register_tool_parsers``).
 
 Reference: tml-renderers 0.2.1 (``tml_renderers.v0``), as rendered by ``templates/tmlv0.jinja``
-(checked token for token against it by tests/test_inkling_chat_template.py). A model turn starts
+(checked token for token against it by plugins/inkling/tests/test_inkling_chat_template.py). A model turn starts
 after the generation prompt ``<|message_model|>``; each part is a message::
 
     <|content_text|>TEXT<|end_message|>

@@ -172,7 +172,7 @@ def image_to_pixel_values(image: Any, patch_size: int, temporal_patch_size: int 
     ``ceil(H/P)`` rows and ``floor(W/P) + 1`` columns (its ``divide_to_patches``), each padded
     bottom/right to ``P x P`` with the value ``-1.0`` on the 0-255 scale, rescaled by 1/255 and
     normalised with the CLIP mean/std, repeated ``temporal_patch_size`` times. That processor
-    needs torchvision, which has no CPU wheel for our torch; tests/test_inkling_towers.py
+    needs torchvision, which has no CPU wheel for our torch; plugins/inkling/tests/test_inkling_towers.py
     compares this function with it where torchvision is installed.
 
     Args:

@@ -3,7 +3,7 @@
 Source of every field: ``transformers/models/inkling2/configuration_inkling2.py``
 (``Inkling2TextConfig``, transformers 5.24) and how ``modeling_inkling2.py`` reads it. Each field is
 translated (``Field`` / ``Derived``), checked equal to a supported value (``Require``), or listed as
-harmless with a reason; none is silently ignored (``tests/test_inkling2.py`` checks every dataclass
+harmless with a reason; none is silently ignored (``plugins/inkling2/tests/test_inkling2.py`` checks every dataclass
 field of ``Inkling2TextConfig`` against :meth:`ConfigTranslation.hf_keys`).
 
 ``to_mcore`` returns ``(transformer_config_kwargs, model_options)``: the kwargs describe the full

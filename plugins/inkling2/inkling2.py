@@ -3,7 +3,7 @@
 Layout: the *released* one (what ``Inkling2ForConditionalGeneration.save_pretrained`` writes;
 transformers' ``conversion_mapping`` entry ``inkling2`` renames it on load). Its text tensors
 ``model.llm.*`` are byte-for-byte the keys ``Inkling2ForCausalLM.save_pretrained`` writes (checked
-in tests/test_inkling2_vision.py), so the text rows are the ``inkling2_text`` variant's; the
+in plugins/inkling2/tests/test_inkling2_vision.py), so the text rows are the ``inkling2_text`` variant's; the
 vision tower's ``model.visual.*`` keys are the tower's own parameter names
 (:mod:`ferrule.plugins.inkling2.towers`) under ``towers.vision.``: :data:`TOWER_ROWS` renames.
 

@@ -7,12 +7,12 @@ from ferrule.specs import FamilyStatus, ModelFamilySpec
 from ferrule.variants import Variants
 
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
-# logits == Inkling2ForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
+# logits == Inkling2ForCausalLM at TP=1 and TP=2); plugins/inkling2/tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,
 # embedded-rollout logprobs and weight sync; the released MXFP8 experts convert (tests/test_convert_mxfp8.py).
 # LoRA == HF PEFT (tests/test_lora_inkling2.py). The TMLv0 chat template is Inkling's (register_chat_templates
 # below says why it applies).
 # inkling2_loop is VALIDATED on the same grounds: the conformance kit passes (round trip, mapping, update groups,
-# logits == Inkling2LoopForCausalLM at TP=1 and TP=2); tests/test_inkling2.py: gradients at TP=1 and EP=2,
+# logits == Inkling2LoopForCausalLM at TP=1 and TP=2); plugins/inkling2/tests/test_inkling2.py: gradients at TP=1 and EP=2,
 # embedded-rollout logprobs, weight sync; LoRA (the loop gates' included) == HF PEFT (tests/test_lora_inkling2.py);
 # the released Inkling-2-Mini NVFP4 experts (w13/w2 _weight_scale, _weight_amax, _weight_outer_scale_denominator)
 # convert bit-equal to Inkling2LoopForCausalLM.from_pretrained and ferrule check passes on such a folder at TP=1
@@ -76,11 +76,11 @@ def register_model_families():
 # --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.towers) -------------------------------
 
 # inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
-# groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); tests/test_inkling2_mm.py
+# groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); plugins/inkling2/tests/test_inkling2_mm.py
 # adds the word-embedding gradient on an image prompt, EP=2 with images, embedded-rollout logprobs with images and the
 # tower's weight sync; LoRA == HF PEFT with an image prompt, gradients included (tests/test_lora_inkling2.py); ferrule
 # check passes at TP=1 and TP=2 (text logits); multimodal GRPO on the shipped example with a bit-identical resume
-# (tests/test_inkling2_mm_rl.py); images through ferrule serve (tests/test_serve_inkling2.py).
+# (plugins/inkling2/tests/test_inkling2_mm_rl.py); images through ferrule serve (tests/test_serve_inkling2.py).
 
 
 @hookimpl
@@ -102,7 +102,7 @@ def register_towers():
 # TMLv0 is transformers' Inkling2Config: eos_token_id 200006 == v0.Renderer.stop() (<|content_model_end_sampling|>),
 # unpadded_vocab_size 200058 == the TMLv0 vocabulary (o200k_base's 199,998 ranks + 60 specials), image_token_id
 # 200054 == TMLv0's <|unused_200054|> (also Inkling2Processor's default image_token); Inkling2LoopTextConfig has the
-# same eos_token_id and unpadded_vocab_size. tests/test_inkling2_chat_template.py
+# same eos_token_id and unpadded_vocab_size. plugins/inkling2/tests/test_inkling2_chat_template.py
 # checks these facts and renders conversations against tml-renderers under the inkling2 names.
 
 @hookimpl

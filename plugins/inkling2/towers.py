@@ -302,7 +302,7 @@ def image_to_pixel_values(image: Any, token_size: int) -> torch.Tensor:
     40 = 20 * 2 for the released model): RGB (transparency on a checkerboard), padded bottom/right
     to ``R = ceil(H / S)`` x ``C_ = ceil(W / S)`` squares with ``-1.0`` on the 0-255 scale,
     rescaled by 1/255, normalised with mean = std = 0.5, cut into squares in raster order. That
-    processor needs torchvision (no CPU wheel for our torch); tests/test_inkling2_vision.py compares
+    processor needs torchvision (no CPU wheel for our torch); plugins/inkling2/tests/test_inkling2_vision.py compares
     the two where torchvision is installed.
 
     Args:

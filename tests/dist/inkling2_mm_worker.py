@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo processes) for tests/test_inkling2_mm.py: family ``inkling2`` with images at TP=2 and EP=2.
+"""torchrun worker (2 gloo processes) for plugins/inkling2/tests/test_inkling2_mm.py: family ``inkling2`` with images at TP=2 and EP=2.
 
 Usage: torchrun --nproc-per-node 2 tests/dist/inkling2_mm_worker.py WORK_DIR
 

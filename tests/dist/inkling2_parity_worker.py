@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks) for tests/test_inkling2.py: Inkling-2 and Inkling-2-Loop at EP=2.
+"""torchrun worker (2 gloo ranks) for plugins/inkling2/tests/test_inkling2.py: Inkling-2 and Inkling-2-Loop at EP=2.
 
 ``argv[1]``: a folder holding, per case, the HF checkpoint ``<case>/`` and ``<case>.ref.pt`` (HF logits and the
 HF gradients in the released layout, made by the test in its own process). Per case: load the checkpoint at

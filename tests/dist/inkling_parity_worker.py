@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo processes) for tests/test_inkling_parity.py: Inkling at TP=2 and EP=2.
+"""torchrun worker (2 gloo processes) for plugins/inkling/tests/test_inkling_parity.py: Inkling at TP=2 and EP=2.
 
 Usage: torchrun --nproc-per-node 2 tests/dist/inkling_parity_worker.py WORK_DIR
 

@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo processes) for tests/test_inkling_towers.py: Inkling with towers at TP=2.
+"""torchrun worker (2 gloo processes) for plugins/inkling/tests/test_inkling_towers.py: Inkling with towers at TP=2.
 
 Usage: torchrun --nproc-per-node 2 tests/dist/inkling_towers_tp2_worker.py WORK_DIR
 

@@ -19,7 +19,7 @@ from ferrule import registry
 from ferrule.chat import encode_rendered, render_chat, stop_token_ids
 from ferrule.plugins.inkling import tokenizer as inkling_tok
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[3] / "tests"  # make_tmlv0_golden.py and its data
 _spec = importlib.util.spec_from_file_location("make_tmlv0_golden", HERE / "make_tmlv0_golden.py")
 GEN = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(GEN)

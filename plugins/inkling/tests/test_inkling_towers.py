@@ -251,7 +251,7 @@ def test_tmlv0_media_parts_expand_to_tml_renderers_token_counts(name):
     from ferrule.media import expand_placeholders, message_media
     from ferrule.plugins.inkling.tokenizer import load_tmlv0_tokenizer
 
-    golden = Path(__file__).parent / "data" / "tmlv0_golden.jsonl"
+    golden = Path(__file__).resolve().parents[3] / "tests" / "data" / "tmlv0_golden.jsonl"
     row = next(r for r in map(json.loads, golden.read_text().splitlines()) if r["name"] == name)
     hf_config = InklingConfig().to_dict()  # the released defaults: patch 40, image/audio ids 200054/200053
     towers = registry.get_towers("inkling")
@@ -276,7 +276,7 @@ def test_logits_with_towers_at_tp2_over_two_gloo_processes(dist_pool, tmp_path):
     pixel_values, dmel = tiny_media()
     torch.save({"ids": _prompt(pixel_values.shape[0], dmel.shape[0]), "pixel_values": pixel_values, "dmel": dmel},
                tmp_path / "media.pt")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling_towers_tp2_worker.py"), str(tmp_path)],
                          timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

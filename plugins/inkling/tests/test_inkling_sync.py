@@ -1,7 +1,7 @@
 """Inkling update groups (weight sync units) over the parameters the provider builds.
 
 Sync itself (train engine -> embedded engine, every tensor compared after each train step with
-``check_weight_update_equal``) is exercised by tests/test_inkling_rl.py.
+``check_weight_update_equal``) is exercised by plugins/inkling/tests/test_inkling_rl.py.
 """
 
 from __future__ import annotations

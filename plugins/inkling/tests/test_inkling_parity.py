@@ -121,7 +121,7 @@ def test_tp2_ep2_and_resharding_over_two_gloo_processes(dist_pool, tmp_path):
     for name, overrides in CONFIGS.items():
         tiny_inkling_dir(tmp_path / name, overrides)
     hf_to_torch_dist(tmp_path / "moe_2_shared", tmp_path / "moe_2_shared_td")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling_parity_worker.py"), str(tmp_path)],
                          timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

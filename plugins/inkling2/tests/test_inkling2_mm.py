@@ -178,7 +178,7 @@ def test_image_prompt_at_tp2_and_ep2_over_two_gloo_processes(dist_pool, tmp_path
     from inkling2_vision_fixtures import TEXT
 
     hf_model(config_dict(text=dict(TEXT, num_key_value_heads=2))).save_pretrained(tmp_path / "mm")  # TP=2 splits KV
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     proc = dist_pool.run([str(repo / "tests" / "dist" / "inkling2_mm_worker.py"), str(tmp_path)],
                          timeout=280, env={"OMP_NUM_THREADS": "1"}, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

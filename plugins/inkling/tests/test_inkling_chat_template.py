@@ -22,7 +22,7 @@ from tml_renderers import chat, tokenizers, v0
 from ferrule.chat import ChatTemplateError, encode_rendered, render_chat, stop_token_ids
 from ferrule.plugins.inkling import tokenizer as inkling_tok
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[3] / "tests"  # make_tmlv0_golden.py and its data
 N_GOLDEN = 18
 RANDOM_STRINGS = 300
 RANDOM_SEED = 0

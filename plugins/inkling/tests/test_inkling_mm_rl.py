@@ -22,7 +22,7 @@ from transformers import GenerationMixin, InklingForConditionalGeneration  # noq
 
 from mm_grpo_helpers import check_grpo_runs_and_resumes, check_task_answers, overrides  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "examples" / "configs" / "inkling_mm_tiny.yaml"
 
 
