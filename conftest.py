@@ -132,13 +132,13 @@ def pytest_collection_modifyitems(session, config, items):
 #: than a minute belongs here
 SLOW_FILES: list[str] = [
     "tests/test_cli_check.py", "tests/test_lora_inkling2.py", "examples/ferrule-llama/tests/test_real_smollm2.py",
-    "tests/test_rl_distributed.py", "tests/test_convert_faults.py", "tests/test_serve_load.py",
-    "tests/test_fixture_families.py", "tests/test_gptoss_family.py", "tests/test_conformance.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
+    "tests/test_rl_distributed.py", "tests/test_megatron_runtime.py", "tests/test_convert_faults.py", "tests/test_serve_load.py",
+    "tests/test_fixture_families.py", "tests/test_gptoss_family.py", "tests/test_conformance.py", "tests/test_train_engine.py", "tests/test_rl_sglang.py", "tests/test_preemption.py",
     "tests/test_packaging.py", "examples/ferrule-llama/tests/test_llama_conformance.py", "tests/test_rl_e2e.py",
     "tests/test_export_dtype.py", "tests/test_checkpoint_faults.py", "tests/test_megatron_cpu_compat.py",
     "plugins/qwen/tests/test_qwen_chat_golden.py", "tests/test_serve_protocol.py", "tests/test_rl_lora.py",
-    "tests/test_rollout_embedded.py", "tests/test_serve_inkling2.py", "tests/test_run_folder.py", "tests/test_convert.py",
-    "tests/test_lora.py", "tests/test_lora_peft_import.py", "tests/test_moe_tp.py", "tests/test_serve_faults.py",
+    "tests/test_rollout_embedded.py", "tests/test_serve_storage.py", "tests/test_routing_replay.py", "tests/test_serve_inkling2.py", "tests/test_run_folder.py", "tests/test_convert.py",
+    "tests/test_lora.py", "plugins/qwen/tests/test_qwen_parity.py", "tests/test_lora_peft_import.py", "tests/test_moe_tp.py", "tests/test_serve_faults.py",
     "tests/test_engine_save_script.py", "tests/test_serve.py", "tests/test_convert_mxfp8.py",
     "plugins/inkling/tests/test_inkling_convert.py", "examples/ferrule-llama/tests/test_assets.py",
 ]

@@ -24,6 +24,7 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
     Gemma-3-text-like (one RoPE per layer type) and gpt-oss-like (attention sinks, clamped interleaved SwiGLU
     experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2."""
     env = plugin_env(tmp_path)
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (CI: --cpu-report) belong to its own plugins
     # -n 0: the repository's addopts say -n auto, and xdist would run the kit's class fixtures
     # (the TP=1 interpreter, the TP=2 launch) once per worker, each family's work twice
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0",
