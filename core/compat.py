@@ -74,6 +74,9 @@ MOVED_MODULES: dict[str, str] = {
 RENAMED_NAMES: dict[tuple[str, str], str] = {
     # it clashed with collections.abc.Mapping
     ("ferrule.mapping", "Mapping"): "ferrule.mapping.vocabulary:ParamMapping",
+    # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
+    **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
+       for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},
 }
 
 

@@ -163,7 +163,7 @@ def test_resume_names_the_damaged_file_and_offers_the_previous_checkpoint(assets
 
     from rich.console import Console
 
-    from ferrule.rl.checkpoints import RunCheckpointError
+    from ferrule.fs.run_layout import RunCheckpointError
     from ferrule.rl.config import load_config
     from ferrule.rl.loop import train
 

@@ -106,7 +106,7 @@ def _run_trainer(cfg: RLConfig, console: Console, *, resume: bool, check_weight_
     try:
         from ferrule.rl.loop import GRPOTrainer
 
-        from ferrule.rl.checkpoints import list_checkpoints
+        from ferrule.fs.run_layout import list_checkpoints
 
         trainer = GRPOTrainer(cfg, check_weight_update_equal=check_weight_update_equal, console=console)
         try:

@@ -1,11 +1,12 @@
 """Checkpoint folders of the RL loop: the resume config check, atomic small-file writes.
 
-The folder layout itself (listing, finding a run's checkpoint) is :mod:`ferrule.fs.run_layout`,
-re-exported here.
+The folder layout itself (listing, finding a run's checkpoint) is :mod:`ferrule.fs.run_layout`
+(its names, once re-exported here, still resolve here for one release with a DeprecationWarning:
+:data:`ferrule.compat.RENAMED_NAMES`).
 
 ``CKPT_DIR/step_NNNNNN/`` holds ``engine/`` (:meth:`ferrule.megatron.engine.TrainEngine.save`)
-and :data:`LOOP_STATE_FILE` (``{"step", "sampler", "engine_step", "config"}``), which is written
-last and atomically: a folder without it is incomplete and ignored by :func:`list_checkpoints`.
+and :data:`~ferrule.fs.run_layout.LOOP_STATE_FILE` (``{"step", "sampler", "engine_step", "config"}``), which is written
+last and atomically: a folder without it is incomplete and ignored by :func:`~ferrule.fs.run_layout.list_checkpoints`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from ferrule.fs.util import apply_default_mode, fsync_dir
-from ferrule.fs.run_layout import (LOOP_STATE_FILE, RunCheckpointError, find_run_checkpoint,  # noqa: F401  (re-exported)
-                                list_checkpoints)
 
 #: Keys that may change between a run and its resume (everything else must match).
 #: ``parallel.*`` may change: the train engine's torch_dist checkpoint reshards (or its load
@@ -64,3 +63,11 @@ def config_differences(old: dict[str, dict[str, Any]], new: dict[str, dict[str, 
             if a != b:
                 diffs.append(f"{dotted}: checkpointed run has {a!r}, this config has {b!r}")
     return diffs
+
+
+def __getattr__(name: str):
+    # PEP 562: the run-layout names this module re-exported before they moved to ferrule.fs.run_layout
+    # (ferrule.compat.RENAMED_NAMES: for users' code written against the previous release)
+    from ferrule.compat import renamed_name
+
+    return renamed_name(__name__, name)

@@ -74,7 +74,8 @@ import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megat
 from ferrule.rl import build
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import rollout_engine
-from ferrule.rl.checkpoints import LOOP_STATE_FILE, RESUME_MUTABLE, config_differences, list_checkpoints
+from ferrule.fs.run_layout import LOOP_STATE_FILE, list_checkpoints
+from ferrule.rl.checkpoints import RESUME_MUTABLE, config_differences
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.driver import RunDriver, RunResult
 from ferrule.rl.run_checks import check_supported, lock_run_dir, preflight, unlock_run_dir

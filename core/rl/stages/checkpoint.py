@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ferrule.fs.integrity import CheckpointIntegrityError, text_digest
-from ferrule.rl.checkpoints import (LOOP_STATE_FILE, RunCheckpointError, atomic_write, config_differences,
-                                    list_checkpoints)
+from ferrule.fs.run_layout import LOOP_STATE_FILE, RunCheckpointError, list_checkpoints
+from ferrule.rl.checkpoints import atomic_write, config_differences
 from ferrule.rl.config import ConfigError
 from ferrule.rl.model_identity import MODEL_FILES_KEY, model_changes
 
