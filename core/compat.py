@@ -26,15 +26,17 @@ __all__ = ["MOVED_MODULES", "RENAMED_NAMES", "install", "renamed_name"]
 
 #: old module path -> new module path (issue 43: the top of core/ grouped by concept).
 MOVED_MODULES: dict[str, str] = {
-    # every command in ferrule.cli
+    # the ferrule app's commands in ferrule.cli, the converters' (convert, check) with the converters they
+    # drive, the user-error table in the foundation (every command imports it, wherever it lives)
     "ferrule.cli_chat": "ferrule.cli.chat",
-    "ferrule.cli_errors": "ferrule.cli.errors",
+    "ferrule.cli_errors": "ferrule.user_errors",
+    "ferrule.cli.errors": "ferrule.user_errors",
     "ferrule.rl.cli_train": "ferrule.cli.train",
     "ferrule.rl.cli_plot": "ferrule.cli.plot",
     "ferrule.serve.cli": "ferrule.cli.serve",
     "ferrule.lora.cli": "ferrule.cli.lora",
-    "ferrule.converters.cli": "ferrule.cli.convert",
-    "ferrule.converters.cli_check": "ferrule.cli.check",
+    "ferrule.converters.cli": "ferrule.converters.commands",
+    "ferrule.converters.cli_check": "ferrule.converters.commands",
     # checkpoint formats in ferrule.formats
     "ferrule.quantized_weights": "ferrule.formats.quantized_weights",
     "ferrule.nvfp4": "ferrule.formats.nvfp4",
@@ -74,6 +76,8 @@ MOVED_MODULES: dict[str, str] = {
 RENAMED_NAMES: dict[tuple[str, str], str] = {
     # it clashed with collections.abc.Mapping
     ("ferrule.mapping", "Mapping"): "ferrule.mapping.vocabulary:ParamMapping",
+    # the convert sub-app shares ferrule.converters.commands with ferrule check (was ferrule.converters.cli:app)
+    ("ferrule.converters.commands", "app"): "ferrule.converters.commands:convert_app",
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},

@@ -22,7 +22,7 @@ PACKAGE_DIRS = {"core": "ferrule", "converters": "ferrule.converters", "plugins"
 #: ``ferrule.converters`` count as one unit each). A unit may import its own layer and the layers
 #: below; the cycle test keeps same-layer imports one way.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"ferrule", "ferrule.compat", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
+    ("foundation", {"ferrule", "ferrule.compat", "ferrule.user_errors", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
                     "ferrule.config_translation", "ferrule.losses", "ferrule.offload", "ferrule.envs",
                     "ferrule.engine_settings"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
@@ -125,6 +125,22 @@ def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
     return bad
 
 
+#: the folders above core/: the core imports nothing of them, not even in a function (the commands that
+#: drive a converter live in ``ferrule.converters`` and ``ferrule.cli`` mounts them by "module:attr" name)
+ABOVE_CORE = ("ferrule.converters", "ferrule.plugins")
+
+
+def core_reaches_out(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from a module of ``core/`` into ``converters/`` or ``plugins/`` (the layer table allows
+    ``ferrule.cli`` -> ``ferrule.converters``; the folders do not: ``core/`` is what the others build on)."""
+    def outside(module: str) -> bool:
+        return any(module == top or module.startswith(top + ".") for top in ABOVE_CORE)
+
+    return [f"{module} imports {target} at line {line}"
+            for module, edges in sorted(graph.items()) if not outside(module)
+            for target, line in sorted(edges.items()) if outside(target)]
+
+
 def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -177,6 +193,22 @@ def test_no_layer_imports_one_above_it(graph):
 
 def test_no_import_cycles(graph):
     assert import_cycles(graph) == []
+
+
+def test_core_imports_nothing_of_the_converters_or_plugins(graph):
+    assert core_reaches_out(graph) == []
+
+
+def test_a_command_importing_a_converter_inside_a_function_is_caught(tmp_path):
+    """The defect this check was added for: ``ferrule check`` and ``ferrule convert`` were modules of
+    ``ferrule.cli`` importing ``ferrule.converters`` inside their command functions (a two-file tree)."""
+    (tmp_path / "core" / "cli").mkdir(parents=True)
+    (tmp_path / "converters").mkdir()
+    (tmp_path / "core" / "cli" / "check.py").write_text(
+        "def check_command():\n    from ferrule.converters.check import run_check\n    run_check()\n")
+    (tmp_path / "converters" / "check.py").write_text("def run_check(): ...\n")
+    assert core_reaches_out(import_graph(tmp_path)) == [
+        "ferrule.cli.check imports ferrule.converters.check at line 2"]
 
 
 def test_the_graph_sees_function_level_and_relative_imports(graph):
