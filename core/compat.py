@@ -78,6 +78,8 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
     ("ferrule.mapping", "Mapping"): "ferrule.mapping.vocabulary:ParamMapping",
     # the convert sub-app shares ferrule.converters.commands with ferrule check (was ferrule.converters.cli:app)
     ("ferrule.converters.commands", "app"): "ferrule.converters.commands:convert_app",
+    # the CPU deferral of megatron's torch.compile decorations, installed by `import ferrule` (was by ferrule.megatron)
+    **{("ferrule.megatron", n): f"ferrule.lazy_jit:{n}" for n in ("lazy_compile", "defer_jit_fuser")},
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},

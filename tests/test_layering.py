@@ -22,7 +22,7 @@ PACKAGE_DIRS = {"core": "ferrule", "converters": "ferrule.converters", "plugins"
 #: ``ferrule.converters`` count as one unit each). A unit may import its own layer and the layers
 #: below; the cycle test keeps same-layer imports one way.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"ferrule", "ferrule.compat", "ferrule.user_errors", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
+    ("foundation", {"ferrule", "ferrule.compat", "ferrule.lazy_jit", "ferrule.user_errors", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
                     "ferrule.config_translation", "ferrule.losses", "ferrule.offload", "ferrule.envs",
                     "ferrule.engine_settings"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),

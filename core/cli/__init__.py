@@ -19,9 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 import ferrule
-
 from ferrule import envs
-import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 
 app = typer.Typer(
     name="ferrule",
