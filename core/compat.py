@@ -80,6 +80,9 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
     ("ferrule.converters.commands", "app"): "ferrule.converters.commands:convert_app",
     # the CPU deferral of megatron's torch.compile decorations, installed by `import ferrule` (was by ferrule.megatron)
     **{("ferrule.megatron", n): f"ferrule.lazy_jit:{n}" for n in ("lazy_compile", "defer_jit_fuser")},
+    # what Inkling and Inkling-2 share, in the core (issue 43: Inkling-2 imports nothing of Inkling)
+    ("ferrule.plugins.inkling.config", "LAYER_TYPES"): "ferrule.config_translation.layer_types:HYBRID_LAYER_TYPES",
+    ("ferrule.plugins.inkling.layers", "InklingNormedEmbedding"): "ferrule.megatron.shared_layers:InklingNormedEmbedding",
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},
@@ -114,8 +117,8 @@ def renamed_name(module: str, name: str) -> Any:
     if target is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     new_module, _, attr = target.partition(":")
-    _warn(f"{module}.{name} is renamed {attr} ({new_module}.{attr}); the old name goes away in the next release.",
-          skip=1)
+    what = f"moved to {new_module}" if attr == name else f"is renamed {attr} ({new_module}.{attr})"
+    _warn(f"{module}.{name} {what}; the old name goes away in the next release.", skip=1)
     return getattr(importlib.import_module(new_module), attr)
 
 

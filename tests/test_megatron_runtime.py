@@ -487,7 +487,7 @@ def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch)
 
     import ferrule.megatron
 
-    with pytest.warns(DeprecationWarning, match="ferrule.megatron.lazy_compile is renamed lazy_compile"):
+    with pytest.warns(DeprecationWarning, match="ferrule.megatron.lazy_compile moved to ferrule.lazy_jit;"):
         assert ferrule.megatron.lazy_compile is lazy_jit.lazy_compile  # its old place (ferrule.compat)
 
     made = []
