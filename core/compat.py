@@ -63,6 +63,10 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",
     "ferrule.plugins.inkling2.vision": "ferrule.plugins.inkling2.towers",
+    # the TMLv0 chat format, shared by Inkling and Inkling-2, in the core (its template:
+    # "ferrule.tmlv0:templates/tmlv0.jinja", was "ferrule.plugins.inkling:templates/tmlv0.jinja")
+    "ferrule.plugins.inkling.tokenizer": "ferrule.tmlv0.tokenizer",
+    "ferrule.plugins.inkling.tool_calls": "ferrule.tmlv0.tool_calls",
     # example asset builders and rewards out of the wheel: the ferrule-examples package of a checkout
     # (examples/ferrule-examples, installed by ./install.sh)
     "ferrule.plugins.inkling.synthetic": "ferrule_examples.inkling_synthetic",

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                     "ferrule.engine_settings"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
     ("registry", {"ferrule.registry", "ferrule.plugin_loading"}),
-    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tool_calls"}),
+    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tool_calls", "ferrule.tmlv0"}),
     ("engines", {"ferrule.megatron", "ferrule.rollout"}),
     ("lora", {"ferrule.lora"}),
     ("sync", {"ferrule.sync"}),
