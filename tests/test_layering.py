@@ -199,6 +199,25 @@ def test_core_imports_nothing_of_the_converters_or_plugins(graph):
     assert core_reaches_out(graph) == []
 
 
+def family_cross_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from one in-tree family's package into another's (``ferrule.plugins.X`` -> ``ferrule.plugins.Y``)."""
+    def family(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == ["ferrule", "plugins"] else None
+
+    return [f"{module} imports {target} at line {line}" for module, edges in sorted(graph.items())
+            for target, line in sorted(edges.items())
+            if family(module) and family(target) and family(module) != family(target)]
+
+
+def test_no_family_imports_another(graph):
+    """What two families share lives in the core (issue 43: Inkling-2 imported Inkling's layers and config
+    helpers; they are ferrule.megatron.shared_layers and ferrule.config_translation.layer_types now)."""
+    assert family_cross_imports(graph) == []
+    assert family_cross_imports({"ferrule.plugins.inkling2.layers": {"ferrule.plugins.inkling.layers": 25}}) == [
+        "ferrule.plugins.inkling2.layers imports ferrule.plugins.inkling.layers at line 25"]
+
+
 def test_a_command_importing_a_converter_inside_a_function_is_caught(tmp_path):
     """The defect this check was added for: ``ferrule check`` and ``ferrule convert`` were modules of
     ``ferrule.cli`` importing ``ferrule.converters`` inside their command functions (a two-file tree)."""
