@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-import ferrule.megatron  # noqa: F401,E402  (before any test imports megatron: its import hook defers megatron's torch.compile decorations on CPU)
-
 os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,inkling2,llama,environments")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's share of threads per worker
     os.environ.setdefault("OMP_NUM_THREADS",
