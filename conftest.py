@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-import ferrule.megatron  # noqa: F401,E402  (before any test imports megatron: its import hook defers megatron's torch.compile decorations on CPU)
-
 os.environ.setdefault("FERRULE_PLUGINS", "qwen,inkling,inkling2,llama,environments")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: one core's share of threads per worker
     os.environ.setdefault("OMP_NUM_THREADS",
@@ -108,18 +106,42 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def _schedule_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under ``--dist loadgroup``: its file, or the test itself for the
+    files of :data:`SPLIT_FILES` (an ``@group`` suffix that pytest-xdist may have added is ignored)."""
+    nodeid = nodeid.split("@")[0] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+    path = nodeid.split("::")[0]
+    return nodeid if path in SPLIT_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (pyproject's addopts) with whole files as its groups (:func:`_schedule_unit`): a
+    file's tests run in one worker, in file order, sharing its module and class fixtures. The units are
+    taken from the test ids in the controller: pytest-xdist's own ``xdist_group`` marker works by renaming
+    each test's id, which pytest 9.2 no longer lets a plugin do (``Item._nodeid`` is not read any more),
+    so with it every test became its own unit and each file's module fixtures were set up in both workers
+    (the cpu_compat probe, the kit's TP=1 run: ~45 s each, twice)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _schedule_unit(nodeid)
+
+    return FileScheduling(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Schedule whole files: every test gets ``xdist_group(<its file>)`` (``--dist loadgroup``: a file's
-    tests run in one worker, in file order, sharing its module fixtures; the tests of
-    :data:`SPLIT_FILES` are scheduled one by one), and the files known to take longest go first
-    (:data:`SLOW_FILES`; ``--no-loadscope-reorder`` keeps this order), so that the last file to
-    finish is a short one. Tests of end-to-end files get the ``integration`` marker."""
+    """Schedule whole files (``pytest_xdist_make_scheduler``; the tests of :data:`SPLIT_FILES` one by one),
+    the files known to take longest first (:data:`SLOW_FILES`; ``--no-loadscope-reorder`` keeps this
+    order), so that the last file to finish is a short one. Tests of end-to-end files get the
+    ``integration`` marker."""
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     for item in items:
         path = item.nodeid.split("::")[0]
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid if path in SPLIT_FILES else path))
         if (path in INTEGRATION_FILES or path.startswith("tests/test_serve")  # live in-process servers
                 or "dist_pool" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow") is not None):
             item.add_marker(pytest.mark.integration)

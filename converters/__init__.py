@@ -3,8 +3,10 @@
 Public API (imported lazily, so ``import ferrule.converters`` stays light):
 
 - :func:`hf_to_torch_dist`, :func:`torch_dist_to_hf`: whole-checkpoint conversion
-  (:mod:`ferrule.converters.checkpoint`); ``ferrule convert`` (:mod:`ferrule.cli.convert`)
-  is the command-line front end.
+  (:mod:`ferrule.converters.checkpoint`).
+- the commands that drive them, mounted by ``ferrule.cli`` by ``"module:attr"`` name (the core imports
+  nothing of the converters): ``ferrule convert`` and ``ferrule check``
+  (:mod:`ferrule.converters.commands`), ``ferrule export`` (:mod:`ferrule.converters.export`).
 - re-exported from the core (the converters import downward only):
   :func:`load_hf_into_mcore`, :func:`export_mcore_to_hf`, :func:`global_param_names`
   (:mod:`ferrule.megatron.weights`, shared with the train engine and weight sync) and

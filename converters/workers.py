@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable
 
 from ferrule import envs
-import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 from ferrule.fs.util import sigterm_as_exit
 from ferrule.formats.safetensors_io import CheckpointError
 

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 import pluggy
 
-from ferrule import compat
+from ferrule import compat, lazy_jit
 
 PROJECT_NAME = "ferrule"
 #: Entry-point group that in-tree and third-party plugin packages register under.
@@ -26,3 +26,4 @@ except PackageNotFoundError:  # running from a source tree without an install
 __all__ = ["hookimpl", "hookspec", "PROJECT_NAME", "ENTRY_POINT_GROUP", "__version__"]
 
 compat.install()  # old import paths of the previous release, with a warning (ferrule.compat: one table)
+lazy_jit.install()  # before any megatron import: its torch.compile decorations compile at first call on CPU

@@ -26,15 +26,17 @@ __all__ = ["MOVED_MODULES", "RENAMED_NAMES", "install", "renamed_name"]
 
 #: old module path -> new module path (issue 43: the top of core/ grouped by concept).
 MOVED_MODULES: dict[str, str] = {
-    # every command in ferrule.cli
+    # the ferrule app's commands in ferrule.cli, the converters' (convert, check) with the converters they
+    # drive, the user-error table in the foundation (every command imports it, wherever it lives)
     "ferrule.cli_chat": "ferrule.cli.chat",
-    "ferrule.cli_errors": "ferrule.cli.errors",
+    "ferrule.cli_errors": "ferrule.user_errors",
+    "ferrule.cli.errors": "ferrule.user_errors",
     "ferrule.rl.cli_train": "ferrule.cli.train",
     "ferrule.rl.cli_plot": "ferrule.cli.plot",
     "ferrule.serve.cli": "ferrule.cli.serve",
     "ferrule.lora.cli": "ferrule.cli.lora",
-    "ferrule.converters.cli": "ferrule.cli.convert",
-    "ferrule.converters.cli_check": "ferrule.cli.check",
+    "ferrule.converters.cli": "ferrule.converters.commands",
+    "ferrule.converters.cli_check": "ferrule.converters.commands",
     # checkpoint formats in ferrule.formats
     "ferrule.quantized_weights": "ferrule.formats.quantized_weights",
     "ferrule.nvfp4": "ferrule.formats.nvfp4",
@@ -61,6 +63,10 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",
     "ferrule.plugins.inkling2.vision": "ferrule.plugins.inkling2.towers",
+    # the TMLv0 chat format, shared by Inkling and Inkling-2, in the core (its template:
+    # "ferrule.tmlv0:templates/tmlv0.jinja", was "ferrule.plugins.inkling:templates/tmlv0.jinja")
+    "ferrule.plugins.inkling.tokenizer": "ferrule.tmlv0.tokenizer",
+    "ferrule.plugins.inkling.tool_calls": "ferrule.tmlv0.tool_calls",
     # example asset builders and rewards out of the wheel: the ferrule-examples package of a checkout
     # (examples/ferrule-examples, installed by ./install.sh)
     "ferrule.plugins.inkling.synthetic": "ferrule_examples.inkling_synthetic",
@@ -74,6 +80,13 @@ MOVED_MODULES: dict[str, str] = {
 RENAMED_NAMES: dict[tuple[str, str], str] = {
     # it clashed with collections.abc.Mapping
     ("ferrule.mapping", "Mapping"): "ferrule.mapping.vocabulary:ParamMapping",
+    # the convert sub-app shares ferrule.converters.commands with ferrule check (was ferrule.converters.cli:app)
+    ("ferrule.converters.commands", "app"): "ferrule.converters.commands:convert_app",
+    # the CPU deferral of megatron's torch.compile decorations, installed by `import ferrule` (was by ferrule.megatron)
+    **{("ferrule.megatron", n): f"ferrule.lazy_jit:{n}" for n in ("lazy_compile", "defer_jit_fuser")},
+    # what Inkling and Inkling-2 share, in the core (issue 43: Inkling-2 imports nothing of Inkling)
+    ("ferrule.plugins.inkling.config", "LAYER_TYPES"): "ferrule.config_translation.layer_types:HYBRID_LAYER_TYPES",
+    ("ferrule.plugins.inkling.layers", "InklingNormedEmbedding"): "ferrule.megatron.shared_layers:InklingNormedEmbedding",
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},
@@ -108,8 +121,8 @@ def renamed_name(module: str, name: str) -> Any:
     if target is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     new_module, _, attr = target.partition(":")
-    _warn(f"{module}.{name} is renamed {attr} ({new_module}.{attr}); the old name goes away in the next release.",
-          skip=1)
+    what = f"moved to {new_module}" if attr == name else f"is renamed {attr} ({new_module}.{attr})"
+    _warn(f"{module}.{name} {what}; the old name goes away in the next release.", skip=1)
     return getattr(importlib.import_module(new_module), attr)
 
 

@@ -37,7 +37,7 @@ class _ParserPlugin:
         from ferrule.specs import ToolParserSpec
 
         return [ToolParserSpec(family="*", parse="ferrule.tool_calls:parse_hermes"),
-                ToolParserSpec(family="demo", parse="ferrule.plugins.inkling.tool_calls:parse_tmlv0")]
+                ToolParserSpec(family="demo", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
 
 
 def _registry_with(*objs) -> Registry:
@@ -58,7 +58,7 @@ def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
     assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"
     for family in ("inkling", "inkling2", "inkling2_text", "inkling2_loop"):  # every TMLv0 family
-        assert registry.get_tool_parser(family).parse == "ferrule.plugins.inkling.tool_calls:parse_tmlv0"
+        assert registry.get_tool_parser(family).parse == "ferrule.tmlv0.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
     with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic"):
         registry.get_environment("nope")
@@ -148,7 +148,7 @@ def test_hermes_parser_reads_what_the_qwen_template_writes_and_reports_malformed
 
 
 def test_tmlv0_parser_reads_what_the_tmlv0_template_writes_and_reports_malformed_calls():
-    from ferrule.plugins.inkling.tool_calls import parse_tmlv0
+    from ferrule.tmlv0.tool_calls import parse_tmlv0
 
     turn = _assistant_turn("tmlv0", None, CALLS, content="Let me compute.")
     turn = turn.removesuffix("<|content_model_end_sampling|>")

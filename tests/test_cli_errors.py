@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from ferrule.conformance import numeric as cn
-from ferrule.cli.errors import USER_ERRORS, user_error_message
+from ferrule.user_errors import USER_ERRORS, user_error_message
 from inproc import run_ferrule
 
 

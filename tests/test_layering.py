@@ -22,12 +22,12 @@ PACKAGE_DIRS = {"core": "ferrule", "converters": "ferrule.converters", "plugins"
 #: ``ferrule.converters`` count as one unit each). A unit may import its own layer and the layers
 #: below; the cycle test keeps same-layer imports one way.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"ferrule", "ferrule.compat", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
+    ("foundation", {"ferrule", "ferrule.compat", "ferrule.lazy_jit", "ferrule.user_errors", "ferrule.specs", "ferrule.variants", "ferrule.fs", "ferrule.formats",
                     "ferrule.config_translation", "ferrule.losses", "ferrule.offload", "ferrule.envs",
                     "ferrule.engine_settings"}),
     ("hookspecs", {"ferrule.hookspecs", "ferrule.hook_parts"}),
     ("registry", {"ferrule.registry", "ferrule.plugin_loading"}),
-    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tool_calls"}),
+    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tool_calls", "ferrule.tmlv0"}),
     ("engines", {"ferrule.megatron", "ferrule.rollout"}),
     ("lora", {"ferrule.lora"}),
     ("sync", {"ferrule.sync"}),
@@ -125,6 +125,22 @@ def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
     return bad
 
 
+#: the folders above core/: the core imports nothing of them, not even in a function (the commands that
+#: drive a converter live in ``ferrule.converters`` and ``ferrule.cli`` mounts them by "module:attr" name)
+ABOVE_CORE = ("ferrule.converters", "ferrule.plugins")
+
+
+def core_reaches_out(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from a module of ``core/`` into ``converters/`` or ``plugins/`` (the layer table allows
+    ``ferrule.cli`` -> ``ferrule.converters``; the folders do not: ``core/`` is what the others build on)."""
+    def outside(module: str) -> bool:
+        return any(module == top or module.startswith(top + ".") for top in ABOVE_CORE)
+
+    return [f"{module} imports {target} at line {line}"
+            for module, edges in sorted(graph.items()) if not outside(module)
+            for target, line in sorted(edges.items()) if outside(target)]
+
+
 def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -177,6 +193,41 @@ def test_no_layer_imports_one_above_it(graph):
 
 def test_no_import_cycles(graph):
     assert import_cycles(graph) == []
+
+
+def test_core_imports_nothing_of_the_converters_or_plugins(graph):
+    assert core_reaches_out(graph) == []
+
+
+def family_cross_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from one in-tree family's package into another's (``ferrule.plugins.X`` -> ``ferrule.plugins.Y``)."""
+    def family(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == ["ferrule", "plugins"] else None
+
+    return [f"{module} imports {target} at line {line}" for module, edges in sorted(graph.items())
+            for target, line in sorted(edges.items())
+            if family(module) and family(target) and family(module) != family(target)]
+
+
+def test_no_family_imports_another(graph):
+    """What two families share lives in the core (issue 43: Inkling-2 imported Inkling's layers and config
+    helpers; they are ferrule.megatron.shared_layers and ferrule.config_translation.layer_types now)."""
+    assert family_cross_imports(graph) == []
+    assert family_cross_imports({"ferrule.plugins.inkling2.layers": {"ferrule.plugins.inkling.layers": 25}}) == [
+        "ferrule.plugins.inkling2.layers imports ferrule.plugins.inkling.layers at line 25"]
+
+
+def test_a_command_importing_a_converter_inside_a_function_is_caught(tmp_path):
+    """The defect this check was added for: ``ferrule check`` and ``ferrule convert`` were modules of
+    ``ferrule.cli`` importing ``ferrule.converters`` inside their command functions (a two-file tree)."""
+    (tmp_path / "core" / "cli").mkdir(parents=True)
+    (tmp_path / "converters").mkdir()
+    (tmp_path / "core" / "cli" / "check.py").write_text(
+        "def check_command():\n    from ferrule.converters.check import run_check\n    run_check()\n")
+    (tmp_path / "converters" / "check.py").write_text("def run_check(): ...\n")
+    assert core_reaches_out(import_graph(tmp_path)) == [
+        "ferrule.cli.check imports ferrule.converters.check at line 2"]
 
 
 def test_the_graph_sees_function_level_and_relative_imports(graph):

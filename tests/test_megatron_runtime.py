@@ -465,30 +465,41 @@ def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_
 
 def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch):
     """On a machine without CUDA, importing megatron no longer imports torch's inductor (2-5 s per interpreter):
-    ``megatron.core.jit.jit_fuser``, executed through ferrule's import hook, is ``lazy_compile``, which calls
-    ``torch.compile`` at a function's first call (once) and returns what the compiled function returns."""
+    ``import ferrule`` installs the import hook (:mod:`ferrule.lazy_jit`), so this process's
+    ``megatron.core.jit.jit_fuser`` (megatron imported after ferrule, as in every ferrule interpreter) is
+    ``lazy_compile``, which calls ``torch.compile`` at a function's first call (once) and returns what the
+    compiled function returns."""
     import importlib.util
 
     import megatron.core
+    import megatron.core.jit
     import torch
 
-    import ferrule.megatron as fm
+    from ferrule import lazy_jit
 
-    spec = fm._DeferJitFuser().find_spec("megatron.core.jit", megatron.core.__path__)
+    eager = torch.cuda.is_available()
+    # the module megatron's fused functions took jit_fuser from: deferred only if `import ferrule` hooked it in
+    assert megatron.core.jit.jit_fuser is (torch.compile if eager else lazy_jit.lazy_compile)
+    spec = lazy_jit._DeferJitFuser().find_spec("megatron.core.jit", megatron.core.__path__)
     jit = importlib.util.module_from_spec(spec)  # a second copy of megatron's module, executed as on import
     spec.loader.exec_module(jit)
-    assert jit.jit_fuser is (torch.compile if torch.cuda.is_available() else fm.lazy_compile)
+    assert jit.jit_fuser is (torch.compile if eager else lazy_jit.lazy_compile)
+
+    import ferrule.megatron
+
+    with pytest.warns(DeprecationWarning, match="ferrule.megatron.lazy_compile moved to ferrule.lazy_jit;"):
+        assert ferrule.megatron.lazy_compile is lazy_jit.lazy_compile  # its old place (ferrule.compat)
 
     made = []
     real_compile = torch.compile
     # recorded, then compiled with dynamo's eager backend (inductor's C++ build on this CPU would cost ~10 s)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or real_compile(fn, **kw, backend="eager"))
 
-    @fm.lazy_compile
+    @lazy_jit.lazy_compile
     def gelu_mul(x, y):
         return torch.nn.functional.gelu(x) * y
 
-    @fm.lazy_compile(dynamic=False)
+    @lazy_jit.lazy_compile(dynamic=False)
     def add_one(x):
         return x + 1
 

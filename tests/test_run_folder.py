@@ -182,7 +182,7 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
 ], ids=["metrics-garbage", "metrics-not-object", "metrics-twice", "metrics-repeated", "samples-garbage",
         "samples-order", "samples-no-step"])
 def test_a_damaged_log_is_refused_naming_the_file_and_line(tmp_path, name, text, line, says):
-    from ferrule.cli.errors import user_error_message
+    from ferrule.user_errors import user_error_message
     from ferrule.rl.metrics import MetricsLogger, RunLogError
     from ferrule.rl.stages.record import truncate_samples
 

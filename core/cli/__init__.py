@@ -1,11 +1,11 @@
 """The ``ferrule`` command line (typer + rich): the ``ferrule`` app, ``ferrule plugins`` and :func:`main`.
 
-Every other command is a module of this package, mounted by name: ``convert`` (:mod:`.convert`),
-``check`` (:mod:`.check`), ``chat-template`` (:mod:`.chat`), ``lora`` (:mod:`.lora`), ``train``
-(:mod:`.train`), ``plot`` (:mod:`.plot`), ``serve`` (:mod:`.serve`); ``export`` lives with the
-converter it drives (:mod:`ferrule.converters.export`), and plugins add theirs
-(``register_commands``). :mod:`.errors` turns library errors into one-line user errors. Each command
-imports its heavy dependencies (torch,
+Every other command is mounted by ``"module:attr"`` name: ``chat-template`` (:mod:`.chat`), ``lora``
+(:mod:`.lora`), ``train`` (:mod:`.train`), ``plot`` (:mod:`.plot`), ``serve`` (:mod:`.serve`) are
+modules of this package; ``convert``, ``check`` (:mod:`ferrule.converters.commands`) and ``export``
+(:mod:`ferrule.converters.export`) live with the converters they drive, so the core imports nothing
+of the converters; plugins add theirs (``register_commands``). :mod:`ferrule.user_errors` turns
+library errors into one-line user errors. Each command imports its heavy dependencies (torch,
 megatron, transformers) inside the command body, so ``ferrule --help`` and ``ferrule plugins``
 stay fast and torch-free.
 """
@@ -19,9 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 import ferrule
-
 from ferrule import envs
-import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 
 app = typer.Typer(
     name="ferrule",
@@ -35,7 +33,7 @@ console = Console()
 
 #: (command name, "module:attr" of a typer app) mounted as sub-command groups.
 _SUBAPPS: tuple[tuple[str, str, str], ...] = (
-    ("convert", "ferrule.cli.convert:app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
+    ("convert", "ferrule.converters.commands:convert_app", "Convert checkpoints between HF safetensors and Megatron torch_dist."),
     ("chat-template", "ferrule.cli.chat:chat_template_app", "List and render chat templates (text and token ids)."),
     ("lora", "ferrule.cli.lora:app", "Export a LoRA checkpoint's adapter as HF PEFT, or import a PEFT adapter."),
 )
@@ -43,7 +41,7 @@ _SUBAPPS: tuple[tuple[str, str, str], ...] = (
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("train", "ferrule.cli.train:train_command"),
     ("plot", "ferrule.cli.plot:plot_command"),
-    ("check", "ferrule.cli.check:check_command"),
+    ("check", "ferrule.converters.commands:check_command"),
     ("export", "ferrule.converters.export:export_command"),
     ("serve", "ferrule.cli.serve:serve_command"),
 )
@@ -192,10 +190,10 @@ def main() -> None:
     """Console-script entry point.
 
     User errors that a command did not handle itself (a plugin problem, a bad path, a checkpoint
-    that does not fit; the table is :data:`ferrule.cli.errors.USER_ERRORS`) print one message and
+    that does not fit; the table is :data:`ferrule.user_errors.USER_ERRORS`) print one message and
     exit with code 2, not a traceback; other exceptions keep their traceback.
     """
-    from ferrule.cli.errors import print_user_error, user_error_message
+    from ferrule.user_errors import print_user_error, user_error_message
 
     if _MOUNT_ERRORS:
         console.print(f"[red]error:[/red] {_MOUNT_ERRORS[0]}", highlight=False)

@@ -241,7 +241,7 @@ def export_command(
                                                             "(default: the latest).")] = None,
 ) -> None:
     """Write a LoRA checkpoint's adapter as HF PEFT (adapter_model.safetensors + adapter_config.json)."""
-    from ferrule.cli.errors import exit_on_user_errors
+    from ferrule.user_errors import exit_on_user_errors
 
     from ferrule.fs.util import sigterm_as_exit
 
@@ -260,7 +260,7 @@ def import_command(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
 ) -> None:
     """Load a PEFT adapter onto its base model and save a LoRA train checkpoint (resumable with lora=)."""
-    from ferrule.cli.errors import exit_on_user_errors
+    from ferrule.user_errors import exit_on_user_errors
 
     with exit_on_user_errors():
         path = import_adapter(adapter, base, out, overwrite=overwrite)

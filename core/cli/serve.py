@@ -200,7 +200,7 @@ def serve_command(
     """Serve the Tinker HTTP API: point tinker.ServiceClient(base_url=http://HOST:PORT) at it."""
     import time
 
-    from ferrule.cli.errors import print_user_error
+    from ferrule.user_errors import print_user_error
 
     configure_logging()
     t0 = time.monotonic()

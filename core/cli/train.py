@@ -10,7 +10,7 @@ user error, whose message it repeats last). ``torchrun ... -m ferrule train`` wo
 Exit codes: 0 done; 2 a user error (config: every problem listed; a resume that does not fit
 the run; a bad path or checkpoint; a reward function refused at set-up (it raises on or mis-scores
 the task's reference answers):
-:data:`ferrule.cli.errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
+:data:`ferrule.user_errors.USER_ERRORS`); 130 stopped by Ctrl-C, 143 by SIGTERM, 138 by SIGUSR1 (after
 saving a checkpoint when ``checkpoint.save_on_interrupt``; :data:`ferrule.rl.driver.STOP_SIGNALS`); 1 other errors.
 """
 
@@ -100,7 +100,7 @@ def _train(cfg: RLConfig, console: Console, *, resume: bool, check_weight_update
 def _run_trainer(cfg: RLConfig, console: Console, *, resume: bool, check_weight_update_equal: bool,
                  stop_after: int | None) -> RunResult | None:
     """The body of :func:`_train` (inside its signal handlers)."""
-    from ferrule.cli.errors import print_user_error, user_error_message
+    from ferrule.user_errors import print_user_error, user_error_message
     from ferrule.rl.driver import StopSignal
 
     try:
@@ -123,7 +123,7 @@ def _run_trainer(cfg: RLConfig, console: Console, *, resume: bool, check_weight_
     except KeyboardInterrupt:
         console.print("aborted by Ctrl-C; the current step was not saved (the last checkpoint stays valid)")
         raise typer.Exit(130) from None
-    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.cli.errors) exit 2, bugs keep a traceback
+    except BaseException as exc:  # noqa: BLE001 - user errors (ferrule.user_errors) exit 2, bugs keep a traceback
         message = user_error_message(exc)
         if message is None:
             raise
@@ -184,7 +184,7 @@ def train_command(
 def _check_arguments(console: Console, config: Path | None, config_opt: Path | None, nproc: int, other_args: bool) -> None:
     """Exit 2 (before anything loads) on: no arguments at all (prints the usage), CONFIG and --config
     together, ``--nproc`` below 1 or given inside a torchrun rank."""
-    from ferrule.cli.errors import print_user_error
+    from ferrule.user_errors import print_user_error
 
     if config is None and config_opt is None and not other_args:
         console.print(f"usage: {USAGE}", markup=False, highlight=False)
@@ -202,7 +202,7 @@ def _load_checked(path: Path | None, overrides: list[str], *, resume: bool, run_
                   nproc: int) -> RLConfig:
     """:func:`resolve_config`, and for ``nproc > 1`` the layout checks that need only the model folder
     (before torchrun starts any rank). A user's mistake prints one line, is recorded, exits 2."""
-    from ferrule.cli.errors import print_user_error, user_error_message
+    from ferrule.user_errors import print_user_error, user_error_message
 
     try:
         cfg = resolve_config(path, overrides, resume=resume, run_dir=run_dir)
@@ -309,7 +309,7 @@ def launch_torchrun(nproc: int, argv: list[str] | None = None) -> int:
     import subprocess
     import tempfile
 
-    from ferrule.cli.errors import print_user_error
+    from ferrule.user_errors import print_user_error
 
     args = _argv_without_nproc(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ferrule-train-exit-") as exit_dir:

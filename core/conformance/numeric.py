@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 from ferrule.conformance.fields import (  # noqa: F401  (re-exported: the kit's public names)
     hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
     translated_fields_vs_hf,

@@ -28,7 +28,6 @@ import warnings
 from pathlib import Path
 
 from ferrule import envs
-import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 
 __all__ = ["check_family_tp", "main"]
 

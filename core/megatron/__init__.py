@@ -11,21 +11,15 @@ are known to be harmless for ferrule (:data:`KNOWN_HARMLESS_WARNINGS`: each matc
 one category and only warnings attributed to megatron modules or to the torch modules that warn
 about megatron's calls); every other warning stays visible. Every ferrule module that uses megatron imports it through this package first.
 
-On a machine without CUDA it also defers megatron's ``torch.compile`` decorations (:func:`defer_jit_fuser`):
-megatron-core 0.16.1 decorates ~38 fused elementwise functions with ``megatron.core.jit.jit_fuser``
-(``torch.compile``) at import, and the first ``torch.compile`` call imports torch's inductor
-(``torch._inductor.compile_fx``): 2-5 s of every interpreter that imports megatron, for kernels that a
-CPU run never calls (ferrule turns megatron's fusions on only on CUDA: :mod:`ferrule.megatron.gpu_fusions`).
+megatron's ``torch.compile`` decorations are deferred on a machine without CUDA by the import hook
+that ``import ferrule`` installs (:mod:`ferrule.lazy_jit`), before any of this package is imported.
 """
 
-import functools
-import importlib.abc
-import importlib.machinery
-import sys
 import warnings
 
-__all__ = ["device", "parallel", "gpt_builder", "attention", "KNOWN_HARMLESS_WARNINGS", "silence_known_warnings",
-           "defer_jit_fuser"]
+from ferrule.compat import renamed_name
+
+__all__ = ["device", "parallel", "gpt_builder", "attention", "KNOWN_HARMLESS_WARNINGS", "silence_known_warnings"]
 
 #: (message regex, category, module regex, why it is harmless). Each matches one message, one
 #: category and only warnings attributed to the given modules (megatron-core, or the torch modules
@@ -63,56 +57,5 @@ def silence_known_warnings() -> None:
 silence_known_warnings()
 
 
-def lazy_compile(fn=None, **options):
-    """``torch.compile(fn, **options)`` made on ``fn``'s first call instead of at decoration (``fn`` runs
-    compiled from its first call on, exactly as under ``torch.compile``, which compiles at the first call
-    too); usable bare (``@lazy_compile``) or with options, as ``torch.compile`` is."""
-    if fn is None:
-        return functools.partial(lazy_compile, **options)
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled
-        if compiled is None:
-            import torch
-
-            compiled = torch.compile(fn, **options)
-        return compiled(*args, **kwargs)
-
-    return call
-
-
-def defer_jit_fuser(jit_module) -> bool:
-    """Replace ``megatron.core.jit.jit_fuser`` (``torch.compile``) by :func:`lazy_compile` on a machine
-    without CUDA, before megatron's fused functions are decorated with it. True if replaced."""
-    import torch
-
-    if torch.cuda.is_available() or getattr(jit_module, "jit_fuser", None) is not torch.compile:
-        return False
-    jit_module.jit_fuser = lazy_compile
-    return True
-
-
-class _DeferJitFuser(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` as the path finder does and runs :func:`defer_jit_fuser` right after it
-    executes (megatron's modules take ``jit_fuser`` from it as they are imported, after it)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "megatron.core.jit":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        real_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            real_exec(module)
-            defer_jit_fuser(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if "megatron.core.jit" not in sys.modules and not any(isinstance(f, _DeferJitFuser) for f in sys.meta_path):
-    sys.meta_path.insert(0, _DeferJitFuser())
+def __getattr__(name: str):  # lazy_compile, defer_jit_fuser: moved to ferrule.lazy_jit (ferrule.compat)
+    return renamed_name(__name__, name)

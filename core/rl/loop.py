@@ -70,7 +70,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ferrule import envs
-import ferrule.megatron  # noqa: F401,E402  (first: its import hook defers megatron's torch.compile decorations on CPU)
 from ferrule.rl import build
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import rollout_engine

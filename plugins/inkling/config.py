@@ -11,7 +11,9 @@ silently ignored (``plugins/inkling/tests/test_inkling_config.py`` checks every 
 kwargs describe the *global* (``"hybrid"``) attention layers and the MoE sizes megatron's
 MoE machinery needs; the Inkling-only numbers (sliding-window heads, windows, relative extent,
 ShortConv width, shared experts, route scale, logit multiplier, per-layer types) are model
-options read by :func:`ferrule.plugins.inkling.model.build_inkling_model`.
+options read by :func:`ferrule.plugins.inkling.model.build_inkling_model`. The local / global layer
+pattern (``layer_types``) is parsed as Inkling-2's is, by the core
+(:func:`ferrule.config_translation.layer_types.sliding_layers_from_hf`).
 
 The multimodal model type ``inkling_mm_model`` nests the text config under ``text_config``
 (and may carry the MTP block under a top-level ``mtp_config``); :class:`InklingConfigTranslation`
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ferrule.compat import renamed_name
 from ferrule.config_translation import (
     COMMON_HARMLESS,
     ConfigTranslation,
@@ -36,14 +39,17 @@ from ferrule.config_translation import (
     Field,
     Require,
 )
+from ferrule.config_translation.layer_types import sliding_layers_from_hf, sliding_layers_to_hf
 
 __all__ = ["InklingConfigTranslation", "TEXT_ENTRIES", "HF_DEFAULTS", "text_config_of", "normalize_text_config",
-           "LAYER_TYPES", "MLP_LAYER_TYPES"]
+           "MLP_LAYER_TYPES"]
 
-#: ``layer_types`` values: ``"hybrid_sliding"`` = local (sliding-window) attention, ``"hybrid"`` = global.
-LAYER_TYPES = ("hybrid", "hybrid_sliding")
 #: ``mlp_layer_types`` values.
 MLP_LAYER_TYPES = ("dense", "sparse")
+
+
+def __getattr__(name: str):  # LAYER_TYPES: ferrule.config_translation.layer_types.HYBRID_LAYER_TYPES (ferrule.compat)
+    return renamed_name(__name__, name)
 
 #: Aliases ``InklingTextConfig.attribute_map`` resolves (legacy/checkpoint spelling -> field).
 _ATTRIBUTE_MAP = {
@@ -141,39 +147,6 @@ def _num_layers(hf: Mapping[str, Any]) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigTranslationError(f"inkling: HF key 'num_hidden_layers'={n!r} must be an integer >= 1.")
     return n
-
-
-def sliding_layers_from_hf(hf: Mapping[str, Any]) -> tuple[bool, ...]:
-    """Per layer: True for a local (sliding-window, ``"hybrid_sliding"``) layer, False for global.
-
-    ``layer_types`` wins; without it, ``local_layer_ids`` lists the local layers; without both,
-    every layer whose ``index + 1`` is not a multiple of 6 is local (``InklingTextConfig``).
-
-    Raises:
-        ConfigTranslationError: wrong length, an unknown layer type, or ``local_layer_ids``
-            disagreeing with ``layer_types``.
-    """
-    n = _num_layers(hf)
-    types, local = hf.get("layer_types"), hf.get("local_layer_ids")
-    if types is None:
-        ids = set(local) if local is not None else {i for i in range(n) if (i + 1) % 6}
-        types = ["hybrid_sliding" if i in ids else "hybrid" for i in range(n)]
-    if not isinstance(types, (list, tuple)) or len(types) != n:
-        raise ConfigTranslationError(f"inkling: HF key 'layer_types'={types!r} must list one type per layer ({n}).")
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
-    if bad:
-        raise ConfigTranslationError(
-            f"inkling: HF key 'layer_types' holds {bad}; supported layer types: {list(LAYER_TYPES)}.")
-    sliding = tuple(t == "hybrid_sliding" for t in types)
-    if local is not None and set(local) != {i for i, s in enumerate(sliding) if s}:
-        raise ConfigTranslationError(
-            f"inkling: HF keys 'local_layer_ids'={list(local)} and 'layer_types'={list(types)} disagree; "
-            f"transformers uses 'layer_types' (remove 'local_layer_ids' or make them agree).")
-    return sliding
-
-
-def sliding_layers_to_hf(value: tuple[bool, ...], _cfg, _opts) -> dict:
-    return {"layer_types": ["hybrid_sliding" if s else "hybrid" for s in value]}
 
 
 def local_layer_ids_from_hf(hf: Mapping[str, Any]) -> list[int] | None:

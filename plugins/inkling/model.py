@@ -5,7 +5,7 @@ Layer ``L`` (0-based, global) is built from the model options of
 (:class:`~ferrule.plugins.inkling.layers.InklingSelfAttention`), dense
 (:class:`~ferrule.plugins.inkling.moe.InklingDenseMLP`) or MoE
 (:class:`~ferrule.plugins.inkling.moe.InklingMoELayer`) MLP. The embedding is
-:class:`~ferrule.plugins.inkling.layers.InklingNormedEmbedding`, the final norm
+:class:`~ferrule.megatron.shared_layers.InklingNormedEmbedding`, the final norm
 :class:`~ferrule.plugins.inkling.layers.InklingFinalNorm` (carrying the muP logit division), the
 output layer megatron's untied vocab-parallel ``output_layer``; no position embedding (the
 relative bias lives in the attention).
@@ -60,7 +60,8 @@ def inkling_layer_spec(layer_index: int, options: Mapping[str, Any], config):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from ferrule.plugins.inkling.layers import InklingRMSNorm, InklingSelfAttention
+    from ferrule.megatron.shared_layers import InklingRMSNorm
+    from ferrule.plugins.inkling.layers import InklingSelfAttention
     from ferrule.plugins.inkling.moe import InklingDenseMLP, InklingMoELayer, InklingRouter
 
     sliding = bool(options["sliding_layers"][layer_index])
@@ -117,7 +118,8 @@ def build_inkling_model(config, options: Mapping[str, Any], *, parallel_output: 
 
     from ferrule.megatron.device import get_backend
     from ferrule.megatron.gpt_builder import mark_tensor_parallel_params, padded_vocab_size
-    from ferrule.plugins.inkling.layers import InklingFinalNorm, InklingNormedEmbedding
+    from ferrule.megatron.shared_layers import InklingNormedEmbedding
+    from ferrule.plugins.inkling.layers import InklingFinalNorm
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)

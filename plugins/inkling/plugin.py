@@ -70,9 +70,9 @@ def register_chat_templates():
         ChatTemplateSpec(
             name="tmlv0",
             family="inkling",
-            template="ferrule.plugins.inkling:templates/tmlv0.jinja",
+            template="ferrule.tmlv0:templates/tmlv0.jinja",
             stop_tokens=_TMLV0_STOP_TOKENS,
-            tokenizer="ferrule.plugins.inkling.tokenizer:load_tmlv0_tokenizer",
+            tokenizer="ferrule.tmlv0.tokenizer:load_tmlv0_tokenizer",
             description="TMLv0 (tml-renderers v0): effort line, thinking, tool calls, image/audio placeholders",
         ),
     ]
@@ -82,7 +82,7 @@ def register_chat_templates():
 def register_tool_parsers():
     from ferrule.specs import ToolParserSpec
 
-    return [ToolParserSpec(family="inkling", parse="ferrule.plugins.inkling.tool_calls:parse_tmlv0")]
+    return [ToolParserSpec(family="inkling", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
 
 
 @hookimpl

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ferrule.plugins.inkling.layers import InklingRMSNorm
+from ferrule.megatron.shared_layers import InklingRMSNorm
 
 __all__ = ["InklingVisionTower", "InklingAudioTower", "build_vision_tower", "build_audio_tower"]
 

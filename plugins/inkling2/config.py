@@ -10,8 +10,9 @@ field of ``Inkling2TextConfig`` against :meth:`ConfigTranslation.hf_keys`).
 (``"hybrid"``) attention layers and the MoE sizes megatron's MoE machinery needs; the Inkling-2
 numbers (sliding-window heads, windows, relative extent, clip thresholds, soft-caps, block size of
 the attention residuals, per-layer types) are model options read by
-:func:`ferrule.plugins.inkling2.model.build_inkling2_model`. Layer-type parsing is Inkling's
-(:func:`ferrule.plugins.inkling.config.sliding_layers_from_hf`: same ``layer_types`` values and default).
+:func:`ferrule.plugins.inkling2.model.build_inkling2_model`. Layer-type parsing is the core's, shared with
+Inkling (:func:`ferrule.config_translation.layer_types.sliding_layers_from_hf`: same ``layer_types`` values
+and default).
 
 Importing this module imports neither torch, megatron nor transformers.
 """
@@ -31,7 +32,7 @@ from ferrule.config_translation import (
     Harmless,
     Require,
 )
-from ferrule.plugins.inkling.config import sliding_layers_from_hf, sliding_layers_to_hf
+from ferrule.config_translation.layer_types import sliding_layers_from_hf, sliding_layers_to_hf
 
 __all__ = ["Inkling2ConfigTranslation", "TEXT_ENTRIES", "HF_DEFAULTS", "normalize_text_config"]
 

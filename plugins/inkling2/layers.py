@@ -9,8 +9,8 @@ TP splits query, KV and relative-state heads: column-parallel ``linear_q/k/v/r``
 ``linear_sink`` and the dynamic-convolution ``weight_proj`` (whole heads per rank), row-parallel
 ``linear_proj``; the per-head scales and the KV convolution weights are split with their heads.
 Norms, the relative-profile bank, the hidden-width convolutions and the block attention residuals
-are replicated. Reused from :mod:`ferrule.plugins.inkling.layers`: the relative-profile bank
-(``InklingRelativeLogits``: identical arithmetic) and the TP helpers.
+are replicated. Shared with Inkling, from the core (:mod:`ferrule.megatron.shared_layers`): the
+relative-profile bank (``InklingRelativeLogits``: identical arithmetic), the normed embedding and the TP helpers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
-from ferrule.plugins.inkling.layers import (InklingNormedEmbedding, InklingRelativeLogits, mark_tp_sharded,
+from ferrule.megatron.shared_layers import (InklingNormedEmbedding, InklingRelativeLogits, mark_tp_sharded,
                                             tp_sharded_state_dict)
 
 __all__ = ["Inkling2RMSNorm", "unweighted_rms_norm", "l2_clip", "log_scale", "Inkling2ScaledL2Clip",

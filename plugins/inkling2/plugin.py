@@ -109,10 +109,9 @@ def register_towers():
 def register_chat_templates():
     from ferrule.specs import ChatTemplateSpec
 
-    ink = "ferrule.plugins.inkling"
-    return [ChatTemplateSpec(name=name, family=family, template=f"{ink}:templates/tmlv0.jinja",
+    return [ChatTemplateSpec(name=name, family=family, template="ferrule.tmlv0:templates/tmlv0.jinja",
                              stop_tokens=("<|content_model_end_sampling|>",),
-                             tokenizer=f"{ink}.tokenizer:load_tmlv0_tokenizer", description=desc)
+                             tokenizer="ferrule.tmlv0.tokenizer:load_tmlv0_tokenizer", description=desc)
             for name, family, desc in (
                 ("tmlv0_inkling2", "inkling2_text", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts"),
                 ("tmlv0_inkling2_loop", "inkling2_loop", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2-Loop "
@@ -126,7 +125,7 @@ def register_tool_parsers():
     from ferrule.specs import ToolParserSpec
 
     # the TMLv0 format, as Inkling's (the same template): <|content_invoke_tool_json|> tool invocations
-    return [ToolParserSpec(family=f, parse="ferrule.plugins.inkling.tool_calls:parse_tmlv0")
+    return [ToolParserSpec(family=f, parse="ferrule.tmlv0.tool_calls:parse_tmlv0")
             for f in ("inkling2_text", "inkling2_loop", "inkling2")]
 
 

@@ -188,7 +188,7 @@ def main(control: Path) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import ferrule.megatron  # noqa: F401  (first: its import hook defers megatron's torch.compile decorations)
+    import ferrule.megatron  # noqa: F401  (before megatron: its known-harmless warnings filtered; import ferrule installs the jit deferral)
     from megatron.core import parallel_state  # noqa: F401
 
     from datetime import timedelta

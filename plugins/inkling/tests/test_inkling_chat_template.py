@@ -20,7 +20,7 @@ import pytest
 from tml_renderers import chat, tokenizers, v0
 
 from ferrule.chat import ChatTemplateError, encode_rendered, render_chat, stop_token_ids
-from ferrule.plugins.inkling import tokenizer as inkling_tok
+from ferrule.tmlv0 import tokenizer as inkling_tok
 
 HERE = Path(__file__).resolve().parents[3] / "tests"  # make_tmlv0_golden.py and its data
 N_GOLDEN = 18
@@ -275,7 +275,7 @@ def test_wrong_vocabulary_file_is_rejected(tmp_path, monkeypatch):
     monkeypatch.setenv("FERRULE_O200K_TIKTOKEN", str(tmp_path / "missing.tiktoken"))
     with pytest.raises(FileNotFoundError, match="FERRULE_O200K_TIKTOKEN"):
         inkling_tok.find_o200k_tiktoken()
-    with pytest.raises(KeyError, match="no Inkling tokenizer for template 'qwen3'"):
+    with pytest.raises(KeyError, match="no TMLv0 tokenizer for template 'qwen3'"):
         inkling_tok.load_chat_tokenizer("qwen3")
 
 

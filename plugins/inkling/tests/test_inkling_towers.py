@@ -249,7 +249,7 @@ def test_tmlv0_media_parts_expand_to_tml_renderers_token_counts(name):
     from ferrule import registry
     from ferrule.chat import encode_rendered, render_chat
     from ferrule.media import expand_placeholders, message_media
-    from ferrule.plugins.inkling.tokenizer import load_tmlv0_tokenizer
+    from ferrule.tmlv0.tokenizer import load_tmlv0_tokenizer
 
     golden = Path(__file__).resolve().parents[3] / "tests" / "data" / "tmlv0_golden.jsonl"
     row = next(r for r in map(json.loads, golden.read_text().splitlines()) if r["name"] == name)

@@ -17,7 +17,7 @@ from tml_renderers import tokenizers, v0
 
 from ferrule import registry
 from ferrule.chat import encode_rendered, render_chat, stop_token_ids
-from ferrule.plugins.inkling import tokenizer as inkling_tok
+from ferrule.tmlv0 import tokenizer as inkling_tok
 
 HERE = Path(__file__).resolve().parents[3] / "tests"  # make_tmlv0_golden.py and its data
 _spec = importlib.util.spec_from_file_location("make_tmlv0_golden", HERE / "make_tmlv0_golden.py")

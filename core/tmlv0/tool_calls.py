@@ -1,4 +1,4 @@
-"""TMLv0 tool invocations in Inkling model turns (the parser of ``register_tool_parsers``).
+"""TMLv0 tool invocations in a model turn (Inkling, Inkling-2; the parser of their ``register_tool_parsers``).
 
 Reference: tml-renderers 0.2.1 (``tml_renderers.v0``), as rendered by ``templates/tmlv0.jinja``
 (checked token for token against it by plugins/inkling/tests/test_inkling_chat_template.py). A model turn starts

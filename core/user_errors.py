@@ -1,14 +1,18 @@
-"""How the ``ferrule`` command line turns library errors into user errors.
+"""What counts as a user's mistake, and how a command prints it: one ``error:`` line, exit code 2.
 
-A *user error* is bad input: a config, a path, a checkpoint or a plugin that does not fit. The
-CLI prints it as ``error: <message>`` on stderr (no traceback) and exits with code 2. Anything
+A *user error* is bad input: a config, a path, a checkpoint or a plugin that does not fit. A
+command prints it as ``error: <message>`` on stderr (no traceback) and exits with code 2. Anything
 else is a bug in ferrule or a dependency and keeps its traceback (exit code 1).
 
 The list is one table, :data:`USER_ERRORS`, of ``"module:attr"`` exception classes. A class is
 looked up only when its module is already imported (an exception of that class cannot exist
-otherwise), so the table costs no torch / megatron import. Some of them derive from
-``BaseException``, not ``Exception`` (torch's ``CheckpointException``), which is why every
-command routes errors through :func:`user_error_message` instead of ``except Exception``.
+otherwise), so the table costs no torch / megatron import and this module imports no ferrule
+layer: it sits in the foundation, so every command can use it wherever it lives (the ``ferrule``
+app's own commands in :mod:`ferrule.cli`, ``ferrule convert`` / ``check`` / ``export`` in
+:mod:`ferrule.converters`, plugins' commands). Some of the classes derive from ``BaseException``,
+not ``Exception`` (torch's ``CheckpointException``), which is why every command routes errors
+through :func:`user_error_message` instead of ``except Exception``. Its old paths
+``ferrule.cli.errors`` and ``ferrule.cli_errors`` resolve here (:mod:`ferrule.compat`).
 """
 
 from __future__ import annotations

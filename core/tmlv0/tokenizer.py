@@ -1,4 +1,4 @@
-"""The Inkling (TMLv0) tokenizer, built offline from the ``o200k_base`` vocabulary that tml-renderers ships.
+"""The TMLv0 tokenizer (Inkling, Inkling-2), built offline from the ``o200k_base`` vocabulary that tml-renderers ships.
 
 Nothing is downloaded from a model hub (``tiktoken.get_encoding("o200k_base")`` would fetch the
 file from a blob store; we never call it). The byte-level BPE ranks are read from
@@ -185,12 +185,12 @@ CHAT_TOKENIZERS = {"tmlv0": load_tmlv0_tokenizer}
 
 
 def load_chat_tokenizer(template_name: str) -> PreTrainedTokenizerFast:
-    """Tokenizer that goes with one of this plugin's chat templates.
+    """Tokenizer that goes with one of the TMLv0 chat templates.
 
     Raises:
-        KeyError: ``template_name`` is not an Inkling template; the message lists the known ones.
+        KeyError: ``template_name`` is not a TMLv0 template; the message lists the known ones.
     """
     try:
         return CHAT_TOKENIZERS[template_name]()
     except KeyError:
-        raise KeyError(f"no Inkling tokenizer for template {template_name!r}; known: {sorted(CHAT_TOKENIZERS)}") from None
+        raise KeyError(f"no TMLv0 tokenizer for template {template_name!r}; known: {sorted(CHAT_TOKENIZERS)}") from None
