@@ -176,6 +176,10 @@ def serve_command(
                                                   "before decoding (400 above).")] = 2048 * 2048,
     max_audio_frames: Annotated[int, typer.Option(help="Most dMel frames (20 per second) of one audio chunk (400 "
                                                   "above).")] = 36_000,
+    max_memory: Annotated[str | None, typer.Option(help="Memory budget of the whole service (e.g. 24GiB, 512MiB): "
+                                                   "a request whose estimated need does not fit in what loaded "
+                                                   "weights, training clients and snapshots leave is refused with a "
+                                                   "400 (docs/serve.md). Default: no budget.")] = None,
     max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (made by save weights and "
                                                "get sampling client) kept in memory per tenant.")] = 4,
     sampler_dtype: Annotated[str, typer.Option(help="dtype of every base's sampler, which runs on the training "
@@ -203,8 +207,11 @@ def serve_command(
     try:
         from ferrule.serve.limits import ServeLimits
 
+        from ferrule.serve.memory import parse_bytes
+
         limits = ServeLimits(max_samples_per_request, max_tokens_per_request, max_lora_rank, max_queued_per_tenant,
-                             max_image_bytes, max_image_pixels, max_audio_frames)
+                             max_image_bytes, max_image_pixels, max_audio_frames,
+                             None if max_memory is None else parse_bytes(max_memory))
         if max_snapshots < 1:
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
         from ferrule.serve.placement import default_worker_threads

@@ -177,6 +177,35 @@ class EngineBackend:
         if eager:
             _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
 
+    # ---------------------------------------------------------------- memory estimates (ferrule.serve.memory)
+    @property
+    def sampler_dtype_bytes(self) -> int:
+        """Bytes per element of the sampler's dtype (its KV cache and activations)."""
+        return 4 if self.placement.dtype == "float32" else 2
+
+    @property
+    def train_dtype_bytes(self) -> int:
+        """Bytes per activation element of a training client: 4 on the CPU (float32), 2 on a GPU (bfloat16)."""
+        return 4 if self.placement.device == "cpu" else 2
+
+    def param_count(self) -> int | None:
+        """Parameters of the base: from its safetensors headers (nothing loaded), else the loaded sampler's;
+        None when neither can tell (a torch_dist base not loaded yet)."""
+        if getattr(self, "_param_count", None) is None:
+            files = sorted((self.base_dir if self.kind == "hf" else self.base_dir / "hf").glob("*.safetensors"))
+            if files:
+                from safetensors import safe_open
+
+                count = 0
+                for f in files:
+                    with safe_open(str(f), "pt") as handle:
+                        for key in handle.keys():
+                            count += math.prod(handle.get_slice(key).get_shape())
+                self._param_count = count
+            elif self._rollout is not None:
+                self._param_count = sum(p.numel() for p in self._rollout.model.parameters())
+        return getattr(self, "_param_count", None)
+
     @property
     def loaded(self) -> bool:
         """Whether this base holds weights in memory: a rollout engine, a training client's engine or

@@ -118,6 +118,10 @@ class BaseRegistry:
             raise ValueError(f"base_model {name!r} is not served here; this server serves "
                              f"{', '.join(repr(n) for n in self._backends)}.") from None
 
+    def backends(self) -> list[EngineBackend]:
+        """Every served base's backend, in order."""
+        return list(self._backends.values())
+
     def loaded(self) -> list[str]:
         """Names of the bases holding weights now, least recently used first."""
         return [n for n in self._used if self._backends[n].loaded]
