@@ -192,8 +192,8 @@ async def save_weights_for_sampler(request: Request):
             raise PathError(f"kind = {kind!r}; expected 'snapshot' (fixed weights) or 'inflight' (weights that later "
                             "inflight saves of this client update).")
         if kind == "inflight" and named:
-            raise PathError("kind 'inflight' publishes in-memory weights of an unnamed save "
-                            "(save_weights_and_get_sampling_client(kind='inflight')); a named checkpoint is a snapshot.")
+            raise PathError("kind 'inflight' publishes in-memory weights of an unnamed save (save_weights_and_get_"
+                            "sampling_client(kind='inflight')); a named checkpoint is a snapshot.")
         if not named and not isinstance(sseq, int):
             raise PathError("give a path (a checkpoint name) or a sampling_session_seq_id.")
         cp = CheckpointPath(model_id, "sampler_weights", check_name(body["path"])) if named else None
