@@ -461,3 +461,24 @@ def test_max_memory_refuses_a_request_that_would_not_fit_naming_it(server):
     after = tc.forward(data, "cross_entropy").result(timeout=120)   # the seq_id was consumed, weights unchanged
     for a, b in zip(before.loss_fn_outputs, after.loss_fn_outputs):
         assert a["logprobs"].tolist() == b["logprobs"].tolist()
+
+
+def test_inflight_sampling_clients_follow_the_latest_inflight_save(server, base):
+    """The SDK's ``save_weights_and_get_sampling_client(kind="inflight")``: every inflight sampler of a
+    client samples its latest inflight save (an older inflight sampler too), a snapshot sampler keeps its
+    weights; the referees are HF on the base (the untrained adapter) and a snapshot of the trained weights."""
+    tc = server.client().create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=120)
+    first = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=120)
+    fixed = tc.save_weights_and_get_sampling_client().result(timeout=120)
+    w0 = hf_prompt_logprobs(Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
+    assert float((prompt_logprobs(first) - w0).abs().max()) < 1e-5
+    train(tc, 1, seed=11)
+    assert float((prompt_logprobs(first) - w0).abs().max()) < 1e-5   # not published yet: still the first save
+    second = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=120)
+    w1 = prompt_logprobs(tc.save_weights_and_get_sampling_client().result(timeout=120))
+    assert float((w1 - w0).abs().max()) > 1e-3                      # the step moved the weights
+    assert torch.equal(prompt_logprobs(second), w1) and torch.equal(prompt_logprobs(first), w1)
+    assert float((prompt_logprobs(fixed) - w0).abs().max()) < 1e-5  # a snapshot keeps its weights
+    backend = server.app.state.backend
+    assert sum(k.startswith("inflight:") for k in backend._snapshots) >= 1 and len(
+        [k for k in backend._snapshots if k.startswith(f"inflight:{tc.model_id}#")]) == 1   # one copy per client

@@ -106,11 +106,12 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
               model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
               max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
+              max_loaded_bytes: int | None = None,
               worker_threads: int | None = None, event_loop_threads: int | None = None,
               sampler_checkpoints: str = "merged", engine_settings: list[str] | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
-    as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
-    (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
+    as :func:`served_bases` lists them, at most ``max_loaded_bases`` (holding at most ``max_loaded_bytes``)
+    loaded at once (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
     ``sampler_dtype``; the worker uses ``worker_threads`` torch threads, the event loop's thread
     ``event_loop_threads`` (None: unchanged; :mod:`ferrule.serve.placement`). ``engine_settings``:
     ``section.key=value`` items of the ``train_engine`` / ``rollout_engine`` sections of a ``ferrule train``
@@ -139,6 +140,7 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
     settings = parse_engine_settings(engine_settings or [])
     bases = served_bases(base_model, model_name, models_file)
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
+                           max_loaded_bytes=max_loaded_bytes,
                            max_snapshots=max_snapshots or MAX_SNAPSHOTS, sampler_dtype=sampler_dtype,
                            sampler_checkpoints=sampler_checkpoints, engine_settings=settings)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
@@ -161,6 +163,11 @@ def serve_command(
                                                     "comments; relative DIRs from the file's folder).")] = None,
     max_loaded_bases: Annotated[int, typer.Option(help="Most bases holding weights at once; one more unloads the "
                                                   "least recently used base without live training clients.")] = 2,
+    max_loaded_bytes: Annotated[str | None, typer.Option(help="Most bytes the loaded bases may hold together (e.g. "
+                                                         "40GiB: sampler weights, training clients, snapshots); "
+                                                         "loading one more unloads least recently used idle bases, or "
+                                                         "is refused naming this option. Default: no limit.")]
+    = None,
     fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="Data per forward_backward request the SDK may send "
                                                       "(it chunks larger batches).")] = 1024,
     max_samples_per_request: Annotated[int, typer.Option(help="Most num_samples of one sample request (400 "
@@ -219,6 +226,8 @@ def serve_command(
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
                         max_loaded_bases=max_loaded_bases, sampler_dtype=sampler_dtype,
+                        max_loaded_bytes=None if max_loaded_bytes is None
+                        else parse_bytes(max_loaded_bytes, "--max-loaded-bytes"),
                         worker_threads=default_worker_threads() if worker_threads is None else worker_threads,
                         event_loop_threads=1, sampler_checkpoints=sampler_checkpoints,
                         engine_settings=engine_setting)

@@ -44,7 +44,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int, option: str = "--max-memory") -> int:
     """``"24GiB"``, ``"512MiB"``, ``"8GB"``, ``"1.5G"`` or an int -> bytes (``K/M/G/T`` and ``kB/MB/GB/TB``
     are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024).
 
@@ -57,11 +57,11 @@ def parse_bytes(text: str | int) -> int:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(text))
         unit = m and m.group(2).lower()
         if not m or unit not in _UNITS:
-            raise ValueError(f"--max-memory {text!r}: expected a size such as 24GiB, 512MiB, 8GB or a number of "
+            raise ValueError(f"{option} {text!r}: expected a size such as 24GiB, 512MiB, 8GB or a number of "
                              "bytes.")
         value = int(float(m.group(1)) * _UNITS[unit])
     if value < 1:
-        raise ValueError(f"--max-memory {text!r}: expected at least 1 byte.")
+        raise ValueError(f"{option} {text!r}: expected at least 1 byte.")
     return value
 
 

@@ -68,8 +68,8 @@ async def asample(request: Request):
         raise HTTPError(404, f"sampling session {sid!r} does not exist for this API key.")
     backend = svc.base(row["base_model"])
     source: SavedWeights | str | None = None
-    if row["model_path"] is not None and row["model_path"].startswith("ephemeral:"):
-        source = row["model_path"]
+    if row["model_path"] is not None and row["model_path"].startswith(("ephemeral:", "inflight:")):
+        source = row["model_path"]   # inflight: the client's latest published weights when it runs
     elif row["model_path"] is not None:  # pinned to the save the checkpoint holds now
         source = backend.saved_weights(svc.own_checkpoint(request, row["model_path"], "sampler_weights")[1])
     try:

@@ -186,7 +186,14 @@ async def save_weights_for_sampler(request: Request):
     backend = svc.base(row["base_model"])
     sseq = body.get("sampling_session_seq_id")
     named = body.get("path") is not None
+    kind = body.get("kind", "snapshot")
     try:
+        if kind not in ("snapshot", "inflight"):
+            raise PathError(f"kind = {kind!r}; expected 'snapshot' (fixed weights) or 'inflight' (weights that later "
+                            "inflight saves of this client update).")
+        if kind == "inflight" and named:
+            raise PathError("kind 'inflight' publishes in-memory weights of an unnamed save (save_weights_and_get_"
+                            "sampling_client(kind='inflight')); a named checkpoint is a snapshot.")
         if not named and not isinstance(sseq, int):
             raise PathError("give a path (a checkpoint name) or a sampling_session_seq_id.")
         cp = CheckpointPath(model_id, "sampler_weights", check_name(body["path"])) if named else None
@@ -208,6 +215,8 @@ async def save_weights_for_sampler(request: Request):
             svc.store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
             svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
             out["path"] = source = cp.uri
+        elif kind == "inflight":   # the client's shared mutable sampler weights: its inflight sessions follow
+            source = backend.publish_inflight(model_id)
         else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
             source = backend.snapshot(model_id, tenant)
         if isinstance(sseq, int):
