@@ -117,6 +117,29 @@ def test_gptoss_passes_check_with_gradients_and_each_planted_mistake_is_localise
     assert "decoder.layers.0.mlp.router.bias (layer 0 mlp)" in _rows(reports["bias"])["convert"][1]
 
 
+@pytest.mark.timeout(300)
+def test_gradients_at_tp2_of_a_family_with_q_k_norms_match_hf(tmp_path, pooled_ranks):
+    """Qwen3's per-head q/k norms are replicated over TP and each rank applies them to its own heads, so its raw
+    gradient is partial; the check sums them over TP as megatron's gradient finalization does (refused before;
+    without the sum they are off by ~the other rank's share), and every tensor's gradient matches HF's. --ep 2
+    is refused in one line, before any conversion, for every family. Before the gpt-oss TP=2 test: that one
+    ends with a conversion failing in the ranks, which takes the pool down."""
+    from ferrule.conformance import numeric as cn
+    from ferrule.converters.check import run_check
+
+    hf = cn.tiny_hf_dir("qwen3", tmp_path / "hf", overrides={"num_key_value_heads": 2})
+    from safetensors import safe_open
+
+    with safe_open(hf / "model.safetensors", "pt") as f:  # every checkpoint tensor, the q/k norms included
+        keys = list(f.keys())
+    assert any(k.endswith("self_attn.q_norm.weight") for k in keys)
+    report = run_check(hf, tp=2, seq_len=16, grads=True, round_trip=False)
+    assert report.ok and report.rows[-1].step == "gradients (tp=2, fp32)", report.rows
+    assert report.rows[-1].detail.startswith(f"{len(keys)} parameters, "), report.rows[-1]
+    with pytest.raises(ValueError, match=r"grads=True at ep=2"):
+        run_check(hf, ep=2, grads=True)
+
+
 @pytest.mark.timeout(1200)
 def test_gptoss_passes_check_at_tp2_etp1_and_each_planted_mistake_is_localised(gptoss_hf, pooled_ranks):
     """--tp 2 --etp 1 (the sinks and attention split over TP, the biased experts whole): the correct family passes,
@@ -134,15 +157,3 @@ def test_gptoss_passes_check_at_tp2_etp1_and_each_planted_mistake_is_localised(g
         _assert_localised(_check(env, hf, bug, tp=2, etp=1, round_trip=bug == "sinks"), bug)
 
 
-@pytest.mark.timeout(300)
-def test_gradients_at_tp2_are_refused_for_a_family_with_q_k_norms(tmp_path):
-    """Qwen3's q/k norms get partial gradients per rank until megatron's gradient finalization: --grads at --tp 2
-    is refused in one line, before any conversion, and --ep 2 for every family."""
-    from ferrule.conformance import numeric as cn
-    from ferrule.converters.check import run_check
-
-    hf = cn.tiny_hf_dir("qwen3", tmp_path / "hf", overrides={"num_key_value_heads": 2})
-    with pytest.raises(ValueError, match=r"grads=True at tp=2 for a family with q/k norms \(qwen3\).*use --tp 1"):
-        run_check(hf, tp=2, grads=True)
-    with pytest.raises(ValueError, match=r"grads=True at ep=2"):
-        run_check(hf, ep=2, grads=True)
