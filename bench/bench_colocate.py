@@ -191,7 +191,7 @@ def run_row(args) -> dict:
                 col.offload_train()
             m = meter.pop()
             if col is not None:  # page-locked host memory held by the stashes (train state + rollout weights)
-                stashes = list(engine._offload.stashes) + ([rollout._stash] if rollout._stash is not None else [])
+                stashes = list(engine._offload.stashes) + ([rollout._sleep.stash] if rollout._sleep.stash is not None else [])
                 m["host_stash_bytes"] = sum(st.host_bytes for st in stashes)
                 m["host_moved_bytes"] = sum(st.nbytes for st in stashes)
                 m["host_pinned"] = sorted({st.pinned for st in stashes if st.host_bytes})

@@ -109,11 +109,31 @@ def _grad_weights(shape) -> "Any":
     return torch.randn(shape, generator=g, dtype=torch.float32) / (shape[0] * shape[1])
 
 
+def _finalize_tp_grads(model) -> None:
+    """The tensor-parallel part of megatron's gradient finalization, as a training step runs it: megatron-core's
+    own ``_allreduce_non_tensor_model_parallel_grads`` (``finalize_model_grads``) on ``model``, which sums over
+    the TP group the gradients of the q/k norms (``config.qk_layernorm``: a replicated weight that each rank
+    applies to its own heads only, so each rank's raw gradient is partial) and of sequence-parallel norms, and
+    averages those marked ``average_gradients_across_tp_domain``. Every other replicated weight already holds its
+    full gradient on each rank (its input is copied into the TP region, whose backward all-reduces). No-op at
+    TP 1. The data-parallel and expert-data-parallel reductions (DDP's) are not run: the check runs at ep 1."""
+    import types
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+    if parallel_state.get_tensor_model_parallel_world_size() <= 1:
+        return
+    chunk = types.SimpleNamespace(module=model, ddp_config=types.SimpleNamespace(use_megatron_fsdp=False))
+    _allreduce_non_tensor_model_parallel_grads([chunk], model.config, parallel_state.get_tensor_model_parallel_group())
+
+
 def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
     """Megatron's gradients of ``sum(logits * w)`` per HF tensor name (rank 0; None elsewhere): backward on the
     loaded model, then :func:`ferrule.megatron.weights.export_mcore_to_hf` with each parameter's data swapped
     for its gradient, so fused, split and TP-sharded parameters come out as HF tensors exactly as weights do
-    (every mapping is linear). A parameter without a gradient exports as zeros."""
+    (every mapping is linear), after the TP reductions a training step's gradient finalization makes
+    (:func:`_finalize_tp_grads`). A parameter without a gradient exports as zeros."""
     import torch
 
     from ferrule import registry
@@ -129,6 +149,7 @@ def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
     with torch.enable_grad():
         logits = model(ids.to(device), pos.to(device), attention_mask=None)[..., :vocab].float()
         (logits * _grad_weights(tuple(logits.shape)).to(device)).sum().backward()
+    _finalize_tp_grads(model)
     saved = [p.data for p in params]
     try:
         for p in params:

@@ -132,7 +132,7 @@ def test_rollout_sleep_wake_round_trip(hf_dir, source):
     # on CPU transformers' weights are memory-mapped (not resizable: copied out and back, not freed)
     freed = [t for t in held if t.untyped_storage().resizable()]
     assert freed and all(t.untyped_storage().nbytes() == 0 for t in freed)
-    assert engine._stash.freed_bytes == sum(t.numel() * t.element_size() for t in freed)
+    assert engine._sleep.stash.freed_bytes == sum(t.numel() * t.element_size() for t in freed)
     assert not engine._states
     with pytest.raises(RuntimeError, match="asleep; call wake"):
         engine.generate([[1, 2, 3]], greedy)

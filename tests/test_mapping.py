@@ -257,6 +257,31 @@ def test_table_lists_every_unmapped_parameter():
     for name in ("decoder.layers.0.mlp.router.weight", "decoder.layers.3.self_attention.q_layernorm.weight",
                  "decoder.final_layernorm.weight"):
         assert name in msg
+    # each named with the layer and op that ferrule check's divergence report would blame (the modules they live in)
+    assert "decoder.layers.0.mlp.router.weight (layer 0 mlp)" in msg
+    assert "decoder.layers.3.self_attention.q_layernorm.weight (layer 3 attention)" in msg
+    assert "decoder.final_layernorm.weight (final_norm)" in msg
+
+
+def test_parameter_site_names_the_block_a_tensor_lives_in():
+    """Megatron names and HF (Llama-style) keys -> the capture point (ferrule check's op) of the module holding them;
+    a TE-fused norm weight belongs to the norm before its linear; an ambiguous HF name gets no site."""
+    from ferrule.mapping.vocabulary import parameter_site
+
+    cases = {
+        "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight": (2, "input_norm"),
+        "decoder.layers.2.self_attention.core_attention.softmax_offset": (2, "attention"),
+        "decoder.layers.2.mlp.linear_fc1.layer_norm_weight": (2, "pre_mlp_norm"),
+        "decoder.layers.2.pre_mlp_layernorm.weight": (2, "pre_mlp_norm"),
+        "decoder.layers.12.mlp.experts.local_experts.3.linear_fc2.bias": (12, "mlp"),
+        "model.layers.1.input_layernorm.weight": (1, "input_norm"),
+        "model.layers.1.self_attn.sinks": (1, "attention"),
+        "model.layers.1.mlp.experts.gate_up_proj": (1, "mlp"),
+        "model.layers.1.post_attention_layernorm.weight": None,  # pre-MLP norm (Llama) or attention post-norm (OLMo-2)
+        "model.embed_tokens.weight": (None, "embedding"),
+        "lm_head.weight": (None, "output_layer"),
+    }
+    assert {name: parameter_site(name) for name in cases} == cases
 
 
 def test_table_lists_every_missing_and_extra_hf_key():

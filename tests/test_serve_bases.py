@@ -125,3 +125,43 @@ def test_models_file_and_repeated_base_model(bases, tmp_path):
 
     with pytest.raises(ValueError, match="two base models are named 'x'"):
         BaseRegistry([("x", bases[0]), ("x", bases[1])])
+
+
+def test_max_loaded_bytes_unloads_idle_bases_or_refuses_naming_it_and_the_op_log_names_base_and_tenant(
+        multi, bases, caplog):
+    """``--max-loaded-bytes``: a base that would not fit next to the bases with live training clients is
+    refused naming the limit, unloading nothing; one that fits once an idle base goes unloads it. Every
+    operation's log line names the tenant (``client=``) and the base it ran on."""
+    import logging
+
+    from ferrule.serve.memory import backend_bytes, fmt_bytes, load_need
+
+    registry = multi.app.state.bases
+    sc = multi.client()
+    if not registry.get("base-b").engines:
+        sc.create_lora_training_client(base_model="base-b", rank=4).result(timeout=120)
+    ref_a = sc.create_sampling_client(base_model="base-a").result(timeout=60)
+    served_logprobs(ref_a)                                  # base-a loaded, idle
+    for name in registry.loaded():
+        if name not in ("base-a", "base-b"):
+            registry.unload(name)   # the earlier tests' state, whatever it is: base-c not loaded
+    assert registry.loaded() == ["base-b", "base-a"]
+    held_b = backend_bytes(registry.get("base-b"), set())
+    held_a = backend_bytes(registry.get("base-a"), set())
+    need_c = load_need(registry.get("base-c"))
+    teacher = sc.create_sampling_client(base_model="base-c").result(timeout=60)
+    registry.max_loaded, registry.max_loaded_bytes = 3, held_b + need_c - 1   # only the bytes can bind
+    try:
+        with pytest.raises(Exception, match=f"cannot load base model 'base-c': it needs about {fmt_bytes(need_c)} "
+                           r".*live training clients hold .* --max-loaded-bytes = "):
+            teacher.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=120)
+        assert registry.loaded() == ["base-b", "base-a"] and "base-a" not in registry.unloads[-1:]   # nothing went
+        registry.max_loaded_bytes = held_b + need_c + held_a // 2     # fits once idle base-a goes
+        with caplog.at_level(logging.INFO, logger="ferrule.serve"):
+            got = served_logprobs(teacher)
+        assert float((got - hf_logprobs(bases[2], PROMPT)).abs().max()) < 1e-5
+        assert registry.loaded() == ["base-b", "base-c"] and registry.unloads[-1] == "base-a"
+    finally:
+        registry.max_loaded, registry.max_loaded_bytes = 2, None
+    ops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("op=sample")]
+    assert ops and all(" client=alice base=base-c " in line for line in ops), ops

@@ -375,3 +375,110 @@ def test_fair_scheduling_one_tenant_cannot_starve_another(server):
     # round robin: bob's two requests run among the first four (FIFO would run them last)
     assert sorted(tenants[:4]) == ["alice", "alice", "bob", "bob"], tenants
     assert all(a != b for a, b in zip(tenants[:4], tenants[1:4])), tenants
+
+
+# ---------------------------------------------------------------- --max-memory (ferrule.serve.memory)
+def test_kv_estimate_equals_what_hf_dynamic_cache_holds(base):
+    """The KV bytes per token of the budget's sampling estimate are what transformers' DynamicCache holds."""
+    import json
+
+    from transformers import DynamicCache
+
+    from ferrule.serve.memory import kv_bytes_per_token
+
+    model = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held / len(PROMPT) == kv_bytes_per_token(json.loads((base / "config.json").read_text()), 4)
+
+
+def test_activation_estimate_bounds_what_autograd_saves(base):
+    """forward_backward's estimate covers the tensors autograd saves for HF's own forward + cross-entropy
+    (eager attention, fp32; weights excluded), and is within 3x of them."""
+    import json
+
+    from ferrule.serve.memory import forward_need
+
+    model = Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and t.device.type != "meta":
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=ids).logits.float()
+        torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    saved = sum(seen.values())
+    need = forward_need(json.loads((base / "config.json").read_text()), 40, backward=True, dtype_bytes=4)
+    assert saved <= need <= 3 * saved, (saved, need)
+
+
+def test_max_memory_refuses_a_request_that_would_not_fit_naming_it(server):
+    """With a budget, a request whose estimated need exceeds what is left gets a 400 naming --max-memory,
+    the need and what is left; nothing runs (the client's weights are untouched, its seq_id consumed)."""
+    import json
+
+    from ferrule.serve.memory import fmt_bytes, forward_need, sample_need
+
+    svc = server.app.state.service
+    cfg = json.loads((server.backend.base_dir / "config.json").read_text())
+    tc = server.client().create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=120)
+    sc = server.client().create_sampling_client(base_model=MODEL_NAME).result(timeout=60)
+    data = sdk_data(seed=5, lengths=(12, 7))   # one request (the fixture's chunks are 3 data)
+    before = tc.forward(data, "cross_entropy").result(timeout=120)
+    small = sample_need(cfg, 4, 1, len(PROMPT), 4)
+    big = sample_need(cfg, 4, 8, len(PROMPT), 48)
+    fb = forward_need(cfg, max(len(d.model_input.to_ints()) for d in data), True, 4)
+    assert small * 4 < min(big, fb)
+    held = svc.memory.held
+    assert held > 0 and server.client() is not None
+    svc.memory.limit = held + 2 * small
+    try:
+        left = fmt_bytes(2 * small)
+        with pytest.raises(tinker.BadRequestError, match=re.escape(f"needs about {fmt_bytes(big)}") + ".*"
+                           + re.escape(f"than the {left} left of the server's --max-memory = "
+                                       f"{fmt_bytes(held + 2 * small)}")):
+            sc.sample(types.ModelInput.from_ints(PROMPT), num_samples=8,
+                      sampling_params=types.SamplingParams(max_tokens=48)).result(timeout=60)
+        with pytest.raises(tinker.BadRequestError, match=r"forward_backward: the request needs about "
+                           + re.escape(fmt_bytes(fb)) + r" \(the longest datum's 12 tokens.*--max-memory"):
+            tc.forward_backward(data, "cross_entropy").result(timeout=60)
+        assert svc.scheduler.queued("alice") == 0
+        out = sc.sample(types.ModelInput.from_ints(PROMPT), num_samples=1,   # a request that fits still runs
+                        sampling_params=types.SamplingParams(max_tokens=4)).result(timeout=60)
+        assert len(out.sequences[0].tokens) == 4
+        health = httpx.get(server.url + "/api/v1/healthz").json()["memory"]
+        assert health["max_memory"] == held + 2 * small and health["held"] == held
+    finally:
+        svc.memory.limit = None
+    after = tc.forward(data, "cross_entropy").result(timeout=120)   # the seq_id was consumed, weights unchanged
+    for a, b in zip(before.loss_fn_outputs, after.loss_fn_outputs):
+        assert a["logprobs"].tolist() == b["logprobs"].tolist()
+
+
+def test_inflight_sampling_clients_follow_the_latest_inflight_save(server, base):
+    """The SDK's ``save_weights_and_get_sampling_client(kind="inflight")``: every inflight sampler of a
+    client samples its latest inflight save (an older inflight sampler too), a snapshot sampler keeps its
+    weights; the referees are HF on the base (the untrained adapter) and a snapshot of the trained weights."""
+    tc = server.client().create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=120)
+    first = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=120)
+    fixed = tc.save_weights_and_get_sampling_client().result(timeout=120)
+    w0 = hf_prompt_logprobs(Qwen2ForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
+    assert float((prompt_logprobs(first) - w0).abs().max()) < 1e-5
+    train(tc, 1, seed=11)
+    assert float((prompt_logprobs(first) - w0).abs().max()) < 1e-5   # not published yet: still the first save
+    second = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=120)
+    w1 = prompt_logprobs(tc.save_weights_and_get_sampling_client().result(timeout=120))
+    assert float((w1 - w0).abs().max()) > 1e-3                      # the step moved the weights
+    assert torch.equal(prompt_logprobs(second), w1) and torch.equal(prompt_logprobs(first), w1)
+    assert float((prompt_logprobs(fixed) - w0).abs().max()) < 1e-5  # a snapshot keeps its weights
+    backend = server.app.state.backend
+    assert sum(k.startswith("inflight:") for k in backend._snapshots) >= 1 and len(
+        [k for k in backend._snapshots if k.startswith(f"inflight:{tc.model_id}#")]) == 1   # one copy per client

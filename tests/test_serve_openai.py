@@ -182,3 +182,11 @@ def test_completions_logprobs_n_and_stop_strings(oai_server, chat_base):
     assert cut.choices[0].text == text[:text.index(stop, 1)] and cut.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="outside"):
         client.completions.create(model=MODEL_NAME, prompt=[5, 9999], max_tokens=2)
+    # --max-memory: a request that does not fit in what is left is refused naming it; one that fits runs
+    memory = oai_server.app.state.service.memory
+    memory.limit = memory.held + memory.reserved + 1
+    try:
+        with pytest.raises(openai.BadRequestError, match=r"needs about .* left of the server's --max-memory"):
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=STEPS, n=2)
+    finally:
+        memory.limit = None

@@ -159,3 +159,24 @@ def test_tinker_checkpoint_download_gives_a_folder_transformers_loads(server, tm
     r = httpx.get(f"{server.url}/api/v1/external_weights_files/{tc.model_id}/download/config.json?expires=9999999999"
                   "&signature=00", timeout=30)
     assert r.status_code == 403 and "not signed" in r.json()["detail"]
+
+
+def test_every_route_the_sdk_calls_is_served_or_answered_naming_it(server):
+    """Every (method, path) the installed tinker SDK's resources call either is served or answers with a
+    message naming it (``ferrule serve does not serve ...``; a served route's unknown id names the id):
+    never a bare 404 / 405 nor the catch-all for paths no SDK knows. Paths are read from the SDK's source."""
+    import re
+
+    root = Path(tinker.__file__).parent
+    calls = set()
+    for f in [*root.glob("resources/*.py"), *root.glob("lib/**/*.py")]:
+        for m in re.finditer(r"\._?(get|post|put|delete|patch)\(\s*f?\"(/api/v1/[^\"]*)\"", f.read_text()):
+            calls.add((m.group(1).upper(), re.sub(r"\{[^}]+\}", "x1", m.group(2))))
+    assert len(calls) >= 40, calls   # the SDK 0.38 calls 45; fewer means the pattern no longer reads it
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": ALICE}, timeout=30) as http:   # one connection
+        answers = [(method, path, http.request(method, path, json={})) for method, path in sorted(calls)]
+    for method, path, r in answers:
+        if r.status_code in (404, 405):
+            detail = r.json()["detail"]
+            assert f"does not serve {method} {path} (" in detail or "does not exist for this API key" in detail, \
+                (method, path, r.status_code, detail)

@@ -106,11 +106,12 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
               model_name: str | list[str] | None = None, long_poll_s: float = 30.0, fwdbwd_max_chunk_len: int = 1024,
               limits=None, max_snapshots: int | None = None, models_file: Path | None = None,
               max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
+              max_loaded_bytes: int | None = None,
               worker_threads: int | None = None, event_loop_threads: int | None = None,
               sampler_checkpoints: str = "merged", engine_settings: list[str] | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
-    as :func:`served_bases` lists them, at most ``max_loaded_bases`` loaded at once
-    (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
+    as :func:`served_bases` lists them, at most ``max_loaded_bases`` (holding at most ``max_loaded_bytes``)
+    loaded at once (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
     ``sampler_dtype``; the worker uses ``worker_threads`` torch threads, the event loop's thread
     ``event_loop_threads`` (None: unchanged; :mod:`ferrule.serve.placement`). ``engine_settings``:
     ``section.key=value`` items of the ``train_engine`` / ``rollout_engine`` sections of a ``ferrule train``
@@ -139,6 +140,7 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
     settings = parse_engine_settings(engine_settings or [])
     bases = served_bases(base_model, model_name, models_file)
     backend = BaseRegistry(bases, max_loaded=DEFAULT_MAX_LOADED if max_loaded_bases is None else max_loaded_bases,
+                           max_loaded_bytes=max_loaded_bytes,
                            max_snapshots=max_snapshots or MAX_SNAPSHOTS, sampler_dtype=sampler_dtype,
                            sampler_checkpoints=sampler_checkpoints, engine_settings=settings)
     return create_app(backend, storage, keys, long_poll_s=long_poll_s, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
@@ -161,6 +163,11 @@ def serve_command(
                                                     "comments; relative DIRs from the file's folder).")] = None,
     max_loaded_bases: Annotated[int, typer.Option(help="Most bases holding weights at once; one more unloads the "
                                                   "least recently used base without live training clients.")] = 2,
+    max_loaded_bytes: Annotated[str | None, typer.Option(help="Most bytes the loaded bases may hold together (e.g. "
+                                                         "40GiB: sampler weights, training clients, snapshots); "
+                                                         "loading one more unloads least recently used idle bases, or "
+                                                         "is refused naming this option. Default: no limit.")]
+    = None,
     fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="Data per forward_backward request the SDK may send "
                                                       "(it chunks larger batches).")] = 1024,
     max_samples_per_request: Annotated[int, typer.Option(help="Most num_samples of one sample request (400 "
@@ -176,6 +183,10 @@ def serve_command(
                                                   "before decoding (400 above).")] = 2048 * 2048,
     max_audio_frames: Annotated[int, typer.Option(help="Most dMel frames (20 per second) of one audio chunk (400 "
                                                   "above).")] = 36_000,
+    max_memory: Annotated[str | None, typer.Option(help="Memory budget of the whole service (e.g. 24GiB, 512MiB): "
+                                                   "a request whose estimated need does not fit in what loaded "
+                                                   "weights, training clients and snapshots leave is refused with a "
+                                                   "400 (docs/serve.md). Default: no budget.")] = None,
     max_snapshots: Annotated[int, typer.Option(help="Unnamed sampler snapshots (made by save weights and "
                                                "get sampling client) kept in memory per tenant.")] = 4,
     sampler_dtype: Annotated[str, typer.Option(help="dtype of every base's sampler, which runs on the training "
@@ -203,8 +214,11 @@ def serve_command(
     try:
         from ferrule.serve.limits import ServeLimits
 
+        from ferrule.serve.memory import parse_bytes
+
         limits = ServeLimits(max_samples_per_request, max_tokens_per_request, max_lora_rank, max_queued_per_tenant,
-                             max_image_bytes, max_image_pixels, max_audio_frames)
+                             max_image_bytes, max_image_pixels, max_audio_frames,
+                             None if max_memory is None else parse_bytes(max_memory))
         if max_snapshots < 1:
             raise ValueError(f"--max-snapshots {max_snapshots}: keep at least 1 snapshot per tenant.")
         from ferrule.serve.placement import default_worker_threads
@@ -212,6 +226,8 @@ def serve_command(
         app = build_app(base_model, storage, api_keys, model_name, fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                         limits=limits, max_snapshots=max_snapshots, models_file=models_file,
                         max_loaded_bases=max_loaded_bases, sampler_dtype=sampler_dtype,
+                        max_loaded_bytes=None if max_loaded_bytes is None
+                        else parse_bytes(max_loaded_bytes, "--max-loaded-bytes"),
                         worker_threads=default_worker_threads() if worker_threads is None else worker_threads,
                         event_loop_threads=1, sampler_checkpoints=sampler_checkpoints,
                         engine_settings=engine_setting)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ferrule.mapping.experts import StackExperts
-from ferrule.mapping.vocabulary import Ignore, MappingContext, MappingError, ParamMapping, Passthrough
+from ferrule.mapping.vocabulary import Ignore, MappingContext, MappingError, ParamMapping, Passthrough, sited
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -22,7 +22,7 @@ __all__ = ["HFAssembler", "MappingTable"]
 
 def _offenders(title: str, items: Iterable[str], fix: str, limit: int = 10_000) -> str:
     items = sorted(items)
-    lines = "\n".join(f"  - {x}" for x in items[:limit])
+    lines = "\n".join(f"  - {sited(x)}" for x in items[:limit])  # each named with its layer and op
     return f"{title} ({len(items)}):\n{lines}\n{fix}"
 
 

@@ -56,11 +56,57 @@ __all__ = [
     "OutputLayer",
     "Ignore",
     "Passthrough",
+    "parameter_site",
 ]
 
 
 class MappingError(ValueError):
     """A mapping table does not fit a model or a checkpoint (the message lists every offender)."""
+
+
+#: ``(pattern, op)`` per block of a decoder layer, megatron names first, then HF's (Llama-style names); the ops are
+#: ``ferrule check``'s capture points (:mod:`ferrule.converters.check_points`). A fused TE norm weight
+#: (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) belongs to the norm before its linear.
+_SITES = (
+    (re.compile(r"(?:decoder|model)\.layers\.(\d+)\.(?:input_layernorm|self_attention\.linear_qkv\.layer_norm_)"),
+     "input_norm"),
+    (re.compile(r"(?:decoder|model)\.layers\.(\d+)\.(?:pre_mlp_layernorm|pre_feedforward_layernorm|"
+                r"mlp\.linear_fc1\.layer_norm_)"), "pre_mlp_norm"),
+    (re.compile(r"(?:decoder|model)\.layers\.(\d+)\.(?:self_attention|self_attn|post_self_attn_layernorm)\."),
+     "attention"),
+    (re.compile(r"(?:decoder|model)\.layers\.(\d+)\.(?:mlp|block_sparse_moe|post_feedforward_layernorm)\."), "mlp"),
+)
+
+
+def parameter_site(name: str) -> tuple[int | None, str] | None:
+    """Where a megatron parameter or an HF key sits, as ``ferrule check``'s capture points name it.
+
+    ``(layer, op)`` with ``op`` one of ``input_norm``, ``attention``, ``pre_mlp_norm``, ``mlp`` for a decoder
+    layer's tensor (``decoder.layers.3.mlp.router.bias`` and ``model.layers.3.mlp.router.bias`` -> ``(3, "mlp")``),
+    ``(None, "embedding" | "final_norm" | "output_layer")`` outside the layers, None when the name says nothing
+    certain (e.g. HF's ``post_attention_layernorm``: the pre-MLP norm of a pre-norm layer, the attention's
+    post-norm of OLMo-2 / Gemma). Used to name the layer and op of a structural mistake (an unmapped parameter,
+    a parameter in no update group) as the divergence report names a numeric one.
+    """
+    for pattern, op in _SITES:
+        m = pattern.match(name)
+        if m:
+            return int(m.group(1)), op
+    if name.startswith(("embedding.", "model.embed_tokens.")):
+        return None, "embedding"
+    if name.startswith(("decoder.final_layernorm.", "model.norm.")):
+        return None, "final_norm"
+    if name.startswith(("output_layer.", "lm_head.")):
+        return None, "output_layer"
+    return None
+
+
+def sited(name: str) -> str:
+    """``name`` followed by its :func:`parameter_site` in parentheses (``... (layer 0 mlp)``), for messages."""
+    site = parameter_site(name.split()[0]) if name else None
+    if site is None:
+        return name
+    return f"{name} (layer {site[0]} {site[1]})" if site[0] is not None else f"{name} ({site[1]})"
 
 
 # ---------------------------------------------------------------------------------------

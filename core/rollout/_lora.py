@@ -289,7 +289,7 @@ class EmbeddedLoraServing:
             raise ValueError("update_lora_adapter: this engine holds adapters for batched multi-adapter decode "
                              f"({', '.join(self._multi.names())}); remove_lora_adapter() them first to serve one "
                              "adapter to every row.")
-        if self._lora is None and getattr(self, "_asleep", False):
+        if self._lora is None and self.asleep:
             raise RuntimeError("update_lora_adapter: the first adapter cannot be injected while the engine is asleep; "
                                "call wake() first (later updates of a served adapter work asleep).")
         if self._lora is None:

@@ -323,7 +323,7 @@ class EmbeddedMultiLora:
         """
         if self._closed:
             raise RuntimeError("EmbeddedEngine.add_lora_adapter after shutdown(); build a new engine.")
-        if getattr(self, "_asleep", False):
+        if self.asleep:
             raise RuntimeError("EmbeddedEngine.add_lora_adapter while asleep; call wake() first.")
         if not isinstance(name, str) or not name:
             raise ValueError(f"add_lora_adapter: name must be a non-empty str, got {name!r}.")

@@ -4,7 +4,7 @@ translated to transformers' in-memory layout by :mod:`ferrule.rollout._checkpoin
 
 A mixin of :class:`ferrule.rollout.embedded.EmbeddedEngine`: it reads the engine's ``model``,
 ``device``, ``weights_version``, its ``_ck_tensors`` cache and, while asleep, the live tensor of a
-stashed one (``_live``, ``_stash``; :mod:`ferrule.rollout._sleep`).
+stashed one (the engine's part ``_sleep``, :class:`ferrule.rollout._sleep.WeightSleep`).
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ class EmbeddedWeightUpdates:
         # pageable memory returns before the data has landed, and the source bucket can be freed
         # and reused by the caching allocator meanwhile (seen on an H200: a CPU rollout engine fed
         # from a CUDA train engine received garbage weights).
-        async_ok = self.device.type == "cuda" and self._stash is None
+        async_ok = self.device.type == "cuda" and self._sleep.stash is None
         for name, tensor in items:
-            dst = self._live(targets[name])
-            if self._stash is not None and dst.view is not None:
+            dst = self._sleep.live(targets[name])
+            if self._sleep.stash is not None and dst.view is not None:
                 dst.write_(tensor)  # asleep: one (blocking) copy straight into the page-locked host copy
             else:
                 dst.write_(tensor.to(dst.param.device, dst.param.dtype,
@@ -125,7 +125,7 @@ class EmbeddedWeightUpdates:
         move (re-fusing), so a writer that caches views compares it by identity. The writer must
         call :meth:`set_weights_version` after its copies.
         """
-        if self._stash is not None or self._asleep or self._closed:
+        if self.asleep or self._closed:
             return None
         return self._checkpoint_tensors()
 
@@ -147,4 +147,4 @@ class EmbeddedWeightUpdates:
         model) except for a layout that is no strided view of a parameter (none among the ferrule
         families), which comes back as a copy.
         """
-        return {k: self._live(e).read() for k, e in self._checkpoint_tensors().items()}
+        return {k: self._sleep.live(e).read() for k, e in self._checkpoint_tensors().items()}

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import secrets
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -49,7 +50,7 @@ from ferrule.rollout._lora import EmbeddedLoraServing
 from ferrule.rollout._multi_lora import EmbeddedMultiLora
 from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._weights import EmbeddedWeightUpdates
-from ferrule.rollout._sleep import EmbeddedSleep
+from ferrule.rollout._sleep import WeightSleep
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
 from ferrule.rollout._routes import RouteRecorder
 from ferrule.rollout._static_cache import OPAQUE_SDPA, DecodeState, layer_windows, use_opaque_sdpa
@@ -95,7 +96,7 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
         return unregistered
 
 
-class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLora, EmbeddedSleep):
+class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLora):
     """Rollout engine running a transformers CausalLM in-process.
 
     Build it from exactly one of:
@@ -249,9 +250,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         self._lora_name: str | None = None
         self._multi = None  # ferrule.rollout._multi_lora.MultiLoraPool while adapters are held by name
         self._closed = False
-        self._asleep = False
-        self._stash = None  # ferrule.offload.HostStash of the weights while asleep(weights=True)
-        self._last_stash = None  # its page-locked host buffers, reused by the next sleep
+        self._sleep = WeightSleep(self.device)  # asleep or not, the host copies of the weights while asleep
         if state_dict is not None:  # checkpoint names
             self._load_checkpoint_named(state_dict)
 
@@ -311,7 +310,7 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         """
         if self._closed:
             raise RuntimeError("EmbeddedEngine.generate after shutdown(); build a new engine.")
-        if self._asleep:
+        if self.asleep:
             raise RuntimeError("EmbeddedEngine.generate while asleep; call wake() first.")
         reqs = as_requests(requests)
         params = sampling_params
@@ -559,6 +558,54 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         return result
 
     # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ sleep / wake (colocation)
+    @property
+    def asleep(self) -> bool:
+        """True between :meth:`sleep` and :meth:`wake`."""
+        return self._sleep.asleep
+
+    def sleep(self, *, weights: bool = True) -> dict[str, float]:
+        """Release device memory while another engine uses the device (colocated training).
+
+        Frees every decode state (KV caches, captured CUDA graphs and their memory pool) and, with
+        ``weights``, moves the weights to page-locked host memory (:class:`ferrule.offload.HostStash`;
+        a served LoRA adapter's factors stay on the device). While asleep, :meth:`update_weights`,
+        :meth:`update_lora_adapter` (of an adapter already served) and :meth:`get_hf_state_dict`
+        work on the host copies; :meth:`generate` raises. Decode graphs are captured again on the
+        first ``generate`` after :meth:`wake` (their buffers get new addresses).
+
+        Returns:
+            ``{"sleep_s": seconds, "sleep_bytes": weight bytes moved to the host}``.
+
+        Raises:
+            RuntimeError: already asleep, or shut down.
+        """
+        if self._closed or self.asleep:
+            raise RuntimeError(f"EmbeddedEngine.sleep(): the engine is {'shut down' if self._closed else 'asleep'}.")
+        t0 = time.perf_counter()
+        self._states.clear()
+        self._merged_lora = None  # the fast path's merged adapter copy: rebuilt after wake
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        moved = self._sleep.sleep(self.model, weights=weights,
+                                  keep=self._lora.targets.values() if self._lora is not None else ())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"sleep_s": time.perf_counter() - t0, "sleep_bytes": float(moved)}
+
+    def wake(self) -> dict[str, float]:
+        """Undo :meth:`sleep`: the weights (with every update made while asleep) back on the device.
+
+        Returns:
+            ``{"wake_s": seconds, "wake_bytes": weight bytes copied back}``.
+
+        Raises:
+            RuntimeError: not asleep.
+        """
+        t0 = time.perf_counter()
+        moved = self._sleep.wake()
+        self._weights_serial += 1
+        return {"wake_s": time.perf_counter() - t0, "wake_bytes": float(moved)}
+
     def health(self) -> dict[str, Any]:
         """``{"status", "kind", "device", "dtype", "weights_version", "model_type", "cuda_graph", ...}``."""
         return {

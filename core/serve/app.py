@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from .backend import EngineBackend
 from .registry import BaseRegistry
 from .limits import ServeLimits
+from .memory import MemoryBudget
 from . import routes_openai, routes_rest, routes_sample, routes_session, routes_state, routes_train, unserved
 from .scheduler import Scheduler
 from .service import HTTPError, Service
@@ -63,7 +64,17 @@ def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_k
     store = Store(storage)
     lost = store.fail_unfinished()
     telemetry = Telemetry()
-    scheduler = Scheduler(store, observe=telemetry.observe_job, threads=worker_threads)
+    limits = limits or ServeLimits()
+    memory = MemoryBudget(limits.max_memory)
+
+    def _after(jobs) -> None:   # on the worker: what is held now; the jobs' reservations end
+        for job in jobs:
+            memory.release(job.request_id)
+        memory.refresh(bases.backends())
+
+    scheduler = Scheduler(store, observe=telemetry.observe_job, threads=worker_threads, after=_after,
+                          room=memory.room)
+    memory.refresh(bases.backends())
     app = FastAPI(title="ferrule serve", version="0.38.0-compatible")
     app.state.store, app.state.scheduler, app.state.backend, app.state.telemetry = store, scheduler, bases.default, telemetry
     app.state.bases = bases
@@ -114,8 +125,7 @@ def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_k
                                time.monotonic() - start)
         return response
 
-    limits = limits or ServeLimits()
-    app.state.service = Service(store, scheduler, bases, telemetry, storage, limits)
+    app.state.service = Service(store, scheduler, bases, telemetry, storage, limits, memory)
     app.state.long_poll_s, app.state.fwdbwd_max_chunk_len = long_poll_s, fwdbwd_max_chunk_len
     for router in (routes_session.router, routes_train.router, routes_sample.router, routes_state.router,
                    routes_openai.router):

@@ -82,6 +82,8 @@ class AdapterWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+#: source prefix of a training client's inflight sampler weights (:meth:`EngineBackend.publish_inflight`)
+INFLIGHT = "inflight:"
 #: ``EngineBackend._loaded`` while the rollout engine holds adapters by name (batched multi-adapter decode)
 _MULTI = "<multi-adapter>"
 
@@ -166,6 +168,8 @@ class EngineBackend:
         self._tenant_snapshots: dict[str, collections.OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
         self._evicted: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> what evicted it
         self._snap_counter = 0
+        #: training client -> the key of its ``inflight`` sampler weights (the latest inflight save)
+        self._inflight: dict[str, str] = {}
         self._merge_layout: tuple | None = None
         self._version = 0
         #: why the family's LoRA appliers refused ``output_layer`` (``train_unembed`` is then not applied), or None
@@ -176,6 +180,35 @@ class EngineBackend:
         self.on_use: Any = None
         if eager:
             _ = self.rollout  # transformers' modeling modules load before megatron's CPU patches (cpu_compat)
+
+    # ---------------------------------------------------------------- memory estimates (ferrule.serve.memory)
+    @property
+    def sampler_dtype_bytes(self) -> int:
+        """Bytes per element of the sampler's dtype (its KV cache and activations)."""
+        return 4 if self.placement.dtype == "float32" else 2
+
+    @property
+    def train_dtype_bytes(self) -> int:
+        """Bytes per activation element of a training client: 4 on the CPU (float32), 2 on a GPU (bfloat16)."""
+        return 4 if self.placement.device == "cpu" else 2
+
+    def param_count(self) -> int | None:
+        """Parameters of the base: from its safetensors headers (nothing loaded), else the loaded sampler's;
+        None when neither can tell (a torch_dist base not loaded yet)."""
+        if getattr(self, "_param_count", None) is None:
+            files = sorted((self.base_dir if self.kind == "hf" else self.base_dir / "hf").glob("*.safetensors"))
+            if files:
+                from safetensors import safe_open
+
+                count = 0
+                for f in files:
+                    with safe_open(str(f), "pt") as handle:
+                        for key in handle.keys():
+                            count += math.prod(handle.get_slice(key).get_shape())
+                self._param_count = count
+            elif self._rollout is not None:
+                self._param_count = sum(p.numel() for p in self._rollout.model.parameters())
+        return getattr(self, "_param_count", None)
 
     @property
     def loaded(self) -> bool:
@@ -201,6 +234,9 @@ class EngineBackend:
                                "unload_model them first.")
         for key in self._snapshots:
             self._evicted[key] = why
+        for model_id in self._inflight:
+            self._evicted[INFLIGHT + model_id] = why
+        self._inflight.clear()
         self._snapshots.clear()
         self._tenant_snapshots.clear()
         self._rollout = self._base_state = self._loaded = self._params = self._merge_layout = None
@@ -259,6 +295,11 @@ class EngineBackend:
         return shared
 
     def drop(self, model_id: str) -> None:
+        key = self._inflight.pop(model_id, None)
+        if key is not None:   # its inflight weights go with it: nothing can update them any more
+            self._snapshots.pop(key, None)
+            self._evicted[INFLIGHT + model_id] = (f"training client {model_id} was unloaded at "
+                                                  f"{time.strftime('%H:%M:%S')}, and its inflight weights with it")
         self.engines.pop(model_id, None)
         self.lora_ranks.pop(model_id, None)
 
@@ -533,6 +574,46 @@ class EngineBackend:
                 self._evicted.popitem(last=False)
         return key
 
+    def publish_inflight(self, model_id: str) -> str:
+        """Publish the client's current weights as its ``inflight`` sampler weights (the tinker SDK's
+        ``save_weights_and_get_sampling_client(kind="inflight")``): every inflight sampling session of the
+        client samples the latest published weights from its next request on; the previous ones are dropped
+        (one copy per client, not counted against ``max_snapshots``). Returns the source every such session
+        names, ``inflight:<model_id>`` (:meth:`resolve`)."""
+        self._snap_counter += 1
+        key = f"{INFLIGHT}{model_id}#{self._snap_counter}"
+        engine = self.engine(model_id)
+        if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
+            from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
+
+            weights: Any = AdapterWeights(
+                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_adapter_state_dict(engine).items()},
+                peft_config(engine, self.model_name))
+        else:
+            weights = self.sampler_tensors(model_id)
+        old = self._inflight.get(model_id)
+        self._snapshots[key] = weights
+        self._inflight[model_id] = key
+        if old is not None:
+            self._snapshots.pop(old, None)
+        return INFLIGHT + model_id
+
+    def resolve(self, source: SavedWeights | str | None) -> SavedWeights | str | None:
+        """``source`` with an ``inflight:<model_id>`` source replaced by the key of that client's latest
+        published weights (:meth:`publish_inflight`); other sources unchanged.
+
+        Raises:
+            LookupError: the client's inflight weights are gone (it was unloaded, or the base was).
+        """
+        if not (isinstance(source, str) and source.startswith(INFLIGHT)) or "#" in source:
+            return source
+        key = self._inflight.get(source[len(INFLIGHT):])
+        if key is None:
+            why = self._evicted.get(source, "not in this server process (inflight weights are kept in memory only)")
+            raise LookupError(f"the inflight weights of this sampling client ({source}) are gone: {why}. Create a "
+                              "training client from a saved state and publish again.")
+        return key
+
     def _snapshot_tensors(self, key: str) -> dict:
         if key in self._snapshots:
             return self._snapshots[key]
@@ -630,6 +711,10 @@ class EngineBackend:
             return True
         if isinstance(source, SavedWeights):
             return (source.directory / ADAPTER_WEIGHTS).is_file()
+        try:
+            source = self.resolve(source)
+        except LookupError:
+            return False   # the request fails when it runs, naming why
         return isinstance(self._snapshots.get(source), AdapterWeights)
 
     def _check_generation(self, source: Any) -> None:
@@ -693,6 +778,7 @@ class EngineBackend:
             One :meth:`sample` result per item, in order.
         """
         params = items[0][1].params
+        items = [(self.resolve(src), spec) for src, spec in items]   # inflight: the latest published weights
         if any(spec.params != params for _, spec in items):
             raise ValueError("internal: one sample batch needs one SamplingParams.")
         out: list = [None] * len(items)

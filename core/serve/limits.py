@@ -39,6 +39,8 @@ class ServeLimits:
             are decoded (Inkling: 24 bytes of ``pixel_values`` per pixel, one token per 40 x 40
             patch; the default, 2048 x 2048, is ~100 MB and 2,704 tokens).
         max_audio_frames: dMel frames of one ``DmelChunk`` (20 per second: 36,000 = 30 minutes).
+        max_memory: bytes the whole service may hold plus what a request needs while it runs
+            (``--max-memory``; :mod:`ferrule.serve.memory`), or None: no budget.
     """
 
     max_samples_per_request: int = 256
@@ -48,9 +50,11 @@ class ServeLimits:
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 2048 * 2048
     max_audio_frames: int = 36_000
+    max_memory: int | None = None
 
     def __post_init__(self) -> None:
-        bad = [f"{k}={v!r}" for k, v in vars(self).items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        bad = [f"{k}={v!r}" for k, v in vars(self).items() if not (v is None and k == "max_memory")
+               and (not isinstance(v, int) or isinstance(v, bool) or v < 1)]
         if bad:
             raise ValueError(f"ServeLimits: {', '.join(bad)}; every limit is an int >= 1.")
 

@@ -65,6 +65,10 @@ class BaseRegistry:
         bases: ``(name or None, directory)`` per base, the first being the default
             (``get_server_capabilities`` lists them in this order).
         max_loaded: most bases holding weights at once (>= 1).
+        max_loaded_bytes: most bytes the loaded bases hold together (``--max-loaded-bytes``; what
+            :func:`ferrule.serve.memory.backend_bytes` counts: sampler weights and swap copy, training
+            clients, snapshots), or None; a base about to load counts as
+            :func:`ferrule.serve.memory.load_need` (its sampler weights and swap copy).
         optimizer, max_snapshots, sampler_dtype, sampler_checkpoints, engine_settings: passed to every
             :class:`EngineBackend`.
 
@@ -76,12 +80,16 @@ class BaseRegistry:
     def __init__(self, bases: Sequence[tuple[str | None, str | Path] | EngineBackend], *,
                  max_loaded: int = DEFAULT_MAX_LOADED, optimizer: Any = None, max_snapshots: int = MAX_SNAPSHOTS,
                  sampler_dtype: str | None = "auto", sampler_checkpoints: str = "merged",
-                 engine_settings: Any = None):
+                 engine_settings: Any = None, max_loaded_bytes: int | None = None):
         if not bases:
             raise ValueError("no base model: give --base-model DIR (repeatable) or --models-file FILE.")
         if max_loaded < 1:
             raise ValueError(f"--max-loaded-bases {max_loaded}: keep at least 1 base loaded.")
+        if max_loaded_bytes is not None and max_loaded_bytes < 1:
+            raise ValueError(f"--max-loaded-bytes {max_loaded_bytes}: expected a size >= 1 byte.")
         self.max_loaded = max_loaded
+        #: bytes the loaded bases may hold together (``--max-loaded-bytes``), or None
+        self.max_loaded_bytes = max_loaded_bytes
         self._backends: dict[str, EngineBackend] = {}
         for i, base in enumerate(bases):
             backend = base if isinstance(base, EngineBackend) else EngineBackend(
@@ -118,6 +126,10 @@ class BaseRegistry:
             raise ValueError(f"base_model {name!r} is not served here; this server serves "
                              f"{', '.join(repr(n) for n in self._backends)}.") from None
 
+    def backends(self) -> list[EngineBackend]:
+        """Every served base's backend, in order."""
+        return list(self._backends.values())
+
     def loaded(self) -> list[str]:
         """Names of the bases holding weights now, least recently used first."""
         return [n for n in self._used if self._backends[n].loaded]
@@ -128,24 +140,41 @@ class BaseRegistry:
 
     def _make_room(self, backend: EngineBackend) -> None:
         """Called by ``backend`` before it loads weights while holding none: unload least recently
-        used idle bases until it fits under :attr:`max_loaded`.
+        used idle bases until it fits under :attr:`max_loaded` and :attr:`max_loaded_bytes`. Whether it
+        can fit is decided first: a refusal unloads nothing.
 
         Raises:
-            UserError: every other loaded base has live training clients.
+            UserError: it does not fit even with every idle base unloaded (naming the limit).
         """
-        while True:
-            others = [n for n in self.loaded() if n != backend.model_name]
-            if len(others) < self.max_loaded:
-                break
-            idle = [n for n in others if not self._backends[n].engines]
-            if not idle:
-                raise UserError(
-                    f"cannot load base model {backend.model_name!r}: the server's limit --max-loaded-bases = "
-                    f"{self.max_loaded} is reached by {', '.join(repr(n) for n in others)}, each with live training "
-                    "clients; unload_model a training client (or finish its session), or start the server with a "
-                    "larger --max-loaded-bases.")
-            self.unload(idle[0], why=f"least recently used, to load {backend.model_name!r} under "
-                                     f"--max-loaded-bases = {self.max_loaded}")
+        from .memory import backend_bytes, fmt_bytes, load_need
+
+        others = [n for n in self.loaded() if n != backend.model_name]
+        idle = [n for n in others if not self._backends[n].engines]
+        busy = [n for n in others if n not in idle]
+        if len(busy) >= self.max_loaded:
+            raise UserError(
+                f"cannot load base model {backend.model_name!r}: the server's limit --max-loaded-bases = "
+                f"{self.max_loaded} is reached by {', '.join(repr(n) for n in busy)}, each with live training "
+                "clients; unload_model a training client (or finish its session), or start the server with a "
+                "larger --max-loaded-bases.")
+        need = load_need(backend)
+        held = {n: backend_bytes(self._backends[n], set()) for n in others}
+        if self.max_loaded_bytes is not None and sum(held[n] for n in busy) + need > self.max_loaded_bytes:
+            raise UserError(
+                f"cannot load base model {backend.model_name!r}: it needs about {fmt_bytes(need)} (its sampler "
+                f"weights and their swap copy), and the bases with live training clients hold "
+                f"{fmt_bytes(sum(held[n] for n in busy))} of the server's limit --max-loaded-bytes = "
+                f"{fmt_bytes(self.max_loaded_bytes)}"
+                + (f" ({', '.join(f'{n!r}: {fmt_bytes(held[n])}' for n in busy)})" if busy else "")
+                + "; unload_model a training client (or finish its session), or start the server with a larger "
+                "--max-loaded-bytes.")
+        while idle and (len(others) >= self.max_loaded or (
+                self.max_loaded_bytes is not None and sum(held[n] for n in others) + need > self.max_loaded_bytes)):
+            victim = idle.pop(0)
+            self.unload(victim, why=f"least recently used, to load {backend.model_name!r} under "
+                                    + (f"--max-loaded-bases = {self.max_loaded}" if len(others) >= self.max_loaded
+                                       else f"--max-loaded-bytes = {fmt_bytes(self.max_loaded_bytes)}"))
+            others.remove(victim)
         self._touch(backend)
 
     def unload(self, name: str, why: str = "unloaded") -> None:

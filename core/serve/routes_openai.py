@@ -51,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from .backend import EngineBackend, SampleSpec, SavedWeights
 from .logprobs import Extras
 from .scheduler import json_body
+from .memory import load_need, sample_need
 from .service import HTTPError, Service, service
 
 __all__ = ["router", "PREFIX", "resolve_model", "openai_error"]
@@ -373,11 +374,17 @@ async def _complete(request: Request, chat: bool):
         want, top_k = k is not None, k or 0
         tok, prompts, stops = await run_in_threadpool(_prepare_completion, backend, body)
     params = _sampling(svc, backend, body, prompts, context, stops, chat)
+    need = load_need(backend) + sum(sample_need(backend.hf_config, backend.sampler_dtype_bytes, params.n, len(p),
+                                                params.max_new_tokens, bool(top_k)) for p in prompts)
+    if msg := svc.over_memory("the request", need, f"n = {params.n} x {len(prompts)} prompt(s) of up to "
+                              f"{max(len(p) for p in prompts)} tokens + max_tokens {params.max_new_tokens}: KV cache, "
+                              "activations and logits"):
+        raise _bad(msg)
     plan = _Plan(backend, source, prompts, params, set(stops), top_k, want, chat, tok)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     _, out = await svc.run_and_wait(
         request, "oai_chat" if chat else "oai_completion", lambda: json_body(_run(plan, model, rid)),
-        num_data=params.n * len(prompts), num_tokens=sum(len(p) for p in prompts), base=backend.model_name)
+        num_data=params.n * len(prompts), num_tokens=sum(len(p) for p in prompts), base=backend.model_name, mem=need)
     response = json.loads(out)
     if body.get("stream"):
         return StreamingResponse(_sse(response, chat), media_type="text/event-stream")

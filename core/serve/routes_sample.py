@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from .backend import SampleSpec, SavedWeights
 from .logprobs import parse_extras
+from .memory import load_need, sample_need
 from .media_chunks import decoder, parts_from_json
 from .service import HTTPError, service
 from .wire import encode_sample_response
@@ -67,8 +68,8 @@ async def asample(request: Request):
         raise HTTPError(404, f"sampling session {sid!r} does not exist for this API key.")
     backend = svc.base(row["base_model"])
     source: SavedWeights | str | None = None
-    if row["model_path"] is not None and row["model_path"].startswith("ephemeral:"):
-        source = row["model_path"]
+    if row["model_path"] is not None and row["model_path"].startswith(("ephemeral:", "inflight:")):
+        source = row["model_path"]   # inflight: the client's latest published weights when it runs
     elif row["model_path"] is not None:  # pinned to the save the checkpoint holds now
         source = backend.saved_weights(svc.own_checkpoint(request, row["model_path"], "sampler_weights")[1])
     try:
@@ -97,6 +98,11 @@ async def asample(request: Request):
     except (ValueError, TypeError) as exc:
         raise HTTPError(400, f"asample: {exc}") from None
     spec = SampleSpec(tokens, n, params, bool(body.get("prompt_logprobs", False)), extras, media)
+    need = load_need(backend) + sample_need(backend.hf_config, backend.sampler_dtype_bytes, n, len(tokens),
+                                            params.max_new_tokens, spec.prompt_logprobs or bool(extras and extras.any))
+    if msg := svc.over_memory("the request", need, f"num_samples {n} x (prompt {len(tokens)} + max_tokens "
+                              f"{params.max_new_tokens}) tokens: KV cache, activations and logits"):
+        raise HTTPError(400, f"asample: {msg}")
 
     def encode(seqs, prompt_lp, extras_out, last_n, extras):
         if prompt_lp is not None and last_n is not None:
@@ -116,4 +122,4 @@ async def asample(request: Request):
     key = None if params.seed is not None else f"sample|{weights}|{params!r}"
     return svc.enqueue(request, "sample", run, num_data=n, num_tokens=len(tokens),
                    extra={"sample_sequence_ids": rid_seq}, batch=(key, run_batch, (spec, last_n, source)),
-                   base=backend.model_name)
+                   base=backend.model_name, mem=need)

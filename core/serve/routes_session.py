@@ -18,10 +18,12 @@ router = APIRouter()
 
 @router.get("/api/v1/healthz")
 async def healthz(request: Request):
-    """``{"status": "ok", "samplers": {base name: {"device", "dtype", "loaded", ...}}}``: where each
-    base's sampler runs (:meth:`EngineBackend.sampler_info`); open, no key needed."""
+    """``{"status": "ok", "samplers": {base name: {"device", "dtype", "loaded", ...}}, "memory": {"max_memory",
+    "held", "reserved", "left"}}``: where each base's sampler runs (:meth:`EngineBackend.sampler_info`) and the
+    ``--max-memory`` accounting in bytes (:mod:`ferrule.serve.memory`; None: no budget); open, no key needed."""
     svc = service(request)
-    return {"status": "ok", "samplers": {name: svc.bases.get(name).sampler_info() for name in svc.bases.names}}
+    return {"status": "ok", "samplers": {name: svc.bases.get(name).sampler_info() for name in svc.bases.names},
+            "memory": svc.memory.as_json()}
 
 
 @router.get("/metrics")

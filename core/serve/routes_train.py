@@ -12,6 +12,7 @@ from .paths import CheckpointPath, PathError, check_name
 from .scheduler import json_body
 from .service import HTTPError, service
 from .media_chunks import decoder
+from .memory import forward_need, load_need, model_copy_bytes
 from .wire import WireError, decode_forward_backward, encode_forward_backward_output, resolve_media
 
 __all__ = ["router"]
@@ -41,6 +42,14 @@ async def create_model(request: Request):
     model_id = f"{session_id}:train:{mseq}"
     if (hit := svc.dedupe(request, model_id, 0)) is not None:
         return hit
+    # a new engine is built with its own base copy (a LoRA client's frozen tensors are shared afterwards);
+    # a full-parameter client keeps it, with an fp32 gradient and Adam's two moments per parameter
+    copy = model_copy_bytes(backend)
+    need = load_need(backend) + (copy if lora is not None else copy + 12 * (backend.param_count() or 0))
+    if msg := svc.over_memory("the request", need, "a new training client's engine: "
+                              + ("a base copy while it is built" if lora is not None else
+                                 "its weights, gradients and Adam moments")):
+        raise HTTPError(400, f"create_model: {msg}")
     meta = body.get("user_metadata")
     if meta is not None and not isinstance(meta, dict):
         raise HTTPError(400, "user_metadata must be a mapping of strings to strings.")
@@ -52,7 +61,7 @@ async def create_model(request: Request):
     def run():
         backend.create(model_id, lora)
         return json_body({"model_id": model_id, "type": "create_model"})
-    return svc.enqueue(request, "create_model", run, model_id, 0)
+    return svc.enqueue(request, "create_model", run, model_id, 0, mem=need, grow=need)
 
 
 @router.post("/api/v1/get_info")
@@ -97,6 +106,11 @@ async def forward_backward(request: Request):
             raise ValueError(over)
         if req.model_id in backend.engines:
             backend.check_forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config)
+        longest = max((len(d.model_input) for d in req.data), default=0)
+        need = forward_need(backend.hf_config, longest, not req.forward_only, backend.train_dtype_bytes)
+        if msg := svc.over_memory("the request", need, f"the longest datum's {longest} tokens: activations and "
+                                  "logits"):
+            raise ValueError(msg)
     except (ValueError, TypeError) as exc:
         raise svc.refuse(req.model_id, req.seq_id, 400, f"{op}: {exc}") from None
 
@@ -104,7 +118,7 @@ async def forward_backward(request: Request):
         out = backend.forward_backward(req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
         return "application/x-protobuf", encode_forward_backward_output(out.loss_fn_outputs, out.metrics,
                                                                         out.loss_fn_output_type)
-    return svc.enqueue(request, op, run, req.model_id, req.seq_id, len(req.data), req.num_tokens)
+    return svc.enqueue(request, op, run, req.model_id, req.seq_id, len(req.data), req.num_tokens, mem=need)
 
 
 @router.post("/api/v1/optim_step")
@@ -172,7 +186,14 @@ async def save_weights_for_sampler(request: Request):
     backend = svc.base(row["base_model"])
     sseq = body.get("sampling_session_seq_id")
     named = body.get("path") is not None
+    kind = body.get("kind", "snapshot")
     try:
+        if kind not in ("snapshot", "inflight"):
+            raise PathError(f"kind = {kind!r}; expected 'snapshot' (fixed weights) or 'inflight' (weights that later "
+                            "inflight saves of this client update).")
+        if kind == "inflight" and named:
+            raise PathError("kind 'inflight' publishes in-memory weights of an unnamed save (save_weights_and_get_"
+                            "sampling_client(kind='inflight')); a named checkpoint is a snapshot.")
         if not named and not isinstance(sseq, int):
             raise PathError("give a path (a checkpoint name) or a sampling_session_seq_id.")
         cp = CheckpointPath(model_id, "sampler_weights", check_name(body["path"])) if named else None
@@ -180,6 +201,11 @@ async def save_weights_for_sampler(request: Request):
         expires_at, meta = svc.checkpoint_extras(body)
     except (PathError, HTTPError) as exc:
         raise svc.refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {getattr(exc, 'message', exc)}") from None
+    need = 0   # an unnamed snapshot is kept in memory: a merged copy of the model unless it is an adapter
+    if not named and not (backend.sampler_checkpoints == "adapter" and row["lora_rank"] is not None):
+        need = model_copy_bytes(backend)
+        if msg := svc.over_memory("the request", need, "an unnamed sampler snapshot: a merged copy of the model"):
+            raise svc.refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {msg}")
     tenant = request.state.tenant
 
     def run():
@@ -189,6 +215,8 @@ async def save_weights_for_sampler(request: Request):
             svc.store.add_checkpoint(cp.uri, tenant, model_id, cp.kind, cp.name, size)
             svc.store.set_checkpoint_info(cp.uri, expires_at, meta)
             out["path"] = source = cp.uri
+        elif kind == "inflight":   # the client's shared mutable sampler weights: its inflight sessions follow
+            source = backend.publish_inflight(model_id)
         else:      # Tinker's ephemeral sampler weights: an in-memory snapshot
             source = backend.snapshot(model_id, tenant)
         if isinstance(sseq, int):
@@ -196,7 +224,7 @@ async def save_weights_for_sampler(request: Request):
             svc.store.add_sampling_session(sid, tenant, row["session_id"], source, backend.model_name)
             out["sampling_session_id"] = sid
         return json_body(out)
-    return svc.enqueue(request, "save_weights_for_sampler", run, model_id, seq_id)
+    return svc.enqueue(request, "save_weights_for_sampler", run, model_id, seq_id, mem=need, grow=need)
 
 
 @router.post("/api/v1/save_weights_external")

@@ -72,6 +72,8 @@ class Job:
     payload: Any = None
     #: the served base model the job runs on (the op log names it), or None
     base: str | None = None
+    #: bytes it needs while it runs (:mod:`ferrule.serve.memory`); batched sampling jobs' needs add up
+    mem: int = 0
 
 
 class Scheduler:
@@ -83,10 +85,13 @@ class Scheduler:
         threads: torch intra-op threads of the worker thread (``torch.set_num_threads`` there, which
             changes no other thread's count); None: the count of the thread that builds the scheduler
             (a fresh thread would otherwise take the count last set by any thread, e.g. the event loop's 1).
+        after: ``after(jobs)`` called on the worker after each run (the memory budget's refresh).
+        room: bytes one batch of jobs may need together (``Job.mem`` summed; None: unbounded).
     """
 
     def __init__(self, store: Any, observe: Callable[[Job, str, float, int], None] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, after: Callable[[list[Job]], None] | None = None,
+                 room: Callable[[], int | None] | None = None):
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"--worker-threads {threads!r}: expected an int >= 1.")
         if threads is None:
@@ -95,6 +100,7 @@ class Scheduler:
             threads = torch.get_num_threads()
         self.store = store
         self.observe = observe
+        self.after, self.room = after, room
         self.threads = threads
         self._cv = threading.Condition()
         self._pending: list[Job] = []
@@ -174,6 +180,15 @@ class Scheduler:
         if job.batch_key is None:
             return [job]
         group = [job] + [j for j in self._pending if j.batch_key == job.batch_key][:MAX_BATCH_JOBS - 1]
+        room = None if self.room is None else self.room()
+        if room is not None:   # batched jobs' memory needs add up: keep the batch within the budget
+            need, keep = 0, []
+            for j in group:
+                if keep and need + j.mem > room:
+                    break
+                need += j.mem
+                keep.append(j)
+            group = keep
         self._pending = [j for j in self._pending if j not in group]
         return group
 
@@ -220,6 +235,11 @@ class Scheduler:
                 self.store.fail(job.request_id, f"{op}: internal error {type(exc).__name__}: {exc}", "server")
         finally:
             seconds = time.monotonic() - start
+            if self.after is not None:   # before the results are announced: a poller sees the new state
+                try:
+                    self.after(jobs)
+                except Exception:  # noqa: BLE001 - bookkeeping must not stop the worker
+                    log.error("after-job hook failed:\n%s", traceback.format_exc())
             for job in jobs:
                 ev = self._done.pop(job.request_id, None)
                 if ev is not None:

@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from .backend import EngineBackend
 from .registry import BaseRegistry
 from .limits import ServeLimits
+from .memory import MemoryBudget
 from .paths import CheckpointPath, PathError, parse_tinker_path
 from .scheduler import Job, Scheduler
 from .store import Store
@@ -49,6 +50,7 @@ class Service:
     telemetry: Telemetry
     storage: Path
     limits: ServeLimits = field(default_factory=ServeLimits)
+    memory: MemoryBudget = field(default_factory=MemoryBudget)
 
     @property
     def backend(self) -> EngineBackend:
@@ -180,11 +182,22 @@ class Service:
             raise HTTPError(400, f"seq_id {seq_id} of model {model_id!r} was already used (next is {expected}); "
                                  "seq_ids increase by one per training-client request.")
 
+    def over_memory(self, what: str, need: int, detail: str) -> str | None:
+        """The ``--max-memory`` refusal for a request needing ``need`` bytes, or None when it fits
+        (:meth:`ferrule.serve.memory.MemoryBudget.check`)."""
+        message = self.memory.check(what, need, detail)
+        if message is not None:
+            self.telemetry.refused.inc()
+        return message
+
     def enqueue(self, request: Request, op: str, run, model_id: str | None = None, seq_id: int | None = None,
                 num_data: int = 0, num_tokens: int = 0, extra: dict | None = None,
-                batch: tuple | None = None, base: str | None = None) -> JSONResponse:
+                batch: tuple | None = None, base: str | None = None, mem: int = 0,
+                grow: int = 0) -> JSONResponse:
         """Record the future and queue the job; ``batch`` = ``(batch_key, batch_run, payload)``;
-        ``base``: the base model it runs on, for the op log (default: the training client's base).
+        ``base``: the base model it runs on, for the op log (default: the training client's base);
+        ``mem``: bytes it needs while it runs; ``grow``: bytes it will keep, reserved against
+        ``--max-memory`` until it has run (:mod:`ferrule.serve.memory`).
 
         Raises:
             HTTPError: 429 when the tenant has ``limits.max_queued_per_tenant`` requests queued or
@@ -209,12 +222,13 @@ class Service:
         if base is None and model_id is not None:
             row = self.store.model(model_id)
             base = None if row is None else row["base_model"]
+        self.memory.reserve(rid, grow)
         self.scheduler.submit(Job(rid, op, request.state.tenant, run, model_id, seq_id, num_data, num_tokens,
-                                  batch_key=key, batch_run=batch_run, payload=payload, base=base))
+                                  batch_key=key, batch_run=batch_run, payload=payload, base=base, mem=mem))
         return JSONResponse({"request_id": rid, **({"model_id": model_id} if model_id else {}), **(extra or {})})
 
     async def run_and_wait(self, request: Request, op: str, run, num_data: int = 0,
-                           num_tokens: int = 0, base: str | None = None) -> tuple[str, bytes]:
+                           num_tokens: int = 0, base: str | None = None, mem: int = 0) -> tuple[str, bytes]:
         """Queue ``run`` as a job of the request's tenant (:meth:`enqueue`: its future, fairness, the
         per-tenant limit) and wait for its result without blocking the event loop: for routes that
         answer in the same HTTP response (the OpenAI-compatible ones).
@@ -228,7 +242,7 @@ class Service:
         """
         import asyncio
 
-        answer = self.enqueue(request, op, run, num_data=num_data, num_tokens=num_tokens, base=base)
+        answer = self.enqueue(request, op, run, num_data=num_data, num_tokens=num_tokens, base=base, mem=mem)
         rid = json.loads(answer.body)["request_id"]
         while (ev := self.scheduler.event(rid)) is not None and not ev.is_set():
             await asyncio.sleep(0.01)

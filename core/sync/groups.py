@@ -152,7 +152,10 @@ def build_update_units(param_names: Iterable[str], groups: UpdateGroupTable | Se
         matched_groups.add(g.key)
         members.setdefault((g.key, name[: len(name) - len(s)]), []).append((name, s))
     if unmatched:
-        errors.append(_listing(f"UpdateGroupTable({table.family}): parameters no update group claims", unmatched,
+        from ferrule.mapping.vocabulary import sited
+
+        errors.append(_listing(f"UpdateGroupTable({table.family}): parameters no update group claims",
+                               [sited(n) for n in unmatched],
                                "Add their suffixes to a group of the family's update-group table "
                                "(every parameter must travel in exactly one unit)."))
     required_missing = [f"{g.key} (suffixes {list(g.suffixes)})" for g in table.groups
