@@ -12,6 +12,7 @@ examples/ferrule-llama/tests/): it sits at the repository root so that a plugin'
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -192,6 +193,13 @@ def _no_process_group_from_an_earlier_file():
     the files a worker runs, and their order, vary; a leftover group made ``hf_to_torch_dist`` take its
     multi-process branch (it never joins a caller's group) and lose its ``progress`` calls in
     tests/test_convert_mxfp8.py. Tests of one file keep what the file's fixtures set up."""
+    fastapi_models = sys.modules.get("fastapi.dependencies.models")
+    if fastapi_models is not None:  # its lru_caches (callable classification) keep every in-process server's route
+        caches = [f for f in vars(fastapi_models).values() if hasattr(f, "cache_clear")]  # closures, and through
+        if any(f.cache_info().currsize for f in caches):  # them its engines with their process groups' gloo threads
+            for f in caches:
+                f.cache_clear()
+            gc.collect()
     if "ferrule.megatron.parallel" in sys.modules:  # megatron's groups, the rotary caches holding models, the default group
         sys.modules["ferrule.megatron.parallel"].destroy_distributed()
     dist = sys.modules.get("torch.distributed")
