@@ -263,7 +263,10 @@ class EmbeddedEngine(EmbeddedWeightUpdates, EmbeddedLoraServing, EmbeddedMultiLo
         config = AutoConfig.from_pretrained(hf_dir)
         cls = model_class or _resolve_model_class(config)
         attn = family_attn_implementation(config, unregistered="sdpa" if model_class is not None else None)
-        model, info = cls.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn, output_loading_info=True)
+        # use_kernels=False: transformers >= 5.25 kernelizes with `kernels` hub kernels by default when that package
+        # is installed (a download at run time, and other numerics than the model's own code)
+        model, info = cls.from_pretrained(hf_dir, use_kernels=False, dtype=dtype, attn_implementation=attn,
+                                          output_loading_info=True)
         if info.get("missing_keys"):  # transformers would initialise them at random and sample from that
             from ferrule.formats.safetensors_io import CheckpointError
 
