@@ -43,6 +43,7 @@ base in torch_dist and the adapters per global rank (``lora/``), plus the full P
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict
@@ -51,22 +52,63 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from . import engine_step
-from .engine_colocation import EngineColocation
-from .batching import Datum, FBOutput
-from .engine_inputs import prepare_batch
-from .engine_step import _unwrap_gpt
 from ferrule.engine_settings import TrainEngineSettings
+from ferrule.losses import SEQUENCE_LEVEL, finalize_metrics, get_loss, sum_metrics
+from . import routing_replay
+from .batching import Datum, FBOutput, PreparedDatum, assign_dp_ranks, pack_microbatches, prepare_batch
+from .fused_logprob import linear_logprobs
 from .gpu_fusions import (enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
                           use_foreach_optimizer_helpers, use_fused_adam)
+from .offload import TrainOffload
 from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
 from .parallel import ParallelLayout
-from .towers import towers_of
+from .towers import embed_with_media, towers_of
 
-__all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings", "TrainEngineSettings"]
+__all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings", "TrainEngineSettings", "PACK_ALIGN",
+           "vocab_parallel_entropy"]
+
+#: packed (``thd``) rows are padded to a multiple of this many tokens on CUDA.
+PACK_ALIGN = 1024
 
 
-class TrainEngine(EngineColocation):
+def _no_finalize(*args: Any, **kwargs: Any) -> None:
+    """Stand-in for ``config.finalize_model_grads_func`` during ``forward_backward``."""
+    return None
+
+
+def _unwrap_gpt(model: Any) -> Any:
+    """The megatron ``GPTModel`` inside a DDP / Float16Module wrapper (``.module`` chain)."""
+    while not hasattr(model, "post_process") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    """Entropy (nats) of the softmax over the full vocabulary, from this TP rank's logits
+    ``[..., v_local]`` (fp32) -> ``[...]`` fp32, with autograd history (the entropy bonus).
+
+    ``H = log S - T / S`` with ``S = sum exp(z - m)``, ``T = sum exp(z - m) (z - m)`` and ``m`` the
+    global max: ``S`` and ``T`` are summed over the tensor-parallel group with megatron's
+    ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), as
+    ``VocabParallelCrossEntropy`` sums its softmax denominator. ``pad``: ``[v_local]`` bool, the
+    padded vocabulary columns (:func:`pad_mask`), left out of both sums.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z = logits if pad is None else logits.masked_fill(pad, float("-inf"))
+    m = z.detach().amax(dim=-1, keepdim=True)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = z - m
+    e = shifted.exp()
+    t_part = torch.where(e > 0, e * shifted, torch.zeros_like(e))  # exp(-inf) * -inf would be nan
+    sums = reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), t_part.sum(-1)]))
+    return sums[0].log() - sums[1] / sums[0]
+
+
+class TrainEngine:
     """Megatron-Core model + DDP + optimizer + scheduler with Tinker-style training calls.
 
     Build it with :meth:`from_hf` or :meth:`from_torch_dist`; the constructor takes already
@@ -154,7 +196,7 @@ class TrainEngine(EngineColocation):
         self.dp_size = parallel.dp_size()
         self.dp_rank = parallel.dp_rank()
         self.step = 0
-        self._offload = None  # ferrule.megatron.offload.TrainOffload once offload() was called
+        self._offload: TrainOffload | None = None  # the offload state, from the first offload() on
         self._window_loads = [0] * self.dp_size
         self._padded_vocab = None
         self._set_fast_paths(chunks, lora)
@@ -339,26 +381,221 @@ class TrainEngine(EngineColocation):
         engine.hf_files_dir = cfg_file.parent.absolute()
         return engine
 
-    # ------------------------------------------------------------------ input checks
-
-    # ------------------------------------------------------------------ core loop
+    # ------------------------------------------------------------------ core loop (micro-batches, schedule, gather)
 
     def _prepare(self, batch: Sequence[Any], loss_fn: str | None,
-                 loss_fn_config: Mapping[str, Any] | None) -> tuple[list[Any], dict]:
-        """Checked CPU tensors of ``batch`` (:func:`ferrule.megatron.engine_inputs.prepare_batch`)."""
+                 loss_fn_config: Mapping[str, Any] | None) -> tuple[list[PreparedDatum], dict]:
+        """Checked CPU tensors of ``batch`` (:func:`ferrule.megatron.batching.prepare_batch`)."""
         return prepare_batch(self, batch, loss_fn, loss_fn_config)
 
-    # ------------------------------------------------------------------ core loop (ferrule.megatron.engine_step)
-
     def _pad_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
-        return engine_step.pad_mask(self, logits)
+        """Boolean ``[v_local]`` mask of padded vocabulary columns on this TP rank (None if none)."""
+        from megatron.core import parallel_state as ps
 
-    def _microbatch(self, data: list[Any], idx: list[int] | None) -> dict:
-        return engine_step.microbatch(self, data, idx)
+        v_local = logits.shape[-1]
+        start = ps.get_tensor_model_parallel_rank() * v_local
+        if start + v_local <= self.vocab_size:
+            return None
+        return torch.arange(start, start + v_local, device=logits.device) >= self.vocab_size
 
-    def _run(self, data: list[Any], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
+    def _microbatch(self, data: list[PreparedDatum], idx: list[int] | None) -> dict:
+        """Device tensors of one micro-batch. ``spans[k] = (row, start, n)`` locates datum
+        ``idx[k]``'s tokens: padded layout ``[b, max_len]`` (row k, start 0), or with
+        :attr:`packed_sequences` one row of concatenated data (``thd``: row 0, start at the
+        datum's offset, per-document positions and ``cu_seqlens``)."""
+        device = next(self.model[0].parameters()).device
+        lengths = [1] if idx is None else [data[i].tokens.numel() for i in idx]  # None: EP lock-step filler
+        toks = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].tokens for i in idx]
+        labs = [torch.zeros(1, dtype=torch.int64)] if idx is None else [data[i].inputs["target_tokens"] for i in idx]
+        out = {"idx": idx, "lengths": lengths, "packed_seq_params": None,
+               "media": [] if idx is None else [data[i].media for i in idx]}
+        if self.packed_sequences and len(set(lengths)) > 1:  # equal lengths: padding costs nothing
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            offsets = [0]
+            for n in lengths:
+                offsets.append(offsets[-1] + n)
+            # on CUDA the row is padded to a multiple of PACK_ALIGN tokens (the padding is one
+            # more document, never selected), so FlexAttention compiles for a few lengths only
+            align = PACK_ALIGN if device.type == "cuda" else 1
+            pad = -offsets[-1] % align
+            docs = lengths + ([pad] if pad else [])
+            if pad:
+                offsets.append(offsets[-1] + pad)
+                toks, labs = toks + [torch.zeros(pad, dtype=torch.int64)], labs + [torch.zeros(pad, dtype=torch.int64)]
+            cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+            out.update(tokens=torch.cat(toks).unsqueeze(0).to(device), labels=torch.cat(labs).unsqueeze(0).to(device),
+                       position_ids=torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).to(device),
+                       spans=[(0, offsets[k], n) for k, n in enumerate(lengths)],
+                       packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                         max_seqlen_q=max(docs), max_seqlen_kv=max(docs)))
+            return self._with_routes(out, data, idx, 1, offsets[-1], device)
+        tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        labels = torch.zeros_like(tokens)
+        for row, (t, y) in enumerate(zip(toks, labs)):
+            tokens[row, : t.numel()] = t
+            labels[row, : t.numel()] = y
+        b, s = tokens.shape
+        out.update(tokens=tokens.to(device), labels=labels.to(device), spans=[(k, 0, n) for k, n in enumerate(lengths)],
+                   position_ids=torch.arange(s, device=device).unsqueeze(0).expand(b, s))
+        return self._with_routes(out, data, idx, b, s, device)
+
+    @staticmethod
+    def _with_routes(out: dict, data: list[PreparedDatum], idx: list[int] | None, b: int, s: int,
+                     device: torch.device) -> dict:
+        """``out["routes"]``: the data's replayed experts in router token order ``[s * b, layers, top_k]``
+        (:func:`ferrule.megatron.routing_replay.microbatch_routes`), or None without routing replay."""
+        with_routes = idx is not None and data[idx[0]].routes is not None
+        out["routes"] = (routing_replay.microbatch_routes([data[i].routes for i in idx], out["spans"], b, s, device)
+                         if with_routes else None)
+        return out
+
+    def _forward_step_func(self, data: list[PreparedDatum], loss_fn: str | None, loss: Any, loss_cfg: dict,
+                           records: list, metric_list: list) -> Any:
+        """megatron's ``forward_step_func`` for one fb call: runs the model on a micro-batch (media
+        scattered in; on the last stage with ``fused_logprobs`` the hidden states, whose logprobs come
+        from the output weight chunk by chunk) and returns the loss function that appends each datum's
+        ``(index, logprobs, elementwise loss)`` to ``records`` and its metrics to ``metric_list``."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        # the entropy bonus needs every position's full logits: the fused path never forms them
+        with_entropy = loss is not None and float(loss_cfg.get("entropy_coef", 0.0)) > 0
+        fused = self.fused_logprobs and not self.config.sequence_parallel and not with_entropy
+        grad_accum = self.grad_accum_fusion
+        replaying = bool(data) and data[0].routes is not None
+
+        def forward_step(data_iterator: Iterator[dict], model: Any):
+            mb = next(data_iterator)
+            gpt = _unwrap_gpt(model)
+            if replaying:  # in force until the next micro-batch (a recomputation in the backward replays too)
+                routing_replay.replay(self.moe_routers, mb["routes"])
+            extra = {"packed_seq_params": mb["packed_seq_params"]} if mb["packed_seq_params"] is not None else {}
+            if gpt.pre_process and any(mb["media"]):
+                extra["decoder_input"] = embed_with_media(gpt, mb["tokens"], mb["position_ids"], mb["media"])
+            if fused and gpt.post_process:
+                # the last stage returns final-norm hidden states [s, b, h]; logprobs come from
+                # them and the output weight, chunk by chunk (fused_logprob)
+                weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+                    else gpt.output_layer.weight
+                gpt.post_process = False
+                try:
+                    output = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
+                finally:
+                    gpt.post_process = True
+            else:
+                weight = None
+                output = model(mb["tokens"], mb["position_ids"], attention_mask=None, **extra)
+
+            def select(x: torch.Tensor) -> torch.Tensor:
+                """``[b, s, ...]`` -> the data's tokens concatenated, ``[T, ...]``."""
+                return torch.cat([x[row, a:a + n] for row, a, n in mb["spans"]])
+
+            entropy: list[torch.Tensor] = []  # with_entropy: the valid tokens' entropy [T], filled by row_logprobs
+
+            def row_logprobs(out: torch.Tensor, expected_grad: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                """(logprobs of the valid tokens, concatenated [T] fp32; a [b, s] view or None).
+                ``expected_grad``: the loss's known d loss / d logprobs (cross entropy), fused path only."""
+                if weight is not None:
+                    main_grad = getattr(weight, "main_grad", None) if grad_accum and weight.requires_grad else None
+                    return linear_logprobs(select(out.transpose(0, 1)), weight, select(mb["labels"]), self.vocab_size,
+                                           tp_group=ps.get_tensor_model_parallel_group(),
+                                           chunk_tokens=self.logprob_chunk_tokens,
+                                           main_grad=main_grad, one_pass=self.logprob_one_pass,
+                                           expected_grad=expected_grad if main_grad is not None else None), None
+                logits = out.float()
+                mask = self._pad_mask(logits)
+                if with_entropy:
+                    entropy.append(select(vocab_parallel_entropy(logits, mask)))
+                if mask is not None:
+                    logits = logits.masked_fill(mask, float("-inf"))
+                full = -vocab_parallel_cross_entropy(logits, mb["labels"])  # [b, s]
+                return select(full), full
+
+            def loss_func(out: torch.Tensor):
+                n_tokens = torch.tensor(sum(mb["lengths"]), dtype=torch.int)
+                if mb["idx"] is None or loss is None:
+                    t, full = row_logprobs(out)
+                    if mb["idx"] is None:
+                        return (full if full is not None else t).sum() * 0.0, n_tokens, {}
+                    for i, lp in zip(mb["idx"], t.detach().cpu().split(mb["lengths"])):
+                        records.append((i, lp, None))
+                    return t.sum().detach() * 0.0, n_tokens, {}
+                inputs = {}
+                for key in data[mb["idx"][0]].inputs:
+                    parts = []
+                    for i, n in zip(mb["idx"], mb["lengths"]):
+                        v = data[i].inputs[key]
+                        parts.append(v.reshape(1).expand(n) if v.numel() == 1 and n != 1 else v.reshape(n))
+                    inputs[key] = torch.cat(parts).to(out.device)
+                # cross entropy is linear in the logprobs (l = -weights * t): its gradient is known up front
+                expected = -inputs["weights"].float() if loss_fn == "cross_entropy" and "weights" in inputs else None
+                t, full = row_logprobs(out, expected)
+                if loss_fn in SEQUENCE_LEVEL:  # the loss couples each datum's tokens: say where data start
+                    inputs["segment_ids"] = torch.repeat_interleave(
+                        torch.arange(len(mb["idx"])), torch.tensor(mb["lengths"])).to(t.device)
+                per_token, metrics = loss(t, inputs, loss_cfg, entropy=entropy[0] if entropy else None)
+                pieces = per_token.detach().float().cpu().split(mb["lengths"])
+                tp = t.detach().float().cpu().split(mb["lengths"])
+                for i, lp, el in zip(mb["idx"], tp, pieces):
+                    records.append((i, lp, el))
+                metric_list.append({k: float(v) for k, v in metrics.items()})
+                return per_token.sum(), n_tokens, {}
+
+            return output, loss_func
+
+        return forward_step
+
+    def _run(self, data: list[PreparedDatum], loss_fn: str | None, loss_cfg: dict, forward_only: bool) -> FBOutput:
+        """One fb (or forward-only) call over prepared ``data``: plan DP ranks and micro-batches, run
+        megatron's schedule with the DDP chunks in ``no_sync`` and gradient finalization swapped for a
+        no-op (restored afterwards, also on error; a failed fb discards the window), gather outputs."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
         self._check_onloaded("forward" if forward_only else "forward_backward")
-        return engine_step.run(self, data, loss_fn, loss_cfg, forward_only)
+        lengths = [p.tokens.numel() for p in data]
+        ranks = assign_dp_ranks(lengths, self.dp_size, None if forward_only else self._window_loads)
+        per_rank = [pack_microbatches([i for i, r in enumerate(ranks) if r == d], lengths,
+                                      self.max_tokens_per_microbatch, packed=self.packed_sequences)
+                    for d in range(self.dp_size)]
+        mbs: list[list[int] | None] = list(per_rank[self.dp_rank])
+        if ps.get_expert_model_parallel_world_size() > 1:  # expert all-to-alls need lock-step ranks
+            mbs += [None] * (max(len(m) for m in per_rank) - len(mbs))
+        loss = get_loss(loss_fn) if loss_fn else None
+        records: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        metric_list: list[dict[str, float]] = []
+        microbatches = [self._microbatch(data, idx) for idx in mbs]
+
+        forward_step = self._forward_step_func(data, loss_fn, loss, loss_cfg, records, metric_list)
+        if data[0].routes is not None:
+            routing_replay.check_layout(self.layout)
+            routing_replay.attach(self.moe_routers)
+
+        config = self.config
+        saved = config.finalize_model_grads_func
+        config.finalize_model_grads_func = _no_finalize
+        try:
+            if microbatches:
+                with contextlib.ExitStack() as stack:
+                    for chunk in self.model:
+                        stack.enter_context(chunk.no_sync())
+                    if forward_only:
+                        stack.enter_context(torch.no_grad())
+                    get_forward_backward_func()(
+                        forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.model,
+                        num_microbatches=len(microbatches),
+                        seq_length=max(mb["tokens"].shape[1] for mb in microbatches),
+                        micro_batch_size=max(mb["tokens"].shape[0] for mb in microbatches), forward_only=forward_only)
+        except BaseException:
+            if not forward_only:
+                self.zero_grad()  # a partial micro-batch set would corrupt the window: discard it
+            raise
+        finally:
+            config.finalize_model_grads_func = saved
+            routing_replay.clear(self.moe_routers)
+        return _gather(len(data), records, metric_list, forward_only)
 
     # ------------------------------------------------------------------ public training API
 
@@ -450,6 +687,61 @@ class TrainEngine(EngineColocation):
                 self.scheduler.step(1)
         return {"success": bool(success), "grad_norm": float(grad_norm),
                 "learning_rate": float(lr) if lr is not None else math.nan, "step": self.step}
+
+    # ------------------------------------------------------------------ colocation (state: .offload.TrainOffload)
+
+    @property
+    def offloaded(self) -> bool:
+        """True between :meth:`offload` and :meth:`onload`."""
+        return self._offload is not None and self._offload.offloaded
+
+    def offload(self, *, weights: bool = False) -> dict[str, float]:
+        """Release this engine's device memory for another engine on the same device (colocation).
+
+        Optimizer state (Adam moments, fp32 master weights) goes to page-locked host memory, the
+        gradient buffers are freed (their bytes travel only inside an open accumulation window),
+        and with ``weights`` the model weights go too (:mod:`ferrule.megatron.offload`). Until
+        :meth:`onload`, training calls raise; :meth:`save` still works (it onloads around the save).
+
+        Returns:
+            ``{"offload_s": seconds, "offload_bytes": bytes copied}``.
+
+        Raises:
+            RuntimeError: already offloaded.
+        """
+        if self._offload is None:
+            self._offload = TrainOffload(self)
+        return self._offload.offload(weights=weights, window_open=any(self._window_loads))
+
+    def onload(self) -> dict[str, float]:
+        """Bring back everything :meth:`offload` released, bit for bit.
+
+        Returns:
+            ``{"onload_s": seconds, "onload_bytes": bytes copied}``.
+
+        Raises:
+            RuntimeError: the engine is not offloaded.
+        """
+        if self._offload is None:
+            raise RuntimeError("TrainEngine.onload(): the engine is not offloaded.")
+        return self._offload.onload()
+
+    @contextlib.contextmanager
+    def _temporarily_onloaded(self) -> Iterator[None]:
+        """Onload for the duration of a ``with`` block (a save or load while offloaded), then offload again."""
+        if not self.offloaded:
+            yield
+            return
+        weights = self._offload.weights
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload(weights=weights)
+
+    def _check_onloaded(self, what: str) -> None:
+        if self._offload is not None:
+            self._offload.check_onloaded(what)
 
     # ------------------------------------------------------------------ checkpoints and export
 
@@ -556,3 +848,33 @@ class TrainEngine(EngineColocation):
 
         self._check_onloaded("export_hf_state")
         return export_mcore_to_hf(self.model, self.mapping_table, hf_config=self.hf_config, dtype=dtype)
+
+
+def _gather(n: int, records: list, metric_list: list, forward_only: bool) -> FBOutput:
+    """Every rank's ``(index, logprobs, elementwise loss)`` records and metrics of one call, gathered
+    over data-parallel ranks and broadcast from the last pipeline stage, as one :class:`FBOutput`
+    in the caller's order."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    payload = (records, metric_list)
+    if dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
+        gathered: list = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(gathered, payload, group=ps.get_data_parallel_group())
+    else:
+        gathered = [payload]
+    if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [gathered]
+        last = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
+        gathered = box[0]
+    outputs: list[dict[str, torch.Tensor] | None] = [None] * n
+    metrics_all: list[dict[str, float]] = []
+    for recs, mets in gathered:
+        for i, lp, el in recs:
+            outputs[i] = {"logprobs": lp} if el is None else {"logprobs": lp, "elementwise_loss": el}
+        metrics_all += mets
+    if any(o is None for o in outputs):
+        raise RuntimeError("internal error: some data produced no output (batch plan mismatch across ranks).")
+    metrics = finalize_metrics(sum_metrics(metrics_all)) if metrics_all else {}
+    return FBOutput(loss_fn_outputs=outputs, metrics=metrics)  # type: ignore[arg-type]

@@ -115,7 +115,7 @@ def microbatch_routes(routes: Sequence[torch.Tensor], spans: Sequence[tuple[int,
     """One micro-batch's replayed ids in router token order, ``[seq * batch, layers, top_k]`` int64.
 
     ``routes[k]`` ``[n_k, layers, top_k]`` belongs to the datum at ``spans[k] = (row, start, n_k)`` of the
-    ``[batch, seq]`` token layout (``ferrule.megatron.engine_step.microbatch``). Padding positions get
+    ``[batch, seq]`` token layout (``ferrule.megatron.engine.TrainEngine._microbatch``). Padding positions get
     experts ``0 .. top_k - 1`` (their outputs are never read).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Fused GQA decode attention for the fast decode step (:mod:`ferrule.rollout._fast_decode`), in Triton.
+r"""Fused GQA decode attention for the fast decode step (:mod:`ferrule.rollout._fast_decode`), in Triton.
 
 Imported only by :mod:`ferrule.rollout._decode_attn` when ``rollout_engine.attention`` is ``triton`` or
 ``triton_rope`` asks for it (triton is not a dependency: CI's CPU install has none; the CUDA machines carry it

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.specs import (ChatTemplateSpec, FamilyStatus, LoRAApplierSpec, ModelFamilySpec, ToolParserSpec,
+                           TowerSpec)
 from ferrule.variants import Variants
 
 # inkling_text is VALIDATED: logits == InklingForCausalLM within 1e-5 (fp32; TP=1, TP=2, EP=2) and gradients within
@@ -64,8 +65,6 @@ _TMLV0_STOP_TOKENS = ("<|content_model_end_sampling|>",)
 
 @hookimpl
 def register_chat_templates():
-    from ferrule.specs import ChatTemplateSpec
-
     return [
         ChatTemplateSpec(
             name="tmlv0",
@@ -80,15 +79,11 @@ def register_chat_templates():
 
 @hookimpl
 def register_tool_parsers():
-    from ferrule.specs import ToolParserSpec
-
     return [ToolParserSpec(family="inkling", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
 
 
 @hookimpl
 def register_lora_appliers():
-    from ferrule.specs import LoRAApplierSpec
-
     # the multimodal family adapts its language model with the same appliers (towers stay frozen); its PEFT
     # names come from inkling.PEFT_MAPPING (MAPPING.peft_table): model.language_model.layers.L...
     peft, ink = "ferrule.lora.peft_format", "ferrule.plugins.inkling.lora"
@@ -101,8 +96,6 @@ def register_lora_appliers():
 
 @hookimpl
 def register_towers():
-    from ferrule.specs import TowerSpec
-
     # frozen by default, as miles trains Inkling (reference/miles_study.md 1.6); placeholder ids come from the
     # InklingConfig (image_token_id 200054 / audio_token_id 200053 in the released checkpoints)
     return [

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.specs import (ChatTemplateSpec, FamilyStatus, LoRAApplierSpec, ModelFamilySpec, ToolParserSpec,
+                           TowerSpec)
 from ferrule.variants import Variants
 
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
@@ -17,6 +18,13 @@ from ferrule.variants import Variants
 # the released Inkling-2-Mini NVFP4 experts (w13/w2 _weight_scale, _weight_amax, _weight_outer_scale_denominator)
 # convert bit-equal to Inkling2LoopForCausalLM.from_pretrained and ferrule check passes on such a folder at TP=1
 # and TP=2 (tests/test_convert_nvfp4.py).
+
+# inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
+# groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); plugins/inkling2/tests/test_inkling2_mm.py
+# adds the word-embedding gradient on an image prompt, EP=2 with images, embedded-rollout logprobs with images and the
+# tower's weight sync; LoRA == HF PEFT with an image prompt, gradients included (tests/test_lora_inkling2.py); ferrule
+# check passes at TP=1 and TP=2 (text logits); multimodal GRPO on the shipped example with a bit-identical resume
+# (plugins/inkling2/tests/test_inkling2_mm_rl.py); images through ferrule serve (tests/test_serve_inkling2.py).
 
 #: family -> variant module holding CONFIG_TRANSLATION, build_provider, MAPPING, UPDATE_GROUPS.
 VARIANTS = Variants({"inkling2_text": "ferrule.plugins.inkling2.inkling2_text",
@@ -73,30 +81,6 @@ def register_model_families():
     ]
 
 
-# --- multimodal family inkling2 (vision tower: ferrule.plugins.inkling2.towers) -------------------------------
-
-# inkling2 (multimodal) is VALIDATED: the conformance kit passes with the vision tower (round trip, mapping, update
-# groups, text and image-prompt logits == Inkling2ForConditionalGeneration at TP=1 and TP=2); plugins/inkling2/tests/test_inkling2_mm.py
-# adds the word-embedding gradient on an image prompt, EP=2 with images, embedded-rollout logprobs with images and the
-# tower's weight sync; LoRA == HF PEFT with an image prompt, gradients included (tests/test_lora_inkling2.py); ferrule
-# check passes at TP=1 and TP=2 (text logits); multimodal GRPO on the shipped example with a bit-identical resume
-# (plugins/inkling2/tests/test_inkling2_mm_rl.py); images through ferrule serve (tests/test_serve_inkling2.py).
-
-
-@hookimpl
-def register_towers():
-    from ferrule.specs import TowerSpec
-
-    # frozen by default, as for Inkling; items are token grids [rows, cols, S, S, 3] (item_token_dims=2): the tower
-    # attends within each image and resamples its position grid to the image's shape
-    v = "ferrule.plugins.inkling2.towers"
-    return [TowerSpec(family="inkling2", modality="vision", build=f"{v}:build_vision_tower",
-                      placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
-                      hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
-                      preprocess=f"{v}:preprocess_image")]
-
-
-# --- chat template: Inkling's TMLv0 -------------------------------------------------------------------------
 # tml-renderers 0.2.1 ships one TML renderer, v0.Renderer (TMLv0), documented for Inkling / Inkling-Small; it
 # names no Inkling-2 renderer, and no Inkling-2 tokenizer file is available offline. What ties Inkling-2 to
 # TMLv0 is transformers' Inkling2Config: eos_token_id 200006 == v0.Renderer.stop() (<|content_model_end_sampling|>),
@@ -105,12 +89,14 @@ def register_towers():
 # same eos_token_id and unpadded_vocab_size. plugins/inkling2/tests/test_inkling2_chat_template.py
 # checks these facts and renders conversations against tml-renderers under the inkling2 names.
 
+#: TMLv0 model turns end with <|content_model_end_sampling|> (tml-renderers' ``v0.Renderer.stop()`` is [200006]).
+_TMLV0_STOP_TOKENS = ("<|content_model_end_sampling|>",)
+
+
 @hookimpl
 def register_chat_templates():
-    from ferrule.specs import ChatTemplateSpec
-
     return [ChatTemplateSpec(name=name, family=family, template="ferrule.tmlv0:templates/tmlv0.jinja",
-                             stop_tokens=("<|content_model_end_sampling|>",),
+                             stop_tokens=_TMLV0_STOP_TOKENS,
                              tokenizer="ferrule.tmlv0.tokenizer:load_tmlv0_tokenizer", description=desc)
             for name, family, desc in (
                 ("tmlv0_inkling2", "inkling2_text", "TMLv0 (tml-renderers v0), as Inkling's: Inkling-2 text prompts"),
@@ -122,19 +108,13 @@ def register_chat_templates():
 
 @hookimpl
 def register_tool_parsers():
-    from ferrule.specs import ToolParserSpec
-
     # the TMLv0 format, as Inkling's (the same template): <|content_invoke_tool_json|> tool invocations
     return [ToolParserSpec(family=f, parse="ferrule.tmlv0.tool_calls:parse_tmlv0")
             for f in ("inkling2_text", "inkling2_loop", "inkling2")]
 
 
-# --- LoRA (ferrule.plugins.inkling2.lora; docs/lora.md) -----------------------------------------------------
-
 @hookimpl
 def register_lora_appliers():
-    from ferrule.specs import LoRAApplierSpec
-
     # no dense MLP and no shared experts: attention (Inkling-2's linears), the core's routed experts, lm_head
     # refused; the loop family adds its message gates. The multimodal family adapts its language model with the
     # same appliers (the vision tower stays frozen); PEFT names come from each variant's PEFT_MAPPING.
@@ -153,3 +133,14 @@ def register_lora_appliers():
     specs.append(LoRAApplierSpec(kind="loop_gate", family="inkling2_loop", apply=f"{ink2}:apply_loop_gate",
                                  export=f"{peft}:export_linear", load=f"{peft}:load_linear"))
     return specs
+
+
+@hookimpl
+def register_towers():
+    # frozen by default, as for Inkling; items are token grids [rows, cols, S, S, 3] (item_token_dims=2): the tower
+    # attends within each image and resamples its position grid to the image's shape
+    v = "ferrule.plugins.inkling2.towers"
+    return [TowerSpec(family="inkling2", modality="vision", build=f"{v}:build_vision_tower",
+                      placeholder_config_key="image_token_id", hf_prefix="model.visual.", update_group="vision_tower",
+                      hf_input="pixel_values", hf_inputs=f"{v}:hf_vision_inputs", item_token_dims=2,
+                      preprocess=f"{v}:preprocess_image")]

