@@ -192,8 +192,8 @@ def _no_process_group_from_an_earlier_file():
     the files a worker runs, and their order, vary; a leftover group made ``hf_to_torch_dist`` take its
     multi-process branch (it never joins a caller's group) and lose its ``progress`` calls in
     tests/test_convert_mxfp8.py. Tests of one file keep what the file's fixtures set up."""
-    if "ferrule.megatron.parallel" in sys.modules:  # megatron's rotary caches hold earlier files' models and groups
-        sys.modules["ferrule.megatron.parallel"].clear_rotary_caches()
+    if "ferrule.megatron.parallel" in sys.modules:  # megatron's groups, the rotary caches holding models, the default group
+        sys.modules["ferrule.megatron.parallel"].destroy_distributed()
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         ps = sys.modules.get("megatron.core.parallel_state")

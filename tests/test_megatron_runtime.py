@@ -425,6 +425,28 @@ def test_a_layout_change_on_a_kept_process_group_leaves_no_group_behind():
         destroy_distributed()
 
 
+def test_destroy_distributed_leaves_no_group_in_megatrons_module():
+    """megatron-core 0.16.1's ``destroy_model_parallel`` resets every group global but two (the intra-partial
+    data-parallel groups with CP, NCCL-style and gloo); ``destroy_distributed`` resets those too, so a process
+    that dropped its engines keeps no group, nor its gloo threads, until it builds the next one (found in an
+    xdist worker: 2 groups alive after tests/test_convert.py, with no process group initialized)."""
+    from megatron.core import parallel_state
+    from torch.distributed import ProcessGroup
+
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    def held() -> list[str]:
+        return [name for name, v in vars(parallel_state).items()
+                if isinstance(v, ProcessGroup) or (isinstance(v, (list, tuple)) and any(isinstance(g, ProcessGroup) for g in v))]
+
+    init_distributed(ParallelLayout(), seed=3)
+    try:
+        assert "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO" in held()  # what the reset below is about
+    finally:
+        destroy_distributed()
+    assert held() == []
+
+
 def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_path):
     """megatron keeps an ``lru_cache`` on ``RotaryEmbedding.forward`` (class level, keyed by the module): every
     model that ran a forward kept its rotary module and that module's process group alive, and a destroyed

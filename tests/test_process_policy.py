@@ -46,7 +46,8 @@ ALLOWED: dict[str, str] = {
     "tests/test_megatron_runtime.py::test_plugin_variant_modules_import_no_torch": "what a fresh interpreter imports",
     "tests/test_packaging.py::_run": "a wheel built and installed into a fresh venv",
     "tests/test_rl_distributed.py::_one_process":
-        "the one-rank referee with CUDA hidden (ferrule's device backend is fixed per process)",
+        "on a machine with CUDA: the one-rank referee with CUDA hidden (ferrule's device backend is fixed per "
+        "process); without CUDA it runs in the test's process",
     "tests/test_rl_distributed.py::_launch_worker": "NCCL over two GPUs (CPU runs use the pool)",
     "tests/test_rl_distributed.py::test_a_rank_that_raises_stops_the_job_with_its_message":
         "torchrun ending both ranks when one raises",

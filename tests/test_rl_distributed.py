@@ -158,7 +158,29 @@ def _cpu_env():
 
 
 def _one_process(work: Path, jobs: list[list[str]]) -> list:
-    """The referee runs (one process, CPU): ``(metrics, responses, weights digest)`` per job, in order."""
+    """The referee runs (one process, CPU): ``(metrics, responses, weights digest)`` per job, in order.
+    On a machine without CUDA they run in this process, as a referee process with ``_cpu_env()`` would
+    run them (one thread, no process group left afterwards); with CUDA in a process of their own, where
+    CUDA is hidden (ferrule's device backend is fixed per process)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        import warnings
+
+        import rl_referee
+        from inproc import environment
+
+        from ferrule.megatron.parallel import destroy_distributed
+
+        with environment(_cpu_env()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the referee process's PYTHONWARNINGS=ignore
+            torch.set_num_threads(1)  # its OMP_NUM_THREADS=1 (environment() restores the count)
+            destroy_distributed()  # no process group of an earlier test: the runs start as in a fresh process
+            try:
+                out = rl_referee.run_jobs(work / "tiny.yaml", jobs)
+            finally:
+                destroy_distributed()
+        return json.loads(json.dumps(out))  # the same lists a referee process writes
     spec, out = work / "referee_jobs.json", work / "referee_results.json"
     spec.write_text(json.dumps({"config": str(work / "tiny.yaml"), "jobs": jobs}))
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "rl_referee.py"), str(spec), str(out)],

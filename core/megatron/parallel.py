@@ -186,6 +186,11 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, *, timeout_s: flo
     backend.seed_all(seed)
 
 
+#: megatron-core 0.16.1's ``parallel_state`` globals holding process groups that its ``destroy_model_parallel``
+#: does not reset
+_GROUPS_DESTROY_FORGETS = ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO")
+
+
 def destroy_distributed(*, keep_process_group: bool = False) -> None:
     """Tear down megatron's model-parallel groups and the default process group (idempotent).
 
@@ -197,7 +202,8 @@ def destroy_distributed(*, keep_process_group: bool = False) -> None:
             +51 threads per layout on one CPU rank, 212 after four, where a full teardown leaves 8).
 
     Also empties megatron's per-class rotary caches (:func:`clear_rotary_caches`), which keep every
-    model's rotary module, and the process group it holds, alive after the model is gone.
+    model's rotary module, and the process group it holds, alive after the model is gone, and the two
+    ``parallel_state`` globals megatron's ``destroy_model_parallel`` leaves set (``_GROUPS_DESTROY_FORGETS``).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -205,6 +211,8 @@ def destroy_distributed(*, keep_process_group: bool = False) -> None:
     clear_rotary_caches()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for name in _GROUPS_DESTROY_FORGETS:  # kept alive by megatron's module, with their gloo threads, until the next init
+        setattr(parallel_state, name, None)
     if not dist.is_initialized():
         return
     if keep_process_group:
