@@ -120,12 +120,17 @@ def _finalize_tp_grads(model) -> None:
     import types
 
     from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    import importlib
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr: a function
 
     if parallel_state.get_tensor_model_parallel_world_size() <= 1:
         return
     chunk = types.SimpleNamespace(module=model, ddp_config=types.SimpleNamespace(use_megatron_fsdp=False))
-    _allreduce_non_tensor_model_parallel_grads([chunk], model.config, parallel_state.get_tensor_model_parallel_group())
+    # looked up on the module: ferrule's guard for TP-sharded q/k norms (layer_options.keep_sharded_qk_norm_grads)
+    # wraps it there, as finalize_model_grads (a training step) sees it
+    fmg._allreduce_non_tensor_model_parallel_grads([chunk], model.config,
+                                                   parallel_state.get_tensor_model_parallel_group())
 
 
 def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
