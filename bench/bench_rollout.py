@@ -267,8 +267,8 @@ def warmup_sequence(model, args) -> list[dict]:
         rows.append(row)
         print(row, flush=True)
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
-    print(f"{device}: first calls {total_first:.1f} s in all (engine build {time.perf_counter() - t_build:.1f} s "
-          "before the first call excluded)", flush=True)
+    print(f"{device}: first calls {total_first:.1f} s in all (the whole sequence, steady calls and engine build "
+          f"included, {time.perf_counter() - t_build:.1f} s)", flush=True)
     return rows
 
 

@@ -92,7 +92,8 @@ def _hf_mode(hf_dir: Path, tokens, liger: bool):
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
         apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                             use_kernels=False).cuda()  # no `kernels` hub fetch (transformers 5.25)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     x = tokens.cuda()
@@ -115,7 +116,8 @@ def _hf_padded_mode(hf_dir: Path, seqs, per_micro: int):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                             use_kernels=False).cuda()  # no `kernels` hub fetch (transformers 5.25)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     order = sorted(seqs, key=len)

@@ -73,7 +73,7 @@ def _feature_effects(hf_dir: Path, ids, ref, attn_impl: str | None) -> dict[str,
             continue
         off = AutoConfig.from_pretrained(hf_dir)
         setattr(off, key, None)
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, config=off, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, config=off, use_kernels=False, dtype=torch.float32,
                                                      attn_implementation=attn_impl).eval()
         with torch.no_grad():
             effects[key] = (model(input_ids=ids).logits.double() - ref.double()).abs().max().item()
@@ -120,12 +120,17 @@ def _finalize_tp_grads(model) -> None:
     import types
 
     from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    import importlib
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr: a function
 
     if parallel_state.get_tensor_model_parallel_world_size() <= 1:
         return
     chunk = types.SimpleNamespace(module=model, ddp_config=types.SimpleNamespace(use_megatron_fsdp=False))
-    _allreduce_non_tensor_model_parallel_grads([chunk], model.config, parallel_state.get_tensor_model_parallel_group())
+    # looked up on the module: ferrule's guard for TP-sharded q/k norms (layer_options.keep_sharded_qk_norm_grads)
+    # wraps it there, as finalize_model_grads (a training step) sees it
+    fmg._allreduce_non_tensor_model_parallel_grads([chunk], model.config,
+                                                   parallel_state.get_tensor_model_parallel_group())
 
 
 def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
@@ -286,7 +291,8 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
 
     # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
     cls = hf_model_class(family, hf_config["model_type"])
-    hf, info = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_impl, output_loading_info=True)
+    hf, info = cls.from_pretrained(hf_dir, use_kernels=False, dtype=torch.float32, attn_implementation=attn_impl,
+                                   output_loading_info=True)
     referee_note = None
     if hf_config.get("quantization_config") and (info.get("missing_keys") or info.get("unexpected_keys")):
         # transformers' CPU load of this quantized folder is not the model (Inkling-2's MXFP8 experts: the scales
@@ -295,7 +301,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
         # Fp8Dequantize arithmetic, tests/test_convert_mxfp8.py), written to a bf16 / fp32 folder beside
         del hf
         hf_dir = _dequantized_copy(Path(hf_dir), Path(out_file).parent / "dequantized_hf")
-        hf, info = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation=attn_impl,
+        hf, info = cls.from_pretrained(hf_dir, use_kernels=False, dtype=torch.float32, attn_implementation=attn_impl,
                                        output_loading_info=True)
         referee_note = "HF reference: transformers' load of the folder dequantized as the converters read it"
     hf = hf.eval()

@@ -92,7 +92,7 @@ def merge_peft_adapter(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike
     config = AutoConfig.from_pretrained(hf_dir)
     saved = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
     out_dtype = getattr(torch, dtype or saved)
-    model = registry.hf_model_class(config).from_pretrained(hf_dir, dtype=torch.float32)
+    model = registry.hf_model_class(config).from_pretrained(hf_dir, use_kernels=False, dtype=torch.float32)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     merged = peft.PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     worst, worst_name = 0.0, ""

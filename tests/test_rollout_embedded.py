@@ -216,6 +216,12 @@ def test_update_weights_matches_fresh_model_and_rejects_bad_input():
         engine.update_weights([], version=0)
 
 
+def _kernels_available() -> bool:
+    from transformers.utils import is_kernels_available
+
+    return bool(is_kernels_available())
+
+
 def test_build_from_hf_dir_and_from_config(tmp_path):
     model = tiny_qwen3(seed=5)
     model.save_pretrained(tmp_path)
@@ -223,6 +229,13 @@ def test_build_from_hf_dir_and_from_config(tmp_path):
     ref = EmbeddedEngine(model=model).generate(PROMPTS, params)
     from_dir = get_rollout_engine("embedded", hf_dir=tmp_path)  # class from the qwen3 family spec
     assert type(from_dir.model).__name__ == "Qwen3ForCausalLM"
+    # transformers >= 5.25 kernelizes a from_pretrained model with `kernels` hub kernels by default when that package
+    # is installed (a download at run time, on CUDA other numerics): ferrule's loaders turn it off
+    from ferrule.rl.reference import ReferencePolicy
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    assert HFQwen3.from_pretrained(tmp_path).use_kernels is _kernels_available()  # the default being overridden
+    assert from_dir.model.use_kernels is False and ReferencePolicy(tmp_path).model.use_kernels is False
     from_cfg = get_rollout_engine(hf_config=model.config, state_dict=model.state_dict())
     for eng in (from_dir, from_cfg):
         out = eng.generate(PROMPTS, params)

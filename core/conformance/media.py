@@ -105,7 +105,7 @@ def check_media_logits_parity(family: str, work_dir: str | os.PathLike, *, atol:
     ids = media_prompt(hf_config, media, towers)
     spec = registry.get_family(family)
     hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(
-        src, dtype=torch.float32, attn_implementation=spec.attn_implementation).eval()
+        src, use_kernels=False, dtype=torch.float32, attn_implementation=spec.attn_implementation).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids, **hf_media_inputs(towers, media, 1, "cpu", hf_config)).logits
         effects = {}

@@ -265,7 +265,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     hf_config = json.loads((src / "config.json").read_text())
     vocab = text_vocab_size(hf_config)
     ids = test_token_ids(vocab, seq_len)
-    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, dtype=torch.float32).eval()
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
     with single_rank():
@@ -373,7 +373,7 @@ def check_translation_matches_hf(family: str, work_dir: str | os.PathLike, *, se
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_fields", overrides=overrides)
     hf_config = json.loads((src / "config.json").read_text())
-    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, dtype=torch.float32).eval()
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
     if getattr(getattr(hf, "model", None), "rotary_emb", None) is None:
         return None
     with single_rank():
@@ -416,7 +416,7 @@ def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len:
     cls = hf_model_class(family, config.model_type)
     ids = test_token_ids(int(config.get_text_config().vocab_size), seq_len)
     with torch.no_grad():
-        ref = cls.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids).logits
+        ref = cls.from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()(input_ids=ids).logits
     effects, unreached = {}, []
     for key, off in kit_feature_keys(family).items():
         if getattr(config, key, None) is None:
@@ -424,7 +424,7 @@ def check_features_reached(family: str, work_dir: str | os.PathLike, *, seq_len:
         cfg_off = AutoConfig.from_pretrained(src)
         setattr(cfg_off, key, seq_len + 1 if off == "seq" else off)
         with torch.no_grad():
-            out = cls.from_pretrained(src, config=cfg_off, dtype=torch.float32).eval()(input_ids=ids).logits
+            out = cls.from_pretrained(src, config=cfg_off, use_kernels=False, dtype=torch.float32).eval()(input_ids=ids).logits
         effects[key] = (out - ref).abs().max().item()
         if effects[key] <= min_effect:
             fix = (f"make TINY_TEST_SEQ_LEN (now {seq_len}) longer than the window" if off == "seq"

@@ -34,8 +34,8 @@ from typing import Any, Mapping
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-__all__ = ["LayerRoPESelfAttention", "FullProjectionRMSNorm", "PRE_NORMS", "QK_NORM_SCOPES",
-           "pre_norms_kept", "check_layer_rope", "rope_scaling_kwargs", "yarn_config_attributes"]
+__all__ = ["LayerRoPESelfAttention", "FullProjectionRMSNorm", "keep_sharded_qk_norm_grads", "PRE_NORMS",
+           "QK_NORM_SCOPES", "pre_norms_kept", "check_layer_rope", "rope_scaling_kwargs", "yarn_config_attributes"]
 
 #: Names accepted in a ``pre_norms`` tuple.
 PRE_NORMS = ("attention", "mlp")
@@ -164,6 +164,48 @@ class LayerRoPESelfAttention(SelfAttention):
                                packed_seq_params=packed_seq_params, **kwargs)
 
 
+def keep_sharded_qk_norm_grads() -> None:
+    """Keep megatron's gradient finalization from summing a TP-sharded q/k norm's gradient over TP.
+
+    megatron-core 0.16.1's ``finalize_model_grads`` sums over the TP group the gradient of every parameter whose
+    name holds ``q_layernorm`` / ``k_layernorm`` (``config.qk_layernorm``;
+    ``_allreduce_non_tensor_model_parallel_grads``), right for megatron's per-head norm (one replicated weight, each rank's gradient partial) but wrong for
+    :class:`FullProjectionRMSNorm`, whose weight is TP-sharded: every rank got the sum of two different shards'
+    gradients (``ferrule check --tp 2 --grads`` on the tiny OLMo-2: ``k_norm.weight`` relative difference 1; the
+    raw per-rank gradients match HF within 1.1e-6). The wrapper installed here hides the gradient of such a
+    parameter (``tensor_model_parallel``) from that sum and gives it back unchanged; every other parameter is
+    reduced as megatron reduces it. Idempotent; installed when such a norm is built at TP > 1.
+    """
+    import importlib
+
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr: a function
+
+    original = fmg._allreduce_non_tensor_model_parallel_grads
+    if getattr(original, "_ferrule_keeps_sharded_qk_norms", False):
+        return
+
+    def allreduce(model, config, *args, **kwargs):
+        from megatron.core.utils import get_attr_wrapped_model
+
+        hidden = []
+        if getattr(config, "qk_layernorm", False):
+            for chunk in model:
+                for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+                    if ("q_layernorm" in name or "k_layernorm" in name) and getattr(param, "tensor_model_parallel",
+                                                                                    False):
+                        attr = "main_grad" if hasattr(param, "main_grad") else "grad"
+                        hidden.append((param, attr, getattr(param, attr)))
+                        setattr(param, attr, None)  # megatron skips a parameter without a gradient
+        try:
+            return original(model, config, *args, **kwargs)
+        finally:
+            for param, attr, grad in hidden:
+                setattr(param, attr, grad)
+
+    allreduce._ferrule_keeps_sharded_qk_norms = True
+    fmg._allreduce_non_tensor_model_parallel_grads = allreduce
+
+
 class FullProjectionRMSNorm(torch.nn.Module):
     """RMSNorm over a whole q or k projection ``[sq, b, heads_local, head_dim]`` (HF OLMo-2 ``q_norm``/``k_norm``).
 
@@ -190,6 +232,8 @@ class FullProjectionRMSNorm(torch.nn.Module):
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(self.full_width // tp, dtype=config.params_dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if tp > 1:
+            keep_sharded_qk_norm_grads()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

@@ -36,7 +36,7 @@ class ReferencePolicy:
 
         config = AutoConfig.from_pretrained(os.fspath(hf_dir))
         cls = registry.hf_model_class(config)
-        self.model = cls.from_pretrained(os.fspath(hf_dir), dtype=dtype,
+        self.model = cls.from_pretrained(os.fspath(hf_dir), use_kernels=False, dtype=dtype,
                                          attn_implementation=family_attn_implementation(config)).to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import difflib
 from dataclasses import dataclass
 import torch
 
@@ -212,3 +213,38 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, CheckpointTensor]:
         raise NotImplementedError(f"Checkpoint tensors {missing[:5]} could not be traced to model parameters.")
     return result
 
+
+def check_bucket(targets: dict[str, CheckpointTensor], items: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse a weight-update bucket as a whole before anything is written: every name must be one of
+    ``targets`` (:func:`checkpoint_tensors`), with its shape and a loadable dtype (floating into floating,
+    else the same dtype), each tensor sent once, tied names (one storage) with equal values.
+
+    Raises:
+        KeyError: unknown names (each listed with the closest known names).
+        ValueError: every shape / dtype mismatch, duplicate name and conflicting tied pair, in one message.
+    """
+    unknown = [n for n, _ in items if n not in targets]
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, list(targets), n=2) for n in unknown[:10]}
+        raise KeyError(f"update_weights: {len(unknown)} unknown HF checkpoint parameter name(s): {hints} "
+                       f"(name -> closest known). The model has {len(targets)} checkpoint-named tensors; "
+                       "convert names with the family's mapping table before sending.")
+    seen: dict[tuple, tuple[str, torch.Tensor]] = {}
+    errors = []
+    for name, tensor in items:
+        dst = targets[name]
+        if tuple(tensor.shape) != dst.shape:
+            errors.append(f"{name}: shape {tuple(tensor.shape)} != expected {dst.shape}")
+        elif dst.param.is_floating_point() != tensor.is_floating_point() or (
+                not dst.param.is_floating_point() and dst.param.dtype != tensor.dtype):
+            errors.append(f"{name}: dtype {tensor.dtype} cannot be loaded into {dst.param.dtype}")
+        key = dst.alias_key()
+        if key in seen:
+            other_name, other = seen[key]
+            if other_name == name:
+                errors.append(f"{name}: sent twice in one call")
+            elif not torch.equal(other.to(tensor.device, tensor.dtype), tensor):
+                errors.append(f"{name} and {other_name} are tied in this model but were sent with different values")
+        seen[key] = (name, tensor)
+    if errors:
+        raise ValueError("update_weights rejected the whole call (nothing was written):\n  " + "\n  ".join(errors))

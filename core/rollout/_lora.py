@@ -20,9 +20,9 @@ engine's model is in eval mode.
 Adapter parameters are kept in the base layer's dtype and device (as SGLang does); later
 updates copy into them in place, so CUDA graphs captured with the adapter stay valid.
 
-:class:`EmbeddedLoraServing` holds the engine methods (``update_lora_adapter``,
-``unload_lora_adapter``, ``load_lora_adapter``, ``get_lora_state_dict``) that
-:class:`ferrule.rollout.embedded.EmbeddedEngine` inherits.
+:class:`ServedLoraAdapter` is the part of :class:`ferrule.rollout.embedded.EmbeddedEngine` (``engine._lora``)
+that owns the served adapter's tensors and config; the engine's ``update_lora_adapter``,
+``unload_lora_adapter``, ``load_lora_adapter`` and ``get_lora_state_dict`` drive it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["ADAPTER_NAME", "PEFT_PREFIX", "EmbeddedLoraServing", "ServedLoraAdapter", "lora_config_from_dict",
+__all__ = ["ADAPTER_NAME", "PEFT_PREFIX", "is_unset", "ServedLoraAdapter", "lora_config_from_dict",
            "structural_settings"]
 
 #: PEFT's adapter name for the single adapter the engine serves.
@@ -51,7 +51,7 @@ _UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "lor
                 "layer_replication": None, "trainable_token_indices": None, "use_qalora": False}
 
 
-def _unset(value: Any) -> bool:
+def is_unset(value: Any) -> bool:
     """None or an empty container (PEFT writes ``target_parameters: set()`` for some models)."""
     return value is None or (isinstance(value, (list, tuple, set, frozenset, dict)) and not value)
 
@@ -59,7 +59,7 @@ def _unset(value: Any) -> bool:
 def _normalise(key: str, value: Any) -> Any:
     if key in ("target_modules", "target_parameters") and isinstance(value, (list, tuple, set, frozenset)):
         return sorted(value)
-    if _unset(value):
+    if is_unset(value):
         return None
     return value
 
@@ -94,7 +94,7 @@ def lora_config_from_dict(peft_config: Mapping[str, Any]) -> Any:
         raise ValueError(f"peft_config lacks {missing}; pass LoraConfig(...).to_dict() or the adapter_config.json "
                          "that PeftModel.save_pretrained writes.")
     bad = {k: peft_config[k] for k, ok in _UNSUPPORTED.items()
-           if not _unset(peft_config.get(k)) and peft_config.get(k) != ok}
+           if not is_unset(peft_config.get(k)) and peft_config.get(k) != ok}
     if bad:
         raise ValueError(f"peft_config uses PEFT features the embedded engine does not serve: {bad}; expected "
                          f"{ {k: _UNSUPPORTED[k] for k in bad} } (plain LoRA: lora_A / lora_B only).")
@@ -230,137 +230,3 @@ class ServedLoraAdapter:
     def nbytes(self) -> int:
         """Bytes of the adapter parameters (``numel * element_size``)."""
         return sum(p.numel() * p.element_size() for p in self.targets.values())
-
-
-class EmbeddedLoraServing:
-    """The LoRA methods of :class:`ferrule.rollout.embedded.EmbeddedEngine` (a mixin; see the module docstring).
-
-    It uses the engine's ``model``, ``device``, ``weights_version``, ``_closed``, ``_states``
-    (decode states, dropped when the forward changes), ``_weights_serial`` (counted up by every
-    adapter update), ``_merged_lora`` (the fast decode path's merged copy, dropped on unload) and
-    ``_checkpoint_tensors()``.
-    """
-
-    _lora: ServedLoraAdapter | None = None
-    _lora_name: str | None = None
-    _merged_lora = None  # ferrule.rollout._lora_merge.MergedLora
-
-    def update_lora_adapter(self, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any],
-                            version: int) -> None:
-        """Serve the base model plus this HF PEFT LoRA adapter (unmerged); set ``weights_version = version``.
-
-        The first call injects PEFT's LoRA layers into the targeted ``nn.Linear`` modules
-        (:mod:`ferrule.rollout._lora`) and drops the captured decode states (the forward changed,
-        so CUDA graphs are captured again on the next ``generate``). Later calls copy the values
-        in place: no reallocation, captured graphs stay valid. The base weights are never
-        merged or written, so they stay bit-identical and the adapter is applied exactly once.
-
-        Args:
-            tensors: the full adapter, PEFT saved names -> tensors
-                (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ``[r, in]``,
-                ``...lora_B.weight`` ``[out, r]``; any floating dtype and device, cast to the
-                base layer's dtype). Every adapter tensor must be sent in every call.
-            peft_config: ``peft.LoraConfig(...).to_dict()`` / ``adapter_config.json`` content.
-            version: the trainer's weight version; must not be lower than ``weights_version``.
-
-        Raises:
-            KeyError: tensor names the adapter does not have (with the closest known names).
-            ValueError: a version going backwards; an adapter tensor not sent; a shape mismatch;
-                an unsupported PEFT feature; or ``peft_config`` changing a structural setting
-                (rank, alpha, target modules, rsLoRA, ...) of the served adapter: such a change
-                is refused, call :meth:`unload_lora_adapter` first. A refused call changes nothing.
-            RuntimeError: the engine was shut down.
-        """
-        if self._closed:
-            raise RuntimeError("EmbeddedEngine.update_lora_adapter after shutdown(); build a new engine.")
-        if version < self.weights_version:
-            raise ValueError(f"update_lora_adapter(version={version}) is older than the loaded weights_version="
-                             f"{self.weights_version}; versions must not go backwards.")
-        tensors = dict(tensors)
-        if self._lora is None and self.cuda_graph and not _unset(peft_config.get("target_parameters")):
-            # H200, 2026-12-01: tests/test_rollout_lora.py::test_cuda_graph_decode_with_adapter_updates_in_place
-            # [moe-experts-graph] failed (routed-expert adapters through PEFT's ParamWrapper inside a captured
-            # decode graph); not diagnosed yet, so refuse rather than serve numbers nobody has checked
-            raise NotImplementedError(
-                "update_lora_adapter: serving a routed-expert adapter (peft_config target_parameters="
-                f"{peft_config.get('target_parameters')!r}) under CUDA-graph decode is not verified; build the engine "
-                "with EmbeddedEngine(..., cuda_graph=False), or adapt only attention / dense modules.")
-        if self._lora is None and getattr(self, "_multi", None) is not None:
-            raise ValueError("update_lora_adapter: this engine holds adapters for batched multi-adapter decode "
-                             f"({', '.join(self._multi.names())}); remove_lora_adapter() them first to serve one "
-                             "adapter to every row.")
-        if self._lora is None and self.asleep:
-            raise RuntimeError("update_lora_adapter: the first adapter cannot be injected while the engine is asleep; "
-                               "call wake() first (later updates of a served adapter work asleep).")
-        if self._lora is None:
-            self._checkpoint_tensors()  # base names and views, taken before PEFT renames the wrapped linears
-            self._lora = ServedLoraAdapter.inject(self.model, peft_config, tensors)
-            self._drop_decode_states()  # decode states / CUDA graphs captured without the adapter
-        else:
-            old, new = self._lora.structural, structural_settings(peft_config)
-            changed = {k: (old[k], new[k]) for k in old if old[k] != new[k]}
-            if changed:
-                raise ValueError(f"update_lora_adapter: peft_config changes {changed} (setting: (served, new)) of the "
-                                 "served adapter; refused (nothing was written). Call unload_lora_adapter() first to "
-                                 "serve an adapter of another shape (decode graphs are then captured again).")
-            self._lora.load_(tensors)
-            self._lora.config = dict(peft_config)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._weights_serial += 1
-        self.weights_version = version
-
-    def unload_lora_adapter(self, name: str | None = None) -> None:
-        """Stop serving the adapter: the original ``nn.Linear`` modules (same parameters) go back in place.
-
-        Args:
-            name: ignored unless given, then it must be the name given to :meth:`load_lora_adapter`.
-
-        Raises:
-            ValueError: no adapter is served, or ``name`` is not the served adapter's.
-        """
-        if self._lora is None:
-            raise ValueError("unload_lora_adapter: no LoRA adapter is served.")
-        if name is not None and name != self._lora_name:
-            raise ValueError(f"unload_lora_adapter({name!r}): the served adapter is {self._lora_name!r}.")
-        self._lora.remove()
-        self._lora, self._lora_name = None, None
-        self._merged_lora = None  # its merged weight copies (fast decode path)
-        self._drop_decode_states()
-
-    def get_lora_state_dict(self) -> dict[str, torch.Tensor]:
-        """The served adapter's tensors under PEFT saved names (detached aliases); ``{}`` without an adapter."""
-        return {} if self._lora is None else self._lora.state_dict()
-
-    @property
-    def lora_config(self) -> dict[str, Any] | None:
-        """The served adapter's PEFT config dict, or None."""
-        return None if self._lora is None else dict(self._lora.config)
-
-    def load_lora_adapter(self, name: str, path: str, **kwargs: Any) -> None:
-        """Serve the PEFT adapter saved in directory ``path`` (``adapter_config.json`` +
-        ``adapter_model.safetensors``, what ``PeftModel.save_pretrained`` writes) under ``name``.
-
-        Same semantics as :meth:`update_lora_adapter` at the current ``weights_version``; the engine
-        serves one adapter, applied to every request.
-
-        Raises:
-            FileNotFoundError: a file is missing. TypeError: unknown keyword arguments.
-            ValueError / KeyError: as :meth:`update_lora_adapter`.
-        """
-        import json
-        import os
-
-        from safetensors.torch import load_file
-
-        if kwargs:
-            raise TypeError(f"EmbeddedEngine.load_lora_adapter got unsupported arguments {sorted(kwargs)}.")
-        files = [os.path.join(os.fspath(path), f) for f in ("adapter_config.json", "adapter_model.safetensors")]
-        absent = [f for f in files if not os.path.isfile(f)]
-        if absent:
-            raise FileNotFoundError(f"load_lora_adapter({name!r}, {path!r}): missing {absent}; pass a directory written "
-                                    "by PeftModel.save_pretrained or `ferrule lora export`.")
-        with open(files[0]) as f:
-            config = json.load(f)
-        self.update_lora_adapter(load_file(files[1]), config, self.weights_version)
-        self._lora_name = name

@@ -212,7 +212,7 @@ def greedy_answer(hf_dir: Path, prompt: str = VERIFY_PROMPT, max_new_tokens: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, use_kernels=False, dtype=torch.float32)
     enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)
     with torch.no_grad():
@@ -245,7 +245,7 @@ def convert_smollm2_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfl
     t0 = time.time()
     log(f"loading {gguf_path.name} with transformers (dequantizing Q4_1; about 30-60 s on 2 cores) ...")
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, use_kernels=False, gguf_file=gguf_path.name,
                                                       dtype=torch.float32)
     cfg = gguf_model.config
     if hasattr(cfg, "quantization_config"):  # the "not serializable" marker set by the GGUF loader
