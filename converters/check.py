@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferrule.conformance.grads import GRAD_RTOL
+
 __all__ = ["CheckRow", "CheckReport", "run_check", "EXIT_OK", "EXIT_MISMATCH", "EXIT_BAD_INPUT",
            "EXIT_PLUGIN_CRASH"]
 
@@ -208,7 +210,7 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     layout, exported to HF names through the mapping table, vs HF's (fp32), within :data:`GRAD_RTOL` relative.
     At ``tp`` > 1 the ranks' gradients get the TP reductions of megatron's gradient finalization first (the q/k
     norms' partial gradients summed, as a training step sums them) and are gathered as weights are; ``ep`` > 1 is
-    refused (``ValueError``: DDP's expert-data-parallel sum does not run). ``round_trip=False`` leaves the
+    refused (``ValueError``: megatron's DDP, which scales and reduces the expert gradients, does not run). ``round_trip=False`` leaves the
     round-trip step out (no export back to HF, no comparison; ~0.5 s of a ~1.5 s tiny-model check at tp 1, one
     of three 2-rank jobs at tp 2): for repeated checks of one family whose round trip another check already covers
     (the planted-mistake tests).
@@ -227,9 +229,10 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     t0 = time.time()
     layout_kw = layout_kwargs(tp, ep, 1, etp)
     if grads and ep != 1:
-        raise ValueError(f"grads=True at ep={ep}: the gradient step runs at ep=1 (megatron's raw expert gradients are "
-                         f"partial per rank until DDP sums them over the expert-data-parallel group, which the check "
-                         f"does not run).")
+        raise ValueError(f"grads=True at ep={ep}: the gradient step runs at ep=1 (at ep > 1 a rank's routed-expert "
+                         f"gradient holds every expert-parallel rank's tokens until megatron's DDP scales and reduces "
+                         f"it, which the check does not run); check gradients with --ep 1, the expert split with "
+                         f"--ep {ep} without --grads.")
     try:
         spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, layout_kw)
     except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):
@@ -305,13 +308,10 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
     _divergence_row(report, result, atol)
 
 
-#: relative tolerance of the gradient step (fp32): max |megatron - HF| / max |HF| per parameter, as the train
-#: engine's gradient tests (tests/test_train_engine.py, 1e-5)
-GRAD_RTOL = 1e-5
-
-
 def _gradient_row(report: CheckReport, result: dict, label: str) -> None:
-    """The ``gradients`` row: every parameter's gradient of ``sum(logits * w)`` vs HF's (fp32)."""
+    """The ``gradients`` row: every parameter's gradient of ``sum(logits * w)`` vs HF's (fp32), within
+    :data:`~ferrule.conformance.grads.GRAD_RTOL` relative (the train engine tests' bound; the conformance kit's
+    training-step case uses the same comparison, :mod:`ferrule.conformance.grads`)."""
     step = f"gradients ({label}, fp32)"
     if result.get("gradient_error"):
         report.rows.append(CheckRow(step, "FAIL", result["gradient_error"]))

@@ -10,6 +10,8 @@ family's ``hf_model_class`` for a model_type that class does not cover (a multim
 - :func:`check_mapping_covers_provider`: the mapping table maps every parameter the provider
   builds, every table entry is used, and the HF keys produced equal the keys transformers saved;
 - :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1);
+- :func:`check_training_step`: every parameter's gradient matches HF's (fp32, TP=1), and a weight sync through
+  the update groups delivers every checkpoint tensor to a rollout engine;
 - :func:`check_update_groups_cover_parameters`: every parameter of the tiny model lands in
   exactly one update unit, every unit names only existing parameters, and every suffix of a
   non-optional update group matches a parameter (so a mistyped suffix fails, named).
@@ -34,7 +36,8 @@ from ferrule.conformance.fields import (  # noqa: F401  (re-exported: the kit's 
 )
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
-           "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
+           "check_logits_parity", "check_training_step", "check_update_groups_cover_parameters",
+           "check_translation_matches_hf",
            "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer", "translated_fields_vs_hf", "check_features_reached",
            "test_token_ids", "update_unit_problems", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32",
            "hf_model_class", "text_vocab_size"]
@@ -278,6 +281,62 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     diff = logits_max_diff(family, out, ref)
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
     return diff
+
+
+#: model options of the training-step case's build: no auxiliary (load-balancing / z) loss, so the gradient compared
+#: is the logits' alone (the logits are unchanged), as ``ferrule check --grads`` builds it
+TRAIN_STEP_OVERRIDES = {"perform_initialization": False, "moe_aux_loss_coeff": 0.0}
+
+
+def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | os.PathLike | None = None,
+                        seq_len: int | None = None, groups: Any = None) -> dict[str, Any]:
+    """One training step's worth at TP=1, fp32: every parameter's gradient vs HF's, and the update groups carrying
+    every trained tensor to a rollout engine (:mod:`ferrule.conformance.grads`).
+
+    The family's model is built (:data:`TRAIN_STEP_OVERRIDES`) and loaded from the tiny checkpoint ``src`` (default:
+    a fresh :func:`tiny_hf_dir` under ``work_dir``); one backward pass of ``sum(logits * w)`` on the kit's test batch
+    on both sides; megatron's gradients, exported to HF names through the mapping table, must equal HF's (written
+    back to checkpoint names by ``save_pretrained``) within :data:`ferrule.conformance.grads.GRAD_RTOL` relative,
+    every HF tensor; then a real weight sync through the update groups
+    (:func:`ferrule.conformance.grads.check_update_groups_reach_rollout`) must deliver every checkpoint tensor
+    exactly once, bit for bit.
+
+    Args:
+        groups: an update-group table to sync with instead of the family's (tests pass a broken one).
+
+    Returns:
+        ``{"grad_max_rel": float, "grad_worst": str, "grad_tensors": int, "synced_tensors": int}``.
+
+    Raises:
+        AssertionError: naming the worst gradient (and any HF tensor megatron gives no gradient), or the tensors a
+            sync loses, repeats or changes; ``WeightSyncError`` for update groups that do not fit the parameters.
+    """
+    import json
+
+    import torch
+
+    from ferrule import registry
+    from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
+    from ferrule.megatron.weights import load_hf_into_mcore
+
+    seq_len = seq_len or tiny_test_seq_len(family)
+    src = Path(src) if src is not None else tiny_hf_dir(family, Path(work_dir) / "hf_train")
+    hf_config = json.loads((src / "config.json").read_text())
+    ids = test_token_ids(text_vocab_size(hf_config), seq_len)
+    table = registry.get_converter(family).resolved_mapping()
+    with single_rank():
+        (model,) = _build(family, hf_config, config_overrides=dict(TRAIN_STEP_OVERRIDES))
+        load_hf_into_mcore([model], src, table, hf_config=hf_config)
+        model.eval()
+        mc_grads = mcore_grads(model, family, hf_config, ids, table=table)
+        synced = check_update_groups_reach_rollout([model], family, hf_config, src, groups=groups)
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
+    result = compare_grads(hf, ids, mc_grads)
+    problem = gradient_problem(result)
+    assert problem is None, (f"{family}: gradients (TP=1, fp32) differ from HF's: {problem}. The logits case checks "
+                             f"the forward pass; suspect a detached or frozen computation, or a custom op's backward.")
+    return {"grad_max_rel": result["max_rel"], "grad_worst": result["worst"], "grad_tensors": result["compared"],
+            "synced_tensors": synced}
 
 
 def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> int:

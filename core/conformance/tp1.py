@@ -2,8 +2,10 @@
 fresh interpreter (:meth:`ferrule.conformance.kit.FamilyConformance.tp1_results` starts it).
 
 For each family, one after the other: the numeric cases (round trip, mapping coverage, translated
-fields, declared features, logits vs HF), the update-group coverage and, for a family with towers, the
-media case. Prints one JSON line ``{family: {"numeric": ..., "groups": ..., "media": ...}}``, each
+fields, declared features, logits vs HF), the training step (gradients vs HF, every trained tensor synced through
+the update groups: :func:`ferrule.conformance.numeric.check_training_step`), the update-group coverage and, for a
+family with towers, the media case. Prints one JSON line
+``{family: {"numeric": ..., "train": ..., "groups": ..., "media": ...}}``, each
 ``{"skip": why}``, ``{"error": "Type: message"}`` or the value; a failing case does not stop the others.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +24,10 @@ def _run(case: Callable[[], Any]) -> Any:
         return case()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the case's one-line result
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _existing(folder: str) -> str | None:
+    return folder if Path(folder, "config.json").is_file() else None
 
 
 def main(argv: Sequence[str]) -> int:
@@ -42,10 +49,12 @@ def main(argv: Sequence[str]) -> int:
     out: dict[str, dict] = {}
     for fam in families:
         if fam not in reg.providers or fam not in reg.converters or cn.tiny_hf_config(fam) is None:
-            out[fam] = {k: {"skip": "no TINY_HF_CONFIG"} for k in ("numeric", "groups", "media")}
+            out[fam] = {k: {"skip": "no TINY_HF_CONFIG"} for k in ("numeric", "train", "groups", "media")}
             continue
         w = f"{work}/{fam}"
         out[fam] = {"numeric": _run(lambda: numeric(fam, w)),
+                    # the logits case's checkpoint when it got that far (the same seeded weights: saves a save)
+                    "train": _run(lambda: cn.check_training_step(fam, w + "/train", src=_existing(w + "/par/hf_parity"))),
                     "groups": _run(lambda: {"value": cn.check_update_groups_cover_parameters(fam)})
                     if fam in reg.update_groups else {"skip": "no update groups"},
                     "media": _run(lambda: check_media_logits_parity(fam, w + "/media"))
