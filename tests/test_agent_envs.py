@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from ferrule import hookimpl, registry
-from ferrule.registry import DuplicateClaimError, Registry, UnknownModelError
+from ferrule import hookimpl
+from ferrule.contract import registry
+from ferrule.contract.registry import DuplicateClaimError, Registry, UnknownModelError
 from ferrule.rl.envs import ModelTurn, Observation, StepResult
 from ferrule.rl.envs.base import check_observation, check_step_result
 from ferrule.rl.envs.bounded import call_bounded
@@ -26,7 +27,7 @@ TIMEOUT_S = 0.3
 class _EnvPlugin:
     @hookimpl
     def register_environments(self):
-        from ferrule.specs import EnvironmentSpec
+        from ferrule.contract.specs import EnvironmentSpec
 
         return [EnvironmentSpec(name="echo", factory="ferrule.rl.envs.builtin:GuessNumber")]
 
@@ -34,7 +35,7 @@ class _EnvPlugin:
 class _ParserPlugin:
     @hookimpl
     def register_tool_parsers(self):
-        from ferrule.specs import ToolParserSpec
+        from ferrule.contract.specs import ToolParserSpec
 
         return [ToolParserSpec(family="*", parse="ferrule.tool_calls:parse_hermes"),
                 ToolParserSpec(family="demo", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
@@ -53,7 +54,7 @@ def _registry_with(*objs) -> Registry:
 def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     names = [s.name for s in registry.list_environments()]
     assert names == ["guess_number", "textarena", "tool_arithmetic"]
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
     assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"

@@ -77,7 +77,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def episodes(hf_dir):
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.chat import stop_token_ids
     from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
     from ferrule.rollout import SamplingParams

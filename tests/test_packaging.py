@@ -140,7 +140,7 @@ def test_out_of_tree_plugins(fresh_venv, tmp_path):
 #: imports that must resolve to the installed package from any working directory (issue 18)
 _CWD_PROBE = (
     "import os, sys\n"
-    "from ferrule import hookspecs, registry\n"
+    "from ferrule.contract import hookspecs, registry\n"
     "import ferrule.converters, ferrule.plugins.qwen\n"
     "names = [f.name for f in registry.list_families()]\n"
     "assert 'qwen2' in names, names\n"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import ChatTemplateSpec, FamilyStatus, ModelFamilySpec, ToolParserSpec
-from ferrule.variants import Variants
+from ferrule.contract.specs import ChatTemplateSpec, FamilyStatus, ModelFamilySpec, ToolParserSpec
+from ferrule.contract.variants import Variants
 
 # VALIDATED: HF -> torch_dist -> HF bit-exact and Megatron-vs-HF logits <= 1e-5 (fp32; TP=1, TP=2, EP=2)
 # in tests/test_convert.py and plugins/qwen/tests/test_qwen_parity.py.

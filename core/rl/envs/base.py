@@ -1,6 +1,6 @@
 """The environment contract of agentic RL: what ``ferrule train`` asks of a multi-turn environment.
 
-An environment package registers an :class:`~ferrule.specs.EnvironmentSpec` through the
+An environment package registers an :class:`~ferrule.contract.specs.EnvironmentSpec` through the
 ``register_environments`` hook; its ``factory(**agent.environment_kwargs)`` returns one object
 that follows :class:`Environment` and serves every episode of a run (episode state lives in the
 ``state`` it returns from ``reset``, so one object can serve many episodes at once, from several
@@ -96,7 +96,7 @@ class ModelTurn:
 
 @runtime_checkable
 class Environment(Protocol):
-    """The object an :class:`~ferrule.specs.EnvironmentSpec` factory returns (module docstring)."""
+    """The object an :class:`~ferrule.contract.specs.EnvironmentSpec` factory returns (module docstring)."""
 
     def dataset(self, size: int, seed: int) -> Sequence[Mapping[str, Any]]:
         """``size`` items (JSON-like dicts), deterministic in ``seed``."""
