@@ -67,6 +67,8 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.hook_parts": "ferrule.contract.hook_parts",
     "ferrule.registry": "ferrule.contract.registry",
     "ferrule.plugin_loading": "ferrule.contract.registry",
+    # the chat format together: templates (ferrule.chat) and tool-call parsing
+    "ferrule.tool_calls": "ferrule.chat.tool_calls",
     # family files named by role (issue 43)
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",

@@ -19,7 +19,7 @@ from ferrule.rl.envs import ModelTurn, Observation, StepResult
 from ferrule.rl.envs.base import check_observation, check_step_result
 from ferrule.rl.envs.bounded import call_bounded
 from ferrule.rl.envs.builtin import GuessNumber, ToolArithmetic, calculate
-from ferrule.tool_calls import ParsedTurn, ToolCall, parse_hermes
+from ferrule.chat.tool_calls import ParsedTurn, ToolCall, parse_hermes
 
 TIMEOUT_S = 0.3
 
@@ -37,7 +37,7 @@ class _ParserPlugin:
     def register_tool_parsers(self):
         from ferrule.contract.specs import ToolParserSpec
 
-        return [ToolParserSpec(family="*", parse="ferrule.tool_calls:parse_hermes"),
+        return [ToolParserSpec(family="*", parse="ferrule.chat.tool_calls:parse_hermes"),
                 ToolParserSpec(family="demo", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
 
 
@@ -57,7 +57,7 @@ def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     from ferrule.contract.specs import resolve_ref
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
-    assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"
+    assert registry.get_tool_parser("qwen3").parse == "ferrule.chat.tool_calls:parse_hermes"
     for family in ("inkling", "inkling2", "inkling2_text", "inkling2_loop"):  # every TMLv0 family
         assert registry.get_tool_parser(family).parse == "ferrule.tmlv0.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
@@ -124,7 +124,7 @@ def _assistant_turn(template: str, tokenizer, calls, content: str = "") -> str:
     """The text of an assistant turn with ``calls``, as the family's template renders it after the
     generation prompt (the model's side of the conversation), stop token removed."""
     from ferrule.chat import render_chat
-    from ferrule.tool_calls import openai_tool_calls
+    from ferrule.chat.tool_calls import openai_tool_calls
 
     user = [{"role": "user", "content": "hi"}]
     prefix = render_chat(template, user, add_generation_prompt=True, tokenizer=tokenizer)

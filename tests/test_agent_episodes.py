@@ -82,7 +82,7 @@ def episodes(hf_dir):
     from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
-    from ferrule.tool_calls import parse_hermes
+    from ferrule.chat.tool_calls import parse_hermes
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                     "ferrule.config_translation", "ferrule.losses", "ferrule.offload", "ferrule.envs",
                     "ferrule.engine_settings"}),
     ("contract", {"ferrule.contract"}),
-    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tool_calls", "ferrule.tmlv0"}),
+    ("mapping", {"ferrule.mapping", "ferrule.media", "ferrule.chat", "ferrule.tmlv0"}),
     ("engines", {"ferrule.megatron", "ferrule.rollout"}),
     ("lora", {"ferrule.lora"}),
     ("sync", {"ferrule.sync"}),

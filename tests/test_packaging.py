@@ -165,7 +165,7 @@ def test_import_from_a_cwd_holding_a_ferrule_folder_editable(tmp_path):
     """The development install (./install.sh, strict editable mode) resolves ``import ferrule`` to
     this checkout's files, not to the empty folder, and through links, so edits are live."""
     paths = _probe_with_ferrule_folder(sys.executable, tmp_path)
-    assert paths == [str(ROOT / "core" / "hookspecs.py"), str(ROOT / "converters" / "__init__.py"),
+    assert paths == [str(ROOT / "core" / "contract" / "hookspecs.py"), str(ROOT / "converters" / "__init__.py"),
                      str(ROOT / "plugins" / "qwen" / "__init__.py")], paths
 
 

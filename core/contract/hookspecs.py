@@ -210,7 +210,7 @@ def register_tool_parsers() -> Sequence[ToolParserSpec]:
     """Declare how each family's model writes tool calls.
 
     Called by the registry once per process; collect hook. The episode runner parses every model
-    turn with the parser of the run's family (else the ``"*"`` one, :mod:`ferrule.tool_calls`'s
+    turn with the parser of the run's family (else the ``"*"`` one, :mod:`ferrule.chat.tool_calls`'s
     Hermes ``<tool_call>`` JSON) before handing it to the environment.
 
     :return: tool-parser specs; at most one per family (and one ``"*"``).

@@ -616,7 +616,7 @@ class ToolParserSpec:
     Attributes:
         family: the family whose turns this parser reads, or ``"*"`` (the default for families
             without their own parser).
-        parse: lazy reference to ``parse(text: str) -> ferrule.tool_calls.ParsedTurn``; ``text`` is
+        parse: lazy reference to ``parse(text: str) -> ferrule.chat.tool_calls.ParsedTurn``; ``text`` is
             one model turn decoded with its special tokens kept (the stop token removed). A
             malformed call must come back in ``ParsedTurn.errors``, never as an exception.
     """

@@ -85,4 +85,4 @@ def register_chat_templates():
 @hookimpl
 def register_tool_parsers():
     # Qwen 2.5 / 3 declare Hermes function calling in their templates: <tool_call>{json}</tool_call>
-    return [ToolParserSpec(family=f, parse="ferrule.tool_calls:parse_hermes") for f in ("qwen2", "qwen3", "qwen3_moe")]
+    return [ToolParserSpec(family=f, parse="ferrule.chat.tool_calls:parse_hermes") for f in ("qwen2", "qwen3", "qwen3_moe")]

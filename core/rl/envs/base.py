@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from ferrule.tool_calls import ParsedTurn
+from ferrule.chat.tool_calls import ParsedTurn
 
 __all__ = ["Observation", "StepResult", "ModelTurn", "Environment", "EnvironmentContractError",
            "check_observation", "check_step_result"]
@@ -80,7 +80,7 @@ class ModelTurn:
 
     Attributes:
         text: the turn decoded without special tokens (what a user would read).
-        parsed: the family's tool parser's reading (:mod:`ferrule.tool_calls`), from the turn
+        parsed: the family's tool parser's reading (:mod:`ferrule.chat.tool_calls`), from the turn
             decoded with special tokens kept and its stop token removed.
         token_ids: the sampled ids ``[T]`` (stop token included), exactly as generated.
         truncated: the turn hit ``rollout.max_new_tokens`` without a stop token.

@@ -95,7 +95,7 @@ class AgentRollout:
         from ferrule.contract import registry
         from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
         from ferrule.contract.specs import resolve_ref
-        from ferrule.tool_calls import parse_hermes
+        from ferrule.chat.tool_calls import parse_hermes
 
         ag = self.cfg.agent
         spec = registry.get_tool_parser(family)

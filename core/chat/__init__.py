@@ -1,4 +1,5 @@
-"""Chat-template rendering (``ferrule.chat``): jinja templates registered by plugins -> text -> token ids.
+"""The chat format: chat-template rendering here (jinja templates registered by plugins -> text ->
+token ids), the tool calls of a model turn in :mod:`ferrule.chat.tool_calls`.
 
 The jinja environment is configured like Hugging Face's ``apply_chat_template``
 (transformers ``utils/chat_template_utils.py``, checked against 5.24.0), so a template that
