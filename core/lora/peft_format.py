@@ -146,7 +146,7 @@ def _export_context(engine: Any) -> ExportContext:
 
 
 def _by_kind(engine: Any) -> list[tuple[Any, list]]:
-    from ferrule.specs import LORA_KINDS
+    from ferrule.contract.specs import LORA_KINDS
 
     from .appliers import appliers_for
     from .model import adapter_entries
@@ -203,7 +203,7 @@ def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
     Raises:
         ValueError: the engine has no LoRA.
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     _require_lora(engine)
     plan = _engine_plan(engine)
@@ -429,7 +429,7 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
             offender listed, checked on all ranks before anything is copied.
     """
     from ferrule.megatron.weights import agreed_errors, all_gather_objects
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     _require_lora(engine)
     if config is not None:

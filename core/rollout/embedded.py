@@ -69,9 +69,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _resolve_model_class(hf_config: Any) -> Any:
-    """The transformers class the family registers (:func:`ferrule.registry.hf_model_class`)."""
-    from ferrule import registry
-
+    """The transformers class the family registers (:func:`ferrule.contract.registry.hf_model_class`)."""
+    from ferrule.contract import registry
     return registry.hf_model_class(hf_config)
 
 
@@ -83,10 +82,9 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
             model class explicitly pass ``"sdpa"``); None raises.
 
     Raises:
-        ferrule.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
+        ferrule.contract.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
     """
-    from ferrule import registry
-
+    from ferrule.contract import registry
     try:
         return registry.family_for_hf_config(hf_config.to_dict()).attn_implementation
     except registry.UnknownModelError:
