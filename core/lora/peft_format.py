@@ -229,7 +229,7 @@ def adapter_index_map(engine: Any) -> tuple[list[tuple[str, Any, Any]] | None, s
     """
     import torch
 
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     _require_lora(engine)
     plan = _engine_plan(engine)
