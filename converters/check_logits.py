@@ -104,7 +104,7 @@ def _update_groups(model, family: str) -> dict:
     """The family's update-group table on this model's parameters (:func:`ferrule.conformance.numeric.
     update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
     weight sync would never send it) fails the check, not only the kit."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.numeric import update_unit_problems
     from ferrule.megatron.weights import global_param_names
 

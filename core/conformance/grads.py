@@ -80,7 +80,7 @@ def mcore_grads(model, family: str, hf_config: Mapping[str, Any], ids, *, table=
     import torch
     import torch.distributed as dist
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.fields import text_vocab_size
     from ferrule.megatron.weights import export_mcore_to_hf
 
@@ -226,7 +226,7 @@ def check_update_groups_reach_rollout(chunks, family: str, hf_config: Mapping[st
     import torch
     import torch.distributed as dist
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.formats.safetensors_io import SafetensorsReader
     from ferrule.sync import sync_weights
 

@@ -48,8 +48,7 @@ SEED = 1234
 
 
 def _variant_module(family: str):
-    from ferrule import registry
-
+    from ferrule.contract import registry
     ref = registry.get_provider(family).build
     if ref is None:  # the default build: the family's variant module is where its config rows live
         conv = registry.get_converter(family)
@@ -180,7 +179,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.checkpoint import model_sharded_state_dict, save_sharded
     from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
     from ferrule.formats.safetensors_io import SafetensorsReader
@@ -211,7 +210,7 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
     """Table entries == provider parameters, and table HF keys == keys transformers saved."""
     import json
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.mapping import MappingContext
     from ferrule.megatron.weights import global_param_names
     from ferrule.formats.safetensors_io import SafetensorsReader
@@ -261,7 +260,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
 
     import torch
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.weights import load_hf_into_mcore
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
@@ -315,7 +314,7 @@ def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | 
 
     import torch
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
     from ferrule.megatron.weights import load_hf_into_mcore
 
@@ -362,7 +361,7 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
     """
     from transformers import AutoConfig
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.weights import global_param_names
     from ferrule.sync.groups import as_group_table
 
