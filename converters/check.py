@@ -209,8 +209,9 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     after the logits: every parameter's gradient of ``sum(logits * w)`` (fixed random ``w``) from megatron at the
     layout, exported to HF names through the mapping table, vs HF's (fp32), within :data:`GRAD_RTOL` relative.
     At ``tp`` > 1 the ranks' gradients get the TP reductions of megatron's gradient finalization first (the q/k
-    norms' partial gradients summed, as a training step sums them) and are gathered as weights are; ``ep`` > 1 is
-    refused (``ValueError``: megatron's DDP, which scales and reduces the expert gradients, does not run). ``round_trip=False`` leaves the
+    norms' partial gradients summed, as a training step sums them) and are gathered as weights are. At ``ep`` > 1
+    (``tp`` 1 only; ``ValueError`` otherwise) the routed-expert gradients get the scaling megatron's DDP gives them
+    (:func:`ferrule.conformance.grads.scale_expert_grads`) and are collected from the EP ranks as weights are. ``round_trip=False`` leaves the
     round-trip step out (no export back to HF, no comparison; ~0.5 s of a ~1.5 s tiny-model check at tp 1, one
     of three 2-rank jobs at tp 2): for repeated checks of one family whose round trip another check already covers
     (the planted-mistake tests).
@@ -228,11 +229,11 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     hf_dir = Path(hf_dir)
     t0 = time.time()
     layout_kw = layout_kwargs(tp, ep, 1, etp)
-    if grads and ep != 1:
-        raise ValueError(f"grads=True at ep={ep}: the gradient step runs at ep=1 (at ep > 1 a rank's routed-expert "
-                         f"gradient holds every expert-parallel rank's tokens until megatron's DDP scales and reduces "
-                         f"it, which the check does not run); check gradients with --ep 1, the expert split with "
-                         f"--ep {ep} without --grads.")
+    if grads and ep != 1 and tp != 1:
+        raise ValueError(f"grads=True at tp={tp}, ep={ep}: the gradient step runs at ep > 1 with tp=1 only (it "
+                         f"reproduces megatron's DDP scaling of the expert gradients for ep ranks that each hold every "
+                         f"token; at tp > 1 the dispatcher shares the TP ranks' tokens among the experts, which it does "
+                         f"not reproduce); check gradients with --tp {tp} --ep 1 and with --tp 1 --ep {ep}.")
     try:
         spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, layout_kw)
     except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):

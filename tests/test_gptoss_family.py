@@ -10,6 +10,7 @@ logits, gradients and hidden states ``ferrule check`` compares).
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -159,7 +160,7 @@ def test_gradients_at_tp2_of_a_family_with_q_k_norms_match_hf(tmp_path, pooled_r
     """Qwen3's per-head q/k norms are replicated over TP and each rank applies them to its own heads, so its raw
     gradient is partial; the check sums them over TP as megatron's gradient finalization does (refused before;
     without the sum they are off by ~the other rank's share), and every tensor's gradient matches HF's. --ep 2
-    is refused in one line, before any conversion, for every family. Before the gpt-oss TP=2 test: that one
+    together with --tp 2 is refused in one line, before any conversion, for every family. Before the gpt-oss TP=2 test: that one
     ends with a conversion failing in the ranks, which takes the pool down."""
     from ferrule.conformance import numeric as cn
     from ferrule.converters.check import run_check
@@ -173,8 +174,13 @@ def test_gradients_at_tp2_of_a_family_with_q_k_norms_match_hf(tmp_path, pooled_r
     report = run_check(hf, tp=2, seq_len=16, grads=True, round_trip=False)
     assert report.ok and report.rows[-1].step == "gradients (tp=2, fp32)", report.rows
     assert report.rows[-1].detail.startswith(f"{len(keys)} parameters, "), report.rows[-1]
-    with pytest.raises(ValueError, match=r"grads=True at ep=2"):
-        run_check(hf, ep=2, grads=True)
+    with pytest.raises(ValueError, match=r"grads=True at tp=2, ep=2: .* ep > 1 with tp=1 only"):
+        run_check(hf, tp=2, ep=2, grads=True)
+    from inproc import run_ferrule
+
+    cli = run_ferrule(["check", hf, "--tp", "2", "--ep", "2", "--grads"], env=dict(os.environ, COLUMNS="500"))
+    assert cli.returncode == 2 and "--grads with --tp 2 --ep 2: expected --ep 1, or --tp 1" in cli.stderr, cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
 
 
 @pytest.mark.timeout(1200)
@@ -201,6 +207,11 @@ def test_gptoss_passes_check_at_tp2_etp1_and_each_planted_mistake_is_localised(g
     assert good.ok and good.rows[2].step == "round trip (tp=2, etp=1)", good.rows
     assert good.rows[3].step == "logits (tp=2, etp=1, fp32)", good.rows
     assert good.rows[4].step == "gradients (tp=2, etp=1, fp32)" and good.rows[4].detail.startswith("37 parameters, ")
+    # --ep 2 (refused before): each rank's experts hold both ranks' tokens until DDP's 1/ep scaling, which the
+    # check applies (without it the experts' gradients are 2x: relative 1; measured 5.3e-7 with it)
+    ep2 = _check(env, hf, ep=2, etp=1, grads=True, round_trip=False)
+    assert ep2.ok and ep2.rows[-1].step == "gradients (tp=1, ep=2, etp=1, fp32)", ep2.rows
+    assert ep2.rows[-1].detail.startswith("37 parameters, "), ep2.rows[-1]
     # the missing mapping row last: its conversion fails in the ranks, and a failed job takes the pool down
     for bug in sorted(PLANTED, key=lambda b: PLANTED[b][2] == "convert"):
         _assert_localised(_check(env, hf, bug, tp=2, etp=1, round_trip=bug == "sinks"), bug)

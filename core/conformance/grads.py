@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GRAD_RTOL", "grad_weights", "finalize_tp_grads", "mcore_grads", "hf_checkpoint_grads", "compare_grads",
+__all__ = ["GRAD_RTOL", "grad_weights", "finalize_tp_grads", "scale_expert_grads", "mcore_grads", "hf_checkpoint_grads", "compare_grads",
            "gradient_problem", "check_update_groups_reach_rollout", "RecordingEngine"]
 
 #: relative tolerance of the gradient comparison (fp32): max |megatron - HF| / max |HF| per HF tensor, as the
@@ -66,6 +66,33 @@ def finalize_tp_grads(model) -> None:
                                                    parallel_state.get_tensor_model_parallel_group())
 
 
+def scale_expert_grads(params) -> None:
+    """At expert parallelism ``ep`` > 1 (and TP 1), divide each routed-expert gradient by ``ep``, the factor megatron's
+    DDP applies to it in a training step when every rank ran the same batch (as the checks run it).
+
+    A rank's expert receives the tokens of every rank of its expert-parallel group, so its raw gradient is ``ep``
+    times the one batch's; DDP scales expert gradients by ``1 / dp`` and sums them over the expert-data-parallel
+    group (``dp / ep`` ranks at TP 1): ``ep * g / dp * dp / ep = g``. Expert parameters are those megatron's DDP
+    treats so (``allreduce`` False). No-op at ``ep`` 1.
+
+    Raises:
+        ValueError: ``ep`` > 1 together with TP > 1 (how megatron's dispatcher shares the TP ranks' tokens among the
+            experts then is not reproduced here).
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep <= 1:
+        return
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        raise ValueError(f"gradients at ep={ep} are checked at tp=1 only")
+    for p in params:
+        if p.grad is not None and not getattr(p, "allreduce", True):
+            p.grad.div_(ep)
+
+
 def mcore_grads(model, family: str, hf_config: Mapping[str, Any], ids, *, table=None) -> dict | None:
     """Megatron's gradients of ``sum(logits * w)`` per HF tensor name, fp64 on CPU (rank 0; None elsewhere).
 
@@ -96,6 +123,7 @@ def mcore_grads(model, family: str, hf_config: Mapping[str, Any], ids, *, table=
         w = grad_weights(tuple(logits.shape)).to(device) * (logits.detach() > -1e30)
         (logits * w).sum().backward()
     finalize_tp_grads(model)
+    scale_expert_grads(params)
     saved = [p.data for p in params]
     try:
         for p in params:

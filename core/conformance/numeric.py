@@ -247,10 +247,12 @@ def logits_max_diff(family: str, out, ref) -> float:
 
 
 def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float = LOGITS_ATOL_FP32,
-                        seq_len: int | None = None) -> float:
+                        seq_len: int | None = None, train: dict | None = None) -> float:
     """Max |Megatron logits - HF logits| over a random batch at TP=1, fp32; returns it.
 
-    ``seq_len`` defaults to the family's ``TINY_TEST_SEQ_LEN`` (else 12 tokens).
+    ``seq_len`` defaults to the family's ``TINY_TEST_SEQ_LEN`` (else 12 tokens). ``train``: a dict that receives
+    :func:`check_training_step`'s result on the same two models (the kit's TP=1 run: one HF load and one megatron
+    build for both cases), ``{"error": "Type: message"}`` when it fails; filled before the logits are asserted.
 
     Raises:
         AssertionError: the difference exceeds ``atol``.
@@ -267,16 +269,23 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     hf_config = json.loads((src / "config.json").read_text())
     vocab = text_vocab_size(hf_config)
     ids = test_token_ids(vocab, seq_len)
+    table = registry.get_converter(family).resolved_mapping()
     hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
     with single_rank():
-        (model,) = _build(family, hf_config)
-        load_hf_into_mcore([model], src, registry.get_converter(family).resolved_mapping(), hf_config=hf_config)
+        # TRAIN_STEP_OVERRIDES: no random init (the weights are loaded), no auxiliary loss (the logits are the same)
+        (model,) = _build(family, hf_config, config_overrides=dict(TRAIN_STEP_OVERRIDES))
+        load_hf_into_mcore([model], src, table, hf_config=hf_config)
         model.eval()
         pos = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
         with torch.no_grad():
             out = model(ids, pos, attention_mask=None)[..., :vocab]
+        if train is not None:
+            try:
+                train.update(_training_step(family, model, hf, hf_config, src, ids, table))
+            except Exception as exc:  # noqa: BLE001 - the training case's result; the logits are asserted below
+                train.update(error=f"{type(exc).__name__}: {exc}")
     diff = logits_max_diff(family, out, ref)
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
     return diff
@@ -315,7 +324,6 @@ def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | 
     import torch
 
     from ferrule.contract import registry
-    from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
     from ferrule.megatron.weights import load_hf_into_mcore
 
     seq_len = seq_len or tiny_test_seq_len(family)
@@ -323,13 +331,20 @@ def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | 
     hf_config = json.loads((src / "config.json").read_text())
     ids = test_token_ids(text_vocab_size(hf_config), seq_len)
     table = registry.get_converter(family).resolved_mapping()
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
     with single_rank():
         (model,) = _build(family, hf_config, config_overrides=dict(TRAIN_STEP_OVERRIDES))
         load_hf_into_mcore([model], src, table, hf_config=hf_config)
         model.eval()
-        mc_grads = mcore_grads(model, family, hf_config, ids, table=table)
-        synced = check_update_groups_reach_rollout([model], family, hf_config, src, groups=groups)
-    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
+        return _training_step(family, model, hf, hf_config, src, ids, table, groups=groups)
+
+
+def _training_step(family: str, model, hf, hf_config: dict, src: Path, ids, table, *, groups: Any = None) -> dict:
+    """:func:`check_training_step` on a loaded megatron ``model`` (TP=1, inside :func:`single_rank`) and HF model."""
+    from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
+
+    mc_grads = mcore_grads(model, family, hf_config, ids, table=table)
+    synced = check_update_groups_reach_rollout([model], family, hf_config, src, groups=groups)
     result = compare_grads(hf, ids, mc_grads)
     problem = gradient_problem(result)
     assert problem is None, (f"{family}: gradients (TP=1, fp32) differ from HF's: {problem}. The logits case checks "
