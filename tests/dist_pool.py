@@ -13,8 +13,12 @@ in both of its ranks with the same argv, environment and torchrun variables, ret
 One pool per test process (each pytest-xdist worker starts its own on first use). Isolation between
 jobs: megatron's model-parallel groups, every process group but the default one, ferrule's registry,
 ``os.environ``, ``sys.argv`` and ``sys.path`` are reset in the ranks after each job (``pool_rank.py``).
-A job that fails, or a test that ends while its job runs (a timeout, Ctrl-C), takes the pool down with
-it (killed as a process group); the next job starts a fresh one. The pool never outlives the test
+A job that fails in its ranks (an exception, a non-zero exit) keeps the pool when every rank has
+finished: the ranks replace their default process group and take the next job (a fresh pool costs two
+interpreter starts, ~25 s on the 2-core machine; tests that check planted mistakes fail a job on purpose).
+A rank that does not finish within :data:`FAILED_RANK_GRACE_S` of the other's failure (it waits in a
+collective), a rank that crashes, a failed recovery, or a test that ends while its job runs (a timeout,
+Ctrl-C) takes the pool down with it (killed as a process group); the next job starts a fresh one. The pool never outlives the test
 process: torchrun's agent gets SIGKILL when it dies (``PR_SET_PDEATHSIG``) and the ranks leave when
 its pid is gone. Tests about process behaviour itself (a rank that dies, signals, torchrun's own exit
 codes) keep their own ``torchrun`` (``tests/test_process_policy.py`` lists them).
@@ -37,6 +41,8 @@ RANK_PROGRAM = ROOT / "tests" / "dist" / "pool_rank.py"
 NPROC = 2
 START_TIMEOUT_S = 240.0
 FAILED_RANK_GRACE_S = 5.0
+#: seconds the ranks may take to replace their default process group after a failed job (milliseconds when idle)
+RECOVER_TIMEOUT_S = 60.0
 POLL_S = 0.02
 #: a rank with more OS threads than this after a job's reset is replaced before the next job: some jobs leave
 #: process groups that torch no longer lists but something still references, and their gloo threads stay
@@ -69,6 +75,7 @@ class DistPool:
         self.next_job = 0
         self.starts = 0
         self.jobs_run = 0
+        self.recoveries = 0
         # the environment the ranks start from: the session's, as it is when the fixture is made (a pool first
         # started inside a test's `inproc.environment(...)` would otherwise keep that test's PYTHONPATH, and a
         # plugin module found through it would stay imported with the first job's variables)
@@ -165,13 +172,14 @@ class DistPool:
         deadline = time.monotonic() + timeout
         done: dict[int, int] = {}
         threads: dict[int, int] = {}
+        reset: dict[int, bool] = {}
         failed_at: float | None = None
         while len(done) < self.nproc:
             for r in range(self.nproc):
                 f = control / f"job-{n}.rank{r}.done"
                 if r not in done and f.exists():
                     report = json.loads(f.read_text())
-                    done[r], threads[r] = report["rc"], report.get("threads", 0)
+                    done[r], threads[r], reset[r] = report["rc"], report.get("threads", 0), report.get("reset", False)
                     if done[r] != 0 and failed_at is None:
                         failed_at = time.monotonic()
             if len(done) == self.nproc:
@@ -193,10 +201,26 @@ class DistPool:
             missing = sorted(set(range(self.nproc)) - set(done))
             launch = (control / "launch.log").read_text()[-3000:]
             err += f"\n[dist_pool] rank(s) {missing} did not finish; launch log:\n{launch}"
-        if rc != 0 or max(threads.values(), default=0) > MAX_RANK_THREADS:
-            self._kill()  # a failed job, or ranks whose leaked gloo threads would slow every later job
+        if max(threads.values(), default=0) > MAX_RANK_THREADS:
+            self._kill()  # ranks whose leaked gloo threads would slow every later job
+        elif rc != 0 and not (len(done) == self.nproc and all(reset.values()) and self._recover(control, n)):
+            self._kill()  # a rank still in the job (a collective the failed one never joined), or no recovery
+        elif rc == 0:
+            (control / f"job-{n}.next").write_text("")
         self.jobs_run += 1
         return subprocess.CompletedProcess(["dist_pool", *job["argv"]], rc, out, err)
+
+    def _recover(self, control: Path, n: int) -> bool:
+        """After failed job ``n`` that every rank finished: let the ranks replace their default process group
+        (``pool_rank._renew_world``); True once every rank says it has, False if the launch ended or timed out."""
+        (control / f"job-{n}.recover").write_text("")
+        deadline = time.monotonic() + RECOVER_TIMEOUT_S
+        while not all((control / f"job-{n}.rank{r}.recovered").exists() for r in range(self.nproc)):
+            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        self.recoveries += 1
+        return True
 
     def _collect(self, control: Path, n: int) -> tuple[str, str]:
         outs, errs = [], []
