@@ -12,13 +12,14 @@ import time
 
 import pytest
 
-from ferrule import hookimpl, registry
-from ferrule.registry import DuplicateClaimError, Registry, UnknownModelError
+from ferrule import hookimpl
+from ferrule.contract import registry
+from ferrule.contract.registry import DuplicateClaimError, Registry, UnknownModelError
 from ferrule.rl.envs import ModelTurn, Observation, StepResult
 from ferrule.rl.envs.base import check_observation, check_step_result
 from ferrule.rl.envs.bounded import call_bounded
 from ferrule.rl.envs.builtin import GuessNumber, ToolArithmetic, calculate
-from ferrule.tool_calls import ParsedTurn, ToolCall, parse_hermes
+from ferrule.chat.tool_calls import ParsedTurn, ToolCall, parse_hermes
 
 TIMEOUT_S = 0.3
 
@@ -26,7 +27,7 @@ TIMEOUT_S = 0.3
 class _EnvPlugin:
     @hookimpl
     def register_environments(self):
-        from ferrule.specs import EnvironmentSpec
+        from ferrule.contract.specs import EnvironmentSpec
 
         return [EnvironmentSpec(name="echo", factory="ferrule.rl.envs.builtin:GuessNumber")]
 
@@ -34,9 +35,9 @@ class _EnvPlugin:
 class _ParserPlugin:
     @hookimpl
     def register_tool_parsers(self):
-        from ferrule.specs import ToolParserSpec
+        from ferrule.contract.specs import ToolParserSpec
 
-        return [ToolParserSpec(family="*", parse="ferrule.tool_calls:parse_hermes"),
+        return [ToolParserSpec(family="*", parse="ferrule.chat.tool_calls:parse_hermes"),
                 ToolParserSpec(family="demo", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
 
 
@@ -53,10 +54,10 @@ def _registry_with(*objs) -> Registry:
 def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     names = [s.name for s in registry.list_environments()]
     assert names == ["guess_number", "textarena", "tool_arithmetic", "verifiers"]
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
-    assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"
+    assert registry.get_tool_parser("qwen3").parse == "ferrule.chat.tool_calls:parse_hermes"
     for family in ("inkling", "inkling2", "inkling2_text", "inkling2_loop"):  # every TMLv0 family
         assert registry.get_tool_parser(family).parse == "ferrule.tmlv0.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
@@ -123,7 +124,7 @@ def _assistant_turn(template: str, tokenizer, calls, content: str = "") -> str:
     """The text of an assistant turn with ``calls``, as the family's template renders it after the
     generation prompt (the model's side of the conversation), stop token removed."""
     from ferrule.chat import render_chat
-    from ferrule.tool_calls import openai_tool_calls
+    from ferrule.chat.tool_calls import openai_tool_calls
 
     user = [{"role": "user", "content": "hi"}]
     prefix = render_chat(template, user, add_generation_prompt=True, tokenizer=tokenizer)

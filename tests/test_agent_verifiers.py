@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 
 from ferrule.rl.envs import ModelTurn
-from ferrule.tool_calls import parse_hermes
+from ferrule.chat.tool_calls import parse_hermes
 
 HAVE_VF = importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec("vf_guess_number") is not None
 

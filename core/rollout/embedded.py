@@ -69,9 +69,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _resolve_model_class(hf_config: Any) -> Any:
-    """The transformers class the family registers (:func:`ferrule.registry.hf_model_class`)."""
-    from ferrule import registry
-
+    """The transformers class the family registers (:func:`ferrule.contract.registry.hf_model_class`)."""
+    from ferrule.contract import registry
     return registry.hf_model_class(hf_config)
 
 
@@ -83,10 +82,9 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
             model class explicitly pass ``"sdpa"``); None raises.
 
     Raises:
-        ferrule.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
+        ferrule.contract.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
     """
-    from ferrule import registry
-
+    from ferrule.contract import registry
     try:
         return registry.family_for_hf_config(hf_config.to_dict()).attn_implementation
     except registry.UnknownModelError:
@@ -640,6 +638,23 @@ class EmbeddedEngine(EmbeddedMultiLora):
         if self.asleep or self._closed:
             return None
         return self._checkpoint_tensors()
+
+    def direct_lora_targets(self, peft_config: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The served adapter's parameters, PEFT saved name -> tensor (live, contiguous), for a writer in
+        this process (:func:`ferrule.sync.sync_lora_adapter`'s direct path); None where
+        :meth:`update_lora_adapter` must run instead: no adapter served (the first one is injected
+        there), ``peft_config`` not the served adapter's config (a change is checked there), the engine
+        asleep or shut down.
+
+        Writing the tensors in place is what :meth:`update_lora_adapter` does for a served adapter,
+        without its validation, casts and stream synchronisation; the dict is the same object for as
+        long as the adapter is served (a writer caching views compares it by identity). The writer
+        must call :meth:`set_weights_version` after its copies (a merged copy of the adapter is then
+        merged again on the next ``generate``).
+        """
+        if self._lora is None or self._closed or self.asleep or dict(peft_config) != self._lora.config:
+            return None
+        return self._lora.targets
 
     def set_weights_version(self, version: int) -> None:
         """Record ``version`` after a direct write (:meth:`direct_weight_targets`).

@@ -8,7 +8,7 @@ from ferrule import hookimpl
 
 @hookimpl
 def register_environments():
-    from ferrule.specs import EnvironmentSpec
+    from ferrule.contract.specs import EnvironmentSpec
 
     b = "ferrule.rl.envs.builtin"
     return [EnvironmentSpec(name="tool_arithmetic", factory=f"{b}:ToolArithmetic",
