@@ -213,8 +213,7 @@ def _no_process_group_from_an_earlier_file():
 
 @pytest.fixture(autouse=True)
 def _fresh_registry():
-    from ferrule import registry
-
+    from ferrule.contract import registry
     registry.reset_registry()
     yield
     registry.reset_registry()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -76,6 +77,17 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> floa
     return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
 
 
+def step_bytes(model, batch: int, filled: float) -> tuple[int, float]:
+    """Bytes one decode step must read at least: ``(weight bytes, KV bytes)``; every weight once
+    (a tied embedding once) and the K and V of ``filled`` slots per row on average, per layer."""
+    cfg = model.config
+    params = {p.data_ptr(): p for p in model.parameters()}.values()
+    esize = next(iter(params)).element_size()
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * d * esize * filled
+    return sum(p.numel() for p in params) * esize, kv_bytes
+
+
 def step_limit_ms(model, batch: int, filled: float) -> float:
     """Physical lower bound of one decode step (ms) on an H200: every weight byte and the filled KV
     cache (``filled`` slots per row on average) read once at 4.3 TB/s (the device-to-device copy
@@ -83,10 +95,8 @@ def step_limit_ms(model, batch: int, filled: float) -> float:
     larger."""
     cfg = model.config
     params = {p.data_ptr(): p for p in model.parameters()}.values()
-    esize = next(iter(params)).element_size()
-    weight_bytes = sum(p.numel() for p in params) * esize
+    weight_bytes, kv_bytes = step_bytes(model, batch, filled)
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_bytes = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * d * esize * filled
     matmul_params = sum(p.numel() for p in params if p.dim() == 2)  # tied embedding counted once: lm_head
     flops = 2 * batch * matmul_params + 4 * batch * cfg.num_hidden_layers * cfg.num_attention_heads * d * filled
     return max((weight_bytes + kv_bytes) / 4.3e12, flops / 790e12) * 1e3
@@ -230,23 +240,32 @@ def warmup_sequence(model, args) -> list[dict]:
     settings = RolloutEngineSettings() if args.decode_dynamic is None else \
         RolloutEngineSettings(decode_dynamic=args.decode_dynamic)
     engine = EmbeddedEngine(model=model, settings=settings)
+    t_build_s = time.perf_counter() - t_build
     print(f"engine built in {time.perf_counter() - t_build:.1f} s; settings {engine.settings.describe()}; "
           f"fast_decode={engine.fast_decode}; compile cache {engine.info()['compile_cache']}", flush=True)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    fixed = torch.randint(1, vocab, (256, args.prompt_len), generator=g).tolist()
+    k = max(1, args.warmup_div)  # --warmup-div: every batch size and token count divided (a CPU smoke run)
+    fixed = torch.randint(1, vocab, (256 // k, args.prompt_len), generator=g).tolist()
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(32, 257, (args.rl_prompts,), generator=g).tolist()
     rl = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
     stops = tuple(range(args.rl_stop_every, vocab, args.rl_stop_every))
-    shapes = [("256 x 256", fixed, SamplingParams(temperature=1.0, max_new_tokens=256, ignore_eos=True, seed=0)),
+
+    def sampled(rows, new):
+        return (f"{rows // k} x {new // k}", fixed[:rows // k],
+                SamplingParams(temperature=1.0, max_new_tokens=new // k, ignore_eos=True, seed=0))
+
+    shapes = [sampled(256, 256),
               (f"RL-shaped {args.rl_prompts} x {args.rl_n}", rl,
-               SamplingParams(temperature=1.0, max_new_tokens=512, n=args.rl_n, seed=0, stop_token_ids=stops)),
-              ("64 x 128", fixed[:64], SamplingParams(temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=0)),
+               SamplingParams(temperature=1.0, max_new_tokens=512 // k, n=args.rl_n, seed=0, stop_token_ids=stops)),
+              sampled(64, 128),
               # two more new rungs (8, 128) and a greedy call (another compiled variant: no sampling noise)
-              ("8 x 64", fixed[:8], SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)),
-              ("128 x 64", fixed[:128], SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)),
-              ("16 x 64 greedy", fixed[:16], SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True))]
+              sampled(8, 64), sampled(128, 64),
+              (f"{16 // k} x {64 // k} greedy", fixed[:16 // k],
+               SamplingParams(temperature=0.0, max_new_tokens=64 // k, ignore_eos=True))]
+    if args.warmup_shapes:  # a subset, by position in the list above (bench/bench_targets.py picks four)
+        shapes = [shapes[int(i)] for i in args.warmup_shapes.split(",")]
     rows, total_first = [], 0.0
     for label, reqs, params in shapes:
         times = []
@@ -266,6 +285,9 @@ def warmup_sequence(model, args) -> list[dict]:
                    distinct_shapes=info["distinct_shapes"])
         rows.append(row)
         print(row, flush=True)
+        if args.json_out:  # after every shape: a run cut off by a time limit keeps the shapes it finished
+            with open(args.json_out, "w") as f:
+                json.dump({"build_s": round(t_build_s, 2), "rows": rows}, f)
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     print(f"{device}: first calls {total_first:.1f} s in all (the whole sequence, steady calls and engine build "
           f"included, {time.perf_counter() - t_build:.1f} s)", flush=True)
@@ -328,6 +350,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-sequence", action="store_true",
                     help="issue 40's sequence on ONE engine with the product defaults: 256 x 256, the RL-shaped "
                          "load, then 64 x 128 (a new batch size); first call and steady rate of each")
+    ap.add_argument("--warmup-shapes", default=None,
+                    help="--warmup-sequence: comma-separated positions of the shapes to run (0: 256 x 256, 1: RL-shaped, "
+                         "2: 64 x 128, 3: 8 x 64, 4: 128 x 64, 5: 16 x 64 greedy; default all, in that order)")
+    ap.add_argument("--warmup-div", type=int, default=1,
+                    help="--warmup-sequence: divide every batch size and token count by this (a CPU smoke run)")
+    ap.add_argument("--json-out", default=None, help="--warmup-sequence: also write the rows to this JSON file")
     ap.add_argument("--decode-dynamic", choices=["all", "auto", "marked"], default=None,
                     help="--warmup-sequence: rollout_engine.decode_dynamic (default: the product default)")
     args = ap.parse_args(argv)

@@ -53,6 +53,24 @@ QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
 #: TrainEngineSettings of ``ferrule_plain``: every fast path off
 PLAIN = dict(fused_logprobs=False, cuda_fusions=False, packed_sequences=False, grad_accum_fusion=False,
              lean_activations=False, logprob_one_pass=False, fused_adam=False)
+#: ``--tiny``: a code-path smoke run (CPU ok, fp32; Liger modes skipped without CUDA; times meaningless)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
+#: the model shape, device and dtype of this run (``--tiny`` switches them)
+SHAPE, DEVICE, DTYPE = QWEN2_05B, "cuda", "bfloat16"
+
+
+def _cuda() -> bool:
+    return DEVICE == "cuda"
+
+
+def _sync() -> None:
+    import torch
+
+    if _cuda():
+        torch.cuda.synchronize()
+
+
 #: H200 SXM dense bf16 peak (NVIDIA datasheet), FLOP/s.
 H200_PEAK = 989e12
 
@@ -67,21 +85,23 @@ def _time_steps(step, warmup: int, iters: int) -> tuple[float, float, float, flo
     parameters, gradient buffers and optimizer state, the resident part; the first step's seconds)."""
     import torch
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync()
+    if _cuda():
+        torch.cuda.reset_peak_memory_stats()
     resident = 0.0
     times = []
     for i in range(warmup + iters):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         if i == 0:
-            resident = torch.cuda.memory_allocated() / 2**30
+            resident = torch.cuda.memory_allocated() / 2**30 if _cuda() else float("nan")
             first = time.perf_counter() - t0
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, resident, first
+    peak = torch.cuda.max_memory_allocated() / 2**30 if _cuda() else float("nan")
+    return statistics.median(times), peak, resident, first
 
 
 def _hf_mode(hf_dir: Path, tokens, liger: bool):
@@ -92,11 +112,11 @@ def _hf_mode(hf_dir: Path, tokens, liger: bool):
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
         apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                             use_kernels=False).cuda()  # no `kernels` hub fetch (transformers 5.25)
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, DTYPE), attn_implementation="sdpa",
+                                             use_kernels=False).to(DEVICE)  # no `kernels` hub fetch (transformers 5.25)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    x = tokens.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=_cuda())
+    x = tokens.to(DEVICE)
 
     def step():
         out = model(input_ids=x[:, :-1], labels=x[:, :-1].clone())
@@ -116,10 +136,10 @@ def _hf_padded_mode(hf_dir: Path, seqs, per_micro: int):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                             use_kernels=False).cuda()  # no `kernels` hub fetch (transformers 5.25)
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, DTYPE), attn_implementation="sdpa",
+                                             use_kernels=False).to(DEVICE)  # no `kernels` hub fetch (transformers 5.25)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=_cuda())
     order = sorted(seqs, key=len)
     micro = []
     for i in range(0, len(order), per_micro):
@@ -130,7 +150,7 @@ def _hf_padded_mode(hf_dir: Path, seqs, per_micro: int):
         mask = torch.zeros((len(group), n), dtype=torch.long)
         for r, x in enumerate(group):
             ids[r, :len(x) - 1], labels[r, :len(x) - 1], mask[r, :len(x) - 1] = x[:-1], x[:-1], 1
-        micro.append((ids.cuda(), labels.cuda(), mask.cuda()))
+        micro.append((ids.to(DEVICE), labels.to(DEVICE), mask.to(DEVICE)))
 
     def step():
         for ids, labels, mask in micro:
@@ -148,7 +168,7 @@ def _ferrule_engine(hf_dir: Path, max_tokens: int | None, settings):
     from ferrule.megatron.engine import OptimizerSettings, TrainEngine
     from ferrule.megatron.parallel import ParallelLayout
 
-    return TrainEngine.from_hf(hf_dir, ParallelLayout(), params_dtype=torch.bfloat16,
+    return TrainEngine.from_hf(hf_dir, ParallelLayout(), params_dtype=getattr(torch, DTYPE),
                                optimizer=OptimizerSettings(lr=1e-5, clip_grad=1.0),
                                max_tokens_per_microbatch=max_tokens, settings=settings)
 
@@ -177,9 +197,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA ops of one ferrule step")
     ap.add_argument("--append-docs", action="store_true")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny model, fp32, CPU unless CUDA is present (a smoke run of the code path; times meaningless)")
     ap.add_argument("--train-setting", action="append", default=[], metavar="KEY=VALUE",
                     help="a train_engine setting for the ferrule modes (default: the product defaults), repeatable")
     args = ap.parse_args()
+    global SHAPE, DEVICE, DTYPE
+    if args.tiny:
+        import torch
+
+        SHAPE, DTYPE = TINY, "float32"
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     from ferrule.engine_settings import TrainEngineSettings
     from ferrule.rl.config import config_from_dict
 
@@ -192,20 +220,24 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results: dict[str, dict] = {}
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, QWEN2_05B["vocab_size"], (args.batch, args.seq + 1), generator=g)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.seq + 1), generator=g)
     lens = torch.randint(args.rl_min, args.rl_max + 1, (args.rl_batch,), generator=g)
-    rl_seqs = [torch.randint(0, QWEN2_05B["vocab_size"], (int(n) + 1,), generator=g) for n in lens]
+    rl_seqs = [torch.randint(0, SHAPE["vocab_size"], (int(n) + 1,), generator=g) for n in lens]
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "qwen2_0.5b"
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).to(torch.bfloat16).save_pretrained(hf_dir)
+        Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(getattr(torch, DTYPE)).save_pretrained(hf_dir)
         n_params = None
         engine = None
         for mode in modes:
             gc.collect()
-            torch.cuda.empty_cache()
+            if _cuda():
+                torch.cuda.empty_cache()
             if mode in ("hf", "hf_liger", "hf_liger_rl"):
                 if mode.startswith("hf_liger"):
+                    if not _cuda():
+                        print(f"{mode}: Liger's kernels need CUDA; skipped")
+                        continue
                     try:
                         import liger_kernel  # noqa: F401
                     except ImportError:
@@ -225,7 +257,8 @@ def main() -> None:
                 if engine is None or getattr(engine, "_bench_plain", None) != want_plain:
                     engine = None
                     gc.collect()
-                    torch.cuda.empty_cache()
+                    if _cuda():
+                        torch.cuda.empty_cache()
                     settings = TrainEngineSettings(**PLAIN) if want_plain else product
                     engine = _ferrule_engine(hf_dir, args.max_tokens, settings)
                     engine._bench_plain = want_plain
@@ -247,7 +280,7 @@ def main() -> None:
                     engine.optim_step()
             med, peak, resident, first = _time_steps(step, args.warmup, args.iters)
             tps = real / med
-            mfu = tps * _flops_per_token(QWEN2_05B, args.seq, n_params) / H200_PEAK
+            mfu = tps * _flops_per_token(SHAPE, args.seq, n_params) / H200_PEAK
             results[mode] = {"step_s": round(med, 4), "tok_s": round(tps), "peak_gib": round(peak, 1),
                              "resident_gib": round(resident, 2), "first_step_s": round(first, 2),
                              "mfu": round(mfu, 3), "tokens": real}

@@ -167,10 +167,10 @@ def _layout_label(layout_kw: dict) -> str:
 
 def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
     """Family, translation and layout check; raises for bad input (exit 2)."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.config_translation import parse_hf_config
     from ferrule.megatron.gpt_builder import check_family_layout
-    from ferrule.specs import DEFAULT_PROVIDER_BUILD
+    from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD
     from ferrule.megatron.parallel import ParallelLayout
 
     if not (hf_dir / "config.json").is_file():
@@ -215,7 +215,7 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``hf_dir``.
-        ferrule.registry.UnknownModelError: no family for the config (or ``family``).
+        ferrule.contract.registry.UnknownModelError: no family for the config (or ``family``).
         ferrule.config_translation.ConfigTranslationError: the family cannot translate the config.
         ValueError: ``tp`` cannot split the model (heads / KV groups); the layout does not fit the model or
             the family's ``layouts`` (``ferrule.megatron.parallel.ParallelLayoutError``).

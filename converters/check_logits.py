@@ -141,7 +141,7 @@ def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
     (:func:`_finalize_tp_grads`). A parameter without a gradient exports as zeros."""
     import torch
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.fields import text_vocab_size
     from ferrule.megatron.weights import export_mcore_to_hf
 
@@ -174,7 +174,7 @@ def _update_groups(model, family: str) -> dict:
     """The family's update-group table on this model's parameters (:func:`ferrule.conformance.numeric.
     update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
     weight sync would never send it) fails the check, not only the kit."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.numeric import update_unit_problems
     from ferrule.megatron.weights import global_param_names
 

@@ -74,7 +74,7 @@ def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> in
 def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
     """Fail fast (before any worker process starts) when the layout cannot split this model or the family
     does not support it (:func:`ferrule.megatron.gpt_builder.check_family_layout`)."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.gpt_builder import check_family_layout
 
     translation = registry.get_converter(family).resolved_config_translation()
@@ -125,7 +125,7 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
 def _family_parts(hf_config: dict, family_name: str | None = None) -> tuple[Any, Any, Any]:
     """(family spec, provider build callable with towers, mapping table) from the registry: the family
     ``family_name`` when given, else the one ``hf_config`` resolves to."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.provider import provider_build
 
     family = registry.get_family(family_name) if family_name else registry.family_for_hf_config(hf_config)
@@ -285,7 +285,7 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
             OUT_DIR (needed ~N MB, free M MB)"; nothing is left behind.
         CheckpointError: missing ``config.json``, missing/truncated shard; a provider parameter its model's
             ``sharded_state_dict()`` does not return (named: the checkpoint would lack it).
-        ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
+        ferrule.contract.registry.UnknownModelError: no plugin supports the ``model_type``.
         ferrule.megatron.parallel.ParallelLayoutError: an invalid layout.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
         ferrule.mapping.MappingError: missing / extra HF keys or shape mismatches (all listed).
@@ -418,8 +418,7 @@ def torch_dist_to_hf_bytes(meta: dict) -> int | None:
 
 def _recorded_family(meta: dict) -> str | None:
     """The family ``ferrule_checkpoint.json`` names, when it is registered (else None: the config decides)."""
-    from ferrule import registry
-
+    from ferrule.contract import registry
     name = meta.get("family")
     return name if isinstance(name, str) and name in registry.get_registry().families else None
 
@@ -467,7 +466,7 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             tensors the table ignores (``Ignore`` rows) without ``unused_by_hf=True`` (the export would lack
             tensors transformers loads; all are named, nothing is written).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-        ferrule.registry.UnknownModelError: the stored config's model_type is unsupported.
+        ferrule.contract.registry.UnknownModelError: the stored config's model_type is unsupported.
         CheckpointError: model tensors missing from the torch_dist files, or tensors there that
             belong to no model parameter (all counted, the first few named).
         ferrule.megatron.checkpoint.CheckpointMismatchError: a tensor's shape does not match the

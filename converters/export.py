@@ -77,8 +77,7 @@ def merge_peft_adapter(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike
     import torch
     from transformers import AutoConfig
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     hf_dir, adapter_dir = Path(hf_dir), Path(adapter_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {list(EXPORT_DTYPES)}")

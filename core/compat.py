@@ -59,6 +59,16 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.conformance_media": "ferrule.conformance.media",
     "ferrule.conformance_fields": "ferrule.conformance.fields",
     "ferrule.conformance_build": "ferrule.conformance.build",
+    # the plugin contract as one package (issue 43, round 2); plugin_loading merged back into the registry
+    # it was split from for its line count
+    "ferrule.specs": "ferrule.contract.specs",
+    "ferrule.variants": "ferrule.contract.variants",
+    "ferrule.hookspecs": "ferrule.contract.hookspecs",
+    "ferrule.hook_parts": "ferrule.contract.hook_parts",
+    "ferrule.registry": "ferrule.contract.registry",
+    "ferrule.plugin_loading": "ferrule.contract.registry",
+    # the chat format together: templates (ferrule.chat) and tool-call parsing
+    "ferrule.tool_calls": "ferrule.chat.tool_calls",
     # family files named by role (issue 43)
     "ferrule.plugins.inkling.inkling_mm": "ferrule.plugins.inkling.inkling",
     "ferrule.plugins.inkling2.inkling2_mm": "ferrule.plugins.inkling2.inkling2",

@@ -1,7 +1,7 @@
 """Media beside tokens: the format every layer shares, its checks, and placeholder expansion.
 
 A prompt with media is token ids plus ``media = {modality: [item, ...]}`` (modalities of
-:data:`ferrule.specs.TOWER_MODALITIES`), items in order of appearance. An item is one media part
+:data:`ferrule.contract.specs.TOWER_MODALITIES`), items in order of appearance. An item is one media part
 already preprocessed for the family's tower (e.g. Inkling: an image as ``pixel_values``
 ``[n_patches, 2, P, P, 3]``, an audio clip as dMel ids ``[n_frames, 80]``); its dim 0 is the number
 of placeholder tokens it fills, or, for a tower with ``TowerSpec.item_token_dims = k > 1``, the
@@ -173,7 +173,7 @@ def message_media(messages: Sequence[Mapping[str, Any]], towers: Sequence[Any], 
             tower (or no ``preprocess``) for, or a part its ``preprocess`` rejects (corrupt file,
             wrong sampling rate, ...).
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     by_type = {t: m for m, types in MEDIA_PART_TYPES.items() for t in types}
     specs = {s.modality: s for s in towers}
@@ -208,8 +208,7 @@ def message_media(messages: Sequence[Mapping[str, Any]], towers: Sequence[Any], 
 def towers_for_config(hf_config: Mapping[str, Any]) -> dict[str, tuple[Any, None, int]]:
     """``{modality: (TowerSpec, None, placeholder id)}`` of the family claiming ``hf_config`` (empty if
     none claims it or it has no towers)."""
-    from ferrule import registry
-
+    from ferrule.contract import registry
     try:
         specs = registry.get_towers(registry.family_for_hf_config(dict(hf_config)).name)
     except registry.UnknownModelError:
@@ -244,7 +243,7 @@ def hf_media_inputs(towers: Mapping[str, tuple[Any, Any, int]], media: Mapping[s
     Raises:
         ValueError: a tower declares neither.
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     out = {}
     for modality, items in media.items():

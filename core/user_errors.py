@@ -26,8 +26,8 @@ __all__ = ["USER_ERRORS", "user_error_message", "exit_on_user_errors", "print_us
 #: Exception classes that mean "the input is wrong" (message is what the user must read).
 USER_ERRORS: tuple[str, ...] = (
     "ferrule.rl.config_types:ConfigError",                # train config: every problem listed
-    "ferrule.registry:PluginError",                       # unknown model_type, broken / incomplete plugin
-    "ferrule.specs:SpecError",                            # a plugin's spec is malformed
+    "ferrule.contract.registry:PluginError",                       # unknown model_type, broken / incomplete plugin
+    "ferrule.contract.specs:SpecError",                            # a plugin's spec is malformed
     "ferrule.mapping:MappingError",                       # checkpoint keys / shapes do not fit the table
     "ferrule.config_translation:ConfigTranslationError",  # HF config.json cannot be translated
     "ferrule.chat:ChatTemplateError",

@@ -56,8 +56,7 @@ def environment(env: dict[str, str] | None) -> Iterator[None]:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     saved_env, saved_path, saved_cwd = dict(os.environ), list(sys.path), os.getcwd()
     saved_threads = torch.get_num_threads()
     saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -1,7 +1,7 @@
 """Small plugin objects used by tests/test_registry.py (loaded through fake entry points)."""
 
 from ferrule import hookimpl
-from ferrule.specs import (
+from ferrule.contract.specs import (
     ConverterSpec,
     FamilyStatus,
     ModelFamilySpec,
@@ -110,7 +110,7 @@ class FeaturesPlugin:
 
     @hookimpl
     def register_lora_appliers(self):
-        from ferrule.specs import LoRAApplierSpec
+        from ferrule.contract.specs import LoRAApplierSpec
 
         ref = "os.path:join"
         return [LoRAApplierSpec(kind="attention", family="*", apply=ref, export=ref, load=ref),
@@ -119,14 +119,14 @@ class FeaturesPlugin:
 
     @hookimpl
     def register_chat_templates(self):
-        from ferrule.specs import ChatTemplateSpec
+        from ferrule.contract.specs import ChatTemplateSpec
 
         return [ChatTemplateSpec(name="mm_chat", family="mm", template="ferrule.plugins.qwen:templates/x.jinja",
                                  stop_tokens=("<end>",))]
 
     @hookimpl
     def register_towers(self):
-        from ferrule.specs import TowerSpec
+        from ferrule.contract.specs import TowerSpec
 
         return [TowerSpec(family="mm", modality="vision", build="os.path:join", placeholder_token_id=5),
                 TowerSpec(family="mm", modality="audio", build="os.path:join", placeholder_token_id=6)]
@@ -135,7 +135,7 @@ class FeaturesPlugin:
 class SecondTowerPlugin:
     @hookimpl
     def register_towers(self):
-        from ferrule.specs import TowerSpec
+        from ferrule.contract.specs import TowerSpec
 
         return [TowerSpec(family="mm", modality="vision", build="os.path:join", placeholder_token_id=9)]
 
@@ -150,7 +150,7 @@ class CommandPlugin:
 
     @hookimpl
     def register_commands(self):
-        from ferrule.specs import CommandSpec
+        from ferrule.contract.specs import CommandSpec
 
         return [CommandSpec(name="hello", app="plugin_samples:hello_command", help="Say hello.")]
 
@@ -160,7 +160,7 @@ class ShadowingCommandPlugin:
 
     @hookimpl
     def register_commands(self):
-        from ferrule.specs import CommandSpec
+        from ferrule.contract.specs import CommandSpec
 
         return [CommandSpec(name="convert", app="plugin_samples:hello_command")]
 
@@ -168,7 +168,7 @@ class ShadowingCommandPlugin:
 class BrokenCommandPlugin:
     @hookimpl
     def register_commands(self):
-        from ferrule.specs import CommandSpec
+        from ferrule.contract.specs import CommandSpec
 
         return [CommandSpec(name="broken", app="no_such_module_xyz:app")]
 

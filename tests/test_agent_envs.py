@@ -12,13 +12,14 @@ import time
 
 import pytest
 
-from ferrule import hookimpl, registry
-from ferrule.registry import DuplicateClaimError, Registry, UnknownModelError
+from ferrule import hookimpl
+from ferrule.contract import registry
+from ferrule.contract.registry import DuplicateClaimError, Registry, UnknownModelError
 from ferrule.rl.envs import ModelTurn, Observation, StepResult
 from ferrule.rl.envs.base import check_observation, check_step_result
 from ferrule.rl.envs.bounded import call_bounded
 from ferrule.rl.envs.builtin import GuessNumber, ToolArithmetic, calculate
-from ferrule.tool_calls import ParsedTurn, ToolCall, parse_hermes
+from ferrule.chat.tool_calls import ParsedTurn, ToolCall, parse_hermes
 
 TIMEOUT_S = 0.3
 
@@ -26,7 +27,7 @@ TIMEOUT_S = 0.3
 class _EnvPlugin:
     @hookimpl
     def register_environments(self):
-        from ferrule.specs import EnvironmentSpec
+        from ferrule.contract.specs import EnvironmentSpec
 
         return [EnvironmentSpec(name="echo", factory="ferrule.rl.envs.builtin:GuessNumber")]
 
@@ -34,9 +35,9 @@ class _EnvPlugin:
 class _ParserPlugin:
     @hookimpl
     def register_tool_parsers(self):
-        from ferrule.specs import ToolParserSpec
+        from ferrule.contract.specs import ToolParserSpec
 
-        return [ToolParserSpec(family="*", parse="ferrule.tool_calls:parse_hermes"),
+        return [ToolParserSpec(family="*", parse="ferrule.chat.tool_calls:parse_hermes"),
                 ToolParserSpec(family="demo", parse="ferrule.tmlv0.tool_calls:parse_tmlv0")]
 
 
@@ -52,15 +53,15 @@ def _registry_with(*objs) -> Registry:
 
 def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     names = [s.name for s in registry.list_environments()]
-    assert names == ["guess_number", "textarena", "tool_arithmetic"]
-    from ferrule.specs import resolve_ref
+    assert names == ["guess_number", "textarena", "tool_arithmetic", "verifiers"]
+    from ferrule.contract.specs import resolve_ref
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
-    assert registry.get_tool_parser("qwen3").parse == "ferrule.tool_calls:parse_hermes"
+    assert registry.get_tool_parser("qwen3").parse == "ferrule.chat.tool_calls:parse_hermes"
     for family in ("inkling", "inkling2", "inkling2_text", "inkling2_loop"):  # every TMLv0 family
         assert registry.get_tool_parser(family).parse == "ferrule.tmlv0.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
-    with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic"):
+    with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic, verifiers"):
         registry.get_environment("nope")
 
 
@@ -123,7 +124,7 @@ def _assistant_turn(template: str, tokenizer, calls, content: str = "") -> str:
     """The text of an assistant turn with ``calls``, as the family's template renders it after the
     generation prompt (the model's side of the conversation), stop token removed."""
     from ferrule.chat import render_chat
-    from ferrule.tool_calls import openai_tool_calls
+    from ferrule.chat.tool_calls import openai_tool_calls
 
     user = [{"role": "user", "content": "hi"}]
     prefix = render_chat(template, user, add_generation_prompt=True, tokenizer=tokenizer)
@@ -273,3 +274,49 @@ def test_an_episode_that_would_outgrow_the_model_context_ends_before_the_turn():
     assert ep.truncated == "context" and ep.error is None and 2 <= ep.turns < 50
     assert max(seen) + 8 <= 200 and len(ep.prompt_ids) + len(ep.response_ids) + 8 > 200
     assert ep.messages[-1] == {"role": "user", "content": "5 is wrong: my number is higher."}
+
+
+def test_end_is_called_once_per_episode_however_it_ended_and_its_failure_changes_nothing():
+    """The optional ``end(state)`` (verifiers' adapter stops a verifiers episode with it): once per episode
+    that has a state, after the step's episodes are over, whether the episode ended by ``done``, by
+    ``agent.max_turns`` or by a crashing step; an ``end`` that raises leaves the episodes as they were."""
+    from ferrule.chat import stop_token_ids, tokenizer_for_template
+    from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
+    from ferrule.rollout import GenerateResult, SamplingParams
+
+    tokenizer = tokenizer_for_template("qwen2_5")
+    stops = stop_token_ids("qwen2_5", tokenizer)
+    turn = tuple(tokenizer.encode("5", add_special_tokens=False)) + (stops[0],)
+
+    class Engine:
+        def generate(self, requests, params):
+            return [GenerateResult(turn, (-0.5,) * len(turn), "stop", i, 0) for i in range(len(requests))]
+
+    class Ending(GuessNumber):  # item 0: guessed at once; item 1: never (max_turns); item 2: its step crashes
+        def __init__(self, fail_end):
+            super().__init__(high=16)
+            self.ended, self.fail_end = [], fail_end
+
+        def step(self, state, turn):
+            if state.secret == 3:
+                raise RuntimeError("scorer crashed")
+            return super().step(state, turn)
+
+        def end(self, state):
+            self.ended.append(state.secret)
+            if self.fail_end:
+                raise RuntimeError("end failed")
+
+    results = []
+    for fail_end in (False, True):
+        env = Ending(fail_end)
+        runner = EpisodeRunner(env, "guess_number", "qwen2_5", tokenizer, parse_hermes, stops,
+                               EpisodeLimits(max_turns=2, max_episode_tokens=1000, max_turn_tokens=8,
+                                             step_timeout_s=5.0))
+        eps = runner.run(Engine(), [(0, {"secret": 5}), (1, {"secret": 11}), (2, {"secret": 3})], 1, SamplingParams(),
+                         seed=0, step=1)
+        assert [(e.reward, e.truncated, e.error is None) for e in eps] == [(1.0, "", True), (0.0, "turns", True),
+                                                                           (0.0, "", False)]
+        assert sorted(env.ended) == [3, 5, 11]
+        results.append([(e.response_ids, e.reward, e.error) for e in eps])
+    assert results[0] == results[1]

@@ -77,12 +77,12 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def episodes(hf_dir):
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.chat import stop_token_ids
     from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
-    from ferrule.tool_calls import parse_hermes
+    from ferrule.chat.tool_calls import parse_hermes
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)

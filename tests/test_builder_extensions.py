@@ -144,8 +144,7 @@ def _qwen2_pair(tmp_path, **build_options):
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
     hf_config = json.loads((src / "config.json").read_text())
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    from ferrule import registry
-
+    from ferrule.contract import registry
     (model,) = registry.provider_build("qwen2")(hf_config, ParallelLayout(), **build_options)
     load_hf_into_mcore([model], src, qwen2.MAPPING, hf_config=hf_config)
     ids = cn.test_token_ids(hf_config["vocab_size"], 12)

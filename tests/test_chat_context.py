@@ -15,7 +15,7 @@ import copy
 import pytest
 
 from ferrule.chat import ChatTemplateError, render_chat, render_chat_ids
-from ferrule.specs import ChatTemplateSpec
+from ferrule.contract.specs import ChatTemplateSpec
 
 BOS = "<|endoftext|>"
 UNK = "<|fim_pad|>"
@@ -122,7 +122,7 @@ def test_template_reading_bos_without_tokenizer_is_an_error(specs):
 
 def test_qwen3_enable_thinking_from_the_train_config(tokenizer):
     """data.chat_template_kwargs reaches the template as apply_chat_template's kwargs."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.plugins.qwen.tokenizer import load_qwen3_tokenizer
     from ferrule.rl.config import load_config
     from ferrule.rl.loop import prompt_token_ids

@@ -30,8 +30,7 @@ def test_plugins_lists_in_tree_families(monkeypatch):
 def test_plugins_reports_a_broken_plugin(monkeypatch):
     from importlib import metadata
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     real = metadata.entry_points
 
     def fake(group):
@@ -100,8 +99,7 @@ def test_train_resume_without_checkpoint_is_an_error(tmp_path):
 def _command_registry(monkeypatch, **eps):
     from importlib import metadata
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     fake = [metadata.EntryPoint(name=n, value=v, group="ferrule") for n, v in eps.items()]
     monkeypatch.setattr(registry.metadata, "entry_points", lambda group: fake if group == "ferrule" else [])
     monkeypatch.delenv("FERRULE_PLUGINS", raising=False)
@@ -165,8 +163,7 @@ def test_broken_plugin_command_is_reported_not_fatal(monkeypatch):
 
 def test_assets_command_comes_from_the_llama_example():
     """`ferrule assets` is mounted from ferrule-llama's register_commands (not from ferrule's core)."""
-    from ferrule import registry
-
+    from ferrule.contract import registry
     (spec,) = [c for c in registry.list_commands() if c.name == "assets"]
     assert spec.app == "ferrule_llama.cli_assets:assets_app"
     assert registry.get_registry().owners[("CLI command", "assets")] == "ferrule-llama"

@@ -96,8 +96,7 @@ def _hf_and_mcore(tmp_path, family_module, config_json: dict, hf_cls):
     cn_dir = cn.tiny_hf_dir(family_module.CONFIG_TRANSLATION.name, tmp_path / "hf")
     (cn_dir / "config.json").write_text(json.dumps(config_json))
     hf = getattr(transformers, hf_cls).from_pretrained(cn_dir, dtype=torch.float32).eval()
-    from ferrule import registry
-
+    from ferrule.contract import registry
     (model,) = registry.provider_build(family_module.CONFIG_TRANSLATION.name)(config_json, ParallelLayout())
     load_hf_into_mcore([model], cn_dir, family_module.MAPPING, hf_config=config_json)
     return hf, model.eval()

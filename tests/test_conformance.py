@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ferrule.plugins.qwen import qwen3
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 from ferrule.conformance.kit import FamilyConformance, run_conformance_check
 
 

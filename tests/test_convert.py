@@ -138,7 +138,7 @@ def test_a_shard_tensor_the_index_omits_is_refused_naming_it(qwen2_dir, tmp_path
 
 
 def test_unsupported_model_type(qwen2_dir, tmp_path):
-    from ferrule.registry import UnknownModelError
+    from ferrule.contract.registry import UnknownModelError
 
     bad = _copy(qwen2_dir, tmp_path / "hf")
     cfg = json.loads((bad / "config.json").read_text())

@@ -236,7 +236,7 @@ def test_ferrule_check_family_is_the_family_of_the_conversion(qwen2_dir, tmp_pat
     and the logits all use F. Before, the conversion resolved the family from config.json and failed."""
     import dataclasses
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.converters.check import run_check
 
     reg = registry.get_registry()

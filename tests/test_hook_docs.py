@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ferrule import hookspecs
-from ferrule.hook_parts import ALL_HOOKS, HOOK_PARTS
+from ferrule.contract import hookspecs
+from ferrule.contract.hook_parts import ALL_HOOKS, HOOK_PARTS
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = [f for n, f in vars(hookspecs).items() if inspect.isfunction(f) and f.__module__ == hookspecs.__name__]
@@ -22,7 +22,7 @@ def _signature(fn) -> str:
 
 
 def test_hookspecs_match_the_hook_parts_table():
-    """The one table (ferrule.hook_parts) and the hookspec module list the same hooks, and each
+    """The one table (ferrule.contract.hook_parts) and the hookspec module list the same hooks, and each
     collect hook is annotated with the spec type its table row expects."""
     assert sorted(f.__name__ for f in HOOKS) == sorted(ALL_HOOKS)
     for part in HOOK_PARTS:

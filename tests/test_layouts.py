@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ferrule.specs import LayoutSupport, ModelFamilySpec, SpecError
+from ferrule.contract.specs import LayoutSupport, ModelFamilySpec, SpecError
 
 #: the tiny Qwen3-MoE checkpoint's own head / expert counts split at TP 2 and EP 2 (TINY_HF_CONFIG)
 ETP_ONLY_1 = LayoutSupport(etp=(1,), reason="MoE biases")
@@ -22,8 +22,7 @@ ETP_ONLY_1 = LayoutSupport(etp=(1,), reason="MoE biases")
 def _qwen3_moe_with(monkeypatch, layouts: LayoutSupport) -> None:
     """Declare ``layouts`` on the in-tree qwen3_moe family of every registry built during the test (the
     in-process CLI builds its own)."""
-    from ferrule import registry
-
+    from ferrule.contract import registry
     build = registry.Registry.build.__func__
 
     def patched(cls, *args, **kwargs):
@@ -129,7 +128,7 @@ def test_check_refuses_an_unknown_model_option_at_the_config_step(tmp_path, monk
     import os
 
     from ferrule.conformance import numeric as cn
-    from ferrule import registry
+    from ferrule.contract import registry
     from inproc import run_ferrule
 
     (tmp_path / "hf").mkdir()
@@ -159,7 +158,7 @@ def test_plugins_shows_a_family_that_cannot_build_as_broken_and_an_old_option_as
     import os
 
     from ferrule.conformance import numeric as cn
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.config_translation import ConfigTranslation, Constant
     from ferrule.plugins.qwen.qwen2 import CONFIG_TRANSLATION
     from inproc import run_ferrule

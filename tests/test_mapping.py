@@ -383,6 +383,6 @@ def test_mapping_package_has_no_import_cycle():
     assert imports["vocabulary"] == set()
     assert imports["experts"] == {"ferrule.mapping.vocabulary"}
     assert imports["table"] == {"ferrule.mapping.vocabulary", "ferrule.mapping.experts"}
-    assert imports["decoder"] == {"ferrule.mapping.vocabulary", "ferrule.specs"}
+    assert imports["decoder"] == {"ferrule.mapping.vocabulary", "ferrule.contract.specs"}
     code = "import sys, ferrule.mapping.decoder, ferrule.mapping.table; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

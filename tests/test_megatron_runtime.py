@@ -389,7 +389,7 @@ def test_two_process_tp_pp_ep_optimizer_checkpoint(dist_pool, tmp_path):
 
 def _provider(module):
     """The family's registered provider build (default build from the variant's config rows)."""
-    from ferrule.registry import provider_build
+    from ferrule.contract.registry import provider_build
 
     return provider_build(module.MAPPING.family)
 

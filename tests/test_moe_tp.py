@@ -113,7 +113,7 @@ def _save_ref(hf, out: Path, ref: dict) -> Path:
 
 def _tp1_ref(hf_dir: Path, shape, out: Path, overrides: dict) -> Path:
     """Megatron at TP=1 (this process): gradients of the same loss, aux / z losses included, in the HF layout."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.numeric import single_rank
     from ferrule.converters import load_hf_into_mcore
     from ferrule.mapping import MappingContext
@@ -223,7 +223,7 @@ def test_moe_layers_build_without_megatrons_unknown_mlp_warning(tmp_path, caplog
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.numeric import single_rank, tiny_hf_dir
     from ferrule.megatron.moe import TokenSplitMoELayer
     from ferrule.megatron.parallel import ParallelLayout

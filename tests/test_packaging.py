@@ -140,7 +140,7 @@ def test_out_of_tree_plugins(fresh_venv, tmp_path):
 #: imports that must resolve to the installed package from any working directory (issue 18)
 _CWD_PROBE = (
     "import os, sys\n"
-    "from ferrule import hookspecs, registry\n"
+    "from ferrule.contract import hookspecs, registry\n"
     "import ferrule.converters, ferrule.plugins.qwen\n"
     "names = [f.name for f in registry.list_families()]\n"
     "assert 'qwen2' in names, names\n"
@@ -165,7 +165,7 @@ def test_import_from_a_cwd_holding_a_ferrule_folder_editable(tmp_path):
     """The development install (./install.sh, strict editable mode) resolves ``import ferrule`` to
     this checkout's files, not to the empty folder, and through links, so edits are live."""
     paths = _probe_with_ferrule_folder(sys.executable, tmp_path)
-    assert paths == [str(ROOT / "core" / "hookspecs.py"), str(ROOT / "converters" / "__init__.py"),
+    assert paths == [str(ROOT / "core" / "contract" / "hookspecs.py"), str(ROOT / "converters" / "__init__.py"),
                      str(ROOT / "plugins" / "qwen" / "__init__.py")], paths
 
 

@@ -7,8 +7,8 @@ from importlib import metadata
 import pytest
 
 import plugin_samples as ps
-from ferrule import registry
-from ferrule.registry import (
+from ferrule.contract import registry
+from ferrule.contract.registry import (
     DuplicateClaimError,
     IncompleteFamilyError,
     PluginLoadError,

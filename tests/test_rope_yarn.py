@@ -35,7 +35,7 @@ def mcore():
 
 
 def _hf_and_mcore(tmp_path, family: str, rope: dict):
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
 

@@ -96,6 +96,11 @@ def test_sampler_runs_on_the_gpu_in_bfloat16(tmp_path):
     info = backend.sampler_info()
     assert info["device"].startswith("cuda") and info["dtype"] == "bfloat16" and info["loaded"], info
     assert info["fast_decode"] and info["cuda_graph"], info
+    from ferrule.serve.routes_session import cuda_memory
+
+    mem = cuda_memory()   # /api/v1/healthz's "cuda_memory": at least the sampler's own weights, counted by hand
+    held = sum(p.numel() * p.element_size() for p in backend.rollout.model.parameters() if p.is_cuda)
+    assert mem is not None and mem["max_allocated"] >= mem["allocated"] >= held > 0, (mem, held)
     prompt = [3, 17, 42, 5, 88, 9, 61]
     params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=7)
     ((seqs, prompt_lp, _),) = backend.sample(None, [SampleSpec(prompt, 2, params, True)])

@@ -84,6 +84,7 @@ def test_auth_wrong_or_missing_key_is_401_and_touches_nothing(server):
     # where the sampler runs (issue 46): this CPU machine's sampler is the exact fp32 CPU path
     assert health["samplers"][MODEL_NAME] == {"device": "cpu", "dtype": "float32", "loaded": True,
                                               "fast_decode": False, "cuda_graph": False}
+    assert health["cuda_memory"] is None   # no CUDA in this process (on a GPU: its allocator's bytes)
     caps = httpx.get(server.url + "/api/v1/get_server_capabilities", headers={"X-API-Key": ALICE}).json()
     assert caps["supported_models"][0]["sampler"] == health["samplers"][MODEL_NAME]
 

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from ferrule.specs import (
+from ferrule.contract.specs import (
     ChatTemplateSpec,
     ConverterSpec,
     FamilyStatus,
@@ -101,8 +101,8 @@ def test_family_chooses_attn_implementation():
 def test_variants_declare_the_three_per_variant_specs():
     """One ``Variants`` declaration answers the provider, converter and update-group hooks with the
     specs a plugin wrote out by hand before (Inkling's, with its own builder)."""
-    from ferrule.specs import ConverterSpec, ProviderSpec, SpecError, UpdateGroupTable
-    from ferrule.variants import Variants
+    from ferrule.contract.specs import ConverterSpec, ProviderSpec, SpecError, UpdateGroupTable
+    from ferrule.contract.variants import Variants
 
     v = Variants({"a_text": "pkg.a_text", "a": "pkg.a"}, build="build_provider")
     assert list(v) == ["a_text", "a"]

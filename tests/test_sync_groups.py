@@ -13,7 +13,7 @@ import torch
 
 from ferrule.mapping import MappingContext
 from ferrule.plugins.qwen import qwen3, qwen3_moe
-from ferrule.specs import UpdateGroup, UpdateGroupTable
+from ferrule.contract.specs import UpdateGroup, UpdateGroupTable
 from ferrule.sync.buckets import FullUnit, hf_unit_tensors, iter_hf_buckets, pack_buckets
 from ferrule.sync.groups import UpdateGroupError, build_update_units, is_routed_expert_param
 

@@ -77,8 +77,8 @@ def plugins_cmd(
     (a broken plugin is fatal instead of reported).
     """
     console = Console()  # at call time: the terminal width now, not when ferrule.cli was first imported
-    from ferrule import registry
-    from ferrule.specs import FamilyStatus
+    from ferrule.contract import registry
+    from ferrule.contract.specs import FamilyStatus
 
     reg = registry.get_registry()
 
@@ -150,8 +150,8 @@ def _mount_plugin_commands(target: typer.Typer | None = None, errors: list[Excep
     """Mount the sub-commands plugins declare with ``register_commands`` (e.g. ``ferrule assets``
     from the ferrule-llama example). A command module that fails to import is recorded as a
     load failure (``ferrule plugins`` shows it; fatal with ``FERRULE_STRICT_PLUGINS=1``)."""
-    from ferrule import registry
-    from ferrule.specs import resolve_ref
+    from ferrule.contract import registry
+    from ferrule.contract.specs import resolve_ref
 
     target = app if target is None else target
     errors = _MOUNT_ERRORS if errors is None else errors

@@ -68,8 +68,7 @@ def _parse_vars(items: list[str]) -> dict[str, Any]:
 
 
 def _pick_template(family: str | None, template: str | None) -> Any:
-    from ferrule import registry
-
+    from ferrule.contract import registry
     if (family is None) == (template is None):
         raise ValueError("give exactly one of --family FAMILY or --template NAME.")
     if template is not None:
@@ -93,7 +92,7 @@ def _load_tokenizer(ref: str | None, spec: Any) -> Any:
 
         return AutoTokenizer.from_pretrained(ref, local_files_only=True)
     if ":" in ref:
-        from ferrule.specs import resolve_ref
+        from ferrule.contract.specs import resolve_ref
 
         return resolve_ref(ref)()
     raise ValueError(f"--tokenizer {ref!r} is neither a directory nor a 'module:attr' loader reference.")
@@ -105,8 +104,7 @@ def list_cmd() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     reg = registry.get_registry()
     table = Table(title="chat templates", title_justify="left")
     for col in ("name", "family", "stop tokens", "template", "description"):

@@ -34,8 +34,8 @@ def family_build_check(family: str, *, parse: bool = False) -> tuple[str, str]:
     model option the translation's rows produce is one the builder knows. ``parse=True`` (``ferrule plugins
     --check``) also translates ``TINY_HF_CONFIG`` as transformers parses it (``to_mcore``: the unknown-key
     check, refused values; importing transformers imports torch, seconds per call)."""
-    from ferrule import registry
-    from ferrule.specs import DEFAULT_PROVIDER_BUILD, resolve_ref
+    from ferrule.contract import registry
+    from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD, resolve_ref
 
     try:
         provider = registry.get_provider(family)

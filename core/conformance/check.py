@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from ferrule.conformance import numeric as cn
-from ferrule.specs import resolve_ref
+from ferrule.contract.specs import resolve_ref
 
 
 def main(argv: Sequence[str]) -> int:

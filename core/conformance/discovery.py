@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ferrule import registry
-
+from ferrule.contract import registry
 #: the top-level packages whose import would make discovery slow (a plugin must import none of them)
 HEAVY_MODULES = ("torch", "megatron", "transformers")
 

@@ -17,8 +17,8 @@ def hf_model_class(family: str, model_type: str):
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from ferrule import registry
-    from ferrule.specs import resolve_ref
+    from ferrule.contract import registry
+    from ferrule.contract.specs import resolve_ref
 
     ref = registry.get_family(family).hf_model_class
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or ref is None:

@@ -47,10 +47,10 @@ import sys
 import pytest
 
 from ferrule import envs
-from ferrule import registry
-from ferrule.hook_parts import HOOK_PARTS, part_for_spec
+from ferrule.contract import registry
+from ferrule.contract.hook_parts import HOOK_PARTS, part_for_spec
 from ferrule.conformance.discovery import HEAVY_MODULES  # noqa: F401  (the kit's public name)
-from ferrule.specs import FamilyStatus, resolve_ref
+from ferrule.contract.specs import FamilyStatus, resolve_ref
 
 
 
@@ -61,7 +61,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def family_specs(family: str) -> list[object]:
-    """Every spec registered for ``family``, one hook part after another (:data:`ferrule.hook_parts.HOOK_PARTS`)."""
+    """Every spec registered for ``family``, one hook part after another (:data:`ferrule.contract.hook_parts.HOOK_PARTS`)."""
     reg = registry.get_registry()
     name = reg.get_family(family).name
     return [spec for part in HOOK_PARTS if part.family is not None

@@ -88,7 +88,7 @@ def check_media_logits_parity(family: str, work_dir: str | os.PathLike, *, atol:
     """
     import torch
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.media import hf_media_inputs, towers_for_config
     from ferrule.megatron.weights import load_hf_into_mcore
 

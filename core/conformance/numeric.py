@@ -45,8 +45,7 @@ SEED = 1234
 
 
 def _variant_module(family: str):
-    from ferrule import registry
-
+    from ferrule.contract import registry
     ref = registry.get_provider(family).build
     if ref is None:  # the default build: the family's variant module is where its config rows live
         conv = registry.get_converter(family)
@@ -177,7 +176,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.checkpoint import model_sharded_state_dict, save_sharded
     from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
     from ferrule.formats.safetensors_io import SafetensorsReader
@@ -208,7 +207,7 @@ def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> N
     """Table entries == provider parameters, and table HF keys == keys transformers saved."""
     import json
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.mapping import MappingContext
     from ferrule.megatron.weights import global_param_names
     from ferrule.formats.safetensors_io import SafetensorsReader
@@ -258,7 +257,7 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
 
     import torch
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.weights import load_hf_into_mcore
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
@@ -303,7 +302,7 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
     """
     from transformers import AutoConfig
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.weights import global_param_names
     from ferrule.sync.groups import as_group_table
 

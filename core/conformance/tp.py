@@ -51,7 +51,7 @@ def kit_layout(family: str, tc_kwargs: dict | None = None):
     allowed divisor of ``tp``; a biased-MoE family that declares ``etp=(1,)`` is checked at ``etp=1``). A MoE
     model with biases (``tc_kwargs``: ``num_moe_experts`` and ``add_bias_linear``) is checked at ``etp=1``, the
     only expert TP size megatron-core builds it at."""
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.parallel import ParallelLayout
 
     support = registry.get_family(family).layouts
@@ -82,7 +82,7 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     import torch.distributed as dist
 
     from ferrule.conformance import numeric as cn
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.media import mcore_media_logits, media_prompt, tiny_media_of
     from ferrule.media import hf_media_inputs, towers_for_config
     from ferrule.megatron.weights import load_hf_into_mcore

@@ -26,7 +26,7 @@ def _run(case: Callable[[], Any]) -> Any:
 def main(argv: Sequence[str]) -> int:
     warnings.filterwarnings("ignore")  # before megatron / transformers are imported: only the JSON line matters
     # imported after the filter, for that reason (the checks import torch, megatron and transformers)
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance import numeric as cn
     from ferrule.conformance.media import check_media_logits_parity
 

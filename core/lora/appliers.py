@@ -1,7 +1,7 @@
 """The LoRA applier contract and the core appliers for Llama-shaped Megatron decoders.
 
-An applier (:class:`~ferrule.specs.LoRAApplierSpec`, hook ``register_lora_appliers``) serves one
-module kind of :data:`~ferrule.specs.LORA_KINDS` and names three callables:
+An applier (:class:`~ferrule.contract.specs.LoRAApplierSpec`, hook ``register_lora_appliers``) serves one
+module kind of :data:`~ferrule.contract.specs.LORA_KINDS` and names three callables:
 
 - ``apply(chunk, settings, ctx) -> list[str]``: attach adapters to the modules of its kind in one
   model chunk (an unwrapped ``GPTModel``) that ``ctx.selects(...)`` picks, using
@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferrule.specs import LORA_KINDS, LoRAApplierSpec
+from ferrule.contract.specs import LORA_KINDS, LoRAApplierSpec
 
 __all__ = ["CORE_APPLIERS", "ApplyContext", "appliers_for", "apply_attention", "apply_dense_mlp",
            "apply_shared_experts", "apply_lm_head", "LoraTargetError", "peft_name_matches"]
@@ -256,8 +256,8 @@ def _tp_size(linear: Any) -> int:
 
 def appliers_for(family: str) -> list[LoRAApplierSpec]:
     """The applier per kind for ``family``: the family's own spec, else a plugin's ``"*"`` spec,
-    else the core one (:data:`CORE_APPLIERS`); kinds in :data:`~ferrule.specs.LORA_KINDS` order."""
-    from ferrule.registry import get_registry
+    else the core one (:data:`CORE_APPLIERS`); kinds in :data:`~ferrule.contract.specs.LORA_KINDS` order."""
+    from ferrule.contract.registry import get_registry
 
     registered = {s.kind: s for s in get_registry().iter_lora_appliers(family)}
     return [registered.get(k) or CORE_APPLIERS[k] for k in LORA_KINDS if k in registered or k in CORE_APPLIERS]

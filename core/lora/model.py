@@ -70,7 +70,7 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
 
     from ferrule.mapping import MappingContext
     from ferrule.megatron.weights import agreed_errors, all_gather_objects
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     from .appliers import ApplyContext, LoraTargetError, appliers_for
     from .peft_base import peft_naming_table

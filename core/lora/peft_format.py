@@ -34,7 +34,7 @@ from .peft_base import (PEFT_PREFIX, AdapterFormatError, ExportContext, _factor_
                         copy_factor_plans, peft_naming_table)
 
 __all__ = ["PEFT_PREFIX", "export_linear", "load_linear", "hf_adapter_state_dict", "peft_config", "load_hf_adapter",
-           "AdapterFormatError", "ExportContext", "copy_factor_plans", "peft_naming_table"]
+           "AdapterFormatError", "adapter_index_map", "ExportContext", "copy_factor_plans", "peft_naming_table"]
 
 def _linear_plan(entries: Sequence[Any], ctx: ExportContext) -> tuple[dict, dict, list]:
     """``(bound factors, per-module mapping meta, gather steps)`` of :func:`export_linear`, memoised in
@@ -146,7 +146,7 @@ def _export_context(engine: Any) -> ExportContext:
 
 
 def _by_kind(engine: Any) -> list[tuple[Any, list]]:
-    from ferrule.specs import LORA_KINDS
+    from ferrule.contract.specs import LORA_KINDS
 
     from .appliers import appliers_for
     from .model import adapter_entries
@@ -203,7 +203,7 @@ def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
     Raises:
         ValueError: the engine has no LoRA.
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     _require_lora(engine)
     plan = _engine_plan(engine)
@@ -212,6 +212,53 @@ def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
         for key, t in resolve_ref(spec.export)(entries, plan.ctx):
             out[key] = t.detach().clone() if copy else t.detach()
     return out
+
+
+def adapter_index_map(engine: Any) -> tuple[list[tuple[str, Any, Any]] | None, str]:
+    """Where each tensor of :func:`hf_adapter_state_dict` comes from, element by element, for a writer
+    in this process (:func:`ferrule.sync.sync_lora_adapter`'s direct path).
+
+    Returns:
+        ``([(PEFT key, live parameter, index), ...], "")`` in the export's order: ``index`` is an int64
+        CPU tensor of the PEFT tensor's shape holding, per element, the flat (row-major) index of the
+        parameter element it is (the mapping row's ``to_hf`` run on an index probe); or ``(None, reason)``
+        where the export is no fixed re-layout of this rank's parameters: model parallelism (TP, PP or EP
+        > 1: the export gathers), an applier whose export is not :func:`export_linear` (routed experts),
+        or a ``to_hf`` that rejects or changes an index probe (it computes values, not a layout).
+        Not collective (the first call builds the engine's export plan, as the export does).
+    """
+    import torch
+
+    from ferrule.contract.specs import resolve_ref
+
+    _require_lora(engine)
+    plan = _engine_plan(engine)
+    r = plan.ctx.ranks
+    if (r.tp, r.pp, r.ep, r.etp) != (1, 1, 1, 1):
+        return None, f"model parallelism (tp={r.tp}, pp={r.pp}, ep={r.ep}, etp={r.etp}): the export gathers"
+    out: list[tuple[str, Any, Any]] = []
+    for spec, entries in plan.by_kind:
+        if entries and resolve_ref(spec.export) is not export_linear:
+            return None, f"the {spec.kind!r} adapters export through {spec.export}, not a fixed re-layout"
+        for e in entries:
+            mapping, wild, hf = _hf_modules(e, plan.ctx)
+            a, b = e.adapter.lora_A, e.adapter.lora_B
+            probe_a = torch.arange(a.numel(), dtype=torch.int64).view(tuple(a.shape))
+            probe_b = torch.arange(b.numel(), dtype=torch.int64).view(tuple(b.shape))
+            try:
+                parts = mapping.to_hf(probe_b, plan.ctx.mapping, wild)
+            except Exception as exc:  # a row that cannot take an integer probe: no fixed layout known
+                return None, f"{e.global_name}: to_hf rejects an index probe ({type(exc).__name__}: {exc})"
+            if len(parts) != len(hf):
+                return None, f"{e.global_name}: to_hf gives {len(parts)} parts for the HF modules {hf}"
+            for module, part in zip(hf, parts):
+                flat = part.reshape(-1) if isinstance(part, torch.Tensor) else None
+                if flat is None or part.dtype != torch.int64 or (
+                        flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= b.numel())):
+                    return None, f"{e.global_name}: to_hf changes the values of an index probe of lora_B"
+                out.append((f"{PEFT_PREFIX}{module}.lora_A.weight", a, probe_a))
+                out.append((f"{PEFT_PREFIX}{module}.lora_B.weight", b, part))
+    return out, ""
 
 
 def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict[str, Any]:
@@ -382,7 +429,7 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
             offender listed, checked on all ranks before anything is copied.
     """
     from ferrule.megatron.weights import agreed_errors, all_gather_objects
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     _require_lora(engine)
     if config is not None:

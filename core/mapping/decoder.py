@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ferrule.mapping.vocabulary import FuseGateUp, FuseQKV, Ignore, OutputLayer, ParamMapping, Rename, TPSplit
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 
 __all__ = [
     "DECODER_ATTENTION",

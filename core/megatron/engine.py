@@ -288,7 +288,7 @@ class TrainEngine:
 
     @property
     def update_groups(self) -> Any:
-        """The family's :class:`~ferrule.specs.UpdateGroupTable` (groups resolved; weight sync reads it)."""
+        """The family's :class:`~ferrule.contract.specs.UpdateGroupTable` (groups resolved; weight sync reads it)."""
         if self._update_groups is None:
             from ..registry import get_update_groups
 
@@ -334,7 +334,7 @@ class TrainEngine:
         the fast paths (:class:`~ferrule.engine_settings.TrainEngineSettings`; default: its defaults).
 
         Raises:
-            ferrule.registry.UnknownModelError: no plugin supports the ``model_type``.
+            ferrule.contract.registry.UnknownModelError: no plugin supports the ``model_type``.
             ferrule.mapping.MappingError: checkpoint keys / shapes do not fit (all listed).
         """
         from ferrule.megatron.weights import load_hf_into_mcore

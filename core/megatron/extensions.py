@@ -52,7 +52,7 @@ EXTRA_NORMS = ("post_attention", "post_mlp")
 def resolve_class(value: Any, what: str) -> Any:
     """``value`` itself, or the object a ``"module:attr"`` string names."""
     if isinstance(value, str) and ":" in value:
-        from ferrule.specs import resolve_ref
+        from ferrule.contract.specs import resolve_ref
 
         return resolve_ref(value)
     if isinstance(value, str):

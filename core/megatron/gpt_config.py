@@ -156,14 +156,13 @@ def check_layout_fits(config_kwargs: Mapping[str, Any], layout: ParallelLayout) 
 
 
 def check_family_layout(family: str, config_kwargs: Mapping[str, Any], layout: ParallelLayout) -> None:
-    """:func:`check_layout_fits`, then the family's declared :class:`ferrule.specs.LayoutSupport`
+    """:func:`check_layout_fits`, then the family's declared :class:`ferrule.contract.specs.LayoutSupport`
     (``ModelFamilySpec.layouts``): the one layout check every command runs before it starts processes.
 
     Raises:
         ParallelLayoutError: the layout cannot split the model or the family does not support it (one line).
     """
-    from ferrule import registry
-
+    from ferrule.contract import registry
     check_layout_fits(config_kwargs, layout)
     support = registry.get_family(family).layouts
     refusal = support.refusal(family, layout) if support is not None else None

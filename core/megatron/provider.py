@@ -1,6 +1,6 @@
 """A family's Megatron model builder: the registry's provider, with the family's towers attached.
 
-The registry only looks things up (:func:`ferrule.registry.provider_build` gives the provider
+The registry only looks things up (:func:`ferrule.contract.registry.provider_build` gives the provider
 alone); this module composes the provider with the towers (:func:`ferrule.megatron.towers.attach_towers`),
 so the train engine, the converters and the conformance kit build the same model.
 """
@@ -16,19 +16,18 @@ __all__ = ["provider_build"]
 def provider_build(family: str) -> Any:
     """The callable that builds the family's Megatron model: ``build(hf_config, layout, **options)``
     returning its chunks, with the family's towers (``register_towers``) attached to the first
-    stage's chunk. A text-only family gets :func:`ferrule.registry.provider_build` unchanged, or, when
-    its spec declares ``layouts`` (:class:`ferrule.specs.LayoutSupport`), wrapped to refuse other layouts.
+    stage's chunk. A text-only family gets :func:`ferrule.contract.registry.provider_build` unchanged, or, when
+    its spec declares ``layouts`` (:class:`ferrule.contract.specs.LayoutSupport`), wrapped to refuse other layouts.
 
     Raises:
-        ferrule.registry.IncompleteFamilyError: a tower's ``update_group`` is not in the family's
+        ferrule.contract.registry.IncompleteFamilyError: a tower's ``update_group`` is not in the family's
             update-group table (a weight sync would leave the tower behind), or the family lacks
             a provider (or, for the default build, a converter).
-        ferrule.registry.UnknownModelError: no such family.
+        ferrule.contract.registry.UnknownModelError: no such family.
         ferrule.megatron.parallel.ParallelLayoutError: (from the returned callable) a layout outside the
             family's ``layouts``.
     """
-    from ferrule import registry
-
+    from ferrule.contract import registry
     build = registry.provider_build(family)
     support = registry.get_family(family).layouts
     if support is not None:  # a layout the family does not support: one line, before megatron asserts in the build

@@ -1,6 +1,6 @@
 """Multimodal towers in the Megatron model: build, attach, run on a batch's media, scatter.
 
-A family declares its towers with ``register_towers`` (:class:`ferrule.specs.TowerSpec`). The
+A family declares its towers with ``register_towers`` (:class:`ferrule.contract.specs.TowerSpec`). The
 core owns the wiring:
 
 1. :func:`attach_towers` (called by :func:`ferrule.megatron.provider.provider_build`'s result, so the
@@ -51,7 +51,7 @@ def attach_towers(chunks: Sequence[Any], specs: Sequence[Any], hf_config: Mappin
 
     Args:
         chunks: this rank's ``GPTModel`` chunks (unwrapped), as the provider returned them.
-        specs: the family's :class:`~ferrule.specs.TowerSpec` list (``ferrule.registry.get_towers``).
+        specs: the family's :class:`~ferrule.contract.specs.TowerSpec` list (``ferrule.contract.registry.get_towers``).
         hf_config: the HF config dict (passed to each ``build``; placeholder ids are read from it).
         params_dtype: dtype of the tower parameters.
 
@@ -62,7 +62,7 @@ def attach_towers(chunks: Sequence[Any], specs: Sequence[Any], hf_config: Mappin
         ValueError: sequence parallelism is on (towers need the whole sequence per rank), or a
             build returned something that is not a ``torch.nn.Module``.
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     if not specs:
         return list(chunks)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ferrule.rl.distributed import RankRoles
     from ferrule.rl.reference import ReferencePolicy
     from ferrule.rollout import RolloutEngine
-    from ferrule.specs import ChatTemplateSpec
+    from ferrule.contract.specs import ChatTemplateSpec
 
 __all__ = ["optimizer_settings", "build_train_engine", "engine_settings_report", "chat_template", "stop_tokens", "check_media_support",
            "layout_note"]
@@ -65,14 +65,13 @@ def build_train_engine(cfg: RLConfig, layout: ParallelLayout, dtype: torch.dtype
 
 
 def chat_template(cfg: RLConfig, family: str, tokenizer: PreTrainedTokenizerBase | None) -> ChatTemplateSpec:
-    """The :class:`~ferrule.specs.ChatTemplateSpec` that renders prompts: ``data.chat_template``,
+    """The :class:`~ferrule.contract.specs.ChatTemplateSpec` that renders prompts: ``data.chat_template``,
     else the family's first.
 
     Raises:
         ConfigError: no tokenizer in ``model.hf_dir``, or the family registers no template.
     """
-    from ferrule import registry
-
+    from ferrule.contract import registry
     if tokenizer is None:
         raise ConfigError([f"model.hf_dir: {cfg.model.hf_dir!r} has no tokenizer files (tokenizer.json / "
                            "tokenizer_config.json); the loop renders prompts with the checkpoint's tokenizer"])

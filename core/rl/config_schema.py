@@ -180,7 +180,8 @@ class AlgorithmConfig:
                                      "experts each MoE layer picked per token, and the train forward routes every "
                                      "token to those (gating weights recomputed from the train router). Embedded "
                                      "rollout on its eager decode path (no CUDA graphs), tp = pp = ep = 1, MoE "
-                                     "families without looped layers.")
+                                     "families without looped layers. Off by default for MoE families too: it "
+                                     "turns the decode fast paths off (docs/train.md, \"MoE routing replay\").")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: groups whose rewards are all equal (no gradient) "
                                        "are dropped and more prompts are generated, up to "
                                        "dynamic_sampling_max_rounds rollouts per step, until prompts_per_step "

@@ -81,8 +81,7 @@ def _family_layout_problem(cfg: RLConfig, hf_config: Mapping[str, Any]) -> str |
     """The one-line refusal of :func:`ferrule.megatron.gpt_builder.check_family_layout` for ``parallel.*`` (the
     family's declared ``layouts``, MoE biases at expert TP > 1), or None; a config the family cannot translate
     is reported elsewhere."""
-    from ferrule import registry
-
+    from ferrule.contract import registry
     try:
         family = cfg.model.family or registry.family_for_hf_config(dict(hf_config)).name
         tc_kwargs, _ = registry.get_converter(family).resolved_config_translation().to_mcore(dict(hf_config))

@@ -195,7 +195,7 @@ class GRPOTrainer:
         import transformers  # noqa: F401  (modeling code before megatron's CPU patches)
         from transformers import GenerationMixin  # noqa: F401
 
-        from ferrule import registry
+        from ferrule.contract import registry
         from ferrule.megatron.device import get_backend
         from ferrule.megatron.parallel import ParallelLayout, init_distributed
 

@@ -24,14 +24,14 @@ class ReferencePolicy:
         hf_dir: HF checkpoint folder; dtype: parameter dtype; device: torch device.
 
     Raises:
-        ferrule.registry.IncompleteFamilyError: the family registers no ``hf_model_class``.
+        ferrule.contract.registry.IncompleteFamilyError: the family registers no ``hf_model_class``.
     """
 
     def __init__(self, hf_dir: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         from transformers import AutoConfig
 
-        from ferrule import registry
+        from ferrule.contract import registry
         from ferrule.rollout.embedded import family_attn_implementation
 
         config = AutoConfig.from_pretrained(os.fspath(hf_dir))

@@ -122,7 +122,7 @@ def load_custom_reward(ref: str) -> Callable[..., Any]:
         RewardError: malformed reference, import failure, not callable, or a signature that
             cannot take two positional arguments.
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     module, sep, attr = ref.partition(":")
     if not sep or not module or not attr:

@@ -61,7 +61,7 @@ def preflight(cfg: RLConfig) -> None:
             metrics (the message names ``--resume``), an unknown ``model.family``, a checkpoint
             whose ``model_type`` no plugin supports, an unknown ``data.chat_template``.
     """
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.rl.metrics import METRICS_FILE, read_metrics
 
     problems = []

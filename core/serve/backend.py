@@ -501,10 +501,9 @@ class EngineBackend:
         return self._tokenizer
 
     def chat_template(self) -> Any:
-        """The chat template of this base's family (its first registered :class:`~ferrule.specs.ChatTemplateSpec`,
+        """The chat template of this base's family (its first registered :class:`~ferrule.contract.specs.ChatTemplateSpec`,
         as ``ferrule train`` picks it), or None when the family registers none."""
-        from ferrule import registry
-
+        from ferrule.contract import registry
         templates = registry.chat_templates_for(registry.family_for_hf_config(self.hf_config).name)
         return templates[0] if templates else None
 

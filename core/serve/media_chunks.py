@@ -149,7 +149,7 @@ class ChunkMedia:
 
     Args:
         hf_config: the served HF config dict (placeholder ids, the towers' preprocessing).
-        towers: the family's ``TowerSpec`` s (``ferrule.registry.get_towers``); empty = text only.
+        towers: the family's ``TowerSpec`` s (``ferrule.contract.registry.get_towers``); empty = text only.
         limits: :class:`~ferrule.serve.limits.ServeLimits` (``max_image_bytes``,
             ``max_image_pixels``, ``max_audio_frames``).
         family: names the family in errors.
@@ -181,7 +181,7 @@ class ChunkMedia:
         """
         from PIL import Image, UnidentifiedImageError
 
-        from ferrule.specs import resolve_ref
+        from ferrule.contract.specs import resolve_ref
 
         spec = self._tower(part)
         if part.format not in _PIL_FORMAT:
@@ -279,8 +279,7 @@ def decoder(backend: Any, limits: Any) -> ChunkMedia:
     cached = getattr(backend, "_chunk_media", None)
     if cached is not None and cached.limits is limits:
         return cached
-    from ferrule import registry
-
+    from ferrule.contract import registry
     try:
         family = registry.family_for_hf_config(dict(backend.hf_config)).name
         towers = registry.get_towers(family)
@@ -305,8 +304,7 @@ def attention_leaves(hf_config: Mapping[str, Any]) -> list[str]:
     rows of its mapping table): what Tinker's ``lora_config.train_attn`` adapts. ``linear_qkv`` +
     ``linear_proj`` for most families; Inkling (whose multimodal checkpoints carry image / audio
     towers) has ``linear_q``, ``linear_k``, ``linear_v``, ``linear_r``, ``linear_proj``."""
-    from ferrule import registry
-
+    from ferrule.contract import registry
     default = ["linear_proj", "linear_qkv"]
     try:
         table = registry.get_converter(registry.family_for_hf_config(dict(hf_config)).name).resolved_mapping()

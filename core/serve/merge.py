@@ -103,8 +103,7 @@ def meta_model(hf_config: Mapping[str, Any]) -> Any:
     import torch
     from transformers import AutoConfig
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     cfg = dict(hf_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):

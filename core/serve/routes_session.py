@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from .scheduler import JSON, Job, json_body
 from .service import HTTPError, service
 
-__all__ = ["router"]
+__all__ = ["cuda_memory", "router"]
 
 router = APIRouter()
 
@@ -19,11 +19,26 @@ router = APIRouter()
 @router.get("/api/v1/healthz")
 async def healthz(request: Request):
     """``{"status": "ok", "samplers": {base name: {"device", "dtype", "loaded", ...}}, "memory": {"max_memory",
-    "held", "reserved", "left"}}``: where each base's sampler runs (:meth:`EngineBackend.sampler_info`) and the
-    ``--max-memory`` accounting in bytes (:mod:`ferrule.serve.memory`; None: no budget); open, no key needed."""
+    "held", "reserved", "left"}, "cuda_memory": {"device", "allocated", "max_allocated", "reserved"} | None}``:
+    where each base's sampler runs (:meth:`EngineBackend.sampler_info`), the ``--max-memory`` accounting in bytes
+    (:mod:`ferrule.serve.memory`; None: no budget) and the process's CUDA memory (:func:`cuda_memory`); open, no
+    key needed."""
     svc = service(request)
     return {"status": "ok", "samplers": {name: svc.bases.get(name).sampler_info() for name in svc.bases.names},
-            "memory": svc.memory.as_json()}
+            "memory": svc.memory.as_json(), "cuda_memory": cuda_memory()}
+
+
+def cuda_memory() -> dict | None:
+    """The process's memory on its current CUDA device, in bytes, as torch's caching allocator counts it:
+    ``{"device": name, "allocated", "max_allocated" (the peak since start or the last
+    ``torch.cuda.reset_peak_memory_stats``), "reserved" (held by the allocator, allocated or not)}``;
+    None where CUDA was never initialised in this process (a CPU machine)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return {"device": torch.cuda.get_device_name(), "allocated": torch.cuda.memory_allocated(),
+            "max_allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.memory_reserved()}
 
 
 @router.get("/metrics")

@@ -49,7 +49,7 @@ from ferrule.megatron.weights import (
     mapping_context,
     plan_gather,
 )
-from ferrule.specs import UpdateGroup, UpdateGroupTable
+from ferrule.contract.specs import UpdateGroup, UpdateGroupTable
 from ferrule.sync.groups import UpdateGroupError, UpdateUnit, build_update_units, is_routed_expert_param
 
 if TYPE_CHECKING:  # pragma: no cover

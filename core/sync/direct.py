@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ferrule.mapping import MappingContext, MappingTable, StackExperts
-from ferrule.specs import UpdateGroupTable
+from ferrule.contract.specs import UpdateGroupTable
 from ferrule.sync.buckets import SyncPlan, WeightSyncError, plan_sync
 from ferrule.sync.strides import flat_index, joint_strides, strided_index
 

@@ -1,7 +1,7 @@
 """Update-group tables applied to mcore parameter names: which parameters travel together.
 
-A family's update-group table (:class:`ferrule.specs.UpdateGroupTable`, declared by its plugin)
-lists :class:`ferrule.specs.UpdateGroup`\\ s. This module turns the parameter names a rank holds
+A family's update-group table (:class:`ferrule.contract.specs.UpdateGroupTable`, declared by its plugin)
+lists :class:`ferrule.contract.specs.UpdateGroup`\\ s. This module turns the parameter names a rank holds
 into *units*: the parameters that must reach the rollout engine in one bucket (a converter or
 an engine may need every piece of a fused tensor at once; a split write would leave half of it
 stale). The rules (miles ``AtomicUpdateGroup`` semantics, reference/miles_study.md §2.1):
@@ -31,7 +31,7 @@ import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ferrule.specs import UpdateGroup, UpdateGroupTable
+from ferrule.contract.specs import UpdateGroup, UpdateGroupTable
 
 __all__ = [
     "UpdateGroupError",
@@ -70,7 +70,7 @@ def as_group_table(groups: UpdateGroupTable | Sequence[UpdateGroup], family: str
     """An :class:`UpdateGroupTable` from a table or a plain sequence of groups (validated).
 
     Raises:
-        ferrule.specs.SpecError: repeated keys or a suffix claimed by two groups.
+        ferrule.contract.specs.SpecError: repeated keys or a suffix claimed by two groups.
         TypeError: ``groups`` is neither.
     """
     if isinstance(groups, UpdateGroupTable):

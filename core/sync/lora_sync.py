@@ -23,11 +23,16 @@ tensors the engine holds that were not sent.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import time
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ferrule.sync.buckets import WeightSyncError, _agree_errors, tensor_bytes
+from ferrule.sync.direct import log_once
+from ferrule.sync.strides import joint_strides
 from ferrule.sync.weight_sync import SENDER_RANK, SyncStats, WeightCheckReport, _rank, compare_served_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,14 +57,146 @@ def _train_adapter(train_engine: Any) -> tuple[dict[str, "torch.Tensor"], dict[s
 
 
 def _allocated_bytes() -> int | None:
-    """CUDA bytes allocated by tensors now (the device abstraction's ``memory_stats``); None on CPU."""
+    """CUDA bytes allocated by tensors now (the device abstraction's ``allocated_bytes``: no device
+    synchronisation, which would wait for the copies); None on CPU."""
     from ferrule.megatron.device import get_backend
 
-    backend = get_backend()
-    if backend.kind != "cuda":
+    return get_backend().allocated_bytes()
+
+
+# ---------------------------------------------------------------------------------------
+# Direct path: train adapter parameters -> the served adapter, in one process
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _DirectLoraPlan:
+    """The (source view, destination view) pairs of one train engine's adapter into one served adapter.
+
+    Built once from :func:`ferrule.lora.peft_format.adapter_index_map` (each PEFT tensor as a strided
+    view of a live ``lora_A`` / ``lora_B`` parameter) and the rollout engine's
+    ``direct_lora_targets``; each sync is then a pointer check and ``torch._foreach_copy_`` calls (one
+    per device/dtype group of contiguous pairs, one for the strided ones: the q/k/v parts of Megatron's
+    fused ``lora_B``) instead of the export (per-module ``to_hf`` re-layouts and copies), the name and
+    shape checks and a stream synchronisation.
+    """
+
+    key: tuple
+    targets: Any
+    sources: list  # the live parameters, whose data_ptr()s are checked every sync
+    ptrs: tuple
+    copies: list  # [(dsts, srcs)] for torch._foreach_copy_
+    ntensors: int
+    nbytes: int
+    verified: bool = False
+    keys: list = field(default_factory=list, repr=False)
+    config: dict = field(default_factory=dict, repr=False)
+
+
+#: rollout engine -> (key, _DirectLoraPlan or False (do not use), the key's objects)
+_LORA_PLANS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _build_direct_plan(train_engine: Any, targets: Mapping[str, Any], key: tuple) -> "_DirectLoraPlan | str":
+    """The plan, or why the direct path cannot serve this engine pair."""
+    from ferrule.lora.peft_format import adapter_index_map
+
+    index, why = adapter_index_map(train_engine)
+    if index is None:
+        return why
+    names = [k for k, _, _ in index]
+    if len(set(names)) != len(names) or set(names) != set(targets):
+        missing, extra = sorted(set(targets) - set(names)), sorted(set(names) - set(targets))
+        return f"the exported tensors differ from the served adapter's (not exported: {missing[:3]}, not served: {extra[:3]})"
+    groups: dict[tuple, tuple[list, list]] = {}
+    strided: tuple[list, list] = ([], [])
+    nbytes = 0
+    for name, param, idx in index:
+        dst = targets[name].detach()
+        if tuple(dst.shape) != tuple(idx.shape) or not dst.is_contiguous():
+            return f"{name}: served as {tuple(dst.shape)} (contiguous: {dst.is_contiguous()}), exported as {tuple(idx.shape)}"
+        if dst.device != param.device:
+            return f"{name}: served on {dst.device}, trained on {param.device}"
+        import torch
+
+        js = joint_strides(idx.reshape(-1), torch.arange(idx.numel(), dtype=torch.int64))
+        if js is None:
+            return f"{name}: not one strided view of its parameter"
+        shape, s_st, s_off, d_st, d_off = js
+        src = param.detach().as_strided(shape, s_st, param.detach().storage_offset() + s_off)
+        dview = dst.as_strided(shape, d_st, dst.storage_offset() + d_off)
+        contiguous = src.is_contiguous() and dview.is_contiguous() and src.dtype == dst.dtype
+        g = groups.setdefault((src.device, src.dtype, dst.dtype), ([], [])) if contiguous else strided
+        g[0].append(dview)
+        g[1].append(src)
+        nbytes += param.element_size() * idx.numel()
+    sources = list({id(p): p for _, p, _ in index}.values())
+    copies = list(groups.values()) + ([strided] if strided[0] else [])
+    return _DirectLoraPlan(key, targets, sources, tuple(p.data_ptr() for p in sources), copies, len(index), nbytes,
+                           keys=names)
+
+
+def _direct_lora_sync(train_engine: Any, rollout_engine: Any, version: int) -> tuple[int, int] | None:
+    """Sync through the cached :class:`_DirectLoraPlan`; ``(tensors, bytes)`` sent, or None where
+    :func:`send_lora_adapter` must run (the reason logged once). The first direct sync of a plan is
+    compared element for element with the export; a mismatch drops the plan for good (logged).
+
+    Raises:
+        ValueError: ``version`` lower than the rollout engine's (nothing written).
+    """
+    import torch
+
+    from ferrule.lora import peft_config
+
+    if not callable(getattr(rollout_engine, "direct_lora_targets", None)):
         return None
-    backend.synchronize()
-    return backend.memory_stats()["allocated"]
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return None
+    except ImportError:  # pragma: no cover
+        return None
+    key = (id(train_engine),)
+    held = _LORA_PLANS.get(rollout_engine)
+    plan = held[1] if held is not None and held[0] == key else None
+    if plan is False:
+        return None
+    # the adapter's config is fixed once the train engine is built: asked for once per plan
+    config = plan.config if plan is not None else peft_config(train_engine)
+    targets = rollout_engine.direct_lora_targets(config)
+    if targets is None:  # no adapter served yet, another config, asleep: update_lora_adapter handles it
+        return None
+    if version < rollout_engine.weights_version:
+        raise ValueError(f"sync_lora_adapter(version={version}) is older than the rollout engine's weights_version="
+                         f"{rollout_engine.weights_version}; versions must not go backwards.")
+    if plan is not None and (plan.targets is not targets
+                             or tuple(p.data_ptr() for p in plan.sources) != plan.ptrs):
+        plan = None  # the served adapter or a train parameter moved: plan again
+    if plan is None:
+        plan = _build_direct_plan(train_engine, targets, key)
+        if isinstance(plan, str):
+            _LORA_PLANS[rollout_engine] = (key, False, train_engine)
+            log_once(f"direct LoRA adapter sync not used: {plan}; update_lora_adapter runs.", logging.INFO)
+            return None
+        plan.config = config
+        _LORA_PLANS[rollout_engine] = (key, plan, train_engine)
+    with torch.no_grad():
+        for dsts, srcs in plan.copies:
+            torch._foreach_copy_(dsts, srcs)
+    if not plan.verified:
+        from ferrule.lora import hf_adapter_state_dict
+
+        exported = hf_adapter_state_dict(train_engine, copy=False)
+        bad = [n for n in plan.keys if not torch.equal(targets[n].detach(), exported[n].to(targets[n].dtype))]
+        if bad:
+            _LORA_PLANS[rollout_engine] = (key, False, train_engine)
+            log_once(f"direct LoRA adapter sync disabled for this engine pair: {len(bad)} tensors differ from the "
+                     f"export after a direct sync (first: {bad[0]}); update_lora_adapter runs.")
+            return None
+        plan.verified = True
+    rollout_engine.set_weights_version(version)
+    return plan.ntensors, plan.nbytes
 
 
 def send_lora_adapter(tensors: Mapping[str, "torch.Tensor"], peft_config: Mapping[str, Any], rollout_engine: Any,
@@ -90,7 +227,8 @@ def send_lora_adapter(tensors: Mapping[str, "torch.Tensor"], peft_config: Mappin
     return len(tensors), sum(tensor_bytes(t) for t in tensors.values())
 
 
-def sync_lora_adapter(train_engine: Any, rollout_engine: Any, version: int, *, check_equal: bool = False) -> SyncStats:
+def sync_lora_adapter(train_engine: Any, rollout_engine: Any, version: int, *, check_equal: bool = False,
+                      direct: bool | None = None) -> SyncStats:
     """Send the train engine's LoRA adapter (only the adapter) to the rollout engine.
 
     Collective: call on every rank (``hf_adapter_state_dict`` gathers TP/PP shards); global rank
@@ -104,6 +242,13 @@ def sync_lora_adapter(train_engine: Any, rollout_engine: Any, version: int, *, c
         rollout_engine: the engine to update (on global rank 0).
         version: the weight version (e.g. the optimizer step count).
         check_equal: then verify with :func:`check_lora_adapter_equal` (raises on mismatch).
+        direct: None (default): where the train engine and an embedded rollout engine that already
+            serves this adapter share one process and device (world size 1), copy the adapter
+            parameters straight into the served ones: one cached plan of strided views, a few
+            ``torch._foreach_copy_`` launches, no export, no host synchronisation (the first such sync
+            is compared with the export; ``SyncStats.direct`` says which path ran). False: always
+            through the export and ``update_lora_adapter``. The served adapter is equal bit for bit
+            either way (tests/test_lora_sync.py).
 
     Returns:
         :class:`~ferrule.sync.SyncStats` (``buckets`` is 1 on the sender: one adapter call).
@@ -120,10 +265,21 @@ def sync_lora_adapter(train_engine: Any, rollout_engine: Any, version: int, *, c
         errors.append(f"rank {SENDER_RANK} talks to the rollout engine but got {type(rollout_engine).__name__} without "
                       "update_lora_adapter(); pass the embedded or sglang engine on global rank 0.")
     _agree_errors(errors)
-    tensors, config = _train_adapter(train_engine)
-    n_tensors = n_bytes = 0
-    if sender:
-        n_tensors, n_bytes = send_lora_adapter(tensors, config, rollout_engine, version)
+    done = None
+    if sender and direct is not False:
+        if getattr(train_engine, "lora", None) is None:
+            _train_adapter(train_engine)  # raises the WeightSyncError naming the missing LoRA
+        done = _direct_lora_sync(train_engine, rollout_engine, version)
+    tensors = None
+    if done is not None:
+        n_tensors, n_bytes = done
+        if check_equal:
+            tensors, _ = _train_adapter(train_engine)
+    else:
+        tensors, config = _train_adapter(train_engine)
+        n_tensors = n_bytes = 0
+        if sender:
+            n_tensors, n_bytes = send_lora_adapter(tensors, config, rollout_engine, version)
     checked = False
     if check_equal:
         problems = []
@@ -138,7 +294,7 @@ def sync_lora_adapter(train_engine: Any, rollout_engine: Any, version: int, *, c
     mem_after = _allocated_bytes()
     return SyncStats(version=version, buckets=int(sender), bytes=n_bytes, tensors=n_tensors,
                      seconds=time.perf_counter() - t0, sender=sender, checked=checked,
-                     device_memory_before=mem_before, device_memory_after=mem_after)
+                     device_memory_before=mem_before, device_memory_after=mem_after, direct=done is not None)
 
 
 def _engine_adapter(rollout_engine: Any) -> tuple[str, dict[str, Any]]:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ferrule.mapping import MappingContext, MappingTable
-from ferrule.specs import UpdateGroup, UpdateGroupTable
+from ferrule.contract.specs import UpdateGroup, UpdateGroupTable
 from ferrule.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     WeightSyncError,
@@ -155,11 +155,10 @@ def resolve_sync_tables(family: str, mapping: MappingTable | None = None,
     """The family's mapping table and update-group table (from the registry unless given).
 
     Raises:
-        ferrule.registry.IncompleteFamilyError / UnknownModelError: the family lacks them.
+        ferrule.contract.registry.IncompleteFamilyError / UnknownModelError: the family lacks them.
     """
     if mapping is None or update_groups is None:
-        from ferrule import registry
-
+        from ferrule.contract import registry
         if mapping is None:
             mapping = registry.get_converter(family).resolved_mapping()
         if update_groups is None:

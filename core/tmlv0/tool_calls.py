@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ferrule.tool_calls import ParsedTurn, ToolCall, _call_of
+from ferrule.chat.tool_calls import ParsedTurn, ToolCall, _call_of
 
 __all__ = ["parse_tmlv0"]
 
@@ -29,7 +29,7 @@ def parse_tmlv0(text: str) -> ParsedTurn:
     """Tool invocations of one TMLv0 model turn (decoded with special tokens kept).
 
     Returns:
-        :class:`~ferrule.tool_calls.ParsedTurn`: ``content`` joins the text parts; a call whose JSON
+        :class:`~ferrule.chat.tool_calls.ParsedTurn`: ``content`` joins the text parts; a call whose JSON
         is invalid, lacks ``name``/``args``, names another tool than its header, or is not closed by
         ``<|end_message|>`` is an entry of ``errors``. Never raises.
     """

@@ -36,7 +36,7 @@ from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslatio
 from ferrule.plugins.inkling.inkling_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
 from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG as TINY_TEXT_CONFIG
 from ferrule.plugins.inkling.inkling_text import text_model_mappings
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 
 #: HF ``inkling_mm_model`` config (its ``text_config``) <-> megatron.
 CONFIG_TRANSLATION = InklingConfigTranslation(name="inkling", entries=TEXT_ENTRIES, model_types=("inkling_mm_model",))

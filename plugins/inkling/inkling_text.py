@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from ferrule.mapping import FuseGateUp, MappingError, MappingTable, Rename, StackExperts, TPSplit
 from ferrule.mapping import ParamMapping
 from ferrule.plugins.inkling.config import TEXT_ENTRIES, InklingConfigTranslation
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 
 #: HF ``inkling_text`` config <-> megatron (see :mod:`ferrule.plugins.inkling.config`).
 CONFIG_TRANSLATION = InklingConfigTranslation(name="inkling_text", entries=TEXT_ENTRIES, model_types=("inkling_text",))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import (ChatTemplateSpec, FamilyStatus, LoRAApplierSpec, ModelFamilySpec, ToolParserSpec,
+from ferrule.contract.specs import (ChatTemplateSpec, FamilyStatus, LoRAApplierSpec, ModelFamilySpec, ToolParserSpec,
                            TowerSpec)
-from ferrule.variants import Variants
+from ferrule.contract.variants import Variants
 
 # inkling_text is VALIDATED: logits == InklingForCausalLM within 1e-5 (fp32; TP=1, TP=2, EP=2) and gradients within
 # 1e-5 relative (plugins/inkling/tests/test_inkling_parity.py), bit-exact conversion loading cleanly in transformers

@@ -24,7 +24,7 @@ from ferrule.plugins.inkling2.inkling2_text import TINY_HF_CONFIG as TINY_TEXT_C
 from ferrule.plugins.inkling2.inkling2_text import TINY_TP2_OVERRIDES as TINY_TEXT_TP2_OVERRIDES
 from ferrule.plugins.inkling2.inkling2_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
 from ferrule.plugins.inkling2.inkling2_text import peft_text_mappings, text_model_mappings
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 
 #: Top-level keys of an ``inkling2`` config besides ``text_config`` and why none changes the text model's
 #: numbers (the keys every ``PretrainedConfig`` has are checked by the text translation's own rules).

@@ -17,7 +17,7 @@ from ferrule.mapping import MappingTable, Rename
 from ferrule.plugins.inkling2.config import HF_DEFAULTS, TEXT_ENTRIES, Inkling2ConfigTranslation
 from ferrule.plugins.inkling2.inkling2_text import UPDATE_GROUPS as TEXT_UPDATE_GROUPS
 from ferrule.plugins.inkling2.inkling2_text import peft_text_mappings, text_model_mappings
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 
 #: ``Inkling2LoopTextConfig`` defaults (transformers 5.24) where they differ from ``Inkling2TextConfig``'s.
 LOOP_DEFAULTS = dict(HF_DEFAULTS, hidden_size=2304, num_hidden_layers=24, num_attention_heads=24,

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ferrule.mapping import MappingError, MappingTable, Rename, StackExperts, StackExpertsInterleaved, TPSplit
 from ferrule.plugins.inkling2.config import TEXT_ENTRIES, Inkling2ConfigTranslation
-from ferrule.specs import UpdateGroup
+from ferrule.contract.specs import UpdateGroup
 
 #: HF ``inkling2_text`` config <-> megatron (see :mod:`ferrule.plugins.inkling2.config`).
 CONFIG_TRANSLATION = Inkling2ConfigTranslation(name="inkling2_text", entries=TEXT_ENTRIES)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import (ChatTemplateSpec, FamilyStatus, LoRAApplierSpec, ModelFamilySpec, ToolParserSpec,
+from ferrule.contract.specs import (ChatTemplateSpec, FamilyStatus, LoRAApplierSpec, ModelFamilySpec, ToolParserSpec,
                            TowerSpec)
-from ferrule.variants import Variants
+from ferrule.contract.variants import Variants
 
 # inkling2_text is VALIDATED: the conformance kit passes (HF -> torch_dist -> HF bit-exact, mapping, update groups,
 # logits == Inkling2ForCausalLM at TP=1 and TP=2); plugins/inkling2/tests/test_inkling2.py: gradients within 1e-5 at TP=1 and EP=2,

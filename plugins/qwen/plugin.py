@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import ChatTemplateSpec, FamilyStatus, ModelFamilySpec, ToolParserSpec
-from ferrule.variants import Variants
+from ferrule.contract.specs import ChatTemplateSpec, FamilyStatus, ModelFamilySpec, ToolParserSpec
+from ferrule.contract.variants import Variants
 
 # VALIDATED: HF -> torch_dist -> HF bit-exact and Megatron-vs-HF logits <= 1e-5 (fp32; TP=1, TP=2, EP=2)
 # in tests/test_convert.py and plugins/qwen/tests/test_qwen_parity.py.
@@ -85,4 +85,4 @@ def register_chat_templates():
 @hookimpl
 def register_tool_parsers():
     # Qwen 2.5 / 3 declare Hermes function calling in their templates: <tool_call>{json}</tool_call>
-    return [ToolParserSpec(family=f, parse="ferrule.tool_calls:parse_hermes") for f in ("qwen2", "qwen3", "qwen3_moe")]
+    return [ToolParserSpec(family=f, parse="ferrule.chat.tool_calls:parse_hermes") for f in ("qwen2", "qwen3", "qwen3_moe")]

@@ -68,7 +68,7 @@ from ferrule.mapping import ExpertFuseGateUp, ExpertRename, MappingTable, Rename
 from ferrule.mapping.decoder import DECODER_EDGE, DECODER_IGNORES, DECODER_MLP, layer_suffixes  # noqa: E402
 from ferrule.mapping.decoder import decoder_update_groups  # noqa: E402
 from ferrule.plugins.qwen.qwen3 import QWEN3_ATTENTION  # noqa: E402
-from ferrule.specs import UpdateGroup  # noqa: E402
+from ferrule.contract.specs import UpdateGroup  # noqa: E402
 
 #: Pre-MLP norm (shared decoder row) and the bias-free router ``[num_experts, hidden]``.
 MOE_ROUTER = (DECODER_MLP[0], Rename("decoder.layers.*.mlp.router.weight", "model.layers.*.mlp.gate.weight"))

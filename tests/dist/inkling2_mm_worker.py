@@ -27,7 +27,7 @@ def main(work: Path) -> None:
     from transformers import Inkling2ForConditionalGeneration
 
     from inkling2_vision_fixtures import IMAGE_TOKEN, images
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.converters import SafetensorsReader, export_mcore_to_hf, load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
     from ferrule.megatron.provider import provider_build

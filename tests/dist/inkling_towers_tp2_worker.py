@@ -25,7 +25,7 @@ def main(work: Path) -> None:
     from megatron.core import parallel_state
     from transformers import InklingForConditionalGeneration
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.provider import provider_build
     from ferrule.converters import SafetensorsReader, export_mcore_to_hf, load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed

@@ -106,8 +106,7 @@ def _reset_between_jobs() -> None:
     except (ImportError, AttributeError):  # pragma: no cover - megatron layout changed
         pass
     try:
-        from ferrule import registry
-
+        from ferrule.contract import registry
         registry.reset_registry()
     except ImportError:  # pragma: no cover
         pass

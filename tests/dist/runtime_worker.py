@@ -289,7 +289,7 @@ def main() -> None:
 
 def _provider(module):
     """The family's registered provider build (default build from the variant's config rows)."""
-    from ferrule.registry import provider_build
+    from ferrule.contract.registry import provider_build
 
     return provider_build(module.MAPPING.family)
 

@@ -1,6 +1,6 @@
 """The environment contract of agentic RL: what ``ferrule train`` asks of a multi-turn environment.
 
-An environment package registers an :class:`~ferrule.specs.EnvironmentSpec` through the
+An environment package registers an :class:`~ferrule.contract.specs.EnvironmentSpec` through the
 ``register_environments`` hook; its ``factory(**agent.environment_kwargs)`` returns one object
 that follows :class:`Environment` and serves every episode of a run (episode state lives in the
 ``state`` it returns from ``reset``, so one object can serve many episodes at once, from several
@@ -13,6 +13,11 @@ threads). The launcher (:mod:`ferrule.rl.envs.episodes`) drives it, gymnasium-st
 3. ``step(state, turn)`` after each model turn: the next observation (messages appended to the
    conversation, usually ``tool`` or ``user`` turns), the reward of the step, whether the episode
    is over, and info (numbers are averaged into the step's metrics as ``env/<key>``).
+
+4. ``end(state)``, optional: once per episode that has a state, after all the step's episodes are
+   over (by ``done``, a limit or an error), bounded like ``step``; it releases what the episode
+   holds (the verifiers adapter stops a verifiers episode that a limit cut short). Its failures
+   are dropped: the episode is already scored.
 
 The episode's reward is the sum of its step rewards. Each ``reset`` / ``step`` call is bounded by
 ``agent.step_timeout_s`` (:mod:`ferrule.rl.envs.bounded`): a call that raises, hangs or returns
@@ -27,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from ferrule.tool_calls import ParsedTurn
+from ferrule.chat.tool_calls import ParsedTurn
 
 __all__ = ["Observation", "StepResult", "ModelTurn", "Environment", "EnvironmentContractError",
            "check_observation", "check_step_result"]
@@ -80,7 +85,7 @@ class ModelTurn:
 
     Attributes:
         text: the turn decoded without special tokens (what a user would read).
-        parsed: the family's tool parser's reading (:mod:`ferrule.tool_calls`), from the turn
+        parsed: the family's tool parser's reading (:mod:`ferrule.chat.tool_calls`), from the turn
             decoded with special tokens kept and its stop token removed.
         token_ids: the sampled ids ``[T]`` (stop token included), exactly as generated.
         truncated: the turn hit ``rollout.max_new_tokens`` without a stop token.
@@ -96,7 +101,7 @@ class ModelTurn:
 
 @runtime_checkable
 class Environment(Protocol):
-    """The object an :class:`~ferrule.specs.EnvironmentSpec` factory returns (module docstring)."""
+    """The object an :class:`~ferrule.contract.specs.EnvironmentSpec` factory returns (module docstring)."""
 
     def dataset(self, size: int, seed: int) -> Sequence[Mapping[str, Any]]:
         """``size`` items (JSON-like dicts), deterministic in ``seed``."""

@@ -66,15 +66,15 @@ class AgentRollout:
     """Environment + episode runner of a run (module docstring).
 
     Raises:
-        ferrule.registry.UnknownModelError: ``agent.environment`` is not registered.
+        ferrule.contract.registry.UnknownModelError: ``agent.environment`` is not registered.
         ferrule.rl.config.ConfigError: the factory refuses ``agent.environment_kwargs``, or its
             ``dataset`` is empty / malformed.
     """
 
     def __init__(self, cfg: Any) -> None:
-        from ferrule import registry
+        from ferrule.contract import registry
         from ferrule.rl.config import ConfigError
-        from ferrule.specs import resolve_ref
+        from ferrule.contract.specs import resolve_ref
 
         self.cfg, ag = cfg, cfg.agent
         spec = registry.get_environment(ag.environment)
@@ -92,10 +92,10 @@ class AgentRollout:
 
     def bind(self, family: str, template: Any, tokenizer: Any, stop_ids: Sequence[int]) -> None:
         """Make the episode runner once the template, tokenizer and stop ids exist (the driver's setup)."""
-        from ferrule import registry
+        from ferrule.contract import registry
         from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
-        from ferrule.specs import resolve_ref
-        from ferrule.tool_calls import parse_hermes
+        from ferrule.contract.specs import resolve_ref
+        from ferrule.chat.tool_calls import parse_hermes
 
         ag = self.cfg.agent
         spec = registry.get_tool_parser(family)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from ferrule.specs import TowerSpec
+    from ferrule.contract.specs import TowerSpec
     from ferrule.rl.tasks import Prompt
     from ferrule.rollout import GenerateResult
     import torch

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from ferrule.rl.config import DataConfig, RLConfig
-    from ferrule.specs import ChatTemplateSpec, TowerSpec
+    from ferrule.contract.specs import ChatTemplateSpec, TowerSpec
     from ferrule.rl.distributed import RankRoles
     from ferrule.rl.tasks import Prompt, PromptSource
     from ferrule.rollout import GenerateResult, RolloutEngine, SamplingParams
@@ -46,7 +46,7 @@ class PromptRenderer:
 
     Args:
         template / tokenizer: the chat template spec and the checkpoint's tokenizer.
-        towers: the family's :class:`~ferrule.specs.TowerSpec` list (empty: text only).
+        towers: the family's :class:`~ferrule.contract.specs.TowerSpec` list (empty: text only).
         hf_config: the HF config dict (placeholder token ids).
         data_cfg: ``cfg.data`` (``chat_template_kwargs``, ``max_prompt_tokens``).
 

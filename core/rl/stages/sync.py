@@ -33,7 +33,8 @@ def sync_policy(engine: PolicyTrainer, rollout: RolloutEngine | None, roles: Ran
 
     t0 = time.perf_counter()
     if getattr(engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
-        stats = sync_lora_adapter(engine, rollout, version=engine.step, check_equal=check_equal)
+        direct = {} if settings is None or settings.direct else {"direct": False}  # weight_sync.direct
+        stats = sync_lora_adapter(engine, rollout, version=engine.step, check_equal=check_equal, **direct)
         # the other replicas' rollout engines get the adapter the driver's engine now serves
         rl_dist.fan_out_lora_adapter(roles, rollout, engine.step, check_equal=check_equal)
     else:

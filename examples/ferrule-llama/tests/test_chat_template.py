@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrule import registry
-
+from ferrule.contract import registry
 #: Conversations covering: no system (default system prompt inserted), own system prompt,
 #: multi-turn, a single system message, a non-ASCII/multi-line content, an empty content.
 CONVERSATIONS = {

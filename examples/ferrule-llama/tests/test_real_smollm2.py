@@ -36,7 +36,7 @@ def _check(asset_dir: str, work: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.chat import render_chat
     from ferrule.conformance.numeric import single_rank
     from ferrule.converters import SafetensorsReader, hf_to_torch_dist, torch_dist_to_hf

@@ -161,8 +161,7 @@ def test_generation_prompt_is_parsed_by_tml_renderers(tok, ref_tok):
 def test_template_renders_identically_in_transformers():
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     source = registry.get_chat_template("tmlv0").read_source()
     for row in _golden():
         expected, _ = render_jinja_template([row["messages"]], tools=row["tools"], chat_template=source,
@@ -172,8 +171,7 @@ def test_template_renders_identically_in_transformers():
 
 
 def test_registered_for_inkling():
-    from ferrule import registry
-
+    from ferrule.contract import registry
     assert [s.name for s in registry.chat_templates_for("inkling")] == ["tmlv0"]
     assert registry.get_chat_template("tmlv0").stop_tokens == ("<|content_model_end_sampling|>",)
     assert "chat_template" not in registry.get_registry().missing_parts("inkling")

@@ -95,7 +95,7 @@ def test_released_layout_logits_match_multimodal_model_on_text(tmp_path):
     from ferrule.conformance.numeric import single_rank
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.provider import provider_build
     from ferrule.plugins.inkling import inkling
 

@@ -33,7 +33,7 @@ def _hf(path):
 
 
 def _mcore(path):
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.megatron.provider import provider_build
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
@@ -246,7 +246,7 @@ def test_tmlv0_media_parts_expand_to_tml_renderers_token_counts(name):
 
     from transformers import InklingConfig
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.chat import encode_rendered, render_chat
     from ferrule.media import expand_placeholders, message_media
     from ferrule.tmlv0.tokenizer import load_tmlv0_tokenizer

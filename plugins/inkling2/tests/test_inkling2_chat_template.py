@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tml_renderers import tokenizers, v0
 
-from ferrule import registry
+from ferrule.contract import registry
 from ferrule.chat import encode_rendered, render_chat, stop_token_ids
 from ferrule.tmlv0 import tokenizer as inkling_tok
 

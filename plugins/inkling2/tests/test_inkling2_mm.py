@@ -36,7 +36,7 @@ def _prompt() -> torch.Tensor:
 
 
 def _mcore(path):
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.converters import load_hf_into_mcore
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule.megatron.provider import provider_build
@@ -151,7 +151,7 @@ def test_embedded_rollout_with_images_matches_full_hf_forward(tiny_dir):
 
 
 def test_update_groups_cover_the_model_with_its_tower(tiny_dir):
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.conformance.numeric import single_rank
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule.megatron.provider import provider_build

@@ -122,7 +122,7 @@ def test_preprocess_equals_transformers_processor():
 def test_grid_items_through_the_core_media_helpers():
     """``item_token_dims=2``: an image [R, C, ...] fills R*C placeholders in expand / check / count."""
     from ferrule.media import MediaError, check_media, expand_placeholders, media_token_counts
-    from ferrule.specs import SpecError, TowerSpec
+    from ferrule.contract.specs import SpecError, TowerSpec
 
     spec = TowerSpec(family="f", modality="vision", build="a:b", placeholder_token_id=9, item_token_dims=2,
                      hf_inputs="a:c")
@@ -187,7 +187,7 @@ def test_core_passes_grid_items_as_a_list():
     from ferrule.media import hf_media_inputs
     from ferrule.megatron.towers import embed_with_media
     from ferrule.plugins.inkling2.towers import build_vision_tower, hf_vision_inputs
-    from ferrule.specs import TowerSpec
+    from ferrule.contract.specs import TowerSpec
 
     spec = TowerSpec(family="f", modality="vision", build="a:b", placeholder_token_id=9, item_token_dims=2,
                      hf_inputs="ferrule.plugins.inkling2.towers:hf_vision_inputs")

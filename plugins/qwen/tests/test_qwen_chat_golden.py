@@ -259,8 +259,7 @@ def test_qwen3_reasoning_blocks():
 def test_environment_matches_transformers():
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from ferrule import registry
-
+    from ferrule.contract import registry
     tricky = {"zeta": "<b>&'ü中</b>", "alpha": [1, 2.5, None, True]}
     tools = [{"type": "function", "function": {"name": "f", "description": "ü <x>", "parameters": tricky}}]
     convos = [(r["messages"], r["tools"], r["add_generation_prompt"], {}) for r in _golden()]

@@ -10,8 +10,8 @@ and matches HF too (README.md, "Real checkpoint").
 from __future__ import annotations
 
 from ferrule import hookimpl
-from ferrule.specs import ChatTemplateSpec, CommandSpec, FamilyStatus, ModelFamilySpec
-from ferrule.variants import Variants
+from ferrule.contract.specs import ChatTemplateSpec, CommandSpec, FamilyStatus, ModelFamilySpec
+from ferrule.contract.variants import Variants
 
 #: family -> variant module holding CONFIG_TRANSLATION, MAPPING, UPDATE_GROUPS, TINY_HF_CONFIG (the provider
 #: is the default build, driven by CONFIG_TRANSLATION).

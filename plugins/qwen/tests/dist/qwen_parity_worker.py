@@ -55,7 +55,7 @@ def main(work: Path) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
-    from ferrule import registry
+    from ferrule.contract import registry
     from ferrule.converters import load_hf_into_mcore
     from ferrule.converters.checkpoint import _sharded_state_dict, load_torch_dist_into_mcore
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed

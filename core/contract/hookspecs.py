@@ -5,16 +5,16 @@ Glossary (DESIGN.md §2 has the full vocabulary):
 - *family*: one plugin-declared model family (``qwen2``, ``llama``); *model_type*: HF
   ``config.model_type``, which the registry maps to a family.
 - *hf_* / *mcore_*: Hugging Face vs Megatron-Core naming (``q_proj`` vs ``linear_qkv``).
-- *spec*: a frozen dataclass from :mod:`ferrule.specs` that a ``register_*`` hook returns;
+- *spec*: a frozen dataclass from :mod:`ferrule.contract.specs` that a ``register_*`` hook returns;
   heavy objects inside are lazy ``"module:attr"`` references.
 - *provider*: builds the family's Megatron model from an HF config and a parallel layout.
 - *mapping table*: the family's complete mcore <-> HF parameter table (:mod:`ferrule.mapping`).
 - *config translation*: rows translating HF config keys to ``TransformerConfig`` fields
   (:mod:`ferrule.config_translation`); a provider without ``build`` is driven by them.
 - *update group*: parameters that travel to the rollout engine together in one bucket.
-- *hook part*: one row of :data:`ferrule.hook_parts.HOOK_PARTS` (hook, spec type, registry table).
+- *hook part*: one row of :data:`ferrule.contract.hook_parts.HOOK_PARTS` (hook, spec type, registry table).
 
-Lifecycle. :mod:`ferrule.registry` (the only module that calls ``pm.hook``) loads each
+Lifecycle. :mod:`ferrule.contract.registry` (the only module that calls ``pm.hook``) loads each
 ``ferrule`` entry point once per process, then calls the ``register_*`` hooks once and caches
 the specs. Collect hooks (``register_*``) run in every plugin and their lists are joined;
 specs are matched by family name. ``resolve_model_family`` is first-result: the first
@@ -24,7 +24,7 @@ Rules for implementations (checked by the registry and the conformance kit
 ``ferrule.conformance.kit``):
 
 - no side effects, no I/O, no import of torch, megatron or transformers at call time: return
-  frozen specs from :mod:`ferrule.specs`, naming heavy objects as ``"module:attr"`` strings;
+  frozen specs from :mod:`ferrule.contract.specs`, naming heavy objects as ``"module:attr"`` strings;
 - re-entrant: the hooks may be called in every process of a distributed job;
 - a spec whose family or model_type another plugin already claims is an error naming both
   distributions.
@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ferrule import hookspec
-from ferrule.specs import (
+from ferrule.contract.specs import (
     ChatTemplateSpec,
     CommandSpec,
     ConverterSpec,
@@ -210,7 +210,7 @@ def register_tool_parsers() -> Sequence[ToolParserSpec]:
     """Declare how each family's model writes tool calls.
 
     Called by the registry once per process; collect hook. The episode runner parses every model
-    turn with the parser of the run's family (else the ``"*"`` one, :mod:`ferrule.tool_calls`'s
+    turn with the parser of the run's family (else the ``"*"`` one, :mod:`ferrule.chat.tool_calls`'s
     Hermes ``<tool_call>`` JSON) before handing it to the environment.
 
     :return: tool-parser specs; at most one per family (and one ``"*"``).

@@ -1,4 +1,5 @@
-"""Chat-template rendering (``ferrule.chat``): jinja templates registered by plugins -> text -> token ids.
+"""The chat format: chat-template rendering here (jinja templates registered by plugins -> text ->
+token ids), the tool calls of a model turn in :mod:`ferrule.chat.tool_calls`.
 
 The jinja environment is configured like Hugging Face's ``apply_chat_template``
 (transformers ``utils/chat_template_utils.py``, checked against 5.24.0), so a template that
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ferrule.specs import ChatTemplateSpec
+from ferrule.contract.specs import ChatTemplateSpec
 
 if TYPE_CHECKING:
     import jinja2
@@ -253,8 +254,7 @@ def _resolve_spec(spec: ChatTemplateSpec | str) -> ChatTemplateSpec:
     if isinstance(spec, ChatTemplateSpec):
         return spec
     if isinstance(spec, str):
-        from ferrule import registry
-
+        from ferrule.contract import registry
         return registry.get_chat_template(spec)
     raise TypeError(f"spec is {_describe(spec)}; pass a ChatTemplateSpec or a registered template name.")
 
@@ -296,7 +296,7 @@ def render_chat(
 
     Args:
         spec: the template spec, or a template name looked up with
-            ``ferrule.registry.get_chat_template``.
+            ``ferrule.contract.registry.get_chat_template``.
         messages: OpenAI / HF chat messages (see :func:`validate_messages`); not modified.
         tools: JSON-schema tool declarations (``{"type": "function", "function": {...}}``).
         add_generation_prompt: end with the template's open assistant turn.
@@ -396,7 +396,7 @@ def tokenizer_for_template(spec: ChatTemplateSpec | str) -> Any:
     Raises:
         LookupError: the plugin provides no tokenizer; pass one explicitly (``--tokenizer``).
     """
-    from ferrule.specs import resolve_ref
+    from ferrule.contract.specs import resolve_ref
 
     spec = _resolve_spec(spec)
     ref = getattr(spec, "tokenizer", None)

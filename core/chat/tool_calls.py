@@ -1,6 +1,6 @@
 """Tool calls in model turns: the parsed record and the default (Hermes / Qwen) parser.
 
-A family's parser (``register_tool_parsers``, :class:`ferrule.specs.ToolParserSpec`) turns one
+A family's parser (``register_tool_parsers``, :class:`ferrule.contract.specs.ToolParserSpec`) turns one
 model turn, decoded with its special tokens kept and its stop token removed, into a
 :class:`ParsedTurn`: the free text, the well-formed calls and one message per malformed call.
 A malformed call is data the environment answers (an observation the model can learn from),

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from ferrule.specs import ConverterSpec, ProviderSpec, SpecError, UpdateGroupTable
+from ferrule.contract.specs import ConverterSpec, ProviderSpec, SpecError, UpdateGroupTable
 
 __all__ = ["Variants"]
 
@@ -38,7 +38,7 @@ class Variants:
             tuple of pairs: specs and tables are frozen). Each module defines
             ``CONFIG_TRANSLATION`` (a :class:`~ferrule.config_translation.ConfigTranslation`),
             ``MAPPING`` (a :class:`~ferrule.mapping.MappingTable`) and ``UPDATE_GROUPS`` (a tuple
-            of :class:`~ferrule.specs.UpdateGroup`).
+            of :class:`~ferrule.contract.specs.UpdateGroup`).
         build: the name of the provider builder in each variant module
             (``build(hf_config, layout, **options) -> list[MegatronModule]``), or None for the
             default build driven by ``CONFIG_TRANSLATION`` (Llama-shaped models).

@@ -1,4 +1,4 @@
-"""Frozen spec dataclasses returned by ferrule's hooks (see :mod:`ferrule.hookspecs`).
+"""Frozen spec dataclasses returned by ferrule's hooks (see :mod:`ferrule.contract.hookspecs`).
 
 Every spec is a keyword-only, frozen, picklable dataclass whose sequence fields are tuples.
 Specs carry *declarations*, never live objects: heavy callables (model builders, LoRA
@@ -216,7 +216,7 @@ class ModelFamilySpec:
         _check_name("ModelFamilySpec", "name", self.name)
         if self.layouts is not None and not isinstance(self.layouts, LayoutSupport):
             raise SpecError(f"ModelFamilySpec({self.name}).layouts={self.layouts!r}; use a LayoutSupport "
-                            f"(ferrule.specs) or None.")
+                            f"(ferrule.contract.specs) or None.")
         _check_tuple("ModelFamilySpec", "model_types", self.model_types)
         if not isinstance(self.status, FamilyStatus):
             raise SpecError(
@@ -254,7 +254,7 @@ class ProviderSpec:
             :data:`DEFAULT_PROVIDER_BUILD` driven by the family's config-translation rows
             (``ConverterSpec.config_translation``): a Llama-shaped family whose whole model
             follows from its config translation writes no builder.
-            :func:`ferrule.registry.provider_build` resolves either to a callable.
+            :func:`ferrule.contract.registry.provider_build` resolves either to a callable.
     """
 
     family: str
@@ -616,7 +616,7 @@ class ToolParserSpec:
     Attributes:
         family: the family whose turns this parser reads, or ``"*"`` (the default for families
             without their own parser).
-        parse: lazy reference to ``parse(text: str) -> ferrule.tool_calls.ParsedTurn``; ``text`` is
+        parse: lazy reference to ``parse(text: str) -> ferrule.chat.tool_calls.ParsedTurn``; ``text`` is
             one model turn decoded with its special tokens kept (the stop token removed). A
             malformed call must come back in ``ParsedTurn.errors``, never as an exception.
     """

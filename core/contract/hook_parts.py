@@ -1,11 +1,11 @@
 """The one table of hook parts: which ``register_*`` hook yields which spec, and how the registry files it.
 
 :data:`HOOK_PARTS` drives everything that used to keep its own list: registration and lookup
-in :mod:`ferrule.registry` (which hook to call, which spec type it must return, where the spec
+in :mod:`ferrule.contract.registry` (which hook to call, which spec type it must return, where the spec
 is indexed, what a duplicate claim is called, which parts a family must have), the
 conformance kit's list of a family's specs (:func:`ferrule.conformance.kit.family_specs`) and the
 hook-doc meta-test. Adding a collect hook is one row here, one hookspec in
-:mod:`ferrule.hookspecs` and one section in ``docs/hooks.md``.
+:mod:`ferrule.contract.hookspecs` and one section in ``docs/hooks.md``.
 
 Importing this module imports no torch.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ferrule.specs import (
+from ferrule.contract.specs import (
     ChatTemplateSpec,
     CommandSpec,
     ConverterSpec,
@@ -39,9 +39,9 @@ class HookPart:
     Attributes:
         hook: the hook name (``register_*``).
         spec_type: the spec class every returned item must be.
-        attr: the :class:`~ferrule.registry.Registry` attribute (a dict) that indexes the specs.
+        attr: the :class:`~ferrule.contract.registry.Registry` attribute (a dict) that indexes the specs.
         key: the dict key of a spec (a family name, ``(family, kind)``, a template name).
-        claim: what a duplicate claim is called in :class:`~ferrule.registry.DuplicateClaimError`.
+        claim: what a duplicate claim is called in :class:`~ferrule.contract.registry.DuplicateClaimError`.
         part: the part's name in ``missing_parts`` (``provider``, ``lora``, ...).
         family: the family a spec belongs to (None: not a per-family part, e.g. a CLI command).
         required: ``"always"`` (a VALIDATED/UNSTABLE family must have it), ``"feature"`` (only
@@ -94,7 +94,7 @@ HOOK_PARTS: tuple[HookPart, ...] = (
 COLLECT_HOOKS: tuple[str, ...] = tuple(p.hook for p in HOOK_PARTS)
 #: Hooks where the first non-None answer wins (not part of the table: they return no specs).
 FIRST_RESULT_HOOKS: tuple[str, ...] = ("resolve_model_family",)
-#: Every hook of :mod:`ferrule.hookspecs`.
+#: Every hook of :mod:`ferrule.contract.hookspecs`.
 ALL_HOOKS: tuple[str, ...] = COLLECT_HOOKS + FIRST_RESULT_HOOKS
 
 _BY_TYPE = {p.spec_type: p for p in HOOK_PARTS}
