@@ -287,14 +287,11 @@ def test_a_rank_that_raises_stops_the_job_with_its_message(work, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_cli_nproc_checks_the_layout_first_and_passes_a_user_error_through(work, tmp_path):
-    """``ferrule train --nproc 2`` runs in-process (``run_ferrule``: the CLI's checks and its own torchrun launch,
-    whose ranks are the processes here; an outer interpreter would add ~15 s of imports per call)."""
-    from inproc import run_ferrule
-
     base = json.loads((work / "overrides.json").read_text())
-    cli = ["train", "--nproc", "2", str(work / "tiny.yaml"), *base]
+    cli = [sys.executable, "-m", "ferrule", "train", "--nproc", "2", str(work / "tiny.yaml"), *base]
     # a layout that does not fit: refused before any rank starts, valid sizes named
-    bad = run_ferrule(cli + ["parallel.tp=3", f"logging.run_dir={tmp_path / 'bad'}"], env=_env(), cwd=REPO)
+    bad = subprocess.run(cli + ["parallel.tp=3", f"logging.run_dir={tmp_path / 'bad'}"], capture_output=True,
+                         text=True, timeout=120, env=_env(), cwd=REPO)
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert "parallel.tp: 3 does not divide the model's attention heads 4, KV heads 2" in bad.stderr
     assert "valid tp: [1, 2]" in bad.stderr and "Traceback" not in bad.stderr
@@ -302,9 +299,10 @@ def test_cli_nproc_checks_the_layout_first_and_passes_a_user_error_through(work,
     # a reward function that raises on the reference answers: refused at set-up, exit code 2 and its message
     (tmp_path / "dist_rewards.py").write_text(e2e.REWARD_MODULE)
     t0 = time.time()
-    res = run_ferrule(cli + ["reward.function=dist_rewards:broken", "train.steps=2",
-                             f"logging.run_dir={tmp_path / 'broken'}"],
-                      cwd=REPO, env=dict(_env(), PYTHONPATH=str(tmp_path)))
+    res = subprocess.run(cli + ["reward.function=dist_rewards:broken", "train.steps=2",
+                                f"logging.run_dir={tmp_path / 'broken'}"],
+                         capture_output=True, text=True, timeout=200, cwd=REPO,
+                         env=dict(_env(), PYTHONPATH=str(tmp_path)))
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-4000:]
     last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("error: rank 0: reward function 'dist_rewards:broken' raised TypeError"), last
