@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                 peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
                 row = dict(rank=rank, tenants=n_ten, rows=n_ten * per, mode=mode, first_s=round(first, 2),
                            steady_s=round(steady, 3), tok_s=round(produced / steady, 1), peak_gib=round(peak, 2),
-                           fast=engine._multi is None or engine._multi.fast_factors(
+                           fast=engine._multi.pool is None or engine._multi.pool.fast_factors(
                                model.config.num_hidden_layers) is not None)
                 rows.append(row)
                 print(row, flush=True)

@@ -600,9 +600,9 @@ def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, m
             return None
         engine._fuse_weights()
     layout = engine._fused[1]
-    multi = getattr(engine, "_multi", None)  # adapters per row: the step adds their terms (fast_factors)
+    multi = engine._multi.fast(len(layout.layer_idx))  # adapters per row: the step adds their terms
     if multi is not None:
-        return layout if multi.fast_factors(len(layout.layer_idx)) is not None else None
+        return layout if multi[1] is not None else None
     if engine._lora is None:
         return layout
     if merged is None or merged.base_key != layout.key():

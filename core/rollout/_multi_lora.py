@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ferrule.rollout._lora import PEFT_PREFIX, lora_config_from_dict
 
-__all__ = ["MultiLoraPool", "adapter_pairs"]
+__all__ = ["HeldAdapters", "MultiLoraPool", "adapter_pairs"]
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 #: the projections of a decoder layer the fast decode step adds adapter terms to, in its order
@@ -283,101 +283,110 @@ class MultiLoraPool:
                 self.mask.zero_()
 
 
-class EmbeddedMultiLora:
-    """The multi-adapter methods of :class:`ferrule.rollout.embedded.EmbeddedEngine` (a mixin): adapters
-    held by name (:meth:`add_lora_adapter`), chosen per request (``GenerateRequest.lora_adapter``) and
-    decoded together in one batch (see the module docstring).
+class HeldAdapters:
+    """The adapters an :class:`~ferrule.rollout.embedded.EmbeddedEngine` holds by name for batched
+    multi-adapter decode: a part of the engine (``engine._multi``) that owns its state, the
+    :class:`MultiLoraPool` while at least one adapter is held (``pool``; None otherwise, the model is then
+    the plain base without hooks).
 
-    Exclusive with the single served adapter of :mod:`ferrule.rollout._lora` (``update_lora_adapter``:
-    one adapter applied to every row), which merges it for the fast decode path. While adapters are
-    held, the prefill runs the hooks; the fast decode step (CUDA) adds the same per-row terms to its fused
-    projections (:meth:`MultiLoraPool.fast_factors`); an adapter on another module (``lm_head``) sends the
-    call to the plain path, which runs the hooks.
+    The engine's :meth:`~ferrule.rollout.embedded.EmbeddedEngine.add_lora_adapter` /
+    :meth:`~ferrule.rollout.embedded.EmbeddedEngine.remove_lora_adapter` check what the engine owns
+    (shut down, asleep, a single served adapter) and count the weights serial around :meth:`add` /
+    :meth:`remove`. Exclusive with the single served adapter of :mod:`ferrule.rollout._lora`
+    (``update_lora_adapter``: one adapter applied to every row), which merges it for the fast decode path.
+    While adapters are held, the prefill runs the hooks; the fast decode step (CUDA) adds the same per-row
+    terms to its fused projections (:meth:`fast`); an adapter on another module (``lm_head``) sends the call
+    to the plain path, which runs the hooks.
+
+    Args:
+        model: the engine's transformers model (its ``nn.Linear`` modules get the hooks).
+        on_realloc: called when the engine's decode states must go (their captured graphs hold the pool's
+            old addresses, or ran without the hooks): the pool's tensors were reallocated, the first
+            adapter came, or the last one went.
     """
 
-    _multi: MultiLoraPool | None = None
+    def __init__(self, model: torch.nn.Module, on_realloc: Any) -> None:
+        self.model = model
+        self.on_realloc = on_realloc
+        self.pool: MultiLoraPool | None = None
 
-    def _drop_decode_states(self) -> None:
-        """Drop the decode states (their graphs hold the pool's old addresses or ran without the hooks) and
-        take a fresh CUDA graph pool, as ``sleep`` does: capturing into a private pool whose graphs were all
-        freed while blocks of it lived on failed an allocator assert on an H100 (torch 2.11)."""
-        self._states.clear()
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+    def names(self) -> list[str]:
+        """The held adapters' names, in slot order."""
+        return [] if self.pool is None else self.pool.names()
 
-    def add_lora_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any]) -> None:
-        """Hold PEFT LoRA adapter ``name`` for batched multi-adapter decode (replacing the values of an
-        adapter of that name); requests choose it with ``GenerateRequest(..., lora_adapter=name)``.
-
-        Args:
-            name: the adapter's name (non-empty str).
-            tensors: PEFT saved names -> factors (``base_model.model.<module>.lora_A.weight`` ``[r, in]``,
-                ``.lora_B.weight`` ``[out, r]``), any floating dtype and device (kept in the model's).
-            peft_config: ``adapter_config.json`` / ``LoraConfig.to_dict()`` (``r``, ``lora_alpha``,
-                ``use_rslora``; plain LoRA only).
+    def add(self, name: str, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any], *,
+            max_adapters: int, rows: int) -> None:
+        """Hold adapter ``name`` (:meth:`MultiLoraPool.add`); the first one builds the pool with room for
+        ``max_adapters`` adapters and a row mask of ``rows`` rows. A refused call changes nothing.
 
         Raises:
-            ValueError: ``rollout_engine.max_lora_adapters`` adapters are held already (named in the
-                message; nothing changes), a bad config or tensors, modules that do not fit, or a single
-                adapter served through ``update_lora_adapter``.
-            RuntimeError: the engine was shut down or is asleep.
+            ValueError: as :meth:`MultiLoraPool.add` (and ``max_adapters`` < 1 for the first adapter).
         """
-        if self._closed:
-            raise RuntimeError("EmbeddedEngine.add_lora_adapter after shutdown(); build a new engine.")
-        if self.asleep:
-            raise RuntimeError("EmbeddedEngine.add_lora_adapter while asleep; call wake() first.")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"add_lora_adapter: name must be a non-empty str, got {name!r}.")
-        if self._lora is not None:
-            raise ValueError("add_lora_adapter: this engine serves one adapter to every row (update_lora_adapter); "
-                             "call unload_lora_adapter() first to hold adapters for batched multi-adapter decode.")
-        pool = self._multi
+        pool = self.pool
         if pool is None:
-            rows = self._largest_rung() or 0
-            pool = MultiLoraPool(self.model, int(self.settings.max_lora_adapters), self._drop_decode_states,
-                                 rows=rows)
+            pool = MultiLoraPool(self.model, max_adapters, self.on_realloc, rows=rows)
         try:
             pool.add(name, tensors, peft_config)
         except Exception:
-            if self._multi is None:
+            if self.pool is None:
                 pool.close()
             raise
-        if self._multi is None:
-            self._multi = pool
-            self._drop_decode_states()  # decode states captured without the hooks
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._weights_serial += 1
+        if self.pool is None:
+            self.pool = pool
+            self.on_realloc()  # decode states captured without the hooks
 
-    def remove_lora_adapter(self, name: str) -> None:
+    def remove(self, name: str) -> None:
         """Stop holding adapter ``name``; the last one removed takes the hooks out (the plain base again).
 
         Raises:
             KeyError: ``name`` is not held (the message lists the held ones).
         """
-        if self._multi is None:
+        if self.pool is None:
             raise KeyError(f"remove_lora_adapter({name!r}): no adapters are held.")
-        self._multi.remove(name)
-        if not self._multi.slots:
-            self._multi.close()
-            self._multi = None
-            self._drop_decode_states()
-        self._weights_serial += 1
+        self.pool.remove(name)
+        if not self.pool.slots:
+            self.close()
+            self.on_realloc()
 
-    @property
-    def lora_adapters(self) -> list[str]:
-        """Names of the adapters held for batched decode (:meth:`add_lora_adapter`), in slot order."""
-        return [] if self._multi is None else self._multi.names()
+    def close(self) -> None:
+        """Drop every adapter and hook (engine shutdown)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
-    def lora_rows(self, adapters: Sequence[str | None]) -> Any:
-        """Context for a direct forward of ``self.model`` (prompt logprobs): row ``i`` applies adapter
-        ``adapters[i]`` (None: the base). A no-op context while no adapter is held and all are None.
+    def request_slots(self, adapters: Sequence[str | None]) -> list[int] | None:
+        """Each request's slot (``-1``: the base), or None when every request asks for the base.
+
+        Raises:
+            ValueError: an adapter that is not held (the message names the held ones, or says none are).
+        """
+        if all(a is None for a in adapters):
+            return None
+        if self.pool is None:
+            raise ValueError(f"requests name LoRA adapters {sorted(set(adapters) - {None})} but "
+                             "this engine holds none; add_lora_adapter() them first.")
+        return [self.pool.slot_of(a) for a in adapters]
+
+    def rows(self, slots: Sequence[int]) -> Any:
+        """Context in which row ``i`` applies slot ``slots[i]`` (:meth:`MultiLoraPool.rows`); a no-op
+        context while no adapter is held."""
+        return contextlib.nullcontext() if self.pool is None else self.pool.rows(slots)
+
+    def rows_of(self, adapters: Sequence[str | None]) -> Any:
+        """Context in which row ``i`` applies adapter ``adapters[i]`` (None: the base); a no-op context while
+        no adapter is held and all are None.
 
         Raises:
             ValueError: an adapter that is not held.
         """
-        if self._multi is None:
+        if self.pool is None:
             if any(a is not None for a in adapters):
                 raise ValueError(f"LoRA adapters {sorted({a for a in adapters if a})} are not held by this engine; "
                                  "add_lora_adapter() them first.")
             return contextlib.nullcontext()
-        return self._multi.rows([self._multi.slot_of(a) for a in adapters])
+        return self.pool.rows([self.pool.slot_of(a) for a in adapters])
+
+    def fast(self, layers: int) -> tuple[torch.Tensor, list[list[tuple | None]] | None] | None:
+        """``(row mask, per-layer factors)`` for the fast decode step (:meth:`MultiLoraPool.fast_factors`),
+        or None while no adapter is held."""
+        return None if self.pool is None else (self.pool.mask, self.pool.fast_factors(layers))

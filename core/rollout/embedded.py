@@ -49,7 +49,7 @@ from ferrule.rollout._fast_decode import (FastStatic, FusedLayout, base_ptrs, co
 from ferrule.rollout._fast_sampling import FusedSampler, fused_applies
 from ferrule.rollout._checkpoint_names import CheckpointTensor, check_bucket, checkpoint_tensors
 from ferrule.rollout._lora import ServedLoraAdapter, is_unset, structural_settings
-from ferrule.rollout._multi_lora import EmbeddedMultiLora
+from ferrule.rollout._multi_lora import HeldAdapters
 from ferrule.rollout._quantized import check_hf_dir, dequantized_source
 from ferrule.rollout._sleep import WeightSleep
 from ferrule.rollout._sampling import StopStringMatcher, sample_next
@@ -93,7 +93,7 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
         return unregistered
 
 
-class EmbeddedEngine(EmbeddedMultiLora):
+class EmbeddedEngine:
     """Rollout engine running a transformers CausalLM in-process.
 
     Build it from exactly one of:
@@ -249,7 +249,7 @@ class EmbeddedEngine(EmbeddedMultiLora):
         self._lora = None  # ferrule.rollout._lora.ServedLoraAdapter while an adapter is served
         self._merged_lora = None  # ferrule.rollout._lora_merge.MergedLora of it on the fast decode path
         self._lora_name: str | None = None
-        self._multi = None  # ferrule.rollout._multi_lora.MultiLoraPool while adapters are held by name
+        self._multi = HeldAdapters(self.model, self._drop_decode_states)  # adapters held by name, batched per row
         self._closed = False
         self._sleep = WeightSleep(self.device)  # asleep or not, the host copies of the weights while asleep
         if state_dict is not None:  # checkpoint names
@@ -336,13 +336,9 @@ class EmbeddedEngine(EmbeddedMultiLora):
         # the n rows of a request hold one list object: _run_batch prefills it once (settings.prefill_once)
         unique_prompts = [list(r.prompt_token_ids) for r in reqs]
         prompts = [x for x in unique_prompts for _ in range(params.n)]
-        row_slots = None  # per row: the slot of its request's adapter (-1: the base), ferrule.rollout._multi_lora
-        if any(r.lora_adapter is not None for r in reqs):
-            if self._multi is None:
-                raise ValueError(f"requests name LoRA adapters {sorted({r.lora_adapter for r in reqs} - {None})} but "
-                                 "this engine holds none; add_lora_adapter() them first.")
-            slots = [self._multi.slot_of(r.lora_adapter) for r in reqs]
-            row_slots = [slots[k // params.n] for k in range(len(prompts))]
+        # per row: the slot of its request's adapter (-1: the base; None: every row the base), ferrule.rollout._multi_lora
+        slots = self._multi.request_slots([r.lora_adapter for r in reqs])
+        row_slots = None if slots is None else [slots[k // params.n] for k in range(len(prompts))]
         longest = max(len(p) for p in prompts)
         if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
             raise ValueError(f"Longest prompt ({longest} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
@@ -476,7 +472,7 @@ class EmbeddedEngine(EmbeddedMultiLora):
              row_slots: list[int] | None = None):
         """One static batch of ``prompts``; ``row_slots``: each row's adapter slot while adapters are held
         (:mod:`ferrule.rollout._multi_lora`; filler rows decode the base)."""
-        if self._multi is None:
+        if self._multi.pool is None:
             return self._run_batch(prompts, params, stop_ids, matcher, media_inputs)
         slots = list(row_slots) if row_slots is not None else [-1] * len(prompts)
         batch = self._bucket(len(prompts), 1)[0] if self._windows is not None else len(prompts)
@@ -489,8 +485,8 @@ class EmbeddedEngine(EmbeddedMultiLora):
         the bucket's filler rows) prefill once; None where every row is its own (or ``prefill_once``
         is off, the model decodes through transformers' own cache, adapters are held per row, media go
         with the prompt, or routes are recorded)."""
-        if (not self.settings.prefill_once or self._windows is None or self._multi is not None or media_inputs
-                or params.return_routed_experts):
+        if (not self.settings.prefill_once or self._windows is None or self._multi.pool is not None
+                or media_inputs or params.return_routed_experts):
             return None
         first: dict[int, int] = {}
         for b, x in enumerate(rows):
@@ -543,8 +539,7 @@ class EmbeddedEngine(EmbeddedMultiLora):
             fast = getattr(state, "fast", None)
             if fast is None:
                 fast = state.fast = FastStatic(state, logits.shape[-1], dev)
-            lora = None if self._multi is None else (self._multi.mask,
-                                                     self._multi.fast_factors(len(layout.layer_idx)))
+            lora = self._multi.fast(len(layout.layer_idx))
             return fast.run(layout, logits, real, p, prompt_len, params, stop_ids, gen, self._graph_pool, self.settings,
                             lora)
         sampler = self._sampler(params, batch)
@@ -739,7 +734,7 @@ class EmbeddedEngine(EmbeddedMultiLora):
                 "update_lora_adapter: serving a routed-expert adapter (peft_config target_parameters="
                 f"{peft_config.get('target_parameters')!r}) under CUDA-graph decode is not verified; build the engine "
                 "with EmbeddedEngine(..., cuda_graph=False), or adapt only attention / dense modules.")
-        if self._lora is None and getattr(self, "_multi", None) is not None:
+        if self._lora is None and self._multi.pool is not None:
             raise ValueError("update_lora_adapter: this engine holds adapters for batched multi-adapter decode "
                              f"({', '.join(self._multi.names())}); remove_lora_adapter() them first to serve one "
                              "adapter to every row.")
@@ -813,6 +808,70 @@ class EmbeddedEngine(EmbeddedMultiLora):
             config = json.load(f)
         self.update_lora_adapter(load_file(files[1]), config, self.weights_version)
         self._lora_name = name
+
+    # ------------------------------------------------------------------ adapters held by name (ferrule.rollout._multi_lora)
+    def _drop_decode_states(self) -> None:
+        """Drop the decode states (their graphs hold the pool's old addresses or ran without the hooks) and
+        take a fresh CUDA graph pool, as ``sleep`` does: capturing into a private pool whose graphs were all
+        freed while blocks of it lived on failed an allocator assert on an H100 (torch 2.11)."""
+        self._states.clear()
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+
+    def add_lora_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any]) -> None:
+        """Hold PEFT LoRA adapter ``name`` for batched multi-adapter decode (replacing the values of an
+        adapter of that name); requests choose it with ``GenerateRequest(..., lora_adapter=name)``
+        (:class:`ferrule.rollout._multi_lora.HeldAdapters`: each row applies its own adapter, unmerged).
+
+        Args:
+            name: the adapter's name (non-empty str).
+            tensors: PEFT saved names -> factors (``base_model.model.<module>.lora_A.weight`` ``[r, in]``,
+                ``.lora_B.weight`` ``[out, r]``), any floating dtype and device (kept in the model's).
+            peft_config: ``adapter_config.json`` / ``LoraConfig.to_dict()`` (``r``, ``lora_alpha``,
+                ``use_rslora``; plain LoRA only).
+
+        Raises:
+            ValueError: ``rollout_engine.max_lora_adapters`` adapters are held already (named in the
+                message; nothing changes), a bad config or tensors, modules that do not fit, or a single
+                adapter served through ``update_lora_adapter``.
+            RuntimeError: the engine was shut down or is asleep.
+        """
+        if self._closed:
+            raise RuntimeError("EmbeddedEngine.add_lora_adapter after shutdown(); build a new engine.")
+        if self.asleep:
+            raise RuntimeError("EmbeddedEngine.add_lora_adapter while asleep; call wake() first.")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"add_lora_adapter: name must be a non-empty str, got {name!r}.")
+        if self._lora is not None:
+            raise ValueError("add_lora_adapter: this engine serves one adapter to every row (update_lora_adapter); "
+                             "call unload_lora_adapter() first to hold adapters for batched multi-adapter decode.")
+        self._multi.add(name, tensors, peft_config, max_adapters=int(self.settings.max_lora_adapters),
+                        rows=self._largest_rung() or 0)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._weights_serial += 1
+
+    def remove_lora_adapter(self, name: str) -> None:
+        """Stop holding adapter ``name``; the last one removed takes the hooks out (the plain base again).
+
+        Raises:
+            KeyError: ``name`` is not held (the message lists the held ones).
+        """
+        self._multi.remove(name)
+        self._weights_serial += 1
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """Names of the adapters held for batched decode (:meth:`add_lora_adapter`), in slot order."""
+        return self._multi.names()
+
+    def lora_rows(self, adapters: Sequence[str | None]) -> Any:
+        """Context for a direct forward of ``self.model`` (prompt logprobs): row ``i`` applies adapter
+        ``adapters[i]`` (None: the base). A no-op context while no adapter is held and all are None.
+
+        Raises:
+            ValueError: an adapter that is not held.
+        """
+        return self._multi.rows_of(adapters)
 
     # ------------------------------------------------------------------ lifecycle
     # ------------------------------------------------------------------ sleep / wake (colocation)
@@ -910,9 +969,7 @@ class EmbeddedEngine(EmbeddedMultiLora):
     def shutdown(self) -> None:
         """Drop decode states (KV caches, CUDA graphs); further ``generate`` calls raise."""
         self._states.clear()
-        if self._multi is not None:
-            self._multi.close()
-            self._multi = None
+        self._multi.close()
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
