@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 
 import pytest
@@ -52,7 +53,8 @@ def _process_tree_cpu() -> float:
             total += t.user + t.system + t.children_user + t.children_system
     except psutil.Error:
         pass
-    return total
+    pool = sys.modules.get("dist_pool")  # pool ranks killed rather than reaped (tests/dist_pool.py)
+    return total + getattr(pool, "RETIRED_CPU_S", 0.0)
 
 
 def _machine_busy() -> tuple[float, float]:
@@ -82,8 +84,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def _pool_events() -> dict | None:
     """This process's 2-rank pool events (tests/dist_pool.py ``EVENTS``), None if it had no pool."""
-    import sys
-
     pool = sys.modules.get("dist_pool")
     events = getattr(pool, "EVENTS", None)
     return events if events and any(events.values()) else None

@@ -66,6 +66,27 @@ def _die_with_parent() -> None:
 EVENTS: dict[str, list] = {"starts": [], "kills": [], "recoveries": []}
 
 
+#: CPU seconds of pool ranks that were killed rather than reaped (``os.killpg``: torchrun's agent dies before it
+#: waits for them, so no ``getrusage`` counts them); tests/cpu_report.py adds it to the test process's CPU
+RETIRED_CPU_S = 0.0
+
+
+def _retire_ranks_cpu(agent_pid: int) -> None:
+    """Before a kill: add the CPU seconds of ``agent_pid``'s descendants (the ranks) to :data:`RETIRED_CPU_S`."""
+    global RETIRED_CPU_S
+    try:
+        import psutil
+
+        for child in psutil.Process(agent_pid).children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            RETIRED_CPU_S += t.user + t.system + t.children_user + t.children_system
+    except Exception:  # noqa: BLE001 - psutil absent or the agent gone: the figure is approximate anyway
+        pass
+
+
 def _current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
 
@@ -126,6 +147,7 @@ class DistPool:
                 except subprocess.TimeoutExpired:
                     pass
             if self.proc.poll() is None:
+                _retire_ranks_cpu(self.proc.pid)
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -139,10 +161,12 @@ class DistPool:
     def _kill(self, reason: str = "the test ended inside a job (timeout, interrupt)") -> None:
         if self.proc is not None and self.proc.poll() is None:
             EVENTS["kills"].append((reason, _current_test()))
+            _retire_ranks_cpu(self.proc.pid)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self.proc.wait()
         self.close()
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -307,7 +331,7 @@ def lent_launch():
                                    "cwd": str(cwd) if cwd else None}))
         tmp.rename(folder_path / f"request-{n}.json")
         answer = folder_path / f"answer-{n}.json"
-        deadline = time.monotonic() + timeout + 60
+        deadline = time.monotonic() + START_TIMEOUT_S + timeout + 60  # the lender's pool may have to start first
         while not answer.exists():
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(["dist_pool (lent)", *argv], timeout)

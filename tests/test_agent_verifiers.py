@@ -14,6 +14,7 @@ against what ferrule's side saw (observations, reward, info).
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -87,3 +88,23 @@ def test_a_failing_verifiers_episode_is_an_error_and_end_stops_a_cut_episode(env
     assert ep.future.cancelled() or ep.future.done()
     with pytest.raises(RuntimeError, match="no verifiers model call is waiting|cancelled|failed"):
         env.step(ep, _turn("1", 0))
+
+
+def test_tool_calls_reach_the_harness_as_openai_tool_calls(env):
+    """A Qwen-style ``<tool_call>`` turn becomes the chat.completion the harness's OpenAI SDK reads: the
+    same tool name and arguments (the openai package's own parser as the reference), finish reason
+    ``tool_calls``; a plain turn is its text."""
+    import openai.types.chat as oai
+    from verifiers.v1 import Response
+    from verifiers.v1.clients.train import serialize_completion
+
+    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": [3, "x"]}}\n</tool_call>'
+    message, finish = env.assistant_message(_turn(text, 4))
+    raw = serialize_completion(Response(id="r", created=0, model="m", message=message, finish_reason=finish), "m")
+    got = oai.ChatCompletion.model_validate(raw).choices[0]
+    (call,) = got.message.tool_calls
+    assert got.finish_reason == "tool_calls" and got.message.content == "Let me add."
+    assert call.id == "call_4_0" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 2, "b": [3, "x"]}
+    message, finish = env.assistant_message(_turn("just 7", 0))
+    assert finish == "stop" and message.content == "just 7" and message.tool_calls is None

@@ -87,6 +87,7 @@ class _Episode:
     seen: list = field(default_factory=list)  # the conversation ferrule has (wire messages)
     future: Any = None  # concurrent.futures.Future of the episode coroutine
     turns: int = 0
+    in_call: bool = False  # a model call of this episode is in progress (set on the loop)
     result: Any = None  # verifiers' Episode, once over
 
 
@@ -196,7 +197,8 @@ class VerifiersEnv:
         return self._tasks
 
     def dataset(self, size: int, seed: int) -> Sequence[Mapping[str, Any]]:
-        """``size`` items ``{"task": k}``, cycling over the taskset's tasks in a seeded order."""
+        """``size`` items ``{"task": k}``, cycling over the taskset's tasks in an order shuffled by ``seed``
+        (an infinite taskset: its first 4096 tasks)."""
         import random
 
         n = len(self._task_list())
@@ -205,6 +207,9 @@ class VerifiersEnv:
         return [{"task": order[i % n]} for i in range(size)]
 
     def reset(self, item: Mapping[str, Any], seed: int) -> Observation:
+        """Start the verifiers episode of the item's task; its first model call is the observation.
+        ``seed`` is not used: a verifiers task carries its own data (seeds included, as in verifiers'
+        TextArena taskset); the episode's randomness is the model's sampling."""
         loop = self._start()
         task = self._task_list()[int(item["task"])]
         ep = _Episode(key=f"{self.model}#{next(self._ids)}")
@@ -246,20 +251,27 @@ class VerifiersEnv:
     # ------------------------------------------------------------------ the two sides
     def _answer(self, ep: _Episode, turn: ModelTurn) -> dict[str, Any]:
         """Resolve the pending model call with ``turn``; returns the assistant message verifiers gets."""
-        vf = self.vf
-        calls = [vf.ToolCall(id=f"call_{turn.index}_{k}", name=c.name, arguments=json.dumps(c.arguments))
-                 for k, c in enumerate(turn.parsed.calls)]
-        content = turn.parsed.content if calls else turn.text
-        message = vf.AssistantMessage(content=content, tool_calls=calls or None)
-        finish = "tool_calls" if calls else ("length" if turn.truncated else "stop")
+        message, finish = self.assistant_message(turn)
         fut, ep.pending = ep.pending, None
         if fut is None:
             raise RuntimeError("no verifiers model call is waiting for this turn")
-        self._loop.call_soon_threadsafe(_resolve, fut, (message, finish, len(turn.token_ids)))
+        self._loop.call_soon_threadsafe(_resolve, fut, (message, finish))
         ep.turns += 1
         from verifiers.v1.dialects.chat import message_to_wire
 
         return message_to_wire(message)
+
+    def assistant_message(self, turn: ModelTurn) -> tuple[Any, str]:
+        """``(verifiers.v1.AssistantMessage, finish_reason)`` of a model turn: the calls the family's tool
+        parser read become OpenAI ``tool_calls`` (ids ``call_{turn}_{k}``, arguments as JSON text) with
+        the text outside them as content; a turn without calls is its text. A malformed call is not a
+        call: verifiers' harness sees the turn's text (and usually ends the exchange)."""
+        vf = self.vf
+        calls = [vf.ToolCall(id=f"call_{turn.index}_{k}", name=c.name, arguments=json.dumps(c.arguments))
+                 for k, c in enumerate(turn.parsed.calls)]
+        content = turn.parsed.content if calls else turn.text
+        finish = "tool_calls" if calls else ("length" if turn.truncated else "stop")
+        return vf.AssistantMessage(content=content, tool_calls=calls or None), finish
 
     def _next_call(self, ep: _Episode) -> tuple[list | None, Any]:
         """Wait for the episode's next model call ``(messages, tools)`` or its end ``(None, reward)``."""
@@ -302,11 +314,8 @@ class VerifiersEnv:
 
     async def _model_call(self, dialect: Any, body: dict, turn: Any) -> Any:
         """The client side (on the loop): hand the call to ferrule, wait for the turn, build the Response."""
-        from verifiers.v1.clients.train import serialize_completion, tool_to_wire
         from verifiers.v1.dialects import ChatDialect
-        from verifiers.v1.dialects.chat import message_to_wire
 
-        vf = self.vf
         if not isinstance(dialect, ChatDialect):
             raise NotImplementedError(f"ferrule's verifiers adapter speaks the chat-completions dialect only, not "
                                       f"{type(dialect).__name__} (use the null or bash harness)")
@@ -315,9 +324,20 @@ class VerifiersEnv:
             ep = self._episodes.get(key)
         if ep is None:
             raise RuntimeError(f"no ferrule episode for model {key!r} (the episode ended)")
-        if ep.pending is not None:
+        if ep.in_call:
             raise RuntimeError("the verifiers env called the model twice at once; ferrule's adapter runs one "
                                "model call per episode at a time")
+        ep.in_call = True
+        try:
+            return await self._one_call(ep, key, dialect, body, turn)
+        finally:
+            ep.in_call = False
+
+    async def _one_call(self, ep: _Episode, key: str, dialect: Any, body: dict, turn: Any) -> Any:
+        from verifiers.v1.clients.train import serialize_completion, tool_to_wire
+        from verifiers.v1.dialects.chat import message_to_wire
+
+        vf = self.vf
         if turn is not None:
             prompt, tools = turn.prompt, turn.tools
         else:
@@ -326,7 +346,7 @@ class VerifiersEnv:
         fut = asyncio.get_running_loop().create_future()
         ep.events.put(("call", [message_to_wire(m) for m in prompt],
                        [tool_to_wire(t) for t in tools] if tools else None, fut))
-        message, finish, n = await asyncio.wait_for(fut, timeout=self.turn_timeout_s)
+        message, finish = await asyncio.wait_for(fut, timeout=self.turn_timeout_s)
         response = vf.Response(id=f"ferrule-{key}-{ep.turns}", created=0, model=key, message=message,
                                finish_reason=finish, usage=None)
         response.raw = serialize_completion(response, key)
