@@ -149,7 +149,7 @@ def test_n_samples_prefill_their_prompt_once_with_the_same_results(device):
     model = tiny_qwen3(seed=4).to(device)
     rows_seen = []
     hook = model.register_forward_pre_hook(
-        lambda m, args, kwargs: rows_seen.append(kwargs["input_ids"].shape) if kwargs["input_ids"].shape[1] > 1
+        lambda m, args, kwargs: rows_seen.append(kwargs["input_ids"].shape) if kwargs.get("logits_to_keep") == 1
         else None, with_kwargs=True)
     once = EmbeddedEngine(model=model)
     assert once.settings.prefill_once  # the default
@@ -158,7 +158,7 @@ def test_n_samples_prefill_their_prompt_once_with_the_same_results(device):
                    SamplingParams(temperature=0.0, max_new_tokens=10, n=2, ignore_eos=True)):
         rows_seen.clear()
         a = once.generate(PROMPTS, params)
-        if device == "cpu":  # the prefill forward (the only one with more than one position) saw 3 rows
+        if device == "cpu":  # the prefill forward (the only one with logits_to_keep) saw 3 rows
             assert [s[0] for s in rows_seen] == [len(PROMPTS)], rows_seen
         rows_seen.clear()
         b = per_row.generate(PROMPTS, params)

@@ -225,7 +225,7 @@ class DecodeState:
         return out.logits[:, -1, :].float()[source]
 
     def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     prompt_mask: torch.Tensor) -> torch.Tensor:
+                     prompt_mask: torch.Tensor, share: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Prefill new prompts into some rows of a live batch (continuous batching).
 
         The prompts ``[k, P]`` (left-padded among themselves) run through the model with a
@@ -236,6 +236,7 @@ class DecodeState:
         Args:
             rows: ``[k]`` int64 row indices. input_ids / position_ids: ``[k, P]`` int64.
             prompt_mask: ``[k, P]`` bool, True on prompt tokens.
+            share: as :meth:`prefill`'s, over the ``k`` new rows: the model runs on ``unique`` of them.
 
         Returns:
             ``[k, vocab]`` float32 next-token logits of the new rows.
@@ -243,16 +244,19 @@ class DecodeState:
         p = input_ids.shape[1]
         tmp = StaticKVCache(p)
         tmp.write_index = torch.arange(p, device=input_ids.device)
-        masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
-        out = self.model(input_ids=input_ids, attention_mask=mask_argument(masks), position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self.cache_kw: tmp})
+        unique, source = share if share is not None else (None, None)
+        pick = (lambda t: t) if unique is None else (lambda t: t[unique])
+        masks = prefill_masks(pick(prompt_mask), p, self.windows, self.additive_dtype)
+        out = self.model(input_ids=pick(input_ids), attention_mask=mask_argument(masks),
+                         position_ids=pick(position_ids), use_cache=True, logits_to_keep=1, **{self.cache_kw: tmp})
+        spread = (lambda t: t) if source is None else (lambda t: t[source])
         for layer, k in tmp.keys.items():
-            self.cache.keys[layer][rows, :, :p] = k
-            self.cache.values[layer][rows, :, :p] = tmp.values[layer]
+            self.cache.keys[layer][rows, :, :p] = spread(k)
+            self.cache.values[layer][rows, :, :p] = spread(tmp.values[layer])
         allowed = torch.zeros((len(rows), self.max_len), dtype=torch.bool, device=self.allowed.device)
         allowed[:, :p] = prompt_mask
         self.allowed[rows] = allowed
-        return out.logits[:, -1, :].float()
+        return spread(out.logits[:, -1, :].float())
 
     # -- decode ---------------------------------------------------------------------------
     def set_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: int | torch.Tensor) -> None:
