@@ -21,6 +21,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from .check_points import POINT_OPS, _max_diff, capture, compare, hf_layer_points, mcore_layer_points
+from ferrule.conformance.fields import hf_model_class, text_vocab_size
+from ferrule.conformance.numeric import update_unit_problems
+from ferrule.contract import registry
+from ferrule.megatron.parallel import ParallelLayout, init_distributed
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, global_param_names
+from ferrule.rollout._quantized import dequantized_source
 
 __all__ = ["logits_worker", "SOFTCAP_KEYS"]
 
@@ -38,8 +46,6 @@ def _capture_overrides(family: str) -> dict | None:
 
 
 def _mcore_points(model) -> tuple[dict, list]:
-    from .check_points import mcore_layer_points
-
     points = {("embedding", ""): model.embedding, ("final_norm", ""): model.decoder.final_layernorm}
     order = []
     for i, layer in enumerate(model.decoder.layers):
@@ -49,8 +55,6 @@ def _mcore_points(model) -> tuple[dict, list]:
 
 
 def _hf_points(hf, family: str) -> tuple[dict, list]:
-    from .check_points import POINT_OPS, hf_layer_points
-
     inner = hf.model
     overrides = _capture_overrides(family)
     points = {("embedding", ""): inner.embed_tokens, ("final_norm", ""): inner.norm}
@@ -87,8 +91,6 @@ def _dequantized_copy(hf_dir: Path, out: Path) -> str:
     import shutil
 
     from safetensors.torch import save_file
-
-    from ferrule.rollout._quantized import dequantized_source
 
     config, tensors = dequantized_source(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,10 +143,6 @@ def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
     (:func:`_finalize_tp_grads`). A parameter without a gradient exports as zeros."""
     import torch
 
-    from ferrule.contract import registry
-    from ferrule.conformance.fields import text_vocab_size
-    from ferrule.megatron.weights import export_mcore_to_hf
-
     params = list(model.parameters())
     for p in params:
         p.grad = None
@@ -174,10 +172,6 @@ def _update_groups(model, family: str) -> dict:
     """The family's update-group table on this model's parameters (:func:`ferrule.conformance.numeric.
     update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
     weight sync would never send it) fails the check, not only the kit."""
-    from ferrule.contract import registry
-    from ferrule.conformance.numeric import update_unit_problems
-    from ferrule.megatron.weights import global_param_names
-
     try:
         names = list(global_param_names(model).values())
         units, problems = update_unit_problems(names, registry.get_update_groups(family))
@@ -246,10 +240,6 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     parameter's gradient of ``sum(logits * w)`` vs HF's, written as ``"gradients"``)."""
     import torch
 
-    from ferrule.megatron.parallel import ParallelLayout, init_distributed
-    from ferrule.megatron.provider import provider_build
-
-    from .check_points import _max_diff, capture, compare
     from .checkpoint import load_torch_dist_into_mcore
 
     layout = ParallelLayout(**(layout_kw or {"tp": tp}))
@@ -287,7 +277,6 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     if rank != 0:
         return
     update_groups = _update_groups(model, family)
-    from ferrule.conformance.fields import hf_model_class
 
     # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
     cls = hf_model_class(family, hf_config["model_type"])

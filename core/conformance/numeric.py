@@ -32,6 +32,14 @@ from ferrule.conformance.fields import (  # noqa: F401  (re-exported: the kit's 
     hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
     translated_fields_vs_hf,
 )
+from ferrule.contract import registry
+from ferrule.formats.safetensors_io import SafetensorsReader
+from ferrule.mapping import MappingContext
+from ferrule.megatron import parallel
+from ferrule.megatron.parallel import ParallelLayout
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, global_param_names, load_hf_into_mcore, unwrap
+from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
@@ -45,7 +53,6 @@ SEED = 1234
 
 
 def _variant_module(family: str):
-    from ferrule.contract import registry
     ref = registry.get_provider(family).build
     if ref is None:  # the default build: the family's variant module is where its config rows live
         conv = registry.get_converter(family)
@@ -139,8 +146,6 @@ def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
 @contextlib.contextmanager
 def single_rank() -> Iterator[None]:
     """Megatron parallel state with TP=PP=EP=1 on one process for the duration of the block."""
-    from ferrule.megatron import parallel
-
     if parallel.is_initialized():
         if (parallel.tp_size(), parallel.pp_size(), parallel.ep_size()) != (1, 1, 1):
             raise RuntimeError("single_rank(): megatron is initialized with a parallel layout; run in a fresh process.")
@@ -154,9 +159,6 @@ def single_rank() -> Iterator[None]:
 
 
 def _build(family: str, hf_config: dict, **options) -> list:
-    from ferrule.megatron.parallel import ParallelLayout
-    from ferrule.megatron.provider import provider_build
-
     return provider_build(family)(hf_config, ParallelLayout(), **options)
 
 
@@ -176,10 +178,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from ferrule.contract import registry
     from ferrule.megatron.checkpoint import model_sharded_state_dict, save_sharded
-    from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
-    from ferrule.formats.safetensors_io import SafetensorsReader
 
     work = Path(work_dir)
     src = tiny_hf_dir(family, work / "hf")
@@ -206,11 +205,6 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
 def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> None:
     """Table entries == provider parameters, and table HF keys == keys transformers saved."""
     import json
-
-    from ferrule.contract import registry
-    from ferrule.mapping import MappingContext
-    from ferrule.megatron.weights import global_param_names
-    from ferrule.formats.safetensors_io import SafetensorsReader
 
     table = registry.get_converter(family).resolved_mapping()
     src = tiny_hf_dir(family, Path(work_dir) / "hf_cover")
@@ -257,9 +251,6 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
 
     import torch
 
-    from ferrule.contract import registry
-    from ferrule.megatron.weights import load_hf_into_mcore
-
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())
     vocab = text_vocab_size(hf_config)
@@ -302,10 +293,6 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
     """
     from transformers import AutoConfig
 
-    from ferrule.contract import registry
-    from ferrule.megatron.weights import global_param_names
-    from ferrule.sync.groups import as_group_table
-
     table = registry.get_update_groups(family) if groups is None else as_group_table(groups, family)
     cfg = tiny_hf_config(family)
     if cfg is None:
@@ -324,8 +311,6 @@ def update_unit_problems(names: list[str], table: Any) -> tuple[list, list[str]]
     exactly one unit, no unit naming a parameter the model lacks, every suffix of a non-optional group used
     (:func:`check_update_groups_cover_parameters`'s rules; ``ferrule check`` runs them on the checkpoint's model)."""
     import collections
-
-    from ferrule.sync.groups import UpdateGroupError, build_update_units
 
     try:
         units = build_update_units(names, table)
