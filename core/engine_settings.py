@@ -189,6 +189,11 @@ class RolloutEngineSettings(EngineSettingsBase):
     lora_merged: bool = _f(True, "A served LoRA adapter is merged into a copy of the weights it targets once per "
                                  "version and the prefill runs on it too (false: merged every call, prefill through "
                                  "PEFT's unmerged layers). Verified on an H200, 2026-12-02.")
+    prefill_once: bool = _f(True, "The n samples of a request prefill their prompt once: the prompt forward runs on "
+                                  "one row per request and its keys, values and last logits are copied into the n "
+                                  "rows (static batches, and continuous batching's fills and refills). "
+                                  "Greedy tokens equal the per-row prefill's, logprobs within 1e-5 (CPU, fp32, "
+                                  "tests/test_rollout_embedded.py); not yet measured on a GPU.")
     max_lora_adapters: int = _f(16, "LoRA adapters held at once for batched multi-adapter decode (EmbeddedEngine."
                                     "add_lora_adapter, ferrule serve's sampler): one more is refused naming this "
                                     "setting (ferrule serve evicts the least recently used instead). Each held "

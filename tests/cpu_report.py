@@ -10,6 +10,10 @@ its cores that did work, from any process), which says whether more workers coul
 tests keep the cores busy gains nothing from a third worker; one that waits (sleeps, timeouts,
 interpreters blocked on each other) does.
 
+It also says what the 2-rank pools (tests/dist_pool.py) cost, per worker: their starts (the test that paid each,
+and its seconds), the failed jobs they recovered from, and each kill with its reason; a start is two
+interpreters, ~25 s on the CI machine.
+
 Figures are approximate: a descendant that ends between two readings without being reaped by the
 worker loses its last slice, and CPU that the pool ranks spend after a job (their reset) is counted to
 the next test of that worker.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 
 import pytest
@@ -48,7 +53,8 @@ def _process_tree_cpu() -> float:
             total += t.user + t.system + t.children_user + t.children_system
     except psutil.Error:
         pass
-    return total
+    pool = sys.modules.get("dist_pool")  # pool ranks killed rather than reaped (tests/dist_pool.py)
+    return total + getattr(pool, "RETIRED_CPU_S", 0.0)
 
 
 def _machine_busy() -> tuple[float, float]:
@@ -76,9 +82,37 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         outcome.get_result().user_properties.append(("cpu_s", round(_process_tree_cpu() - start, 2)))
 
 
+def _pool_events() -> dict | None:
+    """This process's 2-rank pool events (tests/dist_pool.py ``EVENTS``), None if it had no pool."""
+    pool = sys.modules.get("dist_pool")
+    events = getattr(pool, "EVENTS", None)
+    return events if events and any(events.values()) else None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: hand its pool events to the controller (``workeroutput``)."""
+    config = session.config
+    if config.getoption("cpu_report") and hasattr(config, "workeroutput"):
+        events = _pool_events()
+        if events:
+            import json
+
+            config.workeroutput["ferrule_dist_pool"] = json.dumps(events)
+
+
+def _pool_lines(worker: str, events: dict) -> list[str]:
+    starts = events["starts"]
+    lines = [f"2-rank pool, {worker}: {len(starts)} start(s), {sum(s for _, s in starts):.0f} s; "
+             f"{len(events['recoveries'])} failed job(s) recovered; {len(events['kills'])} kill(s)"]
+    lines += [f"    start {secs:5.1f} s  {test}" for test, secs in starts]
+    lines += [f"    kill: {reason}  {test}" for reason, test in events["kills"]]
+    return lines
+
+
 class _Collector:
     def __init__(self, top: int) -> None:
         self.top = top
+        self.pools: dict[str, dict] = {}
         self.cpu: dict[str, float] = {}
         self.wall: dict[str, float] = {}
         self.machine_start = _machine_busy()
@@ -89,6 +123,14 @@ class _Collector:
         for key, value in report.user_properties:
             if key == "cpu_s":
                 self.cpu[report.nodeid] = float(value)
+
+    @pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+    def pytest_testnodedown(self, node, error) -> None:
+        import json
+
+        data = getattr(node, "workeroutput", {}).get("ferrule_dist_pool")
+        if data:
+            self.pools[node.workerinput.get("workerid", "?")] = json.loads(data)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         tr = terminalreporter
@@ -103,6 +145,10 @@ class _Collector:
         tr.write_line(f"tests' CPU, summed: {sum(self.cpu.values()):.0f} s over {len(self.cpu)} tests; "
                       f"their wall, summed: {sum(self.wall.values()):.0f} s; run: {elapsed:.0f} s on {cores} cores, "
                       f"machine busy {share:.0%} of its cores (every process)")
+        own = _pool_events()  # a run without xdist: this process's pool
+        for worker, events in sorted({**({"this process": own} if own else {}), **self.pools}.items()):
+            for line in _pool_lines(worker, events):
+                tr.write_line(line)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -13,8 +13,12 @@ in both of its ranks with the same argv, environment and torchrun variables, ret
 One pool per test process (each pytest-xdist worker starts its own on first use). Isolation between
 jobs: megatron's model-parallel groups, every process group but the default one, ferrule's registry,
 ``os.environ``, ``sys.argv`` and ``sys.path`` are reset in the ranks after each job (``pool_rank.py``).
-A job that fails, or a test that ends while its job runs (a timeout, Ctrl-C), takes the pool down with
-it (killed as a process group); the next job starts a fresh one. The pool never outlives the test
+A job that fails in its ranks (an exception, a non-zero exit) keeps the pool when every rank has
+finished: the ranks replace their default process group and take the next job (a fresh pool costs two
+interpreter starts, ~25 s on the 2-core machine; tests that check planted mistakes fail a job on purpose).
+A rank that does not finish within :data:`FAILED_RANK_GRACE_S` of the other's failure (it waits in a
+collective), a rank that crashes, a failed recovery, or a test that ends while its job runs (a timeout,
+Ctrl-C) takes the pool down with it (killed as a process group); the next job starts a fresh one. The pool never outlives the test
 process: torchrun's agent gets SIGKILL when it dies (``PR_SET_PDEATHSIG``) and the ranks leave when
 its pid is gone. Tests about process behaviour itself (a rank that dies, signals, torchrun's own exit
 codes) keep their own ``torchrun`` (``tests/test_process_policy.py`` lists them).
@@ -37,6 +41,8 @@ RANK_PROGRAM = ROOT / "tests" / "dist" / "pool_rank.py"
 NPROC = 2
 START_TIMEOUT_S = 240.0
 FAILED_RANK_GRACE_S = 5.0
+#: seconds the ranks may take to replace their default process group after a failed job (milliseconds when idle)
+RECOVER_TIMEOUT_S = 60.0
 POLL_S = 0.02
 #: a rank with more OS threads than this after a job's reset is replaced before the next job: some jobs leave
 #: process groups that torch no longer lists but something still references, and their gloo threads stay
@@ -55,6 +61,36 @@ def _die_with_parent() -> None:
         pass
 
 
+#: this process's pool events, for ``--cpu-report``'s summary (tests/cpu_report.py): each start ``(test id, seconds)``,
+#: each kill ``(reason, test id)``, and the failed jobs the ranks recovered from
+EVENTS: dict[str, list] = {"starts": [], "kills": [], "recoveries": []}
+
+
+#: CPU seconds of pool ranks that were killed rather than reaped (``os.killpg``: torchrun's agent dies before it
+#: waits for them, so no ``getrusage`` counts them); tests/cpu_report.py adds it to the test process's CPU
+RETIRED_CPU_S = 0.0
+
+
+def _retire_ranks_cpu(agent_pid: int) -> None:
+    """Before a kill: add the CPU seconds of ``agent_pid``'s descendants (the ranks) to :data:`RETIRED_CPU_S`."""
+    global RETIRED_CPU_S
+    try:
+        import psutil
+
+        for child in psutil.Process(agent_pid).children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            RETIRED_CPU_S += t.user + t.system + t.children_user + t.children_system
+    except Exception:  # noqa: BLE001 - psutil absent or the agent gone: the figure is approximate anyway
+        pass
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+
+
 class DistPoolError(RuntimeError):
     """The pool could not start (its launch's output is in the message)."""
 
@@ -69,6 +105,7 @@ class DistPool:
         self.next_job = 0
         self.starts = 0
         self.jobs_run = 0
+        self.recoveries = 0
         # the environment the ranks start from: the session's, as it is when the fixture is made (a pool first
         # started inside a test's `inproc.environment(...)` would otherwise keep that test's PYTHONPATH, and a
         # plugin module found through it would stay imported with the first job's variables)
@@ -89,13 +126,15 @@ class DistPool:
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
                 preexec_fn=_die_with_parent)
         self.starts += 1
-        deadline = time.monotonic() + START_TIMEOUT_S
+        t0 = time.monotonic()
+        deadline = t0 + START_TIMEOUT_S
         while not all((self.control / f"ready.rank{r}").exists() for r in range(self.nproc)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 text = (self.control / "launch.log").read_text()[-4000:]
                 self.close()
                 raise DistPoolError(f"the 2-rank test pool did not start:\n{text}")
             time.sleep(0.1)
+        EVENTS["starts"].append((_current_test(), round(time.monotonic() - t0, 1)))
         return self.control
 
     def close(self) -> None:
@@ -108,6 +147,7 @@ class DistPool:
                 except subprocess.TimeoutExpired:
                     pass
             if self.proc.poll() is None:
+                _retire_ranks_cpu(self.proc.pid)
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -118,12 +158,15 @@ class DistPool:
             shutil.rmtree(self.control, ignore_errors=True)
             self.control = None
 
-    def _kill(self) -> None:
+    def _kill(self, reason: str = "the test ended inside a job (timeout, interrupt)") -> None:
         if self.proc is not None and self.proc.poll() is None:
+            EVENTS["kills"].append((reason, _current_test()))
+            _retire_ranks_cpu(self.proc.pid)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self.proc.wait()
         self.close()
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -165,13 +208,14 @@ class DistPool:
         deadline = time.monotonic() + timeout
         done: dict[int, int] = {}
         threads: dict[int, int] = {}
+        reset: dict[int, bool] = {}
         failed_at: float | None = None
         while len(done) < self.nproc:
             for r in range(self.nproc):
                 f = control / f"job-{n}.rank{r}.done"
                 if r not in done and f.exists():
                     report = json.loads(f.read_text())
-                    done[r], threads[r] = report["rc"], report.get("threads", 0)
+                    done[r], threads[r], reset[r] = report["rc"], report.get("threads", 0), report.get("reset", False)
                     if done[r] != 0 and failed_at is None:
                         failed_at = time.monotonic()
             if len(done) == self.nproc:
@@ -183,7 +227,7 @@ class DistPool:
                 failed_at = now  # the launch ended (a rank crashed hard): collect what is there
             if now > deadline:
                 out, err = self._collect(control, n)
-                self._kill()
+                self._kill(f"a job past its timeout ({timeout:.0f} s)")
                 raise subprocess.TimeoutExpired(["dist_pool", *job["argv"]], timeout, output=out, stderr=err)
             time.sleep(POLL_S)
         out, err = self._collect(control, n)
@@ -193,10 +237,64 @@ class DistPool:
             missing = sorted(set(range(self.nproc)) - set(done))
             launch = (control / "launch.log").read_text()[-3000:]
             err += f"\n[dist_pool] rank(s) {missing} did not finish; launch log:\n{launch}"
-        if rc != 0 or max(threads.values(), default=0) > MAX_RANK_THREADS:
-            self._kill()  # a failed job, or ranks whose leaked gloo threads would slow every later job
+        if max(threads.values(), default=0) > MAX_RANK_THREADS:
+            # ranks whose leaked gloo threads would slow every later job
+            self._kill(f"{max(threads.values())} threads in a rank (> {MAX_RANK_THREADS})")
+        elif rc != 0 and not (len(done) == self.nproc and all(reset.values()) and self._recover(control, n)):
+            # a rank still in the job (a collective the failed one never joined), or no recovery
+            self._kill("a failed job that a rank did not finish" if len(done) < self.nproc else "a failed recovery")
+        elif rc == 0:
+            (control / f"job-{n}.next").write_text("")
         self.jobs_run += 1
         return subprocess.CompletedProcess(["dist_pool", *job["argv"]], rc, out, err)
+
+    def _recover(self, control: Path, n: int) -> bool:
+        """After failed job ``n`` that every rank finished: let the ranks replace their default process group
+        (``pool_rank._renew_world``); True once every rank says it has, False if the launch ended or timed out."""
+        (control / f"job-{n}.recover").write_text("")
+        deadline = time.monotonic() + RECOVER_TIMEOUT_S
+        while not all((control / f"job-{n}.rank{r}.recovered").exists() for r in range(self.nproc)):
+            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        self.recoveries += 1
+        EVENTS["recoveries"].append(_current_test())
+        return True
+
+    # -- lending the pool to a child test session -------------------------------------------------------
+    def lend(self, child: subprocess.Popen, folder: Path, timeout: float) -> None:
+        """Serve ``child``'s pool jobs until it exits: a pytest session started by a test (the conformance kit over
+        the fixture families) asks for 2-rank launches through ``folder`` (:func:`lent_launch`, its
+        ``ferrule_kit_tp2_launch``) and gets them run here instead of a ``torchrun`` of its own (two interpreter
+        starts). Past ``timeout`` seconds ``child`` is killed and ``subprocess.TimeoutExpired`` raised, as
+        ``subprocess.run`` would."""
+        deadline = time.monotonic() + timeout
+        n = 0
+        try:
+            while child.poll() is None:
+                request = folder / f"request-{n}.json"
+                if request.exists():
+                    job = json.loads(request.read_text())
+                    left = max(1.0, min(job["timeout"], deadline - time.monotonic()))
+                    try:
+                        proc = self.run(job["argv"], env=job["env"], timeout=left, cwd=job.get("cwd"))
+                        answer = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+                    except subprocess.TimeoutExpired as exc:
+                        answer = {"rc": -9, "stdout": _text(exc.output), "stderr": _text(exc.stderr) +
+                                  f"\n[dist_pool] the lent job took longer than {left:.0f} s"}
+                    tmp = folder / f".answer-{n}.json"
+                    tmp.write_text(json.dumps(answer))
+                    tmp.rename(folder / f"answer-{n}.json")
+                    n += 1
+                elif time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(child.args, timeout)
+                else:
+                    time.sleep(0.05)
+        except BaseException:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            raise
 
     def _collect(self, control: Path, n: int) -> tuple[str, str]:
         outs, errs = [], []
@@ -206,3 +304,39 @@ class DistPool:
                 if f.exists():
                     acc.append(f.read_text(errors="replace"))
         return "".join(outs), "".join(errs)
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+#: set by a test that lends its pool to a child pytest session (:meth:`DistPool.lend`): the folder of requests
+LEND_ENV = "FERRULE_TEST_DIST_POOL_LENT"
+
+
+def lent_launch():
+    """In a child pytest session: a ``(argv, *, env, timeout) -> subprocess.CompletedProcess`` callable that runs
+    ``argv`` in the parent test's pool (:meth:`DistPool.lend`), or None when no pool is lent
+    (``FERRULE_TEST_DIST_POOL_LENT`` unset). The conformance kit's ``ferrule_kit_tp2_launch`` hook takes it."""
+    folder = os.environ.get(LEND_ENV)
+    if not folder:
+        return None
+    folder_path = Path(folder)
+    counter = iter(range(1 << 30))
+
+    def launch(argv, *, env=None, timeout=300.0, cwd=None) -> subprocess.CompletedProcess:
+        n = next(counter)
+        tmp = folder_path / f".request-{n}.json"
+        tmp.write_text(json.dumps({"argv": [str(a) for a in argv], "env": dict(env or {}), "timeout": timeout,
+                                   "cwd": str(cwd) if cwd else None}))
+        tmp.rename(folder_path / f"request-{n}.json")
+        answer = folder_path / f"answer-{n}.json"
+        deadline = time.monotonic() + START_TIMEOUT_S + timeout + 60  # the lender's pool may have to start first
+        while not answer.exists():
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["dist_pool (lent)", *argv], timeout)
+            time.sleep(0.05)
+        result = json.loads(answer.read_text())
+        return subprocess.CompletedProcess(["dist_pool (lent)", *argv], result["rc"], result["stdout"], result["stderr"])
+
+    return launch

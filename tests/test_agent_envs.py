@@ -53,7 +53,7 @@ def _registry_with(*objs) -> Registry:
 
 def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     names = [s.name for s in registry.list_environments()]
-    assert names == ["guess_number", "textarena", "tool_arithmetic"]
+    assert names == ["guess_number", "textarena", "tool_arithmetic", "verifiers"]
     from ferrule.contract.specs import resolve_ref
 
     assert isinstance(resolve_ref(registry.get_environment("guess_number").factory)(), GuessNumber)
@@ -61,7 +61,7 @@ def test_in_tree_environments_and_tool_parsers_come_through_the_hooks():
     for family in ("inkling", "inkling2", "inkling2_text", "inkling2_loop"):  # every TMLv0 family
         assert registry.get_tool_parser(family).parse == "ferrule.tmlv0.tool_calls:parse_tmlv0"
     assert registry.get_tool_parser("no_such_family") is None
-    with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic"):
+    with pytest.raises(UnknownModelError, match="'nope'.*registered: guess_number, textarena, tool_arithmetic, verifiers"):
         registry.get_environment("nope")
 
 
@@ -274,3 +274,49 @@ def test_an_episode_that_would_outgrow_the_model_context_ends_before_the_turn():
     assert ep.truncated == "context" and ep.error is None and 2 <= ep.turns < 50
     assert max(seen) + 8 <= 200 and len(ep.prompt_ids) + len(ep.response_ids) + 8 > 200
     assert ep.messages[-1] == {"role": "user", "content": "5 is wrong: my number is higher."}
+
+
+def test_end_is_called_once_per_episode_however_it_ended_and_its_failure_changes_nothing():
+    """The optional ``end(state)`` (verifiers' adapter stops a verifiers episode with it): once per episode
+    that has a state, after the step's episodes are over, whether the episode ended by ``done``, by
+    ``agent.max_turns`` or by a crashing step; an ``end`` that raises leaves the episodes as they were."""
+    from ferrule.chat import stop_token_ids, tokenizer_for_template
+    from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
+    from ferrule.rollout import GenerateResult, SamplingParams
+
+    tokenizer = tokenizer_for_template("qwen2_5")
+    stops = stop_token_ids("qwen2_5", tokenizer)
+    turn = tuple(tokenizer.encode("5", add_special_tokens=False)) + (stops[0],)
+
+    class Engine:
+        def generate(self, requests, params):
+            return [GenerateResult(turn, (-0.5,) * len(turn), "stop", i, 0) for i in range(len(requests))]
+
+    class Ending(GuessNumber):  # item 0: guessed at once; item 1: never (max_turns); item 2: its step crashes
+        def __init__(self, fail_end):
+            super().__init__(high=16)
+            self.ended, self.fail_end = [], fail_end
+
+        def step(self, state, turn):
+            if state.secret == 3:
+                raise RuntimeError("scorer crashed")
+            return super().step(state, turn)
+
+        def end(self, state):
+            self.ended.append(state.secret)
+            if self.fail_end:
+                raise RuntimeError("end failed")
+
+    results = []
+    for fail_end in (False, True):
+        env = Ending(fail_end)
+        runner = EpisodeRunner(env, "guess_number", "qwen2_5", tokenizer, parse_hermes, stops,
+                               EpisodeLimits(max_turns=2, max_episode_tokens=1000, max_turn_tokens=8,
+                                             step_timeout_s=5.0))
+        eps = runner.run(Engine(), [(0, {"secret": 5}), (1, {"secret": 11}), (2, {"secret": 3})], 1, SamplingParams(),
+                         seed=0, step=1)
+        assert [(e.reward, e.truncated, e.error is None) for e in eps] == [(1.0, "", True), (0.0, "turns", True),
+                                                                           (0.0, "", False)]
+        assert sorted(env.ended) == [3, 5, 11]
+        results.append([(e.response_ids, e.reward, e.error) for e in eps])
+    assert results[0] == results[1]

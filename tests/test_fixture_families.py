@@ -19,20 +19,30 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(2400)
-def test_fixture_families_pass_the_kit_at_tp1_and_tp2(tmp_path):
+def test_fixture_families_pass_the_kit_at_tp1_and_tp2(dist_pool, tmp_path):
     """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm),
     Gemma-3-text-like (one RoPE per layer type) and gpt-oss-like (attention sinks, clamped interleaved SwiGLU
-    experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2."""
-    env = plugin_env(tmp_path)
+    experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2. The kit's
+    TP=2 launch runs in this session's pool, lent to the child session (``DistPool.lend``), instead of a torchrun."""
+    from dist_pool import LEND_ENV
+
+    lent = tmp_path / "lent-pool"
+    lent.mkdir()
+    env = dict(plugin_env(tmp_path), **{LEND_ENV: str(lent)})
     env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (CI: --cpu-report) belong to its own plugins
     # -n 0: the repository's addopts say -n auto, and xdist would run the kit's class fixtures
     # (the TP=1 interpreter, the TP=2 launch) once per worker, each family's work twice
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0",
-                           "--confcutdir", str(FIXTURES), "-o", "timeout=2300",
-                           str(FIXTURES / "kit_fixture_families.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=2350)
+    with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0",
+                                  "--confcutdir", str(FIXTURES), "-o", "timeout=2300",
+                                  str(FIXTURES / "kit_fixture_families.py")],
+                                 cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        dist_pool.lend(child, lent, timeout=2350)
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
+    assert list(lent.glob("answer-*.json")), "the kit's TP=2 launch did not use the lent pool"
     # 5 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
     # numeric TP=1, numeric TP=2); the 8th case, media logits, does not apply: none has a tower.
     assert "35 passed, 5 skipped" in summary and "failed" not in summary, summary

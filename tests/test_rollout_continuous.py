@@ -48,9 +48,15 @@ def check_against_hf(model, results, prompts, params, stop_ids=()):
 def test_refilled_rows_match_hf_forward(params):
     model = tiny_qwen3(seed=3)
     engine = EmbeddedEngine(model=model, max_batch=3)
+    prefill_rows = []  # rows of each prefill forward (the only ones with logits_to_keep): the fill, the refills
+    hook = model.register_forward_pre_hook(lambda m, args, kw: prefill_rows.append(kw["input_ids"].shape[0])
+                                           if kw.get("logits_to_keep") == 1 else None, with_kwargs=True)
     results = engine.generate(PROMPTS, params)
+    hook.remove()
     lengths = check_against_hf(model, results, PROMPTS, params, STOPS)
     assert len(lengths) > 1  # responses of different lengths: rows were freed and refilled at different steps
+    # the n samples of a prompt filled together prefill it once (settings.prefill_once)
+    assert sum(prefill_rows) < len(PROMPTS) * params.n if params.n > 1 else sum(prefill_rows) == len(PROMPTS)
 
 
 def test_continuous_equals_static_greedy_and_is_seed_reproducible():

@@ -136,6 +136,41 @@ def test_seed_determinism_and_n_ordering():
     assert [r.token_ids for r in c] != [r.token_ids for r in a]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the fast decode path's prefill)")])])
+def test_n_samples_prefill_their_prompt_once_with_the_same_results(device):
+    """``prefill_once``: the prompt forward runs on one row per request (3 rows for 3 prompts x n=4,
+    not 12), its keys/values and logits copied into the n rows; tokens equal the per-row prefill's
+    and logprobs agree within TOL (sampled with a seed, and greedy)."""
+    import dataclasses
+
+    from ferrule.engine_settings import RolloutEngineSettings
+
+    model = tiny_qwen3(seed=4).to(device)
+    rows_seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: rows_seen.append(kwargs["input_ids"].shape) if kwargs.get("logits_to_keep") == 1
+        else None, with_kwargs=True)
+    once = EmbeddedEngine(model=model)
+    assert once.settings.prefill_once  # the default
+    per_row = EmbeddedEngine(model=model, settings=dataclasses.replace(RolloutEngineSettings(), prefill_once=False))
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=10, n=4, seed=7, ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_new_tokens=10, n=2, ignore_eos=True)):
+        rows_seen.clear()
+        a = once.generate(PROMPTS, params)
+        if device == "cpu":  # the prefill forward (the only one with logits_to_keep) saw 3 rows
+            assert [s[0] for s in rows_seen] == [len(PROMPTS)], rows_seen
+        rows_seen.clear()
+        b = per_row.generate(PROMPTS, params)
+        if device == "cpu":
+            assert [s[0] for s in rows_seen] == [len(PROMPTS) * params.n], rows_seen
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=TOL, rtol=0)
+    assert len({r.token_ids for r in a}) == len(PROMPTS)  # greedy: one continuation per prompt
+    hook.remove()
+
+
 def test_finish_reasons_stop_token_eos_stop_string_length():
     model = tiny_qwen3(seed=4)
     engine = EmbeddedEngine(model=model, tokenizer=CharTokenizer())

@@ -108,7 +108,7 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
     ids, pos, mask, plen = _left_pad(rows_prompts, engine._pad_id, dev)
     full_mask = torch.zeros((batch, max_len), dtype=torch.bool, device=dev)
     full_mask[:, :ids.shape[1]] = mask
-    logits = state.prefill(ids, pos, full_mask)
+    logits = state.prefill(ids, pos, full_mask, engine._shared_prefill(rows_prompts, params, None))
     occupy(list(range(len(take))), take, ids.shape[1], plen[:len(take)])
 
     step = 0
@@ -141,9 +141,10 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
             if len(free) >= min(refill_threshold(batch), len(queue)):
                 take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
                 rows = free[:len(take)]
-                ids, pos, mask, plen = _left_pad([prompts[i] for i in take], engine._pad_id, dev)
+                fresh = [prompts[i] for i in take]
+                ids, pos, mask, plen = _left_pad(fresh, engine._pad_id, dev)
                 rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-                new = state.prefill_rows(rows_t, ids, pos, mask)
+                new = state.prefill_rows(rows_t, ids, pos, mask, engine._shared_prefill(fresh, params, None))
                 logits = logits.clone()  # under a CUDA graph, logits is the graph's static output buffer
                 logits[rows_t] = new.to(logits.dtype)
                 occupy(rows, take, ids.shape[1], plen)

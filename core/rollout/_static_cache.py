@@ -184,10 +184,19 @@ class DecodeState:
         self._forward = _compiled_decode_forward() if compile_model else _decode_forward
 
     # -- prompt ---------------------------------------------------------------------------
-    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompt ``[batch, P]`` through the model; return last-slot logits ``[batch, vocab]`` fp32."""
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                share: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the prompt ``[batch, P]`` through the model; return last-slot logits ``[batch, vocab]`` fp32.
+
+        ``share``: ``(unique [u], source [batch])`` int64, for rows that hold one prompt (the ``n``
+        samples of a request): the model runs on rows ``unique`` only (with a temporary cache of
+        this state's length, so each row's attention sees the same slots and mask as here), and row
+        ``b`` gets the keys, values and logits of row ``unique[source[b]]`` (a gather per layer).
+        """
         p = input_ids.shape[1]
         self.allowed.copy_(prompt_mask)
+        if share is not None:
+            return self._prefill_shared(input_ids, position_ids, prompt_mask, *share)
         masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
         self.cache.write_index = torch.arange(p, device=input_ids.device)
         self.cache.row_slots = None
@@ -196,8 +205,27 @@ class DecodeState:
         self.cache.row_slots = self.slots
         return out.logits[:, -1, :].float()
 
+    def _prefill_shared(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                        unique: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        p = input_ids.shape[1]
+        tmp = StaticKVCache(self.max_len)
+        tmp.write_index = torch.arange(p, device=input_ids.device)
+        masks = prefill_masks(prompt_mask[unique], p, self.windows, self.additive_dtype)
+        out = self.model(input_ids=input_ids[unique], attention_mask=mask_argument(masks),
+                         position_ids=position_ids[unique], use_cache=True, logits_to_keep=1, **{self.cache_kw: tmp})
+        for layer, k in tmp.keys.items():
+            v = tmp.values[layer]
+            if layer not in self.cache.keys:  # the first prefill of this state allocates its buffers
+                self.cache.keys[layer] = k.new_zeros((self.batch, *k.shape[1:]))
+                self.cache.values[layer] = v.new_zeros((self.batch, *v.shape[1:]))
+            self.cache.keys[layer][:, :, :p] = k[source, :, :p]
+            self.cache.values[layer][:, :, :p] = v[source, :, :p]
+        self.cache.write_index = tmp.write_index
+        self.cache.row_slots = self.slots
+        return out.logits[:, -1, :].float()[source]
+
     def prefill_rows(self, rows: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     prompt_mask: torch.Tensor) -> torch.Tensor:
+                     prompt_mask: torch.Tensor, share: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Prefill new prompts into some rows of a live batch (continuous batching).
 
         The prompts ``[k, P]`` (left-padded among themselves) run through the model with a
@@ -208,6 +236,7 @@ class DecodeState:
         Args:
             rows: ``[k]`` int64 row indices. input_ids / position_ids: ``[k, P]`` int64.
             prompt_mask: ``[k, P]`` bool, True on prompt tokens.
+            share: as :meth:`prefill`'s, over the ``k`` new rows: the model runs on ``unique`` of them.
 
         Returns:
             ``[k, vocab]`` float32 next-token logits of the new rows.
@@ -215,16 +244,19 @@ class DecodeState:
         p = input_ids.shape[1]
         tmp = StaticKVCache(p)
         tmp.write_index = torch.arange(p, device=input_ids.device)
-        masks = prefill_masks(prompt_mask, p, self.windows, self.additive_dtype)
-        out = self.model(input_ids=input_ids, attention_mask=mask_argument(masks), position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self.cache_kw: tmp})
+        unique, source = share if share is not None else (None, None)
+        pick = (lambda t: t) if unique is None else (lambda t: t[unique])
+        masks = prefill_masks(pick(prompt_mask), p, self.windows, self.additive_dtype)
+        out = self.model(input_ids=pick(input_ids), attention_mask=mask_argument(masks),
+                         position_ids=pick(position_ids), use_cache=True, logits_to_keep=1, **{self.cache_kw: tmp})
+        spread = (lambda t: t) if source is None else (lambda t: t[source])
         for layer, k in tmp.keys.items():
-            self.cache.keys[layer][rows, :, :p] = k
-            self.cache.values[layer][rows, :, :p] = tmp.values[layer]
+            self.cache.keys[layer][rows, :, :p] = spread(k)
+            self.cache.values[layer][rows, :, :p] = spread(tmp.values[layer])
         allowed = torch.zeros((len(rows), self.max_len), dtype=torch.bool, device=self.allowed.device)
         allowed[:, :p] = prompt_mask
         self.allowed[rows] = allowed
-        return out.logits[:, -1, :].float()
+        return spread(out.logits[:, -1, :].float())
 
     # -- decode ---------------------------------------------------------------------------
     def set_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: int | torch.Tensor) -> None:

@@ -333,7 +333,9 @@ class EmbeddedEngine:
             if bad:
                 raise ValueError(f"Request {i} (id {r.request_id!r}) has token ids {bad[:5]} >= vocab size {vocab}.")
         media = self._check_media(reqs)
-        prompts = [list(r.prompt_token_ids) for r in reqs for _ in range(params.n)]
+        # the n rows of a request hold one list object: _run_batch prefills it once (settings.prefill_once)
+        unique_prompts = [list(r.prompt_token_ids) for r in reqs]
+        prompts = [x for x in unique_prompts for _ in range(params.n)]
         # per row: the slot of its request's adapter (-1: the base; None: every row the base), ferrule.rollout._multi_lora
         slots = self._multi.request_slots([r.lora_adapter for r in reqs])
         row_slots = None if slots is None else [slots[k // params.n] for k in range(len(prompts))]
@@ -473,6 +475,25 @@ class EmbeddedEngine:
         with self._multi.rows(slots + [-1] * (batch - len(prompts))):
             return self._run_batch(prompts, params, stop_ids, matcher, media_inputs)
 
+    def _shared_prefill(self, rows: list[list[int]], params: SamplingParams,
+                        media_inputs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``DecodeState.prefill``'s ``share``: rows holding one list object (a request's ``n`` samples,
+        the bucket's filler rows) prefill once; None where every row is its own (or ``prefill_once``
+        is off, the model decodes through transformers' own cache, adapters are held per row, media go
+        with the prompt, or routes are recorded)."""
+        if (not self.settings.prefill_once or self._windows is None or self._multi.pool is not None
+                or media_inputs or params.return_routed_experts):
+            return None
+        first: dict[int, int] = {}
+        for b, x in enumerate(rows):
+            first.setdefault(id(x), b)
+        if len(first) == len(rows):
+            return None
+        pos = {key: i for i, key in enumerate(first)}
+        source = [pos[id(x)] for x in rows]
+        return (torch.tensor(list(first.values()), dtype=torch.long, device=self.device),
+                torch.tensor(source, dtype=torch.long, device=self.device))
+
     def _run_batch(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
                    matcher: StopStringMatcher | None, media_inputs: dict[str, torch.Tensor] | None = None):
         dev = self.device
@@ -500,6 +521,7 @@ class EmbeddedEngine:
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
         lengths = torch.zeros(batch, dtype=torch.long, device=dev)
 
+        share = self._shared_prefill(rows, params, media_inputs)
         state = self._state(batch, max_len)
         layout = self._fast_layout(params, stop_ids, matcher, media_inputs)
         if layout is not None:
@@ -509,7 +531,7 @@ class EmbeddedEngine:
             # one adapter serves every row: the prefill runs on the merged weights the decode steps use
             merged = self._merged_lora if self._lora is not None and self.settings.lora_merged else None
             with merged.merged_modules() if merged is not None else contextlib.nullcontext():
-                logits = state.prefill(input_ids, position_ids, prompt_mask)
+                logits = state.prefill(input_ids, position_ids, prompt_mask, share)
             fast = getattr(state, "fast", None)
             if fast is None:
                 fast = state.fast = FastStatic(state, logits.shape[-1], dev)
@@ -520,7 +542,7 @@ class EmbeddedEngine:
         recorder = RouteRecorder(self.model) if params.return_routed_experts else None
         with recorder if recorder is not None else contextlib.nullcontext():
             logits = (state.prefill(input_ids, position_ids, prompt_mask, media_inputs) if media_inputs
-                      else state.prefill(input_ids, position_ids, prompt_mask))
+                      else state.prefill(input_ids, position_ids, prompt_mask, share))
             host_tokens: list[list[int]] = [[] for _ in range(real)] if matcher else []
             sync_every = _SYNC_EVERY_CUDA if dev.type == "cuda" and matcher is None else 1
             for t in range(n_new):

@@ -12,16 +12,24 @@ Protocol (all through files in CONTROL_DIR, written atomically by renaming):
   what follows ``torchrun --nproc-per-node 2``: ``[SCRIPT, *args]`` or ``["-m", MODULE, *args]``.
 - ``job-N.rankR.out`` / ``.err``: the job's stdout / stderr in rank R (file descriptors 1 and 2
   are pointed there, so C-level output is caught too).
-- ``job-N.rankR.done`` (from rank R): ``{"rc": int}``: 0, the ``SystemExit`` code, or 1 for an
-  exception (its traceback is in ``.err``).
+- ``job-N.rankR.done`` (from rank R): ``{"rc": int, "threads": int, "reset": bool}``: 0, the ``SystemExit``
+  code, or 1 for an exception (its traceback is in ``.err``); ``reset``: the reset after the job worked.
+- ``job-N.next`` (from the client, after a job every rank finished with 0): the ranks take the next job.
+- ``job-N.recover`` (from the client, after a failed job that every rank finished): the ranks replace the
+  default process group and take the next job; ``job-N.rankR.recovered`` (from rank R) says it has.
 - ``stop`` (from the client): both ranks leave their loop.
 
 Between jobs each rank tears down megatron's model-parallel groups (keeping the default process
 group), resets ferrule's plugin registry, restores ``os.environ``, ``sys.argv`` and ``sys.path``, and
 meets the other rank at a barrier. A job that calls ``dist.init_process_group`` or
 ``dist.destroy_process_group`` on the default group (as a standalone worker does) finds the group
-already there / kept: both are no-ops here. A job that fails or hangs in one rank while the other
-waits in a collective is the client's business: it kills the pool and starts a new one.
+already there / kept: both are no-ops here. A job that fails (an exception or a non-zero exit) in every
+rank, or in one rank after the other finished, leaves the ranks waiting for the client's word: on
+``recover`` they destroy the default group and make a new one through the same store under a new
+prefix (:func:`_renew_world`), so that a collective one rank started and the other never joined
+cannot leave its messages or sequence numbers behind, and go on (a fresh pool would cost two
+interpreter starts, ~25 s here). A job that hangs in one rank while the other waits in a collective is
+the client's business: it kills the pool and starts a new one.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from pathlib import Path
 
 POLL_S = 0.02
 _real_destroy = None  # torch.distributed.destroy_process_group, before the patch below
+_real_init = None  # torch.distributed.init_process_group, before the patch below
 # set by torchrun for this rank: a job's environment (often a copy of the test's, with these popped) never changes them
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                  "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -46,9 +55,9 @@ def _patch_process_group_calls() -> None:
     """Make a job's own init / destroy of the *default* process group no-ops (the pool owns it)."""
     import torch.distributed as dist
 
-    global _real_destroy
+    global _real_destroy, _real_init
     real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
-    _real_destroy = real_destroy
+    _real_destroy, _real_init = real_destroy, real_init
 
     def init_process_group(*args, **kwargs):
         if dist.is_initialized():
@@ -102,6 +111,40 @@ def _reset_between_jobs() -> None:
     except ImportError:  # pragma: no cover
         pass
     gc.collect()
+
+
+def _renew_world(n: int) -> None:
+    """Replace the default gloo group after failed job ``n``: the old one may hold a collective that only one
+    rank entered (its data in a socket, its sequence number ahead of the other rank's). The new group
+    meets through the old one's store (torchrun's) under a prefix of its own, so no key of the old
+    rendezvous is read again."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from datetime import timedelta
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = c10d._get_default_store()
+    _real_destroy()
+    _real_init("gloo", store=dist.PrefixStore(f"ferrule-pool-renew-{n}", store), rank=rank, world_size=world,
+               timeout=timedelta(seconds=900))
+
+
+def _await_word(control: Path, n: int, client: int) -> str | None:
+    """After job ``n``: the client's word, ``"next"`` (every rank succeeded) or ``"recover"`` (a rank failed and
+    every rank finished); None on stop or a dead client. Every rank waits for it, also one whose own job
+    succeeded: it must not wait at the old group's barrier while the other ranks renew the group."""
+    idle = 0
+    while True:
+        for word in ("next", "recover"):
+            if (control / f"job-{n}.{word}").exists():
+                return word
+        if (control / "stop").exists():
+            return None
+        idle += 1
+        if idle % 50 == 0 and not _alive(client):
+            return None
+        time.sleep(POLL_S)
 
 
 def _run_job(job: dict, out_path: Path, err_path: Path) -> int:
@@ -209,16 +252,21 @@ def main(control: Path) -> None:
             time.sleep(POLL_S)
         job = json.loads(job_file.read_text())
         rc = _run_job(job, control / f"job-{n}.rank{rank}.out", control / f"job-{n}.rank{rank}.err")
+        reset = True
         try:
             _reset_between_jobs()
         except Exception:  # noqa: BLE001 - a pool that cannot reset is replaced by the client
             traceback.print_exc()
-            rc = rc or 70
+            rc, reset = rc or 70, False
         tmp = control / f".job-{n}.rank{rank}.done"
-        tmp.write_text(json.dumps({"rc": rc, "threads": _native_threads()}))
+        tmp.write_text(json.dumps({"rc": rc, "threads": _native_threads(), "reset": reset}))
         tmp.rename(control / f"job-{n}.rank{rank}.done")
-        if rc != 0:  # the other rank may be stuck in a collective: the client replaces the pool
+        word = _await_word(control, n, client)  # a failed rank's peer may be stuck in a collective: the client
+        if word is None:  # recovers the pool or replaces it
             return
+        if word == "recover":
+            _renew_world(n)
+            (control / f"job-{n}.rank{rank}.recovered").write_text("")
         dist.barrier()
         n += 1
 

@@ -14,6 +14,11 @@ threads). The launcher (:mod:`ferrule.rl.envs.episodes`) drives it, gymnasium-st
    conversation, usually ``tool`` or ``user`` turns), the reward of the step, whether the episode
    is over, and info (numbers are averaged into the step's metrics as ``env/<key>``).
 
+4. ``end(state)``, optional: once per episode that has a state, after all the step's episodes are
+   over (by ``done``, a limit or an error), bounded like ``step``; it releases what the episode
+   holds (the verifiers adapter stops a verifiers episode that a limit cut short). Its failures
+   are dropped: the episode is already scored.
+
 The episode's reward is the sum of its step rewards. Each ``reset`` / ``step`` call is bounded by
 ``agent.step_timeout_s`` (:mod:`ferrule.rl.envs.bounded`): a call that raises, hangs or returns
 something malformed ends that episode with ``agent.failure_reward`` and a one-line error in the

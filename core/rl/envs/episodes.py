@@ -192,6 +192,7 @@ class EpisodeRunner:
         while True:
             live = [e for e in eps if not e.done]
             if not live:
+                self._end_all(eps)
                 return eps
             p = dataclasses.replace(params, n=1, max_new_tokens=self.limits.max_turn_tokens,
                                     seed=episode_seed(base_seed, step, -1, rnd))
@@ -225,6 +226,19 @@ class EpisodeRunner:
             if len(e.prompt_ids) > self.max_prompt_tokens:
                 self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: the observation renders to "
                               f"{len(e.prompt_ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
+
+    def _end_all(self, eps: list[Episode]) -> None:
+        """The environment's optional ``end(state)`` for every episode that has a state, once the step's
+        episodes are over (any way: done, a limit, an error), bounded like ``step``. It releases what an
+        episode holds (verifiers' adapter stops a verifiers episode that a limit cut short); the episode
+        is already scored, so its failures change nothing and are dropped."""
+        end = getattr(self.env, "end", None)
+        if not callable(end):
+            return
+        calls = [(end, (e.state,), f"environment {self.name!r} end of item {e.item_index} (episode {e.sample})")
+                 for e in eps if e.state is not None]
+        if calls:
+            call_bounded_all(calls, timeout_s=self.limits.step_timeout_s)
 
     def _model_turns(self, engine: Any, live: list[Episode], params: Any) -> None:
         results = engine.generate([GenerateRequest(e.ids, request_id=f"{e.group}:{e.sample}") for e in live], params)

@@ -16,4 +16,7 @@ def register_environments():
             EnvironmentSpec(name="guess_number", factory=f"{b}:GuessNumber",
                             description="guess an integer with higher/lower replies (multi-turn)"),
             EnvironmentSpec(name="textarena", factory="ferrule.rl.envs.textarena_games:TextArenaGame",
-                            description="a single-player textarena 0.7 game, unmodified (extra: agents)")]
+                            description="a single-player textarena 0.7 game, unmodified (extra: agents)"),
+            EnvironmentSpec(name="verifiers", factory="ferrule.rl.envs.verifiers_envs:VerifiersEnv",
+                            description="a verifiers 0.4 environment, unmodified (verifiers in its own venv: "
+                                        "examples/verifiers/run.sh)")]

@@ -27,6 +27,9 @@ ENV = "FERRULE_LLAMA_SMOLLM2_DIR"
 #: exact in fp32, so only the summation order differs between the two implementations.
 REAL_ATOL = 1e-3
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+#: the main job's batch in the test: 2 prompts x 4 samples (GRPO groups of 4; still 2 mini-batches, so the
+#: PPO ratio and the old-logprob pass run) and 8 evaluation prompts, a quarter of the config's work per step
+SMALL_BATCH = ("train.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "eval.n_prompts=8")
 
 
 def _check(asset_dir: str, work: str) -> dict:
@@ -92,7 +95,11 @@ def test_readme_main_job_runs_two_steps(tmp_path):
     """The README's main job, as a user runs it (``ferrule train examples/configs/smollm2_arithmetic.yaml``),
     for 2 GRPO steps on the real model, in-process: it writes a metrics line per step with a finite loss and
     a reward in [0, 1], and the reward-curve PNG. (CI used to run this as a
-    separate command before the tests; here it shares a test worker instead of an interpreter of its own.)"""
+    separate command before the tests; here it shares a test worker instead of an interpreter of its own.)
+    Every stage of the config runs (the step-0 evaluation, rollouts, the old-logprob pass and two optimizer
+    steps per rollout, the last step's checkpoint, the plot) on a smaller batch (:data:`SMALL_BATCH`): the
+    config's 4 prompts x 8 samples and 32 evaluation prompts made this the suite's longest test (175 s in
+    CI, 106 s of it the 2 steps' forward/backward matmuls at one thread), for no more than it checks."""
     import math
 
     repo = Path(__file__).resolve().parents[3]
@@ -102,7 +109,7 @@ def test_readme_main_job_runs_two_steps(tmp_path):
     asset_dir = Path(os.environ[ENV]).resolve()
     run_dir = tmp_path / "run"
     proc = run_ferrule(["train", repo / "examples" / "configs" / "smollm2_arithmetic.yaml", "--run-dir", run_dir,
-                        "train.steps=2", f"model.hf_dir={asset_dir / 'hf'}"], cwd=repo)
+                        "train.steps=2", *SMALL_BATCH, f"model.hf_dir={asset_dir / 'hf'}"], cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from ferrule.rl.metrics import read_metrics
 

@@ -1,0 +1,3 @@
+from vf_guess_number.taskset import GuessNumberEnv, GuessNumberTaskset
+
+__all__ = ["GuessNumberTaskset", "GuessNumberEnv"]
