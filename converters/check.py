@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from ferrule.contract import registry
+from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD
 
 from ferrule.conformance.grads import GRAD_RTOL
 
@@ -169,10 +171,8 @@ def _layout_label(layout_kw: dict) -> str:
 
 def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
     """Family, translation and layout check; raises for bad input (exit 2)."""
-    from ferrule.contract import registry
     from ferrule.config_translation import parse_hf_config
     from ferrule.megatron.gpt_builder import check_family_layout
-    from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD
     from ferrule.megatron.parallel import ParallelLayout
 
     if not (hf_dir / "config.json").is_file():

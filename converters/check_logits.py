@@ -21,6 +21,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from .check_points import POINT_OPS, _max_diff, capture, compare, hf_layer_points, mcore_layer_points
+from ferrule.conformance.fields import hf_model_class
+from ferrule.conformance.grads import compare_grads, mcore_grads
+from ferrule.conformance.numeric import update_unit_problems
+from ferrule.contract import registry
+from ferrule.megatron.parallel import ParallelLayout, init_distributed
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import global_param_names
+from ferrule.rollout._quantized import dequantized_source
 
 __all__ = ["logits_worker", "SOFTCAP_KEYS"]
 
@@ -38,8 +47,6 @@ def _capture_overrides(family: str) -> dict | None:
 
 
 def _mcore_points(model) -> tuple[dict, list]:
-    from .check_points import mcore_layer_points
-
     points = {("embedding", ""): model.embedding, ("final_norm", ""): model.decoder.final_layernorm}
     order = []
     for i, layer in enumerate(model.decoder.layers):
@@ -49,8 +56,6 @@ def _mcore_points(model) -> tuple[dict, list]:
 
 
 def _hf_points(hf, family: str) -> tuple[dict, list]:
-    from .check_points import POINT_OPS, hf_layer_points
-
     inner = hf.model
     overrides = _capture_overrides(family)
     points = {("embedding", ""): inner.embed_tokens, ("final_norm", ""): inner.norm}
@@ -88,8 +93,6 @@ def _dequantized_copy(hf_dir: Path, out: Path) -> str:
 
     from safetensors.torch import save_file
 
-    from ferrule.rollout._quantized import dequantized_source
-
     config, tensors = dequantized_source(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
     for f in hf_dir.iterdir():
@@ -104,10 +107,6 @@ def _update_groups(model, family: str) -> dict:
     """The family's update-group table on this model's parameters (:func:`ferrule.conformance.numeric.
     update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
     weight sync would never send it) fails the check, not only the kit."""
-    from ferrule.contract import registry
-    from ferrule.conformance.numeric import update_unit_problems
-    from ferrule.megatron.weights import global_param_names
-
     try:
         names = list(global_param_names(model).values())
         units, problems = update_unit_problems(names, registry.get_update_groups(family))
@@ -123,11 +122,6 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     parameter's gradient of ``sum(logits * w)`` vs HF's, written as ``"gradients"``)."""
     import torch
 
-    from ferrule.conformance.grads import compare_grads, mcore_grads
-    from ferrule.megatron.parallel import ParallelLayout, init_distributed
-    from ferrule.megatron.provider import provider_build
-
-    from .check_points import _max_diff, capture, compare
     from .checkpoint import load_torch_dist_into_mcore
 
     layout = ParallelLayout(**(layout_kw or {"tp": tp}))
@@ -165,7 +159,6 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     if rank != 0:
         return
     update_groups = _update_groups(model, family)
-    from ferrule.conformance.fields import hf_model_class
 
     # AutoModelForCausalLM, or the family's hf_model_class for a multimodal model_type (text logits only)
     cls = hf_model_class(family, hf_config["model_type"])

@@ -56,6 +56,14 @@ METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
 #: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
 from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
+from ferrule import __version__
+from ferrule.contract import registry
+from ferrule.fs.output_dir import _ITEMSIZE
+from ferrule.megatron.checkpoint import check_sharded_coverage, load_sharded, save_sharded
+from ferrule.megatron.gpt_builder import check_family_layout
+from ferrule.megatron.parallel import ParallelLayout, init_distributed
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
 
 
 def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> int:
@@ -74,9 +82,6 @@ def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> in
 def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
     """Fail fast (before any worker process starts) when the layout cannot split this model or the family
     does not support it (:func:`ferrule.megatron.gpt_builder.check_family_layout`)."""
-    from ferrule.contract import registry
-    from ferrule.megatron.gpt_builder import check_family_layout
-
     translation = registry.get_converter(family).resolved_config_translation()
     tc_kwargs, _ = translation.to_mcore(hf_config)
     check_family_layout(family, tc_kwargs, layout)
@@ -125,9 +130,6 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
 def _family_parts(hf_config: dict, family_name: str | None = None) -> tuple[Any, Any, Any]:
     """(family spec, provider build callable with towers, mapping table) from the registry: the family
     ``family_name`` when given, else the one ``hf_config`` resolves to."""
-    from ferrule.contract import registry
-    from ferrule.megatron.provider import provider_build
-
     family = registry.get_family(family_name) if family_name else registry.family_for_hf_config(hf_config)
     converter = registry.get_converter(family.name)
     return family, provider_build(family.name), converter.resolved_mapping()
@@ -143,8 +145,6 @@ def _build(build: Callable, hf_config: dict, layout: Any, dtype: str) -> list:
 
 
 def _sharded_state_dict(chunks: list) -> dict:
-    from ferrule.megatron.weights import unwrap
-
     if len(chunks) == 1:
         return {"model": unwrap(chunks[0]).sharded_state_dict()}
     return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
@@ -170,9 +170,6 @@ def load_torch_dist_into_mcore(model_chunks: Any, ckpt_dir: str | os.PathLike) -
             tensors (the first few of each are named).
         ferrule.megatron.checkpoint.CheckpointMismatchError: a tensor's shape differs.
     """
-    from ferrule.megatron.checkpoint import load_sharded
-    from ferrule.megatron.weights import unwrap
-
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     # megatron: "missing" = in the checkpoint, not requested; "unexpected" = requested, not in the checkpoint
     loaded, in_ckpt_only, in_model_only = load_sharded(_sharded_state_dict(chunks), ckpt_dir, strict="return_all")
@@ -208,8 +205,6 @@ def _exported_bytes(reader: Any, table: Any, dtype: str, other_dtypes: dict[str,
     :func:`torch_dist_to_hf`'s ``progress`` calls add up to (recorded as ``export_bytes`` in the metadata)."""
     import math
 
-    from ferrule.fs.output_dir import _ITEMSIZE
-
     total = 0
     for k in reader.keys():
         if table.is_passthrough(k):
@@ -235,10 +230,6 @@ def hf_to_torch_dist_bytes(hf_dir: str | os.PathLike, *, dtype: str | None = Non
 
 def _hf_to_torch_dist_worker(rank: int, hf_dir: str, tmp: str, hf_config: dict, layout_kw: dict, dtype: str,
                              progress: Callable[[int], None] | None, family: str | None = None) -> None:
-    from ferrule.megatron.checkpoint import check_sharded_coverage, save_sharded
-    from ferrule.megatron.weights import load_hf_into_mcore
-    from ferrule.megatron.parallel import ParallelLayout, init_distributed
-
     layout = ParallelLayout(**layout_kw)
     init_distributed(layout)
     _, build, table = _family_parts(hf_config, family)
@@ -291,9 +282,6 @@ def hf_to_torch_dist(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         ferrule.mapping.MappingError: missing / extra HF keys or shape mismatches (all listed).
         ConversionError: a worker failed otherwise.
     """
-    from ferrule import __version__
-    from ferrule.megatron.parallel import ParallelLayout
-
     hf_dir = Path(hf_dir).absolute()
     out_dir = Path(out_dir).absolute()
     hf_config = _read_config(hf_dir)
@@ -372,9 +360,6 @@ def _torch_dist_to_hf_worker(rank: int, ckpt_dir: str, tmp: str, hf_config: dict
                              max_shard_bytes: int, progress: Callable[[int], None] | None,
                              hf_dtypes: dict | None = None, out_dtype: str | None = None,
                              requantize: Callable | None = None, family: str | None = None) -> None:
-    from ferrule.megatron.weights import export_mcore_to_hf
-    from ferrule.megatron.parallel import ParallelLayout, init_distributed
-
     layout = ParallelLayout(**layout_kw)
     init_distributed(layout)
     _, build, table = _family_parts(hf_config, family)
@@ -418,7 +403,6 @@ def torch_dist_to_hf_bytes(meta: dict) -> int | None:
 
 def _recorded_family(meta: dict) -> str | None:
     """The family ``ferrule_checkpoint.json`` names, when it is registered (else None: the config decides)."""
-    from ferrule.contract import registry
     name = meta.get("family")
     return name if isinstance(name, str) and name in registry.get_registry().families else None
 
@@ -473,8 +457,6 @@ def torch_dist_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             model built from the stored config (ConversionError when a worker of a multi-process
             conversion reports it).
     """
-    from ferrule.megatron.parallel import ParallelLayout
-
     ckpt_dir = Path(ckpt_dir).absolute()
     out_dir = Path(out_dir).absolute()
     if (ckpt_dir / "metadata.json").is_file():

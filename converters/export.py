@@ -36,6 +36,8 @@ from typing import Annotated
 import typer
 
 from ferrule.fs.run_layout import RunCheckpointError, find_run_checkpoint
+from ferrule.contract import registry
+from ferrule.fs.util import DiskFullError, check_free_space, commit_dir, sigterm_as_exit
 
 __all__ = ["EXPORT_DTYPES", "ExportError", "find_run_checkpoint", "export_run", "export_command", "merge_peft_adapter"]
 
@@ -77,7 +79,6 @@ def merge_peft_adapter(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike
     import torch
     from transformers import AutoConfig
 
-    from ferrule.contract import registry
     hf_dir, adapter_dir = Path(hf_dir), Path(adapter_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
@@ -136,7 +137,6 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
     from ferrule.converters.checkpoint import (TRAINING_STATE_PREFIXES, disk_full_from, lock_output,
                                                read_checkpoint_metadata, torch_dist_model_bytes, torch_dist_to_hf,
                                                unlock_output)
-    from ferrule.fs.util import check_free_space, commit_dir
 
     out_dir = Path(out_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -186,11 +186,8 @@ def export_command(
     is merged into the base (`ferrule lora export` writes the adapter alone)."""
     from rich.console import Console
 
-    from ferrule.fs.util import DiskFullError
     from ferrule.fs.locks import LockedError
     from ferrule.formats.safetensors_io import CheckpointError
-
-    from ferrule.fs.util import sigterm_as_exit
 
     console = Console(stderr=True, soft_wrap=True)
     try:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ferrule.formats.quantized_weights import DequantizingReader, quantize_mxfp8, requantize_exactly
 from ferrule.formats.safetensors_io import CheckpointError
+from ferrule.formats.nvfp4 import requantize_nvfp4_exactly
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -141,8 +142,6 @@ class _Requantize:
 
 def _nvfp4_back(name: str, info: dict, stored: "torch.Tensor", source: dict) -> Iterator[tuple[str, "torch.Tensor"]]:
     """The source's NVFP4 codes of ``stored`` and its side tensors; CheckpointError when ``stored`` changed."""
-    from ferrule.formats.nvfp4 import requantize_nvfp4_exactly
-
     sides = [source.get(info[role]) for role in ("scale", "amax", "denominator")]
     codes = None if any(t is None for t in sides) else requantize_nvfp4_exactly(stored, *sides)
     if codes is None:

@@ -25,6 +25,7 @@ from typing import Callable
 from ferrule import envs
 from ferrule.fs.util import sigterm_as_exit
 from ferrule.formats.safetensors_io import CheckpointError
+from ferrule.mapping import MappingError
 
 __all__ = ["ConversionError"]
 
@@ -180,7 +181,6 @@ def rank_error(err_dir: Path, exc: BaseException) -> Exception:
         return ConversionError(f"a conversion worker died without a report: {exc}")
     kind, _, rest = reports[0].read_text().partition("\n")
     message = rest.split("\n---\n")[0]
-    from ferrule.mapping import MappingError
 
     known = {"MappingError": MappingError, "CheckpointError": CheckpointError,
              "FileExistsError": FileExistsError, "ValueError": ValueError}

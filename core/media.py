@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
+from ferrule.contract import registry
+from ferrule.contract.specs import resolve_ref
 
 __all__ = ["MediaError", "check_media", "check_requests", "expand_placeholders", "hf_media_inputs",
            "item_tokens", "media_token_counts", "message_media", "towers_for_config", "MEDIA_PART_TYPES"]
@@ -173,8 +175,6 @@ def message_media(messages: Sequence[Mapping[str, Any]], towers: Sequence[Any], 
             tower (or no ``preprocess``) for, or a part its ``preprocess`` rejects (corrupt file,
             wrong sampling rate, ...).
     """
-    from ferrule.contract.specs import resolve_ref
-
     by_type = {t: m for m, types in MEDIA_PART_TYPES.items() for t in types}
     specs = {s.modality: s for s in towers}
     out: dict[str, list[torch.Tensor]] = {}
@@ -208,7 +208,6 @@ def message_media(messages: Sequence[Mapping[str, Any]], towers: Sequence[Any], 
 def towers_for_config(hf_config: Mapping[str, Any]) -> dict[str, tuple[Any, None, int]]:
     """``{modality: (TowerSpec, None, placeholder id)}`` of the family claiming ``hf_config`` (empty if
     none claims it or it has no towers)."""
-    from ferrule.contract import registry
     try:
         specs = registry.get_towers(registry.family_for_hf_config(dict(hf_config)).name)
     except registry.UnknownModelError:
@@ -243,8 +242,6 @@ def hf_media_inputs(towers: Mapping[str, tuple[Any, Any, int]], media: Mapping[s
     Raises:
         ValueError: a tower declares neither.
     """
-    from ferrule.contract.specs import resolve_ref
-
     out = {}
     for modality, items in media.items():
         spec = towers[modality][0]

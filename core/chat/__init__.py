@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ferrule.contract.specs import ChatTemplateSpec
+from ferrule.contract.specs import ChatTemplateSpec, resolve_ref
 
 if TYPE_CHECKING:
     import jinja2
@@ -396,8 +396,6 @@ def tokenizer_for_template(spec: ChatTemplateSpec | str) -> Any:
     Raises:
         LookupError: the plugin provides no tokenizer; pass one explicitly (``--tokenizer``).
     """
-    from ferrule.contract.specs import resolve_ref
-
     spec = _resolve_spec(spec)
     ref = getattr(spec, "tokenizer", None)
     if ref:

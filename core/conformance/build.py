@@ -13,6 +13,10 @@ a key the new transformers parses differently, a reference to a moved attribute.
 from __future__ import annotations
 
 import warnings
+from ferrule.config_translation import Constant, Derived, Field
+from ferrule.contract import registry
+from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD, resolve_ref
+from ferrule.megatron.option_names import DEPRECATED_OPTION_NAMES, unknown_model_options
 
 __all__ = ["family_build_check"]
 
@@ -20,8 +24,6 @@ __all__ = ["family_build_check"]
 def _option_names(translation) -> set[str]:
     """The model-option names the translation's rows produce (``target="option"``), read from the rows: no
     config needed."""
-    from ferrule.config_translation import Constant, Derived, Field
-
     return {e.mcore for e in translation.entries
             if isinstance(e, (Field, Constant, Derived)) and getattr(e, "target", "config") == "option"}
 
@@ -34,9 +36,6 @@ def family_build_check(family: str, *, parse: bool = False) -> tuple[str, str]:
     model option the translation's rows produce is one the builder knows. ``parse=True`` (``ferrule plugins
     --check``) also translates ``TINY_HF_CONFIG`` as transformers parses it (``to_mcore``: the unknown-key
     check, refused values; importing transformers imports torch, seconds per call)."""
-    from ferrule.contract import registry
-    from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD, resolve_ref
-
     try:
         provider = registry.get_provider(family)
         converter = registry.get_converter(family)
@@ -57,7 +56,6 @@ def family_build_check(family: str, *, parse: bool = False) -> tuple[str, str]:
         return "broken", " ".join(f"{type(exc).__name__}: {exc}".split())
     if provider.build not in (None, DEFAULT_PROVIDER_BUILD):
         return "ok", ""  # a custom provider may read options of its own
-    from ferrule.megatron.option_names import DEPRECATED_OPTION_NAMES, unknown_model_options
 
     options = _option_names(translation)
     unknown = unknown_model_options(options)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from ferrule.contract import registry
+from ferrule.contract.specs import resolve_ref
 
 __all__ = ["hf_model_class", "text_vocab_size", "full_width", "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer",
            "translated_fields_vs_hf"]
@@ -16,9 +18,6 @@ def hf_model_class(family: str, model_type: str):
     or the family's ``hf_model_class`` when ``model_type`` is no causal LM type (e.g. ``inkling_mm_model``)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from ferrule.contract import registry
-    from ferrule.contract.specs import resolve_ref
 
     ref = registry.get_family(family).hf_model_class
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or ref is None:

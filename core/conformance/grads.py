@@ -25,6 +25,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ferrule.conformance.fields import text_vocab_size
+from ferrule.contract import registry
+from ferrule.formats.safetensors_io import SafetensorsReader
+from ferrule.megatron.weights import export_mcore_to_hf
+from ferrule.sync import sync_weights
+
 __all__ = ["GRAD_RTOL", "grad_weights", "finalize_tp_grads", "scale_expert_grads", "mcore_grads", "hf_checkpoint_grads", "compare_grads",
            "gradient_problem", "check_update_groups_reach_rollout", "RecordingEngine"]
 
@@ -107,9 +113,6 @@ def mcore_grads(model, family: str, hf_config: Mapping[str, Any], ids, *, table=
     import torch
     import torch.distributed as dist
 
-    from ferrule.contract import registry
-    from ferrule.conformance.fields import text_vocab_size
-    from ferrule.megatron.weights import export_mcore_to_hf
 
     params = list(model.parameters())
     for p in params:
@@ -175,7 +178,6 @@ def compare_grads(hf, ids, mc_grads: Mapping[str, Any]) -> dict:
     """
     import torch
 
-    from ferrule.conformance.fields import text_vocab_size
 
     hf.zero_grad(set_to_none=True)
     with torch.enable_grad():
@@ -254,9 +256,6 @@ def check_update_groups_reach_rollout(chunks, family: str, hf_config: Mapping[st
     import torch
     import torch.distributed as dist
 
-    from ferrule.contract import registry
-    from ferrule.formats.safetensors_io import SafetensorsReader
-    from ferrule.sync import sync_weights
 
     table = registry.get_converter(family).resolved_mapping()
     sender = not dist.is_initialized() or dist.get_rank() == 0

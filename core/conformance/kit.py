@@ -56,6 +56,7 @@ from ferrule.contract.hook_parts import HOOK_PARTS, part_for_spec
 from ferrule.conformance.discovery import HEAVY_MODULES  # noqa: F401  (the kit's public name)
 from ferrule.conformance.grads import GRAD_RTOL
 from ferrule.contract.specs import FamilyStatus, resolve_ref
+from ferrule.conformance import numeric as cn
 
 
 
@@ -249,8 +250,6 @@ class FamilyConformance:
         a callable ``(argv, *, env, timeout) -> subprocess.CompletedProcess`` that runs ``argv`` (what
         follows ``torchrun --nproc-per-node 2``) in its ranks; the kit uses it instead of a launch of its
         own (ferrule's own suite lends its session pool: ``conftest.py``)."""
-        from ferrule.conformance import numeric as cn
-
         reg = registry.get_registry()
         names = [f.name for f in registry.list_families()]
         wanted = list(cls.families or ())

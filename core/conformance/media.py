@@ -28,6 +28,8 @@ from typing import Any, Mapping
 from ferrule.conformance.numeric import (LOGITS_ATOL_FP32, _build, _variant_module, logits_max_diff, single_rank,
                                         tiny_hf_dir)
 from ferrule.conformance.fields import hf_model_class, text_vocab_size
+from ferrule.contract import registry
+from ferrule.megatron.weights import load_hf_into_mcore
 
 __all__ = ["media_prompt", "tiny_media_of", "check_media_logits_parity", "mcore_media_logits"]
 
@@ -88,9 +90,7 @@ def check_media_logits_parity(family: str, work_dir: str | os.PathLike, *, atol:
     """
     import torch
 
-    from ferrule.contract import registry
     from ferrule.media import hf_media_inputs, towers_for_config
-    from ferrule.megatron.weights import load_hf_into_mcore
 
     if not registry.get_towers(family):
         return None

@@ -34,6 +34,15 @@ from ferrule.conformance.fields import (  # noqa: F401  (re-exported: the kit's 
     hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
     translated_fields_vs_hf,
 )
+from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
+from ferrule.contract import registry
+from ferrule.formats.safetensors_io import SafetensorsReader
+from ferrule.mapping import MappingContext
+from ferrule.megatron import parallel
+from ferrule.megatron.parallel import ParallelLayout
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, global_param_names, load_hf_into_mcore, unwrap
+from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
            "check_logits_parity", "check_training_step", "check_update_groups_cover_parameters",
@@ -48,7 +57,6 @@ SEED = 1234
 
 
 def _variant_module(family: str):
-    from ferrule.contract import registry
     ref = registry.get_provider(family).build
     if ref is None:  # the default build: the family's variant module is where its config rows live
         conv = registry.get_converter(family)
@@ -142,8 +150,6 @@ def tiny_hf_dir(family: str, out_dir: str | os.PathLike, *, seed: int = SEED,
 @contextlib.contextmanager
 def single_rank() -> Iterator[None]:
     """Megatron parallel state with TP=PP=EP=1 on one process for the duration of the block."""
-    from ferrule.megatron import parallel
-
     if parallel.is_initialized():
         if (parallel.tp_size(), parallel.pp_size(), parallel.ep_size()) != (1, 1, 1):
             raise RuntimeError("single_rank(): megatron is initialized with a parallel layout; run in a fresh process.")
@@ -157,9 +163,6 @@ def single_rank() -> Iterator[None]:
 
 
 def _build(family: str, hf_config: dict, **options) -> list:
-    from ferrule.megatron.parallel import ParallelLayout
-    from ferrule.megatron.provider import provider_build
-
     return provider_build(family)(hf_config, ParallelLayout(), **options)
 
 
@@ -179,10 +182,7 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from ferrule.contract import registry
     from ferrule.megatron.checkpoint import model_sharded_state_dict, save_sharded
-    from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
-    from ferrule.formats.safetensors_io import SafetensorsReader
 
     work = Path(work_dir)
     src = tiny_hf_dir(family, work / "hf")
@@ -209,11 +209,6 @@ def check_round_trip(family: str, work_dir: str | os.PathLike) -> None:
 def check_mapping_covers_provider(family: str, work_dir: str | os.PathLike) -> None:
     """Table entries == provider parameters, and table HF keys == keys transformers saved."""
     import json
-
-    from ferrule.contract import registry
-    from ferrule.mapping import MappingContext
-    from ferrule.megatron.weights import global_param_names
-    from ferrule.formats.safetensors_io import SafetensorsReader
 
     table = registry.get_converter(family).resolved_mapping()
     src = tiny_hf_dir(family, Path(work_dir) / "hf_cover")
@@ -261,9 +256,6 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     import json
 
     import torch
-
-    from ferrule.contract import registry
-    from ferrule.megatron.weights import load_hf_into_mcore
 
     src = tiny_hf_dir(family, Path(work_dir) / "hf_parity")
     hf_config = json.loads((src / "config.json").read_text())
@@ -323,9 +315,6 @@ def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | 
 
     import torch
 
-    from ferrule.contract import registry
-    from ferrule.megatron.weights import load_hf_into_mcore
-
     seq_len = seq_len or tiny_test_seq_len(family)
     src = Path(src) if src is not None else tiny_hf_dir(family, Path(work_dir) / "hf_train")
     hf_config = json.loads((src / "config.json").read_text())
@@ -341,8 +330,6 @@ def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | 
 
 def _training_step(family: str, model, hf, hf_config: dict, src: Path, ids, table, *, groups: Any = None) -> dict:
     """:func:`check_training_step` on a loaded megatron ``model`` (TP=1, inside :func:`single_rank`) and HF model."""
-    from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
-
     mc_grads = mcore_grads(model, family, hf_config, ids, table=table)
     synced = check_update_groups_reach_rollout([model], family, hf_config, src, groups=groups)
     result = compare_grads(hf, ids, mc_grads)
@@ -376,10 +363,6 @@ def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> 
     """
     from transformers import AutoConfig
 
-    from ferrule.contract import registry
-    from ferrule.megatron.weights import global_param_names
-    from ferrule.sync.groups import as_group_table
-
     table = registry.get_update_groups(family) if groups is None else as_group_table(groups, family)
     cfg = tiny_hf_config(family)
     if cfg is None:
@@ -398,8 +381,6 @@ def update_unit_problems(names: list[str], table: Any) -> tuple[list, list[str]]
     exactly one unit, no unit naming a parameter the model lacks, every suffix of a non-optional group used
     (:func:`check_update_groups_cover_parameters`'s rules; ``ferrule check`` runs them on the checkpoint's model)."""
     import collections
-
-    from ferrule.sync.groups import UpdateGroupError, build_update_units
 
     try:
         units = build_update_units(names, table)

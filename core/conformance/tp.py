@@ -30,6 +30,17 @@ import warnings
 from pathlib import Path
 
 from ferrule import envs
+from ferrule.conformance import numeric as cn
+from ferrule.conformance.grads import (
+    check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads,
+)
+from ferrule.conformance.media import mcore_media_logits, media_prompt, tiny_media_of
+from ferrule.conformance.numeric import _variant_module
+from ferrule.contract import registry
+from ferrule.formats.safetensors_io import SafetensorsReader
+from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore
 
 __all__ = ["check_family_tp", "main"]
 
@@ -41,8 +52,6 @@ def tp2_overrides(family: str) -> dict | None:
 
     For a tiny config TP cannot split, e.g. one KV head (MQA) at TP=2.
     """
-    from ferrule.conformance.numeric import _variant_module
-
     value = getattr(_variant_module(family), "TINY_TP2_OVERRIDES", None)
     return dict(value) if value is not None else None
 
@@ -53,9 +62,6 @@ def kit_layout(family: str, tc_kwargs: dict | None = None):
     allowed divisor of ``tp``; a biased-MoE family that declares ``etp=(1,)`` is checked at ``etp=1``). A MoE
     model with biases (``tc_kwargs``: ``num_moe_experts`` and ``add_bias_linear``) is checked at ``etp=1``, the
     only expert TP size megatron-core builds it at."""
-    from ferrule.contract import registry
-    from ferrule.megatron.parallel import ParallelLayout
-
     support = registry.get_family(family).layouts
     allowed = support.etp if support is not None else None
     if tc_kwargs and tc_kwargs.get("num_moe_experts") and tc_kwargs.get("add_bias_linear"):
@@ -69,8 +75,6 @@ def kit_layout(family: str, tc_kwargs: dict | None = None):
 def _use_layout(layout) -> None:
     """Re-initialize megatron's model-parallel groups at ``layout`` when it differs (same process group)."""
     from megatron.core import parallel_state
-
-    from ferrule.megatron.parallel import destroy_distributed, init_distributed
 
     if parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_expert_tensor_parallel_world_size() != (layout.etp or layout.tp)):
@@ -89,16 +93,8 @@ def check_family_tp(family: str, work: Path, *, atol: float, train: dict | None 
     import torch
     import torch.distributed as dist
 
-    from ferrule.conformance import numeric as cn
-    from ferrule.contract import registry
-    from ferrule.conformance.media import mcore_media_logits, media_prompt, tiny_media_of
     from ferrule.media import hf_media_inputs, towers_for_config
-    from ferrule.megatron.weights import load_hf_into_mcore
-    from ferrule.formats.safetensors_io import SafetensorsReader
-    from ferrule.megatron.weights import export_mcore_to_hf
     from ferrule.megatron.gpt_builder import check_family_layout
-    from ferrule.megatron.provider import provider_build
-    from ferrule.conformance.grads import check_update_groups_reach_rollout, mcore_grads
 
     rank = dist.get_rank()
     src = work / family / "hf"
@@ -174,8 +170,6 @@ def _layout_label(layout) -> str:
 def _train_result(family: str, hf, ids, mc_grads: dict | None, synced: int | None, error: str | None,
                   label: str) -> dict:
     """Rank 0's training-step result (:func:`check_family_tp`'s ``train``): HF's gradients vs ``mc_grads``."""
-    from ferrule.conformance.grads import compare_grads, gradient_problem
-
     if error is not None:
         return {"error": error}
     try:
@@ -201,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")  # megatron's deprecation chatter is not part of the report
 
     import torch.distributed as dist
-
-    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
 
     init_distributed(ParallelLayout(tp=TP))
     results: dict[str, dict] = {}

@@ -16,6 +16,9 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+from ferrule.conformance import numeric as cn
+from ferrule.conformance.media import check_media_logits_parity
+from ferrule.contract import registry
 
 
 def _run(case: Callable[[], Any]) -> Any:
@@ -28,9 +31,6 @@ def _run(case: Callable[[], Any]) -> Any:
 def main(argv: Sequence[str]) -> int:
     warnings.filterwarnings("ignore")  # before megatron / transformers are imported: only the JSON line matters
     # imported after the filter, for that reason (the checks import torch, megatron and transformers)
-    from ferrule.contract import registry
-    from ferrule.conformance import numeric as cn
-    from ferrule.conformance.media import check_media_logits_parity
 
     def numeric(fam: str, w: str, train: dict) -> dict:
         cn.check_round_trip(fam, w + "/rt")

@@ -50,6 +50,7 @@ from ferrule.contract.specs import (
     TowerSpec,
     UpdateGroupTable,
 )
+from ferrule.contract.specs import resolve_ref
 
 __all__ = [
     "PluginError",
@@ -405,8 +406,6 @@ class Registry:
         """
         import functools
 
-        from ferrule.contract.specs import resolve_ref
-
         spec = self.get_provider(family)
         if spec.build is not None:
             return resolve_ref(spec.build)
@@ -555,8 +554,6 @@ def hf_model_class(hf_config: Any) -> Any:
         UnknownModelError: no plugin supports the config.
         IncompleteFamilyError: the family declares no ``hf_model_class``.
     """
-    from ferrule.contract.specs import resolve_ref
-
     cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
     family = family_for_hf_config(cfg)
     if not family.hf_model_class:

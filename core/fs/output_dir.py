@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ferrule.fs.util import DiskFullError, check_free_space, disk_full_message, is_disk_full
+from ferrule.fs import locks
 
 __all__ = ["output_lock", "lock_output", "unlock_output", "prepare_out", "remove_stale_outputs",
            "hf_write_bytes", "torch_dist_model_bytes", "disk_full_from", "Notice"]
@@ -53,8 +54,6 @@ def lock_output(out_dir: str | os.PathLike, overwrite: bool, notice: Notice | No
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False (checked under the lock, so
             of two conversions started together the second is refused once the first committed).
     """
-    from ferrule.fs import locks
-
     out_dir = Path(out_dir).absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     locks.acquire(output_lock(out_dir), f"output directory {out_dir} (another conversion or export writes it)")
@@ -70,8 +69,6 @@ def lock_output(out_dir: str | os.PathLike, overwrite: bool, notice: Notice | No
 
 def unlock_output(out_dir: str | os.PathLike) -> None:
     """Release :func:`lock_output` (the lock file is removed)."""
-    from ferrule.fs import locks
-
     locks.release(output_lock(out_dir), remove=True)
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferrule.contract.specs import LORA_KINDS, LoRAApplierSpec
+from .peft_experts import EXPERT_PARAMS, expert_module
+from ferrule.contract import registry
 
 __all__ = ["CORE_APPLIERS", "ApplyContext", "appliers_for", "apply_attention", "apply_dense_mlp",
            "apply_shared_experts", "apply_lm_head", "LoraTargetError", "peft_name_matches"]
@@ -210,7 +212,6 @@ def apply_routed_experts(chunk: Any, settings: Any, ctx: ApplyContext) -> list[s
             dropout, so the adapter could not be loaded there), or grouped-GEMM experts.
     """
     from .layers import attach_adapter
-    from .peft_experts import EXPERT_PARAMS, expert_module
 
     done = []
     for local, module in chunk.named_modules():
@@ -257,7 +258,5 @@ def _tp_size(linear: Any) -> int:
 def appliers_for(family: str) -> list[LoRAApplierSpec]:
     """The applier per kind for ``family``: the family's own spec, else a plugin's ``"*"`` spec,
     else the core one (:data:`CORE_APPLIERS`); kinds in :data:`~ferrule.contract.specs.LORA_KINDS` order."""
-    from ferrule.contract.registry import get_registry
-
-    registered = {s.kind: s for s in get_registry().iter_lora_appliers(family)}
+    registered = {s.kind: s for s in registry.get_registry().iter_lora_appliers(family)}
     return [registered.get(k) or CORE_APPLIERS[k] for k in LORA_KINDS if k in registered or k in CORE_APPLIERS]

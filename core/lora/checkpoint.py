@@ -17,6 +17,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from .model import adapter_params
+from .peft_format import hf_adapter_state_dict, load_hf_adapter, peft_config, read_peft_dir
+from ferrule.megatron.weights import all_gather_objects
 
 __all__ = ["lora_save_payload", "lora_load_payload", "LoraLayoutError", "LORA_FORMAT", "PEFT_WEIGHTS", "PEFT_CONFIG",
            "RANKS_FILE"]
@@ -50,11 +53,6 @@ def _coords() -> dict[str, int]:
 def lora_save_payload(engine: Any) -> tuple[dict, dict[str, bytes]]:
     """``(this rank's lora/rank_<R>.pt payload, {file: bytes} for rank 0)``. Collective (PEFT gather)."""
     from safetensors.torch import save as st_save
-
-    from ferrule.megatron.weights import all_gather_objects
-
-    from .model import adapter_params
-    from .peft_format import hf_adapter_state_dict, peft_config
 
     rank, world = _rank_world()
     coords = all_gather_objects(_coords())
@@ -112,9 +110,6 @@ def lora_load_payload(engine: Any, ckpt: Path, with_optimizer: bool) -> dict | N
         FileNotFoundError: a rank file is missing.
     """
     import torch
-
-    from .model import adapter_params
-    from .peft_format import load_hf_adapter, read_peft_dir
 
     rank, world = _rank_world()
     f = Path(ckpt) / "lora" / f"rank_{rank}.pt"

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+from .appliers import ApplyContext, LoraTargetError, appliers_for, peft_name_matches
+from .peft_base import peft_naming_table
+from ferrule.contract.specs import resolve_ref
+from ferrule.mapping import MappingContext
+from ferrule.megatron.weights import agreed_errors, all_gather_objects, global_param_names, model_chunks
 
 __all__ = ["AdapterEntry", "apply_lora", "adapter_entries", "adapter_params"]
 
@@ -31,8 +36,6 @@ class AdapterEntry:
 
 
 def _global_module_names(chunk: Any) -> dict[str, str]:
-    from ferrule.megatron.weights import global_param_names
-
     out = {}
     for local, glob in global_param_names(chunk).items():
         if local.endswith(".weight"):
@@ -67,13 +70,6 @@ def apply_lora(chunks: Sequence[Any], settings: Any, *, family: str, table: Any,
             afresh for every engine).
     """
     from megatron.core import parallel_state as ps
-
-    from ferrule.mapping import MappingContext
-    from ferrule.megatron.weights import agreed_errors, all_gather_objects
-    from ferrule.contract.specs import resolve_ref
-
-    from .appliers import ApplyContext, LoraTargetError, appliers_for
-    from .peft_base import peft_naming_table
 
     tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
     tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
@@ -115,8 +111,6 @@ _EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embe
 def _unmatched_targets(settings: Any, seen: dict[str, set[str]], family: str) -> list[str]:
     """One error per ``target_modules`` / ``target_parameters`` entry that picked nothing, with the
     hint that fits (an HF name listed in the wrong field, e.g. ``gate_up_proj`` as a module)."""
-    from .appliers import peft_name_matches
-
     errors = []
     for t in settings.target_modules:
         if t in seen["matched"]:
@@ -149,8 +143,6 @@ def _unmatched_targets(settings: Any, seen: dict[str, set[str]], family: str) ->
 
 def adapter_entries(chunks: Sequence[Any]) -> list[AdapterEntry]:
     """Every adapted module of this rank's (possibly DDP-wrapped) chunks, in chunk and module order."""
-    from ferrule.megatron.weights import model_chunks
-
     from .layers import adapters_of
 
     out = []

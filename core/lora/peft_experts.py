@@ -15,9 +15,10 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ferrule.mapping import MappingError, TPSplit
+from ferrule.mapping import MappingError, TPSplit, Rename, StackExperts
 
 from .peft_base import PEFT_PREFIX, ExportContext, copy_factor_plans
+from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
 
 __all__ = ["EXPERT_PARAMS", "export_routed", "load_routed", "expert_module"]
 
@@ -51,8 +52,6 @@ def _b_to_hf(table: Any, mctx: Any, layer: str, leaf: str, expert: int, b: Any) 
 
 def _b_to_mcore(table: Any, mctx: Any, layer: str, leaf: str, expert: int, b_stacked: Any) -> Any:
     """Inverse of :func:`_b_to_hf` for expert ``expert`` of ``b_stacked`` ``[E, out, r]``."""
-    from ferrule.mapping import StackExperts
-
     row, wild = table.resolve(f"{layer}.local_experts.{expert}.{leaf}.weight")
     if isinstance(row, StackExperts):
         return row.to_mcore([b_stacked], mctx, wild)
@@ -91,9 +90,6 @@ def export_routed(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[
     ``ParamWrapper.get_delta_weight``.
     """
     import torch
-
-    from ferrule.mapping import Rename
-    from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
 
     params: dict[str, BoundParam] = {}
     groups: list[tuple[str, list[str]]] = []

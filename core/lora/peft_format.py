@@ -32,6 +32,11 @@ from ferrule.mapping import MappingError, TPSplit
 
 from .peft_base import (PEFT_PREFIX, AdapterFormatError, ExportContext, _factor_mappings, _hf_modules,  # noqa: F401
                         copy_factor_plans, peft_naming_table)
+from .appliers import appliers_for
+from .model import adapter_entries
+from .peft_experts import EXPERT_PARAMS
+from ferrule.contract.specs import LORA_KINDS, resolve_ref
+from ferrule.megatron.weights import (BoundParam, ParallelRanks, agree_padded_vocab, agreed_errors, all_gather_objects, bind_params, iter_full, mapping_context, model_chunks, plan_gather)
 
 __all__ = ["PEFT_PREFIX", "export_linear", "load_linear", "hf_adapter_state_dict", "peft_config", "load_hf_adapter",
            "AdapterFormatError", "adapter_index_map", "ExportContext", "copy_factor_plans", "peft_naming_table"]
@@ -39,8 +44,6 @@ __all__ = ["PEFT_PREFIX", "export_linear", "load_linear", "hf_adapter_state_dict
 def _linear_plan(entries: Sequence[Any], ctx: ExportContext) -> tuple[dict, dict, list]:
     """``(bound factors, per-module mapping meta, gather steps)`` of :func:`export_linear`, memoised in
     ``ctx.cache`` (collective the first time: :func:`~ferrule.megatron.weights.plan_gather`)."""
-    from ferrule.megatron.weights import BoundParam, plan_gather
-
     key = ("linear", tuple((e.global_name, id(e.adapter.lora_A), id(e.adapter.lora_B)) for e in entries))
     if key in ctx.cache:
         return ctx.cache[key]
@@ -64,8 +67,6 @@ def export_linear(entries: Sequence[Any], ctx: ExportContext) -> Iterator[tuple[
     Yields ``(peft key, tensor)`` on every rank in the same order; tensors are detached, on the
     adapter's device, in its dtype (they may alias live parameters when nothing is split).
     """
-    from ferrule.megatron.weights import iter_full
-
     params, meta, steps = _linear_plan(entries, ctx)
     # other pipeline stages' modules arrive through iter_full; their mapping rows come from the table
     for key, _, (a, b) in iter_full(steps, params, ctx.ranks):
@@ -137,8 +138,6 @@ def load_linear(entries: Sequence[Any], tensors: Mapping[str, Any], ctx: ExportC
 
 
 def _export_context(engine: Any) -> ExportContext:
-    from ferrule.megatron.weights import ParallelRanks, agree_padded_vocab, bind_params, mapping_context
-
     ranks = ParallelRanks.current()
     params = bind_params(engine.model, engine.mapping_table)
     mctx = agree_padded_vocab(mapping_context(params, ranks, hf_config=engine.hf_config), ranks)
@@ -146,11 +145,6 @@ def _export_context(engine: Any) -> ExportContext:
 
 
 def _by_kind(engine: Any) -> list[tuple[Any, list]]:
-    from ferrule.contract.specs import LORA_KINDS
-
-    from .appliers import appliers_for
-    from .model import adapter_entries
-
     entries = adapter_entries(engine.model)
     specs = {s.kind: s for s in appliers_for(engine.family)}
     return [(specs[k], [e for e in entries if e.kind == k]) for k in LORA_KINDS if k in specs]
@@ -176,8 +170,6 @@ def _engine_plan(engine: Any) -> _EnginePlan:
 
     Collective the first time (every rank builds it in the same call, so caches stay in step).
     """
-    from ferrule.megatron.weights import ParallelRanks, model_chunks
-
     key = (tuple(id(c) for c in model_chunks(engine.model)), dataclasses.astuple(ParallelRanks.current()))
     plan = getattr(engine, "_lora_export_plan", None)
     if plan is None or plan.key != key:
@@ -203,8 +195,6 @@ def hf_adapter_state_dict(engine: Any, *, copy: bool = True) -> dict[str, Any]:
     Raises:
         ValueError: the engine has no LoRA.
     """
-    from ferrule.contract.specs import resolve_ref
-
     _require_lora(engine)
     plan = _engine_plan(engine)
     out: dict[str, Any] = {}
@@ -228,8 +218,6 @@ def adapter_index_map(engine: Any) -> tuple[list[tuple[str, Any, Any]] | None, s
         Not collective (the first call builds the engine's export plan, as the export does).
     """
     import torch
-
-    from ferrule.contract.specs import resolve_ref
 
     _require_lora(engine)
     plan = _engine_plan(engine)
@@ -276,10 +264,6 @@ def peft_config(engine: Any, base_model_name_or_path: str | None = None) -> dict
     ``mlp.shared_experts.gate_proj``); such adapters add nothing to ``target_modules``.
     ``base_model_name_or_path`` defaults to the engine's source folder (``engine.hf_files_dir``).
     """
-    from ferrule.megatron.weights import all_gather_objects
-
-    from .peft_experts import EXPERT_PARAMS
-
     _require_lora(engine)
     plan = _engine_plan(engine)
     if plan.config is None:
@@ -382,8 +366,6 @@ def _check_saved_base_weights(engine: Any, saved: Mapping[str, Any], plan: "_Eng
     """
     import torch
 
-    from ferrule.megatron.weights import model_chunks
-
     used: set[str] = set()
     problems: list[str] = []
     ctx = plan.ctx
@@ -428,9 +410,6 @@ def load_hf_adapter(engine: Any, tensors: Mapping[str, Any], config: Mapping[str
             disagrees with the engine's settings or uses an option ferrule does not train; every
             offender listed, checked on all ranks before anything is copied.
     """
-    from ferrule.megatron.weights import agreed_errors, all_gather_objects
-    from ferrule.contract.specs import resolve_ref
-
     _require_lora(engine)
     if config is not None:
         check_peft_config(engine, config)

@@ -62,6 +62,9 @@ from ferrule.fs.util import (DiskFullError, check_free_space, commit_dir, disk_f
 from ferrule.fs.integrity import record_checksums, verify_checksums
 
 from .ckpt_writer import in_process_writer
+from .optim import adam_step_count, init_adam_state, inner_optimizers, set_adam_step
+from ferrule.formats.safetensors_io import CheckpointError
+from ferrule.megatron.weights import unwrap
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state", "frozen_fingerprint",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",
@@ -110,8 +113,6 @@ def copy_hf_side_files(src: str | os.PathLike, dst: str | os.PathLike, *, skip: 
 
 
 def _unwrap(module: Any) -> Any:
-    from ferrule.megatron.weights import unwrap
-
     return unwrap(module)
 
 
@@ -134,8 +135,6 @@ def check_sharded_coverage(model_chunks: list, sharded_state_dict: dict) -> None
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    from ferrule.formats.safetensors_io import CheckpointError
 
     held = set()
     for value in nested_values(sharded_state_dict):
@@ -321,8 +320,6 @@ def save_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False (raised on every rank).
     """
-    from .optim import adam_step_count, init_adam_state
-
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True or choose another path.")
@@ -450,8 +447,6 @@ def _check_space(tmp: Path, state: dict, lora_state: dict | None, path: Path) ->
 
 
 def _param_groups(optimizer) -> list[dict]:
-    from .optim import inner_optimizers
-
     return [g for o in inner_optimizers(optimizer) if getattr(o, "optimizer", None) is not None
             for g in o.optimizer.param_groups]
 
@@ -503,8 +498,6 @@ def load_training_state(path: str | os.PathLike, *, model_chunks: list, optimize
             model's optimizer state crosses the ep=1 / ep>1 line (:func:`_check_expert_optimizer_layout`).
     """
     import torch.distributed as dist
-
-    from .optim import init_adam_state, set_adam_step
 
     path = Path(path)
     if not (path / "metadata.json").is_file():

@@ -54,15 +54,21 @@ import torch
 
 from ferrule.engine_settings import TrainEngineSettings
 from ferrule.losses import SEQUENCE_LEVEL, finalize_metrics, get_loss, sum_metrics
-from . import routing_replay
+from . import routing_replay, parallel
 from .batching import Datum, FBOutput, PreparedDatum, assign_dp_ranks, pack_microbatches, prepare_batch
 from .fused_logprob import linear_logprobs
 from .gpu_fusions import (enable_cuda_fusions, enable_grad_accum_fusion, enable_lean_activations,
                           use_foreach_optimizer_helpers, use_fused_adam)
 from .offload import TrainOffload
-from .optim import OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler
-from .parallel import ParallelLayout
+from .optim import (OptimizerSettings, adam_step_count, apply_step, build_optimizer, build_scheduler,
+                    _check_adam_params, inner_optimizers)
+from .parallel import ParallelLayout, init_distributed
 from .towers import embed_with_media, towers_of
+from ..registry import family_for_hf_config, get_converter
+from .checkpoint import ENGINE_STATE_FILE, load_training_state, save_training_state
+from .gpu_fusions import set_compile_dynamic
+from .provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore
 
 __all__ = ["TrainEngine", "Datum", "FBOutput", "OptimizerSettings", "TrainEngineSettings", "PACK_ALIGN",
            "vocab_parallel_entropy"]
@@ -137,8 +143,6 @@ class TrainEngine:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.utils import get_model_config
 
-        from . import parallel
-
         if layout.vpp is not None:
             raise NotImplementedError("TrainEngine does not support virtual pipeline stages (vpp) yet; use vpp=None.")
         self.layout = layout
@@ -205,8 +209,6 @@ class TrainEngine:
         """The GPU fast paths of :attr:`fast_paths` (docs/engine.md "GPU fast paths"): fused logprobs,
         megatron's CUDA fusions, packed sequences, gradient-accumulation fusion, lean activations, the
         logprob chunk size, the one-pass logprob reduction and fused Adam (issue 25's train step)."""
-        from .gpu_fusions import set_compile_dynamic
-
         s, config = self.fast_paths, self.config
         on_cuda = next(chunks[0].parameters()).device.type == "cuda"
         set_compile_dynamic(s.compile_dynamic)
@@ -299,17 +301,12 @@ class TrainEngine:
 
     @staticmethod
     def _family_parts(hf_config: Mapping[str, Any]):
-        from ..registry import family_for_hf_config, get_converter
-        from .provider import provider_build
-
         family = family_for_hf_config(hf_config)
         return family.name, provider_build(family.name), get_converter(family.name).resolved_mapping()
 
     @classmethod
     def _build(cls, hf_config: dict, layout: ParallelLayout, seed: int, params_dtype: torch.dtype,
                provider_options: Mapping[str, Any] | None):
-        from .parallel import init_distributed
-
         init_distributed(layout, seed=seed)
         family, build, table = cls._family_parts(hf_config)
         options = dict(provider_options or {})
@@ -337,8 +334,6 @@ class TrainEngine:
             ferrule.contract.registry.UnknownModelError: no plugin supports the ``model_type``.
             ferrule.mapping.MappingError: checkpoint keys / shapes do not fit (all listed).
         """
-        from ferrule.megatron.weights import load_hf_into_mcore
-
         layout = layout or ParallelLayout()
         hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
         family, table, chunks = cls._build(hf_config, layout, seed, params_dtype, provider_options)
@@ -363,8 +358,6 @@ class TrainEngine:
         ``lora``: adapters on the checkpoint's base weights. A LoRA checkpoint (``lora/``) resumes
         adapters and optimizer (``load_optimizer`` None/True); a full-parameter checkpoint gives
         the base weights only (``load_optimizer`` None means False then)."""
-        from .checkpoint import ENGINE_STATE_FILE
-
         ckpt_dir = Path(ckpt_dir)
         cfg_file = ckpt_dir / "hf" / "config.json"
         if not cfg_file.is_file():
@@ -670,8 +663,6 @@ class TrainEngine:
         """
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        from .optim import _check_adam_params
-
         self._check_onloaded("optim_step")
         checked = _check_adam_params(adam_params)
         explicit_lr = learning_rate is not None or "learning_rate" in checked
@@ -766,8 +757,6 @@ class TrainEngine:
 
         Raises:
             ValueError: ``omit_frozen_base`` on a full-parameter engine."""
-        from .checkpoint import save_training_state
-
         meta = {"format": "ferrule-torch_dist-v1", "family": self.family, "model_type": self.hf_config.get("model_type"),
                 "dtype": str(self.params_dtype).removeprefix("torch."), "saved_layout": asdict(self.layout),
                 "contents": "engine (model, optimizer, scheduler, rng)"}
@@ -809,8 +798,6 @@ class TrainEngine:
             return self._load(path, load_optimizer)
 
     def _load(self, path: str | Path, load_optimizer: bool) -> dict:
-        from .checkpoint import load_training_state
-
         self.zero_grad()
         lora_load = None
         if self.lora is not None:
@@ -830,8 +817,6 @@ class TrainEngine:
         a no-op for fp32 parameters, which are their own masters). Called after parameters were
         overwritten outside the optimizer (e.g. :func:`ferrule.lora.load_hf_adapter`), so the next
         step starts from the new values rather than the old masters."""
-        from .optim import inner_optimizers
-
         for sub in inner_optimizers(self.optimizer):
             sub.reload_model_params()
 
@@ -844,8 +829,6 @@ class TrainEngine:
 
         Collective: iterate to the end on every rank. Tensors are full (TP gathered, vocab
         padding removed) via :func:`ferrule.megatron.weights.export_mcore_to_hf`."""
-        from ferrule.megatron.weights import export_mcore_to_hf
-
         self._check_onloaded("export_hf_state")
         return export_mcore_to_hf(self.model, self.mapping_table, hf_config=self.hf_config, dtype=dtype)
 

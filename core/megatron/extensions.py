@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import RowParallelLinear
+from .layer_options import FullProjectionRMSNorm, LayerRoPESelfAttention, QK_NORM_SCOPES, pre_norms_kept
 
 __all__ = ["FerruleRMSNorm", "PostNormRowParallelLinear", "EXTRA_NORMS", "customize_local_spec",
            "compose_core_attention", "install_output_hooks", "resolve_class"]
@@ -130,8 +131,6 @@ def customize_local_spec(spec, config, *, attention_cls, attn_logit_softcapping:
     """
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from .layer_options import QK_NORM_SCOPES, FullProjectionRMSNorm, LayerRoPESelfAttention, pre_norms_kept
 
     bad = [n for n in extra_norms if n not in EXTRA_NORMS]
     if bad:

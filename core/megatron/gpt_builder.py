@@ -51,6 +51,7 @@ from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module
 )
 from .option_names import BUILDER_READ_OPTIONS, DEPRECATED_OPTION_NAMES, MODEL_OPTION_KEYS
 from .parallel import ParallelLayout
+from .device import get_backend
 
 __all__ = [
     "padded_vocab_size",
@@ -130,7 +131,6 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from .device import get_backend
     from .layer_options import rope_scaling_kwargs as _rope_kwargs
 
     position_embedding_type = _yarn_position_embedding(config, rope_scaling, layer_rope, position_embedding_type)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .parallel import ParallelLayout, ParallelLayoutError
+from .device import get_backend
+from ferrule.contract import registry
 
 __all__ = ["ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_layout_fits", "check_family_layout", "gelu_tanh",
            "make_transformer_config", "padded_vocab_size"]
@@ -80,8 +82,6 @@ def make_transformer_config(
             not divisible by ``pp``, experts not divisible by ``ep`` (naming value and fix).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from .device import get_backend
 
     if activation in ACTIVATIONS:
         activation_func = ACTIVATIONS[activation]
@@ -162,7 +162,6 @@ def check_family_layout(family: str, config_kwargs: Mapping[str, Any], layout: P
     Raises:
         ParallelLayoutError: the layout cannot split the model or the family does not support it (one line).
     """
-    from ferrule.contract import registry
     check_layout_fits(config_kwargs, layout)
     support = registry.get_family(family).layouts
     refusal = support.refusal(family, layout) if support is not None else None

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ferrule.offload import HostStash, unique_storages
+from .optim import _torch_optimizers
 
 __all__ = ["TrainOffload"]
 
@@ -45,8 +46,6 @@ def _weight_tensors(engine: Any) -> list[torch.Tensor]:
 
 
 def _optimizer_tensors(engine: Any) -> list[torch.Tensor]:
-    from .optim import _torch_optimizers
-
     out: list[torch.Tensor] = []
     for opt in _torch_optimizers(engine.optimizer):
         for group in opt.param_groups:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+from .parallel import ParallelLayoutError
+from ferrule.contract import registry
 
 __all__ = ["provider_build"]
 
@@ -27,7 +29,6 @@ def provider_build(family: str) -> Any:
         ferrule.megatron.parallel.ParallelLayoutError: (from the returned callable) a layout outside the
             family's ``layouts``.
     """
-    from ferrule.contract import registry
     build = registry.provider_build(family)
     support = registry.get_family(family).layouts
     if support is not None:  # a layout the family does not support: one line, before megatron asserts in the build
@@ -57,8 +58,6 @@ def _build_with_towers(build: Any, towers: tuple, hf_config: Any, layout: Any, *
 
 def _build_in_supported_layout(family: str, support: Any, build: Any, hf_config: Any, layout: Any,
                                **options: Any) -> Any:
-    from .parallel import ParallelLayoutError
-
     refusal = support.refusal(family, layout)
     if refusal:
         raise ParallelLayoutError(refusal)

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ferrule.media import MediaError, check_media  # noqa: F401  (re-exported)
+from ferrule.contract.specs import resolve_ref
 
 __all__ = ["MediaError", "attach_towers", "embed_with_media", "towers_of", "check_media"]
 
@@ -62,8 +63,6 @@ def attach_towers(chunks: Sequence[Any], specs: Sequence[Any], hf_config: Mappin
         ValueError: sequence parallelism is on (towers need the whole sequence per rank), or a
             build returned something that is not a ``torch.nn.Module``.
     """
-    from ferrule.contract.specs import resolve_ref
-
     if not specs:
         return list(chunks)
     for gpt in chunks:

@@ -43,6 +43,7 @@ from .param_gather import (  # noqa: F401
     _EXPERT_RE, _LAYER_RE, BoundParam, GatherStep, ParallelRanks, _dist, _ps, agree_padded_vocab, agreed_errors,
     all_gather_objects, bind_params, gather_tp, global_param_names, iter_full, mapping_context, model_chunks,
     plan_gather, unwrap)
+from ferrule.formats.quantized_weights import open_hf_weights
 
 __all__ = [
     "BoundParam",
@@ -178,8 +179,6 @@ def load_hf_into_mcore(chunks: Any, hf_dir_or_tensors: str | os.PathLike | Mappi
         ferrule.formats.safetensors_io.CheckpointError: the directory is not a readable safetensors checkpoint.
     """
     import torch
-
-    from ferrule.formats.quantized_weights import open_hf_weights
 
     ranks = ParallelRanks.current()
     # MXFP8 / FP8 / NVFP4 weights are read dequantized, straight into the model's dtype (NVFP4 values depend on it)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ferrule.megatron.batching import Datum
+from ferrule.losses import LOSS_CONFIG_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,6 @@ def loss_fn_config(algorithm: object) -> tuple[str, dict[str, float]]:
     ``eps_clip_high=4e-4``); ``tis_cap`` is passed with ``use_tis``; ``kl_coef`` always; ``entropy_coef``
     when > 0 (the train engine computes the policy entropy only then).
     """
-    from ferrule.losses import LOSS_CONFIG_DEFAULTS
-
     name = algorithm.loss  # type: ignore[attr-defined]
     accepted = LOSS_CONFIG_DEFAULTS[name]
     cfg: dict[str, float] = {}

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.run_checks import lora_settings
+from ferrule.chat import stop_token_ids
+from ferrule.contract import registry
 
 
 if TYPE_CHECKING:
@@ -71,7 +73,6 @@ def chat_template(cfg: RLConfig, family: str, tokenizer: PreTrainedTokenizerBase
     Raises:
         ConfigError: no tokenizer in ``model.hf_dir``, or the family registers no template.
     """
-    from ferrule.contract import registry
     if tokenizer is None:
         raise ConfigError([f"model.hf_dir: {cfg.model.hf_dir!r} has no tokenizer files (tokenizer.json / "
                            "tokenizer_config.json); the loop renders prompts with the checkpoint's tokenizer"])
@@ -87,8 +88,6 @@ def chat_template(cfg: RLConfig, family: str, tokenizer: PreTrainedTokenizerBase
 def stop_tokens(cfg: RLConfig, template: ChatTemplateSpec, tokenizer: PreTrainedTokenizerBase) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``(stop token ids, stop strings)``: the template's stop tokens plus ``rollout.extra_stop_tokens``
     (a single-token text becomes an id, a longer one a stop string)."""
-    from ferrule.chat import stop_token_ids
-
     stop_ids = list(stop_token_ids(template, tokenizer))
     stop_strings = []
     for tok in cfg.rollout.extra_stop_tokens:

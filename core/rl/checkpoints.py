@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrule.fs.util import apply_default_mode, fsync_dir
+from ferrule.compat import renamed_name
 
 #: Keys that may change between a run and its resume (everything else must match).
 #: ``parallel.*`` may change: the train engine's torch_dist checkpoint reshards (or its load
@@ -68,6 +69,5 @@ def config_differences(old: dict[str, dict[str, Any]], new: dict[str, dict[str, 
 def __getattr__(name: str):
     # PEP 562: the run-layout names this module re-exported before they moved to ferrule.fs.run_layout
     # (ferrule.compat.RENAMED_NAMES: for users' code written against the previous release)
-    from ferrule.compat import renamed_name
 
     return renamed_name(__name__, name)

@@ -13,6 +13,8 @@ import math
 import string
 import typing
 from typing import TYPE_CHECKING, Any
+from ferrule.engine_settings import LEAN_ACTIVATION_KINDS
+from ferrule.lora.settings import MAX_LORA_RANK
 
 if TYPE_CHECKING:
     from ferrule.rl.config_schema import RLConfig
@@ -53,8 +55,6 @@ def validate_config(cfg: RLConfig) -> list[str]:
 
 def _engine_settings_problems(cfg: RLConfig) -> list[str]:
     """The train_engine / rollout_engine sections (ferrule.engine_settings)."""
-    from ferrule.engine_settings import LEAN_ACTIVATION_KINDS
-
     te, re_ = cfg.train_engine, cfg.rollout_engine
     p: list[str] = []
     if isinstance(te.lean_activations, list):
@@ -380,7 +380,6 @@ def _logging_problems(cfg: RLConfig) -> list[str]:
 
 def _lora_problems(cfg: RLConfig) -> list[str]:
     """Range and consistency of the ``lora`` section (``rank == 0``: LoRA off, other keys must stay default)."""
-    from ferrule.lora.settings import MAX_LORA_RANK
     from ferrule.rl.config_schema import LoraConfig
 
     lo, p = cfg.lora, []

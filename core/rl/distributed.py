@@ -44,6 +44,9 @@ from typing import Any, Mapping, Sequence
 from ferrule import envs
 from ferrule.rl.config import ConfigError, RLConfig
 from ferrule.rl.seeds import rollout_seed
+from ferrule.contract import registry
+from ferrule.megatron.parallel import ParallelLayout, ParallelLayoutError
+from ferrule.sync import WeightSyncError, check_lora_adapter_equal
 
 __all__ = ["RankRoles", "Shard", "check_layout", "layout_of", "launch_world_size", "plan_shards", "shard_seed",
            "fan_out_rollout_weights", "fan_out_lora_adapter", "rank_roles", "broadcast_object", "gather_objects", "all_gather_objects"]
@@ -71,8 +74,6 @@ def _text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def layout_of(cfg: RLConfig) -> Any:
     """The train engine's ``ParallelLayout`` from ``parallel.*`` (``etp`` 0: megatron's default, ``tp``)."""
-    from ferrule.megatron.parallel import ParallelLayout
-
     par = cfg.parallel
     return ParallelLayout(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp or None)
 
@@ -81,14 +82,12 @@ def _family_layout_problem(cfg: RLConfig, hf_config: Mapping[str, Any]) -> str |
     """The one-line refusal of :func:`ferrule.megatron.gpt_builder.check_family_layout` for ``parallel.*`` (the
     family's declared ``layouts``, MoE biases at expert TP > 1), or None; a config the family cannot translate
     is reported elsewhere."""
-    from ferrule.contract import registry
     try:
         family = cfg.model.family or registry.family_for_hf_config(dict(hf_config)).name
         tc_kwargs, _ = registry.get_converter(family).resolved_config_translation().to_mcore(dict(hf_config))
     except Exception:  # noqa: BLE001 - an unknown family / untranslatable config has its own error
         return None
     from ferrule.megatron.gpt_builder import check_family_layout
-    from ferrule.megatron.parallel import ParallelLayoutError
 
     try:
         check_family_layout(family, tc_kwargs, layout_of(cfg))
@@ -384,8 +383,6 @@ def fan_out_lora_adapter(roles: RankRoles, rollout: Any, version: int, *, check_
             fan-out, a rank that raises stops the job through torchrun (``parallel.timeout_s``
             bounds the wait of ranks left in a collective).
     """
-    from ferrule.sync import WeightSyncError, check_lora_adapter_equal
-
     if roles.rollout_group is None or roles.replica is None:
         return 0
     src = roles.rollout_ranks[0]

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from ferrule.rl.config import ConfigError
 from ferrule.rl.stages import record
+from ferrule.fs.util import remove_stale_temp_dirs
+from ferrule.rl import distributed as rl_dist
+from ferrule.rl.metrics import MetricsLogger, StepProgress
+from ferrule.rl.schedules import make_schedule
 
 if TYPE_CHECKING:
     from types import FrameType
 
-    from ferrule.rl.metrics import MetricsLogger
     from ferrule.rl.loop import GRPOTrainer
 
 __all__ = ["RunDriver", "RunResult", "StopSignal", "STOP_SIGNALS"]
@@ -110,8 +113,6 @@ class RunDriver:
     def _open_logger(self, start: int) -> MetricsLogger | record.NoLogger:
         """The metrics logger (global rank 0; resumes ``metrics.jsonl`` at ``start``), which also
         trims ``samples.jsonl`` to ``start`` and writes the resolved config; a no-op logger elsewhere."""
-        from ferrule.rl.metrics import MetricsLogger
-
         cfg = self.trainer.cfg
         if not self.trainer.roles.is_driver:
             return record.NoLogger()
@@ -130,7 +131,6 @@ class RunDriver:
         stops at the same step)."""
         if not self.trainer.roles.distributed:
             return self.trainer._stop_requested
-        from ferrule.rl import distributed as rl_dist
 
         self.trainer._stop_requested = any(rl_dist.all_gather_objects(self.trainer._stop_requested))
         return self.trainer._stop_requested
@@ -138,8 +138,6 @@ class RunDriver:
     def _remove_stale_temp_dirs(self) -> None:
         """Delete the hidden temporary folders that killed or failed saves left in the checkpoint folder
         (:func:`ferrule.fs.util.remove_stale_temp_dirs`) and say so; the driver only."""
-        from ferrule.fs.util import remove_stale_temp_dirs
-
         if not self.trainer.roles.is_driver:
             return
         removed = remove_stale_temp_dirs(self.trainer.ckpt_dir)
@@ -189,12 +187,9 @@ class RunDriver:
     def _steps(self, start: int, stop_after: int | None, logger: MetricsLogger | record.NoLogger) -> tuple[int, Path | None, bool, list]:
         """Steps ``start + 1 ..`` with logging, samples, checkpoints and the stop request;
         returns ``(last step, last checkpoint, interrupted, logged entries)``."""
-        from ferrule.rl.metrics import StepProgress
-
         cfg, driver = self.trainer.cfg, self.trainer.roles.is_driver
         logged: list[dict[str, Any]] = []
         ckpt, step = None, start
-        from ferrule.rl.schedules import make_schedule
 
         with logger, StepProgress(cfg.train.steps, start, enabled=cfg.logging.progress and driver,
                                   console=self.trainer.console) as bar, make_schedule(self.trainer, start) as schedule:

@@ -86,6 +86,11 @@ from ferrule.rl.stages.record import SAMPLES_FILE
 from ferrule.rl.stages.rollout import prompt_token_ids
 from ferrule.rl.stages.score import MAX_SHOWN_REWARD_FAILURES, Scorer, check_reward_functions  # noqa: F401
 from ferrule.rl.stages.sync import sync_policy
+from ferrule.contract import registry
+from ferrule.megatron.parallel import ParallelLayout, init_distributed
+from ferrule.rl.colocate import Colocation, PhaseMeter, resolve_colocate
+from ferrule.rl.rewards import build_reward_fn_from_config, reward_error_metrics
+from ferrule.rl.tasks import PromptSampler, build_prompt_source
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -195,9 +200,7 @@ class GRPOTrainer:
         import transformers  # noqa: F401  (modeling code before megatron's CPU patches)
         from transformers import GenerationMixin  # noqa: F401
 
-        from ferrule.contract import registry
         from ferrule.megatron.device import get_backend
-        from ferrule.megatron.parallel import ParallelLayout, init_distributed
 
         cfg, t0 = self.cfg, time.perf_counter()
         dtype = getattr(torch, cfg.model.dtype)
@@ -248,9 +251,6 @@ class GRPOTrainer:
 
     def _build_data(self) -> None:
         """Prompt sources (train, eval), the resumable sampler and the reward functions."""
-        from ferrule.rl.rewards import build_reward_fn_from_config
-        from ferrule.rl.tasks import PromptSampler, build_prompt_source
-
         cfg = self.cfg
         self.agent = None
         if cfg.agent.environment:  # multi-turn episodes: the environment supplies the items and the rewards
@@ -273,8 +273,6 @@ class GRPOTrainer:
 
     def _setup_colocation(self) -> None:
         """``train.colocate`` (:mod:`ferrule.rl.colocate`): decide, and keep the phase meter."""
-        from ferrule.rl.colocate import Colocation, PhaseMeter, resolve_colocate
-
         self.meter = PhaseMeter()
         try:
             setting = self.cfg.train.colocate if self.cfg.train.schedule == "sync" else False  # overlap: no turns
@@ -382,8 +380,6 @@ class GRPOTrainer:
 
     def _evaluate(self, step: int) -> dict[str, float]:
         """Greedy-or-sampled answers to every held-out prompt, scored (driver only)."""
-        from ferrule.rl.rewards import reward_error_metrics
-
         e = self.cfg.eval
         prompts = [self.eval_source[i] for i in range(len(self.eval_source))]
         ids = [self.prompts.ids(p, "eval") for p in prompts]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from ferrule.fs.integrity import file_digest
 
 __all__ = ["MODEL_FILES_KEY", "TOKENIZER_FILES", "model_files", "model_changes"]
 
@@ -43,8 +44,6 @@ def model_files(hf_dir: str | os.PathLike) -> dict[str, dict]:
     Raises:
         OSError: a file cannot be read.
     """
-    from ferrule.fs.integrity import file_digest
-
     folder = Path(hf_dir)
     out = {}
     for p in sorted(folder.iterdir()):

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 
 import torch
+from ferrule.contract import registry
 
 
 class ReferencePolicy:
@@ -31,7 +32,6 @@ class ReferencePolicy:
                  device: str | torch.device = "cpu"):
         from transformers import AutoConfig
 
-        from ferrule.contract import registry
         from ferrule.rollout.embedded import family_attn_implementation
 
         config = AutoConfig.from_pretrained(os.fspath(hf_dir))

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrule.rl.tasks import Prompt, PromptSource, exact_match, extract_answer
+from ferrule.contract.specs import resolve_ref
 
 #: A score at or above this counts as "correct" (accuracy metric, and reward 1 in ``exact`` mode).
 CORRECT_THRESHOLD = 1.0 - 1e-9
@@ -122,8 +123,6 @@ def load_custom_reward(ref: str) -> Callable[..., Any]:
         RewardError: malformed reference, import failure, not callable, or a signature that
             cannot take two positional arguments.
     """
-    from ferrule.contract.specs import resolve_ref
-
     module, sep, attr = ref.partition(":")
     if not sep or not module or not attr:
         raise RewardError(f"reward function {ref!r}: expected 'package.module:attr'")

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ferrule.rl.config_types import ConfigError
+from ferrule.rollout import get_rollout_engine
 
 if TYPE_CHECKING:
     from ferrule.rl.config import RLConfig
@@ -304,8 +305,6 @@ def build_rollout_engine(cfg: RLConfig, *, dtype: Any, device: Any) -> tuple[Any
             :data:`ATTACH_HEALTH_TIMEOUT_S` seconds.
         RolloutError: a launched SGLang server exits or stays unhealthy (with its log tail).
     """
-    from ferrule.rollout import get_rollout_engine
-
     if cfg.rollout.engine == "embedded":
         settings = cfg.rollout_engine
         if cfg.algorithm.routing_replay:  # routes are recorded by hooks on the eager decode path only

@@ -16,6 +16,9 @@ from typing import Any
 
 from ferrule import envs
 from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.contract import registry
+from ferrule.fs import locks
+from ferrule.rl import distributed as rl_dist
 
 __all__ = ["RUN_LOCK_FILE", "check_supported", "lock_run_dir", "lora_settings", "model_folder_problems", "preflight",
            "unlock_run_dir"]
@@ -61,7 +64,6 @@ def preflight(cfg: RLConfig) -> None:
             metrics (the message names ``--resume``), an unknown ``model.family``, a checkpoint
             whose ``model_type`` no plugin supports, an unknown ``data.chat_template``.
     """
-    from ferrule.contract import registry
     from ferrule.rl.metrics import METRICS_FILE, read_metrics
 
     problems = []
@@ -176,8 +178,6 @@ def size_problems(cfg: RLConfig, hf_config: dict, *, memory_bytes: int | None = 
     Returns:
         One message per problem (naming the keys and the limit), or ``[]``.
     """
-    from ferrule.rl import distributed as rl_dist
-
     text = hf_config.get("text_config") or hf_config
     ro, d, e, t = cfg.rollout, cfg.data, cfg.eval, cfg.train
     longest = d.max_prompt_tokens + max(ro.max_new_tokens, e.max_new_tokens)
@@ -271,8 +271,6 @@ def lock_run_dir(cfg: RLConfig) -> Path | None:
             are named).
     """
     import os
-
-    from ferrule.fs import locks
 
     if envs.rank() != 0:
         return None

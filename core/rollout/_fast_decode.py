@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from ferrule.rollout._decode_attn import KINDS, attend, attend_rope, fuses_rope, uses_triton
-from ferrule.rollout._fast_sampling import vocab_chunks
+from ferrule.rollout._fast_sampling import vocab_chunks, fused_applies
 from ferrule.rollout._fast_sampling import sample_record as _sample_record
+from ferrule.rollout._lora_merge import MergedLora
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
 #: stop token ids the captured step takes (padded with -1 to a power of two >= 16); more falls
@@ -585,9 +586,6 @@ def engine_layout(engine: Any, params: Any, stop_ids: list[int], matcher: Any, m
     when the weights or the adapter changed since the last merge (every call with
     ``engine.settings.lora_merged`` false).
     """
-    from ferrule.rollout._fast_sampling import fused_applies
-    from ferrule.rollout._lora_merge import MergedLora
-
     if not (engine.fast_decode and matcher is None and not media_inputs and len(stop_ids) <= MAX_STOP_IDS
             and fused_applies(params) and not engine._towers()):
         return None

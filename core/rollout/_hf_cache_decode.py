@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ferrule.rollout._static_cache import cache_kwarg_name
 
 __all__ = ["HFCacheDecodeState", "HF_CACHE_LAYER_TYPES", "uses_hf_cache"]
 
@@ -39,8 +40,6 @@ class HFCacheDecodeState:
     """Prefill + per-token decode with transformers' ``DynamicCache`` (rows of equal length, no padding)."""
 
     def __init__(self, model: torch.nn.Module):
-        from ferrule.rollout._static_cache import cache_kwarg_name
-
         self.model = model
         self.cache_kw = cache_kwarg_name(model)
         self.cache: Any = None

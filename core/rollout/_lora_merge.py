@@ -39,6 +39,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from ferrule.rollout._lora import ADAPTER_NAME
 
 if TYPE_CHECKING:
     from ferrule.rollout._fast_decode import FusedLayout
@@ -90,8 +91,6 @@ class MergedLora:
             self._build(layout, adapter, model)
 
     def _build(self, layout: "FusedLayout", adapter: Any, model: torch.nn.Module) -> None:
-        from ferrule.rollout._lora import ADAPTER_NAME
-
         weights = list(layout.weights)
         copies: dict[int, torch.Tensor] = {}
         spans: dict[int, list[tuple[int, int]]] = {}

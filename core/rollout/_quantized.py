@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+from ferrule.formats.quantized_weights import open_hf_weights, quantization_config_of, strip_quantization
 
 __all__ = ["check_hf_dir", "dequantized_source"]
 
@@ -37,8 +38,6 @@ def dequantized_source(hf_dir: str | os.PathLike) -> tuple[Any, dict] | None:
         ferrule.formats.safetensors_io.CheckpointError: an unsupported ``quant_method`` or an inconsistent
             quantized checkpoint (as the converters raise).
     """
-    from ferrule.formats.quantized_weights import open_hf_weights, quantization_config_of, strip_quantization
-
     raw = json.loads(open(os.path.join(os.fspath(hf_dir), "config.json")).read())
     if quantization_config_of(raw) is None:
         return None

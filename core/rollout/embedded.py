@@ -56,6 +56,8 @@ from ferrule.rollout._sampling import StopStringMatcher, sample_next
 from ferrule.rollout._routes import RouteRecorder
 from ferrule.rollout._static_cache import OPAQUE_SDPA, DecodeState, layer_windows, use_opaque_sdpa
 from ferrule.rollout.base import GenerateRequest, GenerateResult, SamplingParams, as_requests
+from ferrule.contract import registry
+from ferrule.media import check_requests, hf_media_inputs
 
 
 _BATCH_BUCKET = 8
@@ -70,7 +72,6 @@ def _round_up(x: int, m: int) -> int:
 
 def _resolve_model_class(hf_config: Any) -> Any:
     """The transformers class the family registers (:func:`ferrule.contract.registry.hf_model_class`)."""
-    from ferrule.contract import registry
     return registry.hf_model_class(hf_config)
 
 
@@ -84,7 +85,6 @@ def family_attn_implementation(hf_config: Any, *, unregistered: str | None = Non
     Raises:
         ferrule.contract.registry.UnknownModelError: no family claims the config and ``unregistered`` is None.
     """
-    from ferrule.contract import registry
     try:
         return registry.family_for_hf_config(hf_config.to_dict()).attn_implementation
     except registry.UnknownModelError:
@@ -397,13 +397,9 @@ class EmbeddedEngine:
 
     def _check_media(self, reqs: Sequence[GenerateRequest]) -> dict[int, dict[str, list[torch.Tensor]]]:
         """``{request index: media}`` of the requests that carry media (:func:`ferrule.media.check_requests`)."""
-        from ferrule.media import check_requests
-
         return check_requests(reqs, self._towers(), getattr(self.model.config, "model_type", "?"))
 
     def _hf_media_inputs(self, media: dict[str, list[torch.Tensor]], copies: int) -> dict[str, torch.Tensor]:
-        from ferrule.media import hf_media_inputs
-
         return hf_media_inputs(self._towers(), media, copies, self.device, self.model.config.to_dict())
 
     def _state(self, batch: int, max_len: int) -> DecodeState:

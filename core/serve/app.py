@@ -34,6 +34,7 @@ from .scheduler import Scheduler
 from .service import HTTPError, Service
 from .store import Store
 from .telemetry import Telemetry
+from .placement import set_thread_count
 
 __all__ = ["create_app", "HTTPError"]
 
@@ -85,7 +86,6 @@ def create_app(backend: EngineBackend | BaseRegistry, storage: str | Path, api_k
         @app.on_event("startup")
         def _event_loop_threads() -> None:
             # the handlers' own tensor work is small (input checks); torch's count is per thread
-            from .placement import set_thread_count
 
             set_thread_count(event_loop_threads)
 

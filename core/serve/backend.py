@@ -42,6 +42,12 @@ from .lora_clients import TINKER_LORA_ALPHA  # noqa: F401  (re-exported)
 from .media_chunks import hf_inputs
 from .merge import merged_hf_state
 from .sampling_params import DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
+from .lora_clients import build_engine, lora_settings
+from .multi_target import expand, regroup
+from .placement import sampler_placement
+from .sampling_params import to_sampling_params
+from ferrule.contract import registry
+from ferrule.rollout.base import GenerateRequest
 
 __all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
 
@@ -127,8 +133,6 @@ class EngineBackend:
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
                  max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True, sampler_dtype: str | None = "auto",
                  sampler_checkpoints: str = "merged", engine_settings: Mapping[str, Any] | None = None):
-        from .placement import sampler_placement
-
         if sampler_checkpoints not in ("merged", "adapter"):
             raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged (the full model) or adapter "
                              "(a LoRA client's PEFT adapter, served on the base).")
@@ -246,16 +250,12 @@ class EngineBackend:
     def _new_engine(self, lora: Any = None) -> Any:
         """A fresh engine of the base, with ``lora``'s adapters (:func:`ferrule.serve.lora_clients.build_engine`:
         an output layer the family's appliers refuse is dropped, the refusal kept in :attr:`unembed_refused`)."""
-        from .lora_clients import build_engine
-
         self._using()
         return build_engine(self, lora)
 
     def lora_settings(self, lora_config: Mapping[str, Any] | None) -> Any:
         """Tinker ``lora_config`` -> ``LoraSettings`` or None (:func:`ferrule.serve.lora_clients.lora_settings`;
         raises ValueError: no module to train, or a bad rank)."""
-        from .lora_clients import lora_settings
-
         return lora_settings(self.hf_config, lora_config)
 
     def create(self, model_id: str, lora: Any = None) -> None:
@@ -322,8 +322,6 @@ class EngineBackend:
             ValueError / TypeError: the first problem, naming the datum and key.
             LookupError: no engine for ``model_id``.
         """
-        from .multi_target import expand
-
         self.engine(model_id).check_batch(expand(data, loss_fn)[0], loss_fn, loss_fn_config)
 
     def forward_backward(self, model_id: str, data: Sequence[Any], loss_fn: str,
@@ -333,8 +331,6 @@ class EngineBackend:
         datum with rank-2 ``target_tokens`` / ``weights`` ``[N, K]`` runs as ``K`` rank-1 data and
         gets ``[N, K]`` outputs (:mod:`ferrule.serve.multi_target`)."""
         import dataclasses
-
-        from .multi_target import expand, regroup
 
         engine = self.engine(model_id)
         flat, plan = expand(data, loss_fn)
@@ -503,7 +499,6 @@ class EngineBackend:
     def chat_template(self) -> Any:
         """The chat template of this base's family (its first registered :class:`~ferrule.contract.specs.ChatTemplateSpec`,
         as ``ferrule train`` picks it), or None when the family registers none."""
-        from ferrule.contract import registry
         templates = registry.chat_templates_for(registry.family_for_hf_config(self.hf_config).name)
         return templates[0] if templates else None
 
@@ -691,8 +686,6 @@ class EngineBackend:
         Raises:
             ValueError: a field out of range, or prompt + ``max_tokens`` beyond the context.
         """
-        from .sampling_params import to_sampling_params
-
         return to_sampling_params(body, prompt_len, n, self.max_positions)
 
     def check_prompt(self, tokens: Sequence[int]) -> None:
@@ -820,8 +813,6 @@ class EngineBackend:
         """One ``generate`` call over ``specs`` (spec ``i`` with held adapter ``adapters[i]``, None: as the
         engine's weights are), then each spec's prompt logprobs and extras under its own adapter."""
         import torch
-
-        from ferrule.rollout.base import GenerateRequest
 
         params = specs[0].params
         results = engine.generate([GenerateRequest(tuple(s.prompt), media=s.media, lora_adapter=a)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Any, Mapping
+from .media_chunks import attention_leaves
+from ferrule.lora import LoraSettings
 
 __all__ = ["TINKER_LORA_ALPHA", "lora_settings", "build_engine"]
 
@@ -37,9 +39,6 @@ def lora_settings(hf_config: Mapping[str, Any], lora_config: Mapping[str, Any] |
     """
     if not lora_config:
         return None
-    from ferrule.lora import LoraSettings
-
-    from .media_chunks import attention_leaves
 
     targets = []
     if lora_config.get("train_attn", True):

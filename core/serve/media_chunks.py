@@ -35,6 +35,8 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+from ferrule.contract import registry
+from ferrule.contract.specs import resolve_ref
 
 __all__ = ["MediaPart", "ChunkMedia", "attention_leaves", "decoder", "hf_inputs", "parts_from_json",
            "parse_tensor_container"]
@@ -181,8 +183,6 @@ class ChunkMedia:
         """
         from PIL import Image, UnidentifiedImageError
 
-        from ferrule.contract.specs import resolve_ref
-
         spec = self._tower(part)
         if part.format not in _PIL_FORMAT:
             raise ValueError(f"{part.where}: image format {part.format!r}; expected 'png' or 'jpeg'.")
@@ -279,7 +279,6 @@ def decoder(backend: Any, limits: Any) -> ChunkMedia:
     cached = getattr(backend, "_chunk_media", None)
     if cached is not None and cached.limits is limits:
         return cached
-    from ferrule.contract import registry
     try:
         family = registry.family_for_hf_config(dict(backend.hf_config)).name
         towers = registry.get_towers(family)
@@ -304,7 +303,6 @@ def attention_leaves(hf_config: Mapping[str, Any]) -> list[str]:
     rows of its mapping table): what Tinker's ``lora_config.train_attn`` adapts. ``linear_qkv`` +
     ``linear_proj`` for most families; Inkling (whose multimodal checkpoints carry image / audio
     towers) has ``linear_q``, ``linear_k``, ``linear_v``, ``linear_r``, ``linear_proj``."""
-    from ferrule.contract import registry
     default = ["linear_proj", "linear_qkv"]
     try:
         table = registry.get_converter(registry.family_for_hf_config(dict(hf_config)).name).resolved_mapping()

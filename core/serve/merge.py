@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from typing import Any, Mapping
+from ferrule.contract import registry
 
 __all__ = ["merged_hf_state", "MergeError"]
 
@@ -103,7 +104,6 @@ def meta_model(hf_config: Mapping[str, Any]) -> Any:
     import torch
     from transformers import AutoConfig
 
-    from ferrule.contract import registry
     cfg = dict(hf_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from .backend import MAX_SNAPSHOTS, EngineBackend
 from .scheduler import UserError
+from .memory import backend_bytes, fmt_bytes, load_need
 
 __all__ = ["BaseRegistry", "parse_models_file", "DEFAULT_MAX_LOADED"]
 
@@ -146,8 +147,6 @@ class BaseRegistry:
         Raises:
             UserError: it does not fit even with every idle base unloaded (naming the limit).
         """
-        from .memory import backend_bytes, fmt_bytes, load_need
-
         others = [n for n in self.loaded() if n != backend.model_name]
         idle = [n for n in others if not self._backends[n].engines]
         busy = [n for n in others if n not in idle]

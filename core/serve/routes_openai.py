@@ -53,6 +53,9 @@ from .logprobs import Extras
 from .scheduler import json_body
 from .memory import load_need, sample_need
 from .service import HTTPError, Service, service
+from .sampling_params import DEFAULT_MAX_TOKENS
+from ferrule.chat import ChatTemplateError, render_chat_ids, stop_token_ids
+from ferrule.rollout.base import SamplingParams
 
 __all__ = ["router", "PREFIX", "resolve_model", "openai_error"]
 
@@ -188,10 +191,6 @@ class _Plan:
 
 def _sampling(svc: Service, backend: EngineBackend, body: dict, prompts: list[list[int]], context: int | None,
               stop_ids: tuple[int, ...], chat: bool) -> Any:
-    from ferrule.rollout.base import SamplingParams
-
-    from .sampling_params import DEFAULT_MAX_TOKENS
-
     n = _int(body, "n", 1, 1)
     if over := svc.limits.over("max_samples_per_request", n * len(prompts), "n x prompts"):
         raise _bad(over)
@@ -223,8 +222,6 @@ def _sampling(svc: Service, backend: EngineBackend, body: dict, prompts: list[li
 
 def _prepare_chat(svc: Service, backend: EngineBackend, body: dict, context: int | None) -> tuple:
     """(runs in a thread: tokenizer loading and rendering) prompt ids, stop ids, params."""
-    from ferrule.chat import ChatTemplateError, render_chat_ids, stop_token_ids
-
     messages = _text_messages(body.get("messages"))
     try:
         tok = backend.tokenizer()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from typing import Any, Mapping
+from ferrule.rollout.base import SamplingParams
 
 __all__ = ["DEFAULT_MAX_TOKENS", "to_sampling_params"]
 
@@ -23,8 +24,6 @@ def to_sampling_params(body: Mapping[str, Any], prompt_len: int, n: int, max_pos
     Raises:
         ValueError: a field out of range, or prompt + ``max_tokens`` beyond the context.
     """
-    from ferrule.rollout.base import SamplingParams
-
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS if max_positions is None else \

@@ -37,6 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from .placement import set_thread_count
 
 __all__ = ["Job", "Scheduler", "UserError", "JSON", "PROTOBUF"]
 
@@ -193,8 +194,6 @@ class Scheduler:
         return group
 
     def _loop(self) -> None:
-        from .placement import set_thread_count
-
         set_thread_count(self.threads)
         while True:
             with self._cv:

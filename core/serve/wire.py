@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from .media_chunks import MediaPart
 
 __all__ = ["WireError", "FBRequest", "decode_forward_backward", "encode_forward_backward_output",
            "encode_sample_response", "pb", "resolve_media"]
@@ -182,8 +183,6 @@ def _decode_message(msg: Any) -> FBRequest:
     import torch
 
     from ferrule.megatron.batching import Datum
-
-    from .media_chunks import MediaPart
 
     data = []
     pieces: dict[int, list] = {}

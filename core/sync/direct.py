@@ -63,6 +63,7 @@ from ferrule.mapping import MappingContext, MappingTable, StackExperts
 from ferrule.contract.specs import UpdateGroupTable
 from ferrule.sync.buckets import SyncPlan, WeightSyncError, plan_sync
 from ferrule.sync.strides import flat_index, joint_strides, strided_index
+from ferrule.engine_settings import WeightSyncSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -219,8 +220,6 @@ class DirectPlan:
         ``torch._foreach_copy_`` (2.65 ms; both switches for measurements, bench/bench_sync.py).
         """
         import torch
-
-        from ferrule.engine_settings import WeightSyncSettings
 
         settings = settings or WeightSyncSettings()
         copies, gathers = self.bind(settings.row_gathers)

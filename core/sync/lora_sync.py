@@ -34,6 +34,7 @@ from ferrule.sync.buckets import WeightSyncError, _agree_errors, tensor_bytes
 from ferrule.sync.direct import log_once
 from ferrule.sync.strides import joint_strides
 from ferrule.sync.weight_sync import SENDER_RANK, SyncStats, WeightCheckReport, _rank, compare_served_tensor
+from ferrule.lora.peft_format import adapter_index_map
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -99,8 +100,6 @@ _LORA_PLANS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary
 
 def _build_direct_plan(train_engine: Any, targets: Mapping[str, Any], key: tuple) -> "_DirectLoraPlan | str":
     """The plan, or why the direct path cannot serve this engine pair."""
-    from ferrule.lora.peft_format import adapter_index_map
-
     index, why = adapter_index_map(train_engine)
     if index is None:
         return why

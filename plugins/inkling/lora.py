@@ -27,6 +27,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from ferrule.lora.appliers import LoraTargetError
+from ferrule.lora.layers import LORA_PARAM_ATTR, attach_adapter
+from ferrule.lora.peft_format import PEFT_PREFIX, copy_factor_plans
+from ferrule.mapping import Rename, TPSplit
+from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
 
 __all__ = ["apply_attention", "apply_shared_experts", "export_shared_experts", "load_shared_experts",
            "StackedLoraAdapter", "SHARED_PARAMS"]
@@ -43,8 +48,6 @@ SHARED_PARAMS = ("gate_proj", "up_proj", "down_proj")
 
 def apply_attention(chunk: Any, settings: Any, ctx: Any) -> list[str]:
     """Adapt ``self_attention.linear_{q,k,v,r,proj}`` selected by ``settings.target_modules``."""
-    from ferrule.lora.layers import attach_adapter
-
     done = []
     for local, module in chunk.named_modules():
         if _ATTENTION.match(local):
@@ -78,8 +81,6 @@ class StackedLoraAdapter(torch.nn.Module):
 
     def __init__(self, *, n_experts: int, in_features: int, out_features: int, rank: int, scaling: float,
                  peft_parameters: tuple[str, ...], dtype: torch.dtype, device: torch.device) -> None:
-        from ferrule.lora.layers import LORA_PARAM_ATTR
-
         super().__init__()
         self.kind, self.parallel, self.scaling = "shared_experts", "replicated", float(scaling)
         self.peft_parameters = tuple(peft_parameters)
@@ -130,8 +131,6 @@ def apply_shared_experts(chunk: Any, settings: Any, ctx: Any) -> list[str]:
         LoraTargetError: ``dropout > 0`` (PEFT's ``ParamWrapper`` refuses dropout, so the adapter
             could not be loaded there), or only one of ``gate_proj`` / ``up_proj`` is named.
     """
-    from ferrule.lora.appliers import LoraTargetError
-
     done = []
     for local, module in chunk.named_modules():
         if not _SHARED.match(local):
@@ -181,8 +180,6 @@ def _hf_params(ctx: Any, global_name: str) -> tuple[Any, tuple[str, ...], list[t
 def _peft_keys(module: str, leaf: str, targeted: set[str]) -> tuple[str, str]:
     """PEFT keys of ``module.leaf``'s factors: one ``base_layer.`` per targeted parameter that PEFT
     wraps around it (those after it in :data:`SHARED_PARAMS`)."""
-    from ferrule.lora.peft_format import PEFT_PREFIX
-
     depth = sum(1 for p in SHARED_PARAMS[SHARED_PARAMS.index(leaf) + 1:] if p in targeted)
     base = f"{PEFT_PREFIX}{module}.{'base_layer.' * depth}"
     return base + "lora_A.weight", base + "lora_B.weight"
@@ -207,9 +204,6 @@ def export_shared_experts(entries: Sequence[Any], ctx: Any) -> Iterator[tuple[st
     into ``gate_proj`` / ``up_proj`` by the table row's ``to_hf`` (as its weight is) and both get
     the same ``A``; ``linear_fc2`` maps to ``down_proj`` one to one.
     """
-    from ferrule.mapping import Rename, TPSplit
-    from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
-
     params: dict[str, BoundParam] = {}
     for e in entries:
         for f in ("lora_A", "lora_B"):
@@ -239,8 +233,6 @@ def load_shared_experts(entries: Sequence[Any], tensors: Mapping[str, Any], ctx:
     has one); an adapter trained by PEFT on them separately is refused, naming the module.
     Nothing is copied unless every entry fits, nor with ``dry_run``.
     """
-    from ferrule.lora.peft_format import copy_factor_plans
-
     used: set[str] = set()
     problems: list[str] = []
     plans = []

@@ -21,6 +21,8 @@ import functools
 from typing import Any, Mapping
 
 import torch
+from ferrule.megatron.device import get_backend
+from ferrule.megatron.gpt_builder import (check_layout_fits, make_transformer_config, mark_tensor_parallel_params, padded_vocab_size)
 
 __all__ = ["build_inkling_model", "inkling_layer_spec", "check_inkling_layout"]
 
@@ -32,8 +34,6 @@ def check_inkling_layout(config_kwargs: Mapping[str, Any], options: Mapping[str,
     replicated across TP ranks), the dense and expert widths; EP must divide the routed experts.
     Sequence and context parallelism are not implemented for the Inkling attention.
     """
-    from ferrule.megatron.gpt_builder import check_layout_fits
-
     check_layout_fits(config_kwargs, layout)
     tp = layout.tp
     counts = {"swa_num_attention_heads": options["swa_num_attention_heads"],
@@ -116,8 +116,6 @@ def build_inkling_model(config, options: Mapping[str, Any], *, parallel_output: 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from ferrule.megatron.device import get_backend
-    from ferrule.megatron.gpt_builder import mark_tensor_parallel_params, padded_vocab_size
     from ferrule.megatron.shared_layers import InklingNormedEmbedding
     from ferrule.plugins.inkling.layers import InklingFinalNorm
 
@@ -163,8 +161,6 @@ def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, p
         RuntimeError: megatron not initialized with ``layout``.
     """
     from megatron.core import parallel_state
-
-    from ferrule.megatron.gpt_builder import make_transformer_config
 
     if core_attention not in (None, "eager", "sdpa"):
         raise ValueError(f"Inkling: core_attention={core_attention!r}; the Inkling attention is built in "

@@ -31,6 +31,9 @@ import zlib
 from typing import Any
 
 import torch
+from ferrule.lora.appliers import LoraTargetError
+from ferrule.lora.layers import LoraAdapter, _drop_adapter_keys, _ignore_missing_adapter_keys, attach_adapter
+from ferrule.plugins.inkling2.inkling2_loop import GATE_LINEARS
 
 __all__ = ["apply_attention", "apply_loop_gate", "apply_lm_head", "GateLoraHolder"]
 
@@ -54,9 +57,6 @@ def apply_attention(chunk: Any, settings: Any, ctx: Any) -> list[str]:
     ``o_proj.gate_proj``, ``sink_proj``, ``linear`` = all five ``*.linear``). ``q_proj`` alone names
     transformers' ``Inkling2QueryProjection`` wrapper, which is not a linear (PEFT refuses it too).
     """
-    from ferrule.lora.appliers import LoraTargetError
-    from ferrule.lora.layers import attach_adapter
-
     done = []
     for local, module in chunk.named_modules():
         if not _ATTENTION.match(local):
@@ -84,8 +84,6 @@ def apply_lm_head(chunk: Any, settings: Any, ctx: Any) -> list[str]:
             also, the output layer's soft-cap / padding-mask forward hooks (``model._install_output``) are
             registered first, so an adapter's hook would add its delta after the soft-cap, unlike HF.
     """
-    from ferrule.lora.appliers import LoraTargetError
-
     if hasattr(chunk, "output_layer") and ctx.selects("output_layer", "lm_head"):
         raise LoraTargetError("target_modules names the output layer (lm_head): LoRA on Inkling-2's unembedding is "
                               "not implemented (ferrule and the released checkpoint hold vocab_size rows, transformers' "
@@ -101,8 +99,6 @@ class GateLoraHolder(torch.nn.Module):
     its PEFT name. No parameters of its own: the gate's ``state_dict`` and sharded state dict are unchanged."""
 
     def __init__(self, adapter: Any) -> None:
-        from ferrule.lora.layers import _drop_adapter_keys, _ignore_missing_adapter_keys
-
         super().__init__()
         self.lora = adapter
         # kept out of the base model's state_dict / sharded state dict (ferrule.lora.checkpoint saves adapters)
@@ -123,9 +119,6 @@ def apply_loop_gate(chunk: Any, settings: Any, ctx: Any) -> list[str]:
     :func:`~ferrule.lora.layers.attach_adapter` draws it (kaiming-uniform, seeded by ``settings.init_seed``
     and the holder's name); ``B`` is zero.
     """
-    from ferrule.lora.layers import LoraAdapter
-    from ferrule.plugins.inkling2.inkling2_loop import GATE_LINEARS
-
     done = []
     for local, gate in chunk.named_modules():
         if not _GATE.match(local):

@@ -23,6 +23,11 @@ from typing import Any, Mapping
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
+from ferrule.megatron.device import get_backend
+from ferrule.megatron.extensions import install_output_hooks
+from ferrule.megatron.gpt_builder import (check_layout_fits, make_transformer_config, mark_tensor_parallel_params, padded_vocab_size)
+from ferrule.plugins.inkling2.layers import (Inkling2Attention, Inkling2BlockAttentionResidual, Inkling2NormedEmbedding, Inkling2RMSNorm, Inkling2ShortConv)
+from ferrule.plugins.inkling2.moe import Inkling2Experts, Inkling2MoELayer, Inkling2Router
 
 __all__ = ["Inkling2Layer", "Inkling2Block", "build_inkling2_model", "build_from_hf_config", "check_inkling2_layout"]
 
@@ -42,10 +47,6 @@ class Inkling2Layer(MegatronModule):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.moe.moe_layer import MoESubmodules
         from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
-        from ferrule.plugins.inkling2.layers import (Inkling2Attention, Inkling2BlockAttentionResidual,
-                                                     Inkling2RMSNorm, Inkling2ShortConv)
-        from ferrule.plugins.inkling2.moe import Inkling2Experts, Inkling2MoELayer, Inkling2Router
 
         self.layer_number = layer_number
         index = layer_number - 1
@@ -135,7 +136,6 @@ class Inkling2Block(TransformerBlock):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from ferrule.plugins.inkling2.layers import Inkling2BlockAttentionResidual
 
         self.final_input = Inkling2BlockAttentionResidual(self.config, 1)
 
@@ -157,8 +157,6 @@ class Inkling2Block(TransformerBlock):
 
 def check_inkling2_layout(config_kwargs: Mapping[str, Any], options: Mapping[str, Any], layout) -> None:
     """Raise ``ValueError`` (naming the number and the fix) if ``layout`` cannot split this model."""
-    from ferrule.megatron.gpt_builder import check_layout_fits
-
     check_layout_fits(config_kwargs, layout)
     if getattr(layout, "pp", 1) > 1 or getattr(layout, "vpp", None):
         raise ValueError("Inkling-2: pipeline parallelism is not implemented (the block attention residuals carry "
@@ -181,8 +179,6 @@ def check_inkling2_layout(config_kwargs: Mapping[str, Any], options: Mapping[str
 def _install_output(model, options) -> None:
     """Final-logit soft-cap (the builder's ``final_logit_softcapping`` hook), then padded rows masked."""
     from megatron.core import parallel_state
-
-    from ferrule.megatron.extensions import install_output_hooks
 
     install_output_hooks(model, embedding_multiplier=None, final_logit_softcapping=options["final_logit_softcapping"])
     unpadded = int(options["unpadded_vocab_size"])
@@ -214,10 +210,6 @@ def build_inkling2_model(config, options: Mapping[str, Any], *, parallel_output:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from ferrule.megatron.device import get_backend
-    from ferrule.megatron.gpt_builder import mark_tensor_parallel_params, padded_vocab_size
-    from ferrule.plugins.inkling2.layers import Inkling2NormedEmbedding, Inkling2RMSNorm
 
     norm = ModuleSpec(module=Inkling2RMSNorm)
     specs = [ModuleSpec(module=Inkling2Layer, params={"options": options}) for _ in range(config.num_layers)]
@@ -254,8 +246,6 @@ def build_from_hf_config(hf_config: Mapping[str, Any], layout, translation, *, p
         RuntimeError: megatron not initialized.
     """
     from megatron.core import parallel_state
-
-    from ferrule.megatron.gpt_builder import make_transformer_config
 
     if core_attention not in (None, "eager", "sdpa"):
         raise ValueError(f"Inkling-2: core_attention={core_attention!r}; the Inkling-2 attention (sinks, relative "

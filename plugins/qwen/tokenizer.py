@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferrule.fs.util import find_package_file
+from ferrule.fs.util import find_package_file, default_cache_dir
 
 if TYPE_CHECKING:  # heavy imports stay lazy: plugin discovery must not pull in transformers
     from tokenizers import Tokenizer
@@ -267,7 +267,6 @@ def load_qwen_tokenizer(
         ValueError: unknown variant or a corrupt vocabulary file.
     """
     _check_variant(variant)
-    from ferrule.fs.util import default_cache_dir
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return _load_cached(variant, str(root.expanduser().resolve()), rebuild)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ferrule.rl.envs.base import ModelTurn, Observation, StepResult
+from ferrule.rl.envs.sandbox import run_python
 
 __all__ = ["ToolArithmetic", "GuessNumber", "calculate", "last_number"]
 
@@ -140,7 +141,6 @@ class ToolArithmetic:
             return f"error: unknown tool {name!r}; the only tool is {self.tool!r}"
         if self.tool == "calculator":
             return calculate(args.get("expression"))  # type: ignore[arg-type]
-        from ferrule.rl.envs.sandbox import run_python
 
         return run_python(args.get("code"), timeout_s=self.py_timeout, memory_mb=self.py_memory)  # type: ignore[arg-type]
 

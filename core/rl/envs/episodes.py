@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ferrule.rl.envs.base import ModelTurn, check_observation, check_step_result
 from ferrule.rl.envs.bounded import call_bounded_all
+from ferrule.chat import render_chat_ids
+from ferrule.rollout import GenerateRequest
 
 __all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "environment_delta", "episode_seed"]
 
@@ -164,8 +166,6 @@ class EpisodeRunner:
 
     # -------------------------------------------------------------- rendering
     def _render(self, messages: list, tools: Any, generation_prompt: bool) -> tuple[int, ...]:
-        from ferrule.chat import render_chat_ids
-
         return render_chat_ids(self.template, self.tokenizer, messages, tools=tools,
                                add_generation_prompt=generation_prompt, **self.kwargs).token_ids
 
@@ -241,8 +241,6 @@ class EpisodeRunner:
             call_bounded_all(calls, timeout_s=self.limits.step_timeout_s)
 
     def _model_turns(self, engine: Any, live: list[Episode], params: Any) -> None:
-        from ferrule.rollout import GenerateRequest
-
         results = engine.generate([GenerateRequest(e.ids, request_id=f"{e.group}:{e.sample}") for e in live], params)
         for e, r in zip(live, results):
             lps = r.raw_logprobs if r.raw_logprobs is not None else r.logprobs

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+from ferrule.contract import registry
+from ferrule.contract.specs import resolve_ref
+from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner, episode_metrics
+from ferrule.rl.tasks import Prompt
 
 __all__ = ["EnvironmentItems", "AgentRollout", "AgentStep"]
 
@@ -26,8 +30,6 @@ class EnvironmentItems:
     :class:`~ferrule.rl.tasks.Prompt` records (``entry`` = the item, no messages, no answer)."""
 
     def __init__(self, name: str, items: Sequence[Any]) -> None:
-        from ferrule.rl.tasks import Prompt
-
         self.name = f"environment {name}"
         self._prompts = [Prompt(index=i, messages=(), answer=None, entry=dict(it), id=f"{name}:{i}")
                          for i, it in enumerate(items)]
@@ -72,9 +74,7 @@ class AgentRollout:
     """
 
     def __init__(self, cfg: Any) -> None:
-        from ferrule.contract import registry
         from ferrule.rl.config import ConfigError
-        from ferrule.contract.specs import resolve_ref
 
         self.cfg, ag = cfg, cfg.agent
         spec = registry.get_environment(ag.environment)
@@ -92,8 +92,6 @@ class AgentRollout:
 
     def bind(self, family: str, template: Any, tokenizer: Any, stop_ids: Sequence[int]) -> None:
         """Make the episode runner once the template, tokenizer and stop ids exist (the driver's setup)."""
-        from ferrule.contract import registry
-        from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
         from ferrule.contract.specs import resolve_ref
         from ferrule.chat.tool_calls import parse_hermes
 
@@ -115,7 +113,6 @@ class AgentRollout:
     def run_step(self, engine: Any, prompts: Sequence[Any], params: Any, step: int, log: Any) -> AgentStep:
         """Run the step's episodes (``rollout.n_samples_per_prompt`` per prompt) and build the samples."""
         from ferrule.rl.batch import Sample
-        from ferrule.rl.envs.episodes import episode_metrics
         from ferrule.rl.rewards import RewardResult
 
         n = self.cfg.rollout.n_samples_per_prompt

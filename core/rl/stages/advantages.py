@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+from ferrule.rl.advantages import grpo_advantages
 
 if TYPE_CHECKING:
     from ferrule.rl.batch import Sample
@@ -78,8 +79,6 @@ def group_advantages(samples: Sequence[Sample], rewards: Sequence[RewardResult],
     masks (``mask``) or penalises (``penalty``, :func:`overlong_penalty`; needs ``max_new_tokens``)
     truncated samples; ``exclude[i]`` True leaves sample ``i`` out like a masked one (a sample older
     than ``train.max_staleness``)."""
-    from ferrule.rl.advantages import grpo_advantages
-
     mode = getattr(algorithm, "overlong", "keep")
     reward_values = [r.reward for r in rewards]
     trainable = [len(s.response_ids) > 0 and not (mode == "mask" and s.truncated) for s in samples]

@@ -15,6 +15,7 @@ from ferrule.fs.run_layout import LOOP_STATE_FILE, RunCheckpointError, list_chec
 from ferrule.rl.checkpoints import atomic_write, config_differences
 from ferrule.rl.config import ConfigError
 from ferrule.rl.model_identity import MODEL_FILES_KEY, model_changes
+from ferrule.lora.checkpoint import LoraLayoutError
 
 
 if TYPE_CHECKING:
@@ -150,7 +151,6 @@ def check_model_identity(state: dict, cfg: RLConfig, model_files: dict | None, d
 
 
 def _load_engine(engine: TrainEngine, path: Path, state: dict) -> dict:
-    from ferrule.lora.checkpoint import LoraLayoutError
     from ferrule.megatron.checkpoint import CheckpointMismatchError
 
     try:

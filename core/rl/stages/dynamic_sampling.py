@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ferrule.rl.records import RolloutBatch, take_groups
+from ferrule.rl.stages.advantages import build_samples, group_advantages
 
 if TYPE_CHECKING:
     from ferrule.rl.config import AlgorithmConfig
@@ -31,8 +32,6 @@ def informative_groups(batch: RolloutBatch, algorithm: AlgorithmConfig, max_new_
     """Per prompt of ``batch`` (scored): whether its group gets a non-zero advantage somewhere, with
     the advantages the train step will compute (overlong penalty and mask included;
     :func:`ferrule.rl.stages.advantages.group_advantages`)."""
-    from ferrule.rl.stages.advantages import build_samples, group_advantages
-
     samples = build_samples(batch.prompt_ids, batch.results, batch.media)
     adv = group_advantages(samples, batch.rewards, algorithm, batch.group_size, max_new_tokens)
     return [bool(np.any(adv.values[batch.group(g)] != 0)) for g in range(len(batch.prompts))]

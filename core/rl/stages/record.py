@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+from ferrule.megatron.flops import training_mfu
+from ferrule.rl.advantages import zero_std_group_fraction
+from ferrule.rl.checkpoints import atomic_write
+from ferrule.rl.metrics import read_run_log, rollout_metrics
+from ferrule.rl.rewards import reward_error_metrics
 
 if TYPE_CHECKING:
     from ferrule.contract.specs import TowerSpec
@@ -57,8 +62,6 @@ def train_mfu(engine: PolicyTrainer, samples: Sequence[Sample], seconds: float, 
     """Model FLOPs utilisation of the train phase (:func:`ferrule.megatron.flops.training_mfu`):
     forward_backward over every sample, plus forward_logprobs when it ran; None on CPU or where
     the count or the device's peak is unknown."""
-    from ferrule.megatron.flops import training_mfu
-
     device = next(engine.model[0].parameters()).device
     lens = [s.num_tokens for s in samples]
     return training_mfu(engine.hf_config, lens, seconds, device, forward_only_seq_lens=lens if forward_only_too else ())
@@ -67,9 +70,6 @@ def train_mfu(engine: PolicyTrainer, samples: Sequence[Sample], seconds: float, 
 def rollout_step_metrics(rewards: Sequence[RewardResult], samples: Sequence[Sample], group_size: int) -> dict[str, Any]:
     """Reward, accuracy, length and truncation statistics of the step's rollout
     (:func:`ferrule.rl.metrics.rollout_metrics`), the mean task score and the reward-error counts."""
-    from ferrule.rl.metrics import rollout_metrics
-    from ferrule.rl.rewards import reward_error_metrics
-
     metrics: dict[str, Any] = rollout_metrics(
         [r.reward for r in rewards], group_size=group_size, response_lengths=[len(s.response_ids) for s in samples],
         correct=[r.correct for r in rewards], format_ok=[r.format_ok for r in rewards],
@@ -89,7 +89,6 @@ def train_step_metrics(outcome: TrainOutcome, rollout_lp: Sequence[torch.Tensor]
     import torch
 
     from ferrule.losses import finalize_metrics, sum_metrics
-    from ferrule.rl.advantages import zero_std_group_fraction
 
     lm = finalize_metrics(sum_metrics(outcome.sums))
     trainer_lp = outcome.trainer_logprobs
@@ -194,9 +193,6 @@ def truncate_samples(run_dir: Path, step: int) -> None:
     Raises:
         ferrule.rl.metrics.RunLogError: any other damaged line, or steps that decrease (file and line named).
     """
-    from ferrule.rl.checkpoints import atomic_write
-    from ferrule.rl.metrics import read_run_log
-
     path = Path(run_dir) / SAMPLES_FILE
     if path.exists():
         keep = [e for e in read_run_log(path, order="nondecreasing") if e["step"] <= step]

@@ -15,6 +15,8 @@ from ferrule.rl import distributed as rl_dist
 from ferrule.rl import rollout_engine
 from ferrule.rl.config import ConfigError
 from ferrule.rl.tasks import has_media
+from ferrule.chat import render_chat_ids
+from ferrule.rollout import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from ferrule.contract.specs import ChatTemplateSpec, TowerSpec
     from ferrule.rl.distributed import RankRoles
     from ferrule.rl.tasks import Prompt, PromptSource
-    from ferrule.rollout import GenerateResult, RolloutEngine, SamplingParams
+    from ferrule.rollout import GenerateResult, RolloutEngine
 
 __all__ = ["prompt_token_ids", "PromptRenderer", "sampling_params", "generate", "generate_rollouts", "decode"]
 
@@ -33,8 +35,6 @@ def prompt_token_ids(template: ChatTemplateSpec, tokenizer: PreTrainedTokenizerB
     """Token ids of one prompt: the chat template with an open assistant turn, rendered with the
     tokenizer's special tokens and ``data.chat_template_kwargs`` (``tools`` goes to ``tools=``),
     i.e. ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)``."""
-    from ferrule.chat import render_chat_ids
-
     extra = dict(chat_template_kwargs or {})
     tools = extra.pop("tools", None)
     return render_chat_ids(template, tokenizer, list(messages), tools=tools, add_generation_prompt=True,
@@ -108,8 +108,6 @@ def sampling_params(cfg: RLConfig, stop_ids: Sequence[int], stop_strings: Sequen
                     temperature: float, max_new_tokens: int, seed: int | None, routes: bool = False) -> SamplingParams:
     """:class:`~ferrule.rollout.SamplingParams` of ``cfg.rollout`` (greedy: no top-p / top-k); ``routes``:
     ask for the routed experts (the training rollout under ``algorithm.routing_replay``)."""
-    from ferrule.rollout import SamplingParams
-
     ro = cfg.rollout
     return SamplingParams(temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
                           top_k=ro.top_k if temperature > 0 else -1, max_new_tokens=max_new_tokens,
@@ -126,8 +124,6 @@ def decode(tokenizer: PreTrainedTokenizerBase, results: Sequence[GenerateResult]
 def generate(engine: RolloutEngine, params: SamplingParams, prompts: Sequence[Prompt],
              prompt_ids: Sequence[tuple[int, ...]], media: Callable[[Prompt], dict | None]) -> list[GenerateResult]:
     """One generate call on ``engine`` for ``prompts`` (evaluation; not sharded, not collective)."""
-    from ferrule.rollout import GenerateRequest
-
     return engine.generate([GenerateRequest(ids, request_id=p.id, media=media(p))
                             for p, ids in zip(prompts, prompt_ids)], params)
 
@@ -146,8 +142,6 @@ def generate_rollouts(roles: RankRoles, engine: RolloutEngine | None, params: Sa
     step's first rollout), which salts the shard seeds (:func:`ferrule.rl.distributed.shard_seed`).
     Returns None off the driver.
     """
-    from ferrule.rollout import GenerateRequest
-
     plan = None
     if roles.is_driver:
         shards = rl_dist.plan_shards(len(prompts), prompts_per_shard, len(roles.rollout_ranks), seed, step,

@@ -10,6 +10,7 @@ first step (:func:`check_reward_functions`: it must score the task's reference a
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
+from ferrule.rl.rewards import check_reward_fn, describe_failure, reward_failure_warning, score_responses
 
 if TYPE_CHECKING:
     from ferrule.rl.config import RLConfig
@@ -40,8 +41,6 @@ class Scorer:
                  where: str) -> list[RewardResult]:
         """Rewards of ``texts`` (``texts[i]`` answers ``prompts[i]``); ``where`` names the step in messages
         (and in the warning for a step where many failed, :func:`ferrule.rl.rewards.reward_failure_warning`)."""
-        from ferrule.rl.rewards import describe_failure, reward_failure_warning, score_responses
-
         rewards = score_responses(reward_fn, texts, prompts, failure_reward=self.failure_reward)
         warning = reward_failure_warning(rewards, texts, prompts, where)
         if warning:
@@ -62,8 +61,6 @@ def check_reward_functions(cfg: RLConfig, pairs: Sequence[tuple[RewardFn | None,
     Raises:
         ferrule.rl.rewards.RewardError: a reward function that does not score the reference answers.
     """
-    from ferrule.rl.rewards import check_reward_fn
-
     for i, (fn, source) in enumerate(pairs):
         if fn is None:
             continue

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ferrule.rl import distributed as rl_dist
+from ferrule import sync as fsync
 
 if TYPE_CHECKING:
     from ferrule.engine_settings import WeightSyncSettings
@@ -29,16 +30,14 @@ def sync_policy(engine: PolicyTrainer, rollout: RolloutEngine | None, roles: Ran
     """Send the policy at ``engine.step`` to the rollout engines; collective. ``check_equal``
     verifies every tensor after the sync; ``settings``: the run's
     :class:`~ferrule.engine_settings.WeightSyncSettings` (``weight_sync``). Returns ``(SyncStats, seconds)``."""
-    from ferrule.sync import sync_lora_adapter, sync_weights
-
     t0 = time.perf_counter()
     if getattr(engine, "lora", None) is not None:  # LoRA: only the adapter travels; the base stays put
         direct = {} if settings is None or settings.direct else {"direct": False}  # weight_sync.direct
-        stats = sync_lora_adapter(engine, rollout, version=engine.step, check_equal=check_equal, **direct)
+        stats = fsync.sync_lora_adapter(engine, rollout, version=engine.step, check_equal=check_equal, **direct)
         # the other replicas' rollout engines get the adapter the driver's engine now serves
         rl_dist.fan_out_lora_adapter(roles, rollout, engine.step, check_equal=check_equal)
     else:
-        stats = sync_weights(engine, rollout, version=engine.step, check_equal=check_equal, settings=settings)
+        stats = fsync.sync_weights(engine, rollout, version=engine.step, check_equal=check_equal, settings=settings)
         # the other replicas' rollout engines get the driver engine's tensors (gathered once)
         rl_dist.fan_out_rollout_weights(roles, rollout, engine.step)
     return stats, time.perf_counter() - t0
