@@ -38,6 +38,14 @@ from ferrule.fs.util import commit_dir
 from ferrule.fs.integrity import record_checksums, verify_checksums
 from ferrule.formats.quantized_weights import open_hf_weights
 from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
+from ferrule import __version__
+from ferrule.contract import registry
+from ferrule.fs.output_dir import _ITEMSIZE
+from ferrule.megatron.checkpoint import check_sharded_coverage, load_sharded, save_sharded
+from ferrule.megatron.gpt_builder import check_family_layout
+from ferrule.megatron.parallel import ParallelLayout, init_distributed
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
 
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
 from ferrule.fs.output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
@@ -56,14 +64,6 @@ METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
 #: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
 from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
-from ferrule import __version__
-from ferrule.contract import registry
-from ferrule.fs.output_dir import _ITEMSIZE
-from ferrule.megatron.checkpoint import check_sharded_coverage, load_sharded, save_sharded
-from ferrule.megatron.gpt_builder import check_family_layout
-from ferrule.megatron.parallel import ParallelLayout, init_distributed
-from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
 
 
 def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> int:
