@@ -99,7 +99,7 @@ def _token_ids(hf_dir: Path, vocab: int, seqs: int, seq_len: int, text: str | No
 
 def _failure_status(exc: BaseException) -> str:
     """``FAIL`` for the errors ferrule raises about a plugin's tables or a checkpoint, ``CRASH`` otherwise."""
-    from ferrule.converters.checkpoint import CheckpointError
+    from ferrule.formats.safetensors_io import CheckpointError
     from ferrule.mapping import MappingError
 
     return "FAIL" if isinstance(exc, (MappingError, CheckpointError, ValueError)) else "CRASH"
@@ -259,7 +259,7 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
 def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, layout_kw: dict, ids, atol: float,
                          reach: list[str], grads: bool = False, round_trip: bool = True) -> None:
     from ferrule.converters import hf_to_torch_dist, torch_dist_to_hf
-    from ferrule.converters.checkpoint import _run
+    from ferrule.converters.workers import _run
 
     from .check_logits import logits_worker
 

@@ -38,32 +38,37 @@ from ferrule.fs.util import commit_dir
 from ferrule.fs.integrity import record_checksums, verify_checksums
 from ferrule.formats.quantized_weights import open_hf_weights
 from ferrule.formats.safetensors_io import CheckpointError, SafetensorsReader, ShardedSafetensorsWriter
+from ferrule import __version__
+from ferrule.compat import renamed_name
+from ferrule.contract import registry
+from ferrule.fs.output_dir import _ITEMSIZE
+from ferrule.megatron.checkpoint import check_sharded_coverage, copy_hf_side_files, load_sharded, save_sharded
+from ferrule.megatron.gpt_builder import check_family_layout
+from ferrule.megatron.parallel import ParallelLayout, init_distributed
+from ferrule.megatron.provider import provider_build
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
 
-from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype  # noqa: F401  (re-exported)
-from ferrule.fs.output_dir import (Notice, disk_full_from, hf_write_bytes, lock_output, output_lock,  # noqa: F401  (re-exported)
-                         prepare_out, torch_dist_model_bytes, unlock_output)
+from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype
+from ferrule.fs.output_dir import (Notice, disk_full_from, hf_write_bytes, prepare_out, torch_dist_model_bytes,
+                                   unlock_output)
 from .quantized import drop_quantization_config, mxfp8_bytes_saved, requantizer, restore_quantization_config, source_quantization
-from .workers import _DIST_KEYS, ConversionError, _run, _spawn_entry  # noqa: F401  (re-exported)
+from .workers import ConversionError, _run
 
 __all__ = ["hf_to_torch_dist", "torch_dist_to_hf", "load_torch_dist_into_mcore", "ConversionError", "HF_SUBDIR", "METADATA_FILE",
-           "hf_side_files", "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES",
+           "read_checkpoint_metadata", "dropped_hf_tensors", "TRAINING_STATE_PREFIXES",
            "hf_to_torch_dist_bytes", "torch_dist_to_hf_bytes"]
+
+
+def __getattr__(name: str):
+    # the names this module re-exported from the modules they were split into (ferrule.compat lists them)
+    return renamed_name(__name__, name)
+
 
 HF_SUBDIR = "hf"
 #: File in ``OUT_DIR/hf`` holding the tensors a family's mapping table passes through unchanged.
 PASSTHROUGH_FILE = "passthrough.safetensors"
 METADATA_FILE = "ferrule_checkpoint.json"
 FORMAT = "ferrule-torch_dist-v1"
-#: Side files (every non-weight file) travel between HF directories and ``OUT_DIR/hf`` through these.
-from ferrule.megatron.checkpoint import copy_hf_side_files, hf_side_files  # noqa: E402,F401  (hf_side_files re-exported)
-from ferrule import __version__
-from ferrule.contract import registry
-from ferrule.fs.output_dir import _ITEMSIZE
-from ferrule.megatron.checkpoint import check_sharded_coverage, load_sharded, save_sharded
-from ferrule.megatron.gpt_builder import check_family_layout
-from ferrule.megatron.parallel import ParallelLayout, init_distributed
-from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
 
 
 def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> int:

@@ -107,7 +107,7 @@ def merge_peft_adapter(hf_dir: str | os.PathLike, adapter_dir: str | os.PathLike
             worst, worst_name = err, name
     merged = merged.to(out_dtype)
     merged.save_pretrained(hf_dir, safe_serialization=True, max_shard_size=max_shard_bytes)
-    from ferrule.converters.checkpoint import write_config_dtype
+    from ferrule.converters.dtypes import write_config_dtype
 
     write_config_dtype(hf_dir / "config.json", str(out_dtype).removeprefix("torch."))
     return {"adapter_config": json.loads((adapter_dir / "adapter_config.json").read_text()),
@@ -134,9 +134,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         ferrule.formats.safetensors_io.CheckpointError: the checkpoint does not match its
             stored config (:func:`ferrule.converters.checkpoint.load_torch_dist_into_mcore`).
     """
-    from ferrule.converters.checkpoint import (TRAINING_STATE_PREFIXES, disk_full_from, lock_output,
-                                               read_checkpoint_metadata, torch_dist_model_bytes, torch_dist_to_hf,
-                                               unlock_output)
+    from ferrule.converters.checkpoint import TRAINING_STATE_PREFIXES, read_checkpoint_metadata, torch_dist_to_hf
+    from ferrule.fs.output_dir import disk_full_from, lock_output, torch_dist_model_bytes, unlock_output
 
     out_dir = Path(out_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:

@@ -97,6 +97,9 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
     # what Inkling and Inkling-2 share, in the core (issue 43: Inkling-2 imports nothing of Inkling)
     ("ferrule.plugins.inkling.config", "LAYER_TYPES"): "ferrule.config_translation.layer_types:HYBRID_LAYER_TYPES",
     ("ferrule.plugins.inkling.layers", "InklingNormedEmbedding"): "ferrule.megatron.shared_layers:InklingNormedEmbedding",
+    # ferrule.converters.checkpoint re-exported what was split out of it (issue 43: no re-export inside ferrule)
+    ("ferrule.converters.checkpoint", "hf_side_files"): "ferrule.megatron.checkpoint:hf_side_files",
+    **{("ferrule.converters.checkpoint", n): f"ferrule.fs.output_dir:{n}" for n in ("lock_output", "output_lock")},
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},

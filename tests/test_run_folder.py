@@ -134,7 +134,7 @@ def test_a_second_trainer_on_a_run_folder_exits_2_naming_the_holder(tiny, tmp_pa
 @pytest.mark.timeout(240)
 def test_a_second_conversion_into_one_out_is_refused(tmp_path):
     from ferrule.conformance import numeric as cn
-    from ferrule.converters.checkpoint import output_lock
+    from ferrule.fs.output_dir import output_lock
 
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
     out = tmp_path / "td"
