@@ -37,6 +37,8 @@ MOVED_MODULES: dict[str, str] = {
     "ferrule.lora.cli": "ferrule.cli.lora",
     "ferrule.converters.cli": "ferrule.converters.commands",
     "ferrule.converters.cli_check": "ferrule.converters.commands",
+    # the live-weight functions, with the train engine since before this release; the module was a re-export
+    "ferrule.converters.weights": "ferrule.megatron.weights",
     # checkpoint formats in ferrule.formats
     "ferrule.quantized_weights": "ferrule.formats.quantized_weights",
     "ferrule.nvfp4": "ferrule.formats.nvfp4",
