@@ -46,7 +46,8 @@ from ferrule.megatron.checkpoint import check_sharded_coverage, copy_hf_side_fil
 from ferrule.megatron.gpt_builder import check_family_layout
 from ferrule.megatron.parallel import ParallelLayout, init_distributed
 from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore
+from ferrule.megatron.param_gather import unwrap
 
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype
 from ferrule.fs.output_dir import (Notice, disk_full_from, hf_write_bytes, prepare_out, torch_dist_model_bytes,

@@ -30,7 +30,7 @@ class ExportContext:
 
     Attributes:
         table: the family's mapping table; mapping: its context with the padded vocabulary.
-        ranks: :class:`ferrule.megatron.weights.ParallelRanks` of this rank.
+        ranks: :class:`ferrule.megatron.param_gather.ParallelRanks` of this rank.
     """
 
     table: Any
