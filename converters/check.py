@@ -45,6 +45,8 @@ from typing import Any
 from ferrule.contract import registry
 from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD
 
+from ferrule.conformance.grads import GRAD_RTOL
+
 __all__ = ["CheckRow", "CheckReport", "run_check", "EXIT_OK", "EXIT_MISMATCH", "EXIT_BAD_INPUT",
            "EXIT_PLUGIN_CRASH"]
 
@@ -207,8 +209,9 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     after the logits: every parameter's gradient of ``sum(logits * w)`` (fixed random ``w``) from megatron at the
     layout, exported to HF names through the mapping table, vs HF's (fp32), within :data:`GRAD_RTOL` relative.
     At ``tp`` > 1 the ranks' gradients get the TP reductions of megatron's gradient finalization first (the q/k
-    norms' partial gradients summed, as a training step sums them) and are gathered as weights are; ``ep`` > 1 is
-    refused (``ValueError``: DDP's expert-data-parallel sum does not run). ``round_trip=False`` leaves the
+    norms' partial gradients summed, as a training step sums them) and are gathered as weights are. At ``ep`` > 1
+    (``tp`` 1 only; ``ValueError`` otherwise) the routed-expert gradients get the scaling megatron's DDP gives them
+    (:func:`ferrule.conformance.grads.scale_expert_grads`) and are collected from the EP ranks as weights are. ``round_trip=False`` leaves the
     round-trip step out (no export back to HF, no comparison; ~0.5 s of a ~1.5 s tiny-model check at tp 1, one
     of three 2-rank jobs at tp 2): for repeated checks of one family whose round trip another check already covers
     (the planted-mistake tests).
@@ -226,10 +229,11 @@ def run_check(hf_dir: str | Path, *, tp: int = 1, family: str | None = None, seq
     hf_dir = Path(hf_dir)
     t0 = time.time()
     layout_kw = layout_kwargs(tp, ep, 1, etp)
-    if grads and ep != 1:
-        raise ValueError(f"grads=True at ep={ep}: the gradient step runs at ep=1 (megatron's raw expert gradients are "
-                         f"partial per rank until DDP sums them over the expert-data-parallel group, which the check "
-                         f"does not run).")
+    if grads and ep != 1 and tp != 1:
+        raise ValueError(f"grads=True at tp={tp}, ep={ep}: the gradient step runs at ep > 1 with tp=1 only (it "
+                         f"reproduces megatron's DDP scaling of the expert gradients for ep ranks that each hold every "
+                         f"token; at tp > 1 the dispatcher shares the TP ranks' tokens among the experts, which it does "
+                         f"not reproduce); check gradients with --tp {tp} --ep 1 and with --tp 1 --ep {ep}.")
     try:
         spec, hf_config, values, tc_kwargs, opts = _config_step(hf_dir, family, layout_kw)
     except (FileNotFoundError, LookupError, ConfigTranslationError, ValueError):
@@ -305,13 +309,10 @@ def _convert_and_compare(report: CheckReport, hf_dir: Path, tmp: Path, spec, lay
     _divergence_row(report, result, atol)
 
 
-#: relative tolerance of the gradient step (fp32): max |megatron - HF| / max |HF| per parameter, as the train
-#: engine's gradient tests (tests/test_train_engine.py, 1e-5)
-GRAD_RTOL = 1e-5
-
-
 def _gradient_row(report: CheckReport, result: dict, label: str) -> None:
-    """The ``gradients`` row: every parameter's gradient of ``sum(logits * w)`` vs HF's (fp32)."""
+    """The ``gradients`` row: every parameter's gradient of ``sum(logits * w)`` vs HF's (fp32), within
+    :data:`~ferrule.conformance.grads.GRAD_RTOL` relative (the train engine tests' bound; the conformance kit's
+    training-step case uses the same comparison, :mod:`ferrule.conformance.grads`)."""
     step = f"gradients ({label}, fp32)"
     if result.get("gradient_error"):
         report.rows.append(CheckRow(step, "FAIL", result["gradient_error"]))

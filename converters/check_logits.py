@@ -22,12 +22,12 @@ import json
 from pathlib import Path
 from typing import Any
 from .check_points import POINT_OPS, _max_diff, capture, compare, hf_layer_points, mcore_layer_points
-from ferrule.conformance.fields import hf_model_class, text_vocab_size
+from ferrule.conformance.fields import hf_model_class
+from ferrule.conformance.grads import compare_grads, mcore_grads
 from ferrule.conformance.numeric import update_unit_problems
 from ferrule.contract import registry
 from ferrule.megatron.parallel import ParallelLayout, init_distributed
 from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import export_mcore_to_hf
 from ferrule.megatron.param_gather import global_param_names
 from ferrule.rollout._quantized import dequantized_source
 
@@ -103,72 +103,6 @@ def _dequantized_copy(hf_dir: Path, out: Path) -> str:
     return str(out)
 
 
-def _grad_weights(shape) -> "Any":
-    """The fixed ``[b, s, vocab]`` weights of the gradient step's loss ``sum(logits * w)`` (seeded, scaled by
-    ``1 / (b * s)``): every logit gets a gradient, so every parameter that shapes a logit does."""
-    import torch
-
-    g = torch.Generator().manual_seed(4321)
-    return torch.randn(shape, generator=g, dtype=torch.float32) / (shape[0] * shape[1])
-
-
-def _finalize_tp_grads(model) -> None:
-    """The tensor-parallel part of megatron's gradient finalization, as a training step runs it: megatron-core's
-    own ``_allreduce_non_tensor_model_parallel_grads`` (``finalize_model_grads``) on ``model``, which sums over
-    the TP group the gradients of the q/k norms (``config.qk_layernorm``: a replicated weight that each rank
-    applies to its own heads only, so each rank's raw gradient is partial) and of sequence-parallel norms, and
-    averages those marked ``average_gradients_across_tp_domain``. Every other replicated weight already holds its
-    full gradient on each rank (its input is copied into the TP region, whose backward all-reduces). No-op at
-    TP 1. The data-parallel and expert-data-parallel reductions (DDP's) are not run: the check runs at ep 1."""
-    import types
-
-    from megatron.core import parallel_state
-    import importlib
-
-    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr: a function
-
-    if parallel_state.get_tensor_model_parallel_world_size() <= 1:
-        return
-    chunk = types.SimpleNamespace(module=model, ddp_config=types.SimpleNamespace(use_megatron_fsdp=False))
-    # looked up on the module: ferrule's guard for TP-sharded q/k norms (layer_options.keep_sharded_qk_norm_grads)
-    # wraps it there, as finalize_model_grads (a training step) sees it
-    fmg._allreduce_non_tensor_model_parallel_grads([chunk], model.config,
-                                                   parallel_state.get_tensor_model_parallel_group())
-
-
-def _mcore_grads(model, family: str, hf_config: dict, ids) -> dict | None:
-    """Megatron's gradients of ``sum(logits * w)`` per HF tensor name (rank 0; None elsewhere): backward on the
-    loaded model, then :func:`ferrule.megatron.weights.export_mcore_to_hf` with each parameter's data swapped
-    for its gradient, so fused, split and TP-sharded parameters come out as HF tensors exactly as weights do
-    (every mapping is linear), after the TP reductions a training step's gradient finalization makes
-    (:func:`_finalize_tp_grads`). A parameter without a gradient exports as zeros."""
-    import torch
-
-    params = list(model.parameters())
-    for p in params:
-        p.grad = None
-    vocab = text_vocab_size(hf_config)
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    device = params[0].device
-    with torch.enable_grad():
-        logits = model(ids.to(device), pos.to(device), attention_mask=None)[..., :vocab].float()
-        (logits * _grad_weights(tuple(logits.shape)).to(device)).sum().backward()
-    _finalize_tp_grads(model)
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad.detach() if p.grad is not None else torch.zeros_like(p.data)
-        table = registry.get_converter(family).resolved_mapping()
-        grads = {name: t.detach().double().cpu() for name, t in export_mcore_to_hf([model], table, hf_config=hf_config)}
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
-            p.grad = None
-    import torch.distributed as dist
-
-    return grads if not dist.is_initialized() or dist.get_rank() == 0 else None
-
-
 def _update_groups(model, family: str) -> dict:
     """The family's update-group table on this model's parameters (:func:`ferrule.conformance.numeric.
     update_unit_problems`): ``{"units": n, "problems": [...]}``; a wrong group (a parameter in no unit, so a
@@ -179,59 +113,6 @@ def _update_groups(model, family: str) -> dict:
         return {"units": len(units), "problems": problems}
     except Exception as exc:  # noqa: BLE001 - reported as the update-groups row
         return {"units": 0, "problems": [f"{type(exc).__name__}: {exc}"]}
-
-
-def _checkpoint_named_grads(hf) -> dict:
-    """HF's gradients under the checkpoint's tensor names (fp64): transformers' modules may hold another layout
-    than the files (stacked experts ``mlp.experts.gate_up_proj`` for per-expert ``experts.{e}.gate_proj.weight``
-    tensors), so each parameter's data is swapped for its gradient and written with ``save_pretrained``, which
-    applies transformers' own conversion back to the checkpoint layout."""
-    import tempfile
-
-    import torch
-    from safetensors.torch import load_file
-
-    params = list(hf.parameters())
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad.detach() if p.grad is not None else torch.zeros_like(p.data)
-        with tempfile.TemporaryDirectory() as tmp:
-            hf.save_pretrained(tmp, safe_serialization=True, max_shard_size="100GB")
-            from pathlib import Path
-
-            out = {}
-            for f in sorted(Path(tmp).glob("*.safetensors")):
-                out.update({k: v.double() for k, v in load_file(str(f)).items()})
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
-    return out
-
-
-def _compare_grads(hf, ids, mc_grads: dict) -> dict:
-    """HF's gradients of the same loss vs ``mc_grads``: ``{"max_rel", "worst", "compared", "missing"}`` with the
-    relative difference ``max|megatron - HF| / max(max|HF|, 1e-6)`` per tensor (``worst``: the HF tensor name
-    whose difference is largest, with its value)."""
-    import torch
-
-    hf.zero_grad(set_to_none=True)
-    with torch.enable_grad():
-        ref = hf(input_ids=ids).logits.float()
-        (ref * _grad_weights(tuple(ref.shape))).sum().backward()
-    hf_grads = _checkpoint_named_grads(hf)
-    rel: dict[str, float] = {}
-    missing = sorted(set(hf_grads) - set(mc_grads))
-    for name, theirs in hf_grads.items():
-        ours = mc_grads.get(name)
-        if ours is None:
-            continue
-        if ours.shape != theirs.shape:
-            rel[name] = float("inf")
-            continue
-        rel[name] = float((ours - theirs).abs().max()) / max(float(theirs.abs().max()), 1e-6)
-    worst = max(rel, key=rel.get) if rel else None
-    return {"max_rel": rel[worst] if worst else 0.0, "worst": worst, "compared": len(rel), "missing": missing[:8]}
 
 
 def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: str, tp: int, ids: list,
@@ -272,7 +153,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
     grad_error = mc_grads = None
     if grads:
         try:  # every rank: the gradient export gathers TP shards (collectives)
-            mc_grads = _mcore_grads(model, family, hf_config, ids_t)
+            mc_grads = mcore_grads(model, family, hf_config, ids_t)
         except Exception as exc:  # noqa: BLE001 - reported as the gradient row
             grad_error = f"megatron backward: {type(exc).__name__}: {exc}"
     if rank != 0:
@@ -319,7 +200,7 @@ def logits_worker(rank: int, hf_dir: str, td_dir: str, out_file: str, family: st
             result["diagnostic_error"] = f"comparison: {type(exc).__name__}: {exc}"
     if grads and grad_error is None:
         try:
-            result["gradients"] = _compare_grads(hf, ids_t, mc_grads)
+            result["gradients"] = compare_grads(hf, ids_t, mc_grads)
         except Exception as exc:  # noqa: BLE001
             grad_error = f"HF backward: {type(exc).__name__}: {exc}"
     result["gradient_error"] = grad_error

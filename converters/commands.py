@@ -208,7 +208,8 @@ def check_command(
     text: Annotated[Optional[str], typer.Option("--text", help="Use this text (checkpoint tokenizer) instead of random ids.")] = None,
     atol: Annotated[float, typer.Option("--atol", help="Logits tolerance (fp32, max abs difference).")] = 1e-5,
     grads: Annotated[bool, typer.Option("--grads", help="Also compare every parameter's gradient with HF's "
-                                                        "(fp32, one backward pass at the layout).")] = False,
+                                                        "(fp32, one backward pass at the layout; --ep > 1 "
+                                                        "with --tp 1 only).")] = False,
 ) -> None:
     """Check that ferrule reproduces an HF checkpoint: config translation, HF -> torch_dist at --tp,
     a bit-exact round trip, Megatron (at --tp) vs HF logits, and the first layer/op that departs when they differ.
@@ -225,9 +226,10 @@ def check_command(
         ("seqs", seqs, seqs >= 1, "a whole number >= 1 (random test sequences; default 2)"),
         ("seq-len", seq_len, seq_len >= 1, "a whole number >= 1 (tokens per test sequence; default 32)"),
         ("atol", atol, atol >= 0, "a tolerance >= 0 (default 1e-05)"),
-        ("grads", "with --ep > 1", not grads or ep == 1,
-         "--ep 1 (megatron's raw expert gradients are partial per rank until DDP sums them over the "
-         "expert-data-parallel group, which the check does not run)")) if not ok]
+        ("grads", f"with --tp {tp} --ep {ep}", not grads or ep == 1 or tp == 1,
+         "--ep 1, or --tp 1 with --ep > 1 (the check reproduces megatron's DDP scaling of the expert gradients "
+         "for EP ranks that each hold every token; at --tp > 1 the dispatcher shares the TP ranks' tokens "
+         "among the experts, which it does not reproduce)")) if not ok]
     if bad:  # before any work: --seqs 0 ran three steps, then reported a CRASH (IndexError) with exit code 3
         err.print(f"[bold red]error:[/] {'; '.join(bad)}.", highlight=False)
         raise typer.Exit(code=EXIT_BAD_INPUT)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 def test_fixture_families_pass_the_kit_at_tp1_and_tp2(dist_pool, tmp_path):
     """Sliding-window (Mistral-like), Gemma-2-like, OLMo-2-like (post-norms only, full-projection q/k norm),
     Gemma-3-text-like (one RoPE per layer type) and gpt-oss-like (attention sinks, clamped interleaved SwiGLU
-    experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2. The kit's
+    experts, biases everywhere, YaRN; TP=2 at expert TP 1) families: every kit case at TP=1 and TP=2, the training
+    step (every parameter's gradient vs HF's, a weight sync through the update groups) included. The kit's
     TP=2 launch runs in this session's pool, lent to the child session (``DistPool.lend``), instead of a torchrun."""
     from dist_pool import LEND_ENV
 
@@ -43,9 +44,10 @@ def test_fixture_families_pass_the_kit_at_tp1_and_tp2(dist_pool, tmp_path):
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert list(lent.glob("answer-*.json")), "the kit's TP=2 launch did not use the lent pool"
-    # 5 families x 7 cases (discovery, specs, completeness, references, update-group coverage,
-    # numeric TP=1, numeric TP=2); the 8th case, media logits, does not apply: none has a tower.
-    assert "35 passed, 5 skipped" in summary and "failed" not in summary, summary
+    # 5 families x 9 cases (discovery, specs, completeness, references, update-group coverage,
+    # numeric TP=1, numeric TP=2, training step (gradients vs HF, every tensor synced) at TP=1 and at TP=2);
+    # the 10th case, media logits, does not apply: none has a tower.
+    assert "45 passed, 5 skipped" in summary and "failed" not in summary, summary
     skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
     assert len(skips) == 5 and all("declares no towers" in line for line in skips), "\n".join(skips)
 

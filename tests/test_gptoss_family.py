@@ -9,6 +9,8 @@ logits, gradients and hidden states ``ferrule check`` compares).
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import pytest
@@ -43,6 +45,35 @@ PLANTED = {
 #: the mistakes whose logits are right (the row named is a structural one) and the one that needs TP > 1
 STRUCTURAL = {bug for bug, (_, _, row) in PLANTED.items() if row != "divergence"}
 TP_ONLY = {"tp_axis"}
+
+
+#: The planted gradient mistake: a provider that feeds each router a detached copy of its input. The logits, the
+#: round trip and every capture point are right; only the gradients of what lies below the routers differ (HF's
+#: routing weights pass gradient into the hidden states), so only a gradient check can see it.
+GRADIENT_BUG = "detached_router"
+
+
+def _assert_gradient_mistake_caught(report, label):
+    rows = _rows(report)
+    assert rows["logits"][0] == "ok", report.rows  # the forward pass is right
+    status, detail = rows["gradients"]
+    # the worst tensor feeds a router (measured: layer 1's post_attention_layernorm, relative 0.42)
+    assert status == "FAIL" and re.search(r"; worst: model\.layers\.\d\.", detail), report.rows
+    assert not report.ok and report.rows[-1].step == f"gradients ({label}, fp32)", report.rows
+
+
+def _assert_kit_refuses(result, case):
+    """The kit's training-step case fails on ``result`` (as the kit class reads it from its run), naming the
+    gradients: a family with this mistake cannot pass the kit, so cannot be VALIDATED."""
+    from ferrule.conformance.kit import FamilyConformance
+
+    assert "gradients" in result["error"] and "differ from HF's" in result["error"], result
+    key = "train"
+    with pytest.raises(pytest.fail.Exception, match=r"gpt_oss \(training step, TP=\d\): .*gradients"):
+        if case == "tp1":
+            FamilyConformance().test_training_step("gpt_oss", {"gpt_oss": {key: result}})
+        else:
+            FamilyConformance().test_training_step_tp2("gpt_oss", {"gpt_oss": {"ok": True, key: result}})
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +132,8 @@ def test_gptoss_passes_check_with_gradients_and_each_planted_mistake_is_localise
     """The correct family passes every step at TP=1, gradients of all 37 tensors included; each of the 12 planted
     mistakes that can show at TP=1 is named by its layer and op (the first diverging capture point for a numeric
     one, the convert or update-groups row for a structural one); the TP-axis mistake cannot show at TP=1 (it
-    passes); a wrong update group names the parameters a weight sync would lose."""
+    passes); a wrong update group names the parameters a weight sync would lose. The planted gradient mistake
+    (routers fed a detached input: right logits) fails ``--grads`` and the kit's training-step case."""
     env, hf = gptoss_hf
     good = _check(env, hf, grads=True)
     assert good.ok, good.rows
@@ -112,6 +144,12 @@ def test_gptoss_passes_check_with_gradients_and_each_planted_mistake_is_localise
     for bug, report in reports.items():
         _assert_localised(report, bug)
     assert _check(env, hf, "tp_axis", round_trip=False).ok
+    _assert_gradient_mistake_caught(_check(env, hf, GRADIENT_BUG, grads=True, round_trip=False), "tp=1")
+    from ferrule.conformance import numeric as cn
+    from ferrule.conformance.tp1 import _run
+
+    with environment(dict(env, FERRULE_GPTOSS_FIXTURE_BUG=GRADIENT_BUG)):  # the kit's TP=1 training-step case
+        _assert_kit_refuses(_run(lambda: cn.check_training_step("gpt_oss", hf.parent / "kit", src=hf)), "tp1")
     groups = _rows(reports["groups"])["update groups"][1]
     assert "decoder.layers.0.self_attention.core_attention.softmax_offset (layer 0 attention)" in groups, groups
     assert "decoder.layers.0.mlp.router.bias (layer 0 mlp)" in _rows(reports["bias"])["convert"][1]
@@ -122,7 +160,7 @@ def test_gradients_at_tp2_of_a_family_with_q_k_norms_match_hf(tmp_path, pooled_r
     """Qwen3's per-head q/k norms are replicated over TP and each rank applies them to its own heads, so its raw
     gradient is partial; the check sums them over TP as megatron's gradient finalization does (refused before;
     without the sum they are off by ~the other rank's share), and every tensor's gradient matches HF's. --ep 2
-    is refused in one line, before any conversion, for every family."""
+    together with --tp 2 is refused in one line, before any conversion, for every family."""
     from ferrule.conformance import numeric as cn
     from ferrule.converters.check import run_check
 
@@ -135,22 +173,44 @@ def test_gradients_at_tp2_of_a_family_with_q_k_norms_match_hf(tmp_path, pooled_r
     report = run_check(hf, tp=2, seq_len=16, grads=True, round_trip=False)
     assert report.ok and report.rows[-1].step == "gradients (tp=2, fp32)", report.rows
     assert report.rows[-1].detail.startswith(f"{len(keys)} parameters, "), report.rows[-1]
-    with pytest.raises(ValueError, match=r"grads=True at ep=2"):
-        run_check(hf, ep=2, grads=True)
+    with pytest.raises(ValueError, match=r"grads=True at tp=2, ep=2: .* ep > 1 with tp=1 only"):
+        run_check(hf, tp=2, ep=2, grads=True)
+    from inproc import run_ferrule
+
+    cli = run_ferrule(["check", hf, "--tp", "2", "--ep", "2", "--grads"], env=dict(os.environ, COLUMNS="500"))
+    assert cli.returncode == 2 and "--grads with --tp 2 --ep 2: expected --ep 1, or --tp 1" in cli.stderr, cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
 
 
 @pytest.mark.timeout(1200)
-def test_gptoss_passes_check_at_tp2_etp1_and_each_planted_mistake_is_localised(gptoss_hf, pooled_ranks):
+def test_gptoss_passes_check_at_tp2_etp1_and_each_planted_mistake_is_localised(gptoss_hf, pooled_ranks, dist_pool):
     """--tp 2 --etp 1 (the sinks and attention split over TP, the biased experts whole): the correct family passes,
     gradients included (refused at TP > 1 before; gpt-oss has no q/k norm, whose raw gradients would be partial per
     rank), and all 13 planted mistakes, the q/k/v bias split like a gate/up block included (same shapes, wrong
     numbers: only TP > 1 shows it), are named by layer and op. The round trip runs for the dropped key only (the
-    TP=1 test shows every other planted mistake converting back bit-exact; the good check, this layout's)."""
+    TP=1 test shows every other planted mistake converting back bit-exact; the good check, this layout's). The
+    planted gradient mistake passes the kit's TP=2 logits and round trip, and fails its training step and
+    ``--grads`` at this layout."""
     env, hf = gptoss_hf
+    # the kit's TP=2 launch (as its class runs it, in the session's ranks) on the planted gradient mistake
+    out = hf.parent / "kit_tp2.json"
+    dist_pool.run(["-m", "ferrule.conformance.tp", "--work", str(hf.parent / "kit_tp2"), "--out", str(out), "gpt_oss"],
+                  env=dict(env, FERRULE_GPTOSS_FIXTURE_BUG=GRADIENT_BUG, OMP_NUM_THREADS="1"), timeout=300)
+    kit = json.loads(out.read_text())["gpt_oss"]
+    assert kit["ok"], kit  # logits and round trip at TP=2 pass
+    with environment(env):
+        _assert_kit_refuses(kit["train"], "tp2")
+    _assert_gradient_mistake_caught(_check(env, hf, GRADIENT_BUG, tp=2, etp=1, grads=True, round_trip=False),
+                                    "tp=2, etp=1")
     good = _check(env, hf, tp=2, etp=1, grads=True)
     assert good.ok and good.rows[2].step == "round trip (tp=2, etp=1)", good.rows
     assert good.rows[3].step == "logits (tp=2, etp=1, fp32)", good.rows
     assert good.rows[4].step == "gradients (tp=2, etp=1, fp32)" and good.rows[4].detail.startswith("37 parameters, ")
+    # --ep 2 (refused before): each rank's experts hold both ranks' tokens until DDP's 1/ep scaling, which the
+    # check applies (without it the experts' gradients are 2x: relative 1; measured 5.3e-7 with it)
+    ep2 = _check(env, hf, ep=2, etp=1, grads=True, round_trip=False)
+    assert ep2.ok and ep2.rows[-1].step == "gradients (tp=1, ep=2, etp=1, fp32)", ep2.rows
+    assert ep2.rows[-1].detail.startswith("37 parameters, "), ep2.rows[-1]
     # the missing mapping row last: its conversion fails in the ranks (the pool keeps its ranks: tests/dist_pool.py)
     for bug in sorted(PLANTED, key=lambda b: PLANTED[b][2] == "convert"):
         _assert_localised(_check(env, hf, bug, tp=2, etp=1, round_trip=bug == "sinks"), bug)

@@ -27,6 +27,10 @@ families from the command line. The cases:
   every translated field equal what HF's model uses, Megatron logits match HF transformers)
   from :mod:`ferrule.conformance.numeric`, and again at TP=2 (round trip through the TP split
   and logits) in one ``torchrun`` launch for all families (:mod:`ferrule.conformance.tp`);
+- a training step at TP=1 and at TP=2 (the same launches): every parameter's gradient of one
+  backward pass matches HF's (fp32, :data:`ferrule.conformance.grads.GRAD_RTOL` relative, every HF
+  tensor), and a weight sync through the family's update groups delivers every checkpoint tensor
+  (every trained tensor) to a rollout engine exactly once, bit for bit (:mod:`ferrule.conformance.grads`);
 - a family with towers: logits of a prompt with media for every tower match HF's at TP=1 and
   TP=2, and each modality changes them (:mod:`ferrule.conformance.media`; the family's
   ``tiny_media``).
@@ -50,6 +54,7 @@ from ferrule import envs
 from ferrule.contract import registry
 from ferrule.contract.hook_parts import HOOK_PARTS, part_for_spec
 from ferrule.conformance.discovery import HEAVY_MODULES  # noqa: F401  (the kit's public name)
+from ferrule.conformance.grads import GRAD_RTOL
 from ferrule.contract.specs import FamilyStatus, resolve_ref
 from ferrule.conformance import numeric as cn
 
@@ -187,6 +192,22 @@ class FamilyConformance:
             pytest.fail(f"{ferrule_family} (TP=1): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
 
+    def test_training_step(self, ferrule_family: str, tp1_results) -> None:
+        """One backward pass (TP=1, fp32): every parameter's gradient, exported to HF names, == HF's within
+        :data:`ferrule.conformance.grads.GRAD_RTOL` relative, and a weight sync through the update groups delivers
+        every checkpoint tensor to a rollout engine exactly once, bit for bit
+        (:func:`ferrule.conformance.numeric.check_training_step`).
+
+        Computed by :meth:`tp1_results` (the same fresh interpreter as the other TP=1 cases).
+        """
+        _skip_without_numeric_parts(ferrule_family)
+        result = tp1_results[ferrule_family]["train"]
+        if "skip" in result:
+            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
+        if "error" in result:
+            pytest.fail(f"{ferrule_family} (training step, TP=1): {result['error']}", pytrace=False)
+        assert result["grad_max_rel"] <= GRAD_RTOL and result["synced_tensors"] > 0
+
     def test_media_logits_parity(self, ferrule_family: str, tp1_results) -> None:
         """A family with towers: logits of a prompt with media for every tower == HF's (fp32, TP=1), and each
         modality's media change HF's logits (:func:`ferrule.conformance.media.check_media_logits_parity`).
@@ -267,6 +288,18 @@ class FamilyConformance:
         if not result["ok"]:
             pytest.fail(f"{ferrule_family} (TP=2): {result['error']}", pytrace=False)
         assert result["logits_max_abs_diff"] <= 1e-5
+
+    def test_training_step_tp2(self, ferrule_family: str, tp2_results) -> None:
+        """The training step at the TP=2 layout (:func:`ferrule.conformance.tp.check_family_tp`): gradients after
+        megatron's TP gradient finalization, gathered, == HF's; the weight sync at TP=2 delivers every tensor."""
+        _skip_without_numeric_parts(ferrule_family)
+        result = tp2_results.get(ferrule_family)
+        if result is None:
+            pytest.skip(f"{ferrule_family}: no TINY_HF_CONFIG in its provider module (see docs/plugins.md)")
+        train = result.get("train") or {"error": "the TP=2 launch reported no training step"}
+        if "error" in train:
+            pytest.fail(f"{ferrule_family} (training step, TP=2): {train['error']}", pytrace=False)
+        assert train["grad_max_rel"] <= GRAD_RTOL and train["synced_tensors"] > 0
 
 
 

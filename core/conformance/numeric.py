@@ -10,6 +10,8 @@ family's ``hf_model_class`` for a model_type that class does not cover (a multim
 - :func:`check_mapping_covers_provider`: the mapping table maps every parameter the provider
   builds, every table entry is used, and the HF keys produced equal the keys transformers saved;
 - :func:`check_logits_parity`: Megatron logits match HF transformers logits (fp32, TP=1);
+- :func:`check_training_step`: every parameter's gradient matches HF's (fp32, TP=1), and a weight sync through
+  the update groups delivers every checkpoint tensor to a rollout engine;
 - :func:`check_update_groups_cover_parameters`: every parameter of the tiny model lands in
   exactly one update unit, every unit names only existing parameters, and every suffix of a
   non-optional update group matches a parameter (so a mistyped suffix fails, named).
@@ -32,6 +34,7 @@ from ferrule.conformance.fields import (  # noqa: F401  (re-exported: the kit's 
     hf_model_class, rotary_tables_by_layer, rotary_tables_hf, rotary_tables_mcore, text_vocab_size,
     translated_fields_vs_hf,
 )
+from ferrule.conformance.grads import check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads
 from ferrule.contract import registry
 from ferrule.formats.safetensors_io import SafetensorsReader
 from ferrule.mapping import MappingContext
@@ -43,7 +46,8 @@ from ferrule.megatron.param_gather import global_param_names, unwrap
 from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",
-           "check_logits_parity", "check_update_groups_cover_parameters", "check_translation_matches_hf",
+           "check_logits_parity", "check_training_step", "check_update_groups_cover_parameters",
+           "check_translation_matches_hf",
            "rotary_tables_hf", "rotary_tables_mcore", "rotary_tables_by_layer", "translated_fields_vs_hf", "check_features_reached",
            "test_token_ids", "update_unit_problems", "tiny_test_seq_len", "kit_feature_keys", "single_rank", "LOGITS_ATOL_FP32",
            "hf_model_class", "text_vocab_size"]
@@ -239,10 +243,12 @@ def logits_max_diff(family: str, out, ref) -> float:
 
 
 def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float = LOGITS_ATOL_FP32,
-                        seq_len: int | None = None) -> float:
+                        seq_len: int | None = None, train: dict | None = None) -> float:
     """Max |Megatron logits - HF logits| over a random batch at TP=1, fp32; returns it.
 
-    ``seq_len`` defaults to the family's ``TINY_TEST_SEQ_LEN`` (else 12 tokens).
+    ``seq_len`` defaults to the family's ``TINY_TEST_SEQ_LEN`` (else 12 tokens). ``train``: a dict that receives
+    :func:`check_training_step`'s result on the same two models (the kit's TP=1 run: one HF load and one megatron
+    build for both cases), ``{"error": "Type: message"}`` when it fails; filled before the logits are asserted.
 
     Raises:
         AssertionError: the difference exceeds ``atol``.
@@ -256,19 +262,83 @@ def check_logits_parity(family: str, work_dir: str | os.PathLike, *, atol: float
     hf_config = json.loads((src / "config.json").read_text())
     vocab = text_vocab_size(hf_config)
     ids = test_token_ids(vocab, seq_len)
+    table = registry.get_converter(family).resolved_mapping()
     hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
     with single_rank():
-        (model,) = _build(family, hf_config)
-        load_hf_into_mcore([model], src, registry.get_converter(family).resolved_mapping(), hf_config=hf_config)
+        # TRAIN_STEP_OVERRIDES: no random init (the weights are loaded), no auxiliary loss (the logits are the same)
+        (model,) = _build(family, hf_config, config_overrides=dict(TRAIN_STEP_OVERRIDES))
+        load_hf_into_mcore([model], src, table, hf_config=hf_config)
         model.eval()
         pos = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
         with torch.no_grad():
             out = model(ids, pos, attention_mask=None)[..., :vocab]
+        if train is not None:
+            try:
+                train.update(_training_step(family, model, hf, hf_config, src, ids, table))
+            except Exception as exc:  # noqa: BLE001 - the training case's result; the logits are asserted below
+                train.update(error=f"{type(exc).__name__}: {exc}")
     diff = logits_max_diff(family, out, ref)
     assert diff <= atol, f"{family}: Megatron vs HF logits max abs diff {diff:.3g} > {atol}"
     return diff
+
+
+#: model options of the training-step case's build: no auxiliary (load-balancing / z) loss, so the gradient compared
+#: is the logits' alone (the logits are unchanged), as ``ferrule check --grads`` builds it
+TRAIN_STEP_OVERRIDES = {"perform_initialization": False, "moe_aux_loss_coeff": 0.0}
+
+
+def check_training_step(family: str, work_dir: str | os.PathLike, *, src: str | os.PathLike | None = None,
+                        seq_len: int | None = None, groups: Any = None) -> dict[str, Any]:
+    """One training step's worth at TP=1, fp32: every parameter's gradient vs HF's, and the update groups carrying
+    every trained tensor to a rollout engine (:mod:`ferrule.conformance.grads`).
+
+    The family's model is built (:data:`TRAIN_STEP_OVERRIDES`) and loaded from the tiny checkpoint ``src`` (default:
+    a fresh :func:`tiny_hf_dir` under ``work_dir``); one backward pass of ``sum(logits * w)`` on the kit's test batch
+    on both sides; megatron's gradients, exported to HF names through the mapping table, must equal HF's (written
+    back to checkpoint names by ``save_pretrained``) within :data:`ferrule.conformance.grads.GRAD_RTOL` relative,
+    every HF tensor; then a real weight sync through the update groups
+    (:func:`ferrule.conformance.grads.check_update_groups_reach_rollout`) must deliver every checkpoint tensor
+    exactly once, bit for bit.
+
+    Args:
+        groups: an update-group table to sync with instead of the family's (tests pass a broken one).
+
+    Returns:
+        ``{"grad_max_rel": float, "grad_worst": str, "grad_tensors": int, "synced_tensors": int}``.
+
+    Raises:
+        AssertionError: naming the worst gradient (and any HF tensor megatron gives no gradient), or the tensors a
+            sync loses, repeats or changes; ``WeightSyncError`` for update groups that do not fit the parameters.
+    """
+    import json
+
+    import torch
+
+    seq_len = seq_len or tiny_test_seq_len(family)
+    src = Path(src) if src is not None else tiny_hf_dir(family, Path(work_dir) / "hf_train")
+    hf_config = json.loads((src / "config.json").read_text())
+    ids = test_token_ids(text_vocab_size(hf_config), seq_len)
+    table = registry.get_converter(family).resolved_mapping()
+    hf = hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
+    with single_rank():
+        (model,) = _build(family, hf_config, config_overrides=dict(TRAIN_STEP_OVERRIDES))
+        load_hf_into_mcore([model], src, table, hf_config=hf_config)
+        model.eval()
+        return _training_step(family, model, hf, hf_config, src, ids, table, groups=groups)
+
+
+def _training_step(family: str, model, hf, hf_config: dict, src: Path, ids, table, *, groups: Any = None) -> dict:
+    """:func:`check_training_step` on a loaded megatron ``model`` (TP=1, inside :func:`single_rank`) and HF model."""
+    mc_grads = mcore_grads(model, family, hf_config, ids, table=table)
+    synced = check_update_groups_reach_rollout([model], family, hf_config, src, groups=groups)
+    result = compare_grads(hf, ids, mc_grads)
+    problem = gradient_problem(result)
+    assert problem is None, (f"{family}: gradients (TP=1, fp32) differ from HF's: {problem}. The logits case checks "
+                             f"the forward pass; suspect a detached or frozen computation, or a custom op's backward.")
+    return {"grad_max_rel": result["max_rel"], "grad_worst": result["worst"], "grad_tensors": result["compared"],
+            "synced_tensors": synced}
 
 
 def check_update_groups_cover_parameters(family: str, *, groups: Any = None) -> int:

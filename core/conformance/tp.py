@@ -15,8 +15,10 @@ wrong ``TPSplit`` shows up as a shape error or wrong numbers), export them back
 kit's test batch (and, for a family with towers and ``tiny_media``, the media prompt of
 :mod:`ferrule.conformance.media`). Rank 0 compares the gathered logits with HF transformers (fp32, ``atol``
 1e-5) and the exported tensors with the source files (bit-exact), and writes
-``{family: {"ok": bool, "logits_max_abs_diff": float | None, "error": str | None}}`` to
-``--out``. One failing family does not stop the others (errors are raised on every rank at the
+``{family: {"ok": bool, "logits_max_abs_diff": float | None, "error": str | None, "train": {...}}}`` to
+``--out``; ``train`` is the training step at the same layout (every parameter's gradient vs HF's after megatron's
+TP gradient finalization, and a weight sync through the update groups delivering every checkpoint tensor:
+:func:`check_family_tp`), ``{"error": text}`` when it fails. One failing family does not stop the others (errors are raised on every rank at the
 same point, so the ranks stay in step).
 """
 
@@ -29,6 +31,9 @@ from pathlib import Path
 
 from ferrule import envs
 from ferrule.conformance import numeric as cn
+from ferrule.conformance.grads import (
+    check_update_groups_reach_rollout, compare_grads, gradient_problem, mcore_grads,
+)
 from ferrule.conformance.media import mcore_media_logits, media_prompt, tiny_media_of
 from ferrule.conformance.numeric import _variant_module
 from ferrule.contract import registry
@@ -77,8 +82,14 @@ def _use_layout(layout) -> None:
     init_distributed(layout)
 
 
-def check_family_tp(family: str, work: Path, *, atol: float) -> float:
-    """Numeric cases for ``family`` at the current TP layout; returns the logits max abs diff (rank 0)."""
+def check_family_tp(family: str, work: Path, *, atol: float, train: dict | None = None) -> float:
+    """Numeric cases for ``family`` at the current TP layout; returns the logits max abs diff (rank 0).
+
+    ``train``: a dict that receives the training step's result on rank 0 (also when a logits case then fails):
+    ``{"grad_max_rel", "grad_worst", "grad_tensors", "synced_tensors"}`` or ``{"error": text}``: every parameter's
+    gradient (after megatron's TP gradient finalization, gathered) vs HF's within
+    :data:`ferrule.conformance.grads.GRAD_RTOL`, and a weight sync through the update groups at this layout
+    delivering every checkpoint tensor (:func:`ferrule.conformance.grads.check_update_groups_reach_rollout`)."""
     import torch
     import torch.distributed as dist
 
@@ -102,7 +113,8 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     table = converter.resolved_mapping()
     build = provider_build(family)
     _use_layout(layout)
-    (model,) = build(hf_config, layout, parallel_output=False)
+    # the training step's build (no auxiliary loss; the logits are the same): TRAIN_STEP_OVERRIDES
+    (model,) = build(hf_config, layout, parallel_output=False, config_overrides=dict(cn.TRAIN_STEP_OVERRIDES))
     load_hf_into_mcore([model], src, table, hf_config=hf_config)
     exported = {name: t.cpu() for name, t in export_mcore_to_hf([model], table, hf_config=hf_config)}
     model.eval()
@@ -111,6 +123,12 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
     ids = cn.test_token_ids(vocab, seq_len)
     with torch.no_grad():
         out = model(ids, torch.arange(seq_len).unsqueeze(0).expand_as(ids), attention_mask=None)[..., :vocab]
+    grads_error = mc_grads = None
+    try:  # collectives on every rank (the TP finalization, the gradient export's gathers, the sync's)
+        mc_grads = mcore_grads(model, family, hf_config, ids, table=table)
+        synced = check_update_groups_reach_rollout([model], family, hf_config, src)
+    except Exception as exc:  # noqa: BLE001 - the training case's result; the logits cases go on
+        grads_error = f"{type(exc).__name__}: {exc}"
     media = tiny_media_of(family, hf_config) if registry.get_towers(family) else None
     if media:  # the towers at TP=2: replicated, their outputs scattered into the vocab-parallel embedding
         towers = towers_for_config(hf_config)
@@ -119,13 +137,16 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
             media_out = mcore_media_logits(model, media_ids, media)[..., :vocab]
     if rank != 0:
         return float("nan")
+    hf = cn.hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
+    if train is not None:
+        train.update(_train_result(family, hf, ids, mc_grads, synced if grads_error is None else None, grads_error,
+                                   _layout_label(layout)))
     reader = SafetensorsReader(src)
     changed = sorted(k for k in reader.keys() if k not in exported or not torch.equal(reader.get(k), exported[k]))
     extra = sorted(set(exported) - set(reader.keys()))
     assert not changed and not extra, (
         f"{family}: HF -> megatron (TP={TP}) -> HF changed {changed[:8]} and added {extra[:8]}: the mapping table's "
         f"TP split (tp= of those rows) or the provider does not round-trip at TP={TP}.")
-    hf = cn.hf_model_class(family, hf_config["model_type"]).from_pretrained(src, use_kernels=False, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         if media:
@@ -139,6 +160,29 @@ def check_family_tp(family: str, work: Path, *, atol: float) -> float:
                                     f"{media_diff:.3g} > {atol} (text-only logits match: suspect the towers' TP handling)")
         diff = max(diff, media_diff)
     return diff
+
+
+def _layout_label(layout) -> str:
+    etp = layout.etp if layout.etp is not None else layout.tp
+    return f"TP={layout.tp}" + (f", expert TP={etp}" if etp != layout.tp else "")
+
+
+def _train_result(family: str, hf, ids, mc_grads: dict | None, synced: int | None, error: str | None,
+                  label: str) -> dict:
+    """Rank 0's training-step result (:func:`check_family_tp`'s ``train``): HF's gradients vs ``mc_grads``."""
+    if error is not None:
+        return {"error": error}
+    try:
+        result = compare_grads(hf, ids, mc_grads)
+    except Exception as exc:  # noqa: BLE001 - HF's backward failing is the case's result
+        return {"error": f"HF backward: {type(exc).__name__}: {exc}"}
+    problem = gradient_problem(result)
+    if problem:
+        return {"error": f"AssertionError: {family}: gradients ({label}, fp32) differ from HF's: {problem}. The logits "
+                         f"match at this layout only if the forward is right; suspect a detached or frozen computation, "
+                         f"a custom op's backward, or a gradient reduction over TP (docs/plugins.md, section 6)."}
+    return {"grad_max_rel": result["max_rel"], "grad_worst": result["worst"], "grad_tensors": result["compared"],
+            "synced_tensors": synced}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(ParallelLayout(tp=TP))
     results: dict[str, dict] = {}
     for family in args.families:
+        train: dict = {}
         try:
-            diff = check_family_tp(family, Path(args.work), atol=args.atol)
+            diff = check_family_tp(family, Path(args.work), atol=args.atol, train=train)
             results[family] = {"ok": True, "logits_max_abs_diff": diff, "error": None}
         except Exception as exc:  # noqa: BLE001 - reported per family; the launch goes on
             results[family] = {"ok": False, "logits_max_abs_diff": None, "error": f"{type(exc).__name__}: {exc}"}
+        results[family]["train"] = train or {"error": "not reached: " + str(results[family]["error"])}
         dist.barrier()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=2))
