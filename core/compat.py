@@ -108,6 +108,9 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
                  "global_param_names", "iter_full", "mapping_context", "agree_padded_vocab", "model_chunks", "plan_gather",
                  "gather_tp", "unwrap")},
     ("ferrule.megatron.weights", "HFAssembler"): "ferrule.mapping:HFAssembler",
+    # ferrule.megatron.cpu_compat re-exported two names of ferrule.megatron.patching
+    **{("ferrule.megatron.cpu_compat", n): f"ferrule.megatron.patching:{n}"
+       for n in ("MEGATRON_CORE_VERSION", "is_cuda_device")},
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},
