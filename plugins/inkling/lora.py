@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from ferrule.lora.appliers import LoraTargetError
 from ferrule.lora.layers import LORA_PARAM_ATTR, attach_adapter
-from ferrule.lora.peft_format import PEFT_PREFIX, copy_factor_plans
+from ferrule.lora.peft_base import PEFT_PREFIX, copy_factor_plans
 from ferrule.mapping import Rename, TPSplit
 from ferrule.megatron.param_gather import BoundParam, iter_full, plan_gather
 
