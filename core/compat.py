@@ -108,6 +108,10 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
                  "global_param_names", "iter_full", "mapping_context", "agree_padded_vocab", "model_chunks", "plan_gather",
                  "gather_tp", "unwrap")},
     ("ferrule.megatron.weights", "HFAssembler"): "ferrule.mapping:HFAssembler",
+    # ferrule.megatron.gpt_builder re-exported the config half it was split from (ferrule.megatron.gpt_config)
+    **{("ferrule.megatron.gpt_builder", n): f"ferrule.megatron.gpt_config:{n}"
+       for n in ("ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_family_layout", "check_layout_fits", "gelu_tanh",
+                 "make_transformer_config", "padded_vocab_size")},
     # ferrule.megatron.cpu_compat re-exported two names of ferrule.megatron.patching
     **{("ferrule.megatron.cpu_compat", n): f"ferrule.megatron.patching:{n}"
        for n in ("MEGATRON_CORE_VERSION", "is_cuda_device")},
