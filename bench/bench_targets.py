@@ -413,7 +413,7 @@ def render(res: dict) -> str:
 
 def record(path: Path, text: str, res: dict, cmd: str) -> None:
     title = "### Issue 40 targets, one run (bench/bench_targets.py)"
-    body = path.read_text()
+    body = path.read_text() if path.exists() else ""  # --out may name a new file (a device run's $OUT)
     head = f"\n\n{title}: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {res['device']}\n\n" \
            f"`{cmd}`\n\n"
     marker = "\n### Multi-LoRA: many tenants"

@@ -172,7 +172,7 @@ def _layout_label(layout_kw: dict) -> str:
 def _config_step(hf_dir: Path, family: str | None, layout_kw: dict):
     """Family, translation and layout check; raises for bad input (exit 2)."""
     from ferrule.config_translation import parse_hf_config
-    from ferrule.megatron.gpt_builder import check_family_layout
+    from ferrule.megatron.gpt_config import check_family_layout
     from ferrule.megatron.parallel import ParallelLayout
 
     if not (hf_dir / "config.json").is_file():

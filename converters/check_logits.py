@@ -28,7 +28,7 @@ from ferrule.conformance.numeric import update_unit_problems
 from ferrule.contract import registry
 from ferrule.megatron.parallel import ParallelLayout, init_distributed
 from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import global_param_names
+from ferrule.megatron.param_gather import global_param_names
 from ferrule.rollout._quantized import dequantized_source
 
 __all__ = ["logits_worker", "SOFTCAP_KEYS"]

@@ -43,10 +43,11 @@ from ferrule.compat import renamed_name
 from ferrule.contract import registry
 from ferrule.fs.output_dir import _ITEMSIZE
 from ferrule.megatron.checkpoint import check_sharded_coverage, copy_hf_side_files, load_sharded, save_sharded
-from ferrule.megatron.gpt_builder import check_family_layout
+from ferrule.megatron.gpt_config import check_family_layout
 from ferrule.megatron.parallel import ParallelLayout, init_distributed
 from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore, unwrap
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore
+from ferrule.megatron.param_gather import unwrap
 
 from .dtypes import _FLOAT_NAMES, _dtype_name, _other_float_dtypes, write_config_dtype
 from ferrule.fs.output_dir import (Notice, disk_full_from, hf_write_bytes, prepare_out, torch_dist_model_bytes,
@@ -86,7 +87,7 @@ def _save_passthrough(reader: SafetensorsReader, table: Any, hf_out: Path) -> in
 
 def _check_layout_before_spawn(family: str, hf_config: dict, layout) -> None:
     """Fail fast (before any worker process starts) when the layout cannot split this model or the family
-    does not support it (:func:`ferrule.megatron.gpt_builder.check_family_layout`)."""
+    does not support it (:func:`ferrule.megatron.gpt_config.check_family_layout`)."""
     translation = registry.get_converter(family).resolved_config_translation()
     tc_kwargs, _ = translation.to_mcore(hf_config)
     check_family_layout(family, tc_kwargs, layout)

@@ -102,6 +102,19 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
     # ferrule.converters.checkpoint re-exported what was split out of it (issue 43: no re-export inside ferrule)
     ("ferrule.converters.checkpoint", "hf_side_files"): "ferrule.megatron.checkpoint:hf_side_files",
     **{("ferrule.converters.checkpoint", n): f"ferrule.fs.output_dir:{n}" for n in ("lock_output", "output_lock")},
+    # ferrule.megatron.weights re-exported layers 1 and 2 (bind, gather) of ferrule.megatron.param_gather and HFAssembler
+    **{("ferrule.megatron.weights", n): f"ferrule.megatron.param_gather:{n}"
+       for n in ("BoundParam", "GatherStep", "ParallelRanks", "agreed_errors", "all_gather_objects", "bind_params",
+                 "global_param_names", "iter_full", "mapping_context", "agree_padded_vocab", "model_chunks", "plan_gather",
+                 "gather_tp", "unwrap")},
+    ("ferrule.megatron.weights", "HFAssembler"): "ferrule.mapping:HFAssembler",
+    # ferrule.megatron.gpt_builder re-exported the config half it was split from (ferrule.megatron.gpt_config)
+    **{("ferrule.megatron.gpt_builder", n): f"ferrule.megatron.gpt_config:{n}"
+       for n in ("ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_family_layout", "check_layout_fits", "gelu_tanh",
+                 "make_transformer_config", "padded_vocab_size")},
+    # ferrule.megatron.cpu_compat re-exported two names of ferrule.megatron.patching
+    **{("ferrule.megatron.cpu_compat", n): f"ferrule.megatron.patching:{n}"
+       for n in ("MEGATRON_CORE_VERSION", "is_cuda_device")},
     # the run folder's layout moved to ferrule.fs.run_layout; ferrule.rl.checkpoints re-exported it
     **{("ferrule.rl.checkpoints", n): f"ferrule.fs.run_layout:{n}"
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},

@@ -126,7 +126,7 @@ def test_attention_sinks_match_float64_padded_and_packed(mcore):
 
 
 def test_gelu_tanh_and_activation_references():
-    from ferrule.megatron.gpt_builder import ACTIVATIONS
+    from ferrule.megatron.gpt_config import ACTIVATIONS
 
     x = torch.linspace(-5, 5, 101)
     ref = 0.5 * x.double() * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x.double() + 0.044715 * x.double() ** 3)))
@@ -196,7 +196,7 @@ def test_custom_layer_spec(mcore, tmp_path):
 
 def test_unknown_options_are_refused(mcore):
     from ferrule.megatron.attention import core_attention_class
-    from ferrule.megatron.gpt_builder import make_transformer_config
+    from ferrule.megatron.gpt_config import make_transformer_config
     from ferrule.megatron.parallel import ParallelLayout
 
     with pytest.raises(ValueError, match="core_attention='flash'"):

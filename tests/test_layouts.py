@@ -58,7 +58,7 @@ def test_layout_support_refuses_in_one_line_naming_degree_values_and_flag():
 
 def test_moe_biases_need_expert_tp_1():
     """megatron-core asserts "Bias in Moe is only supported when ETP==1" inside the build; ferrule says it first."""
-    from ferrule.megatron.gpt_builder import check_layout_fits
+    from ferrule.megatron.gpt_config import check_layout_fits
     from ferrule.megatron.parallel import ParallelLayout, ParallelLayoutError
 
     kw = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2, "num_moe_experts": 4,

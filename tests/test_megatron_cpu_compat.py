@@ -70,10 +70,12 @@ def test_table_covers_every_patch():
 
     assert set(cpu_compat.PATCH_NAMES) | set(te_compat.PATCH_NAMES) == set(EXPECTED_UPSTREAM)
     assert not set(cpu_compat.PATCH_NAMES) & set(te_compat.PATCH_NAMES)
-    assert cpu_compat.MEGATRON_CORE_VERSION == "0.16.1"
+    from ferrule.megatron.patching import MEGATRON_CORE_VERSION
+
+    assert MEGATRON_CORE_VERSION == "0.16.1"
     import megatron.core
 
-    assert megatron.core.__version__ == cpu_compat.MEGATRON_CORE_VERSION, (
+    assert megatron.core.__version__ == MEGATRON_CORE_VERSION, (
         "megatron-core changed: re-run this test file and retire the patches upstream fixed"
     )
 
@@ -127,10 +129,11 @@ def test_apply_is_idempotent_and_revertible():
 def test_type_name_lie_is_scoped():
     """Outside the listed optimizer functions a CPU tensor still reports its true type."""
     from ferrule.megatron import cpu_compat
+    from ferrule.megatron.cpu_compat_literals import _CudaTypeNameMode
 
     cpu_compat.apply()
     assert torch.zeros(2).type() == "torch.FloatTensor"
-    with cpu_compat._CudaTypeNameMode():
+    with _CudaTypeNameMode():
         assert torch.zeros(2).type() == "torch.cuda.FloatTensor"
         assert torch.zeros(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
     assert torch.zeros(2).type() == "torch.FloatTensor"

@@ -177,7 +177,7 @@ def test_parallel_layout_validation():
 
 
 def test_padded_vocab_size():
-    from ferrule.megatron.gpt_builder import padded_vocab_size
+    from ferrule.megatron.gpt_config import padded_vocab_size
 
     assert padded_vocab_size(151936, 1) == 151936 == padded_vocab_size(151936, 8)
     assert padded_vocab_size(1000, 2) == 1024

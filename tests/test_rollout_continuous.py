@@ -174,6 +174,26 @@ def test_fused_sampler_draws_what_multinomial_draws():
         torch.testing.assert_close(lp[same], ref_lp[same], atol=1e-5, rtol=0)
 
 
+def test_a_plain_forward_after_the_engine_switched_attention_is_hf_sdpa():
+    """On CUDA the engine switches its model to the decode attention for good; the service then scores
+    prompt logprobs with a plain ``engine.model(ids)`` (no mask: transformers passes none for an unpadded
+    causal batch). That forward must be HF's SDPA forward, not an error (found on an H100: every
+    ``prompt_logprobs`` request of ``ferrule serve`` failed in opaque_sdpa)."""
+    from ferrule.rollout._static_cache import use_opaque_sdpa
+
+    model = tiny_qwen3(seed=3)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert use_opaque_sdpa(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, atol=0, rtol=0)
+    model.train()
+    model.config.attention_dropout = 0.0
+    out = model(ids).logits   # training-mode forward (autograd, dropout argument 0.0 in train mode)
+    torch.testing.assert_close(out.detach(), ref, atol=1e-6, rtol=0)
+
+
 def test_opaque_sdpa_equals_hf_sdpa_eager_and_compiled():
     """The decode attention the engine installs for compiled decoding computes what HF's SDPA
     attention computes (a boolean 4-D mask, GQA), eagerly, with autograd, and inside one

@@ -115,7 +115,7 @@ def export_adapter(ckpt: str | Path, out: str | Path, *, base_model: str | None 
 
 def _peft_module_of(key: str) -> str:
     """HF module path of a PEFT tensor key (``base_model.model.M[.base_layer...].lora_A.weight`` -> ``M``)."""
-    from ferrule.lora.peft_format import PEFT_PREFIX
+    from ferrule.lora.peft_base import PEFT_PREFIX
 
     path = key.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0]
     while path.endswith(".base_layer"):
@@ -173,7 +173,8 @@ def settings_from_peft_config(config: dict, tensors: dict | None = None):
             ``exclude_modules``, ``use_dora``, ``rank_pattern``, ``modules_to_save``, ``bias``, ...).
     """
     from ferrule.lora.appliers import peft_name_matches
-    from ferrule.lora.peft_format import AdapterFormatError, unsupported_peft_options
+    from ferrule.lora.peft_base import AdapterFormatError
+    from ferrule.lora.peft_format import unsupported_peft_options
     from ferrule.lora.settings import LoraSettings
 
     bad = unsupported_peft_options(config)

@@ -41,7 +41,8 @@ from ferrule.mapping import MappingContext
 from ferrule.megatron import parallel
 from ferrule.megatron.parallel import ParallelLayout
 from ferrule.megatron.provider import provider_build
-from ferrule.megatron.weights import export_mcore_to_hf, global_param_names, load_hf_into_mcore, unwrap
+from ferrule.megatron.weights import export_mcore_to_hf, load_hf_into_mcore
+from ferrule.megatron.param_gather import global_param_names, unwrap
 from ferrule.sync.groups import UpdateGroupError, as_group_table, build_update_units
 
 __all__ = ["tiny_hf_config", "tiny_hf_dir", "check_round_trip", "check_mapping_covers_provider",

@@ -94,7 +94,7 @@ def check_family_tp(family: str, work: Path, *, atol: float, train: dict | None 
     import torch.distributed as dist
 
     from ferrule.media import hf_media_inputs, towers_for_config
-    from ferrule.megatron.gpt_builder import check_family_layout
+    from ferrule.megatron.gpt_config import check_family_layout
 
     rank = dist.get_rank()
     src = work / family / "hf"

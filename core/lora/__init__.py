@@ -24,7 +24,7 @@ __all__ = ["ALL_TARGETS", "MAX_LORA_RANK", "LoraSettings", "apply_lora", "adapte
 _LAZY = {
     "apply_lora": "ferrule.lora.model", "adapter_entries": "ferrule.lora.model",
     "hf_adapter_state_dict": "ferrule.lora.peft_format", "peft_config": "ferrule.lora.peft_format",
-    "load_hf_adapter": "ferrule.lora.peft_format", "AdapterFormatError": "ferrule.lora.peft_format",
+    "load_hf_adapter": "ferrule.lora.peft_format", "AdapterFormatError": "ferrule.lora.peft_base",
     "read_peft_dir": "ferrule.lora.peft_format", "LoraTargetError": "ferrule.lora.appliers",
     "settings_from_peft_config": "ferrule.cli.lora", "checkpoint_settings": "ferrule.lora.settings",
 }

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from .model import adapter_params
 from .peft_format import hf_adapter_state_dict, load_hf_adapter, peft_config, read_peft_dir
-from ferrule.megatron.weights import all_gather_objects
+from ferrule.megatron.param_gather import all_gather_objects
 
 __all__ = ["lora_save_payload", "lora_load_payload", "LoraLayoutError", "LORA_FORMAT", "PEFT_WEIGHTS", "PEFT_CONFIG",
            "RANKS_FILE"]

@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["LoraAdapter", "LORA_PARAM_ATTR", "attach_adapter", "adapters_of", "is_adapter_param", "is_adapter_module"]
 
-#: attribute set (True) on every adapter parameter; :func:`ferrule.megatron.weights.bind_params` skips them
+#: attribute set (True) on every adapter parameter; :func:`ferrule.megatron.param_gather.bind_params` skips them
 LORA_PARAM_ATTR = "is_lora_adapter"
 
 

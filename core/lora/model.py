@@ -8,7 +8,7 @@ from .appliers import ApplyContext, LoraTargetError, appliers_for, peft_name_mat
 from .peft_base import peft_naming_table
 from ferrule.contract.specs import resolve_ref
 from ferrule.mapping import MappingContext
-from ferrule.megatron.weights import agreed_errors, all_gather_objects, global_param_names, model_chunks
+from ferrule.megatron.param_gather import agreed_errors, all_gather_objects, global_param_names, model_chunks
 
 __all__ = ["AdapterEntry", "apply_lora", "adapter_entries", "adapter_params"]
 

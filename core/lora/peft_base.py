@@ -2,8 +2,7 @@
 naming table, the final copy of a load, and the error type.
 
 :mod:`ferrule.lora.peft_format` (linear modules, engine-level API) and
-:mod:`ferrule.lora.peft_experts` (routed experts) both build on it; they are re-exported from
-``peft_format``.
+:mod:`ferrule.lora.peft_experts` (routed experts) both build on it.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ class ExportContext:
 
     Attributes:
         table: the family's mapping table; mapping: its context with the padded vocabulary.
-        ranks: :class:`ferrule.megatron.weights.ParallelRanks` of this rank.
+        ranks: :class:`ferrule.megatron.param_gather.ParallelRanks` of this rank.
     """
 
     table: Any

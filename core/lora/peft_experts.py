@@ -18,7 +18,7 @@ from typing import Any
 from ferrule.mapping import MappingError, TPSplit, Rename, StackExperts
 
 from .peft_base import PEFT_PREFIX, ExportContext, copy_factor_plans
-from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
+from ferrule.megatron.param_gather import BoundParam, iter_full, plan_gather
 
 __all__ = ["EXPERT_PARAMS", "export_routed", "load_routed", "expert_module"]
 

@@ -30,21 +30,21 @@ from typing import Any
 
 from ferrule.mapping import MappingError, TPSplit
 
-from .peft_base import (PEFT_PREFIX, AdapterFormatError, ExportContext, _factor_mappings, _hf_modules,  # noqa: F401
+from .peft_base import (PEFT_PREFIX, AdapterFormatError, ExportContext, _factor_mappings, _hf_modules,
                         copy_factor_plans, peft_naming_table)
 from .appliers import appliers_for
 from .model import adapter_entries
 from .peft_experts import EXPERT_PARAMS
 from ferrule.contract.specs import LORA_KINDS, resolve_ref
-from ferrule.megatron.weights import (BoundParam, ParallelRanks, agree_padded_vocab, agreed_errors, all_gather_objects,
-                                      bind_params, iter_full, mapping_context, model_chunks, plan_gather)
+from ferrule.megatron.param_gather import (BoundParam, ParallelRanks, agree_padded_vocab, agreed_errors,
+                                           all_gather_objects, bind_params, iter_full, mapping_context, model_chunks,
+                                           plan_gather)
 
-__all__ = ["PEFT_PREFIX", "export_linear", "load_linear", "hf_adapter_state_dict", "peft_config", "load_hf_adapter",
-           "AdapterFormatError", "adapter_index_map", "ExportContext", "copy_factor_plans", "peft_naming_table"]
+__all__ = ["export_linear", "load_linear", "hf_adapter_state_dict", "peft_config", "load_hf_adapter", "adapter_index_map"]
 
 def _linear_plan(entries: Sequence[Any], ctx: ExportContext) -> tuple[dict, dict, list]:
     """``(bound factors, per-module mapping meta, gather steps)`` of :func:`export_linear`, memoised in
-    ``ctx.cache`` (collective the first time: :func:`~ferrule.megatron.weights.plan_gather`)."""
+    ``ctx.cache`` (collective the first time: :func:`~ferrule.megatron.param_gather.plan_gather`)."""
     key = ("linear", tuple((e.global_name, id(e.adapter.lora_A), id(e.adapter.lora_B)) for e in entries))
     if key in ctx.cache:
         return ctx.cache[key]

@@ -43,7 +43,7 @@ class MappingTable:
 
     Names given to the table are *global* mcore names: layer index counted over the whole
     model (PP offset added) and expert index global (EP offset added); see
-    :func:`ferrule.megatron.weights.global_param_names`.
+    :func:`ferrule.megatron.param_gather.global_param_names`.
     """
 
     family: str

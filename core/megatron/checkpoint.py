@@ -64,7 +64,7 @@ from ferrule.fs.integrity import record_checksums, verify_checksums
 from .ckpt_writer import in_process_writer
 from .optim import adam_step_count, init_adam_state, inner_optimizers, set_adam_step
 from ferrule.formats.safetensors_io import CheckpointError
-from ferrule.megatron.weights import unwrap
+from ferrule.megatron.param_gather import unwrap
 
 __all__ = ["ENGINE_STATE_FILE", "DISTOPT_SHARDING", "HF_WEIGHT_PATTERNS", "HF_SIDE_DIRS", "hf_side_files", "copy_hf_side_files", "save_training_state", "load_training_state", "frozen_fingerprint",
            "model_sharded_state_dict", "rng_state", "set_rng_state", "save_sharded", "load_sharded",

@@ -27,16 +27,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .cpu_compat_literals import (  # noqa: F401  (re-exported: part of this table)
-    OPTIMIZER_LITERAL_MODULES, OPTIMIZER_TYPE_CHECK_SITES, _CudaIsIdentityMode, _CudaTypeNameMode,
-    patch_causal_mask_device_literal, patch_embedding_group_cuda, patch_optimizer_device_literals,
-    patch_optimizer_type_checks, patch_schedules_device_literal)
-from .patching import MEGATRON_CORE_VERSION  # noqa: F401  (re-exported)
-from .patching import is_cuda_device  # noqa: F401  (re-exported)
+from ferrule.compat import renamed_name
+
+from .cpu_compat_literals import (patch_causal_mask_device_literal, patch_embedding_group_cuda,
+                                  patch_optimizer_device_literals, patch_optimizer_type_checks,
+                                  patch_schedules_device_literal)
 from .patching import set_attr as _set
 from .patching import PatchSet
 
-__all__ = ["Patch", "PATCHES", "MEGATRON_CORE_VERSION", "apply", "revert", "applied", "is_cuda_device"]
+__all__ = ["Patch", "PATCHES", "apply", "revert", "applied"]
+
+
+def __getattr__(name: str):
+    # MEGATRON_CORE_VERSION / is_cuda_device (ferrule.megatron.patching) were re-exported here; ferrule.compat lists them
+    return renamed_name(__name__, name)
 
 
 # ----------------------------------------------------------------------------------------

@@ -175,7 +175,7 @@ class TrainEngine:
             if self.settings.use_distributed_optimizer:
                 raise ValueError("LoRA uses the non-distributed optimizer (adapter state is small and is saved per "
                                  "rank); set OptimizerSettings(use_distributed_optimizer=False).")
-            from .weights import unwrap
+            from .param_gather import unwrap
 
             lora.apply_to([unwrap(c) for c in chunks], family=family, table=mapping_table, hf_config=self.hf_config)
         config = get_model_config(chunks[0])

@@ -3,7 +3,8 @@
 Usage (what family providers and converters call)::
 
     from ferrule.megatron.parallel import ParallelLayout, init_distributed
-    from ferrule.megatron.gpt_builder import build_from_hf_config, padded_vocab_size
+    from ferrule.megatron.gpt_builder import build_from_hf_config
+    from ferrule.megatron.gpt_config import padded_vocab_size
     from ferrule.plugins.qwen.qwen3 import CONFIG_TRANSLATION
 
     layout = ParallelLayout(tp=2)
@@ -30,7 +31,7 @@ Usage (what family providers and converters call)::
   ``core_attention='local'`` (megatron's ``DotProductAttention``).
 
 The signatures of :func:`build_gpt_model`, :func:`build_from_hf_config` and
-:func:`padded_vocab_size` are stable API.
+:func:`ferrule.megatron.gpt_config.padded_vocab_size` are stable API.
 """
 
 from __future__ import annotations
@@ -39,28 +40,21 @@ from typing import Any, Mapping
 
 import torch
 
+from ferrule.compat import renamed_name
+
 from ..config_translation import ConfigTranslation, ConfigTranslationError
-from .gpt_config import (  # noqa: F401  (re-exported: stable API of this module)
-    ACTIVATIONS,
-    DEFAULT_VOCAB_DIVISIBLE_BY,
-    check_family_layout,
-    check_layout_fits,
-    gelu_tanh,
-    make_transformer_config,
-    padded_vocab_size,
-)
+from .gpt_config import DEFAULT_VOCAB_DIVISIBLE_BY, make_transformer_config, padded_vocab_size
 from .option_names import BUILDER_READ_OPTIONS, DEPRECATED_OPTION_NAMES, MODEL_OPTION_KEYS
 from .parallel import ParallelLayout
 from .device import get_backend
 
-__all__ = [
-    "padded_vocab_size",
-    "build_gpt_model",
-    "build_from_hf_config",
-    "make_transformer_config",
-    "ACTIVATIONS",
-    "DEFAULT_VOCAB_DIVISIBLE_BY",
-]
+__all__ = ["build_gpt_model", "build_from_hf_config"]
+
+
+def __getattr__(name: str):
+    # the config half (ferrule.megatron.gpt_config) was re-exported here; ferrule.compat lists the old names
+    return renamed_name(__name__, name)
+
 
 def build_gpt_model(
     config,

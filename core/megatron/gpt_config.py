@@ -3,7 +3,7 @@
 
 Import-light (megatron is imported inside :func:`make_transformer_config` only), so converters and
 the conformance kit can check a layout before spawning processes. :mod:`ferrule.megatron.gpt_builder`
-re-exports every name here; its docstring has the usage.
+builds the model from it; its docstring has the usage.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ weight sync. Its layers, each usable on its own:
    groups, named by the owning rank); at PP > 1 every stage's tensors are broadcast over the
    pipeline group from their stage, in stage order.
 3. **assemble**: full mcore tensors -> HF tensors through the family's table
-   (:class:`~ferrule.mapping.HFAssembler`, re-exported here).
+   (:class:`~ferrule.mapping.HFAssembler`).
 
 On top of them: :func:`load_hf_into_mcore` (HF checkpoint -> live shards) and
 :func:`export_mcore_to_hf` (live shards -> full HF tensors). Weight sync
@@ -23,7 +23,7 @@ On top of them: :func:`load_hf_into_mcore` (HF checkpoint -> live shards) and
 :func:`iter_full` yields; the converters (:mod:`ferrule.converters`) wrap load/export with
 checkpoint I/O.
 
-Layers 1 and 2 live in :mod:`ferrule.megatron.param_gather` (re-exported here). Importing this
+Layers 1 and 2 live in :mod:`ferrule.megatron.param_gather`. Importing this
 module imports no torch (functions import it when called).
 """
 
@@ -33,35 +33,22 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ferrule.mapping import HFAssembler, MappingContext, MappingError, MappingTable  # noqa: F401  (HFAssembler re-exported)
+from ferrule.compat import renamed_name
+from ferrule.mapping import HFAssembler, MappingContext, MappingError, MappingTable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-# layers 1 and 2 (bind, gather), importable from here as before the split
-from .param_gather import (  # noqa: F401
-    _EXPERT_RE, _LAYER_RE, BoundParam, GatherStep, ParallelRanks, _dist, _ps, agree_padded_vocab, agreed_errors,
-    all_gather_objects, bind_params, gather_tp, global_param_names, iter_full, mapping_context, model_chunks,
-    plan_gather, unwrap)
+from .param_gather import (BoundParam, ParallelRanks, agree_padded_vocab, agreed_errors, all_gather_objects, bind_params,
+                           iter_full, mapping_context, plan_gather, unwrap)
 from ferrule.formats.quantized_weights import open_hf_weights
 
-__all__ = [
-    "BoundParam",
-    "GatherStep",
-    "HFAssembler",
-    "ParallelRanks",
-    "agreed_errors",
-    "all_gather_objects",
-    "bind_params",
-    "export_mcore_to_hf",
-    "global_param_names",
-    "iter_full",
-    "load_hf_into_mcore",
-    "mapping_context",
-    "model_chunks",
-    "plan_gather",
-    "unwrap",
-]
+__all__ = ["export_mcore_to_hf", "load_hf_into_mcore"]
+
+
+def __getattr__(name: str):
+    # layers 1 and 2 (bind, gather) and HFAssembler were re-exported here; ferrule.compat lists the old names
+    return renamed_name(__name__, name)
 
 
 # ---------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def layout_of(cfg: RLConfig) -> Any:
 
 
 def _family_layout_problem(cfg: RLConfig, hf_config: Mapping[str, Any]) -> str | None:
-    """The one-line refusal of :func:`ferrule.megatron.gpt_builder.check_family_layout` for ``parallel.*`` (the
+    """The one-line refusal of :func:`ferrule.megatron.gpt_config.check_family_layout` for ``parallel.*`` (the
     family's declared ``layouts``, MoE biases at expert TP > 1), or None; a config the family cannot translate
     is reported elsewhere."""
     try:
@@ -87,7 +87,7 @@ def _family_layout_problem(cfg: RLConfig, hf_config: Mapping[str, Any]) -> str |
         tc_kwargs, _ = registry.get_converter(family).resolved_config_translation().to_mcore(dict(hf_config))
     except Exception:  # noqa: BLE001 - an unknown family / untranslatable config has its own error
         return None
-    from ferrule.megatron.gpt_builder import check_family_layout
+    from ferrule.megatron.gpt_config import check_family_layout
 
     try:
         check_family_layout(family, tc_kwargs, layout_of(cfg))

@@ -366,12 +366,16 @@ def opaque_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     ``sdpa_attention_forward`` computes it with a mask (``repeat_kv``, then SDPA; no dropout at
     inference, ``is_causal`` False because the mask is explicit).
 
-    Raises:
-        ValueError: no mask, or dropout > 0 (training), which this decode-only function does not do.
+    Any other call is a plain forward of the engine's model outside the engine's decode step (the
+    service's prompt logprobs and logprob extras, a user's own ``engine.model(ids)``): with no mask
+    (transformers passes none for an unpadded causal batch) or with dropout, it is transformers'
+    own ``sdpa_attention_forward``, so the model computes exactly what it computed as ``"sdpa"``.
     """
     if attention_mask is None or dropout > 0.0:
-        raise ValueError("opaque_sdpa is the embedded engine's decode attention; it needs an explicit mask and "
-                         "no dropout.")
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _sdpa_with_repeat_kv(query, key, value, attention_mask, scaling), None  # autograd: not through the op
     return torch.ops.ferrule.decode_sdpa(query, key, value, attention_mask, scaling), None

@@ -5,7 +5,7 @@ TP/EP/PP gather), and so is the HF assembly (:class:`ferrule.mapping.HFAssembler
 stages, each usable on its own:
 
 1. :func:`plan_sync` (no data moved except small metadata objects): this rank's parameters get
-   global names (:func:`ferrule.megatron.weights.bind_params`), a mapping-table entry
+   global names (:func:`ferrule.megatron.param_gather.bind_params`), a mapping-table entry
    each and an update unit each (:func:`ferrule.sync.groups.build_update_units`); errors are
    agreed across all ranks before any tensor collective, so a bad table raises everywhere and
    nothing is sent.
@@ -39,16 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ferrule.mapping import HFAssembler, MappingContext, MappingError, MappingTable
-from ferrule.megatron.weights import (
-    BoundParam,
-    GatherStep,
-    ParallelRanks,
-    agreed_errors,
-    bind_params,
-    iter_full,
-    mapping_context,
-    plan_gather,
-)
+from ferrule.megatron.param_gather import (BoundParam, GatherStep, ParallelRanks, agreed_errors, bind_params, iter_full,
+                                           mapping_context, plan_gather)
 from ferrule.contract.specs import UpdateGroup, UpdateGroupTable
 from ferrule.sync.groups import UpdateGroupError, UpdateUnit, build_update_units, is_routed_expert_param
 
@@ -123,7 +115,7 @@ class SyncPlan:
 
     Attributes:
         steps: per pipeline stage, the ordered gather steps, one per update unit
-            (:class:`ferrule.megatron.weights.GatherStep`, same on every rank of a pipeline group).
+            (:class:`ferrule.megatron.param_gather.GatherStep`, same on every rank of a pipeline group).
         dense_on / expert_on: whether this rank takes part in dense / routed-expert steps.
         ctx: the mapping context (``padded_vocab_size`` read off the live embedding).
         table: the family's mapping table.
@@ -230,7 +222,7 @@ def iter_full_units(plan: SyncPlan) -> Iterator[FullUnit]:
     0 (dense units) or expert-data-parallel replica 0 (routed units) skip those steps and do
     not yield them; global rank 0 yields every unit of the model. Tensors are on the
     parameters' device, in the parameter dtype, detached (they may alias live parameters:
-    copy before modifying). The collectives are :func:`ferrule.megatron.weights.iter_full`'s.
+    copy before modifying). The collectives are :func:`ferrule.megatron.param_gather.iter_full`'s.
     """
     for key, names, tensors in iter_full(plan.steps, plan.params, plan.ranks, dense=plan.dense_on,
                                          routed=plan.expert_on):

@@ -21,7 +21,7 @@ stale). The rules (miles ``AtomicUpdateGroup`` semantics, reference/miles_study.
   process groups), see :func:`is_routed_expert_param`.
 
 Names are *global* mcore names (layer index over the whole model, global expert index), as
-produced by :func:`ferrule.megatron.weights.global_param_names`. Importing this module
+produced by :func:`ferrule.megatron.param_gather.global_param_names`. Importing this module
 imports no torch.
 """
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from ferrule.lora.appliers import LoraTargetError
 from ferrule.lora.layers import LORA_PARAM_ATTR, attach_adapter
-from ferrule.lora.peft_format import PEFT_PREFIX, copy_factor_plans
+from ferrule.lora.peft_base import PEFT_PREFIX, copy_factor_plans
 from ferrule.mapping import Rename, TPSplit
-from ferrule.megatron.weights import BoundParam, iter_full, plan_gather
+from ferrule.megatron.param_gather import BoundParam, iter_full, plan_gather
 
 __all__ = ["apply_attention", "apply_shared_experts", "export_shared_experts", "load_shared_experts",
            "StackedLoraAdapter", "SHARED_PARAMS"]

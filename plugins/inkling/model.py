@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 import torch
 from ferrule.megatron.device import get_backend
-from ferrule.megatron.gpt_builder import (check_layout_fits, make_transformer_config, mark_tensor_parallel_params,
-                                          padded_vocab_size)
+from ferrule.megatron.gpt_builder import mark_tensor_parallel_params
+from ferrule.megatron.gpt_config import check_layout_fits, make_transformer_config, padded_vocab_size
 
 __all__ = ["build_inkling_model", "inkling_layer_spec", "check_inkling_layout"]
 

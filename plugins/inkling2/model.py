@@ -25,8 +25,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from ferrule.megatron.device import get_backend
 from ferrule.megatron.extensions import install_output_hooks
-from ferrule.megatron.gpt_builder import (check_layout_fits, make_transformer_config, mark_tensor_parallel_params,
-                                          padded_vocab_size)
+from ferrule.megatron.gpt_builder import mark_tensor_parallel_params
+from ferrule.megatron.gpt_config import check_layout_fits, make_transformer_config, padded_vocab_size
 from ferrule.plugins.inkling2.layers import (Inkling2Attention, Inkling2BlockAttentionResidual, Inkling2NormedEmbedding,
                                              Inkling2RMSNorm, Inkling2ShortConv)
 from ferrule.plugins.inkling2.moe import Inkling2Experts, Inkling2MoELayer, Inkling2Router

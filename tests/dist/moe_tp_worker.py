@@ -42,7 +42,8 @@ def main(work: Path) -> None:
     from ferrule.megatron.engine import TrainEngine
     from ferrule.megatron.parallel import ParallelLayout, destroy_distributed
     from ferrule.megatron.towers import embed_with_media
-    from ferrule.megatron.weights import export_mcore_to_hf, unwrap
+    from ferrule.megatron.weights import export_mcore_to_hf
+    from ferrule.megatron.param_gather import unwrap
 
     results = {}
     split = moe.token_split_group

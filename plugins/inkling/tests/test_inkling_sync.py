@@ -15,7 +15,7 @@ def _names(overrides):
     from transformers import InklingTextConfig
 
     from ferrule.conformance.numeric import single_rank
-    from ferrule.megatron.weights import global_param_names
+    from ferrule.megatron.param_gather import global_param_names
     from ferrule.megatron.parallel import ParallelLayout
     from ferrule.plugins.inkling.inkling_text import TINY_HF_CONFIG, build_provider
 
