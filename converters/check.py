@@ -42,10 +42,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
 from ferrule.contract import registry
 from ferrule.contract.specs import DEFAULT_PROVIDER_BUILD
-
-from ferrule.conformance.grads import GRAD_RTOL
 
 __all__ = ["CheckRow", "CheckReport", "run_check", "EXIT_OK", "EXIT_MISMATCH", "EXIT_BAD_INPUT",
            "EXIT_PLUGIN_CRASH"]
@@ -313,6 +312,10 @@ def _gradient_row(report: CheckReport, result: dict, label: str) -> None:
     """The ``gradients`` row: every parameter's gradient of ``sum(logits * w)`` vs HF's (fp32), within
     :data:`~ferrule.conformance.grads.GRAD_RTOL` relative (the train engine tests' bound; the conformance kit's
     training-step case uses the same comparison, :mod:`ferrule.conformance.grads`)."""
+    # here, not at the top: `ferrule --help` imports this module, and the gradient module brings the sync and
+    # LoRA packages (27 modules more at start)
+    from ferrule.conformance.grads import GRAD_RTOL
+
     step = f"gradients ({label}, fp32)"
     if result.get("gradient_error"):
         report.rows.append(CheckRow(step, "FAIL", result["gradient_error"]))

@@ -112,6 +112,8 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
     **{("ferrule.megatron.gpt_builder", n): f"ferrule.megatron.gpt_config:{n}"
        for n in ("ACTIVATIONS", "DEFAULT_VOCAB_DIVISIBLE_BY", "check_family_layout", "check_layout_fits", "gelu_tanh",
                  "make_transformer_config", "padded_vocab_size")},
+    # ferrule.megatron.towers re-exported the media format's error and check
+    **{("ferrule.megatron.towers", n): f"ferrule.media:{n}" for n in ("MediaError", "check_media")},
     # ferrule.megatron.cpu_compat re-exported two names of ferrule.megatron.patching
     **{("ferrule.megatron.cpu_compat", n): f"ferrule.megatron.patching:{n}"
        for n in ("MEGATRON_CORE_VERSION", "is_cuda_device")},

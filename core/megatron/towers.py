@@ -32,10 +32,16 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ferrule.media import MediaError, check_media  # noqa: F401  (re-exported)
+from ferrule.compat import renamed_name
 from ferrule.contract.specs import resolve_ref
 
-__all__ = ["MediaError", "attach_towers", "embed_with_media", "towers_of", "check_media"]
+__all__ = ["attach_towers", "embed_with_media", "towers_of"]
+
+
+def __getattr__(name: str):
+    # MediaError / check_media are ferrule.media's (re-exported here before); ferrule.compat lists the old names
+    return renamed_name(__name__, name)
+
 
 #: attribute of the first-stage ``GPTModel`` holding the ``ModuleDict`` of towers
 TOWERS_ATTR = "towers"

@@ -84,7 +84,7 @@ from ferrule.rl.stages import advantages, checkpoint, dynamic_sampling, record, 
 from ferrule.rl.stages import train as train_stage
 from ferrule.rl.stages.record import SAMPLES_FILE
 from ferrule.rl.stages.rollout import prompt_token_ids
-from ferrule.rl.stages.score import MAX_SHOWN_REWARD_FAILURES, Scorer, check_reward_functions  # noqa: F401
+from ferrule.rl.stages.score import Scorer, check_reward_functions
 from ferrule.rl.stages.sync import sync_policy
 from ferrule.contract import registry
 from ferrule.megatron.parallel import ParallelLayout, init_distributed

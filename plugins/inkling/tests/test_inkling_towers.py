@@ -147,7 +147,7 @@ def test_bad_media_is_refused_naming_the_datum(tmp_path):
 
     from ferrule.conformance.numeric import single_rank
     from ferrule.megatron.engine import TrainEngine
-    from ferrule.megatron.towers import MediaError
+    from ferrule.media import MediaError
 
     pixel_values, dmel = tiny_media()
     ids = _prompt(pixel_values.shape[0], dmel.shape[0])
