@@ -201,6 +201,7 @@ class FamilyConformance:
         Computed by :meth:`tp1_results` (the same fresh interpreter as the other TP=1 cases).
         """
         _skip_without_numeric_parts(ferrule_family)
+        _skip_without_update_groups(ferrule_family)
         result = tp1_results[ferrule_family]["train"]
         if "skip" in result:
             pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
@@ -293,6 +294,7 @@ class FamilyConformance:
         """The training step at the TP=2 layout (:func:`ferrule.conformance.tp.check_family_tp`): gradients after
         megatron's TP gradient finalization, gathered, == HF's; the weight sync at TP=2 delivers every tensor."""
         _skip_without_numeric_parts(ferrule_family)
+        _skip_without_update_groups(ferrule_family)
         result = tp2_results.get(ferrule_family)
         if result is None:
             pytest.skip(f"{ferrule_family}: no TINY_HF_CONFIG in its provider module (see docs/plugins.md)")
@@ -326,6 +328,14 @@ def _skip_without_numeric_parts(family: str) -> None:
     if family not in reg.converters or family not in reg.providers:
         spec = reg.get_family(family)
         pytest.skip(f"{family} registers no converter/provider yet ({spec.status.name}: {spec.reason})")
+
+
+def _skip_without_update_groups(family: str) -> None:
+    """The training step syncs through the family's update groups: a family without them (STRUCTURAL) is skipped."""
+    reg = registry.get_registry()
+    if family not in reg.update_groups:
+        spec = reg.get_family(family)
+        pytest.skip(f"{family} registers no update groups yet ({spec.status.name}: {spec.reason})")
 
 
 _RANK_PREFIX = re.compile(r"^(\[(?:rank|default)\d*\]:\s?)+")
