@@ -150,6 +150,9 @@ def test_gptoss_passes_check_with_gradients_and_each_planted_mistake_is_localise
 
     with environment(dict(env, FERRULE_GPTOSS_FIXTURE_BUG=GRADIENT_BUG)):  # the kit's TP=1 training-step case
         _assert_kit_refuses(_run(lambda: cn.check_training_step("gpt_oss", hf.parent / "kit", src=hf)), "tp1")
+    with environment(dict(env, FERRULE_GPTOSS_FIXTURE_BUG="groups")):  # its weight sync: the sinks would stay stale
+        lost = _run(lambda: cn.check_training_step("gpt_oss", hf.parent / "kit_groups", src=hf))["error"]
+    assert lost.startswith("WeightSyncError: ") and "core_attention.softmax_offset (layer 0 attention)" in lost, lost
     groups = _rows(reports["groups"])["update groups"][1]
     assert "decoder.layers.0.self_attention.core_attention.softmax_offset (layer 0 attention)" in groups, groups
     assert "decoder.layers.0.mlp.router.bias (layer 0 mlp)" in _rows(reports["bias"])["convert"][1]
