@@ -22,7 +22,7 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["MOVED_MODULES", "RENAMED_NAMES", "install", "renamed_name"]
+__all__ = ["MOVED_MODULES", "PUBLIC_FACADES", "RENAMED_NAMES", "install", "renamed_name"]
 
 #: old module path -> new module path (issue 43: the top of core/ grouped by concept).
 MOVED_MODULES: dict[str, str] = {
@@ -122,6 +122,14 @@ RENAMED_NAMES: dict[tuple[str, str], str] = {
        for n in ("LOOP_STATE_FILE", "RunCheckpointError", "find_run_checkpoint", "list_checkpoints")},
 }
 
+
+#: Public facades: modules that re-export, on purpose and without a warning, names defined in the modules they
+#: were split into, because users import them there (documented paths, not compatibility names). ferrule's own
+#: code imports each name from the module that defines it.
+PUBLIC_FACADES: dict[str, tuple[str, ...]] = {
+    # the config API of `ferrule train` (docs/train.md: load_config, RLConfig, ConfigError, the section classes)
+    "ferrule.rl.config": ("ferrule.rl.config_schema", "ferrule.rl.config_types", "ferrule.fs.run_layout"),
+}
 
 def _warn(message: str, skip: int = 0) -> None:
     # point the warning at the importing code: past this module's frames and ``skip`` more (a

@@ -299,6 +299,31 @@ def test_no_ferrule_code_imports_an_old_path():
     assert found == []
 
 
+
+def test_no_ferrule_code_takes_a_name_through_a_public_facade():
+    """A public facade (ferrule.compat.PUBLIC_FACADES) re-exports names of the modules it was split into for
+    users; ferrule itself imports each such name from the module that defines it, so no split module stays
+    importable under its old name only for ferrule's sake."""
+    from ferrule.compat import PUBLIC_FACADES
+
+    re_exported = set()
+    for facade, sources in PUBLIC_FACADES.items():
+        path = ROOT / "core" / Path(*facade.split(".")[1:]).with_suffix(".py")
+        names = {name for name, _ in _imported_names(facade, path)}
+        got = {f"{facade}.{name.rsplit('.', 1)[1]}" for name in names if name.rsplit(".", 1)[0] in sources}
+        assert got, f"{facade} re-exports nothing of {sources}: drop it from PUBLIC_FACADES"
+        re_exported |= got
+    found = []
+    for folder in ("core", "converters", "plugins"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "tests" in path.relative_to(ROOT).parts:
+                continue
+            prefix = ("ferrule",) if folder == "core" else ("ferrule", folder)
+            module = ".".join(prefix + path.relative_to(ROOT / folder).with_suffix("").parts)
+            found += [f"{path.relative_to(ROOT)}:{line} imports {name}"
+                      for name, line in _imported_names(module, path) if name in re_exported]
+    assert found == []
+
 def test_old_paths_are_the_moved_modules_with_a_warning():
     """Each old module path of ferrule.compat imports the new module itself (one object) and warns,
     naming the new path; a renamed attribute warns and is the new object."""

@@ -89,7 +89,8 @@ def parse_engine_settings(items: list[str]) -> dict[str, Any]:
     Raises:
         ValueError: every bad item at once, each naming the key and what it expects.
     """
-    from ferrule.rl.config import ConfigError, config_from_dict
+    from ferrule.rl.config_types import ConfigError
+    from ferrule.rl.config import config_from_dict
 
     wrong = [i for i in items if i.split(".", 1)[0] not in SERVE_SETTING_SECTIONS]
     if wrong:

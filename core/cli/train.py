@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from ferrule.rl.config import RLConfig
+    from ferrule.rl.config_schema import RLConfig
     from ferrule.rl.driver import RunResult
     from ferrule.rl.loop import GRPOTrainer
 
@@ -44,7 +44,9 @@ def resolve_config(config: Path | None, overrides: list[str], *, resume: bool = 
     Raises:
         ConfigError: every problem at once.
     """
-    from ferrule.rl.config import CONFIG_FILE_NAME, ConfigError, load_config
+    from ferrule.rl.config_types import ConfigError
+    from ferrule.fs.run_layout import CONFIG_FILE_NAME
+    from ferrule.rl.config import load_config
 
     items = list(overrides)
     if config is not None and "=" in str(config) and not Path(config).exists():
@@ -207,7 +209,7 @@ def _load_checked(path: Path | None, overrides: list[str], *, resume: bool, run_
     try:
         cfg = resolve_config(path, overrides, resume=resume, run_dir=run_dir)
         if nproc > 1:
-            from ferrule.rl.config import ConfigError
+            from ferrule.rl.config_types import ConfigError
             from ferrule.rl.distributed import check_layout
             from ferrule.rl.run_checks import model_folder_problems
 
@@ -252,7 +254,8 @@ def run_is_complete(trainer: GRPOTrainer, found: list[tuple[int, Path]], console
     Raises:
         ConfigError: the folder holds no run at all (a typo in ``--run-dir`` must not start over).
     """
-    from ferrule.rl.config import CONFIG_FILE_NAME, ConfigError
+    from ferrule.rl.config_types import ConfigError
+    from ferrule.fs.run_layout import CONFIG_FILE_NAME
     from ferrule.rl.metrics import METRICS_FILE, read_metrics
 
     run_dir, steps = trainer.run_dir, trainer.cfg.train.steps

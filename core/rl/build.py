@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.config_schema import RLConfig
+from ferrule.rl.config_types import ConfigError
 from ferrule.rl.run_checks import lora_settings
 from ferrule.chat import stop_token_ids
 from ferrule.contract import registry

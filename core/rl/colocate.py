@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ferrule.megatron.engine import TrainEngine
-    from ferrule.rl.config import RLConfig
+    from ferrule.rl.config_schema import RLConfig
     from ferrule.rollout import RolloutEngine
     from ferrule.rollout.embedded import EmbeddedEngine
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ferrule import envs
-from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.config_schema import RLConfig
+from ferrule.rl.config_types import ConfigError
 from ferrule.rl.seeds import rollout_seed
 from ferrule.contract import registry
 from ferrule.megatron.parallel import ParallelLayout, ParallelLayoutError

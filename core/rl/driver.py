@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferrule.rl.config import ConfigError
+from ferrule.rl.config_types import ConfigError
 from ferrule.rl.stages import record
 from ferrule.fs.util import remove_stale_temp_dirs
 from ferrule.rl import distributed as rl_dist

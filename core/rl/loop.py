@@ -75,7 +75,8 @@ from ferrule.rl import distributed as rl_dist
 from ferrule.rl import rollout_engine
 from ferrule.fs.run_layout import LOOP_STATE_FILE, list_checkpoints
 from ferrule.rl.checkpoints import RESUME_MUTABLE, config_differences
-from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.config_schema import RLConfig
+from ferrule.rl.config_types import ConfigError
 from ferrule.rl.driver import RunDriver, RunResult
 from ferrule.rl.run_checks import check_supported, lock_run_dir, preflight, unlock_run_dir
 from ferrule.rl.seeds import rollout_seed

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from ferrule.rl.config import TrainConfig
+    from ferrule.rl.config_schema import TrainConfig
     from ferrule.rl.envs.launcher import AgentStep
     import torch
 

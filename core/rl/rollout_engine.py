@@ -55,7 +55,7 @@ from ferrule.rl.config_types import ConfigError
 from ferrule.rollout import get_rollout_engine
 
 if TYPE_CHECKING:
-    from ferrule.rl.config import RLConfig
+    from ferrule.rl.config_schema import RLConfig
 
 __all__ = ["SERVER_LOG", "WEIGHTS_DIR", "LORA_DIR", "build_rollout_engine", "check_rollout_engine",
            "load_tokenizer", "release_rollout_engine", "sglang_config_problems", "sglang_launch_args",

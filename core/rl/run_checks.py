@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ferrule import envs
-from ferrule.rl.config import ConfigError, RLConfig
+from ferrule.rl.config_schema import RLConfig
+from ferrule.rl.config_types import ConfigError
 from ferrule.contract import registry
 from ferrule.fs import locks
 from ferrule.rl import distributed as rl_dist

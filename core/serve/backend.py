@@ -38,10 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .lora_clients import TINKER_LORA_ALPHA  # noqa: F401  (re-exported)
 from .media_chunks import hf_inputs
 from .merge import merged_hf_state
-from .sampling_params import DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 from .lora_clients import build_engine, lora_settings
 from .multi_target import expand, regroup
 from .placement import sampler_placement

@@ -74,7 +74,7 @@ class AgentRollout:
     """
 
     def __init__(self, cfg: Any) -> None:
-        from ferrule.rl.config import ConfigError
+        from ferrule.rl.config_types import ConfigError
 
         self.cfg, ag = cfg, cfg.agent
         spec = registry.get_environment(ag.environment)

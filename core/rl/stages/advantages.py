@@ -18,7 +18,7 @@ from ferrule.rl.advantages import grpo_advantages
 
 if TYPE_CHECKING:
     from ferrule.rl.batch import Sample
-    from ferrule.rl.config import AlgorithmConfig
+    from ferrule.rl.config_schema import AlgorithmConfig
     from ferrule.rl.rewards import RewardResult
     from ferrule.rollout import GenerateResult
 

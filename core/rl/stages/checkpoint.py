@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Callable
 from ferrule.fs.integrity import CheckpointIntegrityError, text_digest
 from ferrule.fs.run_layout import LOOP_STATE_FILE, RunCheckpointError, list_checkpoints
 from ferrule.rl.checkpoints import atomic_write, config_differences
-from ferrule.rl.config import ConfigError
+from ferrule.rl.config_types import ConfigError
 from ferrule.rl.model_identity import MODEL_FILES_KEY, model_changes
 from ferrule.lora.checkpoint import LoraLayoutError
 
 
 if TYPE_CHECKING:
     from ferrule.megatron.engine import TrainEngine
-    from ferrule.rl.config import RLConfig
+    from ferrule.rl.config_schema import RLConfig
     from ferrule.rl.distributed import RankRoles
     from ferrule.rl.tasks import PromptSampler
 

@@ -23,7 +23,7 @@ from ferrule.rl.records import RolloutBatch, take_groups
 from ferrule.rl.stages.advantages import build_samples, group_advantages
 
 if TYPE_CHECKING:
-    from ferrule.rl.config import AlgorithmConfig
+    from ferrule.rl.config_schema import AlgorithmConfig
 
 __all__ = ["informative_groups", "GroupSelector"]
 

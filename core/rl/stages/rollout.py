@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ferrule.rl import distributed as rl_dist
 from ferrule.rl import rollout_engine
-from ferrule.rl.config import ConfigError
+from ferrule.rl.config_types import ConfigError
 from ferrule.rl.tasks import has_media
 from ferrule.chat import render_chat_ids
 from ferrule.rollout import GenerateRequest, SamplingParams
@@ -21,7 +21,7 @@ from ferrule.rollout import GenerateRequest, SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from ferrule.rl.config import DataConfig, RLConfig
+    from ferrule.rl.config_schema import DataConfig, RLConfig
     from ferrule.contract.specs import ChatTemplateSpec, TowerSpec
     from ferrule.rl.distributed import RankRoles
     from ferrule.rl.tasks import Prompt, PromptSource

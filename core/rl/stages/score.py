@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from ferrule.rl.rewards import check_reward_fn, describe_failure, reward_failure_warning, score_responses
 
 if TYPE_CHECKING:
-    from ferrule.rl.config import RLConfig
+    from ferrule.rl.config_schema import RLConfig
     from ferrule.rl.tasks import PromptSource
     from ferrule.rl.rewards import RewardFn, RewardResult
     from ferrule.rl.tasks import Prompt

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from ferrule.rl.batch import Sample
-    from ferrule.rl.config import RLConfig
+    from ferrule.rl.config_schema import RLConfig
     from ferrule.rl.distributed import RankRoles
     from ferrule.rl.engines import PolicyTrainer, ReferenceScorer
 
