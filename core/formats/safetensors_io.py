@@ -1,7 +1,7 @@
 """Streaming safetensors reading and sharded writing (HF checkpoint layout): ``ferrule.formats.safetensors_io``.
 
-Shared by the train engine (loading HF weights) and the converters (``ferrule.converters``
-re-exports everything here from its old path ``ferrule.formats.safetensors_io``).
+Shared by the train engine (loading HF weights) and the converters (the old path
+``ferrule.converters.safetensors_io`` is a moved module of :mod:`ferrule.compat`).
 
 Reading: :class:`SafetensorsReader` opens an HF checkpoint directory (``model.safetensors``
 or ``model.safetensors.index.json`` + shards) and returns one tensor at a time, memory-mapped

@@ -6,7 +6,7 @@ A conversion writes ``OUT`` through a hidden temporary sibling ``.OUT.tmp-PID`` 
 to ``.OUT.old-HEX`` first); a LoRA export stages its merge in ``.OUT.merge-PID-HEX``. A
 ``kill -9`` leaves those behind (up to the model's size each); the next writer of ``OUT``
 removes them once it holds the lock and says so, keeping any whose PID is alive.
-Used by :mod:`ferrule.converters.checkpoint` (which re-exports these names),
+Used by :mod:`ferrule.converters.checkpoint`,
 :mod:`ferrule.converters.export` and ``ferrule lora export`` (:mod:`ferrule.cli.lora`); a foundation
 module (it needs only :mod:`ferrule.fs.util`), so that the LoRA layer may use it.
 """

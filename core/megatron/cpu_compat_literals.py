@@ -1,7 +1,7 @@
 """CPU patches of megatron-core 0.16.1 for hard-coded CUDA: ``device="cuda"`` literals (a
 module-local ``torch`` proxy), ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (a scoped
 ``TorchFunctionMode``) and ``Tensor.cuda()`` in the tied-embedding setup. Part of the table of
-:mod:`ferrule.megatron.cpu_compat` (its docstring has the rules; the names are re-exported there).
+:mod:`ferrule.megatron.cpu_compat` (its docstring has the rules; it applies these patches).
 """
 
 from __future__ import annotations
