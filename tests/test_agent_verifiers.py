@@ -2,7 +2,7 @@
 
 verifiers pins ``openai<3`` and is not in ferrule's test environment: these tests run in the virtual
 environment that examples/verifiers/run.sh makes (``$FERRULE_VF_VENV/bin/python -m pytest -n 0
-tests/test_agent_verifiers.py``) and skip elsewhere, except the one that checks the refusal without it.
+tests/test_agent_verifiers.py``) and skip elsewhere, except the one that checks the refusal without it (run everywhere, verifiers hidden).
 The environment is examples/verifiers/vf_guess_number under verifiers' own ``null`` harness (its chat
 program, a uv script, in the ``subprocess`` runtime: the first run fetches its packages from PyPI).
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -28,10 +29,12 @@ def _turn(text: str, index: int) -> ModelTurn:
     return ModelTurn(text=text, parsed=parse_hermes(text), token_ids=(1, 2), truncated=False, index=index)
 
 
-@pytest.mark.skipif(HAVE_VF, reason="checks the refusal where verifiers is not installed")
-def test_without_verifiers_the_environment_names_the_package_and_the_script():
+def test_without_verifiers_the_environment_names_the_package_and_the_script(monkeypatch):
     from ferrule.rl.envs.verifiers_envs import VerifiersEnv
 
+    # verifiers made unimportable (None in sys.modules), so the refusal is checked in every environment
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     with pytest.raises(ValueError, match=r"needs verifiers 0\.4 .*examples/verifiers/run\.sh"):
         VerifiersEnv(taskset="vf_guess_number")
 
@@ -39,7 +42,8 @@ def test_without_verifiers_the_environment_names_the_package_and_the_script():
 @pytest.fixture(scope="module")
 def env():
     if not HAVE_VF:
-        pytest.skip("verifiers 0.4 and the example taskset live in their own venv (examples/verifiers/run.sh)")
+        pytest.skip("verifiers 0.4 / the example taskset are not installed here (verifiers pins openai<3); these "
+                    "tests run in the venv examples/verifiers/run.sh makes")
     from ferrule.rl.envs.verifiers_envs import VerifiersEnv
 
     return VerifiersEnv(taskset="vf_guess_number", taskset_kwargs={"num_tasks": 4, "high": 4},
