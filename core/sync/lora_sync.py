@@ -82,7 +82,6 @@ class _DirectLoraPlan:
     shape checks and a stream synchronisation.
     """
 
-    key: tuple
     targets: Any
     sources: list  # the live parameters, whose data_ptr()s are checked every sync
     ptrs: tuple
@@ -94,12 +93,14 @@ class _DirectLoraPlan:
     config: dict = field(default_factory=dict, repr=False)
 
 
-#: rollout engine -> (key, _DirectLoraPlan or False (do not use), the key's objects)
+#: rollout engine -> (the train engine, its _DirectLoraPlan or False: do not use)
 _LORA_PLANS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _build_direct_plan(train_engine: Any, targets: Mapping[str, Any], key: tuple) -> "_DirectLoraPlan | str":
+def _build_direct_plan(train_engine: Any, targets: Mapping[str, Any]) -> "_DirectLoraPlan | str":
     """The plan, or why the direct path cannot serve this engine pair."""
+    import torch
+
     index, why = adapter_index_map(train_engine)
     if index is None:
         return why
@@ -116,8 +117,6 @@ def _build_direct_plan(train_engine: Any, targets: Mapping[str, Any], key: tuple
             return f"{name}: served as {tuple(dst.shape)} (contiguous: {dst.is_contiguous()}), exported as {tuple(idx.shape)}"
         if dst.device != param.device:
             return f"{name}: served on {dst.device}, trained on {param.device}"
-        import torch
-
         js = joint_strides(idx.reshape(-1), torch.arange(idx.numel(), dtype=torch.int64))
         if js is None:
             return f"{name}: not one strided view of its parameter"
@@ -131,7 +130,7 @@ def _build_direct_plan(train_engine: Any, targets: Mapping[str, Any], key: tuple
         nbytes += param.element_size() * idx.numel()
     sources = list({id(p): p for _, p, _ in index}.values())
     copies = list(groups.values()) + ([strided] if strided[0] else [])
-    return _DirectLoraPlan(key, targets, sources, tuple(p.data_ptr() for p in sources), copies, len(index), nbytes,
+    return _DirectLoraPlan(targets, sources, tuple(p.data_ptr() for p in sources), copies, len(index), nbytes,
                            keys=names)
 
 
@@ -156,9 +155,8 @@ def _direct_lora_sync(train_engine: Any, rollout_engine: Any, version: int) -> t
             return None
     except ImportError:  # pragma: no cover
         return None
-    key = (id(train_engine),)
     held = _LORA_PLANS.get(rollout_engine)
-    plan = held[1] if held is not None and held[0] == key else None
+    plan = held[1] if held is not None and held[0] is train_engine else None
     if plan is False:
         return None
     # the adapter's config is fixed once the train engine is built: asked for once per plan
@@ -173,13 +171,13 @@ def _direct_lora_sync(train_engine: Any, rollout_engine: Any, version: int) -> t
                              or tuple(p.data_ptr() for p in plan.sources) != plan.ptrs):
         plan = None  # the served adapter or a train parameter moved: plan again
     if plan is None:
-        plan = _build_direct_plan(train_engine, targets, key)
+        plan = _build_direct_plan(train_engine, targets)
         if isinstance(plan, str):
-            _LORA_PLANS[rollout_engine] = (key, False, train_engine)
+            _LORA_PLANS[rollout_engine] = (train_engine, False)
             log_once(f"direct LoRA adapter sync not used: {plan}; update_lora_adapter runs.", logging.INFO)
             return None
         plan.config = config
-        _LORA_PLANS[rollout_engine] = (key, plan, train_engine)
+        _LORA_PLANS[rollout_engine] = (train_engine, plan)
     with torch.no_grad():
         for dsts, srcs in plan.copies:
             torch._foreach_copy_(dsts, srcs)
@@ -189,7 +187,7 @@ def _direct_lora_sync(train_engine: Any, rollout_engine: Any, version: int) -> t
         exported = hf_adapter_state_dict(train_engine, copy=False)
         bad = [n for n in plan.keys if not torch.equal(targets[n].detach(), exported[n].to(targets[n].dtype))]
         if bad:
-            _LORA_PLANS[rollout_engine] = (key, False, train_engine)
+            _LORA_PLANS[rollout_engine] = (train_engine, False)
             log_once(f"direct LoRA adapter sync disabled for this engine pair: {len(bad)} tensors differ from the "
                      f"export after a direct sync (first: {bad[0]}); update_lora_adapter runs.")
             return None
