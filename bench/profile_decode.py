@@ -95,7 +95,7 @@ def profile_engine(engine, reqs, params, kernels: int = 25) -> dict:
             fast.col.zero_()
             gpu, wall = cuda_ms(graph.replay, n=20)
             replays.append(gpu)
-            print(f"  fast step graph replay, attended slots {key[-1] or state.max_len}: GPU {gpu:.3f} ms, "
+            print(f"  fast step graph replay, attended slots {key[3] or state.max_len}: GPU {gpu:.3f} ms, "
                   f"wall {wall:.3f} ms", flush=True)
         noise = fast.noise
         gpu, wall = cuda_ms(lambda: noise.exponential_(1), n=50)
@@ -113,8 +113,9 @@ def profile_engine(engine, reqs, params, kernels: int = 25) -> dict:
         if not kern:  # CUPTI recorded no kernels inside the graph: profile the compiled step eagerly
             from ferrule.rollout import _fast_decode
 
-            fn = _fast_decode._compiled("step" if key[-1] is None else "step_kv")
-            fargs = fast._args(fast.state and engine._fused[1], key[0], key[1], key[-1], key[3])
+            # FastStatic._graph's key: (stop-id buffer size, attention, sampler chunks, attended length, lora)
+            fn = _fast_decode._compiled("step" if key[3] is None else "step_kv", fast.dynamic)
+            fargs = fast._args(engine._fused[1], key[3], key[1])
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     fn(*fargs)

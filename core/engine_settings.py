@@ -176,9 +176,9 @@ class RolloutEngineSettings(EngineSettingsBase):
     decode_dynamic: Literal["all", "auto", "marked"] = _f(
         "marked", "torch.compile's dynamic shapes for the fast decode step. marked (default): the batch and length "
                   "dimensions of the step's inputs symbolic from the first compile (weights static), the attended "
-                  "length passed as a tensor's length, one stop-id buffer size and no duck sizing: one compile per "
-                  "sampling kind (sampled or greedy) serves every batch rung, cache length and attended length, then "
-                  "a CUDA graph capture per rung and length (counted on CPU: tests/test_rollout_fast_decode.py). "
+                  "length passed as a tensor's length, one stop-id buffer size and no duck sizing: one compile (the "
+                  "sampling kind, greedy or sampled, raw logprobs or not, is runtime data of it) serves every batch "
+                  "rung, cache length and attended length, then a CUDA graph capture per rung and length (counted on CPU: tests/test_rollout_fast_decode.py). "
                   "Measured on an H100 (2026-12-06, docs/benchmarks.md): after the first call (95 s cold, 19.7 s "
                   "with the disk caches) the RL-shaped load's first call took 3.0 s and each new batch size "
                   "0.2-0.3 s with no new compile (auto: 62-137 s each), steady rates equal, the CUDA exactness "

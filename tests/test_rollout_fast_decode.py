@@ -177,8 +177,8 @@ def _eager_fast_path(monkeypatch):
     monkeypatch.setattr(_fast_decode, "_compiled", lambda name, dynamic="auto": {"step": _fast_decode._step,
                                                                   "first": _fast_decode._sample_record}[name])
     monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
-                        lambda self, layout, greedy, raw, pool, kv_len=None, attn="eager": _EagerReplay(
-                            _fast_decode._step, self._args(layout, greedy, raw, kv_len, attn)))
+                        lambda self, layout, pool, kv_len=None, attn="eager": _EagerReplay(
+                            _fast_decode._step, self._args(layout, kv_len, attn)))
     return RolloutEngineSettings(kv_bucket=4)
 
 
@@ -253,6 +253,45 @@ def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_len
     assert fast.info()["distinct_shapes"] == [[4, 16], [8, 32]]
     assert counts == [2, 2, 2], counts  # "first" and "step" once each, then never again
     assert plain.info()["compiles"] == 0  # CPU plain path: nothing compiled
+
+
+@torch.inference_mode()
+def test_greedy_sampled_and_raw_logprob_calls_share_one_compiled_step_and_graph(monkeypatch):
+    """Issue 40: the sampling kind is runtime data of the fast step, so after a sampled call a greedy call and a
+    call with raw logprobs of the same shape compile nothing (``EmbeddedEngine.info()["compiles"]``, dynamo's
+    eager backend on CPU) and prepare no new graph (the bucket's ``FastStatic.graphs``: CUDA graphs on CUDA);
+    each call's tokens, logprobs and raw logprobs equal the plain eager path's (same seed)."""
+    from ferrule.engine_settings import RolloutEngineSettings
+    from ferrule.rollout import SamplingParams, _fast_decode
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    monkeypatch.setattr(_fast_decode, "BACKEND", "eager")
+    monkeypatch.setattr(_fast_decode, "_COMPILED", {})
+    torch._dynamo.reset()  # dynamo caches per code object: an earlier test's compiles of the step would serve this one
+    model = _model("qwen2")
+    settings = RolloutEngineSettings(kv_bucket=0, decode_dynamic="marked")  # one attended length: one graph
+    plain = EmbeddedEngine(model=model)
+    fast = EmbeddedEngine(model=model, settings=settings)
+    fast.fast_decode = True
+    fast._fuse_weights()
+    prompts = [[3, 4, 5, 6], [9], [10, 11, 12, 13, 14, 15]]
+    calls = [SamplingParams(temperature=0.8, max_new_tokens=9, seed=4, ignore_eos=True, stop_token_ids=(5, 6)),
+             SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True, stop_token_ids=(5, 6)),
+             SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True, return_raw_logprobs=True),
+             SamplingParams(temperature=1.3, max_new_tokens=9, seed=7, ignore_eos=True, return_raw_logprobs=True)]
+    counts = []
+    for params in calls:
+        got, want = fast.generate(prompts, params), plain.generate(prompts, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+        for x, y in zip(got, want):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+            assert (x.raw_logprobs is None) == (not params.return_raw_logprobs)
+            if params.return_raw_logprobs:
+                torch.testing.assert_close(torch.tensor(x.raw_logprobs), torch.tensor(y.raw_logprobs), atol=1e-5, rtol=0)
+        (state,) = fast._states.values()
+        counts.append((fast.info()["compiles"], len(state.fast.graphs)))
+    assert counts == [(2, 1)] * 4, counts  # "first" and "step" compiled once, one graph: nothing after the first call
 
 
 def _lora_logprob_error(engine, ref, params=None) -> float:
@@ -366,8 +405,8 @@ def test_serving_an_adapter_does_not_recompile_the_fast_step(monkeypatch):
 
     monkeypatch.setattr(_fast_decode, "_compiled", eager_compiled)
     monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
-                        lambda self, layout, greedy, raw, pool, kv_len=None, attn="eager": _EagerReplay(
-                            eager_compiled("step"), self._args(layout, greedy, raw, kv_len, attn)))
+                        lambda self, layout, pool, kv_len=None, attn="eager": _EagerReplay(
+                            eager_compiled("step"), self._args(layout, kv_len, attn)))
     from ferrule.engine_settings import RolloutEngineSettings
 
     base = tiny_qwen2()

@@ -133,3 +133,39 @@ def test_fast_decode_step_applies_each_rows_adapter(three_adapters, monkeypatch)
         req = reqs[r.prompt_index]
         want = reference_logprobs(refs[req.lora_adapter], req.prompt_token_ids, r.token_ids, PARAMS.temperature)
         torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=TOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled fast step in a CUDA graph)")
+def test_adapters_and_the_base_in_one_cuda_graph_batch_match_merged_fp64(three_adapters, monkeypatch):
+    """CUDA's default path (compiled fast step captured as a CUDA graph, per-row adapter terms in it,
+    :class:`ferrule.rollout._multi_lora.HeldAdapters`' CUDA branch) against each adapter merged by hand
+    into a float64 CPU copy: sampled logprobs within the CUDA fp32 tolerance of
+    tests/test_rollout_continuous.py (1e-4), greedy tokens equal to the reference's argmax."""
+    base, adapters = three_adapters
+    engine = EmbeddedEngine(model=copy.deepcopy(base).cuda())
+    assert engine.cuda_graph and engine.compile_decode and engine.fast_decode
+    for name, (tensors, cfg) in adapters.items():
+        engine.add_lora_adapter(name, tensors, cfg)
+    steps = []
+    run = _fast_decode.FastStatic.run
+    monkeypatch.setattr(_fast_decode.FastStatic, "run", lambda self, *a, **k: steps.append(k.get("lora", a[-1]))
+                        or run(self, *a, **k))
+    refs = {name: merged_fp64(base, *adapters[name]) for name in adapters}
+    refs[None] = copy.deepcopy(base).double()
+    order = ["b", None, "c", "a", "a"]
+    reqs = [GenerateRequest(tuple(PROMPTS[i % len(PROMPTS)]), lora_adapter=a) for i, a in enumerate(order)]
+    for params in (PARAMS, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)):
+        steps.clear()
+        results = engine.generate(reqs, params)
+        assert len(steps) == 1 and steps[0] is not None  # one fast-path batch, with the adapters' factors
+        for r in results:
+            req = reqs[r.prompt_index]
+            t = params.temperature or 1.0
+            want = reference_logprobs(refs[req.lora_adapter], req.prompt_token_ids, r.token_ids, t)
+            torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
+            if params.greedy:
+                ids = torch.tensor([list(req.prompt_token_ids) + list(r.token_ids)])
+                with torch.no_grad():
+                    logits = refs[req.lora_adapter](input_ids=ids).logits[0, len(req.prompt_token_ids) - 1:-1]
+                assert list(r.token_ids) == logits.argmax(-1).tolist()

@@ -21,9 +21,11 @@ full attention only):
   :class:`~ferrule.rollout._static_cache.StaticKVCache` that the HF prefill filled;
 - :class:`FastStatic` compiles forward + sampling (:mod:`ferrule.rollout._fast_sampling`'s
   formulas) + bookkeeping (record token/logprob at column ``t``, stop ids, stage the next input)
-  as one function and captures it as one CUDA graph per bucket and sampling kind. The
-  exponential noise is drawn eagerly before each replay from the call's generator, exactly as the
-  plain path draws it, so both consume a seed identically.
+  as one function and captures it as one CUDA graph per bucket and attended length; the sampling
+  kind (greedy or sampled, raw logprobs or not) is runtime data of that one graph (a flag tensor,
+  the temperature, the noise buffer). The exponential noise of a sampled call is drawn eagerly
+  before each replay from the call's generator, exactly as the plain path draws it, so both
+  consume a seed identically (greedy calls draw none).
 
 The CPU path never comes here (the exact eager path stays); :func:`decode_logits` itself is
 device-agnostic, which is how ``tests/test_rollout_fast_decode.py`` checks it against the HF
@@ -62,7 +64,7 @@ KV_BUCKET = 64
 ATTN = "fp32"
 ATTN_KINDS = KINDS
 #: torch.compile recompile limit while the fast step compiles: one compile per (batch, cache)
-#: bucket, sampling kind, stop-id buffer size and attended length, more than dynamo's default 8
+#: bucket, stop-id buffer size and attended length, more than dynamo's default 8
 RECOMPILE_LIMIT = 64
 _PER_LAYER = 11  # tensors per layer in the flat weight list, see FusedLayout.weights
 #: projection -> (index in a layer's weights, first row in the fused buffer as a function of the layout)
@@ -291,14 +293,15 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
 
 def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: torch.Tensor, pos: torch.Tensor,
           slot: torch.Tensor, allowed: torch.Tensor, prompt_len: torch.Tensor, p: torch.Tensor, col: torch.Tensor,
-          temperature: torch.Tensor, noise: torch.Tensor | None, stop_t: torch.Tensor, tokens_out: torch.Tensor,
-          lp_out: torch.Tensor, raw_out: torch.Tensor | None, lengths: torch.Tensor, finished: torch.Tensor,
+          temperature: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor, stop_t: torch.Tensor,
+          tokens_out: torch.Tensor, lp_out: torch.Tensor, raw_out: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor,
           stopped: torch.Tensor, kv_len: int | torch.Tensor | None = None, attn: str = "eager", chunks: int = 0,
           lora: tuple | None = None) -> None:
-    """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``."""
+    """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``
+    (greedy or sampled by the ``greedy`` flag tensor: one graph for both, :func:`~ferrule.rollout._fast_sampling.sample_record`)."""
     logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn, lora)
-    _sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
-                   finished, stopped, ids, pos, slot, allowed, chunks)
+    _sample_record(logits, prompt_len, p, col, temperature, noise, greedy, stop_t, tokens_out, lp_out, raw_out,
+                   lengths, finished, stopped, ids, pos, slot, allowed, chunks)
 
 
 _COMPILED: dict[str, Any] = {}
@@ -410,8 +413,9 @@ class FastStatic:
         self.prompt_len = torch.zeros(b, dtype=torch.long, **z)
         self.p = torch.zeros((), dtype=torch.long, **z)
         self.col = torch.zeros((), dtype=torch.long, **z)
-        self.temperature = torch.ones((), dtype=torch.float32, **z)
-        self.noise = torch.empty((b, vocab), dtype=torch.float32, **z)
+        self.temperature = torch.ones((), dtype=torch.float32, **z)  # 1 for greedy calls
+        self.greedy = torch.zeros((), dtype=torch.bool, **z)  # the sampling kind as data: one graph for both
+        self.noise = torch.ones((b, vocab), dtype=torch.float32, **z)  # drawn per step by sampled calls only
         self.stop_bufs: dict[int, torch.Tensor] = {}  # stop-id buffers by padded size
         self.spans: dict[int, torch.Tensor] = {}  # "marked": [kv_len] tensors whose length is the attended length
         self.tokens_out = torch.zeros((b, L), dtype=torch.long, **z)
@@ -433,16 +437,15 @@ class FastStatic:
             self.stop_bufs[size] = torch.full((size,), -1, dtype=torch.long, device=self.ids.device)
         return self.stop_bufs[size]
 
-    def _args(self, layout: FusedLayout, greedy: bool, want_raw: bool, kv_len: int | None = None,
-              attn: str = "eager") -> tuple:
+    def _args(self, layout: FusedLayout, kv_len: int | None = None, attn: str = "eager") -> tuple:
         c = self.state.cache
         keys = [c.keys[i] for i in layout.layer_idx]
         values = [c.values[i] for i in layout.layer_idx]
         if self.dynamic == "marked" and isinstance(kv_len, int) and not uses_triton(attn, self.ids.device):
             kv_len = self._span(kv_len)
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
-                self.prompt_len, self.p, self.col, self.temperature, None if greedy else self.noise, self.stop_t,
-                self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths, self.finished,
+                self.prompt_len, self.p, self.col, self.temperature, self.noise, self.greedy, self.stop_t,
+                self.tokens_out, self.lp_out, self.raw_out, self.lengths, self.finished,
                 self.stopped, kv_len, attn, self.chunks, self.lora)
 
     def _span(self, n: int) -> torch.Tensor:
@@ -451,20 +454,21 @@ class FastStatic:
             self.spans[n] = torch.empty(n, dtype=torch.uint8, device=self.ids.device)
         return self.spans[n]
 
-    def _graph(self, layout: FusedLayout, greedy: bool, want_raw: bool, pool: Any,
-               kv_len: int | None = None, attn: str = "eager") -> torch.cuda.CUDAGraph:
+    def _graph(self, layout: FusedLayout, pool: Any, kv_len: int | None = None,
+               attn: str = "eager") -> torch.cuda.CUDAGraph:
         if self.layout_key != layout.key():
             self.graphs.clear()
             self.layout_key = layout.key()
-        key = (greedy, want_raw, self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None)
+        # no sampling kind in the key: greedy / sampled / raw logprobs are runtime data of one graph
+        key = (self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None)
         if key in self.graphs:
             return self.graphs[key]
-        args = self._args(layout, greedy, want_raw, kv_len, attn)
+        args = self._args(layout, kv_len, attn)
         small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
         saved = [t.clone() for t in small]
         fn = _compiled("step" if kv_len is None else "step_kv", self.dynamic)
         if self.dynamic == "marked":
-            span = args[20] if isinstance(args[20], torch.Tensor) else None
+            span = args[21] if isinstance(args[21], torch.Tensor) else None
             _mark_dynamic([self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished, self.stopped,
                            self.noise, span], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out],
                           list(args[2]) + list(args[3]), self.lora)
@@ -510,7 +514,8 @@ class FastStatic:
         self.prompt_len.copy_(prompt_len)
         self.p.fill_(p)
         self.col.zero_()
-        self.temperature.fill_(float(params.temperature or 1.0))
+        self.temperature.fill_(1.0 if greedy else float(params.temperature))
+        self.greedy.fill_(greedy)
         self.dynamic = settings.decode_dynamic
         self.stop_t = self._stop_buf(len(stop_ids))
         self.stop_t.fill_(-1)
@@ -520,8 +525,8 @@ class FastStatic:
         self.stopped.zero_()
         self.finished.zero_()
         self.finished[real:] = True
-        noise = None if greedy else self.noise
-        if noise is not None:
+        noise = self.noise
+        if not greedy:  # greedy calls draw nothing: the step does not read the noise where greedy
             noise.exponential_(1, generator=gen)
         want_chunks = int(settings.sampler_chunks) if logits.is_cuda else 0
         self.chunks = vocab_chunks(logits.shape[-1], want_chunks) if want_chunks > 1 else 0
@@ -529,10 +534,10 @@ class FastStatic:
             _mark_dynamic([logits, self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished,
                            self.stopped, noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out], [])
         with _recompile_limit(self.dynamic):
-            _compiled("first", self.dynamic)(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.stop_t,
-                               self.tokens_out, self.lp_out, self.raw_out if want_raw else None, self.lengths,
-                               self.finished, self.stopped, self.ids, self.pos, self.slot, self.state.allowed,
-                               self.chunks)
+            _compiled("first", self.dynamic)(logits, self.prompt_len, self.p, self.col, self.temperature, noise,
+                                             self.greedy, self.stop_t, self.tokens_out, self.lp_out, self.raw_out,
+                                             self.lengths, self.finished, self.stopped, self.ids, self.pos, self.slot,
+                                             self.state.allowed, self.chunks)
         # graphs are captured after the first sample staged step 1's input: their warm-up runs write
         # the cache only at slots the real steps write again before reading
         bucket, attn = int(settings.kv_bucket), settings.attention
@@ -558,8 +563,8 @@ class FastStatic:
                     # less a strided one, and dynamo guards on which (allowed.size(1) != kv_len) and recompiled
                     # at the last bucket; this replay's visible slots end at p + t <= max_len - 1
                     use = min(use, max_len - 1)
-                graph = self._graph(layout, greedy, want_raw, pool, use, attn)
-            if noise is not None:
+                graph = self._graph(layout, pool, use, attn)
+            if not greedy:
                 noise.exponential_(1, generator=gen)
             graph.replay()
         lengths_h, stopped_h = self.lengths.tolist(), self.stopped.tolist()

@@ -117,31 +117,34 @@ class FusedSampler:
         return _fn("plain")(logits, self.temperature, self.noise, want_raw)
 
 
-def sample_record(logits, prompt_len, p, col, temperature, noise, stop_t, tokens_out, lp_out, raw_out, lengths,
+def sample_record(logits, prompt_len, p, col, temperature, noise, greedy, stop_t, tokens_out, lp_out, raw_out, lengths,
                   finished, stopped, ids, pos, slot, allowed, chunks: int = 0) -> None:
     """The fast decode step's sampler and bookkeeping (:class:`ferrule.rollout._fast_decode.FastStatic`,
-    compiled into its step): from ``logits [batch, vocab]`` sample token ``col`` (greedy when
-    ``noise`` is None), record it and its logprob at column ``col`` of ``tokens_out`` / ``lp_out`` /
-    ``raw_out``, count ``lengths``, mark rows hitting ``stop_t`` ids as stopped and finished, stage
-    the next step's ``ids`` / ``pos`` / ``slot`` / ``allowed``, ``col += 1``. All in place."""
+    compiled into its step): from ``logits [batch, vocab]`` sample token ``col``, record it and its logprob at
+    column ``col`` of ``tokens_out`` / ``lp_out`` and its raw logprob (temperature 1) in ``raw_out``, count
+    ``lengths``, mark rows hitting ``stop_t`` ids as stopped and finished, stage the next step's ``ids`` /
+    ``pos`` / ``slot`` / ``allowed``, ``col += 1``. All in place.
+
+    The sampling kind is data, not code, so greedy and sampled calls, with or without raw logprobs, share one
+    compiled graph (and one CUDA graph per shape): ``greedy`` is a 0-dim bool tensor; where true the token is
+    ``argmax(logits)`` itself (``torch.where`` selects the logits, not the noisy scores, so no exp() rounding
+    enters) and ``temperature`` must hold 1 (then ``x == logits.float()`` exactly); ``noise [batch, vocab]``
+    fp32 is always passed and is not read where ``greedy`` (stale values are not selected). ``raw_out`` is
+    always written (the caller reads it when it asked for raw logprobs)."""
     # the formulas of _plain / _greedy: same draw as torch.multinomial;
     # with chunks > 1 its reductions go per vocabulary chunk first (argmax_chunked, logsumexp_chunked)
     raw = logits.float()
-    if noise is None:
-        x = raw
-        lse = logsumexp_chunked(x, chunks)
-        tok = argmax_chunked(x, chunks)
-    else:
-        x = raw / temperature
-        lse = logsumexp_chunked(x, chunks)
-        tok = argmax_chunked(torch.exp(x - lse) / noise, chunks)
-    lp = x.gather(-1, tok[:, None])[:, 0] - lse[:, 0]
+    x = raw / temperature  # temperature 1 for greedy: x == raw bit for bit
+    lse = logsumexp_chunked(x, chunks)
+    tok = argmax_chunked(torch.where(greedy, x, torch.exp(x - lse) / noise), chunks)
+    xt = x.gather(-1, tok[:, None])[:, 0]
+    lp = xt - lse[:, 0]
     c = col.view(1)
     tokens_out.index_copy_(1, c, tok[:, None])
     lp_out.index_copy_(1, c, lp[:, None])
-    if raw_out is not None:
-        rlp = lp if noise is None else raw.gather(-1, tok[:, None])[:, 0] - logsumexp_chunked(raw, chunks)[:, 0]
-        raw_out.index_copy_(1, c, rlp[:, None])
+    # raw logprobs: greedy's are its logprobs (as before); sampled ones over the raw logits
+    rlp = torch.where(greedy, lp, raw.gather(-1, tok[:, None])[:, 0] - logsumexp_chunked(raw, chunks)[:, 0])
+    raw_out.index_copy_(1, c, rlp[:, None])
     alive = ~finished
     lengths.add_(alive.long())
     # an explicit compare, not torch.isin: its decomposition picks an algorithm by comparing the two sizes,

@@ -949,8 +949,9 @@ class EmbeddedEngine:
         - ``graph_captures``: CUDA graphs captured (plain and fast paths; 0 on CPU);
         - ``compiles``: graphs ``torch.compile`` compiled during this engine's ``generate`` calls (every
           compiled decode function, recompiles included; one served from the on-disk caches counts too):
-          with ``decode_dynamic: marked`` the fast step compiles once per sampling kind (greedy or sampled,
-          raw logprobs or not, adapters or not), not once per batch rung, cache or attended length;
+          with ``decode_dynamic: marked`` the fast step compiles once (adapters or not), not once per sampling
+          kind (greedy or sampled, raw logprobs or not: runtime data of one graph), batch rung, cache or
+          attended length;
         - ``batch_ladder``: the rungs a call's rows are padded to (empty: no padding, e.g. on CPU);
         - ``compile_cache``: ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` in force (compiled only).
         """
