@@ -27,7 +27,8 @@ so at most one merged copy per tenant is held at a time.
 
 The configurations run in this order: the adapter path at every rank, then the merged path at every rank
 (the rows the target is about come first, within ``--budget-s``). The merged path measures the tenant counts
-whose merged copies (parameters x 2 bytes each, in host memory) fit in 75% of the host memory available
+whose merged copies (:func:`ferrule.serve.memory.model_copy_bytes` each, in host memory) fit in 75% of the host
+memory available
 when its snapshots are taken; the others are printed as skipped, with the numbers.
 
 Then, per configuration (path, rank, N tenants): every round, N threads send one request each at the same
@@ -281,7 +282,9 @@ def main(argv=None) -> int:
             if path == "merged":   # N full copies in host memory: only the tenant counts that fit
                 import psutil
 
-                copy = (bench.backend.param_count() or 0) * (2 if torch.cuda.is_available() else 4)
+                from ferrule.serve.memory import model_copy_bytes
+
+                copy = model_copy_bytes(bench.backend)   # the service's own estimate of one merged copy
                 avail = psutil.virtual_memory().available
                 fit = int(0.75 * avail // copy) if copy else max(counts)
                 for n in [n for n in counts if n > fit]:
@@ -340,8 +343,9 @@ def main(argv=None) -> int:
     finally:
         bench.stop()
     total = time.perf_counter() - t_start
-    print(f"{device_name}: {total:.1f} s in all" + (f"; skipped (over --budget-s {args.budget_s:.0f}): "
-                                                    f"{', '.join(skipped)}" if skipped else ""), flush=True)
+    print(f"{device_name}: {total:.1f} s in all" + (f"; skipped (over --budget-s {args.budget_s:.0f} unless said "
+                                                    f"otherwise): {', '.join(skipped)}" if skipped else ""),
+          flush=True)
     by = {(r["path"], r["rank"], r["tenants"]): r for r in rows}
     fewest, most = args.tenants[0], args.tenants[-1]
     date = datetime.date.today().isoformat()

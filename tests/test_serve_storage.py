@@ -102,8 +102,17 @@ def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_pa
         by_path = sc.create_sampling_client(model_path=path)
         plain = sc.create_sampling_client(base_model=MODEL_NAME)
         snapshot = tc.save_weights_and_get_sampling_client()                # the adapter, in memory
+        # --sampler-checkpoints merged stays selectable (the flag is read when weights are saved): a full merged
+        # copy in memory and on disk, swapped in as full weights, computing the same model
+        srv.backend.sampler_checkpoints = "merged"
+        merged_snap = tc.save_weights_and_get_sampling_client()
+        merged_path = tc.save_weights_for_sampler("m1").result(timeout=120).path
+        srv.backend.sampler_checkpoints = "auto"
+        assert (folder.parent / "m1" / "model.safetensors").is_file()
+        by_merged_path = sc.create_sampling_client(model_path=merged_path)
         for client, ref in ((by_path, ref_adapter), (plain, ref_base), (snapshot, ref_adapter),
-                            (by_path, ref_adapter), (plain, ref_base)):     # swaps both ways
+                            (merged_snap, ref_adapter), (by_path, ref_adapter), (by_merged_path, ref_adapter),
+                            (plain, ref_base)):     # swaps both ways
             got = torch.tensor(client.compute_logprobs(prompt).result(timeout=120)[1:], dtype=torch.float64)
             assert float((got - ref).abs().max()) < 1e-5
 
