@@ -5,7 +5,7 @@ once (issue 46), on the embedded rollout engine with the product defaults:
 
 - **batched**: every tenant's adapter held by name (``EmbeddedEngine.add_lora_adapter``), all tenants'
   requests in ONE ``generate`` call, each row applying its own adapter
-  (:mod:`ferrule.rollout._multi_lora`; the service since issue 46 with ``--sampler-checkpoints adapter``);
+  (:mod:`ferrule.rollout._multi_lora`; the service's default since issue 46, ``--sampler-checkpoints auto``);
 - **one by one**: one tenant at a time, its adapter served to every row (``update_lora_adapter``, merged
   once per adapter into the fast path's weight copy), then its ``generate`` call: the cost of the swap
   path without the service's full-weight copies, so a lower bound of what merged snapshots cost;

@@ -11,17 +11,25 @@ one API key per tenant. For each rank, N tenants' LoRA training clients are crea
 ``optim_step``, so that the adapter's B is non-zero), then each takes a sampler snapshot
 (``save_weights_and_get_sampling_client``) under each sampling path:
 
-- **adapter** (``--sampler-checkpoints adapter``): the snapshot holds the adapter; the requests of several
-  tenants waiting together are decoded in ONE batch on the shared base, each row applying its own adapter
-  (at most ``MAX_BATCH_JOBS`` = 16 requests per batch, :mod:`ferrule.serve.scheduler`);
-- **merged** (``--sampler-checkpoints merged``, the default, the baseline): the snapshot is a full merged
-  copy of the model; each request's weights are swapped into the sampler in turn (merge-and-swap).
+- **adapter** (``--sampler-checkpoints auto``, the default, or ``adapter``): the snapshot holds the adapter;
+  the requests of several tenants waiting together are decoded in ONE batch on the shared base, each row
+  applying its own adapter (at most ``MAX_BATCH_JOBS`` = 16 requests per batch, :mod:`ferrule.serve.scheduler`);
+- **merged** (``--sampler-checkpoints merged``, the baseline): the snapshot is a full merged copy of the model
+  (merged on the training device in float64, kept in host memory: :func:`ferrule.serve.merge.merged_hf_state`);
+  each request's weights are swapped into the sampler in turn (merge-and-swap).
 
 The path is the backend's ``sampler_checkpoints`` attribute, which the service reads only when a snapshot
 is taken (what ``--sampler-checkpoints`` sets); the bench flips it between the two snapshot passes so that
 one sampler (one compile) serves both. The sampler holds up to ``--tenants``' largest adapters at once
 (``--engine-setting rollout_engine.max_lora_adapters=N``; the default 16 would split 32 tenants' batch
-into two, see the output's note).
+into two, see the output's note). ``--max-snapshots 1``: a tenant's new snapshot drops its previous one,
+so at most one merged copy per tenant is held at a time.
+
+The configurations run in this order: the adapter path at every rank, then the merged path at every rank
+(the rows the target is about come first, within ``--budget-s``). The merged path measures the tenant counts
+whose merged copies (:func:`ferrule.serve.memory.model_copy_bytes` each, in host memory) fit in 75% of the host
+memory available
+when its snapshots are taken; the others are printed as skipped, with the numbers.
 
 Then, per configuration (path, rank, N tenants): every round, N threads send one request each at the same
 moment (``num_samples`` samples of a fixed random ``--prompt-len``-token prompt per tenant, ``max_tokens``,
@@ -124,9 +132,9 @@ class Bench:
         keyfile = storage / "keys.txt"
         storage.mkdir(parents=True, exist_ok=True)
         keyfile.write_text("".join(f"{k} t{i}\n" for i, k in enumerate(self.keys)))
-        # as `ferrule serve --sampler-checkpoints adapter --max-snapshots 2 --engine-setting
+        # as `ferrule serve --sampler-checkpoints adapter --max-snapshots 1 --engine-setting
         # rollout_engine.max_lora_adapters=N` builds it (the worker's and event loop's thread counts included)
-        self.app = build_app(base, storage / "serve", keyfile, MODEL_NAME, max_snapshots=2,
+        self.app = build_app(base, storage / "serve", keyfile, MODEL_NAME, max_snapshots=1,
                              worker_threads=default_worker_threads(), event_loop_threads=1,
                              sampler_checkpoints="adapter",
                              engine_settings=[f"rollout_engine.max_lora_adapters={max(n, 16)}"])
@@ -258,69 +266,86 @@ def main(argv=None) -> int:
     def over() -> bool:
         return time.perf_counter() - t_start > args.budget_s
 
+    trainers: dict[int, list] = {}
     try:
-        for rank in args.ranks:
+        # the adapter rows of every rank first (what the target is about), the merged baseline after
+        for path, rank in [(p, r) for p in args.paths for r in args.ranks]:
             if over():
-                skipped += [f"{p} r{rank} x{n}" for p in args.paths for n in args.tenants]
+                skipped += [f"{path} r{rank} x{n}" for n in args.tenants]
                 continue
-            t0 = time.perf_counter()
-            trainers = bench.trainers(rank)
-            print(f"r{rank}: {len(trainers)} LoRA training clients created and stepped in "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
-            for path in args.paths:
-                if over():
-                    skipped += [f"{path} r{rank} x{n}" for n in args.tenants]
-                    continue
+            if rank not in trainers:
                 t0 = time.perf_counter()
-                samplers = bench.snapshots(trainers, path)
-                held = list(bench.backend._snapshots.values())   # what the service holds (private: a bench's look)
-                merged = [h for h in held if isinstance(h, dict)]
-                print(f"r{rank} {path}: {len(samplers)} snapshots in {time.perf_counter() - t0:.1f} s; the service "
-                      f"holds {len(held) - len(merged)} adapter and {len(merged)} merged snapshots ("
-                      f"{sum(t.nbytes for h in merged for t in h.values()) / GIB:.2f} GiB, "
-                      f"{sorted({str(t.dtype) for h in merged for t in h.values()})} on "
-                      f"{sorted({str(t.device) for h in merged for t in h.values()})})", flush=True)
-                rounds = args.rounds if path == "adapter" else args.merged_rounds
-                for n in args.tenants:
-                    if over():
-                        skipped.append(f"{path} r{rank} x{n}")
-                        continue
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    bench.oplog.take()
-                    before = (bench.health()["cuda_memory"] or {}).get("allocated", float("nan"))
-                    # the merged path decodes every request alone (one tenant's rows, one shape): once that shape
-                    # is warm, a warm-up round would only repeat the measured swaps
-                    nwarm = 0 if path == "merged" and merged_warm else args.warmup_rounds
-                    merged_warm = merged_warm or path == "merged"
-                    warm = [bench.round(samplers[:n], prompts[:n])[0] for _ in range(nwarm)]
-                    walls, lats, toks = [], [], 0
-                    for _ in range(rounds):
-                        wall, lat, tok = bench.round(samplers[:n], prompts[:n])
-                        walls.append(wall)
-                        lats += lat
-                        toks += tok
-                    peak = (bench.health()["cuda_memory"] or {}).get("max_allocated", float("nan"))
-                    ops = bench.oplog.take()   # warm-up and measured rounds
-                    row = dict(path=path, rank=rank, tenants=n, rows=n * args.num_samples,
-                               warmup_s=round(sum(warm), 2) if warm else "-", rounds=rounds, round_s=round(statistics.mean(walls), 3),
-                               tok_s=round(toks / sum(walls), 1), p50_s=round(nearest_rank(lats, 0.5), 3),
-                               p99_s=round(nearest_rank(lats, 0.99), 3), requests=len(lats),
-                               tokens=toks, generate_calls=ops["calls"], requests_per_call=ops["per_call"],
-                               before_gib=round(before / GIB, 2), peak_gib=round(peak / GIB, 2))
-                    expect = n * rounds * args.num_samples * args.max_tokens
-                    if ops["failed"]:
-                        row["failed"] = ops["failed"]
-                    if toks != expect:
-                        row["short"] = f"{toks} of {expect} tokens (a sample stopped early)"
-                    rows.append(row)
-                    print(row, flush=True)
+                trainers[rank] = bench.trainers(rank)
+                print(f"r{rank}: {len(trainers[rank])} LoRA training clients created and stepped in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+            counts = list(args.tenants)
+            if path == "merged":   # N full copies in host memory: only the tenant counts that fit
+                import psutil
+
+                from ferrule.serve.memory import model_copy_bytes
+
+                copy = model_copy_bytes(bench.backend)   # the service's own estimate of one merged copy
+                avail = psutil.virtual_memory().available
+                fit = int(0.75 * avail // copy) if copy else max(counts)
+                for n in [n for n in counts if n > fit]:
+                    print(f"merged r{rank} x{n} skipped: {n} merged copies of {copy / GIB:.2f} GiB do not fit 75% "
+                          f"of the {avail / GIB:.1f} GiB host memory available", flush=True)
+                    skipped.append(f"merged r{rank} x{n} (does not fit host memory)")
+                counts = [n for n in counts if n <= fit]
+                if not counts:
+                    continue
+            t0 = time.perf_counter()
+            samplers = bench.snapshots(trainers[rank][:max(counts)], path)
+            held = list(bench.backend._snapshots.values())   # what the service holds (private: a bench's look)
+            merged = [h for h in held if isinstance(h, dict)]
+            print(f"r{rank} {path}: {len(samplers)} snapshots in {time.perf_counter() - t0:.1f} s; the service "
+                  f"holds {len(held) - len(merged)} adapter and {len(merged)} merged snapshots ("
+                  f"{sum(t.nbytes for h in merged for t in h.values()) / GIB:.2f} GiB, "
+                  f"{sorted({str(t.dtype) for h in merged for t in h.values()})} on "
+                  f"{sorted({str(t.device) for h in merged for t in h.values()})})", flush=True)
+            rounds = args.rounds if path == "adapter" else args.merged_rounds
+            for n in counts:
+                if over():
+                    skipped.append(f"{path} r{rank} x{n}")
+                    continue
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                bench.oplog.take()
+                before = (bench.health()["cuda_memory"] or {}).get("allocated", float("nan"))
+                # the merged path decodes every request alone (one tenant's rows, one shape): once that shape
+                # is warm, a warm-up round would only repeat the measured swaps
+                nwarm = 0 if path == "merged" and merged_warm else args.warmup_rounds
+                merged_warm = merged_warm or path == "merged"
+                warm = [bench.round(samplers[:n], prompts[:n])[0] for _ in range(nwarm)]
+                walls, lats, toks = [], [], 0
+                for _ in range(rounds):
+                    wall, lat, tok = bench.round(samplers[:n], prompts[:n])
+                    walls.append(wall)
+                    lats += lat
+                    toks += tok
+                peak = (bench.health()["cuda_memory"] or {}).get("max_allocated", float("nan"))
+                ops = bench.oplog.take()   # warm-up and measured rounds
+                row = dict(path=path, rank=rank, tenants=n, rows=n * args.num_samples,
+                           warmup_s=round(sum(warm), 2) if warm else "-", rounds=rounds,
+                           round_s=round(statistics.mean(walls), 3),
+                           tok_s=round(toks / sum(walls), 1), p50_s=round(nearest_rank(lats, 0.5), 3),
+                           p99_s=round(nearest_rank(lats, 0.99), 3), requests=len(lats),
+                           tokens=toks, generate_calls=ops["calls"], requests_per_call=ops["per_call"],
+                           before_gib=round(before / GIB, 2), peak_gib=round(peak / GIB, 2))
+                expect = n * rounds * args.num_samples * args.max_tokens
+                if ops["failed"]:
+                    row["failed"] = ops["failed"]
+                if toks != expect:
+                    row["short"] = f"{toks} of {expect} tokens (a sample stopped early)"
+                rows.append(row)
+                print(row, flush=True)
     finally:
         bench.stop()
     total = time.perf_counter() - t_start
-    print(f"{device_name}: {total:.1f} s in all" + (f"; skipped (over --budget-s {args.budget_s:.0f}): "
-                                                    f"{', '.join(skipped)}" if skipped else ""), flush=True)
+    print(f"{device_name}: {total:.1f} s in all" + (f"; skipped (over --budget-s {args.budget_s:.0f} unless said "
+                                                    f"otherwise): {', '.join(skipped)}" if skipped else ""),
+          flush=True)
     by = {(r["path"], r["rank"], r["tenants"]): r for r in rows}
     fewest, most = args.tenants[0], args.tenants[-1]
     date = datetime.date.today().isoformat()

@@ -1,15 +1,24 @@
-"""megatron-core's ``torch.compile`` decorations made at each function's first call on a machine without CUDA.
+"""megatron-core's ``torch.compile`` decorations left uncompiled on a machine without CUDA.
 
 megatron-core 0.16.1 decorates ~38 fused elementwise functions with ``megatron.core.jit.jit_fuser``
 (``torch.compile``) at import, and the first ``torch.compile`` call imports torch's inductor
-(``torch._inductor.compile_fx``): 2-5 s of every interpreter that imports megatron, for kernels that a
-CPU run never calls (ferrule turns megatron's fusions on only on CUDA: :mod:`ferrule.megatron.gpu_fusions`).
+(``torch._inductor.compile_fx``): 2-5 s of every interpreter that imports megatron. ferrule turns
+megatron's fusions on only on CUDA (:mod:`ferrule.megatron.gpu_fusions`), but a CPU run still calls a
+few of these functions: every MoE layer's router calls ``TopKRouter._apply_expert_bias`` on each forward,
+and a family whose activation is megatron's ``quick_gelu`` (gpt-oss) calls it in every expert. Compiled,
+each costs the inductor import plus a C++ kernel build (measured on the 2-core test machine: a gpt-oss
+``ferrule check`` at TP=1 took 22.7 s in a fresh interpreter, 7.3 s with them uncompiled; a planted
+mistake that changes a guarded value compiled again, +5.6 s), for elementwise work on tensors of a few
+kilobytes.
 
 :func:`install` (called once by ``ferrule/__init__.py``, next to :func:`ferrule.compat.install`) puts an
 import hook on ``sys.meta_path`` that runs :func:`defer_jit_fuser` right after ``megatron.core.jit``
 executes, so every interpreter that imports ferrule before megatron (every ferrule entry point, the
-conversion ranks, the kit's programs, the test workers) has it in place; an interpreter that imported
-megatron first keeps megatron's eager ``torch.compile``. On CUDA nothing changes.
+conversion ranks, the kit's programs, the test workers) has it in place: megatron's fused functions are
+then the plain Python functions (:func:`eager_fuser`), which compute the same expression eagerly (as HF's
+reference does). An interpreter that imported megatron first keeps megatron's ``torch.compile``. On CUDA
+nothing changes. :func:`lazy_compile` (``torch.compile`` made at the first call) stays for code that wants
+a deferred compile.
 
 Importing this module imports nothing but the standard library (``import ferrule`` stays torch-free);
 torch is imported only when megatron's ``jit`` module executes (megatron has imported torch by then).
@@ -22,7 +31,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-__all__ = ["defer_jit_fuser", "install", "lazy_compile"]
+__all__ = ["defer_jit_fuser", "eager_fuser", "install", "lazy_compile"]
 
 
 def lazy_compile(fn=None, **options):
@@ -45,14 +54,22 @@ def lazy_compile(fn=None, **options):
     return call
 
 
+def eager_fuser(fn=None, **options):
+    """megatron's ``jit_fuser`` on a machine without CUDA: ``fn`` itself, uncompiled (``options``, those of
+    ``torch.compile``, are ignored); usable bare (``@eager_fuser``) or with options, as ``torch.compile`` is."""
+    if fn is None:
+        return eager_fuser
+    return fn
+
+
 def defer_jit_fuser(jit_module) -> bool:
-    """Replace ``megatron.core.jit.jit_fuser`` (``torch.compile``) by :func:`lazy_compile` on a machine
+    """Replace ``megatron.core.jit.jit_fuser`` (``torch.compile``) by :func:`eager_fuser` on a machine
     without CUDA, before megatron's fused functions are decorated with it. True if replaced."""
     import torch
 
     if torch.cuda.is_available() or getattr(jit_module, "jit_fuser", None) is not torch.compile:
         return False
-    jit_module.jit_fuser = lazy_compile
+    jit_module.jit_fuser = eager_fuser
     return True
 
 

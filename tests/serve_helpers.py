@@ -91,11 +91,27 @@ def sdk_data(seed: int = 1, loss: str = "cross_entropy", lengths=LENGTHS) -> lis
 
 
 def sampler_weights(srv: RunningServer, uri: str) -> dict:
-    """The tensors the server wrote for a ``sampler_weights`` tinker path."""
+    """The full model's tensors (HF names) of a ``sampler_weights`` tinker path: the merged model the server
+    wrote (``model.safetensors``, ``--sampler-checkpoints merged`` or a full-parameter client), or, for an
+    adapter checkpoint (a LoRA client's default), the base with the adapter merged by PEFT itself
+    (``PeftModel.from_pretrained(base, folder).merge_and_unload()``: an independent referee, in float32)."""
     from safetensors.torch import load_file
 
     model_id, kind, name = uri.removeprefix("tinker://").split("/")
-    return load_file(str(srv.storage / "checkpoints" / model_id / kind / name / "model.safetensors"))
+    folder = srv.storage / "checkpoints" / model_id / kind / name
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = json.loads((folder / "base.json").read_text())["base_model"]
+    bases = srv.app.state.bases
+    hf = AutoModelForCausalLM.from_pretrained(bases.get(base).base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(hf, folder).merge_and_unload()
+    return {k: v.detach().clone() for k, v in merged.state_dict().items()}
 
 
 def adam():

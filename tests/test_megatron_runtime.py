@@ -485,12 +485,14 @@ def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_
         destroy_distributed()
 
 
-def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch):
-    """On a machine without CUDA, importing megatron no longer imports torch's inductor (2-5 s per interpreter):
-    ``import ferrule`` installs the import hook (:mod:`ferrule.lazy_jit`), so this process's
-    ``megatron.core.jit.jit_fuser`` (megatron imported after ferrule, as in every ferrule interpreter) is
-    ``lazy_compile``, which calls ``torch.compile`` at a function's first call (once) and returns what the
-    compiled function returns."""
+def test_megatron_jit_fuser_compiles_nothing_on_a_cpu_machine(monkeypatch):
+    """On a machine without CUDA, megatron's fused functions run uncompiled: ``import ferrule`` installs the import
+    hook (:mod:`ferrule.lazy_jit`), so this process's ``megatron.core.jit.jit_fuser`` (megatron imported after
+    ferrule, as in every ferrule interpreter) is ``eager_fuser``, and the functions a CPU run calls (the MoE
+    router's ``_apply_expert_bias`` on every forward, gpt-oss's ``quick_gelu``) never call ``torch.compile``
+    (before: each compiled at its first call, the inductor import and a C++ build, ~15 s of a gpt-oss check).
+    ``lazy_compile`` (kept for code that wants a deferred compile) calls ``torch.compile`` at a function's
+    first call (once) and returns what the compiled function returns."""
     import importlib.util
 
     import megatron.core
@@ -499,13 +501,13 @@ def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch)
 
     from ferrule import lazy_jit
 
-    eager = torch.cuda.is_available()
-    # the module megatron's fused functions took jit_fuser from: deferred only if `import ferrule` hooked it in
-    assert megatron.core.jit.jit_fuser is (torch.compile if eager else lazy_jit.lazy_compile)
+    cuda = torch.cuda.is_available()
+    # the module megatron's fused functions took jit_fuser from: replaced only if `import ferrule` hooked it in
+    assert megatron.core.jit.jit_fuser is (torch.compile if cuda else lazy_jit.eager_fuser)
     spec = lazy_jit._DeferJitFuser().find_spec("megatron.core.jit", megatron.core.__path__)
     jit = importlib.util.module_from_spec(spec)  # a second copy of megatron's module, executed as on import
     spec.loader.exec_module(jit)
-    assert jit.jit_fuser is (torch.compile if eager else lazy_jit.lazy_compile)
+    assert jit.jit_fuser is (torch.compile if cuda else lazy_jit.eager_fuser)
 
     import ferrule.megatron
 
@@ -516,6 +518,22 @@ def test_megatron_jit_fuser_compiles_at_first_call_on_a_cpu_machine(monkeypatch)
     real_compile = torch.compile
     # recorded, then compiled with dynamo's eager backend (inductor's C++ build on this CPU would cost ~10 s)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: made.append(kw) or real_compile(fn, **kw, backend="eager"))
+
+    if not cuda:  # megatron's own decorated functions: plain functions, the same values, no compile
+        from megatron.core.activations import quick_gelu
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        # the router's method is the function as written (lazy_compile's wrapper would carry __wrapped__)
+        assert not hasattr(TopKRouter._apply_expert_bias, "__wrapped__")
+
+        @lazy_jit.eager_fuser(dynamic=False)
+        def with_options(x):
+            return x * 2
+
+        z = torch.randn(4, 6, dtype=torch.float64)
+        torch.testing.assert_close(quick_gelu(z), z * torch.sigmoid(1.702 * z), rtol=0, atol=0)
+        assert torch.equal(with_options(z), z * 2) and with_options.__name__ == "with_options"
+        assert made == []
 
     @lazy_jit.lazy_compile
     def gelu_mul(x, y):

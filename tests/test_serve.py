@@ -69,7 +69,7 @@ def test_chunked_forward_backward_is_bit_identical_to_one_engine_call(server, ba
     data = sdk_data(seed=21)
     out = tc.forward_backward(data, "cross_entropy").result()   # 3 requests: seq 2, 3, then 1
     tc.optim_step(adam()).result()
-    served = sampler_weights(server, tc.save_weights_for_sampler("split").result().path)
+    path = tc.save_weights_for_sampler("split").result().path
     from ferrule.serve.store import futures
 
     with server.app.state.store.engine.connect() as c:
@@ -77,7 +77,9 @@ def test_chunked_forward_backward_is_bit_identical_to_one_engine_call(server, ba
                                                 futures.c.op == "forward_backward")).mappings().all()
     assert sorted(r["seq_id"] for r in rows) == [1, 2, 3]   # the SDK sent three chunks (3 + 3 + 2 data)
 
-    from ferrule.serve.backend import merged_hf_state
+    from safetensors.torch import load_file
+
+    from ferrule.lora import hf_adapter_state_dict
 
     lora = server.app.state.backend.lora_settings({"rank": 4})       # what create_lora_training_client(rank=4) gets
     ref = TrainEngine.from_hf(base, optimizer=OptimizerSettings(clip_grad=0.0), lora=lora)  # SDK: grad_clip_norm 0 = off
@@ -87,8 +89,11 @@ def test_chunked_forward_backward_is_bit_identical_to_one_engine_call(server, ba
     for o, r in zip(out.loss_fn_outputs, ref_out.loss_fn_outputs):
         assert torch.equal(torch.tensor(o["logprobs"].tolist()), r["logprobs"])
     assert out.metrics["loss:sum"] == pytest.approx(ref_out.metrics["loss:sum"], rel=1e-12)
-    exported = merged_hf_state(ref)    # adapters merged, as in the server's sampler weights
-    assert served.keys() <= exported.keys()
+    # the sampler checkpoint (a LoRA client's: its PEFT adapter, by default) holds exactly the reference's adapter
+    folder = server.storage / "checkpoints" / tc.model_id / "sampler_weights" / "split"
+    served = load_file(str(folder / "adapter_model.safetensors"))
+    exported = {k: v.cpu() for k, v in hf_adapter_state_dict(ref).items()}
+    assert served.keys() == exported.keys() and path.endswith("/split")
     assert all(torch.equal(served[k], exported[k]) for k in served)
 
 

@@ -116,3 +116,42 @@ def test_sampler_runs_on_the_gpu_in_bfloat16(tmp_path):
     assert fp32.sampler_info()["dtype"] == "float32"
     ((_, lp32, _),) = fp32.sample(None, [SampleSpec(prompt, 1, SamplingParams(max_new_tokens=1, n=1), True)])
     assert (torch.tensor(lp32[1:], dtype=torch.float64) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_merged_sampler_weights_on_the_gpu_equal_the_float64_cpu_merge(tmp_path):
+    """A GPU client's merged sampler weights (``--sampler-checkpoints merged``, or an adapter batched decode
+    cannot serve) are merged on the GPU in float64 (:func:`ferrule.serve.merge.merged_hf_state`): equal to the
+    same merge on the CPU up to the float64 sums' order, so after rounding to the weights' dtype every element
+    is within one unit in the last place, and all but a negligible share (rounding ties) are bit-identical."""
+    import train_engine_worker as w
+
+    from ferrule.serve.backend import EngineBackend
+    from ferrule.serve.merge import merged_hf_state
+
+    backend = EngineBackend(w.make_hf_dir(tmp_path / "tiny-qwen2"), model_name="tiny", eager=False,
+                            sampler_checkpoints="merged")
+    backend.create("m", backend.lora_settings({"rank": 4}))
+    engine = backend.engines["m"]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():   # a non-zero adapter (fresh LoRA B is zero)
+        for p in engine.model[0].parameters():
+            if p.requires_grad:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    base = {k: v.detach().cpu().clone() for k, v in engine.export_hf_state()}
+    assert any(v.is_cuda for _, v in engine.export_hf_state())   # the client's weights are on the GPU
+    gpu = backend.sampler_tensors("m")                     # the service's merge: on the engine's device
+    cpu = merged_hf_state(engine, *backend._merge_layout, device="cpu")
+    assert sorted(gpu) == sorted(cpu) and all(v.device.type == "cpu" for v in gpu.values())
+    moved = differ = total = 0
+    for k, ref in cpu.items():
+        got = gpu[k]
+        assert got.dtype == ref.dtype == base[k].dtype, k
+        ulp = torch.finfo(ref.dtype).eps * ref.double().abs().clamp_min(torch.finfo(ref.dtype).tiny)
+        assert bool(((got.double() - ref.double()).abs() <= ulp).all()), k
+        differ += int((got != ref).sum())
+        moved += int((ref != base[k]).sum())
+        total += ref.numel()
+    print(f"GPU vs CPU float64 merge: {differ} of {total} elements differ (by 1 ulp); {moved} changed by the adapter")
+    assert moved > total // 10 and differ <= max(1, total // 10_000)

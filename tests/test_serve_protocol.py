@@ -82,8 +82,12 @@ def test_auth_wrong_or_missing_key_is_401_and_touches_nothing(server):
     health = httpx.get(server.url + "/api/v1/healthz").json()   # open: no key needed
     assert health["status"] == "ok"
     # where the sampler runs (issue 46): this CPU machine's sampler is the exact fp32 CPU path
+    # and what a LoRA client's sampler weights are (the default: its adapter, merged only where it must be)
+    from ferrule.serve.backend import SAMPLER_CHECKPOINTS
+
     assert health["samplers"][MODEL_NAME] == {"device": "cpu", "dtype": "float32", "loaded": True,
-                                              "fast_decode": False, "cuda_graph": False}
+                                              "fast_decode": False, "cuda_graph": False, "checkpoints": "auto",
+                                              "checkpoints_rule": SAMPLER_CHECKPOINTS["auto"]}
     assert health["cuda_memory"] is None   # no CUDA in this process (on a GPU: its allocator's bytes)
     caps = httpx.get(server.url + "/api/v1/get_server_capabilities", headers={"X-API-Key": ALICE}).json()
     assert caps["supported_models"][0]["sampler"] == health["samplers"][MODEL_NAME]
@@ -237,6 +241,7 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
     # a ready line once it listens; megatron's per-parameter INFO lines for each new client's engine stay out
     text = log.read_text()
     assert f"ferrule serve: ready on http://127.0.0.1:{port}" in text, text[-3000:]
+    assert "sampler checkpoints auto: a LoRA client's PEFT adapter" in text, text[-3000:]
     assert "Params for bucket" not in text and not any(ln.startswith("\t") for ln in text.splitlines()), text[-3000:]
 
 

@@ -21,10 +21,14 @@ httpx = pytest.importorskip("httpx")
 from serve_helpers import ALICE, BOB, MODEL_NAME, base, server  # noqa: E402,F401  (fixtures)
 
 
-def test_training_runs_checkpoints_weights_info_and_archive(server):
+def test_training_runs_checkpoints_weights_info_and_archive(server, tmp_path):
     sc = server.client(ALICE)
     tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4, train_unembed=False,
                                         user_metadata={"recipe": "sl_basic"}).result()
+    from serve_helpers import adam, sdk_data
+
+    tc.forward_backward(sdk_data(seed=5, lengths=(6, 9)), "cross_entropy").result(timeout=120)
+    tc.optim_step(adam()).result(timeout=120)   # a non-zero adapter: the download check below is a real one
     state = tc.save_state("step-1", user_metadata={"step": "1"}).result(timeout=120).path
     sampler = tc.save_weights_for_sampler("s-1", ttl_seconds=7200).result(timeout=120).path
     rest = sc.create_rest_client()
@@ -47,9 +51,30 @@ def test_training_runs_checkpoints_weights_info_and_archive(server):
     res = httpx.get(f"{server.url}/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/archive",
                     headers={"X-API-Key": ALICE}, timeout=60)
     assert res.status_code == 200 and res.headers["content-type"] == "application/x-tar"
+    on_disk = server.storage / "checkpoints" / model_id / kind / name
     with tarfile.open(fileobj=io.BytesIO(res.content)) as tar:
-        got = tar.extractfile(f"{name}/model.safetensors").read()
-    assert got == (server.storage / "checkpoints" / model_id / kind / name / "model.safetensors").read_bytes()
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    assert got == {f"{name}/{f.name}": f.read_bytes() for f in on_disk.iterdir()}
+    # a LoRA client's sampler checkpoint is its PEFT adapter (the default): the downloaded folder loads in
+    # transformers + PEFT on the base and computes the service's own logprobs of that path
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / name
+    folder.mkdir()
+    for member, data in got.items():
+        (tmp_path / member).write_bytes(data)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {f.name for f in folder.iterdir()}
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(server.backend.base_dir,
+                                                                       dtype=torch.float32), folder).eval()
+    prompt = [5, 9, 33, 2, 71, 14, 8]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].double(), -1)
+    ref = lp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    served = sc.create_sampling_client(model_path=sampler).compute_logprobs(
+        tinker.types.ModelInput.from_ints(prompt)).result(timeout=120)[1:]
+    assert float((torch.tensor(served, dtype=torch.float64) - ref).abs().max()) < 1e-5
     # another tenant sees nothing of it and cannot delete it
     bob = server.client(BOB).create_rest_client()
     with pytest.raises(tinker.NotFoundError):

@@ -66,17 +66,15 @@ def test_lora_save_state_stores_the_adapter_and_its_optimizer_not_the_base(tmp_p
 
 
 def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_path):
-    """``--sampler-checkpoints adapter``: save_weights_for_sampler writes the PEFT adapter only, and
-    sampling it (interleaved with the base and a merged snapshot) equals HF + PEFT on that folder."""
+    """The default ``--sampler-checkpoints auto`` (a plain LoRA client: its adapter): save_weights_for_sampler
+    writes the PEFT adapter only, and sampling it (interleaved with the base and an adapter snapshot) equals
+    HF + PEFT on that folder."""
     from peft import PeftModel
     from tinker import types
     from transformers import Qwen2ForCausalLM
 
-    from ferrule.serve.backend import EngineBackend
-
     base = _wide_base(tmp_path / "wide", seed=0)
-    srv = RunningServer(EngineBackend(base, model_name=MODEL_NAME, sampler_checkpoints="adapter"),
-                        tmp_path / "storage", chunk_len=1024)
+    srv = RunningServer(base, tmp_path / "storage", chunk_len=1024)
     try:
         sc = srv.client()
         tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
@@ -103,9 +101,18 @@ def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_pa
         assert float((ref_adapter - ref_base).abs().max()) > 1e-3          # the adapter changes the model
         by_path = sc.create_sampling_client(model_path=path)
         plain = sc.create_sampling_client(base_model=MODEL_NAME)
-        snapshot = tc.save_weights_and_get_sampling_client()                # merged weights, same values
+        snapshot = tc.save_weights_and_get_sampling_client()                # the adapter, in memory
+        # --sampler-checkpoints merged stays selectable (the flag is read when weights are saved): a full merged
+        # copy in memory and on disk, swapped in as full weights, computing the same model
+        srv.backend.sampler_checkpoints = "merged"
+        merged_snap = tc.save_weights_and_get_sampling_client()
+        merged_path = tc.save_weights_for_sampler("m1").result(timeout=120).path
+        srv.backend.sampler_checkpoints = "auto"
+        assert (folder.parent / "m1" / "model.safetensors").is_file()
+        by_merged_path = sc.create_sampling_client(model_path=merged_path)
         for client, ref in ((by_path, ref_adapter), (plain, ref_base), (snapshot, ref_adapter),
-                            (by_path, ref_adapter), (plain, ref_base)):     # swaps both ways
+                            (merged_snap, ref_adapter), (by_path, ref_adapter), (by_merged_path, ref_adapter),
+                            (plain, ref_base)):     # swaps both ways
             got = torch.tensor(client.compute_logprobs(prompt).result(timeout=120)[1:], dtype=torch.float64)
             assert float((got - ref).abs().max()) < 1e-5
 
@@ -154,22 +161,21 @@ def test_adapter_sampler_checkpoints_store_the_adapter_and_sample_as_peft(tmp_pa
 def test_soak_four_tenants_ten_snapshots_and_twenty_forward_backwards_each_memory_stays_bounded(tmp_path):
     """Issue 46's soak check, bounded: 4 tenants (keys) each run 10 rounds of 2 ``forward_backward`` +
     ``optim_step`` + an unnamed snapshot (``save_weights_and_get_sampling_client``) sampled once, all
-    through the SDK on one loopback server in this process, with ``--sampler-checkpoints adapter`` (a
-    snapshot holds the adapter). The process's resident memory after the last round stays within 20% of
+    through the SDK on one loopback server in this process, with the default ``--sampler-checkpoints auto`` (a
+    LoRA client's snapshot holds the adapter). The process's resident memory after the last round stays within 20% of
     its level after the first (activations released, snapshots past the per-tenant limit dropped); every
     snapshot samples its own tenant's weights (logprobs differ between tenants and from the previous
-    round). With the default ``merged`` snapshots (a full copy each) memory grows until each tenant holds
-    MAX_SNAPSHOTS of them, then stays: 626 -> 750 MiB by round 5 here (6 MB base), flat after."""
+    round). With ``--sampler-checkpoints merged`` snapshots (a full copy each) memory grows until each tenant
+    holds MAX_SNAPSHOTS of them, then stays: 626 -> 750 MiB by round 5 here (6 MB base), flat after."""
     import gc
 
     import psutil
     from tinker import types
 
-    from ferrule.serve.backend import MAX_SNAPSHOTS, AdapterWeights, EngineBackend
+    from ferrule.serve.backend import MAX_SNAPSHOTS, AdapterWeights
 
     keys = {f"tml-soak-{i:04d}": f"soak{i}" for i in range(4)}
-    srv = RunningServer(EngineBackend(_wide_base(tmp_path / "wide", seed=0), model_name=MODEL_NAME,
-                                      sampler_checkpoints="adapter"), tmp_path / "storage", keys=keys, chunk_len=1024)
+    srv = RunningServer(_wide_base(tmp_path / "wide", seed=0), tmp_path / "storage", keys=keys, chunk_len=1024)
     proc = psutil.Process()
     prompt = types.ModelInput.from_ints([5, 9, 33, 2, 71, 14, 8])
     try:

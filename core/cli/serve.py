@@ -109,7 +109,7 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
               max_loaded_bases: int | None = None, sampler_dtype: str | None = "auto",
               max_loaded_bytes: int | None = None,
               worker_threads: int | None = None, event_loop_threads: int | None = None,
-              sampler_checkpoints: str = "merged", engine_settings: list[str] | None = None):
+              sampler_checkpoints: str = "auto", engine_settings: list[str] | None = None):
     """The FastAPI app ``ferrule serve`` runs (tests start it with uvicorn in a thread); bases
     as :func:`served_bases` lists them, at most ``max_loaded_bases`` (holding at most ``max_loaded_bytes``)
     loaded at once (:class:`~ferrule.serve.registry.BaseRegistry`), each sampling on the training device in
@@ -134,8 +134,10 @@ def build_app(base_model: Path | list[Path] | None, storage: Path, api_keys: Pat
     if not keys:  # before the model loads (minutes for a real one)
         raise ValueError(NO_KEYS)
     sampler_placement(sampler_dtype)  # a bad --sampler-dtype before any model loads
-    if sampler_checkpoints not in ("merged", "adapter"):
-        raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged or adapter.")
+    from ferrule.serve.backend import SAMPLER_CHECKPOINTS
+
+    if sampler_checkpoints not in SAMPLER_CHECKPOINTS:
+        raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use auto, adapter or merged.")
     if worker_threads is not None and worker_threads < 1:
         raise ValueError(f"--worker-threads {worker_threads}: expected an int >= 1.")
     settings = parse_engine_settings(engine_settings or [])
@@ -193,10 +195,12 @@ def serve_command(
     sampler_dtype: Annotated[str, typer.Option(help="dtype of every base's sampler, which runs on the training "
                                                "device (the GPU on a CUDA machine): auto (bfloat16 on CUDA, float32 "
                                                "on CPU), bfloat16, float16 or float32.")] = "auto",
-    sampler_checkpoints: Annotated[str, typer.Option(help="What save_weights_for_sampler writes for a LoRA client: "
-                                                     "merged (the full model, HF safetensors) or adapter (its PEFT "
-                                                     "adapter, served on the base unmerged; a few MB instead of the "
-                                                     "model).")] = "merged",
+    sampler_checkpoints: Annotated[str, typer.Option(help="What a LoRA client's sampler weights (checkpoints and "
+                                                     "snapshots) are: auto (its PEFT adapter, served unmerged on the "
+                                                     "base, batched with other tenants'; merged only for an adapter "
+                                                     "of routed-expert or stacked parameters, logged with why), "
+                                                     "adapter (the adapter, such adapters refused) or merged (the "
+                                                     "full model, HF safetensors).")] = "auto",
     worker_threads: Annotated[int | None, typer.Option(help="torch CPU threads of the worker that runs every "
                                                        "operation (default: the CPUs this process may use minus one, "
                                                        "at least 1; the event loop's thread uses 1).")] = None,
@@ -239,12 +243,16 @@ def serve_command(
         print(f"ferrule serve: stopped while loading the base model, before it was ready "
               f"({time.monotonic() - t0:.0f} s); nothing was served.", flush=True)
         raise typer.Exit(130) from None
+    from ferrule.serve.backend import SAMPLER_CHECKPOINTS
+
     bases = app.state.bases
     waiting = [n for n in bases.names if n not in bases.loaded()]
     later = f"; {', '.join(waiting)} load on first use" if waiting else ""
     server = _ready_server(app, host, port, f"ferrule serve: ready on http://{host}:{port} (base models "
                                             f"{', '.join(bases.names)}; {', '.join(bases.loaded())} loaded in "
-                                            f"{time.monotonic() - t0:.0f} s{later}); Ctrl-C stops it")
+                                            f"{time.monotonic() - t0:.0f} s{later}; sampler checkpoints "
+                                            f"{sampler_checkpoints}: {SAMPLER_CHECKPOINTS[sampler_checkpoints]}); "
+                                            "Ctrl-C stops it")
     # uvicorn handles SIGINT / SIGTERM (graceful shutdown), then raises the signal again with the handler it
     # found: SIGINT's is Python's KeyboardInterrupt, SIGTERM's (default) would end the process before the line
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) \

@@ -54,7 +54,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 __all__ = ["TokenSplitMoELayer", "replicated_over_tp", "token_split_group", "with_token_split",
-           "guard_expert_bias_add"]
+           "guard_expert_bias_add", "release_dispatcher_graph"]
 
 
 class _DefaultGroupsMLPFilter(logging.Filter):
@@ -126,6 +126,27 @@ def token_split_group(layer):
         return layer.tp_group
     group = layer.token_dispatcher.tp_ep_group
     return group if group.size() > 1 else None
+
+
+def release_dispatcher_graph(dispatcher) -> int:
+    """Drop the tensors of the last forward's autograd graph that a megatron token dispatcher keeps as attributes
+    (megatron-core 0.16: the alltoall dispatcher's ``probs``, the all-gather dispatcher's ``local_probs``); returns
+    how many. Call it once the forward is past the dispatcher (:meth:`TokenSplitMoELayer.postprocess` does).
+
+    Kept, such a tensor made every trained MoE engine immortal: its graph holds the router weight's
+    ``AccumulateGrad`` node, which holds megatron DDP's gradient hook, whose closure holds the DDP module, which
+    holds the layer and so the dispatcher: a cycle through C++ references that Python's garbage collector cannot
+    see. Measured before this: one Qwen3-MoE ``TrainEngine`` built, stepped and dropped in one process stayed
+    alive with its model, optimizer and process groups (+48 OS threads per engine on a gloo rank, their gloo
+    threads; the 2-rank test pool reached 533 threads after ``tests/test_moe_tp.py``'s 11 engines and was
+    replaced). Dense models keep no such tensor and were freed. The forward's own graph keeps what backward
+    needs; nothing reads these attributes after the dispatcher's ``combine_postprocess``.
+    """
+    state = vars(dispatcher)
+    stale = [name for name, value in state.items() if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+    for name in stale:
+        state[name] = None
+    return len(stale)
 
 
 class _TokenSplit:
@@ -221,6 +242,13 @@ class TokenSplitMoELayer(MoELayer):
         out, _ = self.routed_experts_compute(dispatched, probs)
         out = self.postprocess(self.combine(out), None)
         return split.gather(out).view(shape)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+        """megatron's ``MoELayer.postprocess`` (the dispatcher's last step of a forward), then
+        :func:`release_dispatcher_graph` on this layer's dispatcher."""
+        output = super().postprocess(output, shared_expert_output)
+        release_dispatcher_graph(self.token_dispatcher)
+        return output
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         """megatron ``MoELayer.forward`` (shared experts + router + routed experts), tokens split over TP."""

@@ -9,8 +9,12 @@ A Tinker ``lora_config`` makes the engine a LoRA engine (``TrainEngine(lora=...)
 :meth:`EngineBackend.lora_settings`): the base is frozen, the adapters and their Adam state are
 the client's trained state, and the frozen base tensors of all LoRA clients are one copy in
 memory (:meth:`EngineBackend._share_frozen_base`: each new LoRA engine's frozen parameters are
-pointed at the storage of an existing LoRA engine's identical ones). Sampler weights are the base with the adapters merged
-(:func:`merged_hf_state`), so the embedded rollout engine serves them like any full model.
+pointed at the storage of an existing LoRA engine's identical ones). A LoRA client's sampler weights are its
+PEFT adapter, served unmerged on the shared base (several tenants' adapters in one decode batch); where the
+batched decode cannot serve the adapter unmerged (routed-expert / stacked parameters, PEFT's
+``target_parameters``) and under ``--sampler-checkpoints merged``, they are the base with the adapters merged
+(:func:`merged_hf_state`), which the embedded rollout engine serves like any full model
+(:meth:`EngineBackend.sampler_format` decides, and says why).
 
 Sampling runs on one :class:`~ferrule.rollout.embedded.EmbeddedEngine`, on the training device in
 the sampler dtype (:mod:`ferrule.serve.placement`: bfloat16 on CUDA, float32 on CPU, or
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import shutil
 import time
@@ -47,7 +52,18 @@ from .sampling_params import to_sampling_params
 from ferrule.contract import registry
 from ferrule.rollout.base import GenerateRequest
 
-__all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state"]
+__all__ = ["EngineBackend", "SampleSpec", "SavedWeights", "merged_hf_state", "SAMPLER_CHECKPOINTS"]
+
+log = logging.getLogger("ferrule.serve")
+#: ``--sampler-checkpoints`` values -> what they make of a LoRA client's sampler weights (``get_server_capabilities``)
+SAMPLER_CHECKPOINTS = {
+    "auto": "a LoRA client's PEFT adapter, served unmerged on the base (batched with other tenants' adapters); "
+            "merged into a full copy only where the adapter adapts routed-expert or stacked parameters (PEFT "
+            "target_parameters), which batched decode does not serve unmerged; each such save is logged with why",
+    "adapter": "a LoRA client's PEFT adapter, served unmerged on the base; an adapter with routed-expert or stacked "
+               "parameters (PEFT target_parameters) is refused",
+    "merged": "the full model with the LoRA adapters merged (a full copy per snapshot, swapped in per request)",
+}
 
 #: unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept in memory per tenant
 MAX_SNAPSHOTS = 4
@@ -120,8 +136,9 @@ class EngineBackend:
             (:mod:`ferrule.engine_settings`; ``ferrule serve --engine-setting``); a missing one: its defaults.
         sampler_dtype: ``--sampler-dtype`` (:func:`ferrule.serve.placement.sampler_placement`:
             ``auto`` = bfloat16 on CUDA, float32 on CPU); the device is the training device.
-        sampler_checkpoints: ``--sampler-checkpoints``: ``merged`` (the full model) or ``adapter`` (a
-            LoRA client's PEFT adapter; :meth:`save_sampler_weights`).
+        sampler_checkpoints: ``--sampler-checkpoints`` (:data:`SAMPLER_CHECKPOINTS`): ``auto`` (a LoRA
+            client's PEFT adapter, merged only where batched decode cannot serve it: :meth:`sampler_format`),
+            ``adapter`` (the adapter, or refused) or ``merged`` (the full model); :meth:`save_sampler_weights`.
 
     Raises:
         FileNotFoundError: ``base_model`` is neither kind of checkpoint.
@@ -130,10 +147,10 @@ class EngineBackend:
 
     def __init__(self, base_model: str | Path, *, model_name: str | None = None, optimizer: Any = None,
                  max_snapshots: int = MAX_SNAPSHOTS, eager: bool = True, sampler_dtype: str | None = "auto",
-                 sampler_checkpoints: str = "merged", engine_settings: Mapping[str, Any] | None = None):
-        if sampler_checkpoints not in ("merged", "adapter"):
-            raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use merged (the full model) or adapter "
-                             "(a LoRA client's PEFT adapter, served on the base).")
+                 sampler_checkpoints: str = "auto", engine_settings: Mapping[str, Any] | None = None):
+        if sampler_checkpoints not in SAMPLER_CHECKPOINTS:
+            raise ValueError(f"--sampler-checkpoints {sampler_checkpoints!r}: use auto (the default: a LoRA client's "
+                             "adapter, merged only where batched decode cannot serve it), adapter or merged.")
         #: what ``save_weights_for_sampler`` writes for a LoRA client (:meth:`save_sampler_weights`)
         self.sampler_checkpoints = sampler_checkpoints
         #: the sampler's device and dtype (:mod:`ferrule.serve.placement`)
@@ -386,6 +403,61 @@ class EngineBackend:
         self.engines[model_id] = fresh
         self.lora_ranks[model_id] = None if lora is None else lora.rank
 
+    def sampler_format(self, model_id: str) -> tuple[str, str | None]:
+        """What the client's sampler weights (checkpoint, snapshot, inflight) are: ``("adapter", None)`` (its
+        PEFT adapter, served unmerged on the base) or ``("merged", why)``; ``why`` is None where merged is what
+        was asked for (``--sampler-checkpoints merged``, or a full-parameter client: its weights), else the
+        reason ``auto`` merges (the adapter adapts PEFT ``target_parameters``: routed experts' fused 3-D
+        parameters, Inkling's stacked shared experts; batched multi-adapter decode serves ``nn.Linear``
+        adapters only, and the single-adapter path is unverified under CUDA-graph decode).
+
+        Raises:
+            ValueError: ``--sampler-checkpoints adapter`` and such an adapter (names the option to use).
+            LookupError: no engine for ``model_id``.
+        """
+        return self._sampler_format(self.engine(model_id))
+
+    def snapshot_holds_adapter(self, model_id: str) -> bool:
+        """Whether an unnamed snapshot of ``model_id`` would hold its adapter (not a merged copy); False when
+        unknown (no engine yet). Reads no hook: the HTTP handlers call it for the memory estimate."""
+        engine = self.engines.get(model_id)
+        try:
+            return engine is not None and self._sampler_format(engine)[0] == "adapter"
+        except ValueError:
+            return False
+
+    def _sampler_format(self, engine: Any) -> tuple[str, str | None]:
+        if getattr(engine, "lora", None) is None or self.sampler_checkpoints == "merged":
+            return "merged", None
+        from ferrule.lora.peft_format import peft_config
+
+        targets = peft_config(engine, self.model_name).get("target_parameters")
+        if not targets:
+            return "adapter", None
+        why = (f"its adapter adapts parameters {list(targets)} (PEFT target_parameters: routed experts or stacked "
+               "parameters), which batched multi-adapter decode does not serve unmerged")
+        if self.sampler_checkpoints == "adapter":
+            raise ValueError(f"--sampler-checkpoints adapter: {why}. Start the server with --sampler-checkpoints auto "
+                             "(merged sampler weights for such clients only) or merged, or train without those "
+                             "parameters (train_mlp=False).")
+        return "merged", why
+
+    def _adapter_weights(self, model_id: str, what: str) -> AdapterWeights | None:
+        """The client's adapter as :class:`AdapterWeights` (CPU copies) where :meth:`sampler_format` says
+        adapter; else None (logging why ``auto`` merges ``what``)."""
+        engine = self.engine(model_id)
+        fmt, why = self._sampler_format(engine)
+        if fmt == "merged":
+            if why is not None:
+                log.info("sampler weights of %s (base %s, %s): merged, not the adapter: %s", model_id,
+                         self.model_name, what, why)
+            return None
+        from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
+
+        return AdapterWeights(
+            {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_adapter_state_dict(engine).items()},
+            peft_config(engine, self.model_name))
+
     def sampler_tensors(self, model_id: str) -> dict:
         """The client's full model under HF names, adapters merged (:func:`merged_hf_state`, on a
         meta-device copy of the transformers model built once).
@@ -406,24 +478,21 @@ class EngineBackend:
         return merged_hf_state(engine, *self._merge_layout)
 
     def save_sampler_weights(self, model_id: str, directory: Path) -> int:
-        """Sampler weights for ``model_id``; returns bytes. Merged (default): the full model as
-        HF-named safetensors (``model.safetensors``). With ``sampler_checkpoints="adapter"`` a LoRA
-        client's checkpoint is its PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
-        what ``PeftModel.from_pretrained`` reads) and ``base.json`` naming this base; sampling serves it
-        on the base, unmerged (:meth:`_hold`)."""
+        """Sampler weights for ``model_id``; returns bytes. Where :meth:`sampler_format` says adapter (a
+        LoRA client, by default) its PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
+        what ``PeftModel.from_pretrained`` reads) and ``base.json`` naming this base; sampling serves it on
+        the base, unmerged (:meth:`_hold_adapters`). Merged: the full model as HF-named safetensors
+        (``model.safetensors``)."""
         from safetensors.torch import save_file
 
-        engine = self.engine(model_id)
+        adapter = self._adapter_weights(model_id, f"checkpoint {directory.name}")
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
-                from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
-
-                tensors = {k: v.detach().cpu().contiguous() for k, v in hf_adapter_state_dict(engine).items()}
-                save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-                (tmp / "adapter_config.json").write_text(json.dumps(peft_config(engine, self.model_name), indent=2))
+            if adapter is not None:
+                save_file(adapter.tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+                (tmp / "adapter_config.json").write_text(json.dumps(adapter.config, indent=2))
                 (tmp / "base.json").write_text(json.dumps({"base_model": self.model_name}) + "\n")
             else:
                 save_file(self.sampler_tensors(model_id), str(tmp / "model.safetensors"))
@@ -502,10 +571,13 @@ class EngineBackend:
 
     def sampler_info(self) -> dict:
         """The sampler as ``/api/v1/healthz`` and ``get_server_capabilities`` report it:
-        ``{"device", "dtype", "loaded"}``, plus ``fast_decode`` / ``cuda_graph`` once it is loaded
-        (the engine's own attributes)."""
+        ``{"device", "dtype", "loaded", "checkpoints", "checkpoints_rule"}`` (``--sampler-checkpoints`` and what
+        it makes of a LoRA client's sampler weights: :data:`SAMPLER_CHECKPOINTS`), plus ``fast_decode`` /
+        ``cuda_graph`` once it is loaded (the engine's own attributes)."""
         engine = self._rollout   # read once: the worker may unload it meanwhile
-        info: dict = {**self.placement.as_json(), "loaded": engine is not None}
+        info: dict = {**self.placement.as_json(), "loaded": engine is not None,
+                      "checkpoints": self.sampler_checkpoints,
+                      "checkpoints_rule": SAMPLER_CHECKPOINTS[self.sampler_checkpoints]}
         if engine is not None:  # attributes only: health() walks state the worker may be changing
             info.update(device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
                         fast_decode=engine.fast_decode, cuda_graph=engine.cuda_graph)
@@ -545,16 +617,9 @@ class EngineBackend:
         """
         self._snap_counter += 1
         key = f"ephemeral:{model_id}:{self._snap_counter}"
-        engine = self.engine(model_id)
-        if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
-            from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
-
-            # the adapter only (sampled on the base, batched with other tenants' adapters), not a merged copy
-            self._snapshots[key] = AdapterWeights(
-                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_adapter_state_dict(engine).items()},
-                peft_config(engine, self.model_name))
-        else:
-            self._snapshots[key] = self.sampler_tensors(model_id)
+        # the adapter only (sampled on the base, batched with other tenants' adapters), else a merged copy
+        adapter = self._adapter_weights(model_id, "snapshot")
+        self._snapshots[key] = adapter if adapter is not None else self.sampler_tensors(model_id)
         mine = self._tenant_snapshots.setdefault(tenant, collections.OrderedDict())
         mine[key] = None
         while len(mine) > self.max_snapshots:
@@ -574,15 +639,8 @@ class EngineBackend:
         names, ``inflight:<model_id>`` (:meth:`resolve`)."""
         self._snap_counter += 1
         key = f"{INFLIGHT}{model_id}#{self._snap_counter}"
-        engine = self.engine(model_id)
-        if self.sampler_checkpoints == "adapter" and getattr(engine, "lora", None) is not None:
-            from ferrule.lora.peft_format import hf_adapter_state_dict, peft_config
-
-            weights: Any = AdapterWeights(
-                {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_adapter_state_dict(engine).items()},
-                peft_config(engine, self.model_name))
-        else:
-            weights = self.sampler_tensors(model_id)
+        adapter = self._adapter_weights(model_id, "inflight weights")
+        weights: Any = adapter if adapter is not None else self.sampler_tensors(model_id)
         old = self._inflight.get(model_id)
         self._snapshots[key] = weights
         self._inflight[model_id] = key

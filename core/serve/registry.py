@@ -80,7 +80,7 @@ class BaseRegistry:
 
     def __init__(self, bases: Sequence[tuple[str | None, str | Path] | EngineBackend], *,
                  max_loaded: int = DEFAULT_MAX_LOADED, optimizer: Any = None, max_snapshots: int = MAX_SNAPSHOTS,
-                 sampler_dtype: str | None = "auto", sampler_checkpoints: str = "merged",
+                 sampler_dtype: str | None = "auto", sampler_checkpoints: str = "auto",
                  engine_settings: Any = None, max_loaded_bytes: int | None = None):
         if not bases:
             raise ValueError("no base model: give --base-model DIR (repeatable) or --models-file FILE.")

@@ -202,7 +202,7 @@ async def save_weights_for_sampler(request: Request):
     except (PathError, HTTPError) as exc:
         raise svc.refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {getattr(exc, 'message', exc)}") from None
     need = 0   # an unnamed snapshot is kept in memory: a merged copy of the model unless it is an adapter
-    if not named and not (backend.sampler_checkpoints == "adapter" and row["lora_rank"] is not None):
+    if not named and not (row["lora_rank"] is not None and backend.snapshot_holds_adapter(model_id)):
         need = model_copy_bytes(backend)
         if msg := svc.over_memory("the request", need, "an unnamed sampler snapshot: a merged copy of the model"):
             raise svc.refuse(model_id, seq_id, 400, f"save_weights_for_sampler: {msg}")
