@@ -11,7 +11,8 @@ tests keep the cores busy gains nothing from a third worker; one that waits (sle
 interpreters blocked on each other) does.
 
 It also says what the 2-rank pools (tests/dist_pool.py) cost, per worker: their starts (the test that paid each,
-and its seconds), the failed jobs they recovered from, and each kill with its reason; a start is two
+and its seconds), the failed jobs they recovered from, each kill with its reason, and the most OS threads a
+rank had after a job's reset (and that job's test: a leak of process groups shows there first); a start is two
 interpreters, ~25 s on the CI machine.
 
 Figures are approximate: a descendant that ends between two readings without being reaped by the
@@ -106,6 +107,9 @@ def _pool_lines(worker: str, events: dict) -> list[str]:
              f"{len(events['recoveries'])} failed job(s) recovered; {len(events['kills'])} kill(s)"]
     lines += [f"    start {secs:5.1f} s  {test}" for test, secs in starts]
     lines += [f"    kill: {reason}  {test}" for reason, test in events["kills"]]
+    if events.get("peak_threads"):
+        threads, test = events["peak_threads"]
+        lines.append(f"    most threads in a rank after a job: {threads}  {test}")
     return lines
 
 

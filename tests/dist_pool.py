@@ -64,8 +64,9 @@ def _die_with_parent() -> None:
 
 
 #: this process's pool events, for ``--cpu-report``'s summary (tests/cpu_report.py): each start ``(test id, seconds)``,
-#: each kill ``(reason, test id)``, and the failed jobs the ranks recovered from
-EVENTS: dict[str, list] = {"starts": [], "kills": [], "recoveries": []}
+#: each kill ``(reason, test id)``, the failed jobs the ranks recovered from, and ``peak_threads``: ``[threads, test id]``
+#: of the job after whose reset a rank had the most OS threads (a leak shows here before it reaches MAX_RANK_THREADS)
+EVENTS: dict[str, list] = {"starts": [], "kills": [], "recoveries": [], "peak_threads": []}
 
 
 #: CPU seconds of pool ranks that were killed rather than reaped (``os.killpg``: torchrun's agent dies before it
@@ -239,7 +240,10 @@ class DistPool:
             missing = sorted(set(range(self.nproc)) - set(done))
             launch = (control / "launch.log").read_text()[-3000:]
             err += f"\n[dist_pool] rank(s) {missing} did not finish; launch log:\n{launch}"
-        if max(threads.values(), default=0) > MAX_RANK_THREADS:
+        most = max(threads.values(), default=0)
+        if most > (EVENTS["peak_threads"] or [0])[0]:
+            EVENTS["peak_threads"] = [most, _current_test()]
+        if most > MAX_RANK_THREADS:
             # ranks whose leaked gloo threads would slow every later job
             self._kill(f"{max(threads.values())} threads in a rank (> {MAX_RANK_THREADS})")
         elif rc != 0 and not (len(done) == self.nproc and all(reset.values()) and self._recover(control, n)):

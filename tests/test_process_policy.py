@@ -51,8 +51,6 @@ ALLOWED: dict[str, str] = {
     "tests/test_rl_distributed.py::_launch_worker": "NCCL over two GPUs (CPU runs use the pool)",
     "tests/test_rl_distributed.py::test_a_rank_that_raises_stops_the_job_with_its_message":
         "torchrun ending both ranks when one raises",
-    "tests/test_rl_distributed.py::test_cli_nproc_checks_the_layout_first_and_passes_a_user_error_through":
-        "`ferrule train --nproc 2` starts torchrun itself",
     "tests/test_rl_e2e.py::test_cli_ctrl_c_saves_and_resumes": "SIGINT to `ferrule train`",
     "tests/test_rl_sglang.py::test_release_stops_a_launched_server_and_restores_sigterm":
         "a launched server process is stopped",

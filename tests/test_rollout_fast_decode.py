@@ -222,7 +222,8 @@ def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_len
     """Issue 40: with ``decode_dynamic: marked`` the fast step (torch.compile, dynamo's eager backend on
     CPU: the same graphs and guards, no inductor) is compiled by the first call and by no later call with
     another batch rung, cache length, attended length (the whole cache included) or stop-id count, counted
-    by ``EmbeddedEngine.info()["compiles"]``; greedy tokens and logprobs equal the plain eager path's."""
+    by ``EmbeddedEngine.info()["compiles"]``; greedy tokens and logprobs equal the plain eager path's. With
+    ``compile_regions`` (each decoder layer a nested compile region) on, so that path is checked too."""
     from ferrule.engine_settings import RolloutEngineSettings
     from ferrule.rollout import SamplingParams, _fast_decode, embedded
     from ferrule.rollout.embedded import EmbeddedEngine
@@ -233,7 +234,7 @@ def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_len
     model = _model("qwen2")
     plain = EmbeddedEngine(model=model)
     fast = EmbeddedEngine(model=model, settings=RolloutEngineSettings(
-        kv_bucket=4, batch_ladder=[4, 8], pad_batches=True, decode_dynamic="marked"))
+        kv_bucket=4, batch_ladder=[4, 8], pad_batches=True, decode_dynamic="marked", compile_regions=True))
     fast.fast_decode = True
     fast._fuse_weights()
     prompts = [[3, 4, 5, 6], [9], [10, 11, 12, 13, 14, 15], [20, 21], [7, 7, 7], [30, 31, 32, 33, 34]]
