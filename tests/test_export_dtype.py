@@ -90,6 +90,12 @@ def test_export_of_fp32_training_from_a_bf16_source_loads_in_fp32(tmp_path, lora
     trainer = _run(root, tmp_path / "run", "lora: {rank: 4, alpha: 8, target_modules: all}\n" if lora else "")
     data = _data(AutoConfig.from_pretrained(root / "model").vocab_size)
     ours = trainer.engine.forward_logprobs(data)
+    # the exports run as `ferrule export` does, in a process without a process group: with the trainer's still up,
+    # each 1-rank export spawned an interpreter of its own (~10-20 s each on this machine)
+    from ferrule.megatron.parallel import destroy_distributed
+
+    del trainer
+    destroy_distributed()
 
     out = tmp_path / "out"
     res = _export_cli(tmp_path / "run", out)
