@@ -543,7 +543,10 @@ class FastStatic:
         self.temperature.fill_(1.0 if greedy else float(params.temperature))
         self.greedy.fill_(greedy)
         self.dynamic = settings.decode_dynamic
-        self.regions = bool(settings.compile_regions)
+        # regions only where every batch and length dimension is marked symbolic before the compile: a size
+        # specialised while dynamo traces the first layer's region broke its reuse for the next layers (torch 2.13,
+        # KeyError in stamp_out_subgraph; seen on CPU with the caches left unmarked)
+        self.regions = bool(settings.compile_regions) and self.dynamic == "marked"
         self.stop_t = self._stop_buf(len(stop_ids))
         self.stop_t.fill_(-1)
         if stop_ids:
