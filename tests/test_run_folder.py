@@ -135,7 +135,11 @@ def test_a_second_trainer_on_a_run_folder_exits_2_naming_the_holder(tiny, tmp_pa
 def test_a_second_conversion_into_one_out_is_refused(tmp_path):
     from ferrule.conformance import numeric as cn
     from ferrule.fs.output_dir import output_lock
+    from ferrule.megatron.parallel import destroy_distributed
 
+    # `ferrule convert` runs without a process group (a process of its own): an earlier test's in-process run
+    # leaves one, with which the conversion would run in a spawned rank (converters/workers.py), an interpreter start
+    destroy_distributed()
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
     out = tmp_path / "td"
     holder = _holder(output_lock(out))  # a first `ferrule convert` into OUT, still writing

@@ -112,9 +112,13 @@ def test_conversion_round_trip_carries_processor_files(src, tmp_path):
 def test_engine_save_and_ferrule_export_carry_processor_files(src, tmp_path):
     from ferrule.converters.export import export_run
     from ferrule.megatron.engine import TrainEngine
+    from ferrule.megatron.parallel import destroy_distributed
 
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     TrainEngine.from_hf(src).save(step / "engine")
+    # `ferrule export` runs without a process group (a process of its own): the engine's goes first, or the
+    # conversion would run in a spawned rank (converters/workers.py), an interpreter start
+    destroy_distributed()
     (step / "loop_state.json").write_text("{}\n")
     _same_side_files(src, step / "engine" / "hf")
     _, out, _ = export_run(tmp_path / "run", tmp_path / "exported")
