@@ -237,8 +237,10 @@ def warmup_sequence(model, args) -> list[dict]:
     from ferrule.engine_settings import RolloutEngineSettings
 
     t_build = time.perf_counter()
-    settings = RolloutEngineSettings() if args.decode_dynamic is None else \
-        RolloutEngineSettings(decode_dynamic=args.decode_dynamic)
+    chosen = {k: v for k, v in (("decode_dynamic", args.decode_dynamic),
+                                ("compile_regions", None if args.compile_regions is None else bool(args.compile_regions)))
+              if v is not None}
+    settings = RolloutEngineSettings(**chosen)
     engine = EmbeddedEngine(model=model, settings=settings)
     t_build_s = time.perf_counter() - t_build
     print(f"engine built in {time.perf_counter() - t_build:.1f} s; settings {engine.settings.describe()}; "
@@ -358,6 +360,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", default=None, help="--warmup-sequence: also write the rows to this JSON file")
     ap.add_argument("--decode-dynamic", choices=["all", "auto", "marked"], default=None,
                     help="--warmup-sequence: rollout_engine.decode_dynamic (default: the product default)")
+    ap.add_argument("--compile-regions", type=int, choices=[0, 1], default=None,
+                    help="--warmup-sequence: rollout_engine.compile_regions (default: the product default)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     import torch._dynamo as dynamo

@@ -127,6 +127,8 @@ def section_a(args, res: dict) -> None:
                "--warmup-sequence", "--warmup-shapes", WARMUP_SHAPES, "--json-out", path, "--no-record"]
         if args.tiny:
             cmd += ["--warmup-div", "16", "--rl-prompts", "4", "--rl-n", "2"]
+        if args.compile_regions is not None:
+            cmd += ["--compile-regions", str(args.compile_regions)]
         t0 = time.perf_counter()
         rc, text = _run(cmd, env, timeout)
         wall = time.perf_counter() - t0
@@ -165,7 +167,10 @@ def section_b(args, res: dict, model, keep: dict) -> None:
     g = torch.Generator().manual_seed(0)
     reqs = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
-    engine = EmbeddedEngine(model=model)
+    from ferrule.engine_settings import RolloutEngineSettings
+
+    engine = EmbeddedEngine(model=model, settings=RolloutEngineSettings() if args.compile_regions is None else
+                            RolloutEngineSettings(compile_regions=bool(args.compile_regions)))
     t0 = time.perf_counter()
     engine.generate(reqs, params)
     sync(args.device)
@@ -439,6 +444,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "ferrule_bench_targets_cache"),
                     help="FERRULE_CACHE_DIR of every section (emptied by section a: its first process starts cold)")
     ap.add_argument("--reps", type=int, default=3, help="b: timed calls (median)")
+    ap.add_argument("--compile-regions", type=int, choices=[0, 1], default=None,
+                    help="a, b: rollout_engine.compile_regions (default: the product default)")
     ap.add_argument("--kernels", type=int, default=15, help="g: kernels in the table")
     ap.add_argument("--train-iters", type=int, default=3)
     ap.add_argument("--sync-iters", type=int, default=10)

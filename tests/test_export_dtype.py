@@ -86,15 +86,14 @@ def test_export_of_fp32_training_from_a_bf16_source_loads_in_fp32(tmp_path, lora
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from ferrule.megatron.parallel import destroy_distributed
-
     root = _bf16_assets(tmp_path / "assets")
     trainer = _run(root, tmp_path / "run", "lora: {rank: 4, alpha: 8, target_modules: all}\n" if lora else "")
     data = _data(AutoConfig.from_pretrained(root / "model").vocab_size)
     ours = trainer.engine.forward_logprobs(data)
-    # `ferrule export` runs as a process of its own, without a process group: so here too. With the trainer's
-    # still up, each export's conversion ran in a spawned rank instead (converters/workers.py), an interpreter
-    # start per export (measured: 28.8 of the two tests' 45.2 s waited on 4 of them)
+    # the exports run as `ferrule export` does, in a process without a process group: with the trainer's still up,
+    # each 1-rank export spawned an interpreter of its own (~10-20 s each on this machine)
+    from ferrule.megatron.parallel import destroy_distributed
+
     del trainer
     destroy_distributed()
 

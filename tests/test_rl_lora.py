@@ -137,14 +137,19 @@ def test_lora_grpo_run_syncs_only_the_adapter_and_resumes_exactly(tmp_path):
 
     from ferrule.converters.export import export_run
     from ferrule.megatron.batching import Datum
+    from ferrule.megatron.parallel import destroy_distributed
 
-    step, merged_dir, _ = export_run(full, tmp_path / "merged")
-    assert step == 4
     g = torch.Generator().manual_seed(0)
     n_vocab = AutoModelForCausalLM.from_pretrained(root / "model").config.vocab_size
     data = [Datum(t[:-1].tolist(), {"target_tokens": t[1:].clone()})
             for t in (torch.randint(0, n_vocab, (n,), generator=g) for n in (7, 12, 5))]
     ours = trainer.engine.forward_logprobs(data)
+    # the export runs as `ferrule export` does, in a process without a process group: with the trainer's still up,
+    # the 1-rank export spawned an interpreter of its own
+    del trainer
+    destroy_distributed()
+    step, merged_dir, _ = export_run(full, tmp_path / "merged")
+    assert step == 4
 
     def hf_lp(model):
         with torch.no_grad():

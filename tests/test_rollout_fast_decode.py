@@ -116,11 +116,13 @@ def _fp32_logprobs(model32, prompt, tokens, temperature):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fast decode path)")
+@pytest.mark.parametrize("regions", [False, True], ids=["whole-step", "compile-regions"])
 @torch.inference_mode()
-def test_fast_decode_matches_plain_path_on_cuda(monkeypatch):
+def test_fast_decode_matches_plain_path_on_cuda(monkeypatch, regions):
     """bf16 on CUDA: the fast path's logprobs of its own tokens, against an fp32 HF forward over
     the same tokens, are at most 2x the plain path's bf16 error + 1e-3 (tests/test_gpu.py's
-    criterion), and stop ids end rows exactly as the plain path's bookkeeping does."""
+    criterion), and stop ids end rows exactly as the plain path's bookkeeping does; with the step
+    compiled whole and with each layer a nested compile region (``compile_regions``)."""
     import copy
 
     from ferrule.rollout import SamplingParams
@@ -133,7 +135,8 @@ def test_fast_decode_matches_plain_path_on_cuda(monkeypatch):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
     bucket = RolloutEngineSettings(kv_bucket=32)  # attended prefix 32, 64, then the whole cache
-    fast = EmbeddedEngine(model=model, fast_decode=True, settings=bucket)
+    fast = EmbeddedEngine(model=model, fast_decode=True,
+                          settings=RolloutEngineSettings(kv_bucket=32, compile_regions=regions))
     plain = EmbeddedEngine(model=model, fast_decode=False, settings=bucket)
     assert fast.fast_decode and not plain.fast_decode
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
@@ -222,7 +225,8 @@ def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_len
     """Issue 40: with ``decode_dynamic: marked`` the fast step (torch.compile, dynamo's eager backend on
     CPU: the same graphs and guards, no inductor) is compiled by the first call and by no later call with
     another batch rung, cache length, attended length (the whole cache included) or stop-id count, counted
-    by ``EmbeddedEngine.info()["compiles"]``; greedy tokens and logprobs equal the plain eager path's."""
+    by ``EmbeddedEngine.info()["compiles"]``; greedy tokens and logprobs equal the plain eager path's. With
+    ``compile_regions`` (each decoder layer a nested compile region) on, so that path is checked too."""
     from ferrule.engine_settings import RolloutEngineSettings
     from ferrule.rollout import SamplingParams, _fast_decode, embedded
     from ferrule.rollout.embedded import EmbeddedEngine
@@ -233,7 +237,7 @@ def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_len
     model = _model("qwen2")
     plain = EmbeddedEngine(model=model)
     fast = EmbeddedEngine(model=model, settings=RolloutEngineSettings(
-        kv_bucket=4, batch_ladder=[4, 8], pad_batches=True, decode_dynamic="marked"))
+        kv_bucket=4, batch_ladder=[4, 8], pad_batches=True, decode_dynamic="marked", compile_regions=True))
     fast.fast_decode = True
     fast._fuse_weights()
     prompts = [[3, 4, 5, 6], [9], [10, 11, 12, 13, 14, 15], [20, 21], [7, 7, 7], [30, 31, 32, 33, 34]]
@@ -410,7 +414,10 @@ def test_serving_an_adapter_does_not_recompile_the_fast_step(monkeypatch):
     from ferrule.engine_settings import RolloutEngineSettings
 
     base = tiny_qwen2()
-    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=RolloutEngineSettings(kv_bucket=0, lora_merged=True))
+    # compile_regions off: this test's own compile leaves the caches unmarked, so dynamo specialises the batch inside
+    # the first layer's region, which its region reuse does not survive (the engine marks them: _mark_dynamic)
+    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=RolloutEngineSettings(kv_bucket=0, lora_merged=True,
+                                                                                      compile_regions=False))
     engine.fast_decode = True
     engine._fuse_weights()
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)

@@ -137,8 +137,8 @@ def test_a_second_conversion_into_one_out_is_refused(tmp_path):
     from ferrule.fs.output_dir import output_lock
     from ferrule.megatron.parallel import destroy_distributed
 
-    # `ferrule convert` runs without a process group (a process of its own): an earlier test's in-process run
-    # leaves one, with which the conversion would run in a spawned rank (converters/workers.py), an interpreter start
+    # `ferrule convert` runs in a process without a process group: an earlier test's in-process run left one up,
+    # which made the 1-rank conversion spawn an interpreter of its own (~15 s)
     destroy_distributed()
     src = cn.tiny_hf_dir("qwen2", tmp_path / "hf")
     out = tmp_path / "td"

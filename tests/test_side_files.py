@@ -116,8 +116,8 @@ def test_engine_save_and_ferrule_export_carry_processor_files(src, tmp_path):
 
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     TrainEngine.from_hf(src).save(step / "engine")
-    # `ferrule export` runs without a process group (a process of its own): the engine's goes first, or the
-    # conversion would run in a spawned rank (converters/workers.py), an interpreter start
+    # the export runs as `ferrule export` does, in a process without a process group: with the engine's still
+    # up, a 1-rank conversion spawns an interpreter of its own (measured: 24.6 s of this test's 26.6 s)
     destroy_distributed()
     (step / "loop_state.json").write_text("{}\n")
     _same_side_files(src, step / "engine" / "hf")

@@ -217,10 +217,60 @@ def _lora_cat(h: torch.Tensor, abs_: list, mask: torch.Tensor, widths: tuple[int
     return torch.cat([h.new_zeros(h.shape[0], w) if p is None else p for p, w in zip(parts, widths)], dim=-1)
 
 
+def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor,
+           allowed: torch.Tensor, hidden: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lw: list,
+           eps: tuple[float, float, float], shape: tuple, fac: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer of :func:`decode_logits`: ``x [batch, hidden]`` -> the next layer's input; writes the
+    layer's new key/value into ``kc``/``vc`` at ``slot``; attends over the first ``hidden.shape[-1]`` key
+    slots (no int argument: a size passed into a nested region as a number failed dynamo's region reuse when
+    it was specialised, ``KeyError`` in ``stamp_out_subgraph``, torch 2.13). ``lw``: the layer's first ten flat weights
+    (:class:`FusedLayout`), ``eps``: its ln1, q/k norm and ln2 epsilons, ``shape``: ``(hq, hkv, head_dim,
+    inter, scaling, attn, rope_in_attn)``. With ``rollout_engine.compile_regions`` it runs as
+    :func:`torch.compiler.nested_compile_region` (:data:`_LAYER_REGION`): traced and compiled once for every layer."""
+    ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w = lw
+    e1, eqk, e2 = eps
+    hq, hkv, d, inter, scaling, attn, rope_in_attn = shape
+    b, L = x.shape[0], hidden.shape[-1]
+    h = _rms(x, ln1, e1)
+    qkv = F.linear(h, qkv_w, qkv_b)
+    if fac is not None and (extra := _lora_cat(h, fac[0:3], mask, (hq * d, hkv * d, hkv * d))) is not None:
+        qkv = qkv + extra
+    q = qkv[:, :hq * d].view(b, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+    if qn is not None:
+        q, k = _rms(q, qn, eqk), _rms(k, kn, eqk)
+    if rope_in_attn:
+        o = attend_rope(q, k, v, cos[:, 0], sin[:, 0], slot, kc, vc, allowed, L, scaling)
+    else:
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        kc[rows, :, slot] = k
+        vc[rows, :, slot] = v
+        o = attend(q, kc, vc, allowed, hidden, L, scaling, attn)
+    out = F.linear(o, o_w, o_b)
+    if fac is not None and fac[3] is not None:
+        out = out + _lora_delta(o, fac[3], mask)
+    x = x + out
+    h = _rms(x, ln2, e2)
+    gu = F.linear(h, gu_w)
+    if fac is not None and (extra := _lora_cat(h, fac[4:6], mask, (inter, inter))) is not None:
+        gu = gu + extra
+    g, u = gu.split(inter, dim=-1)
+    act = F.silu(g) * u
+    out = F.linear(act, down_w)
+    if fac is not None and fac[6] is not None:
+        out = out + _lora_delta(act, fac[6], mask)
+    return x + out
+
+
+#: :func:`_layer` as a nested compile region (made at import: dynamo does not trace nested_compile_region itself)
+_LAYER_REGION = torch.compiler.nested_compile_region(_layer)
+
+
 def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], values: list[torch.Tensor],
                   ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, allowed: torch.Tensor,
                   kv_len: int | torch.Tensor | None = None, attn: str = "eager",
-                  lora: tuple | None = None) -> torch.Tensor:
+                  lora: tuple | None = None, regions: bool = False) -> torch.Tensor:
     """One decode step: ``ids``/``pos``/``slot`` ``[batch]`` int64 (token, position id, key slot
     written), ``allowed [batch, max_len]`` bool (key slots visible, ``slot`` included) ->
     ``[batch, vocab]`` logits in the model dtype. Writes each layer's new key/value into
@@ -235,7 +285,9 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     to "eager" for fp32 models, closer to an fp32 forward for bf16 ones). The new key/value are
     written with ``index_put_`` (in place under torch.compile; ``scatter_`` made inductor copy the
     whole cache per layer and step). ``lora``: ``(mask, per-layer factors)`` of held adapters applied
-    per row (:meth:`ferrule.rollout._multi_lora.MultiLoraPool.fast_factors`), or None.
+    per row (:meth:`ferrule.rollout._multi_lora.MultiLoraPool.fast_factors`), or None. ``regions``: each
+    layer as one nested compile region (:data:`_LAYER_REGION`; ``rollout_engine.compile_regions``): under
+    torch.compile the layer is traced and compiled once and reused for every layer, the same values.
     """
     b = ids.shape[0]
     hq, hkv, d = layout.hq, layout.hkv, layout.head_dim
@@ -252,42 +304,15 @@ def decode_logits(layout: FusedLayout, weights: list, keys: list[torch.Tensor], 
     hidden = ~allowed[:, None, None, :L]
     rows = torch.arange(b, device=ids.device)
     rope_in_attn = fuses_rope(attn, ids.device)
+    # with the Triton kernels (custom ops writing the cache) the layers stay unrolled: an input-mutating custom op
+    # inside a nested compile region failed on torch 2.12 (pytorch/pytorch#186807)
+    layer = _LAYER_REGION if regions and not uses_triton(attn, ids.device) else _layer
+    shape = (hq, hkv, d, layout.inter, layout.scaling, attn, rope_in_attn)
+    mask = None if lora is None else lora[0][:b]
     for i in range(n):
-        ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, down_w, _ = weights[i * _PER_LAYER:(i + 1) * _PER_LAYER]
-        e1, eqk, e2 = layout.eps[3 * i:3 * i + 3]
         fac = None if lora is None else lora[1][i]  # [q, k, v, o, gate, up, down]: (A, B) or None
-        mask = None if lora is None else lora[0][:b]
-        h = _rms(x, ln1, e1)
-        qkv = F.linear(h, qkv_w, qkv_b)
-        if fac is not None and (extra := _lora_cat(h, fac[0:3], mask, (hq * d, hkv * d, hkv * d))) is not None:
-            qkv = qkv + extra
-        q = qkv[:, :hq * d].view(b, hq, d)
-        k = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
-        v = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
-        if qn is not None:
-            q, k = _rms(q, qn, eqk), _rms(k, kn, eqk)
-        kc, vc = keys[i], values[i]
-        if rope_in_attn:
-            o = attend_rope(q, k, v, cos[:, 0], sin[:, 0], slot, kc, vc, allowed, L, layout.scaling)
-        else:
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            kc[rows, :, slot] = k
-            vc[rows, :, slot] = v
-            o = attend(q, kc, vc, allowed, hidden, L, layout.scaling, attn)
-        out = F.linear(o, o_w, o_b)
-        if fac is not None and fac[3] is not None:
-            out = out + _lora_delta(o, fac[3], mask)
-        x = x + out
-        h = _rms(x, ln2, e2)
-        gu = F.linear(h, gu_w)
-        if fac is not None and (extra := _lora_cat(h, fac[4:6], mask, (layout.inter, layout.inter))) is not None:
-            gu = gu + extra
-        g, u = gu.split(layout.inter, dim=-1)
-        act = F.silu(g) * u
-        out = F.linear(act, down_w)
-        if fac is not None and fac[6] is not None:
-            out = out + _lora_delta(act, fac[6], mask)
-        x = x + out
+        x = layer(x, cos, sin, rows, slot, allowed, hidden, keys[i], values[i],
+                  weights[i * _PER_LAYER:(i + 1) * _PER_LAYER - 1], layout.eps[3 * i:3 * i + 3], shape, fac, mask)
     return F.linear(_rms(x, norm_w, layout.eps[-1]), lm_head)
 
 
@@ -296,10 +321,10 @@ def _step(layout: FusedLayout, weights: list, keys: list, values: list, ids: tor
           temperature: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor, stop_t: torch.Tensor,
           tokens_out: torch.Tensor, lp_out: torch.Tensor, raw_out: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor,
           stopped: torch.Tensor, kv_len: int | torch.Tensor | None = None, attn: str = "eager", chunks: int = 0,
-          lora: tuple | None = None) -> None:
+          lora: tuple | None = None, regions: bool = False) -> None:
     """Forward on the staged input, sample token ``col``, record it, stage the next input, ``col += 1``
     (greedy or sampled by the ``greedy`` flag tensor: one graph for both, :func:`~ferrule.rollout._fast_sampling.sample_record`)."""
-    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn, lora)
+    logits = decode_logits(layout, weights, keys, values, ids, pos, slot, allowed, kv_len, attn, lora, regions)
     _sample_record(logits, prompt_len, p, col, temperature, noise, greedy, stop_t, tokens_out, lp_out, raw_out,
                    lengths, finished, stopped, ids, pos, slot, allowed, chunks)
 
@@ -428,6 +453,7 @@ class FastStatic:
         self.chunks = 0  # sampler vocabulary chunks (rollout_engine.sampler_chunks), set per run
         self.dynamic = "auto"  # rollout_engine.decode_dynamic, set per run
         self.lora: tuple | None = None  # held adapters' (mask, factors) per row (ferrule.rollout._multi_lora), per run
+        self.regions = False  # rollout_engine.compile_regions, set per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
@@ -446,7 +472,7 @@ class FastStatic:
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, self.noise, self.greedy, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out, self.lengths, self.finished,
-                self.stopped, kv_len, attn, self.chunks, self.lora)
+                self.stopped, kv_len, attn, self.chunks, self.lora, self.regions)
 
     def _span(self, n: int) -> torch.Tensor:
         """``[n]`` uint8 whose length is the attended length (its values are never read)."""
@@ -460,7 +486,7 @@ class FastStatic:
             self.graphs.clear()
             self.layout_key = layout.key()
         # no sampling kind in the key: greedy / sampled / raw logprobs are runtime data of one graph
-        key = (self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None)
+        key = (self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None, self.regions)
         if key in self.graphs:
             return self.graphs[key]
         args = self._args(layout, kv_len, attn)
@@ -517,6 +543,10 @@ class FastStatic:
         self.temperature.fill_(1.0 if greedy else float(params.temperature))
         self.greedy.fill_(greedy)
         self.dynamic = settings.decode_dynamic
+        # regions only where every batch and length dimension is marked symbolic before the compile: a size
+        # specialised while dynamo traces the first layer's region broke its reuse for the next layers (torch 2.13,
+        # KeyError in stamp_out_subgraph; seen on CPU with the caches left unmarked)
+        self.regions = bool(settings.compile_regions) and self.dynamic == "marked"
         self.stop_t = self._stop_buf(len(stop_ids))
         self.stop_t.fill_(-1)
         if stop_ids:
