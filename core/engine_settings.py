@@ -186,7 +186,7 @@ class RolloutEngineSettings(EngineSettingsBase):
                   "dimension that changes). all: every dimension symbolic, the weights' too (measured slower on an "
                   "H100: first 256 x 256 call 85.3 s vs 62.3 s, steady 5-7% lower, and the next rung still "
                   "recompiled).")
-    compile_regions: bool = _f(True, "The fast decode step's decoder layer as one nested compile region "
+    compile_regions: bool = _f(False, "The fast decode step's decoder layer as one nested compile region "
                                      "(torch.compiler.nested_compile_region): torch.compile traces and compiles one "
                                      "layer and reuses it for every layer instead of unrolling all of them into the "
                                      "step. Applies with decode_dynamic marked (every batch and length dimension "
@@ -194,9 +194,10 @@ class RolloutEngineSettings(EngineSettingsBase):
                                      "region reuse on CPU) and without Triton attention. Measured on CPU (inductor, "
                                      "cold cache, 24 narrow Qwen2 layers, bench/bench_compile_regions.py, "
                                      "2026-12-06): first call 83 s vs 238 s wall, 95 s vs 149 s CPU for the whole "
-                                     "process, tokens equal and logprobs within 1e-6 of the plain path. Not yet "
-                                     "measured on a GPU (compile time, steady rate); false: the whole step unrolled, "
-                                     "as before.")
+                                     "process, tokens equal and logprobs within 1e-6 of the plain path. Off by "
+                                     "default: the fast step runs only on CUDA, and this path has not run there yet "
+                                     "(its CUDA exactness test, compile time and steady rate; torch 2.11 traces "
+                                     "regions differently from the 2.13 measured); false: the whole step unrolled.")
     lora_merged: bool = _f(True, "A served LoRA adapter is merged into a copy of the weights it targets once per "
                                  "version and the prefill runs on it too (false: merged every call, prefill through "
                                  "PEFT's unmerged layers). Verified on an H200, 2026-12-02.")

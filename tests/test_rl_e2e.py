@@ -398,6 +398,7 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
 
     from ferrule.rl.config import load_config
     from ferrule.converters.export import ExportError, find_run_checkpoint
+    from ferrule.megatron.parallel import destroy_distributed
     from ferrule.rl.loop import GRPOTrainer
 
     src = tmp_path / "model"
@@ -411,6 +412,10 @@ def test_export_of_a_training_checkpoint_is_a_complete_hf_folder(assets, config_
     trainer = GRPOTrainer(cfg, check_weight_update_equal=True)  # the rollout engine holds exactly the trained weights
     trainer.run()
     trained = {k: v.clone() for k, v in trainer.rollout.get_hf_state_dict().items()}
+    # `ferrule export` runs without a process group (a process of its own): the trainer's goes first, or the
+    # conversion would run in a spawned rank (converters/workers.py), an interpreter start
+    del trainer
+    destroy_distributed()
     hf_files = sorted(p.name for p in (run_dir / "checkpoints" / "step_000002" / "engine" / "hf").iterdir())
     assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json", "config.json"} <= set(hf_files)
 
