@@ -153,8 +153,6 @@ def _run(world: int, fn: Callable, args: tuple, tmp: Path) -> None:
         return
     import torch.multiprocessing as mp
 
-    with open("/tmp/h39g/spawns.log", "a") as _f:  # H39G-DEBUG
-        _f.write(f"{world} {dist.is_initialized()} {getattr(fn, '__name__', fn)} {os.environ.get('PYTEST_CURRENT_TEST')}\n")  # H39G-DEBUG
     err_dir = Path(tmp).with_name(Path(tmp).name + "-ranks")
     err_dir.mkdir(exist_ok=True)
     try:
