@@ -58,14 +58,19 @@ for line in out.splitlines():
                 print(flags[name]); print(v)
 PY
 )
+  # --compile-bytecode: every installed module's .pyc written now (uv writes none by default). Where
+  # PYTHONDONTWRITEBYTECODE=1 (these machines set it) Python never writes one either, so every interpreter
+  # compiled torch, transformers and megatron-core from source: measured on the 2-core machine, importing
+  # ferrule's engine, megatron's GPT model and transformers' Qwen2 took 16.5 s CPU without .pyc files and
+  # 7.1 s with them, in each of the ~120 interpreters a CI run starts; compiling them all once: ~60 s CPU
   uv pip install -q -p .venv/bin/python --index-strategy unsafe-best-match "${uv_args[@]}" "${reqs[@]}" \
-    -C editable_mode=strict
+    -C editable_mode=strict --compile-bytecode
   # the worked example of an out-of-tree model-family plugin (llama / SmolLM2; its tests run with ours) and
   # the example runs' asset builders and rewards (ferrule-examples: not in the ferrule wheel)
   uv pip install -q -p .venv/bin/python -e examples/ferrule-llama -e examples/ferrule-examples --no-deps
 else
   python -m pip install -q --upgrade "pip>=24" "setuptools>=77"
-  python -m pip install -q "${reqs[@]}" --config-settings editable_mode=strict
+  python -m pip install -q "${reqs[@]}" --config-settings editable_mode=strict --compile
   python -m pip install -q -e examples/ferrule-llama -e examples/ferrule-examples --no-deps
 fi
 python -m pip check
