@@ -59,6 +59,7 @@ import datetime
 import logging
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -342,6 +343,7 @@ def main(argv=None) -> int:
                 print(row, flush=True)
     finally:
         bench.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the random base (1 GB for 0.5B) and the service's storage
     total = time.perf_counter() - t_start
     print(f"{device_name}: {total:.1f} s in all" + (f"; skipped (over --budget-s {args.budget_s:.0f} unless said "
                                                     f"otherwise): {', '.join(skipped)}" if skipped else ""),
