@@ -447,6 +447,27 @@ def test_destroy_distributed_leaves_no_group_in_megatrons_module():
     assert held() == []
 
 
+def test_destroy_distributed_empties_megatrons_moe_logging_tracker():
+    """megatron-core 0.16.1 keeps the MoE aux-loss logging values of the last run in a module-level dict, with the
+    group it reduces them over; ``destroy_distributed`` empties it, so that group (and its gloo threads) does not
+    outlive the teardown (found in the suite's 2-rank pool: 1 of the 2 groups a rank kept after
+    tests/test_lora.py's TP=2 job)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    from ferrule.megatron.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout(), seed=3)
+    try:  # what a MoE layer's router records on each training forward
+        moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), layer_number=1, num_layers=2,
+                                             reduce_group=parallel_state.get_tensor_model_parallel_group())
+        assert moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["reduce_group"] is not None
+    finally:
+        destroy_distributed()
+    assert moe_utils.get_moe_layer_wise_logging_tracker() == {}
+
+
 def test_a_model_built_and_dropped_between_layouts_leaves_no_threads_behind(tmp_path):
     """megatron keeps an ``lru_cache`` on ``RotaryEmbedding.forward`` (class level, keyed by the module): every
     model that ran a forward kept its rotary module and that module's process group alive, and a destroyed

@@ -202,8 +202,9 @@ def destroy_distributed(*, keep_process_group: bool = False) -> None:
             +51 threads per layout on one CPU rank, 212 after four, where a full teardown leaves 8).
 
     Also empties megatron's per-class rotary caches (:func:`clear_rotary_caches`), which keep every
-    model's rotary module, and the process group it holds, alive after the model is gone, and the two
-    ``parallel_state`` globals megatron's ``destroy_model_parallel`` leaves set (``_GROUPS_DESTROY_FORGETS``).
+    model's rotary module, and the process group it holds, alive after the model is gone, the two
+    ``parallel_state`` globals megatron's ``destroy_model_parallel`` leaves set (``_GROUPS_DESTROY_FORGETS``),
+    and megatron's MoE aux-loss logging tracker, which keeps its last reduce group.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -213,12 +214,27 @@ def destroy_distributed(*, keep_process_group: bool = False) -> None:
         parallel_state.destroy_model_parallel()
     for name in _GROUPS_DESTROY_FORGETS:  # kept alive by megatron's module, with their gloo threads, until the next init
         setattr(parallel_state, name, None)
+    _clear_moe_logging_tracker()
     if not dist.is_initialized():
         return
     if keep_process_group:
         _destroy_subgroups()
     else:
         dist.destroy_process_group()
+
+
+def _clear_moe_logging_tracker() -> None:
+    """Empty megatron-core's MoE aux-loss logging tracker (``moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER``, 0.16.1): a
+    module-level dict that keeps the last MoE run's per-layer loss values and its ``reduce_group``, a process
+    group that then outlives the teardown with its gloo threads (measured on a 2-rank pool after
+    tests/test_lora.py's TP=2 job: one of the 2 groups left alive)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # pragma: no cover - megatron layout changed
+        return
+    tracker = getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
+    if isinstance(tracker, dict):
+        tracker.clear()
 
 
 def clear_rotary_caches() -> None:

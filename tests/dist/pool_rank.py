@@ -91,13 +91,11 @@ def _destroy_subgroups() -> None:
 def _reset_between_jobs() -> None:
     import gc
 
-    from megatron.core import parallel_state
+    from ferrule.megatron.parallel import destroy_distributed
 
-    from ferrule.megatron.parallel import clear_rotary_caches
-
-    clear_rotary_caches()  # megatron's class-level rotary caches keep the job's modules and groups alive
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    # megatron's groups, its rotary caches and the module globals that keep groups alive (destroy_model_parallel
+    # forgets them; their gloo threads stay), every process group but the default one
+    destroy_distributed(keep_process_group=True)
     _destroy_subgroups()
     try:
         from megatron.core import num_microbatches_calculator as nmc
