@@ -21,13 +21,15 @@ from ferrule.conformance import numeric as cn
 
 #: Runs ``ferrule convert`` (``ferrule.cli.main``); with FAULT_SLOW_WRITE=PREFIX every torch_dist
 #: tensor write of every rank touches PREFIX<pid>, then sleeps. The patch sits at module level so the
-#: spawned ranks (which import this file as ``__mp_main__``) get it too.
+#: spawned ranks (which import this file as ``__mp_main__``) get it too; with FAULT_SLOW_WRITE_RANKS_ONLY=1
+#: (a multi-rank conversion: only the ranks write) the parent skips it and its megatron import, which cost
+#: 15-17 s per killed conversion on the 2-core machine.
 RUNNER = """\
 import os, sys, time
 from pathlib import Path
 
 prefix = os.environ.get("FAULT_SLOW_WRITE")
-if prefix:
+if prefix and (__name__ == "__mp_main__" or not os.environ.get("FAULT_SLOW_WRITE_RANKS_ONLY")):
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     def slow_write_item(*args, **kwargs):
@@ -76,7 +78,8 @@ def test_no_rank_outlives_a_killed_multi_rank_conversion(qwen2_dir, tmp_path, ho
     (tmp_path / "runner.py").write_text(RUNNER)
     prefix, out = tmp_path / "writing-", tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), "convert", "hf-to-torch-dist",
-                             str(qwen2_dir), str(out), "--tp", "2"], env=_env(FAULT_SLOW_WRITE=str(prefix)),
+                             str(qwen2_dir), str(out), "--tp", "2"],
+                            env=_env(FAULT_SLOW_WRITE=str(prefix), FAULT_SLOW_WRITE_RANKS_ONLY="1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
