@@ -28,8 +28,10 @@ ENV = "FERRULE_LLAMA_SMOLLM2_DIR"
 REAL_ATOL = 1e-3
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 #: the main job's batch in the test: 2 prompts x 4 samples (GRPO groups of 4; still 2 mini-batches, so the
-#: PPO ratio and the old-logprob pass run) and 8 evaluation prompts, a quarter of the config's work per step
-SMALL_BATCH = ("train.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "eval.n_prompts=8")
+#: PPO ratio and the old-logprob pass run) of <= 16 new tokens (the config's 32 for rollout and evaluation alike:
+#: no assertion reads the text, and decoding is most of a step) and 4 evaluation prompts
+SMALL_BATCH = ("train.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16",
+               "eval.n_prompts=4")
 
 
 def _check(asset_dir: str, work: str) -> dict:
