@@ -73,5 +73,8 @@ else
   python -m pip install -q "${reqs[@]}" --config-settings editable_mode=strict --compile
   python -m pip install -q -e examples/ferrule-llama -e examples/ferrule-examples --no-deps
 fi
+# ferrule's own modules too (the strict editable install's link tree under build/): ~1 s CPU of each
+# interpreter's start (7.0 s instead of 8.0 s for the imports above); a .pyc whose source changed is not used
+python -m compileall -q -j 0 build > /dev/null || true
 python -m pip check
 echo "ferrule installed in $(pwd)/.venv — activate with: . .venv/bin/activate"
