@@ -199,8 +199,10 @@ def serve_command(
                                                      "snapshots) are: auto (its PEFT adapter, served unmerged on the "
                                                      "base, batched with other tenants'; merged only for an adapter "
                                                      "of routed-expert or stacked parameters, logged with why), "
-                                                     "adapter (the adapter, such adapters refused) or merged (the "
-                                                     "full model, HF safetensors).")] = "auto",
+                                                     "adapter (always the adapter: a client whose adapter adapts "
+                                                     "routed-expert or stacked parameters is refused with a 400 "
+                                                     "naming auto and merged) or merged (the full model, HF "
+                                                     "safetensors, a full copy per snapshot).")] = "auto",
     worker_threads: Annotated[int | None, typer.Option(help="torch CPU threads of the worker that runs every "
                                                        "operation (default: the CPUs this process may use minus one, "
                                                        "at least 1; the event loop's thread uses 1).")] = None,
