@@ -185,11 +185,7 @@ class FamilyConformance:
         Computed by :meth:`tp1_results` (a fresh interpreter shared by the class's families).
         """
         _skip_without_numeric_parts(ferrule_family)
-        result = tp1_results[ferrule_family]["numeric"]
-        if "skip" in result:
-            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
-        if "error" in result:
-            pytest.fail(f"{ferrule_family} (TP=1): {result['error']}", pytrace=False)
+        result = _tp1_case(tp1_results, ferrule_family, "numeric", "TP=1")
         assert result["logits_max_abs_diff"] <= 1e-5
 
     def test_training_step(self, ferrule_family: str, tp1_results) -> None:
@@ -202,11 +198,7 @@ class FamilyConformance:
         """
         _skip_without_numeric_parts(ferrule_family)
         _skip_without_update_groups(ferrule_family)
-        result = tp1_results[ferrule_family]["train"]
-        if "skip" in result:
-            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
-        if "error" in result:
-            pytest.fail(f"{ferrule_family} (training step, TP=1): {result['error']}", pytrace=False)
+        result = _tp1_case(tp1_results, ferrule_family, "train", "training step, TP=1")
         assert result["grad_max_rel"] <= GRAD_RTOL and result["synced_tensors"] > 0
 
     def test_media_logits_parity(self, ferrule_family: str, tp1_results) -> None:
@@ -218,11 +210,7 @@ class FamilyConformance:
         _skip_without_numeric_parts(ferrule_family)
         if not registry.get_towers(ferrule_family):
             pytest.skip(f"{ferrule_family} declares no towers")
-        result = tp1_results[ferrule_family]["media"]
-        if "skip" in result:
-            pytest.skip(f"{ferrule_family}: {result['skip']} in its provider module (see docs/plugins.md)")
-        if "error" in result:
-            pytest.fail(f"{ferrule_family} (media, TP=1): {result['error']}", pytrace=False)
+        result = _tp1_case(tp1_results, ferrule_family, "media", "media, TP=1")
         assert result["logits_max_abs_diff"] <= 1e-5
 
     def test_update_groups_cover_parameters(self, ferrule_family: str, tp1_results) -> None:
@@ -321,6 +309,17 @@ def run_conformance_check(check: str, family: str, *args: str) -> dict[str, obje
     if out.returncode != 0:
         raise AssertionError(f"{check} failed for {family}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _tp1_case(tp1_results: dict, family: str, case: str, label: str) -> dict:
+    """``tp1_results[family][case]`` (:meth:`FamilyConformance.tp1_results`); skips the test where the
+    family's provider module skipped the case, fails it (``label`` naming the case) where the case raised."""
+    result = tp1_results[family][case]
+    if "skip" in result:
+        pytest.skip(f"{family}: {result['skip']} in its provider module (see docs/plugins.md)")
+    if "error" in result:
+        pytest.fail(f"{family} ({label}): {result['error']}", pytrace=False)
+    return result
 
 
 def _skip_without_numeric_parts(family: str) -> None:
