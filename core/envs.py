@@ -163,10 +163,29 @@ def setdefault(name: str, value: str) -> str:
     return os.environ.setdefault(name, value)
 
 
+def _torch_default_inductor_dir() -> str | None:
+    """torch's own default for ``TORCHINDUCTOR_CACHE_DIR`` (``<tmp>/torchinductor_<user>``), which torch
+    writes into ``os.environ`` itself the first time inductor asks for its cache folder (importing
+    ``torch._inductor.config`` does): a value equal to it was not chosen by the user."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without it: nothing is treated as torch's own default
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
 def set_compile_cache_dirs(cache_dir: Path) -> dict[str, str]:
     """Point torch.compile's (``TORCHINDUCTOR_CACHE_DIR``) and Triton's (``TRITON_CACHE_DIR``) on-disk
     caches under ``cache_dir`` where the user did not set them, so that a second process on the machine
-    reuses the first one's compiled kernels and autotune results instead of compiling again.
-    Returns the two values in force."""
+    reuses the first one's compiled kernels and autotune results instead of compiling again, and one
+    ``FERRULE_CACHE_DIR`` holds (and clearing it clears) every cache ferrule relies on.
+
+    ``TORCHINDUCTOR_CACHE_DIR`` equal to torch's default (``<tmp>/torchinductor_<user>``) counts as unset:
+    torch puts that value into the environment itself once inductor is imported, which happens before an
+    engine is built in most processes (a user who wants exactly that folder sets ``FERRULE_CACHE_DIR``
+    instead). Returns the two values in force."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor is not None and os.path.abspath(inductor) == _torch_default_inductor_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "torchinductor")
     return {name: setdefault(name, str(cache_dir / sub)) for name, sub in
             (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton"))}

@@ -107,3 +107,23 @@ def test_serve_engine_setting_flags_parse_typed_and_refuse_bad_items():
         parse_engine_settings(["rollout_engine.kv_bucket=many"])
     with pytest.raises(ValueError, match="SECTION one of train_engine, rollout_engine"):
         parse_engine_settings(["weight_sync.direct=false"])
+
+
+def test_compile_caches_go_under_ferrule_cache_dir_even_after_torch_set_its_default(monkeypatch, tmp_path):
+    """torch writes its own default ``TORCHINDUCTOR_CACHE_DIR`` into the environment when inductor is imported
+    (before any engine is built): that value must not keep torch.compile's cache out of ferrule's folder, while a
+    folder the user chose is kept. Reference: torch's ``cache_dir_utils.default_cache_dir``."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from ferrule import envs
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert cache_dir() == default_cache_dir()  # torch sets its default into os.environ
+    got = envs.set_compile_cache_dirs(tmp_path / "compile")
+    assert got["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "torchinductor")
+    assert cache_dir() == str(tmp_path / "compile" / "torchinductor")  # what inductor now uses
+    assert got["TRITON_CACHE_DIR"] == str(tmp_path / "compile" / "triton")
+    mine = str(tmp_path / "users_choice")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", mine)
+    assert envs.set_compile_cache_dirs(tmp_path / "other")["TORCHINDUCTOR_CACHE_DIR"] == mine
