@@ -292,7 +292,7 @@ def test_no_ferrule_code_imports_an_old_path():
     found = []
     for folder in ("core", "converters", "plugins", "examples", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if "tests" in path.relative_to(ROOT).parts:
+            if {"tests", "build"} & set(path.relative_to(ROOT).parts):  # build/: a pip wheel's stale copy
                 continue
             found += [f"{path.relative_to(ROOT)}:{line} imports {name}"
                       for name, line in _imported_names("x.y", path) if name in old]
