@@ -42,7 +42,8 @@ ENV_VARS: dict[str, str] = {
     "FERRULE_LLAMA_SMOLLM2_DIR": "a built SmolLM2 folder for the opt-in real-weights tests",
     "FERRULE_SGLANG_MODEL": "an HF folder for the live SGLang tests",
     "TRITON_INTERPRET": "1: Triton kernels run in its CPU interpreter (tests of the Triton decode attention)",
-    "TORCHINDUCTOR_CACHE_DIR": "torch.compile's cache; ferrule sets it under FERRULE_CACHE_DIR when unset",
+    "TORCHINDUCTOR_CACHE_DIR": "torch.compile's cache; ferrule sets it under FERRULE_CACHE_DIR when unset or "
+                               "equal to torch's own default (<tmp>/torchinductor_<user>)",
     "TRITON_CACHE_DIR": "Triton's kernel cache; ferrule sets it under FERRULE_CACHE_DIR when unset",
     "RANK": "torchrun: this process's global rank",
     "WORLD_SIZE": "torchrun: number of processes",
