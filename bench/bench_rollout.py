@@ -15,6 +15,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -201,8 +202,14 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
     modes += [
         (f"static, fast kv_bucket={k or 'default'} attn={a or 'default'}", None, True, (k, a))
         for k, a in fast_variants(args)]
-    for mode, mb, fast, var in modes + [(f"continuous max_batch={m}", m, None, None) for m in args.rl_max_batch]:
-        engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast, settings=settings_of(var))
+    # continuous modes: the product default, or each --rl-continuous-fast value (rollout_engine.continuous_fast)
+    cfast = args.rl_continuous_fast or [None]
+    modes += [(f"continuous max_batch={m}" + ("" if c is None else f" continuous_fast={c}"), m, None, c)
+              for m in args.rl_max_batch for c in cfast]
+    for mode, mb, fast, var in modes:
+        settings = (dataclasses.replace(settings_of(None), continuous_fast=bool(var)) if mb is not None and var is not None
+                    else settings_of(None if mb is not None else var))
+        engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast, settings=settings)
         try:
             t0 = time.perf_counter()
             engine.generate(reqs, params)  # warm-up: compile + capture this bucket
@@ -337,6 +344,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-n", type=int, default=8)
     ap.add_argument("--rl-stop-every", type=int, default=300)
     ap.add_argument("--rl-max-batch", type=int, nargs="*", default=[128, 256])
+    ap.add_argument("--rl-continuous-fast", type=int, nargs="*", choices=[0, 1], default=None,
+                    help="RL-shaped: time the continuous modes with rollout_engine.continuous_fast at each value "
+                         "(default: the product default only)")
     ap.add_argument("--rl-skip-plain", action="store_true", help="RL-shaped: time only the fast path variants")
     ap.add_argument("--compare-fast", action="store_true",
                     help="also time the embedded engine with fast_decode=False (the plain compiled path)")

@@ -220,6 +220,16 @@ class RolloutEngineSettings(EngineSettingsBase):
                                                        "size reuses a prepared decode state and its compiled step "
                                                        "instead of compiling; rows beyond the largest rung go "
                                                        "through continuous batching at that size.", "rows")
+    continuous_fast: bool = _f(False, "Continuous batching (max_batch, or more rows than the largest batch_ladder "
+                                      "rung) decodes each step through the fast path's decode forward (fused q/k/v "
+                                      "and gate/up weights, attention over the filled key prefix rounded up to "
+                                      "kv_bucket, one compiled step and one CUDA graph per bucket and attended "
+                                      "length) where fast_decode applies to the call, instead of transformers' "
+                                      "forward (2.8x slower than the static fast path on an H100, docs/benchmarks.md); "
+                                      "the sampler and refills stay as they are. Matches the plain continuous path "
+                                      "and an HF forward on CPU (tests/test_rollout_continuous.py). Off until its CUDA "
+                                      "exactness test and a bench run pass on a GPU (none was available on "
+                                      "2026-12-07).")
     pad_batches: Switch = _f("auto", "Pad a call's rows to the next batch_ladder rung (auto: with CUDA graphs; on CPU "
                                      "nothing is compiled, so rows are not padded).")
 

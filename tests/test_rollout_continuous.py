@@ -124,6 +124,55 @@ def test_batch_ladder_a_new_batch_size_prepares_no_new_decode_shape_and_matches_
     assert engine.info()["graph_captures"] == 0  # CPU
 
 
+def _tiny_qwen2(seed: int):
+    """A tiny dense Qwen2 (q/k/v biases, GQA, full attention): a model the fast decode path covers."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=MAX_POS, initializer_range=INIT_STD,
+                      eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_continuous_fast_step_matches_plain_continuous_path_and_hf_forward(monkeypatch, kind):
+    """Issue 40, ``rollout_engine.continuous_fast``: continuous batching with each step through the fast path's
+    decode forward (:class:`ferrule.rollout._fast_decode.FastContinuous`: ``decode_logits`` over fused weights,
+    torch.compile'd with dynamo's eager backend on CPU, the same graphs and guards as on CUDA without inductor,
+    one call per replay where CUDA replays a graph) gives the current continuous path's tokens and finish
+    reasons and its logprobs within 1e-5, and each sample's logprobs equal a full HF forward over its own
+    tokens, with rows refilled at different steps and several attended prefix lengths (``kv_bucket`` 4). The
+    fast step must be the one that ran: ``info()["compiles"]`` counts its one compile (none on the CPU plain
+    path), and the bucket's ``FastContinuous`` holds a step per attended length."""
+    from ferrule.engine_settings import RolloutEngineSettings
+    from ferrule.rollout import _fast_decode
+
+    monkeypatch.setattr(_fast_decode, "BACKEND", "eager")
+    monkeypatch.setattr(_fast_decode, "_COMPILED", {})
+    torch._dynamo.reset()  # dynamo caches per code object: an earlier test's compile would serve this one
+    model = _tiny_qwen2(seed=3) if kind == "qwen2" else tiny_qwen3(seed=3)
+    plain = EmbeddedEngine(model=model, max_batch=3)
+    fast = EmbeddedEngine(model=model, max_batch=3, settings=RolloutEngineSettings(kv_bucket=4, continuous_fast=True))
+    assert not fast.fast_decode  # CPU: off unless forced, as the other CPU tests of the fast path force it
+    fast.fast_decode = True
+    fast._fuse_weights()  # what the constructor does when fast_decode is on (CUDA)
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=STOPS),
+                   SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=4, stop_token_ids=STOPS,
+                                  return_raw_logprobs=True)):
+        got, want = fast.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+        for x, y in zip(got, want):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+            if params.return_raw_logprobs:
+                torch.testing.assert_close(torch.tensor(x.raw_logprobs), torch.tensor(y.raw_logprobs), atol=1e-5,
+                                           rtol=0)
+        assert len(check_against_hf(model, got, PROMPTS, params, STOPS)) > 1  # rows refilled at different steps
+    # one compile served both calls' cache lengths (decode_dynamic marked), every attended length and refill
+    assert fast.info()["compiles"] == 1
+    assert len(fast._states) == 2 and all(len(st.fast_continuous.graphs) > 1 for st in fast._states.values())
+    assert plain.info()["compiles"] == 0 and not any(hasattr(st, "fast_continuous") for st in plain._states.values())
+
+
 def test_max_batch_validation():
     with pytest.raises(ValueError, match="max_batch"):
         EmbeddedEngine(model=tiny_qwen3(), max_batch=0)

@@ -16,6 +16,12 @@ tokens (``tests/test_rollout_continuous.py``). Sampling draws from one generator
 batch per step, so a seeded call is reproducible for the same requests, parameters and
 ``max_batch``, but draws different samples than the static path does with the same seed.
 
+With ``rollout_engine.continuous_fast`` (off by default until it has run on a GPU) and the fast decode
+path applying to the call (:func:`_fast_step`), each step runs the fast path's decode forward
+(:class:`ferrule.rollout._fast_decode.FastContinuous`: fused weights, attention over the filled key prefix
+rounded up to ``kv_bucket``, one CUDA graph per attended length) on the same inputs and KV cache instead
+of the state's HF forward; the sampler and the bookkeeping here are the same either way.
+
 Stop strings need the host every step (:class:`~ferrule.rollout._sampling.StopStringMatcher`);
 they work here, with one host sync per step.
 """
@@ -23,7 +29,8 @@ they work here, with one host sync per step.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -60,6 +67,30 @@ def _put(buf: torch.Tensor, col: torch.Tensor, alive: torch.Tensor, values: torc
     buf.scatter_(1, idx, torch.where(alive[:, None], values[:, None].to(buf.dtype), buf.gather(1, idx)))
 
 
+def _fast_step(engine: "EmbeddedEngine", state: Any, params: SamplingParams, stop_ids: list[int],
+               matcher: "StopStringMatcher | None") -> tuple[Any, Any]:
+    """``(FastContinuous bound to this call, or None for the state's own step; context for the prefills)``.
+
+    The fast step applies where ``rollout_engine.continuous_fast`` is on, no adapters are held for batched
+    multi-adapter decode (their per-row mask follows static batches) and ``EmbeddedEngine._fast_layout``
+    gives a layout (fast decode on, no stop strings, top-k/top-p/min-p, media, ...). A served adapter is
+    merged as on the static fast path: the prefills then run on the merged weights too (``lora_merged``).
+    """
+    if not engine.settings.continuous_fast or engine._multi.pool is not None:
+        return None, contextlib.nullcontext
+    layout = engine._fast_layout(params, stop_ids, matcher, None)
+    if layout is None:
+        return None, contextlib.nullcontext
+    from ferrule.rollout._fast_decode import FastContinuous
+
+    fast = getattr(state, "fast_continuous", None)
+    if fast is None:
+        fast = state.fast_continuous = FastContinuous(state)
+    merged = engine._merged_lora if engine._lora is not None and engine.settings.lora_merged else None
+    return fast.bind(layout, engine.settings, engine._graph_pool), \
+        (merged.merged_modules if merged is not None else contextlib.nullcontext)
+
+
 @torch.inference_mode()
 def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
                    matcher: "StopStringMatcher | None", max_batch: int):
@@ -73,6 +104,7 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
     longest = max(len(x) for x in prompts)
     batch, max_len = engine._bucket(max_batch, longest + n_new)
     state = engine._state(batch, max_len)
+    fast, prefill_ctx = _fast_step(engine, state, params, stop_ids, matcher)
     sampler = engine._sampler(params, batch)
     gen = engine._generator(params)
     stop_t = torch.tensor(stop_ids, dtype=torch.long, device=dev)
@@ -108,8 +140,12 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
     ids, pos, mask, plen = _left_pad(rows_prompts, engine._pad_id, dev)
     full_mask = torch.zeros((batch, max_len), dtype=torch.bool, device=dev)
     full_mask[:, :ids.shape[1]] = mask
-    logits = state.prefill(ids, pos, full_mask, engine._shared_prefill(rows_prompts, params, None))
+    with prefill_ctx():
+        logits = state.prefill(ids, pos, full_mask, engine._shared_prefill(rows_prompts, params, None))
     occupy(list(range(len(take))), take, ids.shape[1], plen[:len(take)])
+    # the fast step's attended prefix: every row's slot is base[row] + steps (spare rows: slot 0 <= this)
+    base = [ids.shape[1]] * batch
+    top = ids.shape[1]
 
     step = 0
     while True:
@@ -133,7 +169,8 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
         # decode every row (finished rows too: static shapes); a finished row's writes land in its own
         # slots, which a refill masks out and overwrites
         state.set_step(tok, positions.clamp(max=max_len - 1), slots.clamp(max=max_len - 1))
-        logits = state.step()
+        # every row's visible slots lie below its staged slot + 1 <= top + step (step - 1 increments so far)
+        logits = state.step() if fast is None else fast.step(min(top + step, max_len))
         positions += 1
         slots += 1
         if check and queue:
@@ -144,7 +181,11 @@ def run_continuous(engine: "EmbeddedEngine", prompts: list[list[int]], params: S
                 fresh = [prompts[i] for i in take]
                 ids, pos, mask, plen = _left_pad(fresh, engine._pad_id, dev)
                 rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-                new = state.prefill_rows(rows_t, ids, pos, mask, engine._shared_prefill(fresh, params, None))
+                with prefill_ctx():
+                    new = state.prefill_rows(rows_t, ids, pos, mask, engine._shared_prefill(fresh, params, None))
+                for r in rows:  # slots start at the refill's prompt width after `step` increments
+                    base[r] = ids.shape[1] - step
+                top = max(base)
                 logits = logits.clone()  # under a CUDA graph, logits is the graph's static output buffer
                 logits[rows_t] = new.to(logits.dtype)
                 occupy(rows, take, ids.shape[1], plen)

@@ -365,7 +365,8 @@ BACKEND = "inductor"
 
 
 def _compiled(name: str, dynamic: str = "auto") -> Any:
-    """The compiled fast-step function ``name`` ("step", "step_kv", "first") for
+    """The compiled fast-step function ``name`` ("step", "step_kv", "first"; "logits": :func:`decode_logits`
+    alone, for :class:`FastContinuous`) for
     ``RolloutEngineSettings.decode_dynamic`` ``dynamic``, one per process.
 
     "marked": a compile with the batch (dim 0) and length dimensions of the step's inputs
@@ -378,7 +379,8 @@ def _compiled(name: str, dynamic: str = "auto") -> Any:
     """
     key = (name, dynamic)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record}[name],
+        _COMPILED[key] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record,
+                                        "logits": decode_logits}[name],
                                        dynamic=True if dynamic == "all" else None, backend=BACKEND)
     return _COMPILED[key]
 
@@ -415,9 +417,128 @@ class _Replay:
     def __init__(self, fn: Any, args: tuple, dynamic: str):
         self.fn, self.args, self.dynamic = fn, args, dynamic
 
-    def replay(self) -> None:
+    def replay(self) -> Any:
         with _recompile_limit(self.dynamic):
-            self.fn(*self.args)
+            return self.fn(*self.args)
+
+
+def attended_length(need: int, bucket: int, max_len: int, dynamic: str, attn: str,
+                    device: torch.device) -> int | None:
+    """The ``kv_len`` a fast step compiles and captures for a replay whose visible key slots all lie in
+    ``[0, need)``: ``need`` rounded up to ``bucket`` (``rollout_engine.kv_bucket``; 0, or attention that fuses
+    RoPE: the whole cache), capped at ``max_len``; None for the whole cache where the compiled function has
+    one for it (decode_dynamic "auto"). With decode_dynamic "marked" never ``max_len`` itself: slicing the
+    cache or mask to it is a contiguous view, to less a strided one, and dynamo guards on which
+    (``allowed.size(1) != kv_len``) and recompiled at the last bucket; every caller's visible slots end
+    below ``max_len - 1``, or include a row's prompt below it (continuous batching's finished rows)."""
+    if fuses_rope(attn, device):
+        bucket = 0  # its kernel attends up to each row's slot: one graph for the whole cache
+    want = None if bucket <= 0 else min(max_len, -(-need // bucket) * bucket)
+    # with decode_dynamic "all" the attended length is symbolic: one compiled function for every
+    # length, the whole cache included; else "step" (whole cache) and "step_kv" compile apart
+    whole = max_len if dynamic in ("all", "marked") else None
+    use = whole if want in (None, max_len) else want
+    if dynamic == "marked" and not uses_triton(attn, device):
+        use = min(use, max_len - 1)
+    return use
+
+
+class _LogitsGraph:
+    """A captured :func:`decode_logits` replay and its output buffer (``[batch, vocab]``, model dtype)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: torch.Tensor):
+        self.graph, self.out = graph, out
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class FastContinuous:
+    """The fast decode forward for continuous batching (:func:`ferrule.rollout._continuous.run_continuous`,
+    ``rollout_engine.continuous_fast``): one :func:`decode_logits` step per replay, compiled once
+    (:func:`_compiled` "logits") and captured as one CUDA graph per attended length on CUDA (a
+    :class:`_Replay` elsewhere), on the inputs :meth:`DecodeState.set_step
+    <ferrule.rollout._static_cache.DecodeState.set_step>` stages (``ids``/``pos [batch, 1]``, ``slots
+    [batch]`` one key slot per row, ``allowed [batch, max_len]``) and the KV cache the state's prefills
+    fill (:meth:`~ferrule.rollout._static_cache.DecodeState.prefill_rows` refills stay valid: same buffers).
+    The sampler and the loop's bookkeeping stay outside. Attached to the state (``state.fast_continuous``),
+    so it goes wherever the engine drops its decode states.
+
+    Args:
+        state: the bucket's ``DecodeState``, after its first prefill (the cache exists).
+        layout: the call's :class:`FusedLayout` (``EmbeddedEngine._fast_layout``).
+        settings: the engine's ``RolloutEngineSettings`` (``kv_bucket``, ``attention``, ``decode_dynamic``,
+            ``compile_regions``). pool: the engine's CUDA graph pool (None off CUDA).
+    """
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.ids, self.pos = state.ids.view(-1), state.pos.view(-1)  # [batch] views of set_step's buffers
+        self.graphs: dict[tuple, Any] = {}
+        self.spans: dict[int, torch.Tensor] = {}
+        self.layout_key: tuple | None = None
+        self.layout: FusedLayout | None = None
+        self.settings: Any = None
+        self.pool: Any = None
+
+    def bind(self, layout: FusedLayout, settings: Any, pool: Any) -> "FastContinuous":
+        """Set this call's layout, settings and graph pool; returns self."""
+        if self.layout_key != layout.key():
+            self.graphs.clear()
+            self.layout_key = layout.key()
+        self.layout, self.settings, self.pool = layout, settings, pool
+        if uses_triton(settings.attention, self.ids.device):
+            import ferrule.rollout._decode_attn_triton  # noqa: F401  (triton imported before the compile)
+        return self
+
+    def step(self, need: int) -> torch.Tensor:
+        """Run the staged step; ``need``: every row's visible key slots lie in ``[0, need)``. Returns
+        ``[batch, vocab]`` logits in the model dtype (under a CUDA graph its static output: read it, or
+        clone it, before the next step)."""
+        st = self.settings
+        kv_len = attended_length(need, int(st.kv_bucket), self.state.max_len, st.decode_dynamic, st.attention,
+                                 self.ids.device)
+        return self._graph(kv_len).replay()
+
+    def _graph(self, kv_len: int | None) -> Any:
+        st, layout = self.settings, self.layout
+        dynamic, attn = st.decode_dynamic, st.attention
+        regions = bool(st.compile_regions) and dynamic == "marked"  # as FastStatic.run decides
+        key = (attn, kv_len, regions, dynamic)
+        if key in self.graphs:
+            return self.graphs[key]
+        c, dev = self.state.cache, self.ids.device
+        keys, values = [c.keys[i] for i in layout.layer_idx], [c.values[i] for i in layout.layer_idx]
+        span = kv_len
+        if dynamic == "marked" and isinstance(kv_len, int) and not uses_triton(attn, dev):
+            if kv_len not in self.spans:  # [kv_len] uint8 whose length is the attended length (never read)
+                self.spans[kv_len] = torch.empty(kv_len, dtype=torch.uint8, device=dev)
+            span = self.spans[kv_len]
+        args = (layout, layout.weights, keys, values, self.ids, self.pos, self.state.slots, self.state.allowed,
+                span, attn, None, regions)
+        fn = _compiled("logits", dynamic)
+        if dynamic == "marked":
+            _mark_dynamic([self.ids, self.pos, self.state.slots, span if isinstance(span, torch.Tensor) else None],
+                          [self.state.allowed], keys + values)
+        # the step writes only the staged slots' keys and values, which the real replay writes again
+        if not self.ids.is_cuda:  # no graphs off CUDA (CPU tests): compiled at the first replay, one call each
+            self.graphs[key] = _Replay(fn, args, dynamic)
+            return self.graphs[key]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with _recompile_limit(dynamic):
+            with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
+                for _ in range(2):
+                    fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(*args)
+        self.graphs[key] = _LogitsGraph(graph, out)
+        if getattr(self.state, "counters", None) is not None:  # the engine's (EmbeddedEngine.info)
+            self.state.counters["graph_captures"] += 1
+        return self.graphs[key]
 
 
 class FastStatic:
@@ -573,26 +694,15 @@ class FastStatic:
         bucket, attn = int(settings.kv_bucket), settings.attention
         if uses_triton(attn, self.ids.device):
             import ferrule.rollout._decode_attn_triton  # noqa: F401  (triton imported before the compile)
-        if fuses_rope(attn, self.ids.device):
-            bucket = 0  # its kernel attends up to each row's slot: one graph for the whole cache
         max_len = self.state.max_len
         kv_len, graph = None, None
         for t in range(1, n_new):
             if t % 8 == 0 and bool(self.finished.all()):
                 break
-            # this replay writes slot p + t - 1 and attends over slots [0, p + t)
-            want = None if bucket <= 0 else min(max_len, -(-(p + t) // bucket) * bucket)
-            if graph is None or want != kv_len:
-                kv_len = want
-                # with decode_dynamic "all" the attended length is symbolic: one compiled function for every
-                # length, the whole cache included; else "step" (whole cache) and "step_kv" compile apart
-                whole = max_len if self.dynamic in ("all", "marked") else None
-                use = whole if kv_len in (None, max_len) else kv_len
-                if self.dynamic == "marked" and not uses_triton(attn, self.ids.device):
-                    # never the cache's own length: slicing the cache or mask to it is a contiguous view, to
-                    # less a strided one, and dynamo guards on which (allowed.size(1) != kv_len) and recompiled
-                    # at the last bucket; this replay's visible slots end at p + t <= max_len - 1
-                    use = min(use, max_len - 1)
+            # this replay writes slot p + t - 1 and attends over slots [0, p + t) (p + t <= max_len - 1)
+            use = attended_length(p + t, bucket, max_len, self.dynamic, attn, self.ids.device)
+            if graph is None or use != kv_len:
+                kv_len = use
                 graph = self._graph(layout, pool, use, attn)
             if not greedy:
                 noise.exponential_(1, generator=gen)
