@@ -96,13 +96,16 @@ def test_defaults_are_on_where_verified_and_resolve_by_device():
     assert t.lean_kinds(on_cuda=True) == ("swiglu", "norms", "compact_v") and t.lean_kinds(on_cuda=False) == ()
     assert t.logprob_chunk_tokens == 1024
     assert r.resolve("fast_decode", on_cuda=True) and r.attention == "fp32" and r.kv_bucket == 64  # triton: not verified
+    assert r.continuous_fast is False and r.compile_regions is False  # not yet run on a GPU
 
 
 def test_serve_engine_setting_flags_parse_typed_and_refuse_bad_items():
     from ferrule.cli.serve import parse_engine_settings
 
-    got = parse_engine_settings(["rollout_engine.kv_bucket=128", "train_engine.fused_adam=false"])
+    got = parse_engine_settings(["rollout_engine.kv_bucket=128", "train_engine.fused_adam=false",
+                                 "rollout_engine.continuous_fast=true"])
     assert got["rollout_engine"].kv_bucket == 128 and got["train_engine"].fused_adam is False
+    assert got["rollout_engine"].continuous_fast is True
     with pytest.raises(ValueError, match="rollout_engine.kv_bucket: expected int"):
         parse_engine_settings(["rollout_engine.kv_bucket=many"])
     with pytest.raises(ValueError, match="SECTION one of train_engine, rollout_engine"):

@@ -173,6 +173,40 @@ def test_continuous_fast_step_matches_plain_continuous_path_and_hf_forward(monke
     assert plain.info()["compiles"] == 0 and not any(hasattr(st, "fast_continuous") for st in plain._states.values())
 
 
+def test_continuous_fast_step_with_a_served_lora_adapter_matches_hf_peft(monkeypatch):
+    """``continuous_fast`` with one served LoRA adapter: as on the static fast path, the steps decode on the
+    merged copy (:class:`ferrule.rollout._lora_merge.MergedLora`) and the fill and refill prefills run on it too
+    (PEFT's layers are not called); each sample's logprobs equal HF + PEFT's (unmerged) forward over its tokens."""
+    import copy
+
+    from test_rollout_lora import PARAMS, PROMPTS as LORA_PROMPTS, TOL as LORA_TOL, peft_reference
+    from test_rollout_lora import reference_logprobs as peft_logprobs
+    from test_rollout_lora import tiny_qwen3 as lora_qwen3
+
+    from ferrule.engine_settings import RolloutEngineSettings
+    from ferrule.rollout import _fast_decode
+
+    monkeypatch.setattr(_fast_decode, "BACKEND", "eager")
+    monkeypatch.setattr(_fast_decode, "_COMPILED", {})
+    torch._dynamo.reset()
+    base = lora_qwen3()
+    engine = EmbeddedEngine(model=copy.deepcopy(base), max_batch=2,
+                            settings=RolloutEngineSettings(kv_bucket=4, continuous_fast=True))
+    engine.fast_decode = True
+    engine._fuse_weights()  # what the constructor does when fast_decode is on (CUDA)
+    ref, tensors, cfg = peft_reference(base, seed=1)
+    engine.update_lora_adapter(tensors, cfg, version=1)
+    peft_calls = []
+    hooks = [m.register_forward_hook(lambda *a: peft_calls.append(1)) for m in engine._lora._wrapped.values()]
+    results = engine.generate(LORA_PROMPTS, PARAMS)  # 3 prompts x n=2 = 6 rows through 2
+    for h in hooks:
+        h.remove()
+    for r in results:
+        want = peft_logprobs(ref, LORA_PROMPTS[r.prompt_index], r.token_ids, PARAMS.temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, atol=LORA_TOL, rtol=0)
+    assert not peft_calls and engine.info()["compiles"] == 1  # merged prefills; the fast step ran
+
+
 def test_max_batch_validation():
     with pytest.raises(ValueError, match="max_batch"):
         EmbeddedEngine(model=tiny_qwen3(), max_batch=0)

@@ -135,7 +135,8 @@ class EmbeddedEngine:
             the exact eager path), and falls back to the plain path for other families.
         max_batch: rows decoded at once (continuous batching). With more rows than this
             (``len(requests) * n``), finished rows free their slot for waiting prompts
-            (:mod:`ferrule.rollout._continuous`); None (default): all rows in one batch.
+            (:mod:`ferrule.rollout._continuous`; with ``settings.continuous_fast`` each step runs the fast
+            decode forward where ``fast_decode`` applies); None (default): all rows in one batch.
         model_class: override the transformers class used for ``hf_dir`` / ``hf_config``.
         settings: the decode paths (:class:`~ferrule.engine_settings.RolloutEngineSettings`; default: its
             defaults, deprecated ``FERRULE_*`` variables applied with a FutureWarning); ``cuda_graph``,
