@@ -207,8 +207,11 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
     modes += [(f"continuous max_batch={m}" + ("" if c is None else f" continuous_fast={c}"), m, None, c)
               for m in args.rl_max_batch for c in cfast]
     for mode, mb, fast, var in modes:
-        settings = (dataclasses.replace(settings_of(None), continuous_fast=bool(var)) if mb is not None and var is not None
-                    else settings_of(None if mb is not None else var))
+        if mb is None:  # static modes: var is the fast variant
+            settings = settings_of(var)
+        else:  # continuous modes: var is the continuous_fast value (None: the default)
+            settings = settings_of(None) if var is None else dataclasses.replace(settings_of(None),
+                                                                                continuous_fast=bool(var))
         engine = EmbeddedEngine(model=model, max_batch=mb, fast_decode=fast, settings=settings)
         try:
             t0 = time.perf_counter()

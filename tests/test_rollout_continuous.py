@@ -214,12 +214,17 @@ def test_max_batch_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled decode, CUDA graphs)")
-@pytest.mark.parametrize("max_batch", [None, 3], ids=["static", "continuous"])
-def test_cuda_compiled_graph_decode_matches_hf_forward(max_batch):
+@pytest.mark.parametrize("max_batch,continuous_fast", [(None, False), (3, False), (3, True)],
+                         ids=["static", "continuous", "continuous-fast"])
+def test_cuda_compiled_graph_decode_matches_hf_forward(max_batch, continuous_fast):
     """The CUDA fast path (torch.compile'd decode forward captured in a graph, fused sampler)
-    against a full fp32 HF forward on the CPU, statically batched and with refilled rows."""
+    against a full fp32 HF forward on the CPU, statically batched and with refilled rows (through
+    the state's compiled HF forward, or with ``rollout_engine.continuous_fast`` through FastContinuous)."""
+    from ferrule.engine_settings import RolloutEngineSettings
+
     cpu_model = tiny_qwen3(seed=6)
-    engine = EmbeddedEngine(model=tiny_qwen3(seed=6).cuda(), max_batch=max_batch)
+    engine = EmbeddedEngine(model=tiny_qwen3(seed=6).cuda(), max_batch=max_batch,
+                            settings=RolloutEngineSettings(continuous_fast=continuous_fast))
     assert engine.cuda_graph and engine.compile_decode
     for params in (SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=STOPS),
                    SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=1, stop_token_ids=STOPS,
@@ -234,6 +239,9 @@ def test_cuda_compiled_graph_decode_matches_hf_forward(max_batch):
                 torch.testing.assert_close(torch.tensor(r.raw_logprobs, dtype=torch.float64), raw, atol=1e-4, rtol=0)
             if params.greedy:
                 assert list(r.token_ids) == ref_raw.argmax(-1).tolist()
+    if continuous_fast:  # the fast step ran: its graphs, counted in info()
+        assert all(st.fast_continuous.graphs for st in engine._states.values())
+        assert engine.info()["graph_captures"] >= 1
 
 
 @pytest.mark.gpu
