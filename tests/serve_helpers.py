@@ -5,16 +5,58 @@ under test is the unmodified ``tinker`` 0.38.0 SDK. Import it after putting ``te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
 KEYS = {"tml-alice-0001": "alice", "tml-bob-00002": "bob"}
 MODEL_NAME = "tiny-qwen2"
+
+
+#: every ``tinker.ServiceClient`` made in this process (weak references; :func:`track_sdk_clients`)
+_SDK_CLIENTS: list[weakref.ref] = []
+
+
+def track_sdk_clients() -> None:
+    """Record every ``tinker.ServiceClient`` this process makes, so that :func:`close_sdk_clients` can finish
+    their sessions when the test's server stops. Without it an SDK session outlives its server: the SDK's
+    heartbeat task keeps running on the SDK's event-loop thread (which holds the client) and, from 2 minutes
+    after the server went, logs "Session heartbeat failed ..." warnings into whatever test this worker runs
+    next (a CLI test asserting its exact stderr failed on them)."""
+    import tinker
+
+    cls = tinker.ServiceClient
+    if getattr(cls, "_ferrule_tests_track", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _SDK_CLIENTS.append(weakref.ref(self))
+
+    cls.__init__, cls._ferrule_tests_track = __init__, True
+
+
+def close_sdk_clients(base_url: str) -> int:
+    """Finish (``ServiceClient.close``: the session's finish request, then its heartbeat and connections
+    stopped) every tracked SDK client of ``base_url``; call it while the server still answers. Returns how
+    many were closed."""
+    closed = 0
+    for ref in list(_SDK_CLIENTS):
+        client = ref()
+        if client is None or getattr(client, "_base_url", None) == base_url:
+            _SDK_CLIENTS.remove(ref)
+        if client is not None and getattr(client, "_base_url", None) == base_url:
+            with contextlib.suppress(Exception):  # a client whose session never started, or a server that died
+                client.close("success").result(timeout=10)
+            closed += 1
+    return closed
 
 
 class RunningServer:
@@ -27,6 +69,7 @@ class RunningServer:
         from ferrule.serve.app import create_app
         from ferrule.serve.backend import EngineBackend
 
+        track_sdk_clients()  # every SDK client of this server is finished in stop(), made here or by the test
         self.storage = storage
         backend = EngineBackend(base, model_name=MODEL_NAME) if isinstance(base, (str, Path)) else base  # or a registry
         self.backend = backend
@@ -51,9 +94,11 @@ class RunningServer:
         import tinker
 
         os.environ["TINKER_TELEMETRY"] = "0"
+        track_sdk_clients()
         return tinker.ServiceClient(base_url=self.url, api_key=key)
 
     def stop(self) -> None:
+        close_sdk_clients(self.url)  # before the server goes: each client's finish request needs it
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.app.state.scheduler.shutdown()

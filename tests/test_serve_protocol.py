@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 tinker = pytest.importorskip("tinker", reason="the tinker SDK (serve extra) is not installed")
 httpx = pytest.importorskip("httpx")
 import train_engine_worker as w  # noqa: E402
-from serve_helpers import (ALICE, LR, MODEL_NAME, adam, base, poll, poll_done, raw, sampler_weights, sdk_data,  # noqa: E402,F401
-                           server)  # base, server: fixtures
+from serve_helpers import (ALICE, LR, MODEL_NAME, adam, base, close_sdk_clients, poll, poll_done, raw,  # noqa: E402,F401
+                           sampler_weights, sdk_data, server, track_sdk_clients)  # base, server: fixtures
 from tinker import types  # noqa: E402
 
 
@@ -214,6 +214,7 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         os.environ["TINKER_TELEMETRY"] = "0"
+        track_sdk_clients()
         tc = tinker.ServiceClient(base_url=url, api_key="tml-cli-key-1").create_lora_training_client(
             base_model=MODEL_NAME, rank=4).result()
         data = sdk_data(seed=61, lengths=(5, 7))
@@ -224,6 +225,7 @@ def test_ferrule_serve_command_on_loopback(base, tmp_path):
         assert 'ferrule_serve_ops_total{op="forward_backward",status="ok"} 1.0' in text
         tc.save_state("kept").result()
     finally:
+        close_sdk_clients(url)  # the SDK session's heartbeat would outlive the server
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)
     # Ctrl-C: exit code 0 and one line saying what stays on disk (it printed nothing and exited 130)
@@ -302,3 +304,27 @@ def test_engine_forward_matches_forward_backward_without_touching_gradients(base
     with pytest.raises(ValueError, match="outside"):
         engine.check_batch([{"model_input": [1, w.VOCAB], "loss_fn_inputs": {"target_tokens": [1, 2],
                                                                              "weights": [1.0, 1.0]}}], "cross_entropy")
+
+
+@pytest.mark.timeout(120)
+def test_stopping_a_test_server_finishes_its_sdk_sessions(base, tmp_path):
+    """An SDK session must not outlive its test server: the SDK's heartbeat task otherwise keeps running and, 2
+    minutes later, logs warnings into whichever test this worker runs next (a CLI test asserting its exact stderr
+    failed on them in a CI rehearsal). The referee is the SDK's own heartbeat task: running before, done after."""
+    import asyncio
+
+    from serve_helpers import RunningServer
+
+    srv = RunningServer(base, tmp_path / "storage")
+    try:
+        sc = srv.client()
+        sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+        task = sc._session_holder._session_heartbeat_task  # tinker 0.38: a concurrent future of the asyncio task
+        task = task if isinstance(task, asyncio.Task) else task.result(timeout=10)
+        assert not task.done()
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while not task.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert task.cancelled()
