@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,9 @@ KEYS = {"tml-alice-0001": "alice", "tml-bob-00002": "bob"}
 MODEL_NAME = "tiny-qwen2"
 
 
-#: every ``tinker.ServiceClient`` made in this process (weak references; :func:`track_sdk_clients`)
-_SDK_CLIENTS: list[weakref.ref] = []
+#: every ``tinker.ServiceClient`` made in this process and not yet closed (:func:`track_sdk_clients`); strong
+#: references: a client the test dropped is collected while its session's heartbeat task lives on
+_SDK_CLIENTS: list = []
 
 
 def track_sdk_clients() -> None:
@@ -38,7 +38,7 @@ def track_sdk_clients() -> None:
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        _SDK_CLIENTS.append(weakref.ref(self))
+        _SDK_CLIENTS.append(self)
 
     cls.__init__, cls._ferrule_tests_track = __init__, True
 
@@ -47,16 +47,12 @@ def close_sdk_clients(base_url: str) -> int:
     """Finish (``ServiceClient.close``: the session's finish request, then its heartbeat and connections
     stopped) every tracked SDK client of ``base_url``; call it while the server still answers. Returns how
     many were closed."""
-    closed = 0
-    for ref in list(_SDK_CLIENTS):
-        client = ref()
-        if client is None or getattr(client, "_base_url", None) == base_url:
-            _SDK_CLIENTS.remove(ref)
-        if client is not None and getattr(client, "_base_url", None) == base_url:
-            with contextlib.suppress(Exception):  # a client whose session never started, or a server that died
-                client.close("success").result(timeout=10)
-            closed += 1
-    return closed
+    mine = [c for c in _SDK_CLIENTS if getattr(c, "_base_url", None) == base_url]
+    _SDK_CLIENTS[:] = [c for c in _SDK_CLIENTS if c not in mine]
+    for client in mine:
+        with contextlib.suppress(Exception):  # a client whose session never started, or a server that died
+            client.close("success").result(timeout=10)
+    return len(mine)
 
 
 class RunningServer:

@@ -312,6 +312,7 @@ def test_stopping_a_test_server_finishes_its_sdk_sessions(base, tmp_path):
     minutes later, logs warnings into whichever test this worker runs next (a CLI test asserting its exact stderr
     failed on them in a CI rehearsal). The referee is the SDK's own heartbeat task: running before, done after."""
     import asyncio
+    import gc
 
     from serve_helpers import RunningServer
 
@@ -322,6 +323,8 @@ def test_stopping_a_test_server_finishes_its_sdk_sessions(base, tmp_path):
         task = sc._session_holder._session_heartbeat_task  # tinker 0.38: a concurrent future of the asyncio task
         task = task if isinstance(task, asyncio.Task) else task.result(timeout=10)
         assert not task.done()
+        del sc  # a client the test dropped: collected, while its session's heartbeat would run on
+        gc.collect()
     finally:
         srv.stop()
     deadline = time.monotonic() + 10
