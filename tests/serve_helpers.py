@@ -24,8 +24,8 @@ _SDK_CLIENTS: list = []
 
 
 def track_sdk_clients() -> None:
-    """Record every ``tinker.ServiceClient`` this process makes, so that :func:`close_sdk_clients` can finish
-    their sessions when the test's server stops. Without it an SDK session outlives its server: the SDK's
+    """Record every ``tinker.ServiceClient`` this process makes, so that :func:`close_sdk_clients` can stop
+    them when the test's server stops. Without it an SDK session outlives its server: the SDK's
     heartbeat task keeps running on the SDK's event-loop thread (which holds the client) and, from 2 minutes
     after the server went, logs "Session heartbeat failed ..." warnings into whatever test this worker runs
     next (a CLI test asserting its exact stderr failed on them)."""
@@ -44,14 +44,18 @@ def track_sdk_clients() -> None:
 
 
 def close_sdk_clients(base_url: str) -> int:
-    """Finish (``ServiceClient.close``: the session's finish request, then its heartbeat and connections
-    stopped) every tracked SDK client of ``base_url``; call it while the server still answers. Returns how
-    many were closed."""
+    """Stop the local side of every tracked SDK client of ``base_url``: its holders' ``close()`` (the SDK's
+    ``InternalClientHolder``: heartbeat, config refresh and pollers cancelled, connections closed) without
+    telling the server anything. ``ServiceClient.close`` would also finish the session on the server, which
+    drops its training clients and fails their queued requests: not what a test that stops (or restarts) its
+    server checks. Returns how many clients were closed."""
     mine = [c for c in _SDK_CLIENTS if getattr(c, "_base_url", None) == base_url]
     _SDK_CLIENTS[:] = [c for c in _SDK_CLIENTS if c not in mine]
     for client in mine:
-        with contextlib.suppress(Exception):  # a client whose session never started, or a server that died
-            client.close("success").result(timeout=10)
+        for holder in (getattr(client, "_session_holder", None), getattr(client, "_rest_holder", None)):
+            if holder is not None:
+                with contextlib.suppress(Exception):
+                    holder.close()
     return len(mine)
 
 
@@ -65,7 +69,7 @@ class RunningServer:
         from ferrule.serve.app import create_app
         from ferrule.serve.backend import EngineBackend
 
-        track_sdk_clients()  # every SDK client of this server is finished in stop(), made here or by the test
+        track_sdk_clients()  # every SDK client of this server is stopped in stop(), made here or by the test
         self.storage = storage
         backend = EngineBackend(base, model_name=MODEL_NAME) if isinstance(base, (str, Path)) else base  # or a registry
         self.backend = backend
@@ -94,7 +98,7 @@ class RunningServer:
         return tinker.ServiceClient(base_url=self.url, api_key=key)
 
     def stop(self) -> None:
-        close_sdk_clients(self.url)  # before the server goes: each client's finish request needs it
+        close_sdk_clients(self.url)  # their heartbeats would outlive the server
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.app.state.scheduler.shutdown()
