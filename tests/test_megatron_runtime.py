@@ -460,9 +460,11 @@ def test_destroy_distributed_empties_megatrons_moe_logging_tracker():
 
     init_distributed(ParallelLayout(), seed=3)
     try:  # what a MoE layer's router records on each training forward
+        group = parallel_state.get_tensor_model_parallel_group()
         moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), layer_number=1, num_layers=2,
-                                             reduce_group=parallel_state.get_tensor_model_parallel_group())
-        assert moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["reduce_group"] is not None
+                                             reduce_group=group)
+        kept = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]
+        assert kept["reduce_group"] is group and kept["values"][0].item() == 0.5  # the group the teardown must drop
     finally:
         destroy_distributed()
     assert moe_utils.get_moe_layer_wise_logging_tracker() == {}

@@ -443,6 +443,14 @@ def attended_length(need: int, bucket: int, max_len: int, dynamic: str, attn: st
     return use
 
 
+def _span(spans: dict[int, torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` uint8 whose length is the attended length (decode_dynamic "marked": a symbolic dimension where an
+    int would be specialised; its values are never read), one per length in ``spans``."""
+    if n not in spans:
+        spans[n] = torch.empty(n, dtype=torch.uint8, device=device)
+    return spans[n]
+
+
 class _LogitsGraph:
     """A captured :func:`decode_logits` replay and its output buffer (``[batch, vocab]``, model dtype)."""
 
@@ -512,9 +520,7 @@ class FastContinuous:
         keys, values = [c.keys[i] for i in layout.layer_idx], [c.values[i] for i in layout.layer_idx]
         span = kv_len
         if dynamic == "marked" and isinstance(kv_len, int) and not uses_triton(attn, dev):
-            if kv_len not in self.spans:  # [kv_len] uint8 whose length is the attended length (never read)
-                self.spans[kv_len] = torch.empty(kv_len, dtype=torch.uint8, device=dev)
-            span = self.spans[kv_len]
+            span = _span(self.spans, kv_len, dev)
         args = (layout, layout.weights, keys, values, self.ids, self.pos, self.state.slots, self.state.allowed,
                 span, attn, None, regions)
         fn = _compiled("logits", dynamic)
@@ -596,10 +602,7 @@ class FastStatic:
                 self.stopped, kv_len, attn, self.chunks, self.lora, self.regions)
 
     def _span(self, n: int) -> torch.Tensor:
-        """``[n]`` uint8 whose length is the attended length (its values are never read)."""
-        if n not in self.spans:
-            self.spans[n] = torch.empty(n, dtype=torch.uint8, device=self.ids.device)
-        return self.spans[n]
+        return _span(self.spans, n, self.ids.device)
 
     def _graph(self, layout: FusedLayout, pool: Any, kv_len: int | None = None,
                attn: str = "eager") -> torch.cuda.CUDAGraph:
