@@ -451,6 +451,26 @@ def _span(spans: dict[int, torch.Tensor], n: int, device: torch.device) -> torch
     return spans[n]
 
 
+def _capture(fn: Any, args: tuple, pool: Any, dynamic: str, state: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Compile and warm up ``fn(*args)`` twice on a side stream (the compile, cuBLAS workspaces), then capture one
+    call as a CUDA graph in ``pool``; returns ``(graph, the captured call's output)``. Counts the capture in the
+    engine's ``state.counters["graph_captures"]`` (:meth:`EmbeddedEngine.info`) where the state has counters.
+    The three calls run the step three times: a caller whose step mutates its inputs restores them after."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with _recompile_limit(dynamic):
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn(*args)
+    if getattr(state, "counters", None) is not None:
+        state.counters["graph_captures"] += 1
+    return graph, out
+
+
 class _LogitsGraph:
     """A captured :func:`decode_logits` replay and its output buffer (``[batch, vocab]``, model dtype)."""
 
@@ -531,19 +551,7 @@ class FastContinuous:
         if not self.ids.is_cuda:  # no graphs off CUDA (CPU tests): compiled at the first replay, one call each
             self.graphs[key] = _Replay(fn, args, dynamic)
             return self.graphs[key]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with _recompile_limit(dynamic):
-            with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
-                for _ in range(2):
-                    fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn(*args)
-        self.graphs[key] = _LogitsGraph(graph, out)
-        if getattr(self.state, "counters", None) is not None:  # the engine's (EmbeddedEngine.info)
-            self.state.counters["graph_captures"] += 1
+        self.graphs[key] = _LogitsGraph(*_capture(fn, args, self.pool, dynamic, self.state))
         return self.graphs[key]
 
 
@@ -629,21 +637,10 @@ class FastStatic:
                 t.copy_(s)
             self.graphs[key] = _Replay(fn, args, self.dynamic)
             return self.graphs[key]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with _recompile_limit(self.dynamic):
-            with torch.cuda.stream(side):  # compile + warm up (cuBLAS workspaces), then capture
-                for _ in range(2):
-                    fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                fn(*args)
+        graph, _ = _capture(fn, args, pool, self.dynamic, self.state)
         for t, s in zip(small, saved):  # the warm-up and capture ran the step three times: undo
             t.copy_(s)
         self.graphs[key] = graph
-        if getattr(self.state, "counters", None) is not None:  # the engine's (EmbeddedEngine.info)
-            self.state.counters["graph_captures"] += 1
         return graph
 
     def run(self, layout: FusedLayout, logits: torch.Tensor, real: int, p: int, prompt_len: torch.Tensor,
