@@ -272,7 +272,9 @@ def test_an_episode_that_would_outgrow_the_model_context_ends_before_the_turn():
                            EpisodeLimits(max_turns=50, max_episode_tokens=10_000, max_turn_tokens=8), max_context=200)
     (ep,) = runner.run(Engine(), [(0, {"secret": 11})], 1, SamplingParams(), seed=0, step=1)
     assert ep.truncated == "context" and ep.error is None and 2 <= ep.turns < 50
-    assert max(seen) + 8 <= 200 and len(ep.prompt_ids) + len(ep.response_ids) + 8 > 200
+    # every request left room for a full turn, and the trained sequence fits (the last reply, 20 tokens, would
+    # have made it 204: it ends the episode without being appended)
+    assert max(seen) + 8 <= 200 and len(ep.prompt_ids) + len(ep.response_ids) <= 200
     assert ep.messages[-1] == {"role": "user", "content": "5 is wrong: my number is higher."}
 
 
@@ -320,3 +322,59 @@ def test_end_is_called_once_per_episode_however_it_ended_and_its_failure_changes
         assert sorted(env.ended) == [3, 5, 11]
         results.append([(e.response_ids, e.reward, e.error) for e in eps])
     assert results[0] == results[1]
+
+
+def test_an_observation_or_reply_that_does_not_fit_the_model_fails_or_ends_its_episode_and_nothing_of_it_is_trained():
+    """What reaches training from an environment whose texts are too long: an initial observation longer than
+    ``data.max_prompt_tokens`` (item 0) or leaving no room in the context for one turn (item 1) fails its
+    episode with one line and contributes no ids (its prompt was once trained on anyway, and a run on the
+    tiny model crashed in the train engine on 'datum 0: 5019 tokens exceed max_position_embeddings 2048');
+    a reply that would pass the context (item 2) ends the episode (``truncated="context"``) without it.
+    Reference: the model's context and the limits, counted by hand."""
+    from types import SimpleNamespace
+
+    from ferrule.chat import stop_token_ids, tokenizer_for_template
+    from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
+    from ferrule.rl.envs.launcher import AgentRollout
+    from ferrule.rollout import GenerateResult, SamplingParams
+
+    context, prompt_cap, turn_tokens = 300, 600, 8  # the bare prompt: ~60 tokens (system + user)
+    tokenizer = tokenizer_for_template("qwen2_5")
+    stops = stop_token_ids("qwen2_5", tokenizer)
+    turn = tuple(tokenizer.encode("5", add_special_tokens=False)) + (stops[0],)
+    words = lambda n: " ".join(["word"] * n)  # noqa: E731 -- " word" is one token of the Qwen tokenizer
+
+    class Engine:
+        def generate(self, requests, params):
+            return [GenerateResult(turn, (-0.5,) * len(turn), "stop", i, 0) for i in range(len(requests))]
+
+    class Verbose(GuessNumber):
+        def reset(self, item, seed):
+            obs = super().reset(item, seed)
+            obs.messages[-1]["content"] += " " + words(item["pad"])
+            return obs
+
+        def step(self, state, turn):
+            res = super().step(state, turn)
+            return StepResult([{"role": "user", "content": words(400)}], 0.0, False) if not res.done else res
+
+    runner = EpisodeRunner(Verbose(high=16), "verbose", "qwen2_5", tokenizer, parse_hermes, stops,
+                           EpisodeLimits(max_turns=4, max_episode_tokens=10_000, max_turn_tokens=turn_tokens),
+                           max_prompt_tokens=prompt_cap, max_context=context)
+    rollout = AgentRollout.__new__(AgentRollout)  # the launcher's sample building, without a model or config file
+    rollout.cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=1), train=SimpleNamespace(seed=0),
+                                  logging=SimpleNamespace(log_samples=0))
+    rollout.runner = runner
+    prompts = [SimpleNamespace(index=i, entry={"secret": 11, "pad": pad}, id=f"v:{i}")
+               for i, pad in enumerate((800, 260, 10))]
+    lines = []
+    out = rollout.run_step(Engine(), prompts, SamplingParams(), step=1, log=lines.append)
+    e0, e1, e2 = out.episodes
+    assert "renders to" in e0.error and f"> data.max_prompt_tokens={prompt_cap}" in e0.error
+    assert f"leaves no room in the model's context ({context} tokens)" in e1.error
+    assert e2.error is None and e2.truncated == "context" and e2.turns == 1
+    for s in out.samples:  # every training sequence fits the model
+        assert len(s.prompt_ids) + len(s.response_ids) <= context
+    assert [len(s.prompt_ids) + len(s.response_ids) for s in out.samples[:2]] == [2, 2]  # one masked id each way
+    assert [s.loss_mask for s in out.samples[:2]] == [(0,), (0,)]
+    assert [r.error is not None for r in out.rewards] == [True, True, False]

@@ -151,7 +151,10 @@ class EpisodeRunner:
         limits: :class:`EpisodeLimits`. chat_template_kwargs: ``data.chat_template_kwargs``.
         max_prompt_tokens: longest accepted initial observation (longer: the episode fails).
         max_context: the model's context (``max_position_embeddings``), or None: an episode whose
-            sequence plus one full turn would not fit ends before the turn (``truncated="context"``).
+            sequence plus one full turn would not fit ends before the turn, and one whose environment
+            reply would not fit ends without it (``truncated="context"``); an initial observation
+            that leaves no room for one turn fails the episode. A failed ``reset`` leaves
+            ``prompt_ids`` empty, so nothing of a refused observation reaches training.
     """
 
     def __init__(self, env: Any, name: str, template: Any, tokenizer: Any, parse: Callable[[str], Any],
@@ -223,9 +226,17 @@ class EpisodeRunner:
                 self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: its observation does not "
                               f"render: {exc}")
                 continue
+            room = self.max_context - self.limits.max_turn_tokens if self.max_context is not None else None
             if len(e.prompt_ids) > self.max_prompt_tokens:
                 self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: the observation renders to "
                               f"{len(e.prompt_ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
+            elif room is not None and len(e.prompt_ids) > room:
+                self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: the observation renders to "
+                              f"{len(e.prompt_ids)} tokens, which leaves no room in the model's context "
+                              f"({self.max_context} tokens) for a turn of rollout.max_new_tokens="
+                              f"{self.limits.max_turn_tokens}")
+            if e.error is not None:  # nothing of a refused observation is trained on (it may not fit the model)
+                e.prompt_ids = ()
 
     def _end_all(self, eps: list[Episode]) -> None:
         """The environment's optional ``end(state)`` for every episode that has a state, once the step's
@@ -296,6 +307,9 @@ class EpisodeRunner:
             e.messages.extend(res.messages)
             if len(e.response_ids) + len(delta) >= self.limits.max_episode_tokens:
                 e.truncated, e.done = "episode_tokens", True
+                continue
+            if self.max_context is not None and len(e.prompt_ids) + len(e.response_ids) + len(delta) > self.max_context:
+                e.truncated, e.done = "context", True  # the reply would not fit the model: it is not appended
                 continue
             e.response_ids += delta
             e.loss_mask += [0] * len(delta)
