@@ -1,4 +1,5 @@
-"""Small plugin objects used by tests/test_registry.py (loaded through fake entry points)."""
+"""Small plugin objects used by tests/test_registry.py (loaded through fake entry points), and the broken
+environment packages of tests/test_agent_envs.py (what a user's first environment gets wrong)."""
 
 from ferrule import hookimpl
 from ferrule.contract.specs import (
@@ -200,3 +201,53 @@ class LazyFamilyPlugin:
 commands = CommandPlugin()
 shadowing_commands = ShadowingCommandPlugin()
 broken_commands = BrokenCommandPlugin()
+
+
+# ------------------------------------------------------------------ environments a user gets wrong
+
+class StartFails:
+    """An environment whose constructor raises (a missing word list)."""
+
+    def __init__(self, **kwargs):
+        raise RuntimeError("word list file missing")
+
+
+class NoStep:
+    """An environment object without ``step`` (and with ``reset`` misspelt)."""
+
+    def dataset(self, size, seed):
+        return [{"k": i} for i in range(size)]
+
+    def rest(self, item, seed):
+        return None
+
+
+class DatasetOf:
+    """An environment whose ``dataset`` raises (``items=None``) or returns ``items`` as they are."""
+
+    def __init__(self, items=None):
+        self.items = items
+
+    def dataset(self, size, seed):
+        if self.items is None:
+            raise OSError("cannot read words.txt")
+        return self.items
+
+    def reset(self, item, seed):
+        return None
+
+    def step(self, state, turn):
+        return None
+
+
+class BrokenEnvironmentsPlugin:
+    @hookimpl
+    def register_environments(self):
+        from ferrule.contract.specs import EnvironmentSpec
+
+        return [EnvironmentSpec(name="no_module", factory="plugin_samples_nowhere:Env"),
+                EnvironmentSpec(name="no_attr", factory="plugin_samples:Nowhere"),
+                EnvironmentSpec(name="start_fails", factory="plugin_samples:StartFails"),
+                EnvironmentSpec(name="no_step", factory="plugin_samples:NoStep"),
+                EnvironmentSpec(name="dataset_of", factory="plugin_samples:DatasetOf"),
+                EnvironmentSpec(name="guess", factory="ferrule.rl.envs.builtin:GuessNumber")]

@@ -81,6 +81,62 @@ def test_register_tool_parsers_claims_a_family_once_and_star_is_the_default(monk
         _registry_with(("p", "d1", _ParserPlugin()), ("q", "d2", _ParserPlugin()))
 
 
+@pytest.mark.parametrize("name,kwargs,expected", [
+    ("no_module", {}, "agent.environment: environment 'no_module' (factory 'plugin_samples_nowhere:Env' of distribution "
+                      "'envs-dist') does not import: ModuleNotFoundError: No module named 'plugin_samples_nowhere'; fix the "
+                      "EnvironmentSpec's factory in that package, or reinstall it"),
+    ("no_attr", {}, "agent.environment: environment 'no_attr' (factory 'plugin_samples:Nowhere' of distribution "
+                    "'envs-dist') does not import: AttributeError: "),
+    ("start_fails", {"n": 1}, "agent.environment: environment 'start_fails' (factory 'plugin_samples:StartFails' of "
+                              "distribution 'envs-dist') failed to start: plugin_samples:StartFails(**{'n': 1}) raised "
+                              "RuntimeError: word list file missing"),
+    ("no_step", {}, "returned a NoStep object without reset, step; an environment has dataset(size, seed), "
+                    "reset(item, seed) and step(state, turn)"),
+    ("dataset_of", {}, "dataset(8, 1) raised OSError: cannot read words.txt"),
+    ("dataset_of", {"items": 42}, "dataset(8, 1) returned int; expected a list of data.size items, each a dict"),
+    ("dataset_of", {"items": []}, "dataset(8, 1) returned no items; expected a list"),
+    ("dataset_of", {"items": [{"a": 1}, 7]}, "dataset(8, 1) returned an item of type int ('7'); each item is a dict"),
+    ("guess", {"hihg": 4}, "agent.environment_kwargs: environment 'guess' refused {'hihg': 4}: "
+                           "GuessNumber.__init__() got an unexpected keyword argument 'hihg'; "
+                           "it accepts: high, turn_penalty, min_reward"),
+    ("guess", {"high": 1}, "agent.environment_kwargs: environment 'guess' refused {'high': 1}: guess_number: high=1; "
+                           "expected >= 2"),  # a value the factory refuses: no parameter list (the names are right)
+])
+def test_a_broken_environment_package_is_one_config_line_naming_it_before_any_model_loads(monkeypatch, name, kwargs,
+                                                                                           expected):
+    """What a user's first environment package gets wrong, each refused at set-up with one line naming the
+    environment, its factory and distribution (each of these was a traceback, or blamed
+    agent.environment_kwargs for a dataset that returned an int); the user-error table prints it without one."""
+    from plugin_samples import BrokenEnvironmentsPlugin
+    from ferrule.rl.config_types import ConfigError
+    from ferrule.rl.envs.launcher import build_environment
+    from ferrule.user_errors import user_error_message
+
+    reg = _registry_with(("envs", "envs-dist", BrokenEnvironmentsPlugin()))
+    monkeypatch.setattr(registry, "get_registry", lambda: reg)
+    with pytest.raises(ConfigError) as err:
+        build_environment(name, kwargs, 8, 1)
+    assert len(err.value.problems) == 1 and expected in err.value.problems[0]
+    assert "\n" not in user_error_message(err.value)
+    env, items = build_environment("dataset_of", {"items": [{"a": 1}]}, 8, 1)  # the control: a working one
+    assert items == [{"a": 1}] and env.items == items
+
+
+def test_an_unknown_environment_names_the_plugins_that_failed_to_load(monkeypatch):
+    """A package whose hook is misspelt registers nothing: the unknown-name error says which plugin failed
+    and why, not only 'no plugin registers' (it did not before)."""
+    from ferrule.contract.registry import LoadFailure
+
+    pm, _, _ = registry.get_plugin_manager(load_entrypoints=False)
+    fail = LoadFailure("wordguess", "0.1.0", "wordguess", "validate",
+                       "PluginValidationError: unknown hook 'register_environment'", "")
+    monkeypatch.setattr(registry, "get_registry", lambda: Registry.build(pm, [], [fail]))
+    with pytest.raises(UnknownModelError, match=r"called 'wordguess'; registered: none\. Plugin 'wordguess' of "
+                                                r"'wordguess' failed to load \(validate: PluginValidationError: "
+                                                r"unknown hook 'register_environment'\)"):
+        registry.get_environment("wordguess")
+
+
 # ------------------------------------------------------------------ bounded calls
 
 def _turn(text: str, calls=(), errors=()) -> ModelTurn:

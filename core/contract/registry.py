@@ -593,12 +593,15 @@ def get_environment(name: str) -> EnvironmentSpec:
     """The environment spec called ``name``.
 
     Raises:
-        UnknownModelError: no plugin registers it (the message lists those that do).
+        UnknownModelError: no plugin registers it (the message lists those that do, and the plugins that
+            failed to load: a broken environment package registers nothing).
     """
     reg = get_registry()
     if name not in reg.environments:
         known = ", ".join(sorted(reg.environments)) or "none"
-        raise UnknownModelError(f"no plugin registers an environment called {name!r}; registered: {known}. "
+        failed = "".join(f" Plugin {f.entry_point!r} of {f.distribution!r} failed to load ({f.stage}: {f.error}); "
+                         "it may be the one: `ferrule plugins` shows it." for f in reg.failures)
+        raise UnknownModelError(f"no plugin registers an environment called {name!r}; registered: {known}.{failed} "
                                 "Install the package that provides it (docs/agents.md) or fix agent.environment.")
     return reg.environments[name]
 

@@ -22,7 +22,88 @@ from ferrule.contract.specs import resolve_ref
 from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner, episode_metrics
 from ferrule.rl.tasks import Prompt
 
-__all__ = ["EnvironmentItems", "AgentRollout", "AgentStep"]
+__all__ = ["EnvironmentItems", "AgentRollout", "AgentStep", "build_environment"]
+
+#: The methods every environment object has (:class:`ferrule.rl.envs.Environment`; ``end`` is optional).
+CONTRACT_METHODS = ("dataset", "reset", "step")
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def _accepted(factory: Any, kwargs: dict[str, Any]) -> str:
+    """``"; it accepts: a, b"`` when ``kwargs`` name parameters the factory's signature lacks, else ``""``."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return ""
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if all(k in names for k in kwargs):
+        return ""
+    return f"; it accepts: {', '.join(names) or 'no keyword arguments'}"
+
+
+def build_environment(name: str, kwargs: dict[str, Any], size: int, seed: int) -> tuple[Any, list[dict]]:
+    """The environment object ``factory(**kwargs)`` of the registered environment ``name`` and its
+    ``dataset(size, seed)`` items, checked before any model is loaded.
+
+    Every failure is a one-line :class:`~ferrule.rl.config.ConfigError` that names the environment, the
+    factory reference and the distribution that registered it (a broken environment package is the
+    user's input, not a ferrule crash): the factory does not import; it refuses ``kwargs`` (``TypeError`` /
+    ``ValueError``: ``agent.environment_kwargs``, with the parameters it accepts) or raises anything else;
+    the object lacks ``dataset`` / ``reset`` / ``step``; ``dataset`` raises, or returns no items or items
+    that are not dicts.
+
+    Raises:
+        ferrule.contract.registry.UnknownModelError: ``name`` is not registered.
+        ferrule.rl.config.ConfigError: as above.
+    """
+    from ferrule.rl.config_types import ConfigError
+
+    spec = registry.get_environment(name)
+    dist = registry.get_registry().owners.get(("environment", name), "?")
+    where = f"environment {name!r} (factory {spec.factory!r} of distribution {dist!r})"
+    try:
+        factory = resolve_ref(spec.factory)
+    except Exception as exc:  # noqa: BLE001 -- an import of the package's module: anything can fail there
+        raise ConfigError([f"agent.environment: {where} does not import: {_one_line(exc)}; fix the "
+                           "EnvironmentSpec's factory in that package, or reinstall it"]) from None
+    try:
+        env = factory(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError([f"agent.environment_kwargs: environment {name!r} refused {kwargs}: "
+                           f"{' '.join(str(exc).split())[:300]}{_accepted(factory, kwargs)}"]) from None
+    except Exception as exc:  # noqa: BLE001 -- the package's constructor failed: one line, not a traceback
+        raise ConfigError([f"agent.environment: {where} failed to start: {spec.factory}(**{kwargs}) raised "
+                           f"{_one_line(exc)}"]) from None
+    missing = [m for m in CONTRACT_METHODS if not callable(getattr(env, m, None))]
+    if missing:
+        raise ConfigError([f"agent.environment: {where} returned a {type(env).__name__} object without "
+                           f"{', '.join(missing)}; an environment has dataset(size, seed), reset(item, seed) and "
+                           "step(state, turn) (ferrule.rl.envs.Environment, docs/agents.md)"])
+    call = f"dataset({size}, {seed})"
+    try:
+        items = env.dataset(size, seed)
+    except Exception as exc:  # noqa: BLE001 -- the package's dataset failed: one line, not a traceback
+        raise ConfigError([f"agent.environment: {where} {call} raised {_one_line(exc)}"]) from None
+    try:
+        items = list(items)
+    except TypeError:
+        raise ConfigError([f"agent.environment: {where} {call} returned {type(items).__name__}; expected a list "
+                           "of data.size items, each a dict"]) from None
+    if not items:
+        raise ConfigError([f"agent.environment: {where} {call} returned no items; expected a list of data.size "
+                           "items, each a dict"])
+    bad = next((i for i in items if not isinstance(i, dict)), None)
+    if bad is not None:
+        raise ConfigError([f"agent.environment: {where} {call} returned an item of type {type(bad).__name__} "
+                           f"({str(bad)[:60]!r}); each item is a dict (it reaches reset as `item`)"])
+    return env, items
 
 
 class EnvironmentItems:
@@ -69,24 +150,14 @@ class AgentRollout:
 
     Raises:
         ferrule.contract.registry.UnknownModelError: ``agent.environment`` is not registered.
-        ferrule.rl.config.ConfigError: the factory refuses ``agent.environment_kwargs``, or its
-            ``dataset`` is empty / malformed.
+        ferrule.rl.config.ConfigError: (one line each, :func:`build_environment`) the factory does not
+            import, refuses ``agent.environment_kwargs`` or raises, the object lacks a contract method,
+            or its ``dataset`` raises or is empty / malformed.
     """
 
     def __init__(self, cfg: Any) -> None:
-        from ferrule.rl.config_types import ConfigError
-
         self.cfg, ag = cfg, cfg.agent
-        spec = registry.get_environment(ag.environment)
-        try:
-            self.env = resolve_ref(spec.factory)(**ag.environment_kwargs)
-            items = list(self.env.dataset(cfg.data.size, cfg.data.seed))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError([f"agent.environment_kwargs: environment {ag.environment!r} refused "
-                               f"{ag.environment_kwargs}: {exc}"]) from None
-        if not items or not all(isinstance(i, dict) for i in items):
-            raise ConfigError([f"agent.environment: {ag.environment!r} returned no items (or items that are not "
-                               f"dicts) from dataset({cfg.data.size}, {cfg.data.seed})"])
+        self.env, items = build_environment(ag.environment, ag.environment_kwargs, cfg.data.size, cfg.data.seed)
         self.source = EnvironmentItems(ag.environment, items)
         self.runner = None
 
