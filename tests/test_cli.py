@@ -27,6 +27,34 @@ def test_plugins_lists_in_tree_families(monkeypatch):
     assert "inkling_mm_model" in out
 
 
+def test_plugins_lists_environments_with_their_distribution_and_a_broken_factory(monkeypatch):
+    """A user who installed an environment package checks it with ``ferrule plugins`` (docs/agents.md): each
+    registered environment is listed (the spec's description said so; the listing had no environments), and
+    a factory that does not import is shown broken with its error, before a train run trips on it."""
+    from plugin_samples import BrokenEnvironmentsPlugin
+    from ferrule.contract import registry
+
+    monkeypatch.setenv("COLUMNS", "250")
+    result = runner.invoke(app, ["plugins"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
+            for line in result.output.splitlines() if line.startswith("│ ") and line.count("│") == 5}
+    specs = {s.name: s for s in registry.list_environments()}
+    assert set(specs) == {"guess_number", "textarena", "tool_arithmetic", "verifiers"}
+    for name, spec in specs.items():
+        assert rows[name] == ["ferrule", spec.description, spec.factory]
+
+    pm, _, _ = registry.get_plugin_manager(load_entrypoints=False)
+    info, _ = registry.register_object(pm, BrokenEnvironmentsPlugin(), name="envs", distribution="envs-dist",
+                                       version="1.0")
+    reg = registry.Registry.build(pm, [info], [])
+    monkeypatch.setattr(registry, "get_registry", lambda: reg)
+    out = runner.invoke(app, ["plugins"]).output
+    assert "broken: plugin_samples_nowhere:Env does not import (ModuleNotFoundError: No module named " \
+           "'plugin_samples_nowhere')" in out
+    assert "│ start_fails " in out and "plugin_samples:StartFails" in out and "envs-dist" in out
+
+
 def test_plugins_reports_a_broken_plugin(monkeypatch):
     from importlib import metadata
 

@@ -13,6 +13,7 @@ stay fast and torch-free.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -67,7 +68,7 @@ def plugins_cmd(
     check: bool = typer.Option(False, "--check", help="Build-check each family's TINY_HF_CONFIG as transformers "
                                                       "parses it (imports transformers and torch: slower)."),
 ) -> None:
-    """List plugin distributions, their families and status, implemented hooks and load failures.
+    """List plugin distributions, their families and status, environments, implemented hooks and load failures.
 
     Each complete family runs its cheap build check (references resolve, TINY_HF_CONFIG translates, the
     default build knows its options; no torch; --check: as transformers parses the config): a family that
@@ -114,6 +115,7 @@ def plugins_cmd(
                 reason = f"{spec.reason + '; ' if spec.reason else ''}builds with a deprecation warning: {detail}"
         f.add_row(spec.name, ", ".join(spec.model_types), status, reason, ", ".join(missing) or "-")
     console.print(f)
+    _print_environments(console, reg)
 
     if reg.failures:
         e = Table(title="load failures", title_justify="left", style="red")
@@ -130,6 +132,29 @@ def plugins_cmd(
         console.print("load failures: none")
     if envs.get(registry.ALLOW_ENV):
         console.print(f"(allow-list {registry.ALLOW_ENV}={envs.get(registry.ALLOW_ENV)})")
+
+
+def _print_environments(console: Console, reg: Any) -> None:
+    """The ``environments`` table of ``ferrule plugins``: each registered environment (``agent.environment``),
+    its distribution, description and factory; a factory that does not import is shown as broken (red,
+    with the error), the same check ``ferrule train`` makes before it loads a model."""
+    from ferrule.contract.specs import resolve_ref
+
+    t = Table(title="environments (agent.environment)", title_justify="left")
+    for col in ("environment", "distribution", "description", "factory"):
+        t.add_column(col, overflow="fold")
+    for name in sorted(reg.environments):
+        spec = reg.environments[name]
+        try:
+            resolve_ref(spec.factory)
+            factory = spec.factory
+        except Exception as exc:  # noqa: BLE001 -- a package's module may fail in any way: report it, go on
+            factory = f"[red]broken[/]: {spec.factory} does not import ({type(exc).__name__}: {exc})"
+        t.add_row(name, reg.owners.get(("environment", name), "?"), spec.description or "-", factory)
+    if reg.environments:
+        console.print(t)
+    else:
+        console.print("environments: none")
 
 
 #: Errors met while mounting plugin commands; :func:`main` reports them (one line, exit 2).
