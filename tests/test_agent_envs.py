@@ -434,3 +434,9 @@ def test_an_observation_or_reply_that_does_not_fit_the_model_fails_or_ends_its_e
     assert [len(s.prompt_ids) + len(s.response_ids) for s in out.samples[:2]] == [2, 2]  # one masked id each way
     assert [s.loss_mask for s in out.samples[:2]] == [(0,), (0,)]
     assert [r.error is not None for r in out.rewards] == [True, True, False]
+    # the printed lines: one per failed episode, naming the environment, the call, the item and the episode once
+    assert lines == [f"step 1: environment 'verbose' reset of item 0 (episode 0): the observation renders to "
+                     f"{lines[0].split('renders to ')[1].split()[0]} tokens > data.max_prompt_tokens={prompt_cap}",
+                     f"step 1: environment 'verbose' reset of item 1 (episode 0): the observation renders to "
+                     f"{lines[1].split('renders to ')[1].split()[0]} tokens, which leaves no room in the model's "
+                     f"context ({context} tokens) for a turn of rollout.max_new_tokens={turn_tokens}"]

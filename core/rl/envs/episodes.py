@@ -172,6 +172,10 @@ class EpisodeRunner:
         return render_chat_ids(self.template, self.tokenizer, messages, tools=tools,
                                add_generation_prompt=generation_prompt, **self.kwargs).token_ids
 
+    def _what(self, ep: Episode, call: str) -> str:
+        """Names a call in an episode's error line: ``"environment 'x' step 2 of item 7 (episode 0)"``."""
+        return f"environment {self.name!r} {call} of item {ep.item_index} (episode {ep.sample})"
+
     def _fail(self, ep: Episode, error: str) -> None:
         ep.error, ep.reward, ep.done = error, self.limits.failure_reward, True
 
@@ -211,8 +215,8 @@ class EpisodeRunner:
             rnd += 1
 
     def _reset_all(self, eps: list[Episode], items: list, seed: int, step: int) -> None:
-        calls = [(self.env.reset, (item, episode_seed(seed, step, e.item_index, e.sample)),
-                  f"environment {self.name!r} reset of item {e.item_index}") for e, item in zip(eps, items)]
+        calls = [(self.env.reset, (item, episode_seed(seed, step, e.item_index, e.sample)), self._what(e, "reset"))
+                 for e, item in zip(eps, items)]
         for e, out in zip(eps, call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, check=check_observation)):
             e.env_seconds += out.seconds
             if out.error:
@@ -223,15 +227,14 @@ class EpisodeRunner:
             try:
                 e.prompt_ids = self._render(e.messages, e.tools, True)
             except Exception as exc:  # noqa: BLE001 -- a message the template refuses is the environment's error
-                self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: its observation does not "
-                              f"render: {exc}")
+                self._fail(e, f"{self._what(e, 'reset')}: its observation does not render: {exc}")
                 continue
             room = self.max_context - self.limits.max_turn_tokens if self.max_context is not None else None
             if len(e.prompt_ids) > self.max_prompt_tokens:
-                self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: the observation renders to "
-                              f"{len(e.prompt_ids)} tokens > data.max_prompt_tokens={self.max_prompt_tokens}")
+                self._fail(e, f"{self._what(e, 'reset')}: the observation renders to {len(e.prompt_ids)} tokens > "
+                              f"data.max_prompt_tokens={self.max_prompt_tokens}")
             elif room is not None and len(e.prompt_ids) > room:
-                self._fail(e, f"environment {self.name!r} reset of item {e.item_index}: the observation renders to "
+                self._fail(e, f"{self._what(e, 'reset')}: the observation renders to "
                               f"{len(e.prompt_ids)} tokens, which leaves no room in the model's context "
                               f"({self.max_context} tokens) for a turn of rollout.max_new_tokens="
                               f"{self.limits.max_turn_tokens}")
@@ -246,8 +249,7 @@ class EpisodeRunner:
         end = getattr(self.env, "end", None)
         if not callable(end):
             return
-        calls = [(end, (e.state,), f"environment {self.name!r} end of item {e.item_index} (episode {e.sample})")
-                 for e in eps if e.state is not None]
+        calls = [(end, (e.state,), self._what(e, "end")) for e in eps if e.state is not None]
         if calls:
             call_bounded_all(calls, timeout_s=self.limits.step_timeout_s)
 
@@ -282,8 +284,8 @@ class EpisodeRunner:
                 e.rollout_logprobs.append(0.0)
 
     def _env_steps(self, live: list[Episode]) -> None:
-        calls = [(self.env.step, (e.state, e._turn), f"environment {self.name!r} step {e.turns} of item "  # type: ignore[attr-defined]
-                  f"{e.item_index} (episode {e.sample})") for e in live]
+        calls = [(self.env.step, (e.state, e._turn), self._what(e, f"step {e.turns}"))  # type: ignore[attr-defined]
+                 for e in live]
         outs = call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, check=check_step_result)
         for e, out in zip(live, outs):
             e.env_seconds += out.seconds
@@ -301,8 +303,7 @@ class EpisodeRunner:
             try:
                 delta = environment_delta(self._render, e.messages, res.messages, self.stop_ids, e.tools)
             except Exception as exc:  # noqa: BLE001 -- the environment's messages do not render
-                self._fail(e, f"environment {self.name!r} step {e.turns} of item {e.item_index}: its messages do "
-                              f"not render: {exc}")
+                self._fail(e, f"{self._what(e, f'step {e.turns}')}: its messages do not render: {exc}")
                 continue
             e.messages.extend(res.messages)
             if len(e.response_ids) + len(delta) >= self.limits.max_episode_tokens:

@@ -204,7 +204,7 @@ class AgentRollout:
                                         error=e.error))
         failed = [e for e in eps if e.error]
         for e in failed[:3]:
-            log(f"step {step}: episode {e.sample} of item {e.item_index} ended by its environment: {e.error}")
+            log(f"step {step}: {e.error}")  # names the environment, the call, the item and the episode
         if len(failed) > 3:
             log(f"step {step}: {len(failed)} episodes ended by environment errors (agent/env_errors)")
         prompt_ids = [samples[g * n].prompt_ids for g in range(len(prompts))]
