@@ -300,8 +300,9 @@ class LoggingConfig:
 class AgentConfig:
     """Multi-turn episodes against an environment plugin (docs/agents.md); off while environment is empty."""
 
-    environment: str = _f("", "Environment name (register_environments: tool_arithmetic, guess_number, a "
-                              "plugin's); empty: single-turn prompts from data.task / data.jsonl_path.")
+    environment: str = _f("", "Environment name (register_environments: tool_arithmetic, guess_number, "
+                              "textarena, verifiers, a plugin's; `ferrule plugins` lists them); empty: "
+                              "single-turn prompts from data.task / data.jsonl_path.")
     environment_kwargs: dict[str, Any] = _f({}, "Keyword arguments of the environment's factory.")
     max_turns: int = _f(8, "Model turns per episode; an episode still running after them is truncated.", "turns")
     max_episode_tokens: int = _f(1024, "Tokens after the prompt per episode (model and environment turns); "
