@@ -64,7 +64,7 @@ from .optim import (OptimizerSettings, adam_step_count, apply_step, build_optimi
                     _check_adam_params, inner_optimizers)
 from .parallel import ParallelLayout, init_distributed
 from .towers import embed_with_media, towers_of
-from ..registry import family_for_hf_config, get_converter
+from ..contract.registry import family_for_hf_config, get_converter
 from .checkpoint import ENGINE_STATE_FILE, load_training_state, save_training_state
 from .gpu_fusions import set_compile_dynamic
 from .provider import provider_build
@@ -272,7 +272,7 @@ class TrainEngine:
             found = [towers_of(_unwrap_gpt(c)) for c in self.model]
             local = next((t for t in found if t), {})
             if not local and self.layout.pp > 1:
-                from ..registry import get_towers
+                from ..contract.registry import get_towers
 
                 local = {s.modality: (s, None, s.placeholder_id(self.hf_config)) for s in get_towers(self.family)}
             self._towers = local
@@ -292,7 +292,7 @@ class TrainEngine:
     def update_groups(self) -> Any:
         """The family's :class:`~ferrule.contract.specs.UpdateGroupTable` (groups resolved; weight sync reads it)."""
         if self._update_groups is None:
-            from ..registry import get_update_groups
+            from ..contract.registry import get_update_groups
 
             self._update_groups = get_update_groups(self.family)
         return self._update_groups
