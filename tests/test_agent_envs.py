@@ -8,6 +8,7 @@ back; the calculator is compared with Python's own arithmetic on the same expres
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from ferrule.contract import registry
 from ferrule.contract.registry import DuplicateClaimError, Registry, UnknownModelError
 from ferrule.rl.envs import ModelTurn, Observation, StepResult
 from ferrule.rl.envs.base import check_observation, check_step_result
-from ferrule.rl.envs.bounded import call_bounded
+from ferrule.rl.envs.bounded import HungCalls, call_bounded, call_bounded_all
 from ferrule.rl.envs.builtin import GuessNumber, ToolArithmetic, calculate
 from ferrule.chat.tool_calls import ParsedTurn, ToolCall, parse_hermes
 
@@ -169,6 +170,36 @@ def test_a_crashing_hanging_or_malformed_step_is_an_error_line_not_an_exception(
     ok = call_bounded(lambda s, t: StepResult([], 1.0, True), None, None, timeout_s=TIMEOUT_S, what="s",
                       check=check_step_result)
     assert ok.error is None and ok.value.reward == 1.0
+
+
+def test_calls_that_hang_for_good_are_bounded_in_number_then_refused_until_they_return():
+    release = threading.Event()
+
+    def hang(_state, _turn):
+        release.wait(60)
+        return StepResult([], 1.0, True)
+
+    hung = HungCalls(limit=3)
+    calls = [(hang, (None, None), f"step of episode {i}") for i in range(2)]
+    first = call_bounded_all(calls, timeout_s=0.1, check=check_step_result, hung=hung)
+    assert [o.error.split(" timed out")[0] for o in first] == ["step of episode 0", "step of episode 1"]
+    assert hung.running() == 2  # both still run in the background
+    second = call_bounded_all(calls, timeout_s=0.1, check=check_step_result, hung=hung)
+    assert all("timed out" in o.error for o in second) and hung.running() == 4  # started under the limit
+    before = threading.active_count()
+    refused = call_bounded_all(calls, timeout_s=0.1, check=check_step_result, hung=hung)
+    assert threading.active_count() == before  # no thread started
+    assert refused[1].error == ("step of episode 1 not started: 4 earlier environment calls that timed out are "
+                                "still running (agent.max_hung_env_calls = 3); the environment hangs: fix it, "
+                                "or raise agent.step_timeout_s if it is slow by design")
+    release.set()  # the hung calls return: calls start again
+    deadline = time.perf_counter() + 10
+    while hung.running() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    ok = call_bounded_all(calls, timeout_s=5, check=check_step_result, hung=hung)
+    assert [o.error for o in ok] == [None, None] and ok[0].value.reward == 1.0
+    with pytest.raises(ValueError, match="max_hung_env_calls must be >= 1, got 0"):
+        HungCalls(0)
 
 
 # ------------------------------------------------------------------ tool-call parsers

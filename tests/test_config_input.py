@@ -167,3 +167,10 @@ def test_publishing_a_folder_or_file_fsyncs_before_the_rename(tmp_path, monkeypa
     atomic_write(tmp_path / "loop_state.json", "{}\n")
     kinds = [k for k, _ in events]
     assert kinds.index("fsync") < kinds.index("replace") and kinds[-1] == "fsync"
+
+
+def test_agent_limits_below_one_are_refused_naming_the_key(tmp_path):
+    text = "model: {hf_dir: some/hf}\nagent: {environment: guess_number}\neval: {interval: 0}\n"
+    problems = _problems(tmp_path, text, ["agent.max_hung_env_calls=0", "agent.max_turns=0"])
+    assert "agent.max_hung_env_calls: must be >= 1, got 0" in problems
+    assert "agent.max_turns: must be >= 1, got 0" in problems

@@ -138,7 +138,7 @@ def _agent_problems(cfg: RLConfig) -> list[str]:
     if cfg.eval.interval > 0:
         p.append("eval.interval: evaluation of multi-turn episodes is not implemented; set eval.interval=0 "
                  "(the training reward is the environment's)")
-    for key in ("max_turns", "max_episode_tokens"):
+    for key in ("max_turns", "max_episode_tokens", "max_hung_env_calls"):
         if getattr(ag, key) < 1:
             p.append(f"agent.{key}: must be >= 1, got {getattr(ag, key)}")
     if not ag.step_timeout_s > 0:

@@ -311,6 +311,11 @@ class AgentConfig:
                                      "episode whose call raises, hangs or returns a malformed result ends with "
                                      "failure_reward and its error is reported.", "s")
     failure_reward: float = _f(0.0, "Reward of an episode whose environment failed.", "reward")
+    max_hung_env_calls: int = _f(64, "Environment calls that timed out and still run in the background (Python "
+                                     "cannot stop a thread) allowed at once; at this many, further reset / step "
+                                     "calls are not started and their episodes fail with an error naming this "
+                                     "limit, until some return. Bounds the threads a hanging environment piles "
+                                     "up.", "calls")
 
 
 @dataclass(frozen=True, kw_only=True)

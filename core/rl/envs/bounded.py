@@ -5,6 +5,11 @@ does not return in time is abandoned (Python cannot stop a thread: it keeps runn
 background until it returns, and never blocks interpreter exit); its episode ends with the error.
 Environments that can block for long (a subprocess, a network service) should bound their own
 work too (the sandboxed Python tool kills its subprocess, :mod:`ferrule.rl.envs.sandbox`).
+
+Abandoned calls are bounded in number: a :class:`HungCalls` tracker (one per episode runner,
+``agent.max_hung_env_calls``) holds the threads still running past their deadline, and once it holds its
+limit, further calls are not started: each becomes an error that names the limit, so an environment that
+hangs for good costs that many threads, not one per episode per step for the rest of the run.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["CallOutcome", "call_bounded", "call_bounded_all"]
+__all__ = ["CallOutcome", "HungCalls", "call_bounded", "call_bounded_all"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,31 @@ class CallOutcome:
     value: Any
     error: str | None
     seconds: float
+
+
+class HungCalls:
+    """The calls that timed out and still run in the background, at most ``limit`` of them.
+
+    Args:
+        limit: how many abandoned calls may run at once (>= 1); ``agent.max_hung_env_calls``.
+
+    Raises:
+        ValueError: ``limit < 1``.
+    """
+
+    def __init__(self, limit: int):
+        if int(limit) < 1:
+            raise ValueError(f"max_hung_env_calls must be >= 1, got {limit}")
+        self.limit = int(limit)
+        self._threads: list[threading.Thread] = []
+
+    def running(self) -> int:
+        """How many abandoned calls are still running (those that returned since are dropped)."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        return len(self._threads)
+
+    def add(self, thread: threading.Thread) -> None:
+        self._threads.append(thread)
 
 
 def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str,
@@ -45,11 +75,21 @@ def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str
 
 
 def call_bounded_all(calls: list[tuple[Callable[..., Any], tuple, str]], *, timeout_s: float,
-                     check: Callable[[Any], Any] | None = None) -> list[CallOutcome]:
+                     check: Callable[[Any], Any] | None = None,
+                     hung: HungCalls | None = None) -> list[CallOutcome]:
     """:func:`call_bounded` for several calls at once: all start together (one daemon thread each),
     and all share one deadline ``timeout_s`` seconds after the start, so ``k`` slow tool calls cost
-    one timeout, not ``k``. Returns one :class:`CallOutcome` per call, in order."""
+    one timeout, not ``k``. Returns one :class:`CallOutcome` per call, in order.
+
+    ``hung``: the tracker of abandoned calls (module docstring); the calls that time out join it, and
+    while it holds its limit no call starts: each gets ``"{what} not started: N earlier calls that timed
+    out are still running (agent.max_hung_env_calls = N) ..."`` (0 s)."""
     t0 = time.perf_counter()
+    if hung is not None and hung.running() >= hung.limit:
+        msg = (f"not started: {hung.running()} earlier environment calls that timed out are still running "
+               f"(agent.max_hung_env_calls = {hung.limit}); the environment hangs: fix it, or raise "
+               "agent.step_timeout_s if it is slow by design")
+        return [CallOutcome(None, f"{what} {msg}", 0.0) for _fn, _args, what in calls]
     boxes: list[dict[str, Any]] = []
     threads = []
     for fn, args, what in calls:
@@ -71,6 +111,8 @@ def call_bounded_all(calls: list[tuple[Callable[..., Any], tuple, str]], *, time
     for (fn, args, what), th, box in zip(calls, threads, boxes):
         th.join(max(0.0, t0 + timeout_s - time.perf_counter()))
         if th.is_alive():
+            if hung is not None:
+                hung.add(th)
             out.append(CallOutcome(None, f"{what} timed out after {timeout_s:g} s (raise agent.step_timeout_s if "
                                          "the environment is slow by design)", time.perf_counter() - t0))
             continue

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ferrule.rl.envs.base import ModelTurn, check_observation, check_step_result
-from ferrule.rl.envs.bounded import call_bounded_all
+from ferrule.rl.envs.bounded import HungCalls, call_bounded_all
 from ferrule.chat import render_chat_ids
 from ferrule.rollout import GenerateRequest
 
@@ -48,6 +48,8 @@ class EpisodeLimits:
         max_turns: model turns. max_episode_tokens: tokens after the prompt (model + environment).
         max_turn_tokens: new tokens per model turn. step_timeout_s: seconds per ``reset`` / ``step``
         (one deadline per round). failure_reward: the reward of an episode whose environment failed.
+        max_hung_env_calls: calls that timed out and may still run in the background before no further
+        call starts (:class:`ferrule.rl.envs.bounded.HungCalls`).
     """
 
     max_turns: int = 8
@@ -55,6 +57,7 @@ class EpisodeLimits:
     max_turn_tokens: int = 128
     step_timeout_s: float = 30.0
     failure_reward: float = 0.0
+    max_hung_env_calls: int = 64
 
 
 @dataclass
@@ -164,6 +167,7 @@ class EpisodeRunner:
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.end_id = int(stop_ids[0]) if stop_ids else None
         self.limits, self.kwargs = limits, dict(chat_template_kwargs or {})
+        self.hung = HungCalls(limits.max_hung_env_calls)  # this environment's abandoned calls
         self.kwargs.pop("tools", None)
         self.max_prompt_tokens, self.max_context = max_prompt_tokens, max_context
 
@@ -217,7 +221,7 @@ class EpisodeRunner:
     def _reset_all(self, eps: list[Episode], items: list, seed: int, step: int) -> None:
         calls = [(self.env.reset, (item, episode_seed(seed, step, e.item_index, e.sample)), self._what(e, "reset"))
                  for e, item in zip(eps, items)]
-        for e, out in zip(eps, call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, check=check_observation)):
+        for e, out in zip(eps, call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, hung=self.hung, check=check_observation)):
             e.env_seconds += out.seconds
             if out.error:
                 self._fail(e, out.error)
@@ -251,7 +255,7 @@ class EpisodeRunner:
             return
         calls = [(end, (e.state,), self._what(e, "end")) for e in eps if e.state is not None]
         if calls:
-            call_bounded_all(calls, timeout_s=self.limits.step_timeout_s)
+            call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, hung=self.hung)
 
     def _model_turns(self, engine: Any, live: list[Episode], params: Any) -> None:
         results = engine.generate([GenerateRequest(e.ids, request_id=f"{e.group}:{e.sample}") for e in live], params)
@@ -286,7 +290,7 @@ class EpisodeRunner:
     def _env_steps(self, live: list[Episode]) -> None:
         calls = [(self.env.step, (e.state, e._turn), self._what(e, f"step {e.turns}"))  # type: ignore[attr-defined]
                  for e in live]
-        outs = call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, check=check_step_result)
+        outs = call_bounded_all(calls, timeout_s=self.limits.step_timeout_s, hung=self.hung, check=check_step_result)
         for e, out in zip(live, outs):
             e.env_seconds += out.seconds
             if out.error:

@@ -171,7 +171,7 @@ class AgentRollout:
         parse = resolve_ref(spec.parse) if spec is not None else parse_hermes
         limits = EpisodeLimits(max_turns=ag.max_turns, max_episode_tokens=ag.max_episode_tokens,
                                max_turn_tokens=self.cfg.rollout.max_new_tokens, step_timeout_s=ag.step_timeout_s,
-                               failure_reward=ag.failure_reward)
+                               failure_reward=ag.failure_reward, max_hung_env_calls=ag.max_hung_env_calls)
         import json
         from pathlib import Path
 
