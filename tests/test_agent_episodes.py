@@ -98,6 +98,42 @@ def episodes(hf_dir):
     return eps, engine.sampled, tokenizer, stops
 
 
+def test_tempered_episodes_keep_the_sampling_logprobs_beside_the_untempered(episodes, hf_dir):
+    """At temperature 0.7 an episode's model tokens carry the engine's untempered logprobs
+    (``rollout_logprobs``) and the tempered ones they were drawn from (``sampling_logprobs``): HF's
+    ``log_softmax(logits)`` and ``log_softmax(logits / 0.7)`` of the same ids; environment tokens 0.0."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule.chat.tool_calls import parse_hermes
+    from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner
+    from ferrule.rollout import SamplingParams
+    from ferrule.rollout.embedded import EmbeddedEngine
+    from ferrule.contract import registry
+
+    _, _, tokenizer, stops = episodes
+    runner = EpisodeRunner(CountEnv(), "count", registry.get_chat_template("qwen3"), tokenizer, parse_hermes, stops,
+                           EpisodeLimits(max_turns=TURNS, max_episode_tokens=200, max_turn_tokens=TURN_TOKENS,
+                                         step_timeout_s=1.0))
+    params = SamplingParams(temperature=0.7, max_new_tokens=TURN_TOKENS, stop_token_ids=stops,
+                            return_raw_logprobs=True)
+    eps = runner.run(EmbeddedEngine(hf_dir=hf_dir), [(0, {"k": 0}), (1, {"k": 1})], 1, params, seed=SEED, step=1)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    checked = 0
+    for e in eps:
+        assert e.tempered and len(e.sampling_logprobs) == len(e.rollout_logprobs) == len(e.response_ids)
+        ids = torch.tensor([list(e.prompt_ids) + list(e.response_ids)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(e.prompt_ids) - 1:-1].double()
+        target = ids[0, len(e.prompt_ids):].unsqueeze(1)
+        mask = torch.tensor(e.loss_mask, dtype=torch.bool)
+        for got, temp in ((e.rollout_logprobs, 1.0), (e.sampling_logprobs, 0.7)):
+            want = torch.log_softmax(logits / temp, -1).gather(1, target)[:, 0]
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64)[mask], want[mask], atol=TOL, rtol=0)
+            assert all(x == 0.0 for x, m in zip(got, e.loss_mask) if m == 0)
+        checked += int(mask.sum())
+    assert checked >= 2 and any(0 in e.loss_mask for e in eps)
+
+
 def _samples(eps):
     from ferrule.rl.batch import Sample
 
@@ -205,6 +241,9 @@ def test_train_engine_logprobs_equal_rollout_logprobs_and_environment_tokens_get
 
 CONFIGS = [pytest.param("smollm2_tool_arithmetic.yaml", [], id="tool_arithmetic"),
            pytest.param("smollm2_guess_number.yaml", [], id="guess_number"),
+           # TIS against the tempered sampling distribution (the config samples at temperature 0.8)
+           pytest.param("smollm2_guess_number.yaml", ["algorithm.use_tis=true", "algorithm.tis_behaviour=sampled"],
+                        id="guess_number_tis_sampled"),
            # a textarena game, unmodified, through the same launcher (the optional extra 'agents')
            pytest.param("smollm2_guess_number.yaml", ["agent.environment=textarena",
                                                       "agent.environment_kwargs={env_id: GuessTheNumber-v0}"],
@@ -264,6 +303,8 @@ def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir
         assert 1.0 <= e["agent/turns"] <= 2.0 and e["agent/env_errors"] == 0
         assert e["agent/model_tokens"] > 0 and e["agent/env_tokens"] >= 0
         assert abs(e["train_rollout_logprob_abs_diff"]) < 1e-4
+        if "algorithm.tis_behaviour=sampled" in extra:  # weights pi / pi_T of tokens drawn at T=0.8, not ~1
+            assert abs(e["tis_weight_mean"] - 1.0) > 1e-3
     logged = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert logged and all(x["messages"][-1]["role"] in ("assistant", "user", "tool") for x in logged)
 

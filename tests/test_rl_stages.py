@@ -119,6 +119,8 @@ def test_samples_take_raw_logprobs_and_advantages_normalize_each_group():
     assert [(s.group, s.prompt_ids, s.response_ids, s.rollout_logprobs, s.truncated) for s in samples[:2]] == [
         (0, (1, 2), (5, 6), (-0.1, -0.2), True), (0, (1, 2), (5,), (-3.0,), False)]
     assert samples[2].media == {"audio": [0]} and samples[0].media is None
+    # tempered sampling (raw logprobs returned): the logprobs the tokens were drawn from stay beside
+    assert samples[0].sampling_logprobs == (-1.0, -2.0) and samples[1].sampling_logprobs is None
     rewards = [SimpleNamespace(reward=v) for v in (1.0, 0.0, 2.0, 0.0, 1.0, 3.0)]
     six = samples + [samples[-1]]
     algo = _cfg("algorithm.advantage_eps=0.0").algorithm
@@ -183,6 +185,69 @@ def test_train_stage_uses_rollout_logprobs_when_one_step_needs_no_old_ones():
     d = -1.0 - -0.5
     assert out.ppo_kl == pytest.approx(math.exp(d) - 1 - d, rel=1e-12)
     assert all(torch.equal(lp, torch.full((3,), -0.5)) for lp in out.trainer_logprobs)  # from the first fb
+
+
+class _CategoricalEngine:
+    """A one-position policy ``pi = softmax(z)`` over ``V`` tokens behind the train-engine calls: each datum
+    is one response token ``y``; ``forward_backward`` runs the real ``ferrule.losses`` loss on
+    ``log pi(y)`` and accumulates ``sum_y p(y) * grad loss_y`` into ``z.grad`` (``p``: the sampling
+    distribution, so the gradient is the update's expectation over the samples)."""
+
+    def __init__(self, z, p):
+        self.z, self.p = z.detach().clone().requires_grad_(True), p
+
+    def _lp(self, d):
+        return torch.log_softmax(self.z, -1)[int(d.loss_fn_inputs["target_tokens"][-1])].reshape(1)
+
+    def forward_logprobs(self, datums):
+        return [self._lp(d).detach() for d in datums]
+
+    def forward_backward(self, datums, loss_fn, loss_cfg):
+        from ferrule import losses as L
+
+        outs = []
+        for d in datums:
+            loss, _ = L.get_loss(loss_fn)(self._lp(d), d.loss_fn_inputs, loss_cfg)
+            (self.p[int(d.loss_fn_inputs["target_tokens"][-1])] * loss.sum()).backward()
+            outs.append({"logprobs": self._lp(d).detach()})
+        return SimpleNamespace(metrics={"loss:sum": 0.0}, loss_fn_outputs=outs)
+
+    def optim_step(self):
+        return {"grad_norm": 0.0, "learning_rate": 0.0, "success": True}
+
+
+@pytest.mark.parametrize("behaviour", ["untempered", "sampled"])
+def test_tis_against_the_sampled_distribution_makes_the_tempered_update_the_untempered_policy_gradient(behaviour):
+    """Tokens drawn at temperature T train the untempered policy pi. The expected update over
+    ``y ~ pi_T`` is, per position, ``-(1/V) sum_y pi_T(y) A(y) (e_y - pi)`` with TIS against the
+    untempered logprobs (biased: with a constant ``A`` it is ``-(A/V)(pi_T - pi)``, not 0), and
+    ``-(1/V) sum_y pi(y) A(y) (e_y - pi)``, the on-policy gradient of pi, with ``tis_behaviour=sampled``
+    (weights ``pi / pi_T``, none past tis_cap here). Reference: the closed forms in float64 numpy."""
+    from ferrule.rl.batch import Sample
+
+    V, T = 6, 0.8
+    g = torch.Generator().manual_seed(SEED)
+    z = torch.randn(V, generator=g, dtype=torch.float64) * 0.5
+    pi, pi_t = torch.softmax(z, -1).numpy(), torch.softmax(z / T, -1).numpy()
+    assert (pi / pi_t).max() < 2.0  # below tis_cap: the weights are exact
+    cfg = _cfg("algorithm.use_tis=true", f"algorithm.tis_behaviour={behaviour}", "train.optim_steps_per_rollout=1",
+               "algorithm.loss_aggregation=token_mean")
+    samples = [Sample(group=0, prompt_ids=(0,), response_ids=(y,), rollout_logprobs=(math.log(pi[y]),),
+                      sampling_logprobs=(math.log(pi_t[y]),), truncated=False) for y in range(V)]
+    for adv in (np.full(V, -0.5), torch.randn(V, generator=g, dtype=torch.float64).numpy()):
+        engine = _CategoricalEngine(z, torch.from_numpy(pi_t))
+        train.train_policy(engine, samples, list(adv), [torch.tensor(s.rollout_logprobs) for s in samples],
+                           cfg=cfg, reference=None, roles=ONE_PROCESS, num_groups=1)
+        weight = pi if behaviour == "sampled" else pi_t
+        want = -sum(weight[y] * adv[y] * (np.eye(V)[y] - pi) for y in range(V)) / V
+        np.testing.assert_allclose(engine.z.grad.numpy(), want, atol=1e-8, rtol=1e-6)  # datum inputs are fp32
+    const = -0.5 * ((pi_t - pi) if behaviour == "untempered" else np.zeros(V)) / V
+    engine = _CategoricalEngine(z, torch.from_numpy(pi_t))
+    train.train_policy(engine, samples, [-0.5] * V, [torch.tensor(s.rollout_logprobs) for s in samples], cfg=cfg,
+                       reference=None, roles=ONE_PROCESS, num_groups=1)
+    np.testing.assert_allclose(engine.z.grad.numpy(), -const, atol=1e-8)
+    if behaviour == "untempered":
+        assert np.abs(const).max() > 1e-4  # the bias is far above the fp32 noise
 
 
 # ------------------------------------------------------------------ sync

@@ -43,6 +43,10 @@ class Sample:
         response_ids: generated ids ``[R]`` (R >= 1), a matched stop token included.
         rollout_logprobs: ``[R]`` logprobs of ``response_ids`` under the rollout engine's
             *untempered* model distribution (natural log).
+        sampling_logprobs: ``[R]`` logprobs under the distribution the tokens were drawn from (the
+            tempered one, ``GenerateResult.logprobs``) where it differs from ``rollout_logprobs``
+            (``rollout.temperature`` != 1); None: the same. TIS divides by them with
+            ``algorithm.tis_behaviour=sampled``.
         truncated: generation stopped at ``max_new_tokens`` (finish reason ``"length"``).
         media: the prompt's media (``{modality: [item, ...]}``, :mod:`ferrule.media`) or None.
         loss_mask: ``[R]`` 0/1 per response token, or None (all 1). A multi-turn episode
@@ -61,6 +65,7 @@ class Sample:
     media: Any = field(default=None, compare=False)
     loss_mask: tuple[int, ...] | None = None
     routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    sampling_logprobs: tuple[float, ...] | None = None
 
     @property
     def mask(self) -> np.ndarray:
@@ -105,7 +110,8 @@ def _pad_response(values: Sequence[float] | np.ndarray | torch.Tensor, sample: S
 
 def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], advantages: Sequence[float],
                  behaviour_logprobs: Sequence[torch.Tensor], use_tis: bool,
-                 ref_logprobs: Sequence[torch.Tensor] | None = None, sequence_ratio: bool = False) -> list[Datum]:
+                 ref_logprobs: Sequence[torch.Tensor] | None = None, sequence_ratio: bool = False,
+                 tis_behaviour: str = "untempered") -> list[Datum]:
     """Engine data for one optimizer step (see the module docstring for each input).
 
     Args:
@@ -114,6 +120,8 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
         advantages: per sample scalar advantage.
         behaviour_logprobs: per sample ``[R]`` logprobs the PPO ratio divides by.
         use_tis: add ``rollout_logprobs`` (truncated importance sampling in ``ferrule.losses``).
+        tis_behaviour: ``algorithm.tis_behaviour``: ``"untempered"`` gives TIS the samples'
+            ``rollout_logprobs``; ``"sampled"`` their ``sampling_logprobs`` where they have them.
         ref_logprobs: per sample ``[R]`` reference-policy logprobs, or None.
         sequence_ratio: a sequence-level loss (``ferrule.losses.SEQUENCE_LEVEL``, ``gspo``): add
             ``sequence_ratio_mask`` (1 on the response tokens, which form the ratio) and leave out
@@ -143,7 +151,8 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
             if sequence_ratio:
                 inputs["sequence_ratio_mask"] = _pad_response(s.mask, s)
             if use_tis and not sequence_ratio:
-                inputs["rollout_logprobs"] = _pad_response(s.rollout_logprobs, s)
+                sampled = tis_behaviour == "sampled" and s.sampling_logprobs is not None
+                inputs["rollout_logprobs"] = _pad_response(s.sampling_logprobs if sampled else s.rollout_logprobs, s)
             if ref_logprobs is not None and not sequence_ratio:
                 inputs["ref_logprobs"] = _pad_response(ref_logprobs[i], s)
         except ValueError as exc:

@@ -158,6 +158,17 @@ class AlgorithmConfig:
     use_tis: bool = _f(True, "Truncated importance sampling against the rollout engine's logprobs "
                              "(train/rollout mismatch correction).")
     tis_cap: float = _f(2.0, "Upper clamp of exp(old_logprob - rollout_logprob) when use_tis.")
+    tis_behaviour: Literal["untempered", "sampled"] = _f(
+        "untempered", "The rollout logprob TIS divides by (use_tis). untempered (default): the rollout engine's "
+                      "temperature-1 logprobs, which correct only the rollout/train numerics. At rollout."
+                      "temperature != 1 the tokens come from the tempered policy pi_T while the loss trains pi, "
+                      "so the update is biased: per position its expectation carries a term A_bar * (pi_T - pi) "
+                      "(A_bar the token-weighted mean advantage), which flattens the policy when failing "
+                      "samples carry more tokens (entropy rises) and sharpens it when succeeding ones do. "
+                      "sampled: the logprobs of the distribution the tokens were drawn from (the tempered "
+                      "ones), so the weight pi / pi_T removes that term in expectation (exactly while no "
+                      "weight passes tis_cap). The same at temperature 1. Not the default until a GPU run "
+                      "shows its learning curves (issue 42's guess_number, docs/results.md).")
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the frozen reference policy; 0 loads no "
                              "reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = _f(

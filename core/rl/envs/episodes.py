@@ -71,6 +71,9 @@ class Episode:
         response_ids: ``[R]`` every id after the prompt (model and environment turns).
         loss_mask: ``[R]`` 1 on model tokens, 0 on environment tokens.
         rollout_logprobs: ``[R]`` the engine's logprobs on model tokens, 0.0 on environment tokens.
+        sampling_logprobs: ``[R]`` likewise, the logprobs of the distribution the tokens were drawn from
+            (the tempered one); ``tempered``: whether they differ from ``rollout_logprobs`` (the engine
+            returned raw logprobs: ``rollout.temperature`` != 1).
         messages: the conversation as messages (model turns decoded; for logging only).
         reward: sum of the step rewards (``failure_reward`` after an environment failure).
         turns / tool_calls / tool_errors: counts. turn_truncations: model turns that hit the
@@ -88,6 +91,8 @@ class Episode:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    tempered: bool = False
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     reward: float = 0.0
@@ -265,6 +270,8 @@ class EpisodeRunner:
             room = self.limits.max_episode_tokens - len(e.response_ids)
             cut = len(ids) > room
             ids, lps = ids[:room], lps[:room]
+            e.tempered |= r.raw_logprobs is not None
+            e.sampling_logprobs += [float(x) for x in list(r.logprobs)[:room]]
             e.response_ids += ids
             e.loss_mask += [1] * len(ids)
             e.rollout_logprobs += [float(x) for x in lps]
@@ -286,6 +293,7 @@ class EpisodeRunner:
                 e.response_ids.append(self.end_id)
                 e.loss_mask.append(0)
                 e.rollout_logprobs.append(0.0)
+                e.sampling_logprobs.append(0.0)
 
     def _env_steps(self, live: list[Episode]) -> None:
         calls = [(self.env.step, (e.state, e._turn), self._what(e, f"step {e.turns}"))  # type: ignore[attr-defined]
@@ -319,6 +327,7 @@ class EpisodeRunner:
             e.response_ids += delta
             e.loss_mask += [0] * len(delta)
             e.rollout_logprobs += [0.0] * len(delta)
+            e.sampling_logprobs += [0.0] * len(delta)
             if e.turns >= self.limits.max_turns:
                 e.truncated, e.done = "turns", True
 

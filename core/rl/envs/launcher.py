@@ -195,7 +195,8 @@ class AgentRollout:
             if e.response_ids:
                 samples.append(Sample(group=e.group, prompt_ids=tuple(e.prompt_ids), response_ids=tuple(e.response_ids),
                                       rollout_logprobs=tuple(e.rollout_logprobs), truncated=bool(e.truncated),
-                                      loss_mask=tuple(e.loss_mask)))
+                                      loss_mask=tuple(e.loss_mask),
+                                      sampling_logprobs=tuple(e.sampling_logprobs) if e.tempered else None))
             else:  # the environment failed before the model's first turn: one masked token, nothing to train
                 samples.append(Sample(group=e.group, prompt_ids=tuple(e.prompt_ids) or (end,), response_ids=(end,),
                                       rollout_logprobs=(0.0,), truncated=False, loss_mask=(0,)))

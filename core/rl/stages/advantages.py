@@ -28,14 +28,16 @@ __all__ = ["Advantages", "build_samples", "group_advantages", "overlong_penalty"
 def build_samples(prompt_ids: Sequence[tuple[int, ...]], results: Sequence[GenerateResult],
                   media: Sequence[dict | None]) -> list[Sample]:
     """One :class:`~ferrule.rl.batch.Sample` per rollout result; its behaviour logprobs are the
-    engine's raw (temperature-1) logprobs when it returned them, else its sampling logprobs; the routed
-    experts travel along (routing replay)."""
+    engine's raw (temperature-1) logprobs when it returned them, else its sampling logprobs (and then,
+    as ``sampling_logprobs``, the tempered ones it sampled from); the routed experts travel along
+    (routing replay)."""
     from ferrule.rl.batch import Sample
 
     return [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
                    rollout_logprobs=r.raw_logprobs if r.raw_logprobs is not None else r.logprobs,
                    truncated=r.finish_reason == "length", media=media[r.prompt_index],
-                   routed_experts=r.routed_experts)
+                   routed_experts=r.routed_experts,
+                   sampling_logprobs=tuple(r.logprobs) if r.raw_logprobs is not None else None)
             for r in results]
 
 

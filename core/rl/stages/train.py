@@ -113,7 +113,7 @@ def train_policy(engine: PolicyTrainer, samples: Sequence[Sample], advantages: S
         datums = build_datums([samples[i] for i in idx], weights=w, advantages=[advantages[i] for i in idx],
                               behaviour_logprobs=[behaviour[i] for i in idx], use_tis=a.use_tis,
                               ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
-                              sequence_ratio=loss_name in SEQUENCE_LEVEL)
+                              sequence_ratio=loss_name in SEQUENCE_LEVEL, tis_behaviour=a.tis_behaviour)
         out = engine.forward_backward(datums, loss_name, loss_cfg)
         sums.append({key: v for key, v in out.metrics.items() if key.endswith(":sum")})
         for j, i in enumerate(idx):
