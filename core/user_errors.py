@@ -37,6 +37,7 @@ USER_ERRORS: tuple[str, ...] = (
     "ferrule.fs.util:DiskFullError",                        # a save that does not fit: the folder and sizes
     "ferrule.formats.safetensors_io:CheckpointError",              # missing / truncated / refused checkpoint files
     "ferrule.rl.rewards:RewardError",                     # a reward function refused at set-up (raises on a reference answer)
+    "ferrule.rl.envs.base:EnvironmentFailedError",        # every episode of agent.max_failed_steps steps failed
     "ferrule.rl.metrics:RunLogError",                     # a damaged metrics.jsonl / samples.jsonl line
     "ferrule.fs.locks:LockedError",                          # a run folder / output another process holds
     "ferrule.converters.checkpoint:ConversionError",

@@ -450,8 +450,9 @@ def test_an_observation_or_reply_that_does_not_fit_the_model_fails_or_ends_its_e
                            max_prompt_tokens=prompt_cap, max_context=context)
     rollout = AgentRollout.__new__(AgentRollout)  # the launcher's sample building, without a model or config file
     rollout.cfg = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=1), train=SimpleNamespace(seed=0),
-                                  logging=SimpleNamespace(log_samples=0))
-    rollout.runner = runner
+                                  logging=SimpleNamespace(log_samples=0),
+                                  agent=SimpleNamespace(environment="verbose", max_failed_steps=3))
+    rollout.runner, rollout.failed_steps = runner, []
     prompts = [SimpleNamespace(index=i, entry={"secret": 11, "pad": pad}, id=f"v:{i}")
                for i, pad in enumerate((800, 260, 10))]
     lines = []

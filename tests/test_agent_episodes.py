@@ -309,6 +309,52 @@ def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir
     assert logged and all(x["messages"][-1]["role"] in ("assistant", "user", "tool") for x in logged)
 
 
+@pytest.mark.timeout(240)
+def test_a_run_whose_every_episode_fails_stops_after_agent_max_failed_steps(hf_dir, tmp_path, monkeypatch):
+    """An environment whose every step raises: each step logs its episodes' errors, and after
+    agent.max_failed_steps such steps in a row ``ferrule train`` stops with one error line naming the
+    environment, the steps, the limit and the last failure (exit code 2, no traceback), before the
+    failing step trains; the steps before it are in metrics.jsonl. 0 never stops."""
+    from inproc import run_ferrule
+
+    from ferrule.rl.envs import launcher
+    from ferrule.rl.envs.builtin import GuessNumber
+
+    class ScorerDown(GuessNumber):
+        def step(self, state, turn):
+            raise RuntimeError("scorer down")
+
+    real = launcher.build_environment
+
+    def build(name, kwargs, size, seed):
+        _, items = real(name, kwargs, size, seed)
+        return ScorerDown(**kwargs), items
+
+    monkeypatch.setattr(launcher, "build_environment", build)
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "smollm2_guess_number.yaml"
+    common = [f"model.hf_dir={hf_dir}", "train.steps=4", "train.prompts_per_step=1", "rollout.n_samples_per_prompt=2",
+              "rollout.max_new_tokens=4", "agent.max_turns=2", "logging.plot_at_end=false", "logging.progress=false",
+              "checkpoint.enabled=false", "data.max_prompt_tokens=1536"]
+    out = run_ferrule(["train", config, *common, f"logging.run_dir={tmp_path / 'a'}", "agent.max_failed_steps=2"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: agent.environment 'guess_number': every episode of steps 1-2 ended by an "
+                           "environment error (agent.max_failed_steps = 2); the last: environment 'guess_number' "
+                           "step 1 of item "), last
+    assert "raised RuntimeError: scorer down. Fix the environment and resume" in last
+    assert [e["step"] for e in _read(tmp_path / "a" / "metrics.jsonl")] == [1]  # step 2 did not train
+    never = run_ferrule(["train", config, *common, f"logging.run_dir={tmp_path / 'b'}", "agent.max_failed_steps=0",
+                         "train.steps=3"])
+    assert never.returncode == 0, never.stderr[-2000:]
+    assert [e["agent/env_errors"] for e in _read(tmp_path / "b" / "metrics.jsonl")] == [2.0] * 3
+
+
+def _read(path):
+    from ferrule.rl.metrics import read_metrics
+
+    return read_metrics(path)
+
+
 TIMING = __import__("re").compile(r"^(time.*|.*_per_s|.*time_s|memory_.*|mfu)$")  # wall-clock, memory: vary run to run
 
 

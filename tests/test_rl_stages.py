@@ -478,3 +478,21 @@ def test_dynamic_sampling_fills_a_short_step_with_dropped_groups_at_the_round_bo
     m = batch.selection
     assert [p.index for p in batch.prompts] == [1, 2, 0]  # the flat group 0 fills the third place
     assert m["dynamic_sampling_filled_groups"] == 1 and m["dynamic_sampling_rounds"] == 1
+
+
+def test_a_user_error_in_the_rollout_thread_reaches_the_trainer_as_itself():
+    """train.schedule=one_step_off / async: what the rollout thread raises is raised at the trainer's
+    next step; a user error (one line, exit code 2 in the CLI) stays that error, anything else is wrapped
+    as 'the rollout thread failed before step N' with the cause chained."""
+    from ferrule.rl.envs.base import EnvironmentFailedError
+    from ferrule.rl.schedules import AsyncSchedule
+
+    for exc, wrapped in ((EnvironmentFailedError("every episode failed"), False), (KeyError("bug"), True)):
+        def produce(step, exc=exc):
+            raise exc
+
+        trainer = SimpleNamespace(produce=produce, on_sync=None, before_sync=None)
+        with AsyncSchedule(trainer, start=0, last=3, bound=1) as schedule:
+            with pytest.raises(BaseException) as err:
+                schedule._take(1)
+        assert (err.type is RuntimeError and err.value.__cause__ is exc) if wrapped else err.value is exc

@@ -141,6 +141,8 @@ def _agent_problems(cfg: RLConfig) -> list[str]:
     for key in ("max_turns", "max_episode_tokens", "max_hung_env_calls"):
         if getattr(ag, key) < 1:
             p.append(f"agent.{key}: must be >= 1, got {getattr(ag, key)}")
+    if ag.max_failed_steps < 0:
+        p.append(f"agent.max_failed_steps: must be >= 0 (0: never stop), got {ag.max_failed_steps}")
     if not ag.step_timeout_s > 0:
         p.append(f"agent.step_timeout_s: must be > 0 seconds, got {ag.step_timeout_s}")
     return p

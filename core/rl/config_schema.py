@@ -322,6 +322,10 @@ class AgentConfig:
                                      "episode whose call raises, hangs or returns a malformed result ends with "
                                      "failure_reward and its error is reported.", "s")
     failure_reward: float = _f(0.0, "Reward of an episode whose environment failed.", "reward")
+    max_failed_steps: int = _f(3, "Consecutive steps in which every episode ended by an environment error before "
+                                  "the run stops with an error naming the environment and the last failure (its "
+                                  "last checkpoint stays: fix the environment and resume); such steps carry no "
+                                  "learning signal. 0: never stop.", "steps")
     max_hung_env_calls: int = _f(64, "Environment calls that timed out and still run in the background (Python "
                                      "cannot stop a thread) allowed at once; at this many, further reset / step "
                                      "calls are not started and their episodes fail with an error naming this "

@@ -125,6 +125,10 @@ class AsyncSchedule:
         with self._cond:
             self._cond.wait_for(lambda: step in self._ready or self._error is not None)
             if step not in self._ready:
+                from ferrule.user_errors import user_error_message
+
+                if user_error_message(self._error) is not None:  # a user's mistake stays one line, as in sync runs
+                    raise self._error
                 raise RuntimeError(f"the rollout thread failed before step {step}") from self._error
             return self._ready.pop(step)
 

@@ -35,11 +35,18 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 from ferrule.chat.tool_calls import ParsedTurn
 
 __all__ = ["Observation", "StepResult", "ModelTurn", "Environment", "EnvironmentContractError",
-           "check_observation", "check_step_result"]
+           "EnvironmentFailedError", "check_observation", "check_step_result"]
 
 
 class EnvironmentContractError(ValueError):
     """An environment returned something the contract does not allow (the message names what)."""
+
+
+class EnvironmentFailedError(RuntimeError):
+    """Every episode of ``agent.max_failed_steps`` consecutive steps ended by an environment error: the
+    run stops (a user error: ``ferrule train`` prints it on one line, exit code 2) instead of training
+    on batches that carry no signal. The message names the environment, the steps, the limit and the
+    last error; the run's last checkpoint stays, to resume from once the environment is fixed."""
 
 
 @dataclass

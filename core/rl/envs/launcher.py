@@ -160,6 +160,22 @@ class AgentRollout:
         self.env, items = build_environment(ag.environment, ag.environment_kwargs, cfg.data.size, cfg.data.seed)
         self.source = EnvironmentItems(ag.environment, items)
         self.runner = None
+        self.failed_steps: list[int] = []  # the latest consecutive steps whose every episode failed
+
+    def _check_failed_streak(self, step: int, eps: Sequence[Any], failed: Sequence[Any]) -> None:
+        """Count the steps in a row whose every episode failed; at ``agent.max_failed_steps`` of them raise
+        :class:`~ferrule.rl.envs.base.EnvironmentFailedError` (before the step trains)."""
+        from ferrule.rl.envs.base import EnvironmentFailedError
+
+        limit = self.cfg.agent.max_failed_steps
+        self.failed_steps = self.failed_steps + [step] if eps and len(failed) == len(eps) else []
+        if limit and len(self.failed_steps) >= limit:
+            steps = self.failed_steps
+            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            raise EnvironmentFailedError(
+                f"agent.environment {self.cfg.agent.environment!r}: every episode of {span} ended by an environment "
+                f"error (agent.max_failed_steps = {limit}); the last: {failed[-1].error}. Fix the environment and "
+                "resume the run (ferrule train ... --resume), or raise agent.max_failed_steps")
 
     def bind(self, family: str, template: Any, tokenizer: Any, stop_ids: Sequence[int]) -> None:
         """Make the episode runner once the template, tokenizer and stop ids exist (the driver's setup)."""
@@ -208,6 +224,7 @@ class AgentRollout:
             log(f"step {step}: {e.error}")  # names the environment, the call, the item and the episode
         if len(failed) > 3:
             log(f"step {step}: {len(failed)} episodes ended by environment errors (agent/env_errors)")
+        self._check_failed_streak(step, eps, failed)
         prompt_ids = [samples[g * n].prompt_ids for g in range(len(prompts))]
         logged = [{"step": step, "prompt_id": prompts[e.group].id, "sample": e.sample, "messages": e.messages,
                    "reward": e.reward, "turns": e.turns, "truncated": e.truncated, **({"error": e.error} if e.error else {})}
