@@ -443,12 +443,16 @@ def attended_length(need: int, bucket: int, max_len: int, dynamic: str, attn: st
     return use
 
 
-def _span(spans: dict[int, torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
-    """``[n]`` uint8 whose length is the attended length (decode_dynamic "marked": a symbolic dimension where an
-    int would be specialised; its values are never read), one per length in ``spans``."""
-    if n not in spans:
-        spans[n] = torch.empty(n, dtype=torch.uint8, device=device)
-    return spans[n]
+def _kv_len_arg(spans: dict[int, torch.Tensor], kv_len: int | None, dynamic: str, attn: str,
+                device: torch.device) -> int | torch.Tensor | None:
+    """The compiled step's ``kv_len`` argument: with decode_dynamic "marked" (and attention that slices the
+    cache) a ``[kv_len]`` uint8 tensor whose length is the attended length, a symbolic dimension where an int
+    would be specialised (its values are never read; one per length, kept in ``spans``); else ``kv_len``."""
+    if dynamic != "marked" or not isinstance(kv_len, int) or uses_triton(attn, device):
+        return kv_len
+    if kv_len not in spans:
+        spans[kv_len] = torch.empty(kv_len, dtype=torch.uint8, device=device)
+    return spans[kv_len]
 
 
 def _capture(fn: Any, args: tuple, pool: Any, dynamic: str, state: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -494,10 +498,10 @@ class FastContinuous:
     so it goes wherever the engine drops its decode states.
 
     Args:
-        state: the bucket's ``DecodeState``, after its first prefill (the cache exists).
-        layout: the call's :class:`FusedLayout` (``EmbeddedEngine._fast_layout``).
-        settings: the engine's ``RolloutEngineSettings`` (``kv_bucket``, ``attention``, ``decode_dynamic``,
-            ``compile_regions``). pool: the engine's CUDA graph pool (None off CUDA).
+        state: the bucket's ``DecodeState``, after its first prefill (the cache exists). Each call then
+            :meth:`bind` s its :class:`FusedLayout` (``EmbeddedEngine._fast_layout``), the engine's
+            ``RolloutEngineSettings`` (``kv_bucket``, ``attention``, ``decode_dynamic``, ``compile_regions``)
+            and CUDA graph pool (None off CUDA).
     """
 
     def __init__(self, state: Any):
@@ -536,11 +540,9 @@ class FastContinuous:
         key = (attn, kv_len, regions, dynamic)
         if key in self.graphs:
             return self.graphs[key]
-        c, dev = self.state.cache, self.ids.device
+        c = self.state.cache
         keys, values = [c.keys[i] for i in layout.layer_idx], [c.values[i] for i in layout.layer_idx]
-        span = kv_len
-        if dynamic == "marked" and isinstance(kv_len, int) and not uses_triton(attn, dev):
-            span = _span(self.spans, kv_len, dev)
+        span = _kv_len_arg(self.spans, kv_len, dynamic, attn, self.ids.device)
         args = (layout, layout.weights, keys, values, self.ids, self.pos, self.state.slots, self.state.allowed,
                 span, attn, None, regions)
         fn = _compiled("logits", dynamic)
@@ -602,15 +604,11 @@ class FastStatic:
         c = self.state.cache
         keys = [c.keys[i] for i in layout.layer_idx]
         values = [c.values[i] for i in layout.layer_idx]
-        if self.dynamic == "marked" and isinstance(kv_len, int) and not uses_triton(attn, self.ids.device):
-            kv_len = self._span(kv_len)
+        kv_len = _kv_len_arg(self.spans, kv_len, self.dynamic, attn, self.ids.device)
         return (layout, layout.weights, keys, values, self.ids, self.pos, self.slot, self.state.allowed,
                 self.prompt_len, self.p, self.col, self.temperature, self.noise, self.greedy, self.stop_t,
                 self.tokens_out, self.lp_out, self.raw_out, self.lengths, self.finished,
                 self.stopped, kv_len, attn, self.chunks, self.lora, self.regions)
-
-    def _span(self, n: int) -> torch.Tensor:
-        return _span(self.spans, n, self.ids.device)
 
     def _graph(self, layout: FusedLayout, pool: Any, kv_len: int | None = None,
                attn: str = "eager") -> torch.cuda.CUDAGraph:

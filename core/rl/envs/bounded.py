@@ -19,7 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["CallOutcome", "HungCalls", "call_bounded", "call_bounded_all"]
+__all__ = ["CallOutcome", "HungCalls", "call_bounded", "call_bounded_all", "one_line"]
+
+
+def one_line(exc: BaseException, *, with_type: bool = True) -> str:
+    """``"Type: message"`` (or the message alone) on one line, whitespace collapsed, cut at 300 characters."""
+    text = " ".join(str(exc).split())[:300]
+    return f"{type(exc).__name__}: {text}" if with_type else text
 
 
 @dataclass(frozen=True)
@@ -121,9 +127,9 @@ def call_bounded_all(calls: list[tuple[Callable[..., Any], tuple, str]], *, time
             exc = box["exc"]
             from ferrule.rl.envs.base import EnvironmentContractError
 
-            kind = ("returned a malformed result" if isinstance(exc, EnvironmentContractError)
-                    else f"raised {type(exc).__name__}")
-            out.append(CallOutcome(None, f"{what} {kind}: {' '.join(str(exc).split())[:300]}", dt))
+            contract = isinstance(exc, EnvironmentContractError)
+            kind = "returned a malformed result: " if contract else "raised "
+            out.append(CallOutcome(None, f"{what} {kind}{one_line(exc, with_type=not contract)}", dt))
         else:
             out.append(CallOutcome(box.get("value"), None, dt))
     return out

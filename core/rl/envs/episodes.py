@@ -113,6 +113,16 @@ class Episode:
         """The sequence so far: ``prompt_ids + response_ids``."""
         return tuple(self.prompt_ids) + tuple(self.response_ids)
 
+    def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None = None,
+               sampling_logprobs: Sequence[float] | None = None) -> None:
+        """Append ``ids`` to ``response_ids``: model tokens with their untempered and sampling logprobs
+        (mask 1), or, without logprobs, environment tokens (mask 0, logprobs 0.0)."""
+        n, model = len(ids), logprobs is not None
+        self.response_ids += ids
+        self.loss_mask += [int(model)] * n
+        self.rollout_logprobs += [float(x) for x in logprobs] if model else [0.0] * n
+        self.sampling_logprobs += [float(x) for x in sampling_logprobs] if model else [0.0] * n
+
 
 def episode_seed(seed: int, step: int, item_index: int, sample: int) -> int:
     """The seed ``reset`` gets: ``sha256("ferrule-episode:{seed}:{step}:{item}:{sample}")`` mod 2**31."""
@@ -271,10 +281,7 @@ class EpisodeRunner:
             cut = len(ids) > room
             ids, lps = ids[:room], lps[:room]
             e.tempered |= r.raw_logprobs is not None
-            e.sampling_logprobs += [float(x) for x in list(r.logprobs)[:room]]
-            e.response_ids += ids
-            e.loss_mask += [1] * len(ids)
-            e.rollout_logprobs += [float(x) for x in lps]
+            e.extend(ids, lps, list(r.logprobs)[:room])
             e.turns += 1
             ended = bool(ids) and ids[-1] in self.stop_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -290,10 +297,7 @@ class EpisodeRunner:
             e.tool_calls += len(e._turn.parsed.calls)  # type: ignore[attr-defined]
             e.tool_errors += len(e._turn.parsed.errors)  # type: ignore[attr-defined]
             if not ended and self.end_id is not None:  # the turn limit, a stop string or EOS ended it: close the turn
-                e.response_ids.append(self.end_id)
-                e.loss_mask.append(0)
-                e.rollout_logprobs.append(0.0)
-                e.sampling_logprobs.append(0.0)
+                e.extend([self.end_id])
 
     def _env_steps(self, live: list[Episode]) -> None:
         calls = [(self.env.step, (e.state, e._turn), self._what(e, f"step {e.turns}"))  # type: ignore[attr-defined]
@@ -324,10 +328,7 @@ class EpisodeRunner:
             if self.max_context is not None and len(e.prompt_ids) + len(e.response_ids) + len(delta) > self.max_context:
                 e.truncated, e.done = "context", True  # the reply would not fit the model: it is not appended
                 continue
-            e.response_ids += delta
-            e.loss_mask += [0] * len(delta)
-            e.rollout_logprobs += [0.0] * len(delta)
-            e.sampling_logprobs += [0.0] * len(delta)
+            e.extend(list(delta))
             if e.turns >= self.limits.max_turns:
                 e.truncated, e.done = "turns", True
 

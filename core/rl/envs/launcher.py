@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from ferrule.contract import registry
 from ferrule.contract.specs import resolve_ref
+from ferrule.rl.envs.bounded import one_line
 from ferrule.rl.envs.episodes import EpisodeLimits, EpisodeRunner, episode_metrics
 from ferrule.rl.tasks import Prompt
 
@@ -26,10 +27,6 @@ __all__ = ["EnvironmentItems", "AgentRollout", "AgentStep", "build_environment"]
 
 #: The methods every environment object has (:class:`ferrule.rl.envs.Environment`; ``end`` is optional).
 CONTRACT_METHODS = ("dataset", "reset", "step")
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def _accepted(factory: Any, kwargs: dict[str, Any]) -> str:
@@ -71,16 +68,16 @@ def build_environment(name: str, kwargs: dict[str, Any], size: int, seed: int) -
     try:
         factory = resolve_ref(spec.factory)
     except Exception as exc:  # noqa: BLE001 -- an import of the package's module: anything can fail there
-        raise ConfigError([f"agent.environment: {where} does not import: {_one_line(exc)}; fix the "
+        raise ConfigError([f"agent.environment: {where} does not import: {one_line(exc)}; fix the "
                            "EnvironmentSpec's factory in that package, or reinstall it"]) from None
     try:
         env = factory(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError([f"agent.environment_kwargs: environment {name!r} refused {kwargs}: "
-                           f"{' '.join(str(exc).split())[:300]}{_accepted(factory, kwargs)}"]) from None
+                           f"{one_line(exc, with_type=False)}{_accepted(factory, kwargs)}"]) from None
     except Exception as exc:  # noqa: BLE001 -- the package's constructor failed: one line, not a traceback
         raise ConfigError([f"agent.environment: {where} failed to start: {spec.factory}(**{kwargs}) raised "
-                           f"{_one_line(exc)}"]) from None
+                           f"{one_line(exc)}"]) from None
     missing = [m for m in CONTRACT_METHODS if not callable(getattr(env, m, None))]
     if missing:
         raise ConfigError([f"agent.environment: {where} returned a {type(env).__name__} object without "
@@ -90,7 +87,7 @@ def build_environment(name: str, kwargs: dict[str, Any], size: int, seed: int) -
     try:
         items = env.dataset(size, seed)
     except Exception as exc:  # noqa: BLE001 -- the package's dataset failed: one line, not a traceback
-        raise ConfigError([f"agent.environment: {where} {call} raised {_one_line(exc)}"]) from None
+        raise ConfigError([f"agent.environment: {where} {call} raised {one_line(exc)}"]) from None
     try:
         items = list(items)
     except TypeError:
