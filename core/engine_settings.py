@@ -194,10 +194,11 @@ class RolloutEngineSettings(EngineSettingsBase):
                                      "region reuse on CPU) and without Triton attention. Measured on CPU (inductor, "
                                      "cold cache, 24 narrow Qwen2 layers, bench/bench_compile_regions.py, "
                                      "2026-12-06): first call 83 s vs 238 s wall, 95 s vs 149 s CPU for the whole "
-                                     "process, tokens equal and logprobs within 1e-6 of the plain path. Off by "
-                                     "default: the fast step runs only on CUDA, and this path has not run there yet "
-                                     "(its CUDA exactness test, compile time and steady rate; torch 2.11 traces "
-                                     "regions differently from the 2.13 measured); false: the whole step unrolled.")
+                                     "process, tokens equal and logprobs within 1e-6 of the plain path. On an H100 "
+                                     "(torch 2.11, 2026-12-07) its CUDA exactness test passed, but the cold first "
+                                     "call (256 x 256) took 126.9 s against 86.6 s for the whole step in an earlier "
+                                     "run (docs/benchmarks.md; no same-run comparison yet): exact, not shown faster "
+                                     "on a GPU, so off by default; false: the whole step unrolled.")
     lora_merged: bool = _f(True, "A served LoRA adapter is merged into a copy of the weights it targets once per "
                                  "version and the prefill runs on it too (false: merged every call, prefill through "
                                  "PEFT's unmerged layers). Verified on an H200, 2026-12-02.")
@@ -207,8 +208,8 @@ class RolloutEngineSettings(EngineSettingsBase):
                                   "Greedy tokens equal the per-row prefill's, logprobs within 1e-5 (CPU, fp32, "
                                   "tests/test_rollout_embedded.py). On an H100 (bench_targets, 2026-12-06) the seeded "
                                   "RL-shaped load's 512 rows came out with the per-row prefill's mean length "
-                                  "(254.7 tokens) at 51.9k vs 46.2k real tok/s; its CUDA exactness test has not "
-                                  "run on a GPU yet.")
+                                  "(254.7 tokens) at 51.9k vs 46.2k real tok/s; its CUDA test passed on an H100 "
+                                  "(2026-12-07).")
     max_lora_adapters: int = _f(16, "LoRA adapters held at once for batched multi-adapter decode (EmbeddedEngine."
                                     "add_lora_adapter, ferrule serve's sampler): one more is refused naming this "
                                     "setting (ferrule serve evicts the least recently used instead). Each held "
@@ -227,9 +228,10 @@ class RolloutEngineSettings(EngineSettingsBase):
                                       "length) where fast_decode applies to the call, instead of transformers' "
                                       "forward (2.8x slower than the static fast path on an H100, docs/benchmarks.md); "
                                       "the sampler and refills stay as they are. Matches the plain continuous path "
-                                      "and an HF forward on CPU (tests/test_rollout_continuous.py). Off until its CUDA "
-                                      "exactness test and a bench run pass on a GPU (none was available on "
-                                      "2026-12-07).")
+                                      "and an HF forward on CPU, and an fp32 HF forward within 1e-4 on an H100 "
+                                      "(tests/test_rollout_continuous.py, 2026-12-07). Off until a GPU bench shows its "
+                                      "rate and its compile time (its step is a second compile beside the static "
+                                      "one; not measured yet).")
     pad_batches: Switch = _f("auto", "Pad a call's rows to the next batch_ladder rung (auto: with CUDA graphs; on CPU "
                                      "nothing is compiled, so rows are not padded).")
 
