@@ -520,6 +520,7 @@ def test_plot_comparison_draws_each_run_on_shared_panels(tmp_path):
             log.log(0, {"eval_accuracy": 0.25})
             for step, r in enumerate(rs, 1):
                 log.log(step, {"reward_mean": r, "accuracy": r / 2, "response_length_mean": 30 - step,
+                               **({"entropy": 0.5 * step} if name == "a" else {}),
                                "time_step_s": 1.0 + step, "memory_peak_bytes": 3 * 2**30 if name == "a" else 2**30})
         runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")
     fig = build_comparison_figure(runs, "t")
@@ -534,6 +535,8 @@ def test_plot_comparison_draws_each_run_on_shared_panels(tmp_path):
         mem = {l.get_label(): l.get_ydata() for l in axes["memory_peak_bytes"].lines}
         assert list(mem["a"]) == [3.0] * 12 and list(mem["b"]) == [1.0] * 12  # GiB
         assert axes["time_step_s"].get_yscale() == "log"
+        ent = {l.get_label(): list(l.get_ydata()) for l in axes["entropy"].lines}
+        assert ent == {"a": [0.5 * s for s in range(1, 13)]}  # raw values; run b logged none
         assert any(l.get_label() == "a: eval_accuracy" for l in axes["accuracy"].lines)
     finally:
         plt.close(fig)

@@ -17,7 +17,8 @@ that was never logged leaves its panel with a "not logged" note. ``null`` values
 logging time) are gaps.
 
 :func:`plot_comparison` draws several runs on shared axes (e.g. LoRA vs full-parameter):
-smoothed reward and accuracy with evaluation points, response length, step time and peak memory.
+smoothed reward and accuracy with evaluation points, the policy's entropy (a rising entropy is the
+first sign of a run coming apart), response length, step time and peak memory.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def build_figure(entries: list[dict[str, Any]], title: str) -> Any:
 COMPARE_PANELS = (
     ("reward_mean", "reward\n(5-step mean)", True, "eval_reward_mean"),
     ("accuracy", "accuracy\n(5-step mean)", True, "eval_accuracy"),
+    ("entropy", "policy entropy\n(nats/token)", False, None),
     ("response_length_mean", "response length\n(tokens)", False, None),
     ("time_step_s", "step time (s, log)", False, None),
     ("memory_peak_bytes", "peak memory\n(GiB)", False, None),
@@ -131,8 +133,10 @@ def build_comparison_figure(runs: dict[str, list[dict[str, Any]]], title: str) -
     """
     import matplotlib.pyplot as plt
 
+    import textwrap
+
     fig, axes = plt.subplots(len(COMPARE_PANELS), 1, figsize=(8, 2.6 * len(COMPARE_PANELS)), sharex=True)
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, 90))  # long run labels wrap instead of running off the figure
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, label, smooth, eval_key) in zip(axes, COMPARE_PANELS):
         drawn = False
