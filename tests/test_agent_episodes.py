@@ -241,8 +241,8 @@ def test_train_engine_logprobs_equal_rollout_logprobs_and_environment_tokens_get
 
 CONFIGS = [pytest.param("smollm2_tool_arithmetic.yaml", [], id="tool_arithmetic"),
            pytest.param("smollm2_guess_number.yaml", [], id="guess_number"),
-           # TIS against the tempered sampling distribution (the config samples at temperature 0.8)
-           pytest.param("smollm2_guess_number.yaml", ["algorithm.use_tis=true", "algorithm.tis_behaviour=sampled"],
+           # TIS against the tempered sampling distribution (the default tis_behaviour) at temperature 0.8
+           pytest.param("smollm2_guess_number.yaml", ["algorithm.use_tis=true", "rollout.temperature=0.8"],
                         id="guess_number_tis_sampled"),
            # a textarena game, unmodified, through the same launcher (the optional extra 'agents')
            pytest.param("smollm2_guess_number.yaml", ["agent.environment=textarena",
@@ -303,7 +303,7 @@ def test_example_configs_train_two_steps_on_the_tiny_model(config, extra, hf_dir
         assert 1.0 <= e["agent/turns"] <= 2.0 and e["agent/env_errors"] == 0
         assert e["agent/model_tokens"] > 0 and e["agent/env_tokens"] >= 0
         assert abs(e["train_rollout_logprob_abs_diff"]) < 1e-4
-        if "algorithm.tis_behaviour=sampled" in extra:  # weights pi / pi_T of tokens drawn at T=0.8, not ~1
+        if "rollout.temperature=0.8" in extra:  # weights pi / pi_T of tokens drawn at T=0.8, not ~1
             assert abs(e["tis_weight_mean"] - 1.0) > 1e-3
     logged = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert logged and all(x["messages"][-1]["role"] in ("assistant", "user", "tool") for x in logged)

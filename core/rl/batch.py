@@ -111,7 +111,7 @@ def _pad_response(values: Sequence[float] | np.ndarray | torch.Tensor, sample: S
 def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], advantages: Sequence[float],
                  behaviour_logprobs: Sequence[torch.Tensor], use_tis: bool,
                  ref_logprobs: Sequence[torch.Tensor] | None = None, sequence_ratio: bool = False,
-                 tis_behaviour: str = "untempered") -> list[Datum]:
+                 tis_behaviour: str = "sampled") -> list[Datum]:
     """Engine data for one optimizer step (see the module docstring for each input).
 
     Args:
@@ -120,8 +120,9 @@ def build_datums(samples: Sequence[Sample], *, weights: Sequence[np.ndarray], ad
         advantages: per sample scalar advantage.
         behaviour_logprobs: per sample ``[R]`` logprobs the PPO ratio divides by.
         use_tis: add ``rollout_logprobs`` (truncated importance sampling in ``ferrule.losses``).
-        tis_behaviour: ``algorithm.tis_behaviour``: ``"untempered"`` gives TIS the samples'
-            ``rollout_logprobs``; ``"sampled"`` their ``sampling_logprobs`` where they have them.
+        tis_behaviour: ``algorithm.tis_behaviour``: ``"sampled"`` (default) gives TIS the samples'
+            ``sampling_logprobs`` where they have them, else ``rollout_logprobs``; ``"untempered"``
+            always their ``rollout_logprobs``.
         ref_logprobs: per sample ``[R]`` reference-policy logprobs, or None.
         sequence_ratio: a sequence-level loss (``ferrule.losses.SEQUENCE_LEVEL``, ``gspo``): add
             ``sequence_ratio_mask`` (1 on the response tokens, which form the ratio) and leave out
