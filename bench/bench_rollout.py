@@ -234,12 +234,31 @@ def bench_rl_shaped(model, args) -> list[tuple[str, float, float, float]]:
     return out
 
 
+def compile_seconds() -> dict[str, float]:
+    """torch.compile's time so far per timed phase (``torch._dynamo.utils.compile_times``, summed over
+    compiles), seconds. The phases nest (``_compile.compile_inner`` contains tracing and the backend's
+    ``compile_fx_inner``, which contains inductor's code generation and its wait for the Triton compile
+    workers), so they are read side by side, not added."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {n: float(v) for n, v in zip(names, values)}
+
+
+def compile_profile(before: dict[str, float], after: dict[str, float], top: int = 8) -> list[tuple[str, float]]:
+    """The ``top`` phases by the seconds they grew between two :func:`compile_seconds` readings."""
+    grown = [(n, after[n] - before.get(n, 0.0)) for n in after]
+    return sorted([(n, round(d, 2)) for n, d in grown if d >= 0.005], key=lambda x: -x[1])[:top]
+
+
 def warmup_sequence(model, args) -> list[dict]:
     """Issue 40's warm-up rows: one engine with the product defaults (what ``ferrule train`` and
     ``ferrule serve`` build) meets, in turn, 256 x 256 (prompt ``--prompt-len``, EOS ignored), the RL-shaped
     load (``--rl-prompts`` x ``--rl-n``, prompts U[32, 256], a stop id every ``--rl-stop-every``, at most
     512 new tokens), then 64 x 128 (a new batch size). For each: the first call (compiles and graph
-    captures included), the steady rate of a second identical call, and ``EmbeddedEngine.info()``'s counts.
+    captures included), the steady rate of a second identical call, ``EmbeddedEngine.info()``'s counts and
+    where the first call's compile time went (``compile_phases_s``, :func:`compile_profile`: what the
+    warm-up profile is read from; first call minus ``_compile.compile_inner`` is mostly CUDA graph capture).
     Run twice in a row, the second process shows what the on-disk compile caches save."""
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
@@ -281,12 +300,15 @@ def warmup_sequence(model, args) -> list[dict]:
     rows, total_first = [], 0.0
     for label, reqs, params in shapes:
         times = []
+        before = compile_seconds()
         for _ in range(2):
             sync(args.device)
             t0 = time.perf_counter()
             res = engine.generate(reqs, params)
             sync(args.device)
             times.append(time.perf_counter() - t0)
+            if len(times) == 1:
+                phases = compile_profile(before, compile_seconds())
         produced = sum(len(r.token_ids) for r in res)
         info = engine.info()
         total_first += times[0]
@@ -294,7 +316,7 @@ def warmup_sequence(model, args) -> list[dict]:
                    steady_tok_s=round(produced / times[1], 1), mean_len=round(produced / len(res), 1),
                    warmup_s=round(times[0] - times[1], 2), decode_shapes=info["decode_shapes"],
                    graph_captures=info["graph_captures"], compiles=info["compiles"],
-                   distinct_shapes=info["distinct_shapes"])
+                   distinct_shapes=info["distinct_shapes"], compile_phases_s=dict(phases))
         rows.append(row)
         print(row, flush=True)
         if args.json_out:  # after every shape: a run cut off by a time limit keeps the shapes it finished
