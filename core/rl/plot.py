@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,6 @@ def build_comparison_figure(runs: dict[str, list[dict[str, Any]]], title: str) -
     is in GiB (2**30 bytes). A metric no run logged leaves its panel with a note.
     """
     import matplotlib.pyplot as plt
-
-    import textwrap
 
     fig, axes = plt.subplots(len(COMPARE_PANELS), 1, figsize=(8, 2.6 * len(COMPARE_PANELS)), sharex=True)
     fig.suptitle(textwrap.fill(title, 90))  # long run labels wrap instead of running off the figure
