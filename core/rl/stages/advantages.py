@@ -27,10 +27,10 @@ __all__ = ["Advantages", "build_samples", "group_advantages", "overlong_penalty"
 
 def build_samples(prompt_ids: Sequence[tuple[int, ...]], results: Sequence[GenerateResult],
                   media: Sequence[dict | None]) -> list[Sample]:
-    """One :class:`~ferrule.rl.batch.Sample` per rollout result; its behaviour logprobs are the
-    engine's raw (temperature-1) logprobs when it returned them, else its sampling logprobs (and then,
-    as ``sampling_logprobs``, the tempered ones it sampled from); the routed experts travel along
-    (routing replay)."""
+    """One :class:`~ferrule.rl.batch.Sample` per rollout result. Its ``rollout_logprobs`` are the engine's
+    raw (temperature-1) logprobs when it returned them (temperature != 1), and then its
+    ``sampling_logprobs`` are the tempered ones the tokens were drawn from; otherwise the engine's
+    logprobs are both (``sampling_logprobs`` None). The routed experts travel along (routing replay)."""
     from ferrule.rl.batch import Sample
 
     return [Sample(group=r.prompt_index, prompt_ids=prompt_ids[r.prompt_index], response_ids=r.token_ids,
