@@ -267,7 +267,8 @@ def warmup_sequence(model, args) -> list[dict]:
 
     t_build = time.perf_counter()
     chosen = {k: v for k, v in (("decode_dynamic", args.decode_dynamic),
-                                ("compile_regions", None if args.compile_regions is None else bool(args.compile_regions)))
+                                ("compile_regions", None if args.compile_regions is None else bool(args.compile_regions)),
+                                ("compile_step", None if args.compile_step is None else bool(args.compile_step)))
               if v is not None}
     settings = RolloutEngineSettings(**chosen)
     engine = EmbeddedEngine(model=model, settings=settings)
@@ -397,6 +398,9 @@ def main(argv=None) -> int:
                     help="--warmup-sequence: rollout_engine.decode_dynamic (default: the product default)")
     ap.add_argument("--compile-regions", type=int, choices=[0, 1], default=None,
                     help="--warmup-sequence: rollout_engine.compile_regions (default: the product default)")
+    ap.add_argument("--compile-step", type=int, choices=[0, 1], default=None,
+                    help="--warmup-sequence: rollout_engine.compile_step (0: the fast step uncompiled under its CUDA "
+                         "graphs; default: the product default)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     import torch._dynamo as dynamo

@@ -13,8 +13,9 @@ b. **steady 256 x 256** (prompt 32, EOS ignored): tok/s, ms per step (median of 
    average prompt + 128 slots per row) / the GPU's peak memory bandwidth (H100 SXM 3.35 TB/s, H200
    4.8 TB/s, H100 PCIe 2.0 TB/s, from the device name). Target >= 40%.
 c. **steady RL-shaped**: 64 prompts x 8 samples, prompts U[32, 256], <= 512 new, EOS on (a stop id every
-   300th id), static batch vs continuous batching (``max_batch`` 128, 256); real tok/s of a second call
-   (``bench_rollout.bench_rl_shaped``). Targets: static >= 100k real tok/s, continuous >= static.
+   300th id), static batch vs continuous batching (``max_batch`` 128, 256; each with
+   ``rollout_engine.continuous_fast`` off, the default, and on: ``--continuous-fast``); real tok/s of a
+   second call (``bench_rollout.bench_rl_shaped``). Targets: static >= 100k real tok/s, continuous >= static.
 d. **60 RL steps of that load** (rollout only, as the issue's row): warm-up + 59 x the steady RL-shaped
    call, where warm-up = the cold process's first calls of 256 x 256 and the RL-shaped load (a run's
    first rollout pays the compile, whichever shape it has); also with the second process's warm-up.
@@ -129,6 +130,8 @@ def section_a(args, res: dict) -> None:
             cmd += ["--warmup-div", "16", "--rl-prompts", "4", "--rl-n", "2"]
         if args.compile_regions is not None:
             cmd += ["--compile-regions", str(args.compile_regions)]
+        if args.compile_step is not None:
+            cmd += ["--compile-step", str(args.compile_step)]
         t0 = time.perf_counter()
         rc, text = _run(cmd, env, timeout)
         wall = time.perf_counter() - t0
@@ -169,8 +172,9 @@ def section_b(args, res: dict, model, keep: dict) -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
     from ferrule.engine_settings import RolloutEngineSettings
 
-    engine = EmbeddedEngine(model=model, settings=RolloutEngineSettings() if args.compile_regions is None else
-                            RolloutEngineSettings(compile_regions=bool(args.compile_regions)))
+    chosen = {k: bool(v) for k, v in (("compile_regions", args.compile_regions), ("compile_step", args.compile_step))
+              if v is not None}
+    engine = EmbeddedEngine(model=model, settings=RolloutEngineSettings(**chosen))
     t0 = time.perf_counter()
     engine.generate(reqs, params)
     sync(args.device)
@@ -205,7 +209,8 @@ def section_c(args, res: dict, model) -> None:
 
     prompts, n, new = args.rl
     ns = argparse.Namespace(rl_prompts=prompts, rl_n=n, rl_stop_every=300, new_tokens=new, rl_skip_plain=True,
-                            kv_buckets=None, attn=None, rl_max_batch=args.rl_max_batch)
+                            kv_buckets=None, attn=None, rl_max_batch=args.rl_max_batch,
+                            rl_continuous_fast=args.continuous_fast)
     rows = bench_rl_shaped(model, ns)
     res["c"] = {"shape": f"{prompts} prompts x {n}, prompts U[32, 256], <= {new} new, EOS on",
                 "modes": [{"mode": m, "real_tok_s": round(r, 1), "mean_len": round(ml, 1), "call_s": round(dt, 3)}
@@ -394,7 +399,10 @@ def table_rows(res: dict) -> list[tuple[str, str, str, str]]:
 
 
 def render(res: dict) -> str:
-    lines = [f"Device: {res['device']}; torch {res.get('torch')}; model {res['model']}; product defaults; "
+    chosen = res.get("settings") or {}
+    setting = "product defaults" + (" except " + ", ".join(f"rollout_engine.{k}={v}" for k, v in chosen.items())
+                                    if chosen else "")
+    lines = [f"Device: {res['device']}; torch {res.get('torch')}; model {res['model']}; {setting}; "
              f"sections run: {''.join(sorted(res.get('ran', [])))}.", "",
              "| row | target | measured | met / missed |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table_rows(res)]
@@ -446,6 +454,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="b: timed calls (median)")
     ap.add_argument("--compile-regions", type=int, choices=[0, 1], default=None,
                     help="a, b: rollout_engine.compile_regions (default: the product default)")
+    ap.add_argument("--compile-step", type=int, choices=[0, 1], default=None,
+                    help="a, b: rollout_engine.compile_step (0: the fast step uncompiled under its CUDA graphs; default: the "
+                         "product default)")
+    ap.add_argument("--continuous-fast", type=int, nargs="+", choices=[0, 1], default=[0, 1],
+                    help="c: time the continuous modes with rollout_engine.continuous_fast at each value (default "
+                         "both: 0 is the product default, 1 the per-row-slot fast step)")
     ap.add_argument("--kernels", type=int, default=15, help="g: kernels in the table")
     ap.add_argument("--train-iters", type=int, default=3)
     ap.add_argument("--sync-iters", type=int, default=10)
@@ -479,6 +493,10 @@ def main(argv=None) -> int:
         if old.get("device") == device and old.get("model") == args.model:
             res = old
     res.update(device=device, model=args.model, torch=torch.__version__)
+    chosen = {k: bool(v) for k, v in (("compile_regions", args.compile_regions), ("compile_step", args.compile_step))
+              if v is not None}
+    if chosen or "settings" not in res:
+        res["settings"] = chosen
     res.setdefault("ran", [])
 
     def save():
@@ -495,16 +513,22 @@ def main(argv=None) -> int:
 
         dynamo.config.recompile_limit = 64
         model = _rollout_model(args)
-        with torch.inference_mode():
-            if "b" in sections:
+        # b, then g (it profiles b's engine), then c: each saved as it ends, so a run cut off by a time limit
+        # keeps the sections it finished
+        if "b" in sections:
+            with torch.inference_mode():
                 section_b(args, res, model, keep)
-            if "c" in sections:
-                section_c(args, res, model)
+            res["ran"] = sorted(set(res["ran"]) | {"b"})
+            save()
         if "g" in sections:
             section_g(args, res, model, keep)
-        for s in in_proc:
-            res["ran"] = sorted(set(res["ran"]) | {s})
-        save()
+            res["ran"] = sorted(set(res["ran"]) | {"g"})
+            save()
+        if "c" in sections:
+            with torch.inference_mode():
+                section_c(args, res, model)
+            res["ran"] = sorted(set(res["ran"]) | {"c"})
+            save()
         if "engine" in keep:
             keep["engine"].shutdown()
         del model, keep

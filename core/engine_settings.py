@@ -199,6 +199,12 @@ class RolloutEngineSettings(EngineSettingsBase):
                                      "call (256 x 256) took 126.9 s against 86.6 s for the whole step in an earlier "
                                      "run (docs/benchmarks.md; no same-run comparison yet): exact, not shown faster "
                                      "on a GPU, so off by default; false: the whole step unrolled.")
+    compile_step: bool = _f(True, "The fast decode step (and continuous_fast's) through torch.compile (inductor "
+                                  "fuses norms, RoPE, softmax and the sampler's passes). false: the same step "
+                                  "uncompiled, captured as CUDA graphs all the same (as SGLang serves by default): "
+                                  "nothing compiles, so a first call costs the graph captures alone, and each step "
+                                  "runs the unfused kernels; same formulas, so logprobs equal the compiled step's up "
+                                  "to float rounding (CPU test: tests/test_rollout_fast_decode.py).")
     lora_merged: bool = _f(True, "A served LoRA adapter is merged into a copy of the weights it targets once per "
                                  "version and the prefill runs on it too (false: merged every call, prefill through "
                                  "PEFT's unmerged layers). Verified on an H200, 2026-12-02.")

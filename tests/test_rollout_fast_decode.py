@@ -116,13 +116,15 @@ def _fp32_logprobs(model32, prompt, tokens, temperature):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fast decode path)")
-@pytest.mark.parametrize("regions", [False, True], ids=["whole-step", "compile-regions"])
+@pytest.mark.parametrize("regions,compiled", [(False, True), (True, True), (False, False)],
+                         ids=["whole-step", "compile-regions", "uncompiled"])
 @torch.inference_mode()
-def test_fast_decode_matches_plain_path_on_cuda(monkeypatch, regions):
+def test_fast_decode_matches_plain_path_on_cuda(monkeypatch, regions, compiled):
     """bf16 on CUDA: the fast path's logprobs of its own tokens, against an fp32 HF forward over
     the same tokens, are at most 2x the plain path's bf16 error + 1e-3 (tests/test_gpu.py's
     criterion), and stop ids end rows exactly as the plain path's bookkeeping does; with the step
-    compiled whole and with each layer a nested compile region (``compile_regions``)."""
+    compiled whole, with each layer a nested compile region (``compile_regions``), and uncompiled
+    under its CUDA graphs (``compile_step`` false)."""
     import copy
 
     from ferrule.rollout import SamplingParams
@@ -136,7 +138,8 @@ def test_fast_decode_matches_plain_path_on_cuda(monkeypatch, regions):
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 17, 9, 23, 1, 12)]
     bucket = RolloutEngineSettings(kv_bucket=32)  # attended prefix 32, 64, then the whole cache
     fast = EmbeddedEngine(model=model, fast_decode=True,
-                          settings=RolloutEngineSettings(kv_bucket=32, compile_regions=regions))
+                          settings=RolloutEngineSettings(kv_bucket=32, compile_regions=regions,
+                                                         compile_step=compiled))
     plain = EmbeddedEngine(model=model, fast_decode=False, settings=bucket)
     assert fast.fast_decode and not plain.fast_decode
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
@@ -171,25 +174,20 @@ class _EagerReplay:
 
 
 def _eager_fast_path(monkeypatch):
-    """Run FastStatic on CPU: compiled functions -> the plain ones, the graph -> one call per replay.
-    Returns the engines' settings: several attended-prefix lengths per call (kv_bucket 4)."""
+    """Settings that run FastStatic uncompiled (``rollout_engine.compile_step`` false: the step functions
+    themselves; off CUDA each "graph" is one call per replay), with several attended-prefix lengths per call
+    (kv_bucket 4). ``monkeypatch`` is unused (kept for the callers' signature)."""
     from ferrule.engine_settings import RolloutEngineSettings
 
-    from ferrule.rollout import _fast_decode
-
-    monkeypatch.setattr(_fast_decode, "_compiled", lambda name, dynamic="auto": {"step": _fast_decode._step,
-                                                                  "first": _fast_decode._sample_record}[name])
-    monkeypatch.setattr(_fast_decode.FastStatic, "_graph",
-                        lambda self, layout, pool, kv_len=None, attn="eager": _EagerReplay(
-                            _fast_decode._step, self._args(layout, kv_len, attn)))
-    return RolloutEngineSettings(kv_bucket=4)
+    return RolloutEngineSettings(kv_bucket=4, compile_step=False)
 
 
 @torch.inference_mode()
 def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
-    """The fast loop (sample, record, stop ids, staging: FastStatic.run) run eagerly on CPU, with
-    the graph replaced by a call of the same step function, gives the plain loop's tokens, logprobs
-    and finish reasons for the same seed."""
+    """The fast loop (sample, record, stop ids, staging: FastStatic.run) run uncompiled on CPU
+    (``rollout_engine.compile_step`` false: on CUDA the same step captured as CUDA graphs without
+    torch.compile; here each replay calls it), gives the plain loop's tokens, logprobs and finish
+    reasons for the same seed, and compiles nothing (``EmbeddedEngine.info()["compiles"]``)."""
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
@@ -218,6 +216,8 @@ def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
             if x.raw_logprobs is not None:
                 torch.testing.assert_close(torch.tensor(y.raw_logprobs), torch.tensor(x.raw_logprobs), atol=1e-5, rtol=0)
     assert fast._fused is not None
+    assert any(s.fast is not None and s.fast.graphs for s in fast._states.values())  # the fast loop ran
+    assert fast.info()["compiles"] == 0
 
 
 @torch.inference_mode()
@@ -401,7 +401,7 @@ def test_serving_an_adapter_does_not_recompile_the_fast_step(monkeypatch):
 
     compiled = {}
 
-    def eager_compiled(name, dynamic="auto"):
+    def eager_compiled(name, dynamic="auto", compile=True):
         if name not in compiled:
             fn = {"step": _fast_decode._step, "first": _fast_decode._sample_record}[name]
             compiled[name] = torch.compile(fn, backend="eager", dynamic=False)

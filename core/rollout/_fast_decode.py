@@ -364,10 +364,14 @@ def compiles() -> int:
 BACKEND = "inductor"
 
 
-def _compiled(name: str, dynamic: str = "auto") -> Any:
+_RAW = {"step": _step, "step_kv": _step, "first": _sample_record, "logits": decode_logits}
+
+
+def _compiled(name: str, dynamic: str = "auto", compile: bool = True) -> Any:
     """The compiled fast-step function ``name`` ("step", "step_kv", "first"; "logits": :func:`decode_logits`
     alone, for :class:`FastContinuous`) for
-    ``RolloutEngineSettings.decode_dynamic`` ``dynamic``, one per process.
+    ``RolloutEngineSettings.decode_dynamic`` ``dynamic``, one per process; with ``compile`` false
+    (``rollout_engine.compile_step``) the function itself, uncompiled (CUDA graphs still capture it).
 
     "marked": a compile with the batch (dim 0) and length dimensions of the step's inputs
     symbolic from the first call (:func:`_mark_dynamic`; the weights static), the attended length
@@ -377,11 +381,11 @@ def _compiled(name: str, dynamic: str = "auto") -> Any:
     (``dynamic=None``): a static compile first, then one recompile per dimension that changes (a
     new rung cost 61.6 s of compiling on an H100, docs/benchmarks.md, issue 40).
     """
+    if not compile:
+        return _RAW[name]
     key = (name, dynamic)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile({"step": _step, "step_kv": _step, "first": _sample_record,
-                                        "logits": decode_logits}[name],
-                                       dynamic=True if dynamic == "all" else None, backend=BACKEND)
+        _COMPILED[key] = torch.compile(_RAW[name], dynamic=True if dynamic == "all" else None, backend=BACKEND)
     return _COMPILED[key]
 
 
@@ -536,8 +540,9 @@ class FastContinuous:
     def _graph(self, kv_len: int | None) -> Any:
         st, layout = self.settings, self.layout
         dynamic, attn = st.decode_dynamic, st.attention
-        regions = bool(st.compile_regions) and dynamic == "marked"  # as FastStatic.run decides
-        key = (attn, kv_len, regions, dynamic)
+        compile_ = bool(getattr(st, "compile_step", True))
+        regions = compile_ and bool(st.compile_regions) and dynamic == "marked"  # as FastStatic.run decides
+        key = (attn, kv_len, regions, dynamic, compile_)
         if key in self.graphs:
             return self.graphs[key]
         c = self.state.cache
@@ -545,7 +550,7 @@ class FastContinuous:
         span = _kv_len_arg(self.spans, kv_len, dynamic, attn, self.ids.device)
         args = (layout, layout.weights, keys, values, self.ids, self.pos, self.state.slots, self.state.allowed,
                 span, attn, None, regions)
-        fn = _compiled("logits", dynamic)
+        fn = _compiled("logits", dynamic, compile_)
         if dynamic == "marked":
             _mark_dynamic([self.ids, self.pos, self.state.slots, span if isinstance(span, torch.Tensor) else None],
                           [self.state.allowed], keys + values)
@@ -591,6 +596,7 @@ class FastStatic:
         self.dynamic = "auto"  # rollout_engine.decode_dynamic, set per run
         self.lora: tuple | None = None  # held adapters' (mask, factors) per row (ferrule.rollout._multi_lora), per run
         self.regions = False  # rollout_engine.compile_regions, set per run
+        self.compile = True  # rollout_engine.compile_step, set per run
         self.layout_key: tuple | None = None
 
     def _stop_buf(self, n: int) -> torch.Tensor:
@@ -616,13 +622,13 @@ class FastStatic:
             self.graphs.clear()
             self.layout_key = layout.key()
         # no sampling kind in the key: greedy / sampled / raw logprobs are runtime data of one graph
-        key = (self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None, self.regions)
+        key = (self.stop_t.numel(), attn, self.chunks, kv_len, self.lora is not None, self.regions, self.compile)
         if key in self.graphs:
             return self.graphs[key]
         args = self._args(layout, kv_len, attn)
         small = [t for t in args[4:] if isinstance(t, torch.Tensor) and t is not self.noise]  # what a step mutates
         saved = [t.clone() for t in small]
-        fn = _compiled("step" if kv_len is None else "step_kv", self.dynamic)
+        fn = _compiled("step" if kv_len is None else "step_kv", self.dynamic, self.compile)
         if self.dynamic == "marked":
             span = args[21] if isinstance(args[21], torch.Tensor) else None
             _mark_dynamic([self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished, self.stopped,
@@ -665,7 +671,8 @@ class FastStatic:
         # regions only where every batch and length dimension is marked symbolic before the compile: a size
         # specialised while dynamo traces the first layer's region broke its reuse for the next layers (torch 2.13,
         # KeyError in stamp_out_subgraph; seen on CPU with the caches left unmarked)
-        self.regions = bool(settings.compile_regions) and self.dynamic == "marked"
+        self.compile = bool(settings.compile_step)
+        self.regions = self.compile and bool(settings.compile_regions) and self.dynamic == "marked"
         self.stop_t = self._stop_buf(len(stop_ids))
         self.stop_t.fill_(-1)
         if stop_ids:
@@ -683,7 +690,7 @@ class FastStatic:
             _mark_dynamic([logits, self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished,
                            self.stopped, noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out], [])
         with _recompile_limit(self.dynamic):
-            _compiled("first", self.dynamic)(logits, self.prompt_len, self.p, self.col, self.temperature, noise,
+            _compiled("first", self.dynamic, self.compile)(logits, self.prompt_len, self.p, self.col, self.temperature, noise,
                                              self.greedy, self.stop_t, self.tokens_out, self.lp_out, self.raw_out,
                                              self.lengths, self.finished, self.stopped, self.ids, self.pos, self.slot,
                                              self.state.allowed, self.chunks)
