@@ -156,5 +156,11 @@ def sample_record(logits, prompt_len, p, col, temperature, noise, greedy, stop_t
     ids.copy_(tok)
     pos.copy_(prompt_len + col)
     slot.copy_((p + col).expand_as(slot))
-    allowed[torch.arange(allowed.shape[0], device=allowed.device), slot] = True
+    rows = torch.arange(allowed.shape[0], device=allowed.device)
+    if torch.compiler.is_compiling():
+        allowed[rows, slot] = True  # a constant in the compiled graph (this form is what the CUDA tests verified)
+    else:
+        # uncompiled under a CUDA graph capture (rollout_engine.compile_step false) `= True` is a copy from a CPU
+        # scalar tensor, which capture refuses (H100, 2026-12-07): the value made on the device instead
+        allowed.index_put_((rows, slot), torch.ones((), dtype=torch.bool, device=allowed.device))
     col.add_(1)
