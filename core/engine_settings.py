@@ -202,9 +202,13 @@ class RolloutEngineSettings(EngineSettingsBase):
     compile_step: bool = _f(True, "The fast decode step (and continuous_fast's) through torch.compile (inductor "
                                   "fuses norms, RoPE, softmax and the sampler's passes). false: the same step "
                                   "uncompiled, captured as CUDA graphs all the same (as SGLang serves by default): "
-                                  "nothing compiles, so a first call costs the graph captures alone, and each step "
-                                  "runs the unfused kernels; same formulas, so logprobs equal the compiled step's up "
-                                  "to float rounding (CPU test: tests/test_rollout_fast_decode.py).")
+                                  "nothing compiles, so a first call would cost the graph captures alone (the "
+                                  "compile is 84 of the 88 s of a cold first call on an H100, docs/benchmarks.md), "
+                                  "at the unfused kernels' step time. NOT verified on a GPU: its first run (H100, "
+                                  "2026-12-07) failed at the first capture (a copy from a CPU scalar, fixed since, "
+                                  "not re-run), so its speed is unmeasured and it stays off. Same formulas, so "
+                                  "logprobs equal the compiled step's up to float rounding (CPU test: "
+                                  "tests/test_rollout_fast_decode.py).")
     lora_merged: bool = _f(True, "A served LoRA adapter is merged into a copy of the weights it targets once per "
                                  "version and the prefill runs on it too (false: merged every call, prefill through "
                                  "PEFT's unmerged layers). Verified on an H200, 2026-12-02.")
@@ -227,17 +231,18 @@ class RolloutEngineSettings(EngineSettingsBase):
                                                        "size reuses a prepared decode state and its compiled step "
                                                        "instead of compiling; rows beyond the largest rung go "
                                                        "through continuous batching at that size.", "rows")
-    continuous_fast: bool = _f(False, "Continuous batching (max_batch, or more rows than the largest batch_ladder "
-                                      "rung) decodes each step through the fast path's decode forward (fused q/k/v "
-                                      "and gate/up weights, attention over the filled key prefix rounded up to "
-                                      "kv_bucket, one compiled step and one CUDA graph per bucket and attended "
-                                      "length) where fast_decode applies to the call, instead of transformers' "
-                                      "forward (2.8x slower than the static fast path on an H100, docs/benchmarks.md); "
-                                      "the sampler and refills stay as they are. Matches the plain continuous path "
-                                      "and an HF forward on CPU, and an fp32 HF forward within 1e-4 on an H100 "
-                                      "(tests/test_rollout_continuous.py, 2026-12-07). Off until a GPU bench shows its "
-                                      "rate and its compile time (its step is a second compile beside the static "
-                                      "one; not measured yet).")
+    continuous_fast: bool = _f(True, "Continuous batching (max_batch, or more rows than the largest batch_ladder "
+                                     "rung) decodes each step through the fast path's decode forward (fused q/k/v "
+                                     "and gate/up weights, attention over the filled key prefix rounded up to "
+                                     "kv_bucket, one compiled step and one CUDA graph per bucket and attended "
+                                     "length) where fast_decode applies to the call, instead of transformers' "
+                                     "forward; the sampler and refills stay as they are. Matches the plain "
+                                     "continuous path and an HF forward on CPU, and an fp32 HF forward within 1e-4 "
+                                     "on an H100 (tests/test_rollout_continuous.py, 2026-12-07). Measured on an "
+                                     "H100 (bench_targets, 2026-12-07, RL-shaped load): 23.1k vs 17.8k real tok/s at "
+                                     "max_batch 128, 29.1k vs 19.5k at 256 (1.3-1.5x; still 0.46-0.58x the static "
+                                     "batch's 49.7k); its first call 42.2 s vs 27.1 s cold (its own compile, once "
+                                     "per process: the next max_batch took 4.6 s). false: transformers' forward.")
     pad_batches: Switch = _f("auto", "Pad a call's rows to the next batch_ladder rung (auto: with CUDA graphs; on CPU "
                                      "nothing is compiled, so rows are not padded).")
 
