@@ -172,9 +172,7 @@ def section_b(args, res: dict, model, keep: dict) -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
     from ferrule.engine_settings import RolloutEngineSettings
 
-    chosen = {k: bool(v) for k, v in (("compile_regions", args.compile_regions), ("compile_step", args.compile_step))
-              if v is not None}
-    engine = EmbeddedEngine(model=model, settings=RolloutEngineSettings(**chosen))
+    engine = EmbeddedEngine(model=model, settings=RolloutEngineSettings(**args.chosen))
     t0 = time.perf_counter()
     engine.generate(reqs, params)
     sync(args.device)
@@ -493,10 +491,11 @@ def main(argv=None) -> int:
         if old.get("device") == device and old.get("model") == args.model:
             res = old
     res.update(device=device, model=args.model, torch=torch.__version__)
-    chosen = {k: bool(v) for k, v in (("compile_regions", args.compile_regions), ("compile_step", args.compile_step))
-              if v is not None}
-    if chosen or "settings" not in res:
-        res["settings"] = chosen
+    # the rollout settings given on the command line (sections a and b), named in the table's header
+    args.chosen = {k: bool(v) for k, v in (("compile_regions", args.compile_regions),
+                                           ("compile_step", args.compile_step)) if v is not None}
+    if args.chosen or "settings" not in res:
+        res["settings"] = args.chosen
     res.setdefault("ran", [])
 
     def save():

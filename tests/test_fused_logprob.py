@@ -201,7 +201,6 @@ def _lean_runs(hf, batch, cfg, results, enable_lean_activations):
         params = {p.untyped_storage().data_ptr() for p in e.model[0].parameters()}
         results[lean] = ([o["logprobs"] for o in out.loss_fn_outputs], _grads(e),
                          sum(n for k, n in saved.items() if k not in params))
-        del held
 
 
 def test_foreach_optimizer_helpers_match_megatron_fallbacks():

@@ -173,10 +173,10 @@ class _EagerReplay:
         self.fn(*self.args)
 
 
-def _eager_fast_path(monkeypatch):
+def _eager_fast_path():
     """Settings that run FastStatic uncompiled (``rollout_engine.compile_step`` false: the step functions
     themselves; off CUDA each "graph" is one call per replay), with several attended-prefix lengths per call
-    (kv_bucket 4). ``monkeypatch`` is unused (kept for the callers' signature)."""
+    (kv_bucket 4)."""
     from ferrule.engine_settings import RolloutEngineSettings
 
     return RolloutEngineSettings(kv_bucket=4, compile_step=False)
@@ -191,7 +191,7 @@ def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
     from ferrule.rollout import SamplingParams
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    settings = _eager_fast_path(monkeypatch)
+    settings = _eager_fast_path()
     model = _model("qwen2")
     plain = EmbeddedEngine(model=model, settings=settings)
     fast = EmbeddedEngine(model=model, settings=settings)
@@ -322,7 +322,7 @@ def test_merged_lora_decode_matches_hf_peft_across_updates(monkeypatch, mode):
 
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    settings = dataclasses.replace(_eager_fast_path(monkeypatch), lora_merged=mode == "1")
+    settings = dataclasses.replace(_eager_fast_path(), lora_merged=mode == "1")
     base = tiny_qwen3()
     engine = EmbeddedEngine(model=copy.deepcopy(base), settings=settings)
     engine.fast_decode = True
@@ -366,7 +366,7 @@ def test_merged_lora_keeps_untargeted_rows_of_a_fused_buffer_current(monkeypatch
 
     from ferrule.rollout.embedded import EmbeddedEngine
 
-    settings = dataclasses.replace(_eager_fast_path(monkeypatch), lora_merged=True)
+    settings = dataclasses.replace(_eager_fast_path(), lora_merged=True)
     base = tiny_qwen2()
     engine = EmbeddedEngine(model=copy.deepcopy(base), settings=settings)
     engine.fast_decode = True

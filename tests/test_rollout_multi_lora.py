@@ -115,7 +115,7 @@ def test_fast_decode_step_applies_each_rows_adapter(three_adapters, monkeypatch)
     from test_rollout_fast_decode import _eager_fast_path
 
     base, adapters = three_adapters
-    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=_eager_fast_path(monkeypatch))
+    engine = EmbeddedEngine(model=copy.deepcopy(base), settings=_eager_fast_path())
     engine.fast_decode = True
     engine._fuse_weights()
     for name, (tensors, cfg) in adapters.items():

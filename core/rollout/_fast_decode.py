@@ -367,6 +367,16 @@ BACKEND = "inductor"
 _RAW = {"step": _step, "step_kv": _step, "first": _sample_record, "logits": decode_logits}
 
 
+def step_modes(settings: Any) -> tuple[bool, bool]:
+    """``(compile, regions)`` of a fast step (static or continuous) for these ``RolloutEngineSettings``:
+    ``compile_step``, and ``compile_regions`` where it applies: a compiled step with ``decode_dynamic``
+    "marked", every batch and length dimension symbolic before the compile (a size specialised while dynamo
+    traced the first layer's region broke its reuse for the next layers: torch 2.13, KeyError in
+    stamp_out_subgraph, seen on CPU with the caches left unmarked)."""
+    compile_ = bool(settings.compile_step)
+    return compile_, compile_ and bool(settings.compile_regions) and settings.decode_dynamic == "marked"
+
+
 def _compiled(name: str, dynamic: str = "auto", compile: bool = True) -> Any:
     """The compiled fast-step function ``name`` ("step", "step_kv", "first"; "logits": :func:`decode_logits`
     alone, for :class:`FastContinuous`) for
@@ -540,8 +550,7 @@ class FastContinuous:
     def _graph(self, kv_len: int | None) -> Any:
         st, layout = self.settings, self.layout
         dynamic, attn = st.decode_dynamic, st.attention
-        compile_ = bool(getattr(st, "compile_step", True))
-        regions = compile_ and bool(st.compile_regions) and dynamic == "marked"  # as FastStatic.run decides
+        compile_, regions = step_modes(st)
         key = (attn, kv_len, regions, dynamic, compile_)
         if key in self.graphs:
             return self.graphs[key]
@@ -668,11 +677,7 @@ class FastStatic:
         self.temperature.fill_(1.0 if greedy else float(params.temperature))
         self.greedy.fill_(greedy)
         self.dynamic = settings.decode_dynamic
-        # regions only where every batch and length dimension is marked symbolic before the compile: a size
-        # specialised while dynamo traces the first layer's region broke its reuse for the next layers (torch 2.13,
-        # KeyError in stamp_out_subgraph; seen on CPU with the caches left unmarked)
-        self.compile = bool(settings.compile_step)
-        self.regions = self.compile and bool(settings.compile_regions) and self.dynamic == "marked"
+        self.compile, self.regions = step_modes(settings)
         self.stop_t = self._stop_buf(len(stop_ids))
         self.stop_t.fill_(-1)
         if stop_ids:
@@ -690,10 +695,10 @@ class FastStatic:
             _mark_dynamic([logits, self.ids, self.pos, self.slot, self.prompt_len, self.lengths, self.finished,
                            self.stopped, noise], [self.state.allowed, self.tokens_out, self.lp_out, self.raw_out], [])
         with _recompile_limit(self.dynamic):
-            _compiled("first", self.dynamic, self.compile)(logits, self.prompt_len, self.p, self.col, self.temperature, noise,
-                                             self.greedy, self.stop_t, self.tokens_out, self.lp_out, self.raw_out,
-                                             self.lengths, self.finished, self.stopped, self.ids, self.pos, self.slot,
-                                             self.state.allowed, self.chunks)
+            first = _compiled("first", self.dynamic, self.compile)
+            first(logits, self.prompt_len, self.p, self.col, self.temperature, noise, self.greedy, self.stop_t,
+                  self.tokens_out, self.lp_out, self.raw_out, self.lengths, self.finished, self.stopped, self.ids,
+                  self.pos, self.slot, self.state.allowed, self.chunks)
         # graphs are captured after the first sample staged step 1's input: their warm-up runs write
         # the cache only at slots the real steps write again before reading
         bucket, attn = int(settings.kv_bucket), settings.attention
