@@ -98,7 +98,7 @@ def test_defaults_are_on_where_verified_and_resolve_by_device():
     assert r.resolve("fast_decode", on_cuda=True) and r.attention == "fp32" and r.kv_bucket == 64  # triton: not verified
     assert r.continuous_fast is True  # CUDA exactness test green, 1.3-1.5x the transformers-forward path (H100)
     assert r.compile_regions is False  # exact on CUDA, not shown faster
-    assert r.compile_step is True  # uncompiled: not verified on a GPU
+    assert r.compile_step is True  # uncompiled: exact on CUDA, 0.45x the steady rate (pays for short runs only)
 
 
 def test_serve_engine_setting_flags_parse_typed_and_refuse_bad_items():
