@@ -260,6 +260,41 @@ def test_marked_dynamic_step_compiles_once_for_every_rung_cache_and_attended_len
 
 
 @torch.inference_mode()
+def test_a_second_model_of_other_shapes_gets_its_own_compiled_step_with_compile_regions(monkeypatch):
+    """Two models of different hidden sizes (so head dims, attention scalings and weight shapes) decoded in one
+    process through the marked-dynamic step with ``compile_regions`` (dynamo's eager backend on CPU): the
+    second compiles a step of its own and both give the plain eager path's greedy tokens and logprobs. Before,
+    dynamo's automatic dynamic shapes made the second compile's weight sizes and floats symbolic and it failed
+    (CPU: KeyError in dynamo; the H100's inductor: a symbolic float as a region operand)."""
+    import transformers
+
+    from ferrule.engine_settings import RolloutEngineSettings
+    from ferrule.rollout import SamplingParams, _fast_decode
+    from ferrule.rollout.embedded import EmbeddedEngine
+
+    monkeypatch.setattr(_fast_decode, "BACKEND", "eager")
+    monkeypatch.setattr(_fast_decode, "_COMPILED", {})
+    torch._dynamo.reset()
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    compiles = []
+    for hidden in (32, 64):
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            attn_implementation="sdpa", tie_word_embeddings=True, **dict(TINY, hidden_size=hidden))).eval()
+        fast = EmbeddedEngine(model=model, settings=RolloutEngineSettings(kv_bucket=4, decode_dynamic="marked",
+                                                                          compile_regions=True))
+        fast.fast_decode = True
+        fast._fuse_weights()
+        got = fast.generate([[3, 4, 5], [9]], params)
+        want = EmbeddedEngine(model=model).generate([[3, 4, 5], [9]], params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for x, y in zip(got, want):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        compiles.append(fast.info()["compiles"])
+    assert compiles[0] >= 1 and compiles[1] >= 1, compiles  # each model compiled its own step
+
+
+@torch.inference_mode()
 def test_greedy_sampled_and_raw_logprob_calls_share_one_compiled_step_and_graph(monkeypatch):
     """Issue 40: the sampling kind is runtime data of the fast step, so after a sampled call a greedy call and a
     call with raw logprobs of the same shape compile nothing (``EmbeddedEngine.info()["compiles"]``, dynamo's

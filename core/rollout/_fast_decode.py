@@ -338,7 +338,12 @@ def _recompile_limit(dynamic: str = "auto") -> Any:
     compiles (past the limit dynamo would silently run the step eagerly inside the graph); with
     ``decode_dynamic`` "marked" also without duck sizing (``use_duck_shape``), so that two marked
     dimensions equal at the first compile (a batch rung of 64 and an attended length of 64) get
-    their own symbols instead of one, which a later call with unequal values would fail."""
+    their own symbols instead of one, which a later call with unequal values would fail; and without
+    automatic dynamic shapes (``automatic_dynamic_shapes``): the marked dimensions are the only symbolic
+    ones, so a second model of other shapes in the process (another head dim, hidden size or RMSNorm
+    epsilon) gets a compile of its own instead of one where dynamo made the weights' sizes and the layer's
+    floats symbolic. With ``compile_regions`` that generalised compile failed (torch 2.13 on CPU:
+    KeyError in dynamo; torch 2.11 + inductor on an H100: a symbolic float as a region operand)."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     with cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)}):
@@ -347,7 +352,7 @@ def _recompile_limit(dynamic: str = "auto") -> Any:
             return
         import torch.fx.experimental._config as fx_cfg
 
-        with fx_cfg.patch(use_duck_shape=False):
+        with fx_cfg.patch(use_duck_shape=False), cfg.patch(automatic_dynamic_shapes=False):
             yield
 
 
