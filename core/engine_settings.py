@@ -170,7 +170,10 @@ class RolloutEngineSettings(EngineSettingsBase):
     attention: Literal["fp32", "eager", "triton", "triton_rope"] = _f(
         "fp32", "Decode attention of the fast path: fp32 (q @ k^T kept in fp32, as SDPA's kernels), eager "
                 "(transformers' eager formula, scores rounded to the model dtype), triton / triton_rope (one fused "
-                "Triton kernel; NOT verified: it failed to compile on the H200 on 2026-12-02, so not the default).")
+                "Triton kernel; exact on an H100 on 2026-12-07: its CUDA tests, fast decode against the plain path "
+                "and the kernel inside a compiled + CUDA-graphed step, pass since the kernel pads head dims below "
+                "16 and keeps its scaling fp32 (it failed to compile on the H200 on 2026-12-02 and on the H100 "
+                "before); not measured faster, so not the default).")
     sampler_chunks: int = _f(0, "The fast step's sampler reduces each row in this many vocabulary chunks, then over "
                                 "the chunks; 0: one pass per row (not measured faster, so off).", "chunks")
     decode_dynamic: Literal["all", "auto", "marked"] = _f(

@@ -22,7 +22,8 @@ boundary. ``exp`` is Triton's ``tl.exp``; inductor's softmax kernel may evaluate
 in the last bits.
 
 Work split: one program per (row, kv head, split); the ``rep`` query heads of a kv head are one
-``[REP_PAD, D]`` tile (``REP_PAD >= 16`` for ``tl.dot``; the padding rows are masked). Each
+``[REP_PAD, D_PAD]`` tile (``REP_PAD >= 16`` and ``D_PAD``, the head dim padded to a power of two,
+``>= 16`` for ``tl.dot``; the padding rows and columns are masked). Each
 program first sweeps the whole attended prefix for the softmax statistics, then multiplies ``p``
 with ``v`` over its own ``1 / splits`` of the prefix; with ``splits > 1`` the fp32 partial sums
 are added afterwards (one reduction kernel) and rounded once. The K/V cache is read in place
@@ -59,17 +60,21 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
                         sqb, sqh, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sab, sal,
                         sob, soh, sod, spb, sph,
                         kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, sknb, sknh, svnb, svnh, scb, ssb,
-                        REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                        SPLITS: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
+                        REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                        BLOCK: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # a python float argument is fp64 where inductor passes it (a symbolic float): keep the scores fp32
+    scaling = tl.cast(scaling, tl.float32)
     r = tl.arange(0, REP_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_PAD)  # head_dim padded to a power of two >= 16 (tl.arange, tl.dot's K); the pad is masked
+    dmask = d < D
     heads = kvh * REP + r
     rmask = r < REP
+    qmask = rmask[:, None] & dmask[None, :]
     q_rows = q_ptr + row * sqb + heads[:, None] * sqh
-    q = tl.load(q_rows + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+    q = tl.load(q_rows + d[None, :] * sqd, mask=qmask, other=0.0)
     k_base = k_ptr + row * skb + kvh * skh
     v_base = v_ptr + row * svb + kvh * svh
     a_base = a_ptr + row * sab
@@ -79,19 +84,19 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
         half: tl.constexpr = D // 2
         d_rot = (d + half) % D
         sign = tl.where(d < half, -1.0, 1.0)
-        c = tl.load(cos_ptr + row * scb + d).to(tl.float32)
-        sn = tl.load(sin_ptr + row * ssb + d).to(tl.float32)
-        q_rot = tl.load(q_rows + d_rot[None, :] * sqd, mask=rmask[:, None], other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + row * scb + d, mask=dmask, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + row * ssb + d, mask=dmask, other=0.0).to(tl.float32)
+        q_rot = tl.load(q_rows + d_rot[None, :] * sqd, mask=qmask, other=0.0).to(tl.float32)
         q = (q.to(tl.float32) * c[None, :] + sign[None, :] * q_rot * sn[None, :]).to(q_ptr.dtype.element_ty)
         kn_row = kn_ptr + row * sknb + kvh * sknh
-        k_new = (tl.load(kn_row + d).to(tl.float32) * c + sign * tl.load(kn_row + d_rot).to(tl.float32) * sn
-                 ).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(vn_ptr + row * svnb + kvh * svnh + d)
+        k_new = (tl.load(kn_row + d, mask=dmask, other=0.0).to(tl.float32) * c
+                 + sign * tl.load(kn_row + d_rot, mask=dmask, other=0.0).to(tl.float32) * sn).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + row * svnb + kvh * svnh + d, mask=dmask, other=0.0)
         slot = tl.load(slot_ptr + row)
         kv_len = tl.minimum(kv_len, slot + 1)  # nothing past this step's slot is visible
         if split == 0:
-            tl.store(k_base + slot * skl + d * skd, k_new)
-            tl.store(v_base + slot * svl + d * svd, v_new)
+            tl.store(k_base + slot * skl + d * skd, k_new, mask=dmask)
+            tl.store(v_base + slot * svl + d * svd, v_new, mask=dmask)
     neg = -3.4028234663852886e38  # torch.finfo(torch.float32).min, the masked_fill value
     m = tl.full([REP_PAD], neg, dtype=tl.float32)
     l = tl.zeros([REP_PAD], dtype=tl.float32)
@@ -100,7 +105,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
         n = start + tl.arange(0, BLOCK)
         valid = n < kv_len
         vis = tl.load(a_base + n * sal, mask=valid, other=0) != 0
-        k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
+        k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None] & dmask[None, :], other=0.0)
         if ROPE:  # this step's key, whether or not another program has written it yet
             k = tl.where((n == slot)[:, None], k_new[None, :], k)
         if IEEE:
@@ -115,13 +120,13 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
     chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK) * BLOCK
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
-    acc = tl.zeros([REP_PAD, D], dtype=tl.float32)
+    acc = tl.zeros([REP_PAD, D_PAD], dtype=tl.float32)
     for start in range(lo, hi, BLOCK):
         n = start + tl.arange(0, BLOCK)
         valid = n < hi
         vis = tl.load(a_base + n * sal, mask=valid, other=0) != 0
-        k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None], other=0.0)
-        v = tl.load(v_base + n[:, None] * svl + d[None, :] * svd, mask=valid[:, None], other=0.0)
+        k = tl.load(k_base + n[:, None] * skl + d[None, :] * skd, mask=valid[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_base + n[:, None] * svl + d[None, :] * svd, mask=valid[:, None] & dmask[None, :], other=0.0)
         if ROPE:
             k = tl.where((n == slot)[:, None], k_new[None, :], k)
             v = tl.where((n == slot)[:, None], v_new[None, :], v)
@@ -137,10 +142,10 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, a_ptr, o_ptr, part_ptr, kv_len, sca
             acc = tl.dot(p, v, acc)
     if SPLITS == 1:
         tl.store(o_ptr + row * sob + heads[:, None] * soh + d[None, :] * sod, acc.to(o_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+                 mask=qmask)
     else:
         tl.store(part_ptr + split * (spb * tl.num_programs(0)) + row * spb + heads[:, None] * sph + d[None, :],
-                 acc, mask=rmask[:, None])
+                 acc, mask=qmask)
 
 
 def splits_for(batch: int, kv_heads: int) -> int:
@@ -160,7 +165,7 @@ def _launch(q, k, v, allowed, kv_len, scaling, splits, rope):
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), allowed.stride(0), allowed.stride(1),
         out.stride(0), out.stride(1), out.stride(2), hq * d, d,
         kn, vn, cos, sin, slot, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
-        REP=hq // hkv, REP_PAD=max(16, triton.next_power_of_2(hq // hkv)), D=d, BLOCK=BLOCK_N, SPLITS=splits,
+        REP=hq // hkv, REP_PAD=max(16, triton.next_power_of_2(hq // hkv)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK=BLOCK_N, SPLITS=splits,
         IEEE=q.dtype == torch.float32, ROPE=rope is not None)
     if splits == 1:
         return out
