@@ -110,6 +110,15 @@ def _comparable(entries):
     return [{k: v for k, v in e.items() if k != "time" and not TIMING.match(k)} for e in entries]
 
 
+def _differences(a, b) -> list:
+    """``(step, key, a's value, b's value)`` of each comparable metric that differs (a failure's message: pytest's
+    own diff of two metric lists is cut before the differing keys)."""
+    out = [("steps", len(a), len(b))] if len(a) != len(b) else []
+    for x, y in zip(_comparable(a), _comparable(b)):
+        out += [(x.get("step"), k, x.get(k), y.get(k)) for k in sorted(x.keys() | y.keys()) if x.get(k) != y.get(k)]
+    return out
+
+
 @pytest.mark.timeout(240)
 def test_grpo_reward_rises_on_tiny_model(assets, config_file, tmp_path):
     from ferrule.rl.config import load_config
@@ -192,7 +201,7 @@ def test_resume_equals_uninterrupted_run(assets, config_file, plain_run, tmp_pat
     assert resumed.colocation is not None and resumed.engine.offloaded and resumed.rollout.asleep  # step ended
 
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
-    assert _comparable(a) == _comparable(b)  # bit-identical: rewards, losses, grad norms, logprob diffs
+    assert _comparable(a) == _comparable(b), _differences(a, b)  # bit-identical: rewards, losses, grad norms, ...
     assert all(e["time_offload_s"] > 0 and e["time_onload_s"] > 0 and e["time_sleep_s"] > 0 for e in b)
     assert all("memory_train_peak_bytes" in e and "memory_rollout_peak_bytes" in e for e in a + b)
     resumed.engine.onload()
