@@ -183,7 +183,7 @@ def _eager_fast_path():
 
 
 @torch.inference_mode()
-def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu(monkeypatch):
+def test_fast_loop_bookkeeping_matches_plain_loop_on_cpu():
     """The fast loop (sample, record, stop ids, staging: FastStatic.run) run uncompiled on CPU
     (``rollout_engine.compile_step`` false: on CUDA the same step captured as CUDA graphs without
     torch.compile; here each replay calls it), gives the plain loop's tokens, logprobs and finish
@@ -346,7 +346,7 @@ def _lora_logprob_error(engine, ref, params=None) -> float:
 
 
 @pytest.mark.parametrize("mode", ["1", "0"], ids=["merged-once+merged-prefill", "merge-every-call"])
-def test_merged_lora_decode_matches_hf_peft_across_updates(monkeypatch, mode):
+def test_merged_lora_decode_matches_hf_peft_across_updates(mode):
     """An adapter served on the fast path decodes on a merged copy (MergedLora): logprobs match
     HF + PEFT (unmerged) in fp32 on CPU, also after the adapter and a base weight are updated.
     With lora_merged true the prefill runs on the merged copy too (PEFT's LoRA layers are
@@ -392,7 +392,7 @@ def test_merged_lora_decode_matches_hf_peft_across_updates(monkeypatch, mode):
     assert merged.refreshes == (4 if mode == "1" else 5)
 
 
-def test_merged_lora_keeps_untargeted_rows_of_a_fused_buffer_current(monkeypatch):
+def test_merged_lora_keeps_untargeted_rows_of_a_fused_buffer_current():
     """Only q_proj / v_proj adapted: the merged q/k/v buffer's k rows are the base's, also after a
     base update of k_proj; unloading the adapter frees the merged copy and serves the base again."""
     import copy

@@ -153,6 +153,11 @@ def splits_for(batch: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (batch * kv_heads))))
 
 
+def _tile(n: int) -> int:
+    """A ``tl.dot`` operand's side for ``n`` rows or columns: the next power of two (``tl.arange``), at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def _launch(q, k, v, allowed, kv_len, scaling, splits, rope):
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -165,7 +170,7 @@ def _launch(q, k, v, allowed, kv_len, scaling, splits, rope):
         v.stride(0), v.stride(1), v.stride(2), v.stride(3), allowed.stride(0), allowed.stride(1),
         out.stride(0), out.stride(1), out.stride(2), hq * d, d,
         kn, vn, cos, sin, slot, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos.stride(0), sin.stride(0),
-        REP=hq // hkv, REP_PAD=max(16, triton.next_power_of_2(hq // hkv)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK=BLOCK_N, SPLITS=splits,
+        REP=hq // hkv, REP_PAD=_tile(hq // hkv), D=d, D_PAD=_tile(d), BLOCK=BLOCK_N, SPLITS=splits,
         IEEE=q.dtype == torch.float32, ROPE=rope is not None)
     if splits == 1:
         return out
